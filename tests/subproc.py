@@ -1,0 +1,73 @@
+"""Run TensorFlow code in a child process: one strategy per process, bounded by a timeout.
+
+TensorFlow allows one distribution strategy per process, and a hung collective must fail a
+test rather than hang it, so every test that needs a strategy or several workers goes
+through `run_python` / `run_module`, which kill the child's whole process group on timeout.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.pop("TF_CONFIG", None)
+    env.update(extra or {})
+    return env
+
+
+def run(cmd, timeout=240, env=None, cwd=None, check=True):
+    """Runs `cmd` in its own process group; kills the group on timeout.
+
+    Returns the CompletedProcess (stdout and stderr as text). With `check`, a non-zero exit
+    raises AssertionError carrying the tail of both streams.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(env), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {cmd}\n--- stdout\n{out[-3000:]}\n"
+                             f"--- stderr\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {cmd}\n--- stdout\n{out[-3000:]}\n"
+                             f"--- stderr\n{err[-5000:]}")
+    return result
+
+
+def run_python(code, timeout=240, env=None, check=True):
+    """Runs a dedented Python snippet in a fresh interpreter."""
+    return run([sys.executable, "-c", textwrap.dedent(code)], timeout=timeout, env=env,
+               check=check)
+
+
+def run_module(module, *args, timeout=240, env=None, check=True):
+    return run([sys.executable, "-m", module, *args], timeout=timeout, env=env, check=check)
+
+
+def last_json_line(text):
+    """The last line of `text` that parses as a JSON object (how child scripts report)."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")

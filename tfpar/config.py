@@ -1,0 +1,178 @@
+"""`ParallelConfig`: the one validated object every part of tfpar reads its settings from.
+
+Flags (`tfpar.flags`) and Python callers both produce a `ParallelConfig`; the strategy
+factory, the aggregators, the pipeline and the layout layer take it and never parse flags
+or re-derive degrees themselves.
+"""
+
+import dataclasses
+import re
+
+from tfpar.errors import ConfigError
+
+MODELS = ("mlp", "convnet", "transformer")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker")
+COLLECTIVES = ("auto", "ring", "nccl")
+PRECISIONS = ("none", "bf16", "fp16")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ON_NAN = ("stop", "skip_step")
+_DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Every setting of a tfpar run, validated on construction.
+
+    Args:
+        model: model from `models/` to train: one of `MODELS`.
+        dataset: `"auto"` for the model's built-in generated task, or `"module:function"`
+            naming a function `(input_context, config) -> tf.data.Dataset` of `(x, y)`
+            batches of `per_replica_batch` examples.
+        global_batch_size: examples per optimizer step over all replicas (before
+            gradient accumulation multiplies it).
+        steps: optimizer steps to train in total; `steps_per_epoch`: steps between
+            epoch ends (progress bar, validation, TensorBoard epoch scalars).
+        optimizer, learning_rate: the optimizer and its learning rate for
+            `base_batch_size` examples; with `scale_lr` the rate is multiplied by
+            effective batch / `base_batch_size` (the linear scaling rule) and ramped up
+            linearly over `warmup_steps`.
+        grad_accum_steps: micro-steps whose gradients are averaged into one update;
+            the effective batch is `global_batch_size * grad_accum_steps`.
+        mixed_precision: `"none"`, `"bf16"` or `"fp16"` (fp16 adds dynamic loss scaling).
+        seed: seeds weights, data and dropout so that runs repeat exactly.
+        strategy, collective, cpu_devices: see `tfpar.strategy`; `cpu_devices=N>0`
+            splits the CPU into N logical devices before TensorFlow initialises.
+        collective_timeout_s, heartbeat_timeout_s, startup_timeout_s: bounds after which
+            a stalled collective, a dead peer, or a peer that never starts becomes an error.
+        data_parallel, tensor_parallel, pipeline_stages, microbatches, schedule,
+            virtual_stages: parallel degrees; 0 for `data_parallel` means "all replicas".
+        compression and its parameters: the gradient aggregator (`tfpar.compression`).
+        checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
+            whole training state; a run with an existing checkpoint resumes from it.
+        tensorboard_dir, metrics_json: where to write TensorBoard logs and the metrics JSON.
+
+    Example:
+    >>> cfg = ParallelConfig(model="mlp", global_batch_size=64, grad_accum_steps=2)
+    >>> cfg.effective_batch_size
+    128
+    """
+
+    # What to train.
+    model: str = "mlp"
+    dataset: str = "auto"
+    global_batch_size: int = 64
+    steps: int = 200
+    steps_per_epoch: int = 50
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    scale_lr: bool = False
+    base_batch_size: int = 64
+    warmup_steps: int = 0
+    grad_accum_steps: int = 1
+    mixed_precision: str = "none"
+    seed: int = 0
+    on_nan: str = "stop"
+    # Where it runs.
+    strategy: str = "auto"
+    collective: str = "auto"
+    cpu_devices: int = 0
+    collective_timeout_s: float = 120.0
+    heartbeat_timeout_s: float = 30.0
+    startup_timeout_s: float = 120.0
+    # Parallel degrees.
+    data_parallel: int = 0
+    tensor_parallel: int = 1
+    pipeline_stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    # Gradient aggregation.
+    compression: str = "none"
+    topk_ratio: float = 0.01
+    threshold: float = 1e-3
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 0
+    error_feedback: bool = True
+    bucket_mb: float = 25.0
+    # Outputs.
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    tensorboard_dir: str = ""
+    metrics_json: str = ""
+    verbose: int = 1
+
+    def __post_init__(self):
+        _one_of("model", self.model, MODELS)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("collective", self.collective, COLLECTIVES)
+        _one_of("mixed_precision", self.mixed_precision, PRECISIONS)
+        _one_of("compression", self.compression, COMPRESSIONS)
+        _one_of("schedule", self.schedule, SCHEDULES)
+        _one_of("on_nan", self.on_nan, ON_NAN)
+        if not _DATASET_RE.match(self.dataset):
+            raise ConfigError("dataset", self.dataset, "use 'auto' or 'package.module:function'")
+        for name in ("global_batch_size", "steps", "steps_per_epoch", "base_batch_size",
+                     "grad_accum_steps", "tensor_parallel", "pipeline_stages",
+                     "microbatches", "virtual_stages", "powersgd_rank", "checkpoint_every",
+                     "keep_checkpoints"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("warmup_steps", "cpu_devices", "data_parallel", "powersgd_start_step",
+                     "seed", "verbose"):
+            _at_least(name, getattr(self, name), 0)
+        for name in ("learning_rate", "collective_timeout_s", "heartbeat_timeout_s",
+                     "startup_timeout_s", "bucket_mb"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(name, value, "must be a number > 0")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError("topk_ratio", self.topk_ratio, "must be in (0, 1], e.g. 0.01 for 1 %")
+        if not self.threshold > 0:
+            raise ConfigError("threshold", self.threshold, "must be > 0")
+        if self.schedule == "interleaved" and self.virtual_stages < 2 and self.pipeline_stages > 1:
+            raise ConfigError("virtual_stages", self.virtual_stages,
+                              "the interleaved schedule needs --virtual_stages >= 2")
+        if self.global_batch_size % self.microbatches:
+            raise ConfigError("microbatches", self.microbatches,
+                              f"must divide global_batch_size={self.global_batch_size}")
+
+    @property
+    def effective_batch_size(self):
+        """Examples behind one optimizer update: global batch × accumulation steps."""
+        return self.global_batch_size * self.grad_accum_steps
+
+    @property
+    def scaled_learning_rate(self):
+        """The peak learning rate after the linear scaling rule (if `scale_lr`)."""
+        if not self.scale_lr:
+            return self.learning_rate
+        return self.learning_rate * self.effective_batch_size / self.base_batch_size
+
+    def per_replica_batch(self, replicas):
+        """The batch each replica computes on; raises `ConfigError` if it does not split."""
+        if self.global_batch_size % replicas:
+            raise ConfigError(
+                "global_batch_size", self.global_batch_size,
+                f"must be divisible by the {replicas} replicas; try "
+                f"{max(replicas, self.global_batch_size // replicas * replicas)}")
+        return self.global_batch_size // replicas
+
+    def replace(self, **changes):
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def _one_of(name, value, allowed):
+    if value not in allowed:
+        raise ConfigError(name, value, f"choose one of {', '.join(allowed)}")
+
+
+def _at_least(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(name, value, f"must be an integer >= {low}")
