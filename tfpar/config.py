@@ -17,7 +17,7 @@ COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-ON_NAN = ("stop", "skip_step")
+ON_NAN = ("stop",)
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
@@ -26,10 +26,11 @@ class ParallelConfig:
     """Every setting of a tfpar run, validated on construction.
 
     Args:
-        model: model from `models/` to train: one of `MODELS`.
+        model: model from `models/` to train: one of `MODELS`; `model_width` and
+            `model_depth` override its default size (0 keeps the default).
         dataset: `"auto"` for the model's built-in generated task, or `"module:function"`
             naming a function `(input_context, config) -> tf.data.Dataset` of `(x, y)`
-            batches of `per_replica_batch` examples.
+            batches of `per_replica_batch` examples; `num_classes` must then be given.
         global_batch_size: examples per optimizer step over all replicas (before
             gradient accumulation multiplies it).
         steps: optimizer steps to train in total; `steps_per_epoch`: steps between
@@ -61,7 +62,10 @@ class ParallelConfig:
 
     # What to train.
     model: str = "mlp"
+    model_width: int = 0
+    model_depth: int = 0
     dataset: str = "auto"
+    num_classes: int = 0
     global_batch_size: int = 64
     steps: int = 200
     steps_per_epoch: int = 50
@@ -120,8 +124,8 @@ class ParallelConfig:
                      "microbatches", "virtual_stages", "powersgd_rank", "checkpoint_every",
                      "keep_checkpoints"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("warmup_steps", "cpu_devices", "data_parallel", "powersgd_start_step",
-                     "seed", "verbose"):
+        for name in ("model_width", "model_depth", "num_classes", "warmup_steps",
+                     "cpu_devices", "data_parallel", "powersgd_start_step", "seed", "verbose"):
             _at_least(name, getattr(self, name), 0)
         for name in ("learning_rate", "collective_timeout_s", "heartbeat_timeout_s",
                      "startup_timeout_s", "bucket_mb"):

@@ -1,0 +1,123 @@
+"""Checkpoints of the whole training state, and resume at the saved step.
+
+What is saved: model weights, optimizer state (slots, iterations, accumulators, loss
+scale, any aggregator state tracked by the optimizer) and the data position (batches
+consumed; the data is a function of it, see `tfpar.data`). `tf.train.CheckpointManager`
+writes the files first and the `checkpoint` index last, so a run killed mid-save leaves
+the previous checkpoint as the latest.
+
+Multi-worker: every worker must take part in a save; the chief writes to `checkpoint_dir`,
+the others to a scratch directory they delete afterwards. Every worker restores from the
+chief's directory, so all resume at the same step (the directory must be shared, as it is
+for workers on one machine or on a shared filesystem).
+
+A `tfpar.json` marker records the settings the saved variables depend on. A directory that
+holds files but no marker is someone else's and is refused, never overwritten; a marker
+from an incompatible run is refused with what differs.
+"""
+
+import json
+import os
+import shutil
+
+import keras
+import tensorflow as tf
+
+from tfpar.errors import ConfigError
+
+MARKER = "tfpar.json"
+# Settings that change which variables exist or what they mean.
+_STATE_SETTINGS = ("model", "model_width", "model_depth", "dataset", "num_classes",
+                   "optimizer", "grad_accum_steps", "mixed_precision", "compression",
+                   "powersgd_rank", "error_feedback", "global_batch_size", "seed")
+
+
+class Checkpointer(keras.callbacks.Callback):
+    """Saves every `every_batches` batches and at the end of training; restores on start.
+
+    Args:
+        config: the run's `ParallelConfig` (checkpoint_dir, checkpoint_every,
+            keep_checkpoints).
+        model: a compiled model whose optimizer is built.
+        runtime: the `tfpar.strategy.Runtime` (chief or not, worker index).
+    """
+
+    def __init__(self, config, model, runtime):
+        super().__init__()
+        self.config = config
+        self.directory = config.checkpoint_dir
+        self.every_batches = config.checkpoint_every * config.grad_accum_steps
+        self.batches_seen = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="batches_seen")
+        self._batches = 0
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                                               batches_seen=self.batches_seen)
+        check_directory(config)
+        self._write_dir = (self.directory if runtime.is_chief
+                           else os.path.join(self.directory, f".worker_{runtime.worker_index}"))
+        self._is_chief = runtime.is_chief
+        self._manager = tf.train.CheckpointManager(
+            self._checkpoint, self._write_dir, max_to_keep=config.keep_checkpoints,
+            checkpoint_name="ckpt")
+
+    def restore(self):
+        """Restores the latest checkpoint of the chief's directory; returns the batch to
+        resume at (0 if there is none)."""
+        latest = tf.train.latest_checkpoint(self.directory)
+        if latest is None:
+            return 0
+        try:
+            self._checkpoint.restore(latest).assert_existing_objects_matched()
+        except (AssertionError, ValueError) as err:
+            raise ConfigError("checkpoint_dir", self.directory,
+                              f"its checkpoint {os.path.basename(latest)} does not match this "
+                              f"model and optimizer ({str(err).splitlines()[0]})") from None
+        self._batches = int(self.batches_seen.numpy())
+        return self._batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._batches % self.every_batches == 0:
+            self.save()
+
+    def save(self):
+        self.batches_seen.assign(self._batches)
+        self._manager.save(checkpoint_number=self._batches)
+        if self._is_chief:
+            write_marker(self.config)
+        else:
+            shutil.rmtree(self._write_dir, ignore_errors=True)
+
+
+def check_directory(config):
+    """Refuses a `checkpoint_dir` holding foreign files or an incompatible run's state."""
+    directory = config.checkpoint_dir
+    marker = os.path.join(directory, MARKER)
+    if not os.path.isdir(directory):
+        return
+    if os.path.exists(marker):
+        with open(marker) as f:
+            saved = json.load(f)
+        differ = [f"{k}: saved {saved.get(k)!r}, now {getattr(config, k)!r}"
+                  for k in _STATE_SETTINGS if saved.get(k) != getattr(config, k)]
+        if differ:
+            raise ConfigError("checkpoint_dir", directory,
+                              "holds a checkpoint of an incompatible run (" + "; ".join(differ)
+                              + "); use a new directory or the same settings")
+        return
+    foreign = [name for name in os.listdir(directory) if not name.startswith(".worker_")]
+    if foreign:
+        raise ConfigError("checkpoint_dir", directory,
+                          f"holds files tfpar did not write ({', '.join(sorted(foreign)[:3])}"
+                          f"{', …' if len(foreign) > 3 else ''}); choose an empty or new "
+                          "directory so nothing of yours is overwritten")
+
+
+def write_marker(config):
+    path = os.path.join(config.checkpoint_dir, MARKER)
+    if os.path.exists(path):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: getattr(config, k) for k in _STATE_SETTINGS}, f, indent=1)
+    os.replace(tmp, path)

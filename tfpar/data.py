@@ -1,0 +1,143 @@
+"""Training data: generated tasks that really learn, or the user's own `tf.data` pipeline.
+
+Every built-in task makes example `i` from a stateless RNG keyed by `(seed, i)`. Step `s`
+of a run with global batch `G` is examples `s*G … s*G+G-1` whatever the number of
+replicas or workers; replica `r` takes its contiguous slice. So a data-parallel run sees
+exactly the batches a single device sees, and a run resumed at step `s` continues with the
+batches the uninterrupted run would have seen.
+"""
+
+import dataclasses
+import importlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A supervised task: how to make example `i`, and the shapes a model needs.
+
+    `example_fn(i)` returns `(x, y)` or `(x, y, sample_weight)` for an int64 index `i`.
+    """
+
+    name: str
+    input_shape: tuple
+    num_classes: int
+    example_fn: object = None
+    user_fn: object = None  # `module:function` pipelines replace example_fn
+
+
+def teacher_task(seed, dim=32, classes=10, hidden=64):
+    """Classification of Gaussian inputs by a fixed random two-layer 'teacher' network."""
+    rng = np.random.RandomState(seed + 1)
+    w1 = tf.constant((rng.randn(dim, hidden) / np.sqrt(dim)).astype("float32"))
+    w2 = tf.constant((rng.randn(hidden, classes) / np.sqrt(hidden)).astype("float32"))
+
+    def example(i):
+        x = tf.random.stateless_normal([dim], seed=tf.stack([tf.cast(seed, tf.int64), i]))
+        logits = tf.linalg.matvec(tf.transpose(w2), tf.nn.relu(tf.linalg.matvec(
+            tf.transpose(w1), x)))
+        return x, tf.argmax(logits, output_type=tf.int32)
+
+    return Task("teacher", (dim,), classes, example)
+
+
+def pattern_images_task(seed, size=16, classes=10, noise=0.8):
+    """Images of one of `classes` fixed random colour patterns under heavy noise."""
+    rng = np.random.RandomState(seed + 2)
+    coarse = rng.randn(classes, size // 4, size // 4, 3).astype("float32")
+    templates = tf.constant(np.repeat(np.repeat(coarse, 4, axis=1), 4, axis=2))
+
+    def example(i):
+        key = tf.stack([tf.cast(seed, tf.int64), i])
+        label = tf.random.stateless_uniform([], key, maxval=classes, dtype=tf.int32)
+        image = tf.gather(templates, label) + noise * tf.random.stateless_normal(
+            [size, size, 3], seed=key + tf.constant([0, 1 << 40], tf.int64))
+        return image, label
+
+    return Task("pattern_images", (size, size, 3), classes, example)
+
+
+def reverse_task(seed, length=8, vocab=16):
+    """Sequence reversal as next-token prediction: `x SEP reverse(x)`, loss on the reversed
+    half only (the first half is random and cannot be predicted)."""
+    sep = vocab
+    weights = tf.constant([0.0] * (length - 1) + [1.0] * (length + 1))
+
+    def example(i):
+        key = tf.stack([tf.cast(seed, tf.int64), i])
+        x = tf.random.stateless_uniform([length], key, maxval=vocab, dtype=tf.int32)
+        seq = tf.concat([x, [sep], tf.reverse(x, [0])], axis=0)
+        return seq[:-1], seq[1:], weights
+
+    return Task("reverse", (2 * length,), vocab + 1, example)
+
+
+DEFAULT_TASKS = {"mlp": teacher_task, "convnet": pattern_images_task,
+                 "transformer": reverse_task}
+
+
+def make_task(config):
+    """The task for `config`: the model's generated task, or the user's `module:function`."""
+    if config.dataset == "auto":
+        return DEFAULT_TASKS[config.model](config.seed)
+    module_name, fn_name = config.dataset.split(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError("dataset", config.dataset,
+                          f"could not load it ({err}); give 'module:function' importable "
+                          "from the working directory") from None
+    if not config.num_classes:
+        raise ConfigError("num_classes", 0, f"--dataset={config.dataset} needs --num_classes")
+    spec = fn(tf.distribute.InputContext(), config).element_spec
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        raise ConfigError("dataset", config.dataset,
+                          f"must yield (x, y) or (x, y, sample_weight) batches, got {spec}")
+    return Task(config.dataset, tuple(spec[0].shape[1:]), config.num_classes, user_fn=fn)
+
+
+def pipeline_dataset(config, task, context, start_step=0):
+    """The dataset one input pipeline (worker) feeds to its local replicas.
+
+    Yields per-replica batches, replica after replica for each step, which is the order in
+    which `distribute_datasets_from_function` hands them to the local replicas.
+    """
+    replicas = context.num_replicas_in_sync
+    local = replicas // context.num_input_pipelines
+    per_replica = config.per_replica_batch(replicas)
+    if task.user_fn is not None:
+        ds = task.user_fn(context, config).repeat()
+        return ds.skip(start_step * local).prefetch(tf.data.AUTOTUNE)
+    first = context.input_pipeline_id * local
+    global_batch = config.global_batch_size
+
+    def replica_examples(k):
+        step, local_index = k // local, k % local
+        begin = step * global_batch + (first + local_index) * per_replica
+        return tf.data.Dataset.range(begin, begin + per_replica)
+
+    ds = tf.data.Dataset.range(start_step * local, (start_step + _huge_steps()) * local)
+    ds = ds.flat_map(replica_examples)
+    ds = ds.map(task.example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.batch(per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def _huge_steps():
+    return 1 << 40  # effectively endless; fit is bounded by steps, not by data
+
+
+def distributed_dataset(strategy, config, task, start_step=0):
+    """The training data for `strategy`, starting at `start_step`."""
+    return strategy.distribute_datasets_from_function(
+        lambda context: pipeline_dataset(config, task, context, start_step))
+
+
+def global_batches(config, task, start_step, count):
+    """`count` whole global batches starting at `start_step`, as numpy arrays (the single
+    device's view of the same data; used by tests and the doctor)."""
+    ds = pipeline_dataset(config, task, tf.distribute.InputContext(), start_step).take(count)
+    return [tuple(np.asarray(t) for t in batch) for batch in ds]

@@ -1,0 +1,100 @@
+"""The absl flags of `python -m tfpar.train`, defined once, one per `ParallelConfig` field.
+
+Help text comes from one table; defaults come from `ParallelConfig` itself, so the two can
+never disagree. `--flagfile=configs/NAME.cfg` works as absl provides it.
+"""
+
+import dataclasses
+
+from absl import flags
+
+from tfpar import config as config_lib
+from tfpar.errors import ConfigError
+
+_HELP = {
+    "model": "Model from models/ to train.",
+    "model_width": "Override the model's width (units, channels or d_model); 0 = default.",
+    "model_depth": "Override the model's depth (layers or blocks); 0 = default.",
+    "dataset": "'auto' (the model's generated task) or 'module:function' returning a "
+               "tf.data.Dataset of per-replica (x, y[, w]) batches for (input_context, config).",
+    "num_classes": "Classes (or vocabulary) of a --dataset=module:function task.",
+    "global_batch_size": "Examples per step over all replicas.",
+    "steps": "Optimizer steps to train.",
+    "steps_per_epoch": "Optimizer steps between epoch ends.",
+    "optimizer": "Optimizer.",
+    "learning_rate": "Learning rate for --base_batch_size examples.",
+    "scale_lr": "Linear scaling rule: multiply the learning rate by effective batch / "
+                "--base_batch_size.",
+    "base_batch_size": "The batch size --learning_rate was tuned for.",
+    "warmup_steps": "Linear learning-rate warm-up steps.",
+    "grad_accum_steps": "Batches whose gradients are averaged into one update.",
+    "mixed_precision": "Mixed precision policy (fp16 adds dynamic loss scaling).",
+    "seed": "Seed for weights, data and dropout.",
+    "on_nan": "What to do when the loss becomes NaN or Inf.",
+    "strategy": "Distribution strategy; auto picks multi_worker under a TF_CONFIG cluster, "
+                "mirrored over several local devices, else one_device.",
+    "collective": "Collective implementation: auto = NCCL on GPUs, ring on CPUs.",
+    "cpu_devices": "Split the CPU into N logical devices (simulated devices); 0 = off.",
+    "collective_timeout_s": "Seconds before a stalled collective becomes an error.",
+    "heartbeat_timeout_s": "Seconds without a heartbeat before a peer counts as dead.",
+    "startup_timeout_s": "Seconds for all workers to register before the job fails.",
+    "data_parallel": "Data-parallel replicas; 0 = all devices.",
+    "tensor_parallel": "Tensor-parallel degree.",
+    "pipeline_stages": "Pipeline stages.",
+    "microbatches": "Micro-batches per step in the pipeline.",
+    "schedule": "Pipeline schedule.",
+    "virtual_stages": "Virtual stages per device for the interleaved schedule.",
+    "compression": "Gradient aggregator.",
+    "topk_ratio": "Fraction of gradient entries top-k sends.",
+    "threshold": "Magnitude above which threshold sparsification sends an entry.",
+    "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
+    "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
+    "error_feedback": "Keep what a lossy aggregator did not send and add it next step.",
+    "bucket_mb": "Fuse small gradients into buckets of this many MB.",
+    "checkpoint_dir": "Directory for checkpoints; a run resumes from its latest one.",
+    "checkpoint_every": "Optimizer steps between checkpoints.",
+    "keep_checkpoints": "Checkpoints to keep.",
+    "tensorboard_dir": "Directory for TensorBoard logs.",
+    "metrics_json": "Write the run's metrics JSON here.",
+    "verbose": "0 = silent, 1 = progress bar, 2 = one line per epoch.",
+}
+
+_CHOICES = {
+    "model": config_lib.MODELS, "optimizer": config_lib.OPTIMIZERS,
+    "strategy": config_lib.STRATEGIES, "collective": config_lib.COLLECTIVES,
+    "mixed_precision": config_lib.PRECISIONS, "compression": config_lib.COMPRESSIONS,
+    "schedule": config_lib.SCHEDULES, "on_nan": config_lib.ON_NAN,
+}
+
+
+def define_flags(flag_values=flags.FLAGS):
+    """Defines one flag per `ParallelConfig` field (idempotent)."""
+    for field in dataclasses.fields(config_lib.ParallelConfig):
+        name, default = field.name, field.default
+        if name in flag_values:
+            continue
+        help_text = _HELP[name]
+        if name in _CHOICES:
+            flags.DEFINE_enum(name, default, _CHOICES[name], help_text, flag_values=flag_values)
+        elif isinstance(default, bool):
+            flags.DEFINE_bool(name, default, help_text, flag_values=flag_values)
+        elif isinstance(default, int):
+            flags.DEFINE_integer(name, default, help_text, flag_values=flag_values)
+        elif isinstance(default, float):
+            flags.DEFINE_float(name, default, help_text, flag_values=flag_values)
+        else:
+            flags.DEFINE_string(name, default, help_text, flag_values=flag_values)
+
+
+def config_from_flags(flag_values=flags.FLAGS):
+    """The validated `ParallelConfig` the parsed flags describe.
+
+    Raises:
+        ConfigError: a value is out of range, naming the flag.
+    """
+    values = {f.name: flag_values[f.name].value
+              for f in dataclasses.fields(config_lib.ParallelConfig)}
+    try:
+        return config_lib.ParallelConfig(**values)
+    except ConfigError as err:
+        raise ConfigError(f"--{err.setting}", err.value, err.expected) from None

@@ -1,0 +1,98 @@
+"""Run metrics: step times, per-step loss, throughput, memory, and the metrics JSON.
+
+The JSON shape is the one in DESIGN.md; benchmarks, reports and outside checks read it.
+Keys that do not apply to a run are omitted.
+"""
+
+import json
+import math
+import os
+import resource
+import time
+
+import keras
+import numpy as np
+
+
+class StepRecorder(keras.callbacks.Callback):
+    """Records wall time and loss of every training batch across any number of `fit` calls.
+
+    Keras logs the running mean of the loss over the epoch; the loss of batch k is
+    recovered exactly as `k*mean_k - (k-1)*mean_{k-1}`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.step_seconds = []
+        self.batch_losses = []
+        self._begin = None
+        self._seen_in_epoch = 0
+        self._mean = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._seen_in_epoch, self._mean = 0, 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step_seconds.append(time.perf_counter() - self._begin)
+        k = self._seen_in_epoch + 1
+        mean = float((logs or {}).get("loss", math.nan))
+        self.batch_losses.append(k * mean - (k - 1) * self._mean)
+        self._seen_in_epoch, self._mean = k, mean
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def summarize(config, runtime, recorder, params_per_device, comm=None, pipeline=None,
+              warmup_batches=2):
+    """The metrics dict of DESIGN.md for a finished run.
+
+    Args:
+        config: the run's `ParallelConfig`.
+        runtime: the `tfpar.strategy.Runtime` it ran on.
+        recorder: the `StepRecorder` that watched `fit`.
+        params_per_device: parameter count held by each local device.
+        comm: the aggregator's `comm_stats()` dict, if any.
+        pipeline: the pipeline block, if the run was pipelined.
+        warmup_batches: leading batches (tracing, first collectives) left out of timings.
+    """
+    accum = config.grad_accum_steps
+    losses = recorder.batch_losses
+    # One optimizer step is `accum` batches: report its mean loss and its total time.
+    whole = len(losses) // accum * accum
+    loss_history = [float(np.mean(losses[i:i + accum])) for i in range(0, whole, accum)]
+    step_times = [sum(recorder.step_seconds[i:i + accum]) for i in range(0, whole, accum)]
+    timed = step_times[warmup_batches:] or step_times
+    out = {
+        "config": config.to_dict(),
+        "strategy": type(runtime.strategy).__name__,
+        "replicas": runtime.replicas,
+        "workers": runtime.workers,
+        "steps": len(loss_history),
+        "final_loss": loss_history[-1] if loss_history else math.nan,
+        "loss_history": loss_history,
+    }
+    if timed:
+        out["examples_per_sec"] = config.effective_batch_size / float(np.mean(timed))
+        out["step_time_ms"] = {"median": 1000 * float(np.median(timed)),
+                               "p90": 1000 * float(np.percentile(timed, 90))}
+    if comm:
+        out["comm"] = dict(comm)
+    if pipeline:
+        out["pipeline"] = dict(pipeline)
+    out["memory"] = {"peak_rss_mb": peak_rss_mb(), "params_per_device": params_per_device}
+    return out
+
+
+def write_json(path, metrics):
+    """Writes `metrics` to `path` atomically (a reader never sees half a file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(metrics, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,173 @@
+"""Builds the `tf.distribute` strategy a `ParallelConfig` asks for.
+
+`auto` picks `MultiWorkerMirroredStrategy` when `TF_CONFIG` names a cluster of several
+workers, `MirroredStrategy` over all local devices when there are several, and
+`OneDeviceStrategy` otherwise. Collectives: NCCL on GPUs, ring on CPUs. Multi-worker jobs
+get a coordination-service heartbeat, a registration deadline and a collective timeout so
+that a dead, stalled or missing peer becomes an error instead of a hang.
+"""
+
+import dataclasses
+import os
+import sys
+import threading
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.python.eager import context
+
+from tfpar import devices, patches
+from tfpar import tf_config as tf_config_lib
+from tfpar.errors import ConfigError, TfparError
+
+READY_LINE = "TFPAR_READY"  # printed once the strategy is built; tfpar.launch waits for it
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """What the strategy factory built: the strategy and facts every other part reads."""
+
+    strategy: tf.distribute.Strategy
+    kind: str  # one_device | mirrored | multi_worker
+    workers: int
+    worker_index: int
+    is_chief: bool
+    collective: str  # ring | nccl | none
+
+    @property
+    def replicas(self):
+        return self.strategy.num_replicas_in_sync
+
+
+def choose_kind(config, cluster):
+    """The strategy kind for `config.strategy` given the parsed `TF_CONFIG` (or None)."""
+    local = len(devices.compute_devices())
+    if config.strategy == "auto":
+        if cluster is not None and cluster.num_workers > 1:
+            return "multi_worker"
+        return "mirrored" if local > 1 else "one_device"
+    if config.strategy == "multi_worker" and cluster is None:
+        raise ConfigError(
+            "strategy", "multi_worker",
+            "TF_CONFIG is not set; start the workers with "
+            "`python -m tfpar.launch --workers=N -- python -m tfpar.train ...` or set "
+            "TF_CONFIG for each worker")
+    if config.strategy in ("one_device", "mirrored") and cluster is not None \
+            and cluster.num_workers > 1:
+        raise ConfigError(
+            "strategy", config.strategy,
+            f"TF_CONFIG names {cluster.num_workers} workers; use --strategy=multi_worker "
+            "or auto, or unset TF_CONFIG")
+    return config.strategy
+
+
+def choose_collective(config):
+    gpus = tf.config.list_logical_devices("GPU")
+    if config.collective == "nccl" and not gpus:
+        raise ConfigError("collective", "nccl",
+                          "NCCL needs GPUs and none were found; use --collective=ring or auto")
+    if config.collective == "auto":
+        return "nccl" if gpus else "ring"
+    return config.collective
+
+
+def make_runtime(config, environ=None):
+    """Builds the strategy for `config` and returns a `Runtime`.
+
+    Call after `devices.split_cpu(config.cpu_devices)` and before any model is built.
+
+    Raises:
+        ConfigError: a setting or `TF_CONFIG` is invalid, or the global batch does not
+            split over the replicas.
+        TfparError: peers did not come up within `startup_timeout_s`.
+    """
+    cluster = tf_config_lib.load(os.environ if environ is None else environ)
+    kind = choose_kind(config, cluster)
+    collective = choose_collective(config)
+    patches.apply()
+    if kind == "one_device":
+        strategy = tf.distribute.OneDeviceStrategy(devices.compute_devices()[0])
+        collective = "none"
+    elif kind == "mirrored":
+        replicas = config.data_parallel or len(devices.compute_devices())
+        devices.check_device_count("data_parallel", replicas)
+        cross_ops = tf.distribute.NcclAllReduce() if collective == "nccl" else None
+        strategy = tf.distribute.MirroredStrategy(
+            devices.compute_devices()[:replicas], cross_device_ops=cross_ops)
+    else:
+        strategy = _multi_worker(config, cluster, collective)
+    runtime = Runtime(
+        strategy=strategy, kind=kind,
+        workers=cluster.num_workers if kind == "multi_worker" else 1,
+        worker_index=cluster.worker_index if kind == "multi_worker" else 0,
+        is_chief=cluster.is_chief if kind == "multi_worker" else True,
+        collective=collective)
+    config.per_replica_batch(runtime.replicas)
+    if config.data_parallel and kind != "mirrored" and config.data_parallel != runtime.replicas:
+        raise ConfigError("data_parallel", config.data_parallel,
+                          f"the {kind} strategy has {runtime.replicas} replicas")
+    print(READY_LINE, flush=True)
+    return runtime
+
+
+def _multi_worker(config, cluster, collective):
+    local = len(devices.compute_devices())
+    if not tf.config.list_logical_devices("GPU"):
+        patches.cpu_devices_per_worker(local)
+    _configure_coordination(config, cluster)
+    implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
+                      if collective == "nccl" else
+                      tf.distribute.experimental.CommunicationImplementation.RING)
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation, timeout_seconds=config.collective_timeout_s)
+    # A peer that never starts blocks the constructor (stock TF: > 10 minutes, deaf to
+    # SIGTERM). The registration deadline below normally ends it; this watchdog is the
+    # backstop that turns it into an error exit.
+    done = threading.Event()
+    timer = threading.Timer(config.startup_timeout_s + 15, _startup_expired,
+                            args=(config.startup_timeout_s, cluster, done))
+    timer.daemon = True
+    timer.start()
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+            communication_options=options)
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as err:
+        raise TfparError(
+            f"workers did not all register within startup_timeout_s="
+            f"{config.startup_timeout_s:g}: is every worker of {cluster.addresses} "
+            f"started? ({err.message.splitlines()[0]})") from None
+    finally:
+        done.set()
+        timer.cancel()
+    return strategy
+
+
+def _startup_expired(timeout, cluster, done):
+    if done.is_set():
+        return
+    sys.stderr.write(
+        f"tfpar: error: workers did not all start within startup_timeout_s={timeout:g}: "
+        f"is every worker of {cluster.addresses} started?\n")
+    sys.stderr.flush()
+    os._exit(3)
+
+
+def _configure_coordination(config, cluster):
+    """Heartbeat and registration deadline for the coordination service (before TF's own
+    defaults are set by the strategy constructor, which then leaves them alone)."""
+    leader_job = "chief" if "chief" in cluster.cluster else "worker"
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(cluster.cluster[job]))
+            for job in ("chief", "worker") if job in cluster.cluster]
+    try:
+        context.context().configure_coordination_service(
+            service_type="standalone",
+            service_leader=f"/job:{leader_job}/replica:0/task:0",
+            heartbeat_timeout_in_ms=int(config.heartbeat_timeout_s * 1000),
+            cluster_register_timeout_in_ms=int(config.startup_timeout_s * 1000),
+            shutdown_barrier_timeout_in_ms=int(config.heartbeat_timeout_s * 1000),
+            coordinated_jobs=jobs)
+    except Exception as err:  # a TF change here must not stop training, only weaken bounds
+        logging.warning("coordination service not configured (%s); peers' failures may "
+                        "take longer to surface", err)

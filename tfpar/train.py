@@ -1,0 +1,220 @@
+"""`python -m tfpar.train`: config → strategy → data → model → `fit` → metrics.
+
+With no flags it trains a small MLP on a generated teacher task over every local device
+and prints a summary. `--flagfile=configs/NAME.cfg` runs a recipe; under `TF_CONFIG` (or
+`python -m tfpar.launch`) the same command is one worker of a multi-worker job.
+
+Python callers use `train(ParallelConfig(...))`, which returns the metrics dict.
+"""
+
+import math
+import os
+import sys
+
+import keras
+from absl import app, flags, logging
+
+import models
+from tfpar import checkpoint, data, devices, metrics, strategy
+from tfpar import flags as tfpar_flags
+from tfpar.errors import TfparError
+
+tfpar_flags.define_flags()
+FLAGS = flags.FLAGS
+
+
+@keras.saving.register_keras_serializable(package="tfpar")
+class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
+    """`peak * min(1, (step + 1) / warmup_steps)`, stepping once per optimizer update
+    (under gradient accumulation Keras hands schedules the batch count, not the updates)."""
+
+    def __init__(self, peak, warmup_steps, batches_per_update=1):
+        self.peak, self.warmup_steps = peak, warmup_steps
+        self.batches_per_update = batches_per_update
+
+    def __call__(self, batch):
+        step = keras.ops.floor_divide(batch, self.batches_per_update)
+        ramp = keras.ops.cast(step + 1, "float32") / float(self.warmup_steps)
+        return self.peak * keras.ops.minimum(1.0, ramp)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps,
+                "batches_per_update": self.batches_per_update}
+
+
+def learning_rate(config):
+    """The peak rate after the linear scaling rule, with linear warm-up if asked for."""
+    peak = config.scaled_learning_rate
+    if not config.warmup_steps:
+        return peak
+    return LinearWarmup(peak, config.warmup_steps, config.grad_accum_steps)
+
+
+def make_optimizer(config):
+    """The Keras optimizer for `config`: learning-rate rule, accumulation, aggregator."""
+    kwargs = {"learning_rate": learning_rate(config)}
+    if config.grad_accum_steps > 1:
+        kwargs["gradient_accumulation_steps"] = config.grad_accum_steps
+    if config.optimizer == "adam":
+        optimizer = keras.optimizers.Adam(**kwargs)
+    else:
+        optimizer = keras.optimizers.SGD(
+            momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
+    if config.compression != "none":
+        from tfpar import compression
+        optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
+    return optimizer
+
+
+def build_model(config, runtime, task):
+    """Builds and compiles the model under the strategy's scope, optimizer built, so a
+    checkpoint can restore every variable before the first step."""
+    with runtime.strategy.scope():
+        model = models.build(config.model, task.input_shape, task.num_classes,
+                             width=config.model_width, depth=config.model_depth)
+        model.compile(
+            optimizer=make_optimizer(config),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            jit_compile=False)
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def fit_segments(start, total, per_epoch):
+    """Splits batches `start … total-1` into `fit` calls of whole epochs.
+
+    Returns a list of `(initial_epoch, epochs, steps_per_epoch, first_batch)`; a resumed
+    run first finishes its partial epoch, and a last partial epoch gets a call of its own.
+
+    >>> fit_segments(0, 10, 4)
+    [(0, 2, 4, 0), (2, 3, 2, 8)]
+    >>> fit_segments(5, 12, 4)
+    [(1, 2, 3, 5), (2, 3, 4, 8)]
+    """
+    segments = []
+    batch = start
+    while batch < total:
+        epoch = batch // per_epoch
+        length = min(per_epoch - batch % per_epoch, total - batch)
+        if (segments and length == per_epoch and segments[-1][2] == per_epoch
+                and segments[-1][3] + (segments[-1][1] - segments[-1][0]) * per_epoch == batch):
+            initial, epochs, steps, first = segments[-1]
+            segments[-1] = (initial, epochs + 1, steps, first)
+        else:
+            segments.append((epoch, epoch + 1, length, batch))
+        batch += length
+    return segments
+
+
+def train(config, environ=None):
+    """Trains `config` and returns the metrics dict (see `tfpar.metrics.summarize`).
+
+    Call in a fresh process: `config.cpu_devices` must be applied before TensorFlow
+    initialises, and TensorFlow allows one distribution strategy per process.
+
+    Raises:
+        ConfigError: a setting, `TF_CONFIG` or the checkpoint directory is unusable.
+        TfparError: the run cannot proceed (peers missing, loss not finite, ...).
+    """
+    devices.split_cpu(config.cpu_devices)
+    keras.utils.set_random_seed(config.seed)
+    if config.mixed_precision != "none":
+        keras.mixed_precision.set_global_policy(
+            {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}[config.mixed_precision])
+    runtime = strategy.make_runtime(config, environ)
+    logging.info(devices.topology(runtime.strategy, runtime.workers))
+    task = data.make_task(config)
+    model = build_model(config, runtime, task)
+
+    recorder = metrics.StepRecorder()
+    callbacks = [recorder, _nan_guard(config)]
+    start = 0
+    if config.checkpoint_dir:
+        checkpointer = checkpoint.Checkpointer(config, model, runtime)
+        start = checkpointer.restore()
+        callbacks.append(checkpointer)
+        if start:
+            logging.info("resuming from %s at batch %d", config.checkpoint_dir, start)
+    if config.tensorboard_dir:
+        log_dir = config.tensorboard_dir if runtime.is_chief else os.path.join(
+            config.tensorboard_dir, f"worker_{runtime.worker_index}")
+        callbacks.append(keras.callbacks.TensorBoard(log_dir, update_freq="epoch"))
+
+    accum = config.grad_accum_steps
+    total = config.steps * accum
+    verbose = config.verbose if runtime.is_chief else 0
+    for initial, epochs, steps, first in fit_segments(start, total,
+                                                      config.steps_per_epoch * accum):
+        dataset = data.distributed_dataset(runtime.strategy, config, task, first)
+        model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
+                  callbacks=callbacks, verbose=verbose, shuffle=False)
+    if config.checkpoint_dir and start < total:
+        checkpointer.save()
+
+    comm = None
+    aggregator = getattr(model.optimizer, "tfpar_aggregator", None)
+    if aggregator is None:
+        aggregator = getattr(getattr(model.optimizer, "inner_optimizer", None),
+                             "tfpar_aggregator", None)
+    if aggregator is not None:
+        comm = aggregator.comm_stats()
+    elif runtime.replicas > 1:
+        fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
+        comm = {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
+                "compression_ratio": 1.0}
+    params = model.count_params()
+    local_replicas = runtime.replicas // runtime.workers
+    result = metrics.summarize(config, runtime, recorder, [params] * local_replicas, comm=comm)
+    result["resumed_from_step"] = start // accum
+    if config.metrics_json and runtime.is_chief:
+        metrics.write_json(config.metrics_json, result)
+    return result, model
+
+
+def _nan_guard(config):
+    class StopOnNaN(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+            loss = (logs or {}).get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                raise TfparError(
+                    f"loss became {loss} at step {(self.batches - 1) // config.grad_accum_steps}"
+                    f" (on_nan={config.on_nan}); lower --learning_rate, use "
+                    "--mixed_precision=bf16 instead of fp16, or check the data")
+
+    return StopOnNaN()
+
+
+def summary_line(result):
+    parts = [f"strategy={result['strategy']}", f"replicas={result['replicas']}",
+             f"workers={result['workers']}", f"steps={result['steps']}",
+             f"loss {result['loss_history'][0]:.4f} -> {result['final_loss']:.4f}"
+             if result["loss_history"] else "no steps run"]
+    if "examples_per_sec" in result:
+        parts.append(f"{result['examples_per_sec']:.0f} examples/s")
+        parts.append(f"step {result['step_time_ms']['median']:.1f} ms")
+    if "comm" in result:
+        parts.append(f"{result['comm']['bytes_on_wire_per_step'] / 1e6:.3f} MB/step on the "
+                     f"wire (x{result['comm']['compression_ratio']:.1f} smaller)")
+    return "tfpar: " + ", ".join(parts)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        config = tfpar_flags.config_from_flags()
+        result, _ = train(config)
+    except TfparError as err:
+        print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(summary_line(result), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
