@@ -1,0 +1,227 @@
+"""`python -m tfpar.launch`: workers get their own TF_CONFIG; one failure stops all; nothing is
+left behind. Workers here are tiny `python -c` scripts, not TensorFlow, so the file runs fast."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from tfpar import launch as tfpar_launch
+from tests.subproc import ROOT, child_env, run_module
+
+
+def worker(code):
+    return ["--", sys.executable, "-c", textwrap.dedent(code)]
+
+
+def launch(*args, timeout=30):
+    return run_module("tfpar.launch", *args, timeout=timeout, check=False)
+
+
+def reports(stdout, index):
+    """The JSON objects worker `index` printed (its lines carry the `[worker i] ` prefix)."""
+    prefix = f"[worker {index}] "
+    return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
+            if line.startswith(prefix + "{")]
+
+
+def gone(pid, wait_s=3.0):
+    """True once `pid` no longer runs (a zombie awaiting its reaper counts as gone)."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+REPORT_ENV = """
+    import json, os, sys
+    print(json.dumps({k: os.environ[k] for k in
+                      ("TF_CONFIG", "TFPAR_WORKER_INDEX", "TFPAR_NUM_WORKERS", "TFPAR_RESTART")}))
+    print("to stderr", file=sys.stderr)
+"""
+
+
+def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
+    result = launch("--workers=2", *worker(REPORT_ENV))
+    assert result.returncode == 0, result.stderr
+    configs = []
+    for i in range(2):
+        (env,) = reports(result.stdout, i)
+        assert (env["TFPAR_WORKER_INDEX"], env["TFPAR_NUM_WORKERS"], env["TFPAR_RESTART"]) == (
+            str(i), "2", "0")
+        configs.append(json.loads(env["TF_CONFIG"]))
+        assert configs[-1]["task"] == {"type": "worker", "index": i}
+        assert f"[worker {i}] to stderr" in result.stdout  # stderr merged into the worker's lines
+    addresses = configs[0]["cluster"]["worker"]
+    assert configs[1]["cluster"]["worker"] == addresses
+    ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
+    assert len(ports) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert all(line.startswith(("[worker 0] ", "[worker 1] "))
+               for line in result.stdout.splitlines())
+    assert "all 2 workers exited 0" in result.stderr
+
+
+def test_one_failure_stops_the_others_and_their_children(tmp_path):
+    flag = tmp_path / "worker1_started"
+    code = f"""
+        import json, os, subprocess, sys, time
+        if os.environ["TFPAR_WORKER_INDEX"] == "0":
+            while not os.path.exists({str(flag)!r}):  # fail only once worker 1 has reported
+                time.sleep(0.05)
+            sys.exit(3)
+        child = subprocess.Popen(["sleep", "60"])
+        print(json.dumps({{"pid": os.getpid(), "child": child.pid}}))
+        open({str(flag)!r}, "w").close()
+        time.sleep(60)
+    """
+    start = time.monotonic()
+    result = launch("--workers=2", "--grace=2", *worker(code))
+    assert time.monotonic() - start < 15
+    assert result.returncode == 1
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary == "tfpar.launch: failed: worker 0 exited with code 3"
+    (pids,) = reports(result.stdout, 1)
+    assert gone(pids["pid"]) and gone(pids["child"])
+
+
+def test_a_worker_killed_by_a_signal_is_named():
+    code = """
+        import os, signal, time
+        if os.environ["TFPAR_WORKER_INDEX"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """
+    result = launch("--workers=2", *worker(code))
+    assert result.returncode == 1
+    assert "worker 1 was killed by signal SIGKILL" in result.stderr
+
+
+def test_timeout_stops_a_hung_job():
+    start = time.monotonic()
+    result = launch("--workers=2", "--timeout=1", "--grace=1",
+                    *worker("import time; time.sleep(60)"))
+    assert time.monotonic() - start < 15
+    assert result.returncode == 1
+    assert "--timeout=1s expired" in result.stderr
+
+
+def test_start_timeout_names_the_worker_that_never_got_ready():
+    code = """
+        import os, time
+        if os.environ["TFPAR_WORKER_INDEX"] == "0":
+            print("strategy built: TFPAR_READY")
+        time.sleep(60)
+    """
+    start = time.monotonic()
+    result = launch("--workers=2", "--start_timeout=2", "--grace=1", *worker(code))
+    assert time.monotonic() - start < 15
+    assert result.returncode == 1
+    assert "--start_timeout=2s expired: worker(s) 1 never printed TFPAR_READY" in result.stderr
+
+
+def test_start_timeout_is_met_by_ready_workers():
+    code = "import time; print('TFPAR_READY'); time.sleep(3)"  # runs past the start timeout
+    result = launch("--workers=2", "--start_timeout=2", *worker(code))
+    assert result.returncode == 0, result.stderr
+
+
+def test_restart_after_a_failed_attempt(tmp_path):
+    flag = tmp_path / "worker1_started"
+    code = f"""
+        import os, sys, time
+        attempt = int(os.environ["TFPAR_RESTART"])
+        if os.environ["TFPAR_WORKER_INDEX"] == "0":
+            while attempt == 0 and not os.path.exists({str(flag)!r}):
+                time.sleep(0.05)
+            sys.exit(3 if attempt == 0 else 0)
+        print('{{"attempt": %d}}' % attempt)
+        open({str(flag)!r}, "w").close()
+        time.sleep(60 if attempt == 0 else 0.2)
+    """
+    result = launch("--workers=2", "--max_restarts=1", "--grace=1", *worker(code))
+    assert result.returncode == 0, result.stderr
+    assert "attempt 0: worker 0 exited with code 3; restarting" in result.stderr
+    assert "all 2 workers exited 0 (2 attempt(s), 1 restart)" in result.stderr
+    assert reports(result.stdout, 1) == [{"attempt": 0}, {"attempt": 1}]
+
+
+def test_restarts_run_out():
+    result = launch("--workers=1", "--max_restarts=2", *worker("import sys; sys.exit(4)"))
+    assert result.returncode == 1
+    assert ("failed: worker 0 exited with code 4 (3 attempt(s), 2 restarts)"
+            in result.stderr)
+
+
+def test_log_dir_keeps_each_workers_output(tmp_path):
+    result = launch("--workers=2", f"--log_dir={tmp_path}",
+                    *worker("import os; print('hello from', os.environ['TFPAR_WORKER_INDEX'])"))
+    assert result.returncode == 0, result.stderr
+    for i in range(2):
+        assert (tmp_path / f"worker_{i}.log").read_text() == f"hello from {i}\n"
+
+
+def test_sigterm_to_the_launcher_reaches_every_worker():
+    code = "import os, time; print('{\"pid\": %d}' % os.getpid()); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=2",
+                             *worker(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env(), cwd=ROOT, start_new_session=True)
+    guard = threading.Timer(30, os.killpg, (proc.pid, signal.SIGKILL))  # never hang the test
+    guard.start()
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        pids = [json.loads(line.split("] ", 1)[1])["pid"] for line in lines]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        guard.cancel()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "the launcher received SIGTERM" in err
+    assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers=0", "--", "true"], "--workers=0"),
+    (["--", "true"], "--workers is required"),
+    (["--workers=2"], "no worker command"),
+    (["--workers=2", "--"], "no worker command"),
+    (["--workers=2", "--bogus", "--", "true"], "bogus"),
+    (["--workers=2", "python", "x.py"], "before '--'"),
+    (["--workers=2", "--timeout=-1", "--", "true"], "--timeout=-1"),
+    (["--workers=2", "--", "/no/such/program"], "cannot start the worker command"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = launch(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr + result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("tfpar.launch: error: ") and message in line
+
+
+def test_python_api():
+    out, err = io.StringIO(), io.StringIO()
+    result = tfpar_launch.launch([sys.executable, "-c", "print('hi')"], workers=2, out=out,
+                                 err=err, env=child_env())
+    assert (result.returncode, result.restarts) == (0, 0)
+    assert result.attempts == (tfpar_launch.Attempt((0, 0), ""),)
+    assert sorted(out.getvalue().splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
+    assert err.getvalue() == f"tfpar.launch: {result.summary}\n"
+    with pytest.raises(tfpar_launch.ConfigError, match="workers"):
+        tfpar_launch.launch(["true"], workers=0)
+
+
+def test_free_ports_are_distinct():
+    ports = tfpar_launch.free_ports(8)
+    assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)

@@ -1,0 +1,338 @@
+"""`python -m tfpar.launch --workers=N -- CMD...`: N local workers, each with its own TF_CONFIG.
+
+What `torchrun` is to PyTorch. Worker i runs CMD in its own process group with
+    TF_CONFIG           a worker-only cluster on N free ports of --host, task index i
+    TFPAR_WORKER_INDEX  i
+    TFPAR_NUM_WORKERS   N
+    TFPAR_RESTART       the attempt number, 0 on the first start
+Output lines are prefixed `[worker i] `. When a worker fails, or a timeout expires, or the
+launcher gets SIGINT/SIGTERM, every worker's process group is signalled, then SIGKILLed after
+--grace seconds, so no process (nor grandchild) is left behind.
+
+Exit status: 0 when every worker exited 0; 1 when a worker failed or a timeout expired;
+2 for bad usage; 128+signal when the launcher itself was interrupted.
+
+Example:
+    python -m tfpar.launch --workers=2 --timeout=600 -- \
+        python -m tfpar.train --strategy=multi_worker
+
+`--log_dir` is absl's own flag, reused: when set, worker i's output also goes to
+LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
+"""
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags, logging
+
+from tfpar import tf_config
+from tfpar.errors import ConfigError, TfparError
+
+READY_MARKER = "TFPAR_READY"
+_POLL_S = 0.05
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("workers", None, "Worker processes to start (required, >= 1).", lower_bound=1)
+flags.DEFINE_string("host", "127.0.0.1", "Address the workers listen on; their free ports are "
+                    "picked on it.")
+flags.DEFINE_float("timeout", 0, "Seconds the whole launch may take (all attempts) before every "
+                   "worker is stopped and it fails; 0 = no limit.", lower_bound=0)
+flags.DEFINE_float("start_timeout", 0, f"Seconds within which every worker must print a line "
+                   f"containing {READY_MARKER} (the trainer does once its strategy is built); "
+                   "0 = off.", lower_bound=0)
+flags.DEFINE_float("grace", 5, "Seconds between SIGTERM and SIGKILL when stopping workers.",
+                   lower_bound=0)
+flags.DEFINE_integer("max_restarts", 0, "When a worker fails (or misses --start_timeout), stop "
+                     "the others and restart all on new ports, up to this many times.",
+                     lower_bound=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One start of all workers.
+
+    Args:
+        exit_codes: per worker, as `Popen.returncode` (negative: killed by that signal).
+        failure: why the attempt failed, e.g. "worker 1 exited with code 3"; "" if it succeeded.
+    """
+
+    exit_codes: tuple
+    failure: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """What `launch` did: the exit status for the launcher, every attempt, a one-line summary."""
+
+    returncode: int
+    attempts: tuple
+    summary: str
+
+    @property
+    def restarts(self):
+        return len(self.attempts) - 1
+
+
+def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
+           max_restarts=0, log_dir="", env=None, out=None, err=None):
+    """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
+
+    Args:
+        cmd: the worker command, e.g. ["python", "train.py"].
+        workers: how many processes to start.
+        host: where the workers listen; ports are found by binding port 0 on it.
+        timeout: seconds for the whole launch, restarts included; 0 = no limit.
+        start_timeout: seconds within which every worker must print `READY_MARKER`; 0 = off.
+        grace: seconds between SIGTERM and SIGKILL when stopping workers.
+        max_restarts: restarts of all workers allowed after a failed attempt.
+        log_dir: if set, worker i's output is also written to `log_dir/worker_<i>.log`.
+        env: base environment of the workers (default: this process's).
+        out: where prefixed worker lines go (default sys.stdout).
+        err: where the launcher's own messages go (default sys.stderr).
+
+    Returns:
+        A `LaunchResult`; `returncode` is 0 only if every worker of the last attempt exited 0.
+
+    Raises:
+        ConfigError: for workers < 1, an empty command, a negative time or an unusable host.
+        TfparError: if the command cannot be started.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError("workers", workers, "must be an integer >= 1")
+    if not cmd:
+        raise ConfigError("command", cmd, "give the worker command after '--', e.g. "
+                          "python -m tfpar.launch --workers=2 -- python train.py")
+    for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
+                        ("grace", grace), ("max_restarts", max_restarts)):
+        if value < 0:
+            raise ConfigError(name, value, "must be >= 0")
+    out, err = out or sys.stdout, err or sys.stderr
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    deadline = time.monotonic() + timeout if timeout else None
+    attempts, signalled = [], None
+    with _caught_signals() as received:
+        for number in range(max_restarts + 1):
+            codes, failure, retry = _run_attempt(
+                list(cmd), workers, host, number, deadline, timeout, start_timeout, grace,
+                log_dir, env, out, received)
+            attempts.append(Attempt(codes, failure))
+            signalled = received[0] if received else None
+            if not failure or not retry or number == max_restarts:
+                break
+            _say(err, f"attempt {number}: {failure}; restarting all {workers} workers on new "
+                      f"ports (restart {number + 1} of {max_restarts})")
+    failure = attempts[-1].failure
+    summary = f"failed: {failure}" if failure else f"all {workers} workers exited 0"
+    if max_restarts:
+        restarts = len(attempts) - 1
+        plural = "" if restarts == 1 else "s"
+        summary += f" ({len(attempts)} attempt(s), {restarts} restart{plural})"
+    _say(err, summary)
+    returncode = 128 + signalled if signalled else (1 if failure else 0)
+    return LaunchResult(returncode, tuple(attempts), summary)
+
+
+def free_ports(count, host="127.0.0.1"):
+    """`count` distinct free TCP ports on `host`.
+
+    All sockets stay bound until all ports are known, so the kernel cannot hand out one
+    port twice. (Another program may still take one before a worker binds it; a failed
+    worker is what --max_restarts is for.)
+
+    Raises:
+        ConfigError: if `host` cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket(family, socket.SOCK_STREAM))
+            sockets[-1].bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    except OSError as e:
+        raise ConfigError("host", host, f"cannot bind a port on it ({e}); use a local "
+                          "address such as 127.0.0.1") from None
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _run_attempt(cmd, workers, host, number, deadline, timeout, start_timeout, grace, log_dir,
+                 env, out, received):
+    """Starts all workers, watches them, stops them. Returns (exit codes, failure, retry)."""
+    host = host.strip("[]")
+    ports = free_ports(workers, host)  # all found before any worker starts
+    addresses = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
+    ready = [False] * workers
+    lock = threading.Lock()
+    procs, pumps = [], []
+    try:
+        for i in range(workers):
+            worker_env = dict(os.environ if env is None else env)
+            worker_env.update(TF_CONFIG=tf_config.make(addresses, i), TFPAR_WORKER_INDEX=str(i),
+                              TFPAR_NUM_WORKERS=str(workers), TFPAR_RESTART=str(number))
+            # Python workers writing to a pipe block-buffer; unbuffered output appears live.
+            worker_env.setdefault("PYTHONUNBUFFERED", "1")
+            log = (open(os.path.join(log_dir, f"worker_{i}.log"), "a" if number else "w")
+                   if log_dir else None)
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env=worker_env,
+                                        start_new_session=True)
+            except OSError as e:
+                if log:
+                    log.close()
+                raise TfparError(f"cannot start the worker command {cmd[0]!r}: {e}") from None
+            procs.append(proc)
+            logging.info("worker %d: pid %d, address %s", i, proc.pid, addresses[i])
+            pumps.append(threading.Thread(
+                target=_pump, args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i),
+                daemon=True))
+            pumps[-1].start()
+        failure, retry = _watch(procs, ready, deadline, timeout, start_timeout, received)
+    finally:
+        # Forward the launcher's own signal (SIGINT stays SIGINT); otherwise SIGTERM.
+        _stop(procs, received[0] if received else signal.SIGTERM, grace)
+        for pump in pumps:
+            pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
+    return tuple(p.returncode for p in procs), failure, retry
+
+
+def _watch(procs, ready, deadline, timeout, start_timeout, received):
+    """Polls until every worker exited 0 or something failed. Returns (failure, retry)."""
+    started = time.monotonic()
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if code:
+                return f"worker {i} {_describe(code)}", True
+        if all(code == 0 for code in codes):
+            return "", False
+        if received:
+            return f"the launcher received {signal.Signals(received[0]).name}", False
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return f"--timeout={timeout:g}s expired before the workers finished", False
+        if start_timeout and now - started >= start_timeout:
+            late = [i for i, code in enumerate(codes) if code is None and not ready[i]]
+            if late:
+                return (f"--start_timeout={start_timeout:g}s expired: worker(s) "
+                        f"{', '.join(map(str, late))} never printed {READY_MARKER}"), True
+        time.sleep(_POLL_S)
+
+
+def _stop(procs, sig, grace):
+    """Sends `sig` to every worker's process group, waits up to `grace` s, then SIGKILLs them.
+
+    Groups are signalled even when the worker itself has exited: its children may live on.
+    """
+    for proc in procs:
+        _killpg(proc, sig)
+    end = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < end:
+        time.sleep(_POLL_S)
+    for proc in procs:
+        _killpg(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _killpg(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group is gone already
+
+
+def _pump(stream, prefix, out, log, lock, ready, index):
+    """Copies one worker's merged stdout/stderr line by line, prefixed, as it arrives."""
+    with stream:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            line += "" if line.endswith("\n") else "\n"
+            if READY_MARKER in line:
+                ready[index] = True
+            with lock:  # whole lines: workers' output must not interleave mid-line
+                try:
+                    out.write(prefix + line)
+                    out.flush()
+                except (OSError, ValueError):
+                    pass  # launcher output closed: keep draining so the worker never blocks
+            if log:
+                log.write(line)
+                log.flush()
+    if log:
+        log.close()
+
+
+def _describe(code):
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@contextlib.contextmanager
+def _caught_signals():
+    """Records SIGINT/SIGTERM sent to the launcher (in a list) so the watch loop can stop the
+    workers instead of the launcher dying and orphaning them."""
+    received, previous = [], {}
+    if threading.current_thread() is threading.main_thread():  # handlers only go there
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say(stream, message):
+    print(f"tfpar.launch: {message}", file=stream, flush=True)
+
+
+def _usage_error(message):
+    print(f"tfpar.launch: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _parse_argv(argv):
+    """Parses the launcher's flags (before `--`); returns the worker command (after it)."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, cmd = argv[:split], argv[split + 1:]
+    try:
+        extra = FLAGS(own)[1:]
+    except flags.Error as e:
+        _usage_error(str(e))
+    if FLAGS.workers is None:
+        _usage_error("--workers is required, e.g. --workers=2")
+    if extra:
+        _usage_error(f"unexpected argument(s) {' '.join(extra)!r} before '--'; usage: "
+                     "python -m tfpar.launch --workers=N [flags] -- CMD...")
+    if not cmd:
+        _usage_error("no worker command; usage: "
+                     "python -m tfpar.launch --workers=N [flags] -- CMD...")
+    return cmd
+
+
+def main(cmd):
+    try:
+        result = launch(cmd, FLAGS.workers, host=FLAGS.host, timeout=FLAGS.timeout,
+                        start_timeout=FLAGS.start_timeout, grace=FLAGS.grace,
+                        max_restarts=FLAGS.max_restarts, log_dir=FLAGS.log_dir)
+    except TfparError as e:
+        _usage_error(str(e))
+    return result.returncode
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_argv)
