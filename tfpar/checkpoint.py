@@ -1,8 +1,8 @@
 """Checkpoints of the whole training state, and resume at the saved step.
 
-What is saved: model weights, optimizer state (slots, iterations, accumulators, loss
-scale, any aggregator state tracked by the optimizer) and the data position (batches
-consumed; the data is a function of it, see `tfpar.data`). `tf.train.CheckpointManager`
+What is saved: model weights, optimizer state (slots, iterations, loss scale, any
+aggregator state tracked by the optimizer) and the data position (steps done; the data is
+a function of the step, see `tfpar.data`). `tf.train.CheckpointManager`
 writes the files first and the `checkpoint` index last, so a run killed mid-save leaves
 the previous checkpoint as the latest.
 
@@ -33,7 +33,7 @@ _STATE_SETTINGS = ("model", "model_width", "model_depth", "dataset", "num_classe
 
 
 class Checkpointer(keras.callbacks.Callback):
-    """Saves every `every_batches` batches and at the end of training; restores on start.
+    """Saves every `checkpoint_every` steps and at the end of training; restores on start.
 
     Args:
         config: the run's `ParallelConfig` (checkpoint_dir, checkpoint_every,
@@ -46,12 +46,11 @@ class Checkpointer(keras.callbacks.Callback):
         super().__init__()
         self.config = config
         self.directory = config.checkpoint_dir
-        self.every_batches = config.checkpoint_every * config.grad_accum_steps
-        self.batches_seen = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                        name="batches_seen")
-        self._batches = 0
+        self.every = config.checkpoint_every
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self._step = 0
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                               batches_seen=self.batches_seen)
+                                               step=self.step)
         check_directory(config)
         self._write_dir = (self.directory if runtime.is_chief
                            else os.path.join(self.directory, f".worker_{runtime.worker_index}"))
@@ -61,7 +60,7 @@ class Checkpointer(keras.callbacks.Callback):
             checkpoint_name="ckpt")
 
     def restore(self):
-        """Restores the latest checkpoint of the chief's directory; returns the batch to
+        """Restores the latest checkpoint of the chief's directory; returns the step to
         resume at (0 if there is none)."""
         latest = tf.train.latest_checkpoint(self.directory)
         if latest is None:
@@ -72,17 +71,17 @@ class Checkpointer(keras.callbacks.Callback):
             raise ConfigError("checkpoint_dir", self.directory,
                               f"its checkpoint {os.path.basename(latest)} does not match this "
                               f"model and optimizer ({str(err).splitlines()[0]})") from None
-        self._batches = int(self.batches_seen.numpy())
-        return self._batches
+        self._step = int(self.step.numpy())
+        return self._step
 
     def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        if self._batches % self.every_batches == 0:
+        self._step += 1
+        if self._step % self.every == 0:
             self.save()
 
     def save(self):
-        self.batches_seen.assign(self._batches)
-        self._manager.save(checkpoint_number=self._batches)
+        self.step.assign(self._step)
+        self._manager.save(checkpoint_number=self._step)
         if self._is_chief:
             write_marker(self.config)
         else:

@@ -1,8 +1,9 @@
 """Training data: generated tasks that really learn, or the user's own `tf.data` pipeline.
 
 Every built-in task makes example `i` from a stateless RNG keyed by `(seed, i)`. Step `s`
-of a run with global batch `G` is examples `s*G … s*G+G-1` whatever the number of
-replicas or workers; replica `r` takes its contiguous slice. So a data-parallel run sees
+of a run whose steps take `E` examples (global batch × accumulation steps) is examples
+`s*E … s*E+E-1` whatever the number of replicas or workers; replica `r` takes its
+contiguous slice. So a data-parallel run sees
 exactly the batches a single device sees, and a run resumed at step `s` continues with the
 batches the uninterrupted run would have seen.
 """
@@ -108,12 +109,13 @@ def pipeline_dataset(config, task, context, start_step=0):
     """
     replicas = context.num_replicas_in_sync
     local = replicas // context.num_input_pipelines
-    per_replica = config.per_replica_batch(replicas)
+    # Each step a replica takes all its micro-batches at once (see tfpar.accumulation).
+    per_replica = config.per_replica_batch(replicas) * config.grad_accum_steps
     if task.user_fn is not None:
         ds = task.user_fn(context, config).repeat()
         return ds.skip(start_step * local).prefetch(tf.data.AUTOTUNE)
     first = context.input_pipeline_id * local
-    global_batch = config.global_batch_size
+    global_batch = config.effective_batch_size
 
     def replica_examples(k):
         step, local_index = k // local, k % local
@@ -137,7 +139,7 @@ def distributed_dataset(strategy, config, task, start_step=0):
 
 
 def global_batches(config, task, start_step, count):
-    """`count` whole global batches starting at `start_step`, as numpy arrays (the single
+    """`count` whole steps' batches starting at `start_step`, as numpy arrays (the single
     device's view of the same data; used by tests and the doctor)."""
     ds = pipeline_dataset(config, task, tf.distribute.InputContext(), start_step).take(count)
     return [tuple(np.asarray(t) for t in batch) for batch in ds]

@@ -32,6 +32,14 @@ def split_cpu(n):
                 f"({err}).") from None
 
 
+def local_device_count(cpu_devices):
+    """How many replicas this process can run, without initialising TensorFlow's runtime
+    (a multi-worker strategy must be built before anything initialises it): the GPUs if
+    there are any, else the `cpu_devices` logical CPUs (at least one)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    return len(gpus) if gpus else max(1, cpu_devices)
+
+
 def compute_devices():
     """Names of the local devices replicas run on: every GPU if there are any, else every
     (logical) CPU device."""

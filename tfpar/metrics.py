@@ -60,12 +60,8 @@ def summarize(config, runtime, recorder, params_per_device, comm=None, pipeline=
         pipeline: the pipeline block, if the run was pipelined.
         warmup_batches: leading batches (tracing, first collectives) left out of timings.
     """
-    accum = config.grad_accum_steps
-    losses = recorder.batch_losses
-    # One optimizer step is `accum` batches: report its mean loss and its total time.
-    whole = len(losses) // accum * accum
-    loss_history = [float(np.mean(losses[i:i + accum])) for i in range(0, whole, accum)]
-    step_times = [sum(recorder.step_seconds[i:i + accum]) for i in range(0, whole, accum)]
+    loss_history = [float(v) for v in recorder.batch_losses]
+    step_times = recorder.step_seconds
     timed = step_times[warmup_batches:] or step_times
     out = {
         "config": config.to_dict(),

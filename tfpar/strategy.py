@@ -7,10 +7,11 @@ get a coordination-service heartbeat, a registration deadline and a collective t
 that a dead, stalled or missing peer becomes an error instead of a hang.
 """
 
+import contextlib
 import dataclasses
 import os
+import subprocess
 import sys
-import threading
 
 import tensorflow as tf
 from absl import logging
@@ -42,7 +43,7 @@ class Runtime:
 
 def choose_kind(config, cluster):
     """The strategy kind for `config.strategy` given the parsed `TF_CONFIG` (or None)."""
-    local = len(devices.compute_devices())
+    local = devices.local_device_count(config.cpu_devices)
     if config.strategy == "auto":
         if cluster is not None and cluster.num_workers > 1:
             return "multi_worker"
@@ -63,7 +64,7 @@ def choose_kind(config, cluster):
 
 
 def choose_collective(config):
-    gpus = tf.config.list_logical_devices("GPU")
+    gpus = tf.config.list_physical_devices("GPU")
     if config.collective == "nccl" and not gpus:
         raise ConfigError("collective", "nccl",
                           "NCCL needs GPUs and none were found; use --collective=ring or auto")
@@ -112,46 +113,49 @@ def make_runtime(config, environ=None):
 
 
 def _multi_worker(config, cluster, collective):
-    local = len(devices.compute_devices())
-    if not tf.config.list_logical_devices("GPU"):
-        patches.cpu_devices_per_worker(local)
+    if not tf.config.list_physical_devices("GPU"):
+        patches.cpu_devices_per_worker(devices.local_device_count(config.cpu_devices))
     _configure_coordination(config, cluster)
     implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
                       if collective == "nccl" else
                       tf.distribute.experimental.CommunicationImplementation.RING)
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=implementation, timeout_seconds=config.collective_timeout_s)
-    # A peer that never starts blocks the constructor (stock TF: > 10 minutes, deaf to
-    # SIGTERM). The registration deadline below normally ends it; this watchdog is the
-    # backstop that turns it into an error exit.
-    done = threading.Event()
-    timer = threading.Timer(config.startup_timeout_s + 15, _startup_expired,
-                            args=(config.startup_timeout_s, cluster, done))
-    timer.daemon = True
-    timer.start()
-    try:
+    # A peer that never starts blocks the constructor in C++ while holding the GIL (stock
+    # TF: > 10 minutes, deaf to SIGTERM), so no Python thread or signal handler can act; a
+    # watchdog process ends this one if the strategy is not built in time.
+    message = (f"tfpar: error: workers did not all start within startup_timeout_s="
+               f"{config.startup_timeout_s:g}: is every worker of {cluster.addresses} started?")
+    with _watchdog(config.startup_timeout_s, message):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
             communication_options=options)
-    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as err:
-        raise TfparError(
-            f"workers did not all register within startup_timeout_s="
-            f"{config.startup_timeout_s:g}: is every worker of {cluster.addresses} "
-            f"started? ({err.message.splitlines()[0]})") from None
-    finally:
-        done.set()
-        timer.cancel()
     return strategy
 
 
-def _startup_expired(timeout, cluster, done):
-    if done.is_set():
-        return
-    sys.stderr.write(
-        f"tfpar: error: workers did not all start within startup_timeout_s={timeout:g}: "
-        f"is every worker of {cluster.addresses} started?\n")
-    sys.stderr.flush()
-    os._exit(3)
+_WATCHDOG = """
+import os, select, signal, sys
+ready, parent, timeout, message = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+if not select.select([ready], [], [], timeout)[0]:
+    sys.stderr.write(message + chr(10)); sys.stderr.flush()
+    os.kill(parent, signal.SIGKILL)
+"""
+
+
+@contextlib.contextmanager
+def _watchdog(timeout, message):
+    """Kills this process with `message` unless the block finishes within `timeout` s."""
+    read_end, write_end = os.pipe()
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(read_end), str(os.getpid()), str(timeout),
+         message], pass_fds=(read_end,))
+    os.close(read_end)
+    try:
+        yield
+    finally:
+        os.write(write_end, b"x")
+        os.close(write_end)
+        watchdog.wait()
 
 
 def _configure_coordination(config, cluster):

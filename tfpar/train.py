@@ -12,10 +12,11 @@ import os
 import sys
 
 import keras
+import tensorflow as tf
 from absl import app, flags, logging
 
 import models
-from tfpar import checkpoint, data, devices, metrics, strategy
+from tfpar import accumulation, checkpoint, data, devices, metrics, strategy
 from tfpar import flags as tfpar_flags
 from tfpar.errors import TfparError
 
@@ -25,21 +26,17 @@ FLAGS = flags.FLAGS
 
 @keras.saving.register_keras_serializable(package="tfpar")
 class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
-    """`peak * min(1, (step + 1) / warmup_steps)`, stepping once per optimizer update
-    (under gradient accumulation Keras hands schedules the batch count, not the updates)."""
+    """`peak * min(1, (step + 1) / warmup_steps)`."""
 
-    def __init__(self, peak, warmup_steps, batches_per_update=1):
+    def __init__(self, peak, warmup_steps):
         self.peak, self.warmup_steps = peak, warmup_steps
-        self.batches_per_update = batches_per_update
 
-    def __call__(self, batch):
-        step = keras.ops.floor_divide(batch, self.batches_per_update)
+    def __call__(self, step):
         ramp = keras.ops.cast(step + 1, "float32") / float(self.warmup_steps)
         return self.peak * keras.ops.minimum(1.0, ramp)
 
     def get_config(self):
-        return {"peak": self.peak, "warmup_steps": self.warmup_steps,
-                "batches_per_update": self.batches_per_update}
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps}
 
 
 def learning_rate(config):
@@ -47,14 +44,12 @@ def learning_rate(config):
     peak = config.scaled_learning_rate
     if not config.warmup_steps:
         return peak
-    return LinearWarmup(peak, config.warmup_steps, config.grad_accum_steps)
+    return LinearWarmup(peak, config.warmup_steps)
 
 
 def make_optimizer(config):
     """The Keras optimizer for `config`: learning-rate rule, accumulation, aggregator."""
     kwargs = {"learning_rate": learning_rate(config)}
-    if config.grad_accum_steps > 1:
-        kwargs["gradient_accumulation_steps"] = config.grad_accum_steps
     if config.optimizer == "adam":
         optimizer = keras.optimizers.Adam(**kwargs)
     else:
@@ -78,6 +73,7 @@ def build_model(config, runtime, task):
             weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
             jit_compile=False)
         model.optimizer.build(model.trainable_variables)
+    accumulation.install(model, config.grad_accum_steps)
     return model
 
 
@@ -141,15 +137,13 @@ def train(config, environ=None):
             config.tensorboard_dir, f"worker_{runtime.worker_index}")
         callbacks.append(keras.callbacks.TensorBoard(log_dir, update_freq="epoch"))
 
-    accum = config.grad_accum_steps
-    total = config.steps * accum
     verbose = config.verbose if runtime.is_chief else 0
-    for initial, epochs, steps, first in fit_segments(start, total,
-                                                      config.steps_per_epoch * accum):
+    for initial, epochs, steps, first in fit_segments(start, config.steps,
+                                                      config.steps_per_epoch):
         dataset = data.distributed_dataset(runtime.strategy, config, task, first)
         model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
                   callbacks=callbacks, verbose=verbose, shuffle=False)
-    if config.checkpoint_dir and start < total:
+    if config.checkpoint_dir and start < config.steps:
         checkpointer.save()
 
     comm = None
@@ -166,7 +160,7 @@ def train(config, environ=None):
     params = model.count_params()
     local_replicas = runtime.replicas // runtime.workers
     result = metrics.summarize(config, runtime, recorder, [params] * local_replicas, comm=comm)
-    result["resumed_from_step"] = start // accum
+    result["resumed_from_step"] = start
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)
     return result, model
@@ -183,7 +177,7 @@ def _nan_guard(config):
             loss = (logs or {}).get("loss")
             if loss is not None and not math.isfinite(float(loss)):
                 raise TfparError(
-                    f"loss became {loss} at step {(self.batches - 1) // config.grad_accum_steps}"
+                    f"loss became {loss} at step {self.batches - 1}"
                     f" (on_nan={config.on_nan}); lower --learning_rate, use "
                     "--mixed_precision=bf16 instead of fp16, or check the data")
 
@@ -207,12 +201,22 @@ def summary_line(result):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    tf.get_logger().setLevel("WARNING")
     try:
         config = tfpar_flags.config_from_flags()
         result, _ = train(config)
     except TfparError as err:
         print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+            tf.errors.CancelledError, tf.errors.AbortedError) as err:
+        # A dead, stalled or missing peer: say so in one line instead of a C++ stack.
+        first = (err.message or str(err)).strip().splitlines()[0][:300]
+        print(f"tfpar: error: a collective with the other workers failed "
+              f"({type(err).__name__}: {first}); a peer died, stalled past "
+              f"--collective_timeout_s or --heartbeat_timeout_s, or never started",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     print(summary_line(result), flush=True)
 
 

@@ -1,0 +1,177 @@
+"""Data-parallel training against the single-device run, accumulation, resume, the CLI.
+
+Every run happens in a child process (one strategy per process, bounded by a timeout).
+Tolerances: 1e-6 after 5 steps (5e-6 for the convnet), float re-association of the
+all-reduce sum only. Adam on the transformer is not compared element-wise: its update g/(sqrt(v)+eps)
+turns the ~1e-9 reordering noise of gradients that are nearly zero (e.g. where softmax is
+shift-invariant) into steps of ±lr, measured up to 3e-3 after 10 steps while the loss
+agrees to 2e-3; Adam is compared on the MLP, whose gradients are not near zero, at 1e-6.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from subproc import ROOT, last_json_line, run, run_module
+
+CHILD = os.path.join(ROOT, "tests", "train_child.py")
+BASE = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
+
+
+def train_child(tmp_path, name, env=None, **config):
+    prefix = str(tmp_path / name)
+    out = run([sys.executable, CHILD, json.dumps({**BASE, **config}), prefix], env=env,
+              timeout=240)
+    return last_json_line(out.stdout), prefix
+
+
+def weights(prefix):
+    data = np.load(prefix + ".npz")
+    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("model,optimizer,lr,tolerance", [
+    ("mlp", "adam", 1e-3, 1e-6),
+    ("transformer", "momentum", 0.05, 1e-6),
+    # Convolution gradients sum over every pixel of every example: more re-association.
+    ("convnet", "sgd", 0.05, 5e-6),
+])
+def test_mirrored_on_4_devices_equals_one_device(tmp_path, model, optimizer, lr, tolerance):
+    cfg = {"model": model, "optimizer": optimizer, "learning_rate": lr}
+    one, p1 = train_child(tmp_path, "one", strategy="one_device", **cfg)
+    four, p4 = train_child(tmp_path, "four", strategy="mirrored", cpu_devices=4, **cfg)
+    assert (one["replicas"], four["replicas"]) == (1, 4)
+    assert four["strategy"] == "MirroredStrategy"
+    assert max_diff(weights(p1), weights(p4)) < tolerance
+    assert abs(one["final_loss"] - four["final_loss"]) < 1e-5
+
+
+def test_grad_accumulation_equals_the_larger_batch(tmp_path):
+    cfg = {"model": "mlp", "optimizer": "momentum", "learning_rate": 0.05, "steps": 3,
+           "steps_per_epoch": 3}
+    big, pb = train_child(tmp_path, "big", strategy="one_device", global_batch_size=64, **cfg)
+    acc, pa = train_child(tmp_path, "acc", strategy="mirrored", cpu_devices=4,
+                          global_batch_size=16, grad_accum_steps=4, **cfg)
+    assert acc["steps"] == big["steps"] == 3
+    assert max_diff(weights(pb), weights(pa)) < 1e-6
+    np.testing.assert_allclose(acc["loss_history"], big["loss_history"], rtol=1e-5)
+
+
+def test_resume_continues_at_the_saved_step(tmp_path):
+    cfg = {"model": "mlp", "optimizer": "adam", "steps_per_epoch": 4, "checkpoint_every": 3}
+    full, pf = train_child(tmp_path, "full", steps=10, **cfg)
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = train_child(tmp_path, "first", steps=6, checkpoint_dir=ckpt, **cfg)
+    assert first["resumed_from_step"] == 0
+    rest, pr = train_child(tmp_path, "rest", steps=10, checkpoint_dir=ckpt, **cfg)
+    assert rest["resumed_from_step"] == 6
+    assert rest["steps"] == 4  # only the missing steps ran
+    assert max_diff(weights(pf), weights(pr)) < 1e-6
+    np.testing.assert_allclose(rest["loss_history"], full["loss_history"][6:], rtol=1e-5)
+
+
+def test_no_flag_default_run_learns(tmp_path):
+    path = tmp_path / "m.json"
+    out = run_module("tfpar.train", f"--metrics_json={path}", "--verbose=0", timeout=300)
+    assert "tfpar: strategy=" in out.stdout
+    metrics = json.loads(path.read_text())
+    losses = metrics["loss_history"]
+    assert metrics["steps"] == 200 and len(losses) == 200
+    assert np.mean(losses[-20:]) < 0.6 * np.mean(losses[:20])
+    for key in ("config", "strategy", "replicas", "workers", "final_loss", "examples_per_sec",
+                "step_time_ms", "memory"):
+        assert key in metrics
+
+
+def test_two_workers_end_identical_and_equal_one_device(tmp_path):
+    cfg = {"model": "mlp", "optimizer": "adam", "cpu_devices": 2}
+    one, p1 = train_child(tmp_path, "one", strategy="one_device",
+                          **{**cfg, "cpu_devices": 0})
+    prefix = str(tmp_path / "mw")
+    out = run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable,
+                     CHILD, json.dumps({**BASE, **cfg, "strategy": "multi_worker"}), prefix,
+                     timeout=240)
+    lines = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
+             if "] {" in line]
+    assert [r["workers"] for r in lines] == [2, 2]
+    assert [r["replicas"] for r in lines] == [4, 4]  # 2 logical CPUs on each worker
+    w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, weights(p1)) < 1e-6
+
+
+def test_launch_cli_writes_metrics_with_two_workers(tmp_path):
+    path = tmp_path / "m.json"
+    run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable, "-m",
+               "tfpar.train", "--strategy=multi_worker", f"--metrics_json={path}",
+               "--steps=20", "--verbose=0", timeout=240)
+    metrics = json.loads(path.read_text())
+    assert metrics["workers"] == 2 and metrics["replicas"] == 2
+    assert metrics["final_loss"] < metrics["loss_history"][0]
+
+
+def cli_error(*args, env=None):
+    out = run_module("tfpar.train", *args, env=env, check=False, timeout=120)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("tfpar: error:")]
+    assert len(errors) == 1, out.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("tf_config,field", [
+    ("{not json", "TF_CONFIG"),
+    ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}}', "TF_CONFIG.task"),
+    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}',
+     "TF_CONFIG.task.index"),
+    ('{"cluster": {"worker": ["localhost:1", "localhost:1"]}, '
+     '"task": {"type": "worker", "index": 0}}', "TF_CONFIG.cluster.worker"),
+    ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}',
+     "TF_CONFIG.cluster.worker[0]"),
+])
+def test_bad_tf_config_is_one_clear_error(tf_config, field):
+    line = cli_error("--steps=1", env={"TF_CONFIG": tf_config})
+    assert field in line
+
+
+def test_bad_settings_are_one_clear_error():
+    line = cli_error("--cpu_devices=4", "--global_batch_size=30", "--steps=1")
+    assert "global_batch_size=30" in line and "4 replicas" in line
+    line = cli_error("--collective=nccl", "--steps=1")
+    assert "collective='nccl'" in line and "ring" in line
+    line = cli_error("--steps=0")
+    assert "--steps=0" in line and ">= 1" in line
+
+
+def test_foreign_checkpoint_dir_is_refused_and_kept(tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine")
+    line = cli_error(f"--checkpoint_dir={tmp_path}", "--steps=2")
+    assert "checkpoint_dir" in line and "precious.txt" in line
+    assert precious.read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
+
+
+def test_a_peer_that_never_starts_fails_within_the_bound():
+    # Worker 0 of a 2-worker cluster whose worker 1 never starts.
+    import socket
+    import time
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                            "task": {"type": "worker", "index": 0}})
+    began = time.monotonic()
+    line = cli_error("--startup_timeout_s=8", "--steps=1", env={"TF_CONFIG": tf_config})
+    assert time.monotonic() - began < 60
+    assert "startup_timeout_s=8" in line
