@@ -1,0 +1,181 @@
+"""Runs a pipeline schedule: micro-batch forwards and backwards per stage, one update.
+
+Everything is traced into the caller's `tf.function` (jit_compile off: XLA cannot span
+devices), so the runtime overlaps stages that are ready at the same time. Per stage and
+micro-batch a `GradientTape` records the forward; the backward is `tape.gradient` with the
+next stage's input gradient as `output_gradients`. Both run under the stage's device: ops
+go where their `tf.device` scope says, not where their variables are. Control
+dependencies chain each stage's actions in schedule order; nothing else orders them.
+
+No stateful op that touches no variable (`tf.print`, `tf.timestamp`, `py_function`) may go
+in here: automatic control dependencies would chain them all in program order and
+serialise the pipeline. Measure from outside the step or with the profiler.
+
+Example:
+>>> ex = PipelineExecutor(stages, devices, make_schedule("1f1b", 2, 4), loss_fn)
+>>> ex.build_optimizers(keras.optimizers.Adam(1e-3))
+>>> step = tf.function(ex.train_step, jit_compile=False)
+>>> loss, y_pred = step(x, y)
+"""
+
+import tensorflow as tf
+
+from tfpar.devices import check_device_count, compute_devices
+from tfpar.errors import ConfigError
+from tfpar.pipeline.schedule import chunks_of, simulate
+
+
+class PipelineExecutor:
+    """One training step of a pipeline schedule over stage models.
+
+    Args:
+        stages: K*V callables (keras models); virtual stage v = c*K + s runs on stage s.
+        devices: K device names, one per stage.
+        schedule: list of K action lists (`tfpar.pipeline.schedule`).
+        loss_fn: `loss_fn(y_true, y_pred)`, mean-reduced or per example (it is averaged);
+            the step's loss is its mean over the full batch.
+        recompute: keep only each stage's input and recompute its forward in the backward
+            (`tf.recompute_grad`): less activation memory, one more forward per stage.
+        serialize: chain all actions of all stages into one sequence (no overlap). For
+            benchmarks: its step time is the pipeline's total busy time.
+    Raises:
+        ConfigError: stages, devices and schedule disagree in size.
+    """
+
+    def __init__(self, stages, devices, schedule, loss_fn, recompute=False, serialize=False):
+        self.K, self.V = len(schedule), chunks_of(schedule)
+        self.M = 1 + max(a.microbatch for a in schedule[0])
+        if len(stages) != self.K * self.V:
+            raise ConfigError("stages", len(stages), f"the schedule runs {self.K} stages x "
+                              f"{self.V} chunks = {self.K * self.V} stage models")
+        if len(devices) != self.K:
+            raise ConfigError("devices", devices, f"give one device per stage ({self.K})")
+        self.stages, self.devices, self.schedule = list(stages), list(devices), schedule
+        self.loss_fn, self.serialize = loss_fn, serialize
+        self.optimizers = None
+        self._calls = [tf.recompute_grad(_training_call(s)) if recompute else _training_call(s)
+                       for s in self.stages]
+        # Trace actions in simulated start order: every tensor an action needs was made by
+        # an action traced before it. The graph's order comes from the control deps.
+        sim = simulate(schedule, self.K, self.M, self.V)
+        self._order = sorted(((start, s, a) for s in range(self.K)
+                              for a, start, _ in sim.timeline[s]), key=lambda t: t[:2])
+
+    def stage_variables(self, s):
+        """Trainable variables of all chunks on stage s."""
+        return [v for c in range(self.V) for v in self.stages[c * self.K + s].trainable_variables]
+
+    def build_optimizers(self, optimizer):
+        """One copy of `optimizer` per stage, created and built under the stage's device so
+        its slots sit next to the variables (the stock optimizer puts them all on the
+        first device)."""
+        self.optimizers = []
+        for s, device in enumerate(self.devices):
+            with tf.device(device):
+                opt = optimizer.__class__.from_config(optimizer.get_config())
+                opt.build(self.stage_variables(s))
+            self.optimizers.append(opt)
+        return self.optimizers
+
+    def check_batch(self, x):
+        """Raises ConfigError if a statically known batch does not split into M."""
+        n = x.shape[0]
+        if n is not None and n % self.M:
+            raise ConfigError("microbatches", self.M, f"must divide the batch size {n}; "
+                              f"use a batch that is a multiple of {self.M}")
+
+    def gradients(self, x, y):
+        """Forward and backward of the whole batch by the schedule.
+
+        Returns:
+            (loss, y_pred, grads): mean loss over the batch, the last stage's outputs
+            concatenated in batch order, and per stage the summed gradients for
+            `stage_variables(s)` (the gradient of the full-batch mean loss).
+        """
+        K, V, M, last = self.K, self.V, self.M, self.K * self.V - 1
+        self.check_batch(x)
+        with tf.device(self.devices[0]):
+            # Batches of unknown size are checked at run time, before tf.split's own error.
+            ok = tf.debugging.assert_equal(
+                tf.shape(x)[0] % M, 0, message=f"microbatches={M} must divide the batch size")
+        with tf.device(self.devices[0]), tf.control_dependencies([ok]):
+            xs = tf.split(x, M)
+        with tf.device(self.devices[last % K]), tf.control_dependencies([ok]):
+            ys = tf.split(y, M)
+        inputs = {(0, m): xs[m] for m in range(M)}   # (virtual stage, mb) -> its input
+        tapes, in_grads = {}, {}                       # stashed forwards; grads to pass down
+        losses, preds = [None] * M, [None] * M
+        acc = [None] * (K * V)                         # summed grads per virtual stage
+        done = [None] * K                              # last action's op, per stage
+        for _, s, a in self._order:
+            v, m = a.chunk * K + s, a.microbatch
+            chain = 0 if self.serialize else s
+            after = [done[chain]] if done[chain] is not None else []
+            # The name scope lets a profiler trace (or a graph check) find each action.
+            with tf.device(self.devices[s]), tf.control_dependencies(after), \
+                    tf.name_scope(f"s{s}_{a.kind}{m}_c{a.chunk}"):
+                if a.kind == "F":
+                    with tf.GradientTape() as tape:
+                        h = tf.identity(inputs.pop((v, m)))  # the copy onto this device
+                        tape.watch(h)
+                        out = self._calls[v](h)
+                        if v == last:
+                            preds[m] = out
+                            # Mean of per-micro-batch means / M = mean over the full batch.
+                            out = losses[m] = tf.reduce_mean(self.loss_fn(ys[m], out)) / M
+                    tapes[(v, m)] = (tape, h, out)
+                    if v < last:
+                        inputs[(v + 1, m)] = out
+                    marks = [out]
+                else:
+                    tape, h, out = tapes.pop((v, m))
+                    variables = self.stages[v].trainable_variables
+                    upstream = None if v == last else in_grads.pop((v + 1, m))
+                    sources = variables + ([h] if v > 0 else [])
+                    grads = tape.gradient(out, sources, output_gradients=upstream,
+                                          unconnected_gradients="zero")
+                    if v > 0:
+                        in_grads[(v, m)] = grads.pop()
+                    acc[v] = grads if acc[v] is None else [t + g for t, g in zip(acc[v], grads)]
+                    marks = acc[v] + ([in_grads[(v, m)]] if v > 0 else [])
+                done[chain] = tf.group(*marks)
+        with tf.device(self.devices[last % K]):
+            loss = tf.add_n(losses)
+            y_pred = tf.concat(preds, axis=0)
+        grads = [[g for c in range(V) for g in acc[c * K + s]] for s in range(K)]
+        return loss, y_pred, grads
+
+    def apply(self, grads):
+        """One optimizer step per stage, on the stage's device."""
+        if self.optimizers is None:
+            raise RuntimeError("call build_optimizers(optimizer) before training")
+        for s, (opt, device) in enumerate(zip(self.optimizers, self.devices)):
+            with tf.device(device):
+                opt.apply(grads[s], self.stage_variables(s))
+
+    def train_step(self, x, y):
+        """gradients + apply. Returns (loss, y_pred)."""
+        loss, y_pred, grads = self.gradients(x, y)
+        self.apply(grads)
+        return loss, y_pred
+
+    def predict(self, x, training=False):
+        """The stages in sequence on the whole batch, each on its device."""
+        for v, stage in enumerate(self.stages):
+            with tf.device(self.devices[v % self.K]):
+                x = stage(x, training=training)
+        return x
+
+
+def _training_call(stage):
+    return lambda h: stage(h, training=True)
+
+
+def default_devices(num_stages):
+    """The first `num_stages` local compute devices.
+
+    Raises:
+        ConfigError: fewer devices exist (on CPU, split it with --cpu_devices).
+    """
+    check_device_count("pipeline_stages", num_stages)
+    return compute_devices()[:num_stages]

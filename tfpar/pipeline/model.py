@@ -1,0 +1,155 @@
+"""`PipelineModel`: a keras.Model whose `train_step` runs a pipeline schedule.
+
+`compile`, `fit`, `evaluate`, `predict`, `save_weights` and `load_weights` work as for
+any Keras model. Training splits each batch into micro-batches and runs the executor;
+evaluation and prediction run the stages in sequence on the whole batch.
+
+Example:
+>>> tfpar.devices.split_cpu(2)
+>>> pm = PipelineModel.split(model, stages=2, schedule="1f1b", microbatches=4)
+>>> pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+>>> pm.fit(x, y, batch_size=32, epochs=2)
+"""
+
+import keras
+import tensorflow as tf
+
+from tfpar.errors import ConfigError
+from tfpar.pipeline.executor import PipelineExecutor, default_devices
+from tfpar.pipeline.partition import partition
+from tfpar.pipeline.schedule import make_schedule
+
+
+@keras.saving.register_keras_serializable(package="tfpar")
+class PipelineModel(keras.Model):
+    """Stage models trained with a pipeline schedule.
+
+    Args:
+        stages: K*V built keras models; virtual stage v = c*K + s runs on device s. Their
+            variables should already live on their stage's device (see `split`).
+        schedule: 'gpipe', '1f1b' or 'interleaved'.
+        microbatches: M, micro-batches per training batch; must divide the batch size.
+        virtual_stages: V, model chunks per stage (interleaved only; 1 otherwise).
+        devices: K device names; default the first K local devices.
+        recompute: recompute each stage's forward during its backward.
+    Raises:
+        ConfigError: sizes that do not fit together (stages vs K*V, M vs schedule,
+            too few devices).
+    """
+
+    def __init__(self, stages, schedule="1f1b", microbatches=1, virtual_stages=1,
+                 devices=None, recompute=False, **kwargs):
+        super().__init__(**kwargs)
+        V = virtual_stages if schedule == "interleaved" else 1
+        if len(stages) % V:
+            raise ConfigError("virtual_stages", virtual_stages,
+                              f"must divide the number of stage models ({len(stages)})")
+        K = len(stages) // V
+        self.stages = list(stages)
+        self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, V
+        self.recompute = recompute
+        self._devices_arg = list(devices) if devices else None
+        self.devices = self._devices_arg or default_devices(K)
+        self._schedule = make_schedule(schedule, K, microbatches, V)
+        self._executor = None
+        self.built = True  # the stages are built models
+
+    @classmethod
+    def split(cls, model, stages, schedule="1f1b", microbatches=1, virtual_stages=1,
+              devices=None, costs=None, recompute=False, **kwargs):
+        """Partitions `model` into `stages` (x `virtual_stages`) stage models, each built on
+        its device, and wraps them. The original model is left untouched.
+
+        Raises:
+            ConfigError / TfparError: see `partition` and the constructor.
+        """
+        V = virtual_stages if schedule == "interleaved" else 1
+        devices = list(devices) if devices else default_devices(stages)
+        make_schedule(schedule, stages, microbatches, V)  # bad sizes fail before the copy
+        parts = partition(model, stages * V, costs=costs,
+                          devices=[devices[v % stages] for v in range(stages * V)],
+                          setting="pipeline_stages" if V == 1 else "pipeline_stages*virtual_stages")
+        return cls(parts, schedule, microbatches, V, devices, recompute, **kwargs)
+
+    @classmethod
+    def from_parallel_config(cls, model, config, devices=None):
+        """`split` with the degrees of a `tfpar.ParallelConfig`."""
+        return cls.split(model, config.pipeline_stages, config.schedule, config.microbatches,
+                         config.virtual_stages, devices)
+
+    def compile(self, optimizer="rmsprop", loss=None, **kwargs):
+        """As keras.Model.compile; jit_compile is forced off (XLA cannot span the stage
+        devices) and the optimizer is copied once per stage onto the stage's device."""
+        kwargs["jit_compile"] = False
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        # The compiled optimizer only counts steps (callbacks read `iterations`); building
+        # it empty keeps Keras from placing slots for every variable on one device.
+        self.optimizer.build([])
+        loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
+        self._executor = PipelineExecutor(self.stages, self.devices, self._schedule,
+                                          loss_fn, recompute=self.recompute)
+        self._executor.build_optimizers(self.optimizer)
+
+    def compile_from_config(self, config):
+        self.compile(**keras.saving.deserialize_keras_object(config))
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """As keras.Model.fit; first checks that every batch splits into micro-batches.
+
+        Raises:
+            ConfigError: `microbatches` does not divide the batch size, or the last,
+                smaller batch of an array input.
+        """
+        n = getattr(x, "shape", (None,))[0]
+        size = batch_size or (32 if n is not None else None)
+        if size is not None:
+            sizes = {size} | ({n % size} if n and not kwargs.get("validation_split") else set())
+            for b in sorted(sizes - {0}):
+                if b % self.microbatches:
+                    raise ConfigError(
+                        "microbatches", self.microbatches,
+                        f"must divide every batch, but batch_size={size} over {n} examples "
+                        f"gives a batch of {b}; pick sizes that are multiples of "
+                        f"{self.microbatches}")
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    @property
+    def stage_optimizers(self):
+        """The per-stage optimizers that hold the slots (after compile)."""
+        return self._executor.optimizers if self._executor else None
+
+    def call(self, x, training=False):
+        for v, stage in enumerate(self.stages):
+            with tf.device(self.devices[v % len(self.devices)]):
+                x = stage(x, training=training)
+        return x
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ConfigError("sample_weight", "given", "PipelineModel does not support it")
+        loss, y_pred = self._executor.train_step(x, y)
+        self.optimizer.iterations.assign_add(1)
+        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        return self.compute_metrics(x, y, y_pred)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            stages=[keras.saving.serialize_keras_object(s) for s in self.stages],
+            schedule=self.schedule_name, microbatches=self.microbatches,
+            virtual_stages=self.virtual_stages, devices=self._devices_arg,
+            recompute=self.recompute)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        V = config.get("virtual_stages", 1)
+        K = len(config["stages"]) // V
+        devices = config.get("devices") or default_devices(K)
+        stages = []
+        for v, stage in enumerate(config.pop("stages")):
+            with tf.device(devices[v % K]):  # variables are created on the stage's device
+                stages.append(keras.saving.deserialize_keras_object(stage))
+        return cls(stages, **config)

@@ -1,0 +1,294 @@
+"""Pipeline schedules as data: per stage, the ordered list of actions it runs.
+
+A schedule is `list[list[Action]]`: entry `s` is what stage `s` does, in order. Stage `s`
+holds `V` model chunks; chunk `c` of stage `s` is global virtual stage `c * K + s`, so a
+micro-batch flows through stages 0..K-1 once per chunk (Megatron's interleaving). With
+`V = 1` a virtual stage is just a stage.
+
+Pure Python, no TensorFlow: schedules can be printed, checked and simulated alone.
+
+    python -m tfpar.pipeline.schedule --stages 4 --microbatches 8 --schedule 1f1b
+"""
+
+import argparse
+import dataclasses
+
+from tfpar.errors import ConfigError, TfparError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(TfparError):
+    """A schedule that cannot run: deadlock, missing or duplicate action."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One forward ('F') or backward ('B') of one micro-batch through one model chunk.
+
+    Args:
+        kind: 'F' or 'B'.
+        microbatch: micro-batch index in [0, M).
+        chunk: model chunk (virtual stage slot) of this stage in [0, V).
+    """
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self):
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def _check_sizes(K, M, V=1):
+    for name, value in (("pipeline_stages", K), ("microbatches", M), ("virtual_stages", V)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(name, value, "must be an integer >= 1")
+
+
+def gpipe_schedule(K, M):
+    """GPipe (fill-drain): every stage runs all M forwards, then all M backwards.
+
+    Args:
+        K: number of stages. M: number of micro-batches.
+    Returns:
+        list of K action lists. Every stage stashes all M micro-batches at the peak.
+    """
+    _check_sizes(K, M)
+    return [[Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
+            for _ in range(K)]
+
+
+def one_f_one_b_schedule(K, M):
+    """1F1B (PipeDream-Flush): stage s runs K-s-1 warm-up forwards, then alternates one
+    forward and one backward, then drains the remaining backwards.
+
+    Args:
+        K: number of stages. M: number of micro-batches.
+    Returns:
+        list of K action lists. Stage s stashes at most min(K - s, M) micro-batches.
+    """
+    _check_sizes(K, M)
+    schedule = []
+    for s in range(K):
+        warmup = min(K - s - 1, M)
+        actions = [Action("F", m) for m in range(warmup)]
+        for i in range(M - warmup):
+            actions += [Action("F", warmup + i), Action("B", i)]
+        actions += [Action("B", m) for m in range(M - warmup, M)]
+        schedule.append(actions)
+    return schedule
+
+
+def interleaved_schedule(K, M, V):
+    """Interleaved 1F1B (Megatron-LM): each stage holds V model chunks; the bubble shrinks
+    by V at the cost of V times more stage-to-stage transfers.
+
+    Micro-batches go through the chunks in groups of K: stage s runs forwards of
+    micro-batches 0..K-1 on chunk 0, then the same group on chunk 1, ... and backwards
+    in the mirrored order (last chunk first).
+
+    Args:
+        K: number of stages. M: number of micro-batches, a multiple of K.
+        V: model chunks per stage (virtual stages), >= 1.
+    Returns:
+        list of K action lists, each with M * V forwards and M * V backwards.
+    Raises:
+        ConfigError: M is not a multiple of K (the grouping above needs whole groups).
+    """
+    _check_sizes(K, M, V)
+    if M % K:
+        raise ConfigError("microbatches", M,
+                          f"the interleaved schedule needs a multiple of pipeline_stages={K}, "
+                          f"e.g. {K * max(1, round(M / K))}")
+    total = M * V
+
+    def action(kind, k):  # k-th forward (or backward) of this stage -> Action
+        group, slot = divmod(k, K * V)
+        chunk = slot // K
+        return Action(kind, group * K + slot % K, V - 1 - chunk if kind == "B" else chunk)
+
+    schedule = []
+    for s in range(K):
+        # Megatron's warm-up: enough forwards that chunk 0's outputs reach the last chunk.
+        warmup = total if M == K else min((K - s - 1) * 2 + (V - 1) * K, total)
+        actions = [action("F", k) for k in range(warmup)]
+        for i in range(total - warmup):
+            actions += [action("F", warmup + i), action("B", i)]
+        actions += [action("B", k) for k in range(total - warmup, total)]
+        schedule.append(actions)
+    return schedule
+
+
+def make_schedule(name, K, M, V=1):
+    """The schedule called `name` ('gpipe', '1f1b' or 'interleaved') for K stages, M
+    micro-batches and V virtual stages (V is used by 'interleaved' only).
+
+    Raises:
+        ConfigError: unknown name, or sizes the schedule cannot take.
+    """
+    if name == "gpipe":
+        return gpipe_schedule(K, M)
+    if name == "1f1b":
+        return one_f_one_b_schedule(K, M)
+    if name == "interleaved":
+        return interleaved_schedule(K, M, V)
+    raise ConfigError("schedule", name, f"choose one of {', '.join(SCHEDULES)}")
+
+
+def chunks_of(schedule):
+    """V: the number of model chunks a schedule uses per stage."""
+    return 1 + max(a.chunk for actions in schedule for a in actions)
+
+
+def theory_bubble(K, M, V=1):
+    """Idle fraction of a balanced pipeline: (K-1) / (V*M + K-1)."""
+    return (K - 1) / (V * M + K - 1)
+
+
+@dataclasses.dataclass
+class Simulation:
+    """What `simulate` found.
+
+    timeline: per stage, list of (Action, start, end) in execution order.
+    makespan: time from the first start to the last end.
+    bubble: idle fraction over all stages, 1 - busy / (K * makespan).
+    peak_stash: per stage, the most micro-batch chunks whose forward has run and whose
+        backward has not (activations that must be kept).
+    """
+    timeline: list
+    makespan: float
+    bubble: float
+    peak_stash: list
+
+
+def _validate(schedule, K, M, V):
+    if len(schedule) != K:
+        raise ScheduleError(f"schedule has {len(schedule)} stage lists, expected {K}")
+    want = {(k, m, c) for k in "FB" for m in range(M) for c in range(V)}
+    for s, actions in enumerate(schedule):
+        seen = set()
+        for a in actions:
+            key = (a.kind, a.microbatch, a.chunk)
+            if key not in want:
+                raise ScheduleError(f"stage {s}: action {a} is out of range for M={M}, V={V}")
+            if key in seen:
+                raise ScheduleError(f"stage {s}: action {a} appears twice")
+            seen.add(key)
+        if seen != want:
+            missing = sorted(want - seen)[0]
+            raise ScheduleError(f"stage {s}: action {Action(*missing)} is missing")
+
+
+def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0):
+    """Runs the per-stage lists against the cross-stage dependencies and times them.
+
+    Each stage runs its actions in order, one at a time. Forward of virtual stage v needs
+    the forward of v-1 (same micro-batch); backward of v needs its own forward and the
+    backward of v+1. Transfers are free.
+
+    Args:
+        schedule: list of K action lists. K, M, V: stages, micro-batches, chunks per stage.
+        f_cost, b_cost: time of one forward / backward of one chunk.
+    Returns:
+        a `Simulation`.
+    Raises:
+        ScheduleError: an action is missing, duplicated or out of range, or the
+            schedule deadlocks (named: which stage waits for what).
+    """
+    _validate(schedule, K, M, V)
+    last = K * V - 1
+    done = {}  # (kind, mb, virtual stage) -> end time
+    pos, free = [0] * K, [0.0] * K
+    timeline = [[] for _ in range(K)]
+    stash, peak = [0] * K, [0] * K
+    remaining = sum(len(a) for a in schedule)
+    while remaining:
+        progressed = False
+        for s in range(K):
+            while pos[s] < len(schedule[s]):
+                a = schedule[s][pos[s]]
+                v = a.chunk * K + s
+                if a.kind == "F":
+                    deps = [("F", a.microbatch, v - 1)] if v > 0 else []
+                else:
+                    deps = [("F", a.microbatch, v)] + (
+                        [("B", a.microbatch, v + 1)] if v < last else [])
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[s]] + [done[d] for d in deps])
+                end = start + (f_cost if a.kind == "F" else b_cost)
+                done[(a.kind, a.microbatch, v)] = free[s] = end
+                timeline[s].append((a, start, end))
+                stash[s] += 1 if a.kind == "F" else -1
+                peak[s] = max(peak[s], stash[s])
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waits = [f"stage {s} waits at {schedule[s][pos[s]]}" for s in range(K)
+                     if pos[s] < len(schedule[s])]
+            raise ScheduleError("schedule deadlocks: " + "; ".join(waits))
+    makespan = max(free)
+    busy = sum(e - b for row in timeline for _, b, e in row)
+    return Simulation(timeline, makespan, 1.0 - busy / (K * makespan), peak)
+
+
+def pipeline_metrics(name, K, M, V=1, bubble_measured=None):
+    """The `pipeline` block of the metrics JSON for a schedule (theory from `simulate`)."""
+    sim = simulate(make_schedule(name, K, M, V), K, M, V)
+    block = {"stages": K, "microbatches": M, "schedule": name, "virtual_stages": V,
+             "bubble_theory": theory_bubble(K, M, V),
+             "peak_stashed_microbatches": max(sim.peak_stash)}
+    if bubble_measured is not None:
+        block["bubble_measured"] = bubble_measured
+    return block
+
+
+def draw(sim, unit=1.0, width=None):
+    """The timeline as text: one row per stage, `width` characters per `unit` of time
+    (default: wide enough for the longest label).
+
+    Forwards show as `F<mb>`, backwards as `B<mb>` (`.c` adds the chunk), idle as dots.
+    """
+    width = width or 1 + max(len(str(a)) for row in sim.timeline for a, _, _ in row)
+    rows = []
+    for s, row in enumerate(sim.timeline):
+        line, t = "", 0.0
+        for a, start, end in row:
+            line += "." * round((start - t) / unit * width)
+            cells = round((end - start) / unit * width)
+            label = str(a)[:max(cells - 1, 1)]
+            line += (label + ("-" if a.kind == "B" else " ") * cells)[:cells - 1] + "|"
+            t = end
+        rows.append(f"stage {s}: {line}")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    # argparse, not absl flags: absl would register --microbatches globally and clash with
+    # tfpar.flags whenever both modules are imported.
+    p = argparse.ArgumentParser(prog="python -m tfpar.pipeline.schedule",
+                                description="Print a pipeline schedule's timeline and bubble.")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages K")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches M")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--virtual_stages", type=int, default=2,
+                   help="model chunks per stage V (interleaved only)")
+    p.add_argument("--f_cost", type=float, default=1.0, help="time of one forward")
+    p.add_argument("--b_cost", type=float, default=2.0, help="time of one backward")
+    args = p.parse_args(argv)
+    V = args.virtual_stages if args.schedule == "interleaved" else 1
+    try:
+        sched = make_schedule(args.schedule, args.stages, args.microbatches, V)
+    except TfparError as err:
+        p.exit(2, f"tfpar: error: {err}\n")
+    sim = simulate(sched, args.stages, args.microbatches, V, args.f_cost, args.b_cost)
+    print(draw(sim, unit=min(args.f_cost, args.b_cost)))
+    print(f"schedule={args.schedule} K={args.stages} M={args.microbatches} V={V} "
+          f"makespan={sim.makespan:g} bubble={sim.bubble:.3f} "
+          f"theory={theory_bubble(args.stages, args.microbatches, V):.3f} "
+          f"peak_stash={sim.peak_stash}")
+
+
+if __name__ == "__main__":
+    main()
