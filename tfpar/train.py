@@ -103,8 +103,13 @@ def fit_segments(start, total, per_epoch):
     return segments
 
 
-def train(config, environ=None):
-    """Trains `config` and returns the metrics dict (see `tfpar.metrics.summarize`).
+def train(config, environ=None, callbacks=()):
+    """Trains `config`; returns `(metrics, model)` (metrics: see `tfpar.metrics.summarize`).
+
+    Args:
+        config: the `ParallelConfig` to run.
+        environ: where to read `TF_CONFIG` from (default `os.environ`).
+        callbacks: extra Keras callbacks for every `fit` call.
 
     Call in a fresh process: `config.cpu_devices` must be applied before TensorFlow
     initialises, and TensorFlow allows one distribution strategy per process.
@@ -124,7 +129,7 @@ def train(config, environ=None):
     model = build_model(config, runtime, task)
 
     recorder = metrics.StepRecorder()
-    callbacks = [recorder, _nan_guard(config)]
+    callbacks = [recorder, _nan_guard(config), *callbacks]
     start = 0
     if config.checkpoint_dir:
         checkpointer = checkpoint.Checkpointer(config, model, runtime)
@@ -184,6 +189,18 @@ def _nan_guard(config):
     return StopOnNaN()
 
 
+def _cause(err):
+    """The informative line of a TensorFlow runtime error (its first line is often just
+    'Graph execution error:')."""
+    lines = [line.strip() for line in (err.message or str(err)).splitlines() if line.strip()]
+    for key in ("unhealthy", "timed out", "Deadline", "Error reported from", "aborted"):
+        for i, line in enumerate(lines):
+            if key in line:
+                detail = lines[i + 1] if line.endswith(":") and i + 1 < len(lines) else ""
+                return f"{line} {detail}".strip()[:300]
+    return lines[0][:300] if lines else type(err).__name__
+
+
 def summary_line(result):
     parts = [f"strategy={result['strategy']}", f"replicas={result['replicas']}",
              f"workers={result['workers']}", f"steps={result['steps']}",
@@ -211,9 +228,8 @@ def main(argv):
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError, tf.errors.AbortedError) as err:
         # A dead, stalled or missing peer: say so in one line instead of a C++ stack.
-        first = (err.message or str(err)).strip().splitlines()[0][:300]
         print(f"tfpar: error: a collective with the other workers failed "
-              f"({type(err).__name__}: {first}); a peer died, stalled past "
+              f"({type(err).__name__}: {_cause(err)}); a peer died, stalled past "
               f"--collective_timeout_s or --heartbeat_timeout_s, or never started",
               file=sys.stderr, flush=True)
         sys.exit(1)
