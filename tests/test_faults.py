@@ -28,3 +28,75 @@ def test_killed_worker_restarts_and_ends_equal_to_an_uninterrupted_run(tmp_path)
     w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
     assert max_diff(w0, w1) == 0.0
     assert max_diff(w0, weights(reference)) < 1e-6
+
+
+def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from subproc import child_env
+    cfg = {**BASE, "model": "mlp", "optimizer": "adam", "steps": 400, "steps_per_epoch": 400,
+           "checkpoint_every": 1000}
+    _, reference = train_child(tmp_path, "ref", **{**cfg, "strategy": "one_device"})
+    prefix = str(tmp_path / "mw")
+    run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
+    cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=20", "--timeout=200",
+           "--", sys.executable, CHILD, json.dumps(run_cfg), prefix]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait until both workers train, then preempt the job
+            if "TFPAR_READY" in line:
+                time.sleep(4)
+                proc.send_signal(signal.SIGTERM)
+                break
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode != 0
+    assert (tmp_path / "ckpt").is_dir(), output[-4000:]
+    saved = [int(name.split("-")[1].split(".")[0]) for name in os.listdir(tmp_path / "ckpt")
+             if name.startswith("ckpt-") and name.endswith(".index")]
+    assert len(saved) == 1 and 0 < saved[0] < 400, (saved, output[-2000:])
+    rest, _ = train_child(tmp_path, "rest", **{**run_cfg, "strategy": "one_device"})
+    assert rest["resumed_from_step"] == saved[0]
+    assert max_diff(weights(str(tmp_path / "rest")), weights(reference)) < 1e-6
+
+
+def test_a_stalled_peer_ends_the_job_with_a_clear_error(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from subproc import child_env
+    cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=2", "--timeout=150",
+           "--", sys.executable, "-m", "tfpar.train", "--strategy=multi_worker", "--verbose=0",
+           "--steps=100000", "--heartbeat_timeout_s=5", "--collective_timeout_s=10"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    workers = []
+    try:
+        ready = 0
+        for line in proc.stdout:
+            ready += "TFPAR_READY" in line
+            if ready == 2:
+                break
+        time.sleep(3)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "tfpar.train" in " ".join(p.cmdline())]
+        stalled = next(p for p in workers if p.environ().get("TFPAR_WORKER_INDEX") == "1")
+        stalled.send_signal(signal.SIGSTOP)  # alive but silent, as a hung peer would be
+        began = time.monotonic()
+        output = proc.communicate(timeout=120)[0]
+        elapsed = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "tfpar: error: a collective with the other workers failed" in output
+    assert "unhealthy" in output or "timed out" in output.lower()
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -48,7 +48,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.directory = config.checkpoint_dir
         self.every = config.checkpoint_every
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        self._step = 0
+        self._step = self._saved = 0
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                                step=self.step)
         check_directory(config)
@@ -71,7 +71,7 @@ class Checkpointer(keras.callbacks.Callback):
             raise ConfigError("checkpoint_dir", self.directory,
                               f"its checkpoint {os.path.basename(latest)} does not match this "
                               f"model and optimizer ({str(err).splitlines()[0]})") from None
-        self._step = int(self.step.numpy())
+        self._step = self._saved = int(self.step.numpy())
         return self._step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -80,6 +80,11 @@ class Checkpointer(keras.callbacks.Callback):
             self.save()
 
     def save(self):
+        """Saves the state after the steps done so far (once per step, however often
+        called)."""
+        if self._step == self._saved:
+            return
+        self._saved = self._step
         self.step.assign(self._step)
         self._manager.save(checkpoint_number=self._step)
         if self._is_chief:

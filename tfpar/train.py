@@ -16,7 +16,7 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import models
-from tfpar import accumulation, checkpoint, data, devices, metrics, strategy
+from tfpar import accumulation, checkpoint, data, devices, metrics, preemption, strategy
 from tfpar import flags as tfpar_flags
 from tfpar.errors import TfparError
 
@@ -130,13 +130,14 @@ def train(config, environ=None, callbacks=()):
 
     recorder = metrics.StepRecorder()
     callbacks = [recorder, _nan_guard(config), *callbacks]
-    start = 0
+    start, checkpointer, guard = 0, None, None
     if config.checkpoint_dir:
         checkpointer = checkpoint.Checkpointer(config, model, runtime)
         start = checkpointer.restore()
-        callbacks.append(checkpointer)
+        guard = preemption.PreemptionGuard(checkpointer, runtime.strategy, runtime.workers)
+        callbacks += [checkpointer, guard]  # in this order: the guard saves the step just done
         if start:
-            logging.info("resuming from %s at batch %d", config.checkpoint_dir, start)
+            logging.info("resuming from %s at step %d", config.checkpoint_dir, start)
     if config.tensorboard_dir:
         log_dir = config.tensorboard_dir if runtime.is_chief else os.path.join(
             config.tensorboard_dir, f"worker_{runtime.worker_index}")
@@ -148,7 +149,10 @@ def train(config, environ=None, callbacks=()):
         dataset = data.distributed_dataset(runtime.strategy, config, task, first)
         model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
                   callbacks=callbacks, verbose=verbose, shuffle=False)
-    if config.checkpoint_dir and start < config.steps:
+        if model.stop_training:
+            break
+    if checkpointer is not None:
+        guard.restore_handler()
         checkpointer.save()
 
     comm = None
@@ -166,6 +170,8 @@ def train(config, environ=None, callbacks=()):
     local_replicas = runtime.replicas // runtime.workers
     result = metrics.summarize(config, runtime, recorder, [params] * local_replicas, comm=comm)
     result["resumed_from_step"] = start
+    if guard is not None and guard.preempted:
+        result["preempted"] = True
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)
     return result, model
@@ -234,6 +240,11 @@ def main(argv):
               file=sys.stderr, flush=True)
         sys.exit(1)
     print(summary_line(result), flush=True)
+    if result.get("preempted"):
+        print(f"tfpar: preempted (SIGTERM): checkpoint saved at step "
+              f"{result['resumed_from_step'] + result['steps']}; run the same command to resume",
+              file=sys.stderr, flush=True)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

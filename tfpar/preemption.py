@@ -1,0 +1,61 @@
+"""Preemption: on SIGTERM, finish the step, write a checkpoint, stop — on every worker alike.
+
+A preempted job loses no work: a scheduler (Kubernetes, Slurm, `tfpar.launch`) sends
+SIGTERM and waits a grace period before SIGKILL. Workers of a synchronous job must stop at
+the same step, or the ones still training would wait in a collective for the ones that
+left; so every `check_every` steps the workers agree (a one-number all-reduce) whether any
+of them was signalled, and all save and stop together.
+"""
+
+import signal
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+class PreemptionGuard(keras.callbacks.Callback):
+    """Saves a checkpoint and stops training after SIGTERM (handled from construction on;
+    `restore_handler` puts the previous handler back).
+
+    Args:
+        checkpointer: the run's `tfpar.checkpoint.Checkpointer`.
+        strategy: the run's strategy (used to agree across workers).
+        check_every: steps between agreements when there are several workers (a single
+            process checks every step: it needs no collective).
+    """
+
+    def __init__(self, checkpointer, strategy, workers, check_every=5):
+        super().__init__()
+        self.checkpointer, self.strategy = checkpointer, strategy
+        self.check_every = check_every if workers > 1 else 1
+        self.workers = workers
+        self.preempted = False
+        self._signalled = threading.Event()
+        self._steps = 0
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._signalled.set())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if self._steps % self.check_every:
+            return
+        if self._agreed_signal():
+            self.preempted = True
+            self.checkpointer.save()
+            self.model.stop_training = True
+
+    def restore_handler(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _agreed_signal(self):
+        local = 1.0 if self._signalled.is_set() else 0.0
+        if self.workers == 1:
+            return bool(local)
+        values = self.strategy.experimental_distribute_values_from_function(
+            lambda _: tf.constant(local))
+        return float(np.asarray(self.strategy.reduce("SUM", values, axis=None))) > 0
