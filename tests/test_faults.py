@@ -18,8 +18,8 @@ def test_killed_worker_restarts_and_ends_equal_to_an_uninterrupted_run(tmp_path)
     run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
     out = run_module("tfpar.launch", "--workers=2", "--max_restarts=1", "--grace=2",
                      "--timeout=300", "--", sys.executable, CHILD, json.dumps(run_cfg), prefix,
-                     env={"KILL_AT_STEP": "13", "KILL_WORKER": "1"}, timeout=360)
-    assert "KILLING worker 1 after step 13" in out.stdout
+                     env={"TFPAR_INJECT_FAULTS": "1:13"}, timeout=360)
+    assert "[worker 1] tfpar.faults: killing this worker after step 13" in out.stdout
     assert "1 restart" in out.stderr
     results = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
                if "] {" in line]

@@ -16,7 +16,8 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import models
-from tfpar import accumulation, checkpoint, data, devices, metrics, preemption, strategy
+from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, preemption,
+                   strategy)
 from tfpar import flags as tfpar_flags
 from tfpar.errors import TfparError
 
@@ -143,6 +144,9 @@ def train(config, environ=None, callbacks=()):
             config.tensorboard_dir, f"worker_{runtime.worker_index}")
         callbacks.append(keras.callbacks.TensorBoard(log_dir, update_freq="epoch"))
 
+    fault = faults.injector(start)
+    if fault is not None:
+        callbacks.append(fault)
     verbose = config.verbose if runtime.is_chief else 0
     for initial, epochs, steps, first in fit_segments(start, config.steps,
                                                       config.steps_per_epoch):

@@ -1,0 +1,61 @@
+"""Fault injection for testing recovery: kill a worker at a chosen step.
+
+`TFPAR_INJECT_FAULTS="W:S[,W:S...]"` makes worker W SIGKILL itself right after global step S
+(counting steps restored from a checkpoint), once per fault: fault k fires only in the k-th
+attempt (`TFPAR_RESTART`, set by `tfpar.launch --max_restarts`), so a restarted job runs on
+past it. Used by tests/test_faults.py and tools/bench_faults.py; off unless the variable
+is set.
+"""
+
+import os
+import signal
+import sys
+
+import keras
+
+from tfpar.errors import ConfigError
+
+ENV = "TFPAR_INJECT_FAULTS"
+
+
+def parse_plan(text):
+    """`"1:13,0:30"` → `[(1, 13), (0, 30)]`.
+
+    Raises:
+        ConfigError: the plan is not comma-separated `worker:step` pairs with rising steps.
+    """
+    plan = []
+    for item in filter(None, text.split(",")):
+        try:
+            worker, step = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise ConfigError(ENV, text, "use comma-separated worker:step pairs, e.g. 1:13,0:30")
+        plan.append((worker, step))
+    if [s for _, s in plan] != sorted(s for _, s in plan):
+        raise ConfigError(ENV, text, "faults must be listed in the order of their steps")
+    return plan
+
+
+def injector(start_step, environ=os.environ):
+    """The callback that carries out this attempt's fault, or None."""
+    plan = parse_plan(environ.get(ENV, ""))
+    attempt = int(environ.get("TFPAR_RESTART", "0"))
+    if attempt >= len(plan):
+        return None
+    worker, step = plan[attempt]
+    if worker != int(environ.get("TFPAR_WORKER_INDEX", "0")):
+        return None
+    return _KillAt(start_step, step)
+
+
+class _KillAt(keras.callbacks.Callback):
+    def __init__(self, start_step, step):
+        super().__init__()
+        self.done, self.step = start_step, step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.step:
+            print(f"tfpar.faults: killing this worker after step {self.step}", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
