@@ -199,3 +199,14 @@ def test_a_peer_that_never_starts_fails_within_the_bound():
     line = cli_error("--startup_timeout_s=8", "--steps=1", env={"TF_CONFIG": tf_config})
     assert time.monotonic() - began < 60
     assert "startup_timeout_s=8" in line
+
+
+def test_checkpoint_of_an_incompatible_run_is_refused_with_what_differs(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_module("tfpar.train", f"--checkpoint_dir={ckpt}", "--steps=2", "--verbose=0",
+               timeout=120)
+    before = sorted(os.listdir(ckpt))
+    line = cli_error(f"--checkpoint_dir={ckpt}", "--steps=4", "--model_width=32",
+                     "--optimizer=sgd")
+    assert "model_width: saved 0, now 32" in line and "optimizer: saved 'adam', now 'sgd'" in line
+    assert sorted(os.listdir(ckpt)) == before  # nothing written over
