@@ -1,0 +1,56 @@
+"""`python -m tfpar.plan`: how should this model run on this hardware?
+
+Enumerates (data, tensor, pipeline, micro-batches, compression) layouts that use every
+device and fit in memory, ranks them by predicted step time, and prints a table with the
+reasons and the exact `python -m tfpar.train` command of the winner (`--json` for tools).
+
+    python -m tfpar.plan --model=transformer --devices=8 --memory_gb=16 --tflops=100
+    python -m tfpar.plan --model=mlp --devices=4 --calibrate     # measure this machine
+"""
+
+import json
+import sys
+
+from absl import app, flags
+
+from tfpar import flags as tfpar_flags
+from tfpar.errors import TfparError
+from tfpar.plan import planner
+
+tfpar_flags.define_flags()
+flags.DEFINE_integer("devices", 0, "Devices to plan for (0: the local devices, or "
+                     "--cpu_devices with --calibrate).", lower_bound=0)
+flags.DEFINE_float("memory_gb", 16.0, "Memory of one device, GB.", lower_bound=0)
+flags.DEFINE_float("tflops", 10.0, "Sustained matmul TFLOP/s of one device.", lower_bound=0)
+flags.DEFINE_float("intra_gbps", 100.0, "Bandwidth between devices of a machine, Gbit/s.",
+                   lower_bound=0)
+flags.DEFINE_float("inter_gbps", 10.0, "Bandwidth between machines, Gbit/s.", lower_bound=0)
+flags.DEFINE_integer("devices_per_machine", 0, "Devices per machine (0: one machine).",
+                     lower_bound=0)
+flags.DEFINE_bool("calibrate", False, "Measure matmul rate and all-reduce bandwidth here "
+                  "(on --cpu_devices logical CPUs) instead of the hardware flags.")
+flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
+flags.DEFINE_integer("top", 10, "Rows of the table.", lower_bound=1)
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    try:
+        config = tfpar_flags.config_from_flags()
+        hardware = (planner.calibrate(config.cpu_devices or FLAGS.devices or 2)
+                    if FLAGS.calibrate else planner.hardware_from(
+                        FLAGS.devices, FLAGS.memory_gb, FLAGS.tflops, FLAGS.intra_gbps,
+                        FLAGS.inter_gbps, FLAGS.devices_per_machine))
+        result = planner.plan(config, hardware, simulated_cpu=FLAGS.calibrate)
+    except TfparError as err:
+        print(f"tfpar.plan: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(planner.table(result, FLAGS.top))
+
+
+if __name__ == "__main__":
+    app.run(main)
