@@ -79,8 +79,7 @@ def make_runtime(config, environ=None):
     Call after `devices.split_cpu(config.cpu_devices)` and before any model is built.
 
     Raises:
-        ConfigError: a setting or `TF_CONFIG` is invalid, or the global batch does not
-            split over the replicas.
+        ConfigError: a setting or `TF_CONFIG` is invalid.
         TfparError: peers did not come up within `startup_timeout_s`.
     """
     cluster = tf_config_lib.load(os.environ if environ is None else environ)
@@ -104,11 +103,10 @@ def make_runtime(config, environ=None):
         worker_index=cluster.worker_index if kind == "multi_worker" else 0,
         is_chief=cluster.is_chief if kind == "multi_worker" else True,
         collective=collective)
-    config.per_replica_batch(runtime.replicas)
     if config.data_parallel and kind != "mirrored" and config.data_parallel != runtime.replicas:
         raise ConfigError("data_parallel", config.data_parallel,
                           f"the {kind} strategy has {runtime.replicas} replicas")
-    print(READY_LINE, flush=True)
+    print(READY_LINE, file=sys.stderr, flush=True)
     return runtime
 
 

@@ -125,6 +125,7 @@ def train(config, environ=None, callbacks=()):
         keras.mixed_precision.set_global_policy(
             {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}[config.mixed_precision])
     runtime = strategy.make_runtime(config, environ)
+    config.per_replica_batch(runtime.replicas)
     logging.info(devices.topology(runtime.strategy, runtime.workers))
     task = data.make_task(config)
     model = build_model(config, runtime, task)

@@ -1,0 +1,78 @@
+"""The doctor names each planted fault: out-of-sync replica, unscaled learning rate, bad
+TF_CONFIG, unreachable peer, communication-bound step."""
+
+import json
+import socket
+import sys
+
+from subproc import run, run_python
+from tfpar import ParallelConfig
+from tfpar.doctor import check_learning_rate, check_tf_config
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unscaled_learning_rate_is_named_with_the_fix():
+    check = check_learning_rate(ParallelConfig(global_batch_size=512, base_batch_size=64,
+                                               learning_rate=0.001))
+    assert check.status == "WARN" and "8x" in check.detail
+    assert "--scale_lr (rate 0.008)" in check.fix
+    assert check_learning_rate(ParallelConfig(global_batch_size=512, base_batch_size=64,
+                                              scale_lr=True)).status == "PASS"
+
+
+def test_bad_tf_config_fails_naming_the_field():
+    check, _ = check_tf_config({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
+                                             '"task": {"type": "worker", "index": 5}}'})
+    assert check.status == "FAIL" and "TF_CONFIG.task.index" in check.detail
+
+
+def test_unreachable_peer_fails_naming_its_address():
+    own, peer = free_port(), free_port()
+    env = {"TF_CONFIG": json.dumps({"cluster": {"worker": [f"127.0.0.1:{own}",
+                                                           f"127.0.0.1:{peer}"]},
+                                    "task": {"type": "worker", "index": 0}})}
+    check, _ = check_tf_config(env, peer_timeout=1.0)
+    assert check.status == "FAIL" and f"127.0.0.1:{peer}" in check.detail
+    with socket.socket() as listener:  # the same peer, now listening: it passes
+        listener.bind(("127.0.0.1", peer))
+        listener.listen()
+        assert check_tf_config(env, peer_timeout=1.0)[0].status == "PASS"
+
+
+def test_out_of_sync_replica_is_found():
+    out = run_python("""
+        import json
+        from tfpar import ParallelConfig, devices
+        devices.split_cpu(4)
+        from tfpar import data, doctor, strategy
+        from tfpar.train import build_model
+        config = ParallelConfig(cpu_devices=4)
+        runtime = strategy.make_runtime(config)
+        model = build_model(config, runtime, data.make_task(config))
+        healthy = doctor.check_replicas_in_sync(runtime, model)
+        # A per-replica write outside the optimizer step: replica 2 drifts.
+        kernel = model.get_layer("dense_1").kernel.value
+        kernel.values[2].assign_add(1e-3 * kernel.values[2])
+        planted = doctor.check_replicas_in_sync(runtime, model)
+        print(json.dumps([healthy.status, planted.status, planted.detail]))
+    """, timeout=180)
+    healthy, planted, detail = json.loads(out.stdout.strip().splitlines()[-1])
+    assert healthy == "PASS" and planted == "FAIL"
+    assert "replica(s) [2]" in detail
+
+
+def test_cli_flags_a_communication_bound_step_and_a_batch_that_does_not_split():
+    out = run([sys.executable, "-m", "tfpar.doctor", "--cpu_devices=4", "--model_width=2048",
+               "--global_batch_size=6", "--json"], check=False, timeout=240)
+    checks = {c["name"]: c for c in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert out.returncode == 1  # a FAIL is present
+    assert checks["batch split"]["status"] == "FAIL"
+    assert "--global_batch_size=4" in checks["batch split"]["fix"]
+    assert checks["communication share"]["status"] == "WARN"
+    assert "compress gradients" in checks["communication share"]["fix"]
+    assert checks["replicas in sync"]["status"] == "PASS"
