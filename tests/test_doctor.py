@@ -67,7 +67,7 @@ def test_out_of_sync_replica_is_found():
 
 
 def test_cli_flags_a_communication_bound_step_and_a_batch_that_does_not_split():
-    out = run([sys.executable, "-m", "tfpar.doctor", "--cpu_devices=4", "--model_width=2048",
+    out = run([sys.executable, "-m", "tfpar.doctor", "--cpu_devices=4", "--model_width=4096",
                "--global_batch_size=6", "--json"], check=False, timeout=240)
     checks = {c["name"]: c for c in json.loads(out.stdout.strip().splitlines()[-1])}
     assert out.returncode == 1  # a FAIL is present
