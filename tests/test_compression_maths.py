@@ -1,0 +1,161 @@
+"""Pure maths of the gradient codecs: no strategy, plain TensorFlow ops."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar.compression import buckets, codecs, error_feedback, powersgd
+
+
+def _rand(*shape, seed=0):
+    return tf.constant(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype,rel", [(tf.float16, 2 ** -11), (tf.bfloat16, 2 ** -8)])
+def test_cast_roundtrip_relative_error(dtype, rel):
+    x = _rand(10000)
+    y = codecs.cast_roundtrip(x, dtype)
+    assert y.dtype == tf.float32
+    assert np.max(np.abs((y - x) / x)) <= rel
+
+
+def test_int8_nearest_error_within_half_step():
+    x = _rand(5000)
+    codes, scale = codecs.quantize_int8(x)
+    assert codes.dtype == tf.int8
+    err = np.abs(codecs.dequantize_int8(codes, scale) - x)
+    assert float(np.max(err)) <= float(scale) / 2 + 1e-7
+    assert float(scale) == pytest.approx(float(tf.reduce_max(tf.abs(x))) / 127)
+
+
+def test_int8_stochastic_is_unbiased():
+    x = tf.fill([20000], 0.3) * tf.constant(1.0)
+    x = tf.concat([x, [1.0]], 0)  # scale = 1/127, 0.3 sits between codes 38 and 39
+    codes, scale = codecs.quantize_int8(x, seed=tf.constant([1, 2]))
+    y = codecs.dequantize_int8(codes, scale)[:-1]
+    assert set(np.unique(codes[:-1].numpy())) == {38, 39}
+    assert float(tf.reduce_mean(y)) == pytest.approx(0.3, abs=2e-4)
+
+
+def test_int8_all_zero_buffer():
+    codes, scale = codecs.quantize_int8(tf.zeros([7]))
+    assert np.all(codecs.dequantize_int8(codes, scale).numpy() == 0)
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 1023])
+def test_int8_pack_into_int32_roundtrip(n):
+    codes = tf.constant(np.random.default_rng(n).integers(-127, 128, n).astype(np.int8))
+    words = codecs.pack_int8(codes)
+    assert words.dtype == tf.int32 and words.shape == [(n + 3) // 4]
+    np.testing.assert_array_equal(codecs.unpack_int8(words, n), codes)
+    # Gathered words of several replicas unpack row by row.
+    rows = codecs.unpack_int8(tf.stack([words, words]), n)
+    np.testing.assert_array_equal(rows[1], codes)
+
+
+def test_topk_keeps_largest_and_roundtrips():
+    x = _rand(1000)
+    values, indices = codecs.topk(x, 10)
+    dense = codecs.densify(values, indices, 1000)
+    top = np.argsort(-np.abs(x.numpy()))[:10]
+    np.testing.assert_array_equal(np.sort(indices.numpy()), np.sort(top))
+    np.testing.assert_array_equal(dense.numpy()[top], x.numpy()[top])
+    assert np.count_nonzero(dense) == 10
+
+
+def test_threshold_and_sparse_packing():
+    x = tf.constant([0.5, -2.0, 0.01, 3.0, -0.001])
+    values, indices = codecs.threshold(x, 0.4)
+    np.testing.assert_array_equal(indices, [0, 1, 3])
+    v2, i2 = codecs.unpack_sparse(codecs.pack_sparse(values, indices))
+    np.testing.assert_array_equal(v2, values)
+    np.testing.assert_array_equal(i2, indices)
+    np.testing.assert_allclose(codecs.densify(v2, i2, 5), [0.5, -2.0, 0, 3.0, 0])
+
+
+@pytest.mark.parametrize("roundtrip", [
+    lambda x: codecs.densify(*codecs.topk(x, 5), 500),
+    lambda x: codecs.densify(*codecs.threshold(x, 1.5), 500),
+    lambda x: codecs.dequantize_int8(*codecs.quantize_int8(x)),
+    lambda x: codecs.cast_roundtrip(x, tf.bfloat16),
+], ids=["topk", "threshold", "int8", "bf16"])
+def test_error_feedback_conserves_the_sum(roundtrip):
+    """Σ transmitted + final residual == Σ gradients, over many steps."""
+    grads = [_rand(500, seed=s) for s in range(30)]
+    residual = tf.zeros([500])
+    sent_total = tf.zeros([500])
+    for g in grads:
+        sent, residual = error_feedback.compress_with_feedback(g, residual, roundtrip)
+        sent_total += sent
+    np.testing.assert_allclose(sent_total + residual, tf.add_n(grads), atol=1e-4)
+    # Without feedback the same top-k loses most of the mass.
+
+
+def test_error_feedback_transmits_small_coordinates_eventually():
+    """A coordinate too small for top-k on its own is sent once its residual has grown."""
+    g = tf.constant([1.0, 0.1, 0.0, 0.0])
+    residual, got = tf.zeros([4]), tf.zeros([4])
+    for _ in range(20):
+        sent, residual = error_feedback.compress_with_feedback(
+            g, residual, lambda x: codecs.densify(*codecs.topk(x, 1), 4))
+        got += sent
+    assert got[1] > 1.0  # 20 steps × 0.1 = 2.0 owed; most of it delivered
+
+
+def test_powersgd_exact_on_low_rank_input():
+    a, b = _rand(64, 3, seed=1), _rand(3, 48, seed=2)
+    m = tf.matmul(a, b)
+    approx, q = powersgd.approximate(m, powersgd.initial_q(48, 4, seed=0))
+    assert q.shape == [48, 4]
+    np.testing.assert_allclose(approx, m, atol=1e-4 * float(tf.reduce_max(tf.abs(m))))
+
+
+def test_powersgd_orthogonalize_and_warm_start_converges():
+    p = powersgd.orthogonalize(_rand(50, 4))
+    np.testing.assert_allclose(tf.matmul(p, p, transpose_a=True), np.eye(4), atol=1e-5)
+    # A full-rank matrix with a dominant rank-2 part: warm-started iterations converge to it.
+    u, v = _rand(80, 2, seed=3), _rand(2, 60, seed=4)
+    m = 10 * tf.matmul(u, v) + 0.01 * _rand(80, 60, seed=5)
+    q = powersgd.initial_q(60, 2, seed=1)
+    errs = []
+    for _ in range(5):
+        approx, q = powersgd.approximate(m, q)
+        errs.append(float(tf.norm(m - approx) / tf.norm(m)))
+    assert errs[-1] < 1e-3 and errs[-1] <= errs[0]
+
+
+def test_powersgd_factors_sum_over_replicas():
+    """Summing P and Q over replicas reproduces the factors of the summed gradient."""
+    ms = [_rand(30, 20, seed=s) for s in range(4)]
+    q = powersgd.initial_q(20, 3, seed=0)
+    p_hat = powersgd.orthogonalize(tf.add_n([powersgd.compress_p(m, q) for m in ms]))
+    q_sum = tf.add_n([powersgd.compress_q(m, p_hat) for m in ms])
+    approx_of_sum, _ = powersgd.approximate(tf.add_n(ms), q)
+    np.testing.assert_allclose(powersgd.decompress(p_hat, q_sum), approx_of_sum, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,rank,expected", [
+    ((64,), 4, False), ((8, 8), 4, False), ((256, 256), 4, True), ((3, 3, 16, 32), 4, True),
+    ((1, 1000), 4, False)])
+def test_powersgd_compressible(shape, rank, expected):
+    assert powersgd.compressible(shape, rank) is expected
+
+
+def test_bucket_pack_unpack_roundtrip():
+    tensors = [_rand(3, 4, seed=0), _rand(5, seed=1), _rand(2, 2, 2, seed=2), _rand(100, seed=3)]
+    plan = buckets.plan_buckets([t.shape for t in tensors], bucket_bytes=4 * 30)
+    # Filled from the last tensor: the 100-element one alone, then the rest together.
+    assert [b.positions for b in plan] == [(3,), (2, 1, 0)]
+    assert [b.size for b in plan] == [100, 25]
+    out = {}
+    for b in plan:
+        flat = buckets.pack(tensors, b)
+        assert flat.shape == [b.size]
+        out.update(buckets.unpack(flat, b))
+    for i, t in enumerate(tensors):
+        np.testing.assert_array_equal(out[i], t)
+
+
+def test_bucket_single_bucket_when_budget_is_large():
+    plan = buckets.plan_buckets([(10,), (20, 2), ()], bucket_bytes=25 * 2 ** 20)
+    assert len(plan) == 1 and plan[0].size == 51

@@ -1,0 +1,49 @@
+"""Gradient aggregators: replacements for the plain all-reduce of gradients that cut bytes.
+
+Pick one from a `ParallelConfig` with `make_aggregator`, plug it into a Keras optimizer with
+`wrap_optimizer`, or call `aggregator.all_reduce_sum(grads, variables)` in replica context
+from a custom loop.
+
+Example:
+>>> agg = make_aggregator(ParallelConfig(compression="topk", topk_ratio=0.01))
+>>> with strategy.scope():                                            # doctest: +SKIP
+...     model.compile(optimizer=wrap_optimizer(keras.optimizers.Adam(), agg), loss=...)
+>>> model.fit(...); agg.comm_stats()["compression_ratio"]           # doctest: +SKIP
+"""
+
+from tfpar.compression.aggregator import Aggregator
+from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
+from tfpar.compression.keras_hook import wrap_optimizer
+from tfpar.compression.lowrank import PowerSGDAggregator
+from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
+
+__all__ = ["Aggregator", "CastAggregator", "Int8Aggregator", "NoneAggregator",
+           "PowerSGDAggregator", "ThresholdAggregator", "TopKAggregator", "make_aggregator",
+           "wrap_optimizer"]
+
+
+def make_aggregator(config, seed=None):
+    """The aggregator `config.compression` names, with its parameters from `config`.
+
+    Args:
+        config: a `tfpar.ParallelConfig` (already validated).
+        seed: PowerSGD's initial-Q seed (default `config.seed`).
+
+    Returns:
+        an `Aggregator`.
+    """
+    common = {"bucket_mb": config.bucket_mb, "error_feedback": config.error_feedback,
+              "timeout_s": config.collective_timeout_s}
+    kind = config.compression
+    if kind == "none":
+        return NoneAggregator(**common)
+    if kind in ("fp16", "bf16"):
+        return CastAggregator(kind, **common)
+    if kind == "int8":
+        return Int8Aggregator(**common)
+    if kind == "topk":
+        return TopKAggregator(config.topk_ratio, **common)
+    if kind == "threshold":
+        return ThresholdAggregator(config.threshold, **common)
+    return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,
+                              config.seed if seed is None else seed, **common)

@@ -1,0 +1,214 @@
+"""`Aggregator`: what replaces the plain all-reduce of gradients.
+
+An aggregator is called in replica context with this replica's gradients and returns their
+SUM over replicas (Keras has already divided each by the number of replicas). It owns the
+per-replica state its method needs — error-feedback residuals, PowerSGD's Q, a step
+counter — as `tf.Variable`s created under the strategy scope, so a `tf.train.Checkpoint`
+of the optimizer (which tracks `optimizer.tfpar_aggregator`) saves them.
+
+Subclasses implement `_exchange_bucket` (one fused fp32 buffer) or `_exchange` (the whole
+list); the base class does bucketing, error feedback and the byte count.
+"""
+
+import tensorflow as tf
+
+from tfpar.compression import buckets, collectives, error_feedback
+
+_ON_READ = tf.VariableSynchronization.ON_READ
+
+
+def per_replica_variable(initial_value, name, aggregation):
+    """A variable every replica keeps its own copy of (`ON_READ`), updated locally without
+    communication. Reading it in cross-replica context (a checkpoint save) aggregates with
+    `aggregation`: MEAN for residuals, so a restore gives each of N replicas the mean and
+    their sum — the error still owed — is preserved; ONLY_FIRST_REPLICA for state that is
+    identical on all replicas."""
+    return tf.Variable(initial_value, name=name, trainable=False, synchronization=_ON_READ,
+                       aggregation=aggregation)
+
+
+class Aggregator(tf.Module):
+    """Base class: sums gradients over replicas, bucket by bucket, with error feedback.
+
+    Args:
+        bucket_mb: tensors are fused into buffers of at most this many MiB (fp32), one
+            collective per buffer.
+        error_feedback: keep what compression drops and add it to the next step's gradient
+            (ignored by lossless aggregators).
+        timeout_s: timeout of each collective (None: wait forever).
+
+    Example:
+    >>> agg = NoneAggregator()                                     # doctest: +SKIP
+    >>> summed = strategy.run(lambda g: agg.all_reduce_sum(g, variables), args=(grads,))
+    """
+
+    lossy = False
+
+    def __init__(self, bucket_mb=25.0, error_feedback=True, timeout_s=None, name=None):
+        super().__init__(name=name or type(self).__name__)
+        self.bucket_bytes = int(bucket_mb * 2 ** 20)
+        self.error_feedback = bool(error_feedback) and self.lossy
+        self.timeout_s = timeout_s
+        self.built = False
+        self.trace_count = 0  # Python-side: how many times the collective part was traced
+
+    # ---- state -------------------------------------------------------------------------
+    def build(self, variables):
+        """Creates the aggregator's state for `variables` (call in cross-replica context
+        under the strategy scope; `all_reduce_sum` calls it lazily otherwise).
+
+        Args:
+            variables: the trainable variables whose gradients will be aggregated.
+        """
+        if self.built:
+            return
+        # A plain object, so tf.Module's tracking does not wrap (and try to save) the dict.
+        self._layout = _Layout(variables)
+        with tf.init_scope():
+            self.step = per_replica_variable(
+                tf.constant(0, tf.int64), "step", tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self.wire_bytes = per_replica_variable(
+                tf.constant(self.static_wire_bytes(range(len(variables))), tf.int64),
+                "wire_bytes", tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self.residuals = {}
+            if self.error_feedback:
+                self.residuals = {
+                    str(i): per_replica_variable(tf.zeros(self._layout.shapes[i]),
+                                                 f"residual_{i}", tf.VariableAggregation.MEAN)
+                    for i in self._lossy_positions()}
+            self._build_state()
+        self.built = True
+
+    def _build_state(self):
+        """Subclass hook: extra variables, created inside `tf.init_scope`."""
+
+    def _lossy_positions(self):
+        """Positions whose transmission is inexact (they get residuals)."""
+        return range(len(self._layout.shapes))
+
+    # ---- the collective part -----------------------------------------------------------
+    def all_reduce_sum(self, grads, variables):
+        """Sums `grads` over all replicas through this aggregator's compression.
+
+        Call in replica context (inside `strategy.run` or an optimizer's apply).
+
+        Args:
+            grads: this replica's gradients (tensors or None), one per variable.
+            variables: the variables they belong to (the same list on every step).
+
+        Returns:
+            list of the summed gradients, None where `grads` had None; identical on every
+            replica.
+
+        Raises:
+            RuntimeError: called in cross-replica context.
+        """
+        ctx = collectives.replica_context()
+        if not self.built:
+            ctx.merge_call(lambda _: self.build(variables))
+        self.trace_count += 1
+        present = [i for i, g in enumerate(grads) if g is not None]
+        positions = [self._layout.keys[_key(variables[i])] for i in present]
+        xs = [tf.cast(grads[i], tf.float32) for i in present]
+        residuals = [self.residuals.get(str(p)) for p in positions]
+        xs = [error_feedback.corrected(x, r) for x, r in zip(xs, residuals)]
+        summed, local, nbytes = self._exchange(xs, positions)
+        for x, r, sent in zip(xs, residuals, local):
+            if r is not None:
+                r.assign(error_feedback.next_residual(x, sent))
+        self.wire_bytes.assign(tf.cast(nbytes, tf.int64))
+        self.step.assign_add(1)
+        out = list(grads)
+        for i, s in zip(present, summed):
+            out[i] = tf.cast(s, grads[i].dtype)
+        return out
+
+    def _exchange(self, xs, positions):
+        """Sums the corrected gradients `xs` (fp32) over replicas, bucket by bucket.
+
+        Returns:
+            `(summed, local, wire_bytes)`: the sums; what this replica's own message decodes
+            to (for error feedback); bytes this replica handed to collectives.
+        """
+        plan = buckets.plan_buckets([x.shape for x in xs], self.bucket_bytes)
+        summed, local, nbytes = [None] * len(xs), [None] * len(xs), 0
+        for bucket in plan:
+            s, loc, b = self._exchange_bucket(buckets.pack(xs, bucket), bucket)
+            summed_parts = buckets.unpack(s, bucket)
+            local_parts = buckets.unpack(loc, bucket) if loc is not None else {}
+            for j in bucket.positions:
+                summed[j] = summed_parts[j]
+                local[j] = local_parts.get(j, xs[j])
+            nbytes += b
+        return summed, local, nbytes
+
+    def _exchange_bucket(self, flat, bucket):
+        """Sums one fused fp32 buffer (laid out as `bucket`) over replicas.
+
+        Returns:
+            `(summed, local_decoded or None if exact, wire_bytes)`.
+        """
+        raise NotImplementedError
+
+    # ---- bytes on the wire -------------------------------------------------------------
+    def static_wire_bytes(self, positions):
+        """Bytes per step handed to collectives for these variable positions, from shapes
+        (subclasses with data-dependent sizes return an estimate)."""
+        shapes = [self._layout.shapes[p] for p in positions]
+        plan = buckets.plan_buckets(shapes, self.bucket_bytes)
+        return sum(self._bucket_wire_bytes(b) for b in plan)
+
+    def _bucket_wire_bytes(self, bucket):
+        """Bytes handed to collectives for one `buckets.Bucket`."""
+        raise NotImplementedError
+
+    def comm_stats(self):
+        """Bytes this replica hands to collectives per step, as measured on the last step
+        (before any step: from shapes), against the plain all-reduce of the gradients.
+
+        Returns:
+            `{"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
+            "compression_ratio": float}` (ratio = uncompressed / on the wire: 2.0 for fp16).
+
+        Raises:
+            RuntimeError: before `build`.
+        """
+        if not self.built:
+            raise RuntimeError(f"{type(self).__name__}.comm_stats() needs build() first")
+        raw = sum(_numel(s) * n for s, n in zip(self._layout.shapes, self._layout.itemsizes))
+        wire = int(self.wire_bytes.numpy())
+        return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+                "compression_ratio": raw / wire if wire else 1.0}
+
+    def get_config(self):
+        """The constructor arguments (for logs and the metrics JSON)."""
+        return {"bucket_mb": self.bucket_bytes / 2 ** 20, "error_feedback": self.error_feedback,
+                "timeout_s": self.timeout_s}
+
+    @property
+    def _opts(self):
+        return collectives.options(self.timeout_s)
+
+
+class _Layout:
+    """Static facts about the variables an aggregator was built for."""
+
+    def __init__(self, variables):
+        self.keys = {_key(v): i for i, v in enumerate(variables)}
+        self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        self.itemsizes = [tf.as_dtype(v.dtype).size for v in variables]
+
+
+def _key(variable):
+    # Keras hands over the tf.Variable behind each keras.Variable; under a strategy that is
+    # the distributed container, the same object on every step.
+    if not isinstance(variable, tf.Variable) and hasattr(variable, "value"):
+        variable = variable.value
+    return variable.ref()
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n

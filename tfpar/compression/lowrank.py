@@ -1,0 +1,115 @@
+"""`PowerSGDAggregator`: gradients of matrices sent as rank-r factors (see `powersgd`)."""
+
+import tensorflow as tf
+
+from tfpar.compression import collectives, powersgd
+from tfpar.compression.aggregator import Aggregator, per_replica_variable
+from tfpar.compression.dense import NoneAggregator
+
+
+class PowerSGDAggregator(NoneAggregator):
+    """Rank-`rank` PowerSGD with warm-started Q and error feedback.
+
+    Per step: all matrices' `P = M Q` in one all-reduce, orthogonalise, all matrices'
+    `Q = Mᵀ P̂` in a second all-reduce; vectors, biases and matrices too small to gain are
+    all-reduced uncompressed in fp32 buckets. Before `start_step` everything is all-reduced
+    uncompressed (the early gradients change fastest and PowerSGD's warm start has not
+    settled).
+
+    Args:
+        rank: rank of the approximation.
+        start_step: aggregator steps of plain all-reduce before compressing.
+        seed: seed of the initial Q (must be the same on every replica and worker).
+        **kwargs: see `Aggregator`.
+    """
+
+    lossy = True
+
+    def __init__(self, rank=4, start_step=0, seed=0, **kwargs):
+        if rank < 1:
+            raise ValueError(f"rank={rank!r} is invalid: must be an integer >= 1")
+        super().__init__(**kwargs)
+        self.rank = int(rank)
+        self.start_step = int(start_step)
+        self.seed = int(seed)
+
+    def _matrices(self):
+        return [i for i, s in enumerate(self._layout.shapes)
+                if powersgd.compressible(s, self.rank)]
+
+    def _lossy_positions(self):
+        return self._matrices()
+
+    def _build_state(self):
+        self.qs = {
+            str(i): per_replica_variable(
+                powersgd.initial_q(powersgd.matrix_shape(self._layout.shapes[i])[1],
+                                   powersgd.effective_rank(self._layout.shapes[i], self.rank),
+                                   self.seed + i),
+                f"powersgd_q_{i}", tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            for i in self._matrices()}
+
+    def static_wire_bytes(self, positions):
+        positions = list(positions)
+        matrices = set(self._matrices())
+        factors = sum(4 * sum(powersgd.matrix_shape(self._layout.shapes[p])) *
+                      powersgd.effective_rank(self._layout.shapes[p], self.rank)
+                      for p in positions if p in matrices)
+        rest = [p for p in positions if p not in matrices]
+        return factors + (super().static_wire_bytes(rest) if rest else 0)
+
+    def _exchange(self, xs, positions):
+        if self.start_step <= 0:
+            return self._compressed(xs, positions)
+
+        def plain(xs):
+            return _as_tensors(Aggregator._exchange(self, xs, positions))
+
+        def compressed(xs):
+            return _as_tensors(self._compressed(xs, positions))
+
+        return collectives.replica_cond(self.step < self.start_step, plain, compressed, (xs,))
+
+    def _compressed(self, xs, positions):
+        matrices = set(self._matrices())
+        mat = [j for j, p in enumerate(positions) if p in matrices]
+        rest = [j for j, p in enumerate(positions) if p not in matrices]
+        summed, local, nbytes = list(xs), list(xs), 0
+        if rest:
+            s, loc, nbytes = Aggregator._exchange(self, [xs[j] for j in rest],
+                                                  [positions[j] for j in rest])
+            for j, sj, lj in zip(rest, s, loc):
+                summed[j], local[j] = sj, lj
+        if not mat:
+            return summed, local, nbytes
+        ms = [tf.reshape(xs[j], powersgd.matrix_shape(xs[j].shape)) for j in mat]
+        qs = [self.qs[str(positions[j])] for j in mat]
+        # One all-reduce for all Ps, one for all Qs: two collectives per step in total.
+        ps, p_bytes = self._sum_factors([powersgd.compress_p(m, q) for m, q in zip(ms, qs)])
+        p_hats = [powersgd.orthogonalize(p) for p in ps]
+        q_locals = [powersgd.compress_q(m, p) for m, p in zip(ms, p_hats)]
+        q_sums, q_bytes = self._sum_factors(q_locals)
+        for j, m, p_hat, q_loc, q_sum, q_var in zip(mat, ms, p_hats, q_locals, q_sums, qs):
+            shape = xs[j].shape
+            summed[j] = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
+            local[j] = tf.reshape(powersgd.decompress(p_hat, q_loc), shape)
+            # Warm start from the summed Q; an all-zero gradient would leave Q at zero
+            # forever, so keep the previous Q then.
+            q_var.assign(tf.where(tf.reduce_any(q_sum != 0), q_sum, q_var))
+        return summed, local, nbytes + p_bytes + q_bytes
+
+    def _sum_factors(self, factors):
+        flat = tf.concat([tf.reshape(f, [-1]) for f in factors], 0)
+        total, nbytes = collectives.sum_all(flat, self._opts)
+        parts = tf.split(total, [int(f.shape[0]) * int(f.shape[1]) for f in factors])
+        return [tf.reshape(p, f.shape) for p, f in zip(parts, factors)], nbytes
+
+    def get_config(self):
+        return {**super().get_config(), "rank": self.rank, "start_step": self.start_step,
+                "seed": self.seed}
+
+
+def _as_tensors(result):
+    # tf.cond branches must return tensors of matching structure.
+    summed, local, nbytes = result
+    return list(summed), list(local), tf.cast(nbytes, tf.int64)

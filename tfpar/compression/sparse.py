@@ -1,0 +1,104 @@
+"""Sparse aggregators: each replica sends only some entries, as (value, index) pairs.
+
+Sums of sparse vectors with different supports cannot go through an all-reduce, so every
+replica all-gathers all replicas' pairs (one int32 buffer: value bits then indices) and
+scatters them into a dense sum, in replica order so that every replica gets the same bits.
+Error feedback (on by default) carries the entries not sent into the next step.
+"""
+
+import math
+
+import tensorflow as tf
+
+from tfpar.compression import codecs, collectives
+from tfpar.compression.aggregator import Aggregator
+
+
+def _sum_gathered(rows, n):
+    """Dense sum of the gathered `[replicas, 2k]` sparse messages."""
+    values, indices = codecs.unpack_sparse(rows)
+    replicas = collectives.replica_context().num_replicas_in_sync
+    return tf.add_n([codecs.densify(values[r], indices[r], n) for r in range(replicas)])
+
+
+class TopKAggregator(Aggregator):
+    """Sends the `ratio` largest-magnitude entries of each tensor (at least one each).
+
+    The choice is per tensor rather than over the whole bucket, so a layer whose gradients
+    are small next to another's still moves every step; all of a bucket's pairs still go in
+    one all-gather.
+
+    Args:
+        ratio: fraction of entries sent, in (0, 1]; 0.01 sends ~2 % of fp32's bytes (a
+            value and an index per entry).
+        **kwargs: see `Aggregator`.
+    """
+
+    lossy = True
+
+    def __init__(self, ratio=0.01, **kwargs):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio={ratio!r} is invalid: must be in (0, 1]")
+        super().__init__(**kwargs)
+        self.ratio = float(ratio)
+
+    def k(self, size):
+        """Entries sent from a tensor of `size` entries."""
+        return max(1, math.ceil(self.ratio * size))
+
+    def _exchange_bucket(self, flat, bucket):
+        n = flat.shape[0]
+        values, indices, offset = [], [], 0
+        for part, size in zip(tf.split(flat, list(bucket.sizes)), bucket.sizes):
+            v, i = codecs.topk(part, self.k(size))
+            values.append(v)
+            indices.append(i + offset)
+            offset += size
+        values, indices = tf.concat(values, 0), tf.concat(indices, 0)
+        rows, nbytes = collectives.gather_rows(codecs.pack_sparse(values, indices), self._opts)
+        return _sum_gathered(rows, n), codecs.densify(values, indices, n), nbytes
+
+    def _bucket_wire_bytes(self, bucket):
+        return sum(8 * self.k(size) for size in bucket.sizes)
+
+    def get_config(self):
+        return {**super().get_config(), "ratio": self.ratio}
+
+
+class ThresholdAggregator(Aggregator):
+    """Sends the entries with `|value| >= threshold`; how many is decided per step.
+
+    All replicas first all-gather their counts (4 bytes each), then pad their pairs to the
+    largest count, so the bytes on the wire vary per step (read them from `comm_stats()`).
+
+    Args:
+        threshold: magnitude threshold, compared with this replica's error-corrected
+            gradient (which Keras has already divided by the number of replicas).
+        **kwargs: see `Aggregator`.
+    """
+
+    lossy = True
+
+    def __init__(self, threshold=1e-3, **kwargs):
+        if not threshold > 0:
+            raise ValueError(f"threshold={threshold!r} is invalid: must be > 0")
+        super().__init__(**kwargs)
+        self.threshold = float(threshold)
+
+    def _exchange_bucket(self, flat, bucket):
+        n = flat.shape[0]
+        values, indices = codecs.threshold(flat, self.threshold)
+        count = tf.size(indices, out_type=tf.int32)
+        counts, count_bytes = collectives.gather_rows(count[None], self._opts)
+        # At least one pair, so the gather never has an empty buffer.
+        width = tf.maximum(tf.reduce_max(counts), 1)
+        pad = [[0, width - count]]
+        words = codecs.pack_sparse(tf.pad(values, pad), tf.pad(indices, pad))
+        rows, nbytes = collectives.gather_rows(words, self._opts)
+        return _sum_gathered(rows, n), codecs.densify(values, indices, n), count_bytes + nbytes
+
+    def _bucket_wire_bytes(self, bucket):
+        return 4  # data dependent: before the first step only the count is known
+
+    def get_config(self):
+        return {**super().get_config(), "threshold": self.threshold}
