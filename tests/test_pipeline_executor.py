@@ -6,7 +6,7 @@ prints one JSON line; the tests below read it (one TensorFlow start-up per K).
 
 import pytest
 
-from tests.subproc import last_json_line, run_python
+from subproc import last_json_line, run_python
 
 PRELUDE = """
 import json, sys

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.subproc import ROOT, child_env
+from subproc import ROOT, child_env
 from tfpar.errors import ConfigError
 from tfpar.pipeline.schedule import (Action, ScheduleError, gpipe_schedule, make_schedule,
                                      one_f_one_b_schedule, simulate, theory_bubble)

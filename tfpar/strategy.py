@@ -90,7 +90,9 @@ def make_runtime(config, environ=None):
         strategy = tf.distribute.OneDeviceStrategy(devices.compute_devices()[0])
         collective = "none"
     elif kind == "mirrored":
-        replicas = config.data_parallel or len(devices.compute_devices())
+        # Each replica of a pipeline needs a device per stage.
+        replicas = config.data_parallel or max(
+            1, len(devices.compute_devices()) // config.pipeline_stages)
         devices.check_device_count("data_parallel", replicas)
         cross_ops = tf.distribute.NcclAllReduce() if collective == "nccl" else None
         strategy = tf.distribute.MirroredStrategy(

@@ -16,8 +16,8 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import models
-from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, preemption,
-                   strategy)
+from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, pipeline,
+                   preemption, strategy)
 from tfpar import flags as tfpar_flags
 from tfpar.errors import TfparError
 
@@ -68,6 +68,8 @@ def build_model(config, runtime, task):
     with runtime.strategy.scope():
         model = models.build(config.model, task.input_shape, task.num_classes,
                              width=config.model_width, depth=config.model_depth)
+        if config.pipeline_stages > 1:
+            model = pipeline.for_training(model, config, runtime)
         model.compile(
             optimizer=make_optimizer(config),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -171,9 +173,14 @@ def train(config, environ=None, callbacks=()):
         fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
         comm = {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
                 "compression_ratio": 1.0}
-    params = model.count_params()
     local_replicas = runtime.replicas // runtime.workers
-    result = metrics.summarize(config, runtime, recorder, [params] * local_replicas, comm=comm)
+    if hasattr(model, "pipeline_metrics"):
+        params = model.params_per_stage() * local_replicas
+        pipeline_block = model.pipeline_metrics()
+    else:
+        params, pipeline_block = [model.count_params()] * local_replicas, None
+    result = metrics.summarize(config, runtime, recorder, params, comm=comm,
+                               pipeline=pipeline_block)
     result["resumed_from_step"] = start
     if guard is not None and guard.preempted:
         result["preempted"] = True

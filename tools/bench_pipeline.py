@@ -1,16 +1,31 @@
-"""Pipeline benchmark: step time and bubble of every schedule against the unpipelined model.
+"""Pipeline benchmark: every schedule, K stages and M micro-batches side by side, against
+the same model unpipelined on one device.
 
-    python tools/bench_pipeline.py --stages=2 --microbatches=2,4,8,16 --json=/tmp/pipe.json
+    python tools/bench_pipeline.py --stages=2,4 --microbatches=2,4,8,16 \\
+        --json=/tmp/pipe.json --timeline=/tmp/pipe_timeline
+    python tools/bench_pipeline.py --quick      # a smoke run, well under 2 minutes
 
-For each schedule and M: the median step time of the pipelined step (one tf.function),
-the measured bubble and the theory (K-1)/(V*M+K-1), and the peak stashed micro-batches.
+Per configuration: step time (median, p90, fastest) of the pipelined step (one
+tf.function), the bubble measured two ways against the theory (K-1)/(V*M+K-1), the peak
+stashed micro-batches of the schedule, and the allocator's peak memory during a step.
 
-The bubble is measured from outside the step, because timers inside it would serialise
-the pipeline: the same graph with all actions chained into one sequence (`serialize=True`)
-takes the total busy time T_busy of all stages, so bubble = 1 - T_busy / (K * T_pipelined).
+Bubble, two ways (timers inside the step would serialise the pipeline):
+- `bubble_measured`: the same graph with all actions chained into one sequence
+  (`serialize=True`) takes the total busy time T_busy of all stages, so
+  bubble = 1 - T_busy / (K * T_pipelined), from the fastest of alternating runs.
+- `bubble_profiled`: one step under the TensorFlow profiler; every op is mapped to its
+  stage and action by name scope (`tfpar.pipeline.timeline`).
 Ops run one thread each (intra-op 1) so that a stage occupies one core, as it would its
-own accelerator; on a machine shared with other work the numbers are noisy, so each
-configuration takes the fastest of several alternating runs.
+own accelerator: the machine needs at least K free cores for the pipeline to overlap.
+
+Peak memory: on CPU all logical devices share one allocator, so the figure is the sum
+over the stages (per device on GPUs).
+
+Output: a table, and with --json a file {"benchmark": "pipeline", "runs": [...]} whose
+runs have the metrics-JSON shape of DESIGN.md (config, strategy, replicas, workers,
+steps, final_loss, examples_per_sec, step_time_ms, pipeline, memory). With --timeline=P
+the measured timeline of one configuration (--timeline_run) goes to P.png (if matplotlib
+is installed), P.trace.json (Chrome trace: chrome://tracing or ui.perfetto.dev) and P.txt.
 """
 
 import json
@@ -24,41 +39,59 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("stages", 2, "pipeline stages K (logical CPU devices)")
+flags.DEFINE_list("stages", ["2", "4"], "pipeline stages K to try (logical CPU devices)")
 flags.DEFINE_list("microbatches", ["2", "4", "8", "16"], "micro-batch counts M to try")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "schedules to try")
 flags.DEFINE_integer("virtual_stages", 2, "V for the interleaved schedule")
-flags.DEFINE_integer("layers", 8, "Dense blocks in the model")
+flags.DEFINE_integer("layers", 8, "Dense blocks in the model (a multiple of K*V balances)")
 flags.DEFINE_integer("width", 512, "width of each block")
 flags.DEFINE_integer("batch", 256, "global batch size")
 flags.DEFINE_integer("steps", 8, "timed runs per configuration (after one warm-up)")
+flags.DEFINE_bool("quick", False, "smoke run: K=2,4, M=2,4, a small model, 3 steps")
 flags.DEFINE_string("json", "", "write the results here")
+flags.DEFINE_string("timeline", "", "path prefix for the measured timeline picture/trace")
+flags.DEFINE_string("timeline_run", "1f1b:2:8", "SCHEDULE:K:M whose timeline to draw "
+                    "(with --quick: M is capped at the largest M tried)")
 
 
 def _paired_times(fns, steps):
-    """Fastest run of each function, taking turns so that load from other processes
-    falls on all of them alike (the minimum is the least disturbed run)."""
+    """All run times of each function, taking turns so that load from other processes
+    falls on all of them alike."""
     for fn in fns:
         fn()  # trace and warm up
-    best = [float("inf")] * len(fns)
+    times = [[] for _ in fns]
     for _ in range(steps):
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def _step_time_ms(times):
+    ms = sorted(1e3 * t for t in times)
+    return {"median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+            "min": ms[0]}
 
 
 def main(argv):
     del argv
-    K = FLAGS.stages
+    if FLAGS.quick:
+        for name, value in (("stages", ["2", "4"]), ("microbatches", ["2", "4"]),
+                            ("width", 256), ("batch", 64), ("steps", 3)):
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
+    Ks = sorted(set(map(int, FLAGS.stages)))
+    Ms = sorted(set(map(int, FLAGS.microbatches)))
     import tensorflow as tf  # after absl parsed flags; configure threads before TF starts
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(max(K, 2))
+    tf.config.threading.set_inter_op_parallelism_threads(max(max(Ks), 2))
     from tfpar.devices import split_cpu
-    split_cpu(K)
+    split_cpu(max(Ks))
     import keras
     import numpy as np
+    from tfpar.metrics import peak_rss_mb
+    from tfpar.pipeline import timeline as timeline_lib
     from tfpar.pipeline.executor import PipelineExecutor, default_devices
     from tfpar.pipeline.partition import partition
     from tfpar.pipeline.schedule import make_schedule, simulate, theory_bubble
@@ -74,7 +107,14 @@ def main(argv):
     x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
     y = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
     loss_fn = keras.losses.MeanSquaredError()
-    devices = default_devices(K)
+    model_desc = {"layers": FLAGS.layers, "width": FLAGS.width, "batch": FLAGS.batch,
+                  "steps": FLAGS.steps}
+
+    def peak_memory_mb(fn):
+        device = "CPU:0" if not tf.config.list_logical_devices("GPU") else "GPU:0"
+        tf.config.experimental.reset_memory_stats(device)
+        fn()
+        return tf.config.experimental.get_memory_info(device)["peak"] / 2**20
 
     model = build()
     opt = keras.optimizers.SGD(1e-3)
@@ -87,45 +127,89 @@ def main(argv):
         opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 
-    rows, base = [], None
-    for name in FLAGS.schedules:
-        V = FLAGS.virtual_stages if name == "interleaved" else 1
-        stages = partition(build(), K * V, devices=[devices[v % K] for v in range(K * V)])
-        for M in map(int, FLAGS.microbatches):
-            if name == "interleaved" and M % K:
-                continue
-            sched = make_schedule(name, K, M, V)
-            steps = []
-            for serialize in (False, True):
-                ex = PipelineExecutor(stages, devices, sched, loss_fn, serialize=serialize)
-                ex.build_optimizers(keras.optimizers.SGD(1e-3))
-                steps.append(tf.function(ex.train_step, jit_compile=False))
-            fns = [lambda f=f: f(x, y) for f in steps] + ([single_step] if base is None else [])
-            t, busy, *single = _paired_times(fns, FLAGS.steps)
-            base = single[0] if single else base
-            sim = simulate(sched, K, M, V)
-            rows.append({"schedule": name, "stages": K, "microbatches": M, "virtual_stages": V,
-                         "step_time_ms": 1e3 * t, "serialized_step_time_ms": 1e3 * busy,
-                         "speedup_vs_single": base / t,
-                         "bubble_measured": max(0.0, 1 - busy / (K * t)),
-                         "bubble_theory": theory_bubble(K, M, V),
-                         "peak_stashed_microbatches": max(sim.peak_stash)})
-            print(f"  {name} M={M} done", file=sys.stderr, flush=True)
+    single_fn = lambda: single_step().numpy()  # noqa: E731
+    (single_times,) = _paired_times([single_fn], FLAGS.steps)
+    base = _step_time_ms(single_times)
+    runs = [{"config": {"schedule": "none", "stages": 1, **model_desc},
+             "strategy": "OneDeviceStrategy", "replicas": 1, "workers": 1,
+             "steps": FLAGS.steps, "final_loss": float(single_fn()),
+             "examples_per_sec": FLAGS.batch / (base["median"] / 1e3),
+             "step_time_ms": base,
+             "memory": {"peak_rss_mb": peak_rss_mb(),
+                        "peak_tensor_mb": peak_memory_mb(single_fn),
+                        "params_per_device": [model.count_params()]}}]
 
-    print(f"K={K}, {FLAGS.layers} x Dense({FLAGS.width}), batch {FLAGS.batch}; "
-          f"unpipelined step {1e3 * base:.1f} ms")
-    print(f"{'schedule':<12}{'M':>4}{'step ms':>10}{'serial ms':>10}{'vs single':>11}"
-          f"{'bubble':>9}{'theory':>9}{'stash':>7}")
-    for r in rows:
-        print(f"{r['schedule']:<12}{r['microbatches']:>4}{r['step_time_ms']:>10.1f}"
-              f"{r['serialized_step_time_ms']:>10.1f}"
-              f"{r['speedup_vs_single']:>10.2f}x{r['bubble_measured']:>9.3f}"
-              f"{r['bubble_theory']:>9.3f}{r['peak_stashed_microbatches']:>7}")
+    draw_name, draw_K, draw_M = FLAGS.timeline_run.split(":")
+    draw_K, draw_M = int(draw_K), min(int(draw_M), max(Ms))
+    drawn = None
+    for K in Ks:
+        devices = default_devices(K)
+        for name in FLAGS.schedules:
+            V = FLAGS.virtual_stages if name == "interleaved" else 1
+            stages = partition(build(), K * V, devices=[devices[v % K] for v in range(K * V)])
+            params = [sum(stages[v].count_params() for v in range(s, K * V, K))
+                      for s in range(K)]
+            for M in Ms:
+                if (name == "interleaved" and M % K) or FLAGS.batch % M:
+                    continue
+                sched = make_schedule(name, K, M, V)
+                steps = []
+                for serialize in (False, True):
+                    ex = PipelineExecutor(stages, devices, sched, loss_fn, serialize=serialize)
+                    ex.build_optimizers(keras.optimizers.SGD(1e-3))
+                    steps.append(tf.function(ex.train_step, jit_compile=False))
+                fns = [lambda f=f: f(x, y)[0].numpy() for f in steps]
+                piped, serial = _paired_times(fns, FLAGS.steps)
+                t, busy = _step_time_ms(piped), _step_time_ms(serial)
+                tl = timeline_lib.profile(fns[0], K)
+                if (name, K, M) == (draw_name, draw_K, draw_M):
+                    drawn = (tl, f"{name} K={K} M={M}")
+                sim = simulate(sched, K, M, V)
+                runs.append({
+                    "config": {"schedule": name, "stages": K, "microbatches": M,
+                               "virtual_stages": V, **model_desc},
+                    "strategy": "pipeline", "replicas": 1, "workers": 1,
+                    "steps": FLAGS.steps, "final_loss": float(fns[0]()),
+                    "examples_per_sec": FLAGS.batch / (t["median"] / 1e3),
+                    "step_time_ms": t,
+                    "pipeline": {
+                        "stages": K, "microbatches": M, "schedule": name, "virtual_stages": V,
+                        "bubble_measured": max(0.0, 1 - busy["min"] / (K * t["min"])),
+                        "bubble_profiled": tl.bubble,
+                        "bubble_theory": theory_bubble(K, M, V),
+                        "peak_stashed_microbatches": max(sim.peak_stash),
+                        "serialized_step_time_ms": busy,
+                        "speedup_vs_unpipelined": base["min"] / t["min"]},
+                    "memory": {"peak_rss_mb": peak_rss_mb(),
+                               "peak_tensor_mb": peak_memory_mb(fns[0]),
+                               "params_per_device": params}})
+                print(f"  K={K} {name} M={M} done", file=sys.stderr, flush=True)
+
+    print(f"{FLAGS.layers} x Dense({FLAGS.width}), batch {FLAGS.batch}, "
+          f"{FLAGS.steps} timed steps; unpipelined step {base['min']:.1f} ms "
+          f"(median {base['median']:.1f}), peak {runs[0]['memory']['peak_tensor_mb']:.1f} MB")
+    print(f"{'K':>2} {'schedule':<12}{'M':>3}{'step ms':>9}{'serial':>8}{'vs 1 dev':>9}"
+          f"{'bubble':>8}{'profiled':>9}{'theory':>8}{'stash':>6}{'peak MB':>9}")
+    for r in runs[1:]:
+        p = r["pipeline"]
+        print(f"{p['stages']:>2} {p['schedule']:<12}{p['microbatches']:>3}"
+              f"{r['step_time_ms']['min']:>9.1f}{p['serialized_step_time_ms']['min']:>8.1f}"
+              f"{p['speedup_vs_unpipelined']:>8.2f}x{p['bubble_measured']:>8.3f}"
+              f"{p['bubble_profiled']:>9.3f}{p['bubble_theory']:>8.3f}"
+              f"{p['peak_stashed_microbatches']:>6}{r['memory']['peak_tensor_mb']:>9.1f}")
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
-            json.dump({"single_step_time_ms": 1e3 * base, "rows": rows,
-                       "config": {k: FLAGS[k].value for k in (
-                           "stages", "layers", "width", "batch", "steps")}}, f, indent=1)
+            json.dump({"benchmark": "pipeline", "cpu_count": os.cpu_count(), "runs": runs},
+                      f, indent=1)
+    if FLAGS.timeline and drawn:
+        tl, title = drawn
+        text = f"{title} (measured)\n{timeline_lib.draw(tl)}\n"
+        with open(FLAGS.timeline + ".txt", "w") as f:
+            f.write(text)
+        timeline_lib.write_chrome_trace(tl, FLAGS.timeline + ".trace.json", title)
+        png = timeline_lib.plot(tl, FLAGS.timeline + ".png", title)
+        print(text + f"timeline: {FLAGS.timeline}.trace.json, .txt"
+              + (", .png" if png else " (no .png: matplotlib is not installed)"))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfpar.devices import check_device_count, compute_devices
 from tfpar.errors import ConfigError
+from tfpar.pipeline.placement import current_device, variables_on
 from tfpar.pipeline.schedule import chunks_of, simulate
 
 
@@ -30,10 +31,14 @@ class PipelineExecutor:
 
     Args:
         stages: K*V callables (keras models); virtual stage v = c*K + s runs on stage s.
-        devices: K device names, one per stage.
+        devices: K placements, one per stage: a device name, or one device per replica
+            of the current strategy (`tfpar.pipeline.placement`); under a
+            MirroredStrategy each replica runs its micro-batches through its own devices.
         schedule: list of K action lists (`tfpar.pipeline.schedule`).
-        loss_fn: `loss_fn(y_true, y_pred)`, mean-reduced or per example (it is averaged);
-            the step's loss is its mean over the full batch.
+        loss_fn: `loss_fn(y_true, y_pred[, sample_weight])`, mean-reduced or per example
+            (it is averaged); the step's loss is its mean over the full batch. A Keras
+            `Loss` also divides by the number of replicas (Keras's convention, so that
+            the all-reduced sum of gradients is their mean).
         recompute: keep only each stage's input and recompute its forward in the backward
             (`tf.recompute_grad`): less activation memory, one more forward per stage.
         serialize: chain all actions of all stages into one sequence (no overlap). For
@@ -70,8 +75,8 @@ class PipelineExecutor:
         its slots sit next to the variables (the stock optimizer puts them all on the
         first device)."""
         self.optimizers = []
-        for s, device in enumerate(self.devices):
-            with tf.device(device):
+        for s, placement in enumerate(self.devices):
+            with variables_on(placement):
                 opt = optimizer.__class__.from_config(optimizer.get_config())
                 opt.build(self.stage_variables(s))
             self.optimizers.append(opt)
@@ -84,9 +89,11 @@ class PipelineExecutor:
             raise ConfigError("microbatches", self.M, f"must divide the batch size {n}; "
                               f"use a batch that is a multiple of {self.M}")
 
-    def gradients(self, x, y):
-        """Forward and backward of the whole batch by the schedule.
+    def gradients(self, x, y, sample_weight=None):
+        """Forward and backward of the (replica's) batch by the schedule.
 
+        Args:
+            x, y: the batch; `sample_weight` optional weights passed to the loss.
         Returns:
             (loss, y_pred, grads): mean loss over the batch, the last stage's outputs
             concatenated in batch order, and per stage the summed gradients for
@@ -94,14 +101,16 @@ class PipelineExecutor:
         """
         K, V, M, last = self.K, self.V, self.M, self.K * self.V - 1
         self.check_batch(x)
-        with tf.device(self.devices[0]):
+        devices = [current_device(p) for p in self.devices]
+        with tf.device(devices[0]):
             # Batches of unknown size are checked at run time, before tf.split's own error.
             ok = tf.debugging.assert_equal(
                 tf.shape(x)[0] % M, 0, message=f"microbatches={M} must divide the batch size")
-        with tf.device(self.devices[0]), tf.control_dependencies([ok]):
+        with tf.device(devices[0]), tf.control_dependencies([ok]):
             xs = tf.split(x, M)
-        with tf.device(self.devices[last % K]), tf.control_dependencies([ok]):
+        with tf.device(devices[last % K]), tf.control_dependencies([ok]):
             ys = tf.split(y, M)
+            ws = [None] * M if sample_weight is None else tf.split(sample_weight, M)
         inputs = {(0, m): xs[m] for m in range(M)}   # (virtual stage, mb) -> its input
         tapes, in_grads = {}, {}                       # stashed forwards; grads to pass down
         losses, preds = [None] * M, [None] * M
@@ -112,17 +121,19 @@ class PipelineExecutor:
             chain = 0 if self.serialize else s
             after = [done[chain]] if done[chain] is not None else []
             # The name scope lets a profiler trace (or a graph check) find each action.
-            with tf.device(self.devices[s]), tf.control_dependencies(after), \
+            with tf.device(devices[s]), tf.control_dependencies(after), \
                     tf.name_scope(f"s{s}_{a.kind}{m}_c{a.chunk}"):
                 if a.kind == "F":
                     with tf.GradientTape() as tape:
                         h = tf.identity(inputs.pop((v, m)))  # the copy onto this device
-                        tape.watch(h)
+                        if v > 0:
+                            tape.watch(h)
                         out = self._calls[v](h)
                         if v == last:
                             preds[m] = out
                             # Mean of per-micro-batch means / M = mean over the full batch.
-                            out = losses[m] = tf.reduce_mean(self.loss_fn(ys[m], out)) / M
+                            args = (ys[m], out) + (() if ws[m] is None else (ws[m],))
+                            out = losses[m] = tf.reduce_mean(self.loss_fn(*args)) / M
                     tapes[(v, m)] = (tape, h, out)
                     if v < last:
                         inputs[(v + 1, m)] = out
@@ -136,10 +147,11 @@ class PipelineExecutor:
                                           unconnected_gradients="zero")
                     if v > 0:
                         in_grads[(v, m)] = grads.pop()
-                    acc[v] = grads if acc[v] is None else [t + g for t, g in zip(acc[v], grads)]
-                    marks = acc[v] + ([in_grads[(v, m)]] if v > 0 else [])
+                    acc[v] = grads if acc[v] is None else list(map(_add, acc[v], grads))
+                    marks = [_dense_part(g) for g in acc[v]] + (
+                        [in_grads[(v, m)]] if v > 0 else [])
                 done[chain] = tf.group(*marks)
-        with tf.device(self.devices[last % K]):
+        with tf.device(devices[last % K]):
             loss = tf.add_n(losses)
             y_pred = tf.concat(preds, axis=0)
         grads = [[g for c in range(V) for g in acc[c * K + s]] for s in range(K)]
@@ -149,22 +161,35 @@ class PipelineExecutor:
         """One optimizer step per stage, on the stage's device."""
         if self.optimizers is None:
             raise RuntimeError("call build_optimizers(optimizer) before training")
-        for s, (opt, device) in enumerate(zip(self.optimizers, self.devices)):
-            with tf.device(device):
+        for s, (opt, placement) in enumerate(zip(self.optimizers, self.devices)):
+            with tf.device(current_device(placement)):
                 opt.apply(grads[s], self.stage_variables(s))
 
-    def train_step(self, x, y):
+    def train_step(self, x, y, sample_weight=None):
         """gradients + apply. Returns (loss, y_pred)."""
-        loss, y_pred, grads = self.gradients(x, y)
+        loss, y_pred, grads = self.gradients(x, y, sample_weight)
         self.apply(grads)
         return loss, y_pred
 
     def predict(self, x, training=False):
         """The stages in sequence on the whole batch, each on its device."""
         for v, stage in enumerate(self.stages):
-            with tf.device(self.devices[v % self.K]):
+            with tf.device(current_device(self.devices[v % self.K])):
                 x = stage(x, training=training)
         return x
+
+
+def _add(a, b):
+    """a + b for gradients; sparse ones (embeddings) stay sparse, as Keras's optimizer
+    treats them (rows a batch does not touch are not updated)."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                                tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _dense_part(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
 def _training_call(stage):

@@ -13,11 +13,14 @@ Example:
 
 import keras
 import tensorflow as tf
+from keras.src.losses import loss as loss_module
+from keras.src.losses.losses import LossFunctionWrapper
 
 from tfpar.errors import ConfigError
+from tfpar.pipeline import schedule as schedule_lib
 from tfpar.pipeline.executor import PipelineExecutor, default_devices
 from tfpar.pipeline.partition import partition
-from tfpar.pipeline.schedule import make_schedule
+from tfpar.pipeline.placement import current_device, variables_on
 
 
 @keras.saving.register_keras_serializable(package="tfpar")
@@ -30,8 +33,14 @@ class PipelineModel(keras.Model):
         schedule: 'gpipe', '1f1b' or 'interleaved'.
         microbatches: M, micro-batches per training batch; must divide the batch size.
         virtual_stages: V, model chunks per stage (interleaved only; 1 otherwise).
-        devices: K device names; default the first K local devices.
+        devices: K placements: device names, or per stage one device per replica of
+            the current strategy (`tfpar.pipeline.placement`); default the first K local
+            devices.
         recompute: recompute each stage's forward during its backward.
+    Attributes:
+        stages: the stage models; `stage_optimizers`: after `compile`, one optimizer per
+            stage holding its slots on the stage's device(s). Both are checkpointed with
+            the model (`tf.train.Checkpoint(model=...)`).
     Raises:
         ConfigError: sizes that do not fit together (stages vs K*V, M vs schedule,
             too few devices).
@@ -46,11 +55,15 @@ class PipelineModel(keras.Model):
                               f"must divide the number of stage models ({len(stages)})")
         K = len(stages) // V
         self.stages = list(stages)
+        for v, stage in enumerate(self.stages):
+            # Named attributes are what tf.train.Checkpoint follows (lists are not).
+            setattr(self, f"stage_{v}", stage)
+        self.stage_optimizers = None
         self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, V
         self.recompute = recompute
-        self._devices_arg = list(devices) if devices else None
+        self._devices_arg = _placements(devices) if devices else None
         self.devices = self._devices_arg or default_devices(K)
-        self._schedule = make_schedule(schedule, K, microbatches, V)
+        self._schedule = schedule_lib.make_schedule(schedule, K, microbatches, V)
         self._executor = None
         self.built = True  # the stages are built models
 
@@ -64,8 +77,8 @@ class PipelineModel(keras.Model):
             ConfigError / TfparError: see `partition` and the constructor.
         """
         V = virtual_stages if schedule == "interleaved" else 1
-        devices = list(devices) if devices else default_devices(stages)
-        make_schedule(schedule, stages, microbatches, V)  # bad sizes fail before the copy
+        devices = _placements(devices) if devices else default_devices(stages)
+        schedule_lib.make_schedule(schedule, stages, microbatches, V)  # fail before the copy
         parts = partition(model, stages * V, costs=costs,
                           devices=[devices[v % stages] for v in range(stages * V)],
                           setting="pipeline_stages" if V == 1 else "pipeline_stages*virtual_stages")
@@ -86,9 +99,15 @@ class PipelineModel(keras.Model):
         # it empty keeps Keras from placing slots for every variable on one device.
         self.optimizer.build([])
         loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
+        if not isinstance(loss_fn, keras.losses.Loss):
+            # A Loss reduces to the mean and divides by the replicas, as Keras's own
+            # train_step expects of the loss whose gradients are all-reduced as a sum.
+            loss_fn = LossFunctionWrapper(loss_fn)
         self._executor = PipelineExecutor(self.stages, self.devices, self._schedule,
                                           loss_fn, recompute=self.recompute)
-        self._executor.build_optimizers(self.optimizer)
+        self.stage_optimizers = self._executor.build_optimizers(self.optimizer)
+        for s, opt in enumerate(self.stage_optimizers):  # checkpointed with the model
+            setattr(self, f"stage_{s}_optimizer", opt)
 
     def compile_from_config(self, config):
         self.compile(**keras.saving.deserialize_keras_object(config))
@@ -113,25 +132,33 @@ class PipelineModel(keras.Model):
                         f"{self.microbatches}")
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    @property
-    def stage_optimizers(self):
-        """The per-stage optimizers that hold the slots (after compile)."""
-        return self._executor.optimizers if self._executor else None
-
     def call(self, x, training=False):
         for v, stage in enumerate(self.stages):
-            with tf.device(self.devices[v % len(self.devices)]):
+            with tf.device(current_device(self.devices[v % len(self.devices)])):
                 x = stage(x, training=training)
         return x
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ConfigError("sample_weight", "given", "PipelineModel does not support it")
-        loss, y_pred = self._executor.train_step(x, y)
+        loss, y_pred = self._executor.train_step(x, y, sample_weight)
         self.optimizer.iterations.assign_add(1)
-        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
-        return self.compute_metrics(x, y, y_pred)
+        self._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
+                                        sample_weight=tf.shape(x)[0])
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def pipeline_metrics(self, bubble_measured=None):
+        """The `pipeline` block of the metrics JSON: stages, micro-batches, schedule,
+        the theoretical bubble and the peak stashed micro-batches of the schedule's
+        simulation; `bubble_measured` only if the caller measured it."""
+        K = len(self.devices)
+        return schedule_lib.pipeline_metrics(self.schedule_name, K, self.microbatches,
+                                             self.virtual_stages, bubble_measured)
+
+    def params_per_stage(self):
+        """Parameter count each stage's device holds (all its chunks)."""
+        K = len(self.devices)
+        return [sum(self.stages[v].count_params() for v in range(s, len(self.stages), K))
+                for s in range(K)]
 
     def get_config(self):
         config = super().get_config()
@@ -147,9 +174,17 @@ class PipelineModel(keras.Model):
         config = dict(config)
         V = config.get("virtual_stages", 1)
         K = len(config["stages"]) // V
-        devices = config.get("devices") or default_devices(K)
+        devices = _placements(config.get("devices")) or default_devices(K)
         stages = []
         for v, stage in enumerate(config.pop("stages")):
-            with tf.device(devices[v % K]):  # variables are created on the stage's device
+            with variables_on(devices[v % K]):  # variables are created on the stage's device
                 stages.append(keras.saving.deserialize_keras_object(stage))
         return cls(stages, **config)
+
+
+def _placements(devices):
+    """Device names stay names; per-replica lists (e.g. read back from JSON) become
+    tuples."""
+    if not devices:
+        return None
+    return [d if isinstance(d, str) else tuple(d) for d in devices]

@@ -15,9 +15,9 @@ Example:
 import contextlib
 
 import keras
-import tensorflow as tf
 
 from tfpar.errors import ConfigError, TfparError
+from tfpar.pipeline.placement import variables_on
 
 
 def _graph(model):
@@ -102,8 +102,9 @@ def partition(model, num_stages, costs=None, devices=None, setting="pipeline_sta
         num_stages: number of stages (K, or K*V for interleaved virtual stages).
         costs: optional cost per operation in topological order (e.g. measured time);
             default: parameter count of each layer.
-        devices: optional device per stage; each stage's layers (and variables) are
-            created under it. Default: the current device scope.
+        devices: optional placement per stage: a device name, or one device per replica
+            of the current strategy (`tfpar.pipeline.placement`); each stage's layers (and
+            variables) are created there. Default: the current device scope.
         setting: name of the setting reported in errors.
     Returns:
         list of `num_stages` functional keras.Models, named `stage_<i>`; feeding the output
@@ -132,7 +133,7 @@ def partition(model, num_stages, costs=None, devices=None, setting="pipeline_sta
                          "in one layer or use fewer stages.")
     stages = []
     for s, (b, e) in enumerate(balanced_bounds(costs, sorted(cuts)[1:-1], num_stages)):
-        with tf.device(devices[s]) if devices else contextlib.nullcontext():
+        with variables_on(devices[s]) if devices else contextlib.nullcontext():
             stages.append(_rebuild(nodes[b:e], cuts[b - 1], cuts[e - 1], s))
     return stages
 

@@ -1,0 +1,90 @@
+"""Pipeline stages on two worker processes: one client drives both through one
+tf.function, and the weights after 3 steps equal the single-device run."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from subproc import ROOT, child_env, last_json_line, run_python
+
+CLIENT = """
+import json, sys
+from tfpar.pipeline import remote
+devices = remote.connect(WORKERS)
+import keras, numpy as np, tensorflow as tf
+from tfpar.pipeline.model import PipelineModel
+
+def mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((8,))]
+                            + [keras.layers.Dense(16, activation="tanh") for _ in range(4)]
+                            + [keras.layers.Dense(3)])
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(16, 8)).astype("float32")
+y = rng.normal(size=(16, 3)).astype("float32")
+out = {}
+for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)),
+                   ("adam", lambda: keras.optimizers.Adam(0.01))):
+    with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
+        ref = mlp()
+        ref.compile(optimizer=make(), loss="mse", jit_compile=False)
+    pm = PipelineModel.split(mlp(), 2, "1f1b", microbatches=4, devices=devices)
+    pm.compile(optimizer=make(), loss="mse")
+    for _ in range(3):
+        ref.train_on_batch(x, y)
+        pm.train_on_batch(x, y)
+    out[name] = float(max(np.abs(a - b).max() for a, b in zip(pm.get_weights(), ref.get_weights())))
+    task = lambda v: v.value.device.split("/device")[0]
+    out[name + "_devices"] = [sorted({task(v) for v in s.weights}) for s in pm.stages]
+    out[name + "_slots"] = [sorted({task(v) for v in o.variables}) for o in pm.stage_optimizers]
+print(json.dumps(out))
+"""
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def workers():
+    addresses = [f"localhost:{p}" for p in _free_ports(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tfpar.pipeline.remote", "--workers", ",".join(addresses),
+         "--task", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=child_env(), start_new_session=True) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        for p in procs:  # each prints one line once its server is up
+            line = ""
+            while "serving" not in line:
+                assert time.monotonic() < deadline and p.poll() is None, "worker did not start"
+                line = p.stdout.readline()
+        yield addresses
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def test_stages_on_two_processes_match_single_device(workers):
+    out = last_json_line(run_python(f"WORKERS = {workers!r}\n" + CLIENT, timeout=150).stdout)
+    stages = [["/job:worker/replica:0/task:0"], ["/job:worker/replica:0/task:1"]]
+    for opt, tol in (("sgd", 1e-6), ("adam", 1e-5)):
+        assert out[opt] < tol, out
+        assert out[opt + "_devices"] == stages
+        assert out[opt + "_slots"] == stages

@@ -1,0 +1,94 @@
+"""`for_training`: the trainer's way in. Splits a model into a `PipelineModel` whose
+stages sit on the devices left over by the data-parallel strategy.
+
+Device layout: the strategy's R replicas run on its R "lead" devices; those lead the
+stage-0 work of each replica. Replica r's stage s >= 1 runs on the s-th group of R
+devices the strategy does not use: with 4 logical CPUs, R=2 over CPU:0 and CPU:1, K=2,
+replica 0 runs its stages on CPU:0, CPU:2 and replica 1 on CPU:1, CPU:3.
+"""
+
+from tfpar import devices as devices_lib
+from tfpar.errors import ConfigError
+from tfpar.pipeline.model import PipelineModel
+
+
+def stage_placements(lead_devices, all_devices, stages):
+    """Per stage, one device per replica (see the module docstring).
+
+    Args:
+        lead_devices: the strategy's replica devices, in replica order.
+        all_devices: every local compute device.
+        stages: K.
+    Returns:
+        K tuples of len(lead_devices) device names.
+    Raises:
+        ConfigError: fewer than K * R devices.
+    """
+    R = len(lead_devices)
+    canon = lambda d: d.split("/device:")[-1].upper()  # noqa: E731
+    leads = {canon(d) for d in lead_devices}
+    spare = [d for d in all_devices if canon(d) not in leads]
+    if len(spare) < (stages - 1) * R:
+        have = len(all_devices)
+        raise ConfigError(
+            "pipeline_stages", stages,
+            f"{R} data-parallel replica(s) x {stages} stages need {R * stages} devices, "
+            f"but {have} exist; use --data_parallel={max(1, have // stages)} or "
+            f"--cpu_devices={R * stages}")
+    return [tuple(lead_devices)] + [tuple(spare[(s - 1) * R:s * R]) for s in range(1, stages)]
+
+
+def for_training(model, config, runtime):
+    """`model` as a `PipelineModel` of `config.pipeline_stages` stages, for `fit` under
+    `runtime.strategy`. Call inside `runtime.strategy.scope()`, before `compile`.
+
+    Stage variables (and, after compile, their optimizer slots) are created on the stage
+    devices; with R > 1 replicas they are mirrored per stage across the replicas and their
+    gradients all-reduced per stage by the strategy.
+
+    Args:
+        model: a built plain Keras model (Sequential or a functional chain of blocks).
+        config: the `ParallelConfig` (pipeline_stages, microbatches, schedule,
+            virtual_stages).
+        runtime: the `tfpar.strategy.Runtime` whose strategy the model trains under.
+    Returns:
+        a `PipelineModel` (uncompiled); `model.pipeline_metrics()` gives the metrics
+        JSON's `pipeline` block.
+    Raises:
+        ConfigError: a setting that does not combine with the pipeline, named.
+    """
+    K = config.pipeline_stages
+    if runtime.kind == "multi_worker":
+        raise ConfigError(
+            "strategy", "multi_worker",
+            "pipeline stages run inside one process (one tf.function over its devices); "
+            "use --cpu_devices / GPUs of one machine with --data_parallel, or place stages "
+            "on other processes' devices with tfpar.pipeline.remote")
+    for name, value, allowed in (
+            ("grad_accum_steps", config.grad_accum_steps, 1),
+            ("compression", config.compression, "none"),
+            ("mixed_precision", config.mixed_precision if config.mixed_precision == "fp16"
+             else "none", "none")):
+        if value != allowed:
+            raise ConfigError(name, value, {
+                "grad_accum_steps": "use 1: the pipeline already accumulates gradients over "
+                                    "--microbatches; for a larger effective batch raise "
+                                    "--global_batch_size and --microbatches together",
+                "compression": "use none with --pipeline_stages > 1 (aggregators do not "
+                               "yet plug into the pipeline's per-stage optimizers)",
+                "mixed_precision": "fp16 loss scaling is not in the pipeline step; use "
+                                   "bf16 or none"}[name])
+    per_replica = config.per_replica_batch(runtime.replicas)
+    if per_replica % config.microbatches:
+        raise ConfigError(
+            "microbatches", config.microbatches,
+            f"must divide the per-replica batch of {per_replica} "
+            f"(global_batch_size={config.global_batch_size} over {runtime.replicas} "
+            f"replicas)")
+    leads = list(runtime.strategy.extended.worker_devices)
+    placements = stage_placements(leads, devices_lib.compute_devices(), K)
+    if runtime.replicas == 1:
+        placements = [p[0] for p in placements]
+    return PipelineModel.split(model, K, config.schedule, config.microbatches,
+                               config.virtual_stages, devices=placements,
+                               name=f"{model.name}_pipeline")
