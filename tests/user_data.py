@@ -11,3 +11,11 @@ def sign_of_sum(input_context, config):
     ds = ds.map(lambda x: (x, tf.cast(tf.reduce_sum(x) > 0, tf.int32)))
     return ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id).batch(
         batch, drop_remainder=True)
+
+
+def sign_of_sum_nan_at_step_3(input_context, config):
+    """As `sign_of_sum`, but replica 0's batch of step 3 holds a NaN (a corrupt record)."""
+    local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+    ds = sign_of_sum(input_context, config).enumerate()
+    poison = 3 * local if input_context.input_pipeline_id == 0 else -1
+    return ds.map(lambda i, xy: (tf.where(i == poison, float("nan"), xy[0]), xy[1]))

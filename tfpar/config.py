@@ -17,7 +17,7 @@ COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-ON_NAN = ("stop",)
+ON_NAN = ("stop", "skip_step")
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 

@@ -30,7 +30,8 @@ _HELP = {
     "grad_accum_steps": "Batches whose gradients are averaged into one update.",
     "mixed_precision": "Mixed precision policy (fp16 adds dynamic loss scaling).",
     "seed": "Seed for weights, data and dropout.",
-    "on_nan": "What to do when the loss becomes NaN or Inf.",
+    "on_nan": "At a NaN/Inf loss or gradient: stop (naming the step) or skip_step (leave "
+              "weights and optimizer slots untouched for that step).",
     "strategy": "Distribution strategy; auto picks multi_worker under a TF_CONFIG cluster, "
                 "mirrored over several local devices, else one_device.",
     "collective": "Collective implementation: auto = NCCL on GPUs, ring on CPUs.",

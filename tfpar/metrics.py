@@ -30,6 +30,10 @@ class StepRecorder(keras.callbacks.Callback):
         self._mean = 0.0
 
     def on_epoch_begin(self, epoch, logs=None):
+        self.restart_running_mean()
+
+    def restart_running_mean(self):
+        """Keras's running loss mean was (or is about to be) reset."""
         self._seen_in_epoch, self._mean = 0, 0.0
 
     def on_train_batch_begin(self, batch, logs=None):

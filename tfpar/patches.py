@@ -21,6 +21,7 @@ import inspect
 import keras
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective
@@ -34,6 +35,10 @@ _EXPECTED = {
     "TensorFlowTrainer._maybe_symbolic_build": 'self.distribute_strategy.reduce(\n                        "MEAN",',
     "reduce_per_replica": 'strategy.reduce("MEAN", v, axis=0)',
     "CollectiveAllReduceExtended._initialize_local_devices": "num_local_devices = 1",
+    # Not patched but overridden by subclasses (tfpar.nan_guard, tfpar.compression): they
+    # re-implement this step around Keras's all-reduce hook.
+    "TFOptimizer._backend_update_step":
+        "grads_and_vars = self._all_reduce_sum_gradients(grads_and_vars)",
 }
 _Extended = _collective.CollectiveAllReduceExtended
 _original_initialize_local_devices = _Extended._initialize_local_devices
@@ -51,6 +56,7 @@ def check_targets():
         "reduce_per_replica": _original_reduce_per_replica,
         "CollectiveAllReduceExtended._initialize_local_devices":
             _original_initialize_local_devices,
+        "TFOptimizer._backend_update_step": TFOptimizer._backend_update_step,
     }
     problems = []
     for name, fn in targets.items():

@@ -16,8 +16,8 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import models
-from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, pipeline,
-                   preemption, strategy)
+from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, nan_guard,
+                   pipeline, preemption, strategy)
 from tfpar import flags as tfpar_flags
 from tfpar.errors import TfparError
 
@@ -75,6 +75,7 @@ def build_model(config, runtime, task):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
             jit_compile=False)
+        nan_guard.skip_nonfinite_updates(model.optimizer)
         model.optimizer.build(model.trainable_variables)
     accumulation.install(model, config.grad_accum_steps)
     return model
@@ -133,7 +134,8 @@ def train(config, environ=None, callbacks=()):
     model = build_model(config, runtime, task)
 
     recorder = metrics.StepRecorder()
-    callbacks = [recorder, _nan_guard(config), *callbacks]
+    guard_nan = nan_guard.NaNGuard(config.on_nan, recorder)
+    callbacks = [recorder, guard_nan, *callbacks]
     start, checkpointer, guard = 0, None, None
     if config.checkpoint_dir:
         checkpointer = checkpoint.Checkpointer(config, model, runtime)
@@ -142,6 +144,7 @@ def train(config, environ=None, callbacks=()):
         callbacks += [checkpointer, guard]  # in this order: the guard saves the step just done
         if start:
             logging.info("resuming from %s at step %d", config.checkpoint_dir, start)
+    guard_nan.step = start
     if config.tensorboard_dir:
         log_dir = config.tensorboard_dir if runtime.is_chief else os.path.join(
             config.tensorboard_dir, f"worker_{runtime.worker_index}")
@@ -182,29 +185,13 @@ def train(config, environ=None, callbacks=()):
     result = metrics.summarize(config, runtime, recorder, params, comm=comm,
                                pipeline=pipeline_block)
     result["resumed_from_step"] = start
+    if guard_nan.skipped:
+        result["skipped_steps"] = guard_nan.skipped
     if guard is not None and guard.preempted:
         result["preempted"] = True
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)
     return result, model
-
-
-def _nan_guard(config):
-    class StopOnNaN(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.batches = 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.batches += 1
-            loss = (logs or {}).get("loss")
-            if loss is not None and not math.isfinite(float(loss)):
-                raise TfparError(
-                    f"loss became {loss} at step {self.batches - 1}"
-                    f" (on_nan={config.on_nan}); lower --learning_rate, use "
-                    "--mixed_precision=bf16 instead of fp16, or check the data")
-
-    return StopOnNaN()
 
 
 def _cause(err):

@@ -1,0 +1,126 @@
+"""Non-finite losses and gradients: stop with the step named, or skip the update.
+
+In both modes the optimizer leaves weights and slots untouched for a step whose
+all-reduced gradients hold a NaN or Inf: the test runs inside each variable's update
+function on the gradients every replica (and worker) received from the same all-reduce,
+so all of them skip together. (A `cond` around the whole update, the obvious design, fails
+under `MirroredStrategy`: Keras's update step calls `merge_call`.) The optimizer's
+iteration counter still advances on a skipped step. A NaN input can give NaN gradients
+with a finite loss (ReLU turns NaN into 0), so the gradients are what is checked.
+
+`--on_nan=stop` then ends the run with one line naming the step; `--on_nan=skip_step`
+logs it and trains on.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfpar.errors import TfparError
+
+_CLASSES = {}
+
+
+class SkipNonFiniteMixin:
+    """Overrides Keras's TF optimizer `_backend_update_step` (keras 3.15.1): the same
+    all-reduce and update, each variable's update guarded by "all reduced gradients are
+    finite", and a count of the steps skipped (`nonfinite_steps`)."""
+
+    def build(self, variables):
+        super().build(variables)
+        if not hasattr(self, "nonfinite_steps"):
+            self.nonfinite_steps = self.add_variable(
+                (), "zeros", "float32", aggregation="only_first_replica", name="nonfinite_steps")
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        variables = [v.value if isinstance(v, keras.Variable) else v
+                     for v in trainable_variables]
+        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
+        reduced = [g for g, _ in grads_and_vars if g is not None]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in reduced])
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            self._guarded_update, self._distribution_strategy, grads_and_vars, learning_rate,
+            finite)
+
+    def _guarded_update(self, distribution, grads_and_vars, learning_rate, finite):
+        # `finite` is per replica; `update` hands each device its own (equal) value.
+        def step(var, grad, learning_rate, finite):
+            return tf.cond(finite, lambda: _as_op(self.update_step(grad, var, learning_rate)),
+                           tf.no_op)
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, step, args=(grad, learning_rate, finite),
+                                         group=False)
+        distribution.extended.update(
+            self.nonfinite_steps.value,
+            lambda count, finite: count.assign_add(1.0 - tf.cast(finite, tf.float32)),
+            args=(finite,), group=False)
+
+
+def _as_op(result):
+    return tf.group(result) if result is not None else tf.no_op()
+
+
+def skip_nonfinite_updates(optimizer):
+    """Makes `optimizer` (Keras 3, TF backend) skip updates whose all-reduced gradients are
+    not finite, in place, and count them in `optimizer.nonfinite_steps`. Call before the
+    optimizer is built. A `LossScaleOptimizer` (fp16) already skips such steps: it is left
+    as it is."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer
+    target = optimizer
+    if not isinstance(target, SkipNonFiniteMixin):
+        cls = type(target)
+        if cls not in _CLASSES:
+            # Same name and module: get_config and saving see the original optimizer.
+            _CLASSES[cls] = type(cls.__name__, (SkipNonFiniteMixin, cls),
+                                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        target.__class__ = _CLASSES[cls]
+    return optimizer
+
+
+class NaNGuard(keras.callbacks.Callback):
+    """Watches each step: a non-finite loss, or an update the optimizer skipped for
+    non-finite gradients, raises `TfparError` (stop) or is logged as skipped.
+
+    Args:
+        on_nan: "stop" or "skip_step".
+        recorder: the run's `tfpar.metrics.StepRecorder`, told when the running loss mean is
+            restarted after a skipped step (else one NaN would spoil the epoch's mean).
+    """
+
+    def __init__(self, on_nan, recorder):
+        super().__init__()
+        self.on_nan, self.recorder = on_nan, recorder
+        self.step = 0  # steps done; set to the resume step before training
+        self.skipped = []
+
+    def _counter(self):
+        counter = getattr(self.model.optimizer, "nonfinite_steps", None)
+        return 0.0 if counter is None else float(counter.numpy())
+
+    def on_train_begin(self, logs=None):
+        self._count = self._counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        loss = float((logs or {}).get("loss", 0.0))
+        count = self._counter()
+        bad_grads, self._count = count > self._count, count
+        if math.isfinite(loss) and not bad_grads:
+            return
+        what = f"loss became {loss}" if not math.isfinite(loss) else \
+            "gradients became non-finite"
+        if self.on_nan == "stop":
+            raise TfparError(
+                f"{what} at step {self.step - 1} (on_nan=stop; that update was not "
+                "applied); lower "
+                "--learning_rate, use --mixed_precision=bf16 instead of fp16, check the data, "
+                "or pass --on_nan=skip_step")
+        self.skipped.append(self.step - 1)
+        logging.warning("step %d: %s; its update was skipped (on_nan=skip_step)",
+                        self.step - 1, what)
+        self.model._loss_tracker.reset_state()
+        self.recorder.restart_running_mean()
