@@ -1,0 +1,92 @@
+"""The planner against measurement: predicted vs measured step times on a grid, and the
+planner's choice vs the best measured configuration.
+
+Calibrates the cost model on this machine (`python -m tfpar.plan --calibrate`), then runs
+every layout the planner ranked that the trainer can run here (data parallel, pipeline,
+compression; tensor parallel where `--tensor` is given) for `--steps` steps each, one
+process per run, and compares.
+
+    python tools/bench_planner.py                    # mlp (width 1024), 4 logical CPUs
+    python tools/bench_planner.py --quick            # 4 configurations, a few steps
+
+Goals (DESIGN.md): the choice within 10 % of the best measured; predictions within 30 %.
+Prints a table and writes JSON (`--out`, default runs/bench_planner.json).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(cmd, timeout=900):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--model_width", type=int, default=1024)
+    parser.add_argument("--global_batch_size", type=int, default=256)
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--max_runs", type=int, default=12)
+    parser.add_argument("--tensor", action="store_true", help="include tensor-parallel layouts")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_planner.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.max_runs = 12, 4
+    common = [f"--model={args.model}", f"--model_width={args.model_width}",
+              f"--global_batch_size={args.global_batch_size}", f"--cpu_devices={args.devices}"]
+    plan = json.loads(run([sys.executable, "-m", "tfpar.plan", "--calibrate", "--json",
+                           *common]))
+    ranked = [r for r in plan["ranked"] if args.tensor or r["tensor"] == 1]
+    grid = ranked[:args.max_runs]
+    choice = grid[0]
+    rows = []
+    for row in grid:
+        flags = [f"--data_parallel={row['data']}", f"--compression={row['compression']}"]
+        if row["pipeline"] > 1:
+            flags += [f"--pipeline_stages={row['pipeline']}",
+                      f"--microbatches={row['microbatches']}"]
+        if row["tensor"] > 1:
+            flags += [f"--tensor_parallel={row['tensor']}"]
+        path = os.path.join(ROOT, "runs", "bench_planner", f"run_{len(rows)}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        run([sys.executable, "-m", "tfpar.train", *common, *flags, f"--steps={args.steps}",
+             f"--steps_per_epoch={args.steps}", "--verbose=0", f"--metrics_json={path}"])
+        with open(path) as f:
+            measured = json.load(f)["step_time_ms"]["median"]
+        rows.append({**{k: row[k] for k in ("data", "tensor", "pipeline", "microbatches",
+                                             "compression")},
+                     "predicted_ms": 1000 * row["step_seconds"], "measured_ms": measured})
+    best = min(rows, key=lambda r: r["measured_ms"])
+    chosen = rows[grid.index(choice)]
+    for r in rows:
+        r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
+    within = sum(abs(r["error"]) <= 0.30 for r in rows)
+    print(f"{'layout':<34}{'predicted ms':>14}{'measured ms':>13}{'error':>8}")
+    for r in rows:
+        name = (f"dp={r['data']} tp={r['tensor']} pp={r['pipeline']} mb={r['microbatches']} "
+                f"{r['compression']}")
+        mark = " <- planner" if r is chosen else (" <- best" if r is best else "")
+        print(f"{name:<34}{r['predicted_ms']:>14.2f}{r['measured_ms']:>13.2f}"
+              f"{r['error']:>+8.0%}{mark}")
+    gap = chosen["measured_ms"] / best["measured_ms"] - 1
+    print(f"planner's choice is {gap:.1%} slower than the best measured (goal <= 10%); "
+          f"{within}/{len(rows)} predictions within 30%")
+    with open(args.out, "w") as f:
+        json.dump({"hardware": plan["hardware"], "runs": rows, "choice_gap": gap,
+                   "within_30_percent": within, "count": len(rows)}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
