@@ -122,6 +122,9 @@ def train(config, environ=None, callbacks=()):
         ConfigError: a setting, `TF_CONFIG` or the checkpoint directory is unusable.
         TfparError: the run cannot proceed (peers missing, loss not finite, ...).
     """
+    if config.tensor_parallel > 1:
+        from tfpar import layout  # a DTensor mesh instead of a tf.distribute strategy
+        return layout.train(config)
     devices.split_cpu(config.cpu_devices)
     keras.utils.set_random_seed(config.seed)
     if config.mixed_precision != "none":

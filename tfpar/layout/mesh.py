@@ -1,0 +1,96 @@
+"""The device mesh: `batch` × `model` axes over the local devices, as a Keras `DeviceMesh`.
+
+Keras names the vocabulary (`keras.distribution.DeviceMesh`, `TensorLayout`) but its
+TensorFlow side builds the DTensor mesh with `create_distributed_mesh`, which needs an
+accelerator system even for logical CPUs. Here the DTensor mesh is built with
+`dtensor.create_mesh` and attached to the Keras mesh, so `TensorLayout.backend_layout`
+works unchanged.
+"""
+
+import keras
+import numpy as np
+from tensorflow.experimental import dtensor
+
+from tfpar import devices as devices_lib
+from tfpar.errors import ConfigError
+
+BATCH, MODEL = "batch", "model"
+
+
+def make_mesh(data_parallel, tensor_parallel, devices=None):
+    """A `data_parallel` × `tensor_parallel` mesh with axes `("batch", "model")`.
+
+    Devices are laid out row-major: the `tensor_parallel` devices of one model replica are
+    neighbours (`/device:CPU:0..tp-1` form the first replica).
+
+    Args:
+        data_parallel: size of the `batch` axis; 0 means "all devices not used by
+            tensor parallelism" (devices // tensor_parallel).
+        tensor_parallel: size of the `model` axis.
+        devices: device names to use, default every local compute device
+            (`tfpar.devices.compute_devices()`).
+
+    Returns:
+        A `keras.distribution.DeviceMesh` whose `backend_mesh` is the DTensor mesh.
+
+    Raises:
+        ConfigError: the product of the degrees is not the number of devices.
+
+    Example:
+    >>> mesh = make_mesh(2, 2)          # with 4 logical CPUs
+    >>> mesh.shape
+    (2, 2)
+    """
+    devices = list(devices or devices_lib.compute_devices())
+    if tensor_parallel < 1:
+        raise ConfigError("tensor_parallel", tensor_parallel, "must be an integer >= 1")
+    if not data_parallel:
+        if len(devices) % tensor_parallel:
+            raise ConfigError(
+                "tensor_parallel", tensor_parallel,
+                f"must divide the {len(devices)} local devices; try "
+                f"{_divisors(len(devices))} or --cpu_devices=<multiple of {tensor_parallel}>")
+        data_parallel = len(devices) // tensor_parallel
+    if data_parallel * tensor_parallel != len(devices):
+        raise ConfigError(
+            "data_parallel", data_parallel,
+            f"data_parallel × tensor_parallel = {data_parallel}×{tensor_parallel} = "
+            f"{data_parallel * tensor_parallel} must equal the {len(devices)} local devices; "
+            f"use --cpu_devices={data_parallel * tensor_parallel} on CPU, or "
+            f"--data_parallel={max(1, len(devices) // tensor_parallel)}")
+    shape = (data_parallel, tensor_parallel)
+    mesh = keras.distribution.DeviceMesh(shape, (BATCH, MODEL), devices=devices)
+    mesh._backend_mesh = dtensor.create_mesh(list(zip((BATCH, MODEL), shape)),
+                                             devices=devices)
+    return mesh
+
+
+def mesh_for_config(config, devices=None):
+    """`make_mesh` from a `ParallelConfig`'s `data_parallel` and `tensor_parallel`."""
+    return make_mesh(config.data_parallel, config.tensor_parallel, devices)
+
+
+def axis_size(mesh, axis):
+    """Devices along `axis` ("batch" or "model") of a Keras `DeviceMesh`."""
+    return mesh.shape[list(mesh.axis_names).index(axis)]
+
+
+def replicated(mesh, rank):
+    """The DTensor layout of a rank-`rank` tensor held whole on every device."""
+    return dtensor.Layout.replicated(mesh.backend_mesh, rank)
+
+
+def batch_sharded(mesh, rank):
+    """The DTensor layout of a batch: first axis split over `batch`, copies over `model`."""
+    return dtensor.Layout.batch_sharded(mesh.backend_mesh, BATCH, rank)
+
+
+def describe(mesh):
+    """One line: `mesh batch=2 × model=2 over /device:CPU:0..3`."""
+    flat = np.asarray(mesh.devices).ravel()
+    return (f"mesh {BATCH}={mesh.shape[0]} × {MODEL}={mesh.shape[1]} over "
+            f"{flat[0]}..{str(flat[-1]).rsplit(':', 1)[-1]}")
+
+
+def _divisors(n):
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,233 @@
+"""`MeshTrainer`: `fit` / `evaluate` / `predict` for a model whose variables live on a mesh.
+
+Keras's own `fit` cannot drive a DTensor model on TensorFlow (measured: the iterator op
+inside the compiled step has no layout, `tf._element_layouts`), and `run_eagerly` cannot
+work at all (an eager tape meets regular tensors where DTensors are expected). So batches
+are put on the mesh on the host, split on the `batch` axis, and the compiled steps of
+`tfpar.layout.step` run on them. Keras callbacks receive the same calls and logs as under
+`model.fit` (running means over the epoch).
+
+Example:
+>>> mesh = make_mesh(2, 2)
+>>> model, trainer = build_on_mesh(mesh, preset_rules(["megatron_mlp"]),
+...     lambda: models.mlp((32,), 10), lambda: keras.optimizers.Adam(1e-3),
+...     keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+>>> trainer.fit(batches, epochs=1)
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar.errors import TfparError
+from tfpar.layout import presets, step, values, variables
+from tfpar.layout.mesh import BATCH, axis_size
+from tfpar.layout.optimizer import stateless_optimizer
+
+
+def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
+                  shard_optimizer_state=False):
+    """Builds a model and its optimizer as DVariables on `mesh` and a trainer for them.
+
+    Args:
+        mesh: a `keras.distribution.DeviceMesh` from `make_mesh`.
+        rules: `(regex, axes)` layout rules (see `tfpar.layout.presets`).
+        build_model: a function returning the built, uncompiled Keras model; called
+            inside the variable scope so every weight is created on the mesh.
+        build_optimizer: a function returning a new Keras optimizer; called inside the
+            scope, since an optimizer creates `iterations` and its learning rate when
+            constructed.
+        loss: a `keras.losses.Loss`.
+        shard_optimizer_state: also split optimizer slots over the `batch` axis (ZeRO
+            stage 1, see `variables.optimizer_state_over_batch`).
+
+    Returns:
+        `(model, MeshTrainer)`; the model is compiled with `optimizer` and `loss` so that
+        `model.optimizer` is set (checkpoints, callbacks).
+    """
+    distribution = keras.distribution.ModelParallel(
+        layout_map=presets.layout_map(mesh, rules), batch_dim_name=BATCH)
+    with variables.variable_scope(distribution):
+        model = build_model()
+        optimizer = stateless_optimizer(build_optimizer())
+        with variables.optimizer_state_over_batch(shard_optimizer_state):
+            optimizer.build(model.trainable_variables)
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    _refuse_keras_loops(model)
+    return model, MeshTrainer(mesh, model, optimizer, loss)
+
+
+def _refuse_keras_loops(model):
+    """Keras's own loops fail on a mesh deep inside TensorFlow (`tf._element_layouts`);
+    say what to use instead."""
+    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                 "predict_on_batch"):
+        def refuse(*args, _name=name, **kwargs):
+            raise TfparError(
+                f"model.{_name} cannot run a model whose variables live on a DTensor mesh "
+                "(Keras's TensorFlow loops have no layouts for their input pipeline); use "
+                f"the MeshTrainer's {_name} instead")
+        object.__setattr__(model, name, refuse)
+
+
+class MeshTrainer:
+    """Trains, evaluates and predicts with a model whose variables are DVariables.
+
+    Args:
+        mesh: the `keras.distribution.DeviceMesh` the variables live on.
+        model: a built Keras model created inside `variable_scope`.
+        optimizer: its optimizer, passed through `stateless_optimizer` and built.
+        loss: a `keras.losses.Loss` called as `loss(y, logits, sample_weight)`.
+
+    Raises:
+        TfparError: a variable of the model or the optimizer is not a DVariable, or
+            functions are set to run eagerly (DTensor cannot differentiate eagerly).
+    """
+
+    def __init__(self, mesh, model, optimizer, loss):
+        if tf.config.functions_run_eagerly() or getattr(model, "run_eagerly", False):
+            raise TfparError(
+                "run_eagerly cannot work on a DTensor mesh: an eager GradientTape meets "
+                "regular tensors where DTensors are expected. Turn it off "
+                "(tf.config.run_functions_eagerly(False), model.run_eagerly=False)")
+        variables.check_dvariables(list(model.variables) + list(optimizer.variables),
+                                   "MeshTrainer")
+        self.mesh, self.model, self.optimizer, self.loss = mesh, model, optimizer, loss
+        self._train = step.train_step(mesh, model, optimizer, loss)
+        self._eval = step.eval_step(mesh, model, loss)
+        self._predict = step.predict_step(mesh, model)
+
+    def _on_mesh(self, batch):
+        batch = tuple(b for b in batch if b is not None)
+        if len(batch) not in (2, 3):
+            raise TfparError(f"a batch must be (x, y) or (x, y, sample_weight), got "
+                             f"{len(batch)} arrays")
+        return values.batch_to_mesh(batch, self.mesh)
+
+    def train_on_batch(self, x, y, sample_weight=None):
+        """One exact optimizer step; returns `{"loss", "accuracy"}` of the batch."""
+        return _logs(_host(self._train(*self._on_mesh((x, y, sample_weight)))))
+
+    def fit(self, batches, epochs=1, steps_per_epoch=None, initial_epoch=0,
+            callbacks=None, verbose=0):
+        """Trains on `batches` like `keras.Model.fit`.
+
+        Args:
+            batches: an iterable (e.g. a `tf.data.Dataset` or list) of global batches
+                `(x, y)` or `(x, y, sample_weight)`, numpy arrays or tensors.
+            epochs, initial_epoch: epochs `initial_epoch … epochs-1` are run.
+            steps_per_epoch: batches per epoch; default: one pass over `batches`.
+            callbacks: Keras callbacks (they get `on_train_batch_end` logs with the
+                epoch's running mean loss and accuracy, as under `model.fit`).
+            verbose: 0 silent, 1 progress bar.
+
+        Returns:
+            A dict `{"loss": [per epoch], "accuracy": [per epoch]}`.
+        """
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_progbar=bool(verbose), model=self.model, verbose=verbose,
+            epochs=epochs, steps=steps_per_epoch)
+        history = {"loss": [], "accuracy": []}
+        iterator = iter(batches)
+        self.model.stop_training = False
+        callbacks.on_train_begin()
+        for epoch in range(initial_epoch, epochs):
+            callbacks.on_epoch_begin(epoch)
+            sums = _Sums()
+            index = 0
+            while steps_per_epoch is None or index < steps_per_epoch:
+                batch = next(iterator, None)
+                if batch is None:
+                    break
+                callbacks.on_train_batch_begin(index)
+                sums.add(_host(self._train(*self._on_mesh(batch))))
+                callbacks.on_train_batch_end(index, sums.logs())
+                index += 1
+                if self.model.stop_training:
+                    break
+            logs = sums.logs()
+            callbacks.on_epoch_end(epoch, logs)
+            for key in history:
+                history[key].append(logs.get(key, float("nan")))
+            if self.model.stop_training or (steps_per_epoch and index < steps_per_epoch):
+                break
+        callbacks.on_train_end(logs if epochs > initial_epoch else None)
+        return history
+
+    def evaluate(self, batches, steps=None):
+        """Mean loss and weighted accuracy over `batches` (no variable is written).
+
+        Returns:
+            `{"loss": float, "accuracy": float}`, loss averaged over batches as Keras does.
+        """
+        sums = _Sums()
+        for index, batch in enumerate(batches):
+            if steps is not None and index >= steps:
+                break
+            sums.add(_host(self._eval(*self._on_mesh(batch))))
+        return sums.logs()
+
+    def predict(self, x, batch_size=None):
+        """Logits for `x` (numpy), computed in batches split over the `batch` axis.
+
+        Args:
+            x: inputs; its length must divide into `batch_size` batches.
+            batch_size: examples per call, default all of `x`; must be divisible by
+                the `batch` axis size.
+        """
+        x = np.asarray(x)
+        batch_size = batch_size or len(x)
+        parts = axis_size(self.mesh, BATCH)
+        if batch_size % parts or len(x) % batch_size:
+            raise TfparError(f"predict: batch_size={batch_size} must divide len(x)={len(x)} "
+                             f"and be divisible by data_parallel={parts}")
+        outs = [values.to_host(self._predict(values.batch_to_mesh(
+            (x[i:i + batch_size],), self.mesh)[0])) for i in range(0, len(x), batch_size)]
+        return np.concatenate(outs)
+
+    def save_weights(self, path):
+        """Writes the model's weights (not the optimizer) as a TF checkpoint at `path`;
+        returns the path written. `load_weights` reads it onto any mesh, and
+        `tf.train.Checkpoint(model=plain_model).read(path)` onto a single device."""
+        return tf.train.Checkpoint(model=self.model).write(path)
+
+    def load_weights(self, path):
+        """Reads weights written by `save_weights` (from any mesh or a plain model).
+
+        Raises:
+            AssertionError: a weight of this model is not in the file.
+        """
+        tf.train.Checkpoint(model=self.model).read(path).assert_existing_objects_matched()
+
+    def checkpoint(self, **extra):
+        """A `tf.train.Checkpoint` of the model and optimizer (and `extra` trackables);
+        it restores onto any mesh, or onto a model built without one."""
+        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, **extra)
+
+
+class _Sums:
+    """Epoch running means: loss averaged over batches, accuracy over sample weights."""
+
+    def __init__(self):
+        self.batches, self.loss, self.correct, self.weight = 0, 0.0, 0.0, 0.0
+
+    def add(self, out):
+        self.batches += 1
+        self.loss += out["loss"]
+        self.correct += out["correct"]
+        self.weight += out["weight"]
+
+    def logs(self):
+        if not self.batches:
+            return {}
+        return {"loss": self.loss / self.batches,
+                "accuracy": self.correct / self.weight if self.weight else 0.0}
+
+
+def _host(out):
+    return {k: float(values.to_host(v)) for k, v in out.items()}
+
+
+def _logs(out):
+    return {"loss": out["loss"],
+            "accuracy": out["correct"] / out["weight"] if out["weight"] else 0.0}

@@ -1,0 +1,97 @@
+"""Moving values between the host and the mesh.
+
+DTensor values cannot be read with `numpy()` when they are sharded, and a DVariable
+cannot be assigned a host array directly: the value has to be put onto the variable's
+layout first. These functions do each move in one place.
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar.errors import ConfigError
+from tfpar.layout import mesh as mesh_lib
+
+
+def to_mesh(array, layout):
+    """`array` (numpy or a plain tensor) as a DTensor with `layout`.
+
+    A batch-sharded layout is packed from slices, so no device holds the whole array;
+    any other layout is copied whole to the mesh and then split.
+
+    Args:
+        array: a host value whose shape fits `layout`.
+        layout: a `dtensor.Layout`.
+
+    Returns:
+        A DTensor.
+    """
+    array = np.asarray(array) if not isinstance(array, tf.Tensor) else array
+    specs = layout.sharding_specs
+    mesh = layout.mesh
+    if (specs and specs[0] != dtensor.UNSHARDED
+            and all(s == dtensor.UNSHARDED for s in specs[1:])):
+        parts = mesh.dim_size(specs[0])
+        size = array.shape[0] // parts
+        coords = [mesh.device_location(i)[mesh.dim_names.index(specs[0])]
+                  for i in range(mesh.num_local_devices())]
+        return dtensor.pack([array[c * size:(c + 1) * size] for c in coords], layout)
+    whole = dtensor.copy_to_mesh(tf.convert_to_tensor(array),
+                                 dtensor.Layout.replicated(mesh, len(specs)))
+    return whole if layout.is_fully_replicated() else dtensor.relayout(whole, layout)
+
+
+def to_host(value):
+    """A DTensor (or DVariable, or plain tensor) as a numpy array, gathered if sharded."""
+    if isinstance(value, tf.Variable):
+        value = value.read_value()
+    if not dtensor.is_dtensor(value):
+        return np.asarray(value)
+    layout = dtensor.fetch_layout(value)
+    if not layout.is_fully_replicated():
+        value = dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, layout.rank))
+    return dtensor.unpack(value)[0].numpy()
+
+
+def assign(variable, array):
+    """Assigns a host `array` to a Keras variable whose value is a DVariable."""
+    dvariable = variable.value if isinstance(variable, keras.Variable) else variable
+    layout = dtensor.fetch_layout(dvariable)
+    dvariable.assign(to_mesh(np.asarray(array, dtype=dvariable.dtype.as_numpy_dtype), layout))
+
+
+def batch_to_mesh(batch, mesh):
+    """A tuple of host arrays (x, y[, sample_weight]) split on the `batch` mesh axis.
+
+    Raises:
+        ConfigError: the batch size does not split over the `batch` axis.
+    """
+    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    out = []
+    for array in batch:
+        array = np.asarray(array)
+        if array.shape[0] % parts:
+            raise ConfigError("global_batch_size", array.shape[0],
+                              f"must be divisible by data_parallel={parts}")
+        out.append(to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim)))
+    return tuple(out)
+
+
+def shard_sizes(variables):
+    """Elements each local device holds of `variables`, measured from the shards.
+
+    Args:
+        variables: Keras variables whose values are DVariables.
+
+    Returns:
+        A list with one element count per device of the mesh.
+    """
+    counts = None
+    for variable in variables:
+        dvariable = variable.value if isinstance(variable, keras.Variable) else variable
+        sizes = [math.prod(t.shape) for t in dtensor.unpack(dvariable.read_value())]
+        counts = sizes if counts is None else [a + b for a, b in zip(counts, sizes)]
+    return counts or []
