@@ -128,3 +128,19 @@ def test_nan_step_is_skipped_and_training_goes_on(tmp_path):
     # sticks at ln 2.
     assert np.all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.7 * losses[0]
+
+
+def test_killed_pipeline_run_restarts_and_ends_equal(tmp_path):
+    cfg = {**BASE, "model": "mlp", "optimizer": "adam", "steps": 12, "steps_per_epoch": 6,
+           "checkpoint_every": 5, "cpu_devices": 2, "pipeline_stages": 2, "microbatches": 4}
+    _, reference = train_child(tmp_path, "ref", **cfg)
+    prefix = str(tmp_path / "pp")
+    out = run_module("tfpar.launch", "--workers=1", "--max_restarts=1", "--grace=2",
+                     "--timeout=200", "--", sys.executable, CHILD,
+                     json.dumps({**cfg, "checkpoint_dir": str(tmp_path / "ckpt")}), prefix,
+                     env={"TFPAR_INJECT_FAULTS": "0:8"}, timeout=240)
+    assert "killing this worker after step 8" in out.stdout
+    result = json.loads([line for line in out.stdout.splitlines() if "] {" in line][-1]
+                        .split("] ", 1)[1])
+    assert result["resumed_from_step"] == 5 and result["steps"] == 7
+    assert max_diff(weights(prefix + ".worker0"), weights(reference)) < 1e-6
