@@ -144,3 +144,16 @@ def test_killed_pipeline_run_restarts_and_ends_equal(tmp_path):
                         .split("] ", 1)[1])
     assert result["resumed_from_step"] == 5 and result["steps"] == 7
     assert max_diff(weights(prefix + ".worker0"), weights(reference)) < 1e-6
+
+
+def test_fp16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
+    cfg = {**BASE, "dataset": "user_data:sign_of_sum_overflow_on_worker_1", "num_classes": 2,
+           "mixed_precision": "fp16", "strategy": "multi_worker", "steps": 6, "on_nan": "skip_step",
+           "collective_timeout_s": 30}
+    prefix = str(tmp_path / "fp16")
+    out = run_module("tfpar.launch", "--workers=2", "--timeout=150", "--", sys.executable,
+                     CHILD, json.dumps(cfg), prefix,
+                     env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=200)
+    assert out.returncode == 0
+    w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
+    assert max_diff(w0, w1) == 0.0 and all(np.all(np.isfinite(w)) for w in w0)

@@ -19,3 +19,10 @@ def sign_of_sum_nan_at_step_3(input_context, config):
     ds = sign_of_sum(input_context, config).enumerate()
     poison = 3 * local if input_context.input_pipeline_id == 0 else -1
     return ds.map(lambda i, xy: (tf.where(i == poison, float("nan"), xy[0]), xy[1]))
+
+
+def sign_of_sum_overflow_on_worker_1(input_context, config):
+    """As `sign_of_sum`, but worker 1's first batch holds a value that overflows fp16."""
+    ds = sign_of_sum(input_context, config).enumerate()
+    poison = 0 if input_context.input_pipeline_id == 1 else -1
+    return ds.map(lambda i, xy: (tf.where(i == poison, 6e4 * xy[0], xy[0]), xy[1]))

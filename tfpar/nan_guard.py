@@ -23,6 +23,26 @@ from tfpar.errors import TfparError
 _CLASSES = {}
 
 
+@keras.saving.register_keras_serializable(package="tfpar")
+class ConsistentLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's fp16 `LossScaleOptimizer`, with replicas agreeing on "gradients finite".
+
+    Keras decides to skip a step (and halve the scale) from each replica's local gradients
+    and, under `MirroredStrategy`, takes replica 0's answer. Across workers each decides
+    alone: a worker whose gradients overflowed skips the update's all-reduce while the
+    others wait in it until the collective times out. Here one all-reduce of the flags
+    makes every replica on every worker take the same branch.
+    """
+
+    def check_finite(self, grads):
+        finite = super().check_finite(grads)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return finite
+        overflowed = ctx.all_reduce("SUM", 1.0 - tf.cast(finite, tf.float32))
+        return tf.equal(overflowed, 0.0)
+
+
 class SkipNonFiniteMixin:
     """Overrides Keras's TF optimizer `_backend_update_step` (keras 3.15.1): the same
     all-reduce and update, each variable's update guarded by "all reduced gradients are

@@ -49,7 +49,7 @@ def learning_rate(config):
 
 
 def make_optimizer(config):
-    """The Keras optimizer for `config`: learning-rate rule, accumulation, aggregator."""
+    """The Keras optimizer for `config`: learning-rate rule, aggregator, fp16 loss scaling."""
     kwargs = {"learning_rate": learning_rate(config)}
     if config.optimizer == "adam":
         optimizer = keras.optimizers.Adam(**kwargs)
@@ -59,6 +59,8 @@ def make_optimizer(config):
     if config.compression != "none":
         from tfpar import compression
         optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
+    if config.mixed_precision == "fp16":
+        optimizer = nan_guard.ConsistentLossScaleOptimizer(optimizer)
     return optimizer
 
 
