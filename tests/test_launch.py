@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tfpar import launch as tfpar_launch
-from tests.subproc import ROOT, child_env, run_module
+from subproc import ROOT, child_env, run_module
 
 
 def worker(code):

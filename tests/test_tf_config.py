@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from tfpar import tf_config
 from tfpar.errors import ConfigError
-from tests.subproc import run_python
+from subproc import run_python
 
 W2 = ["localhost:1111", "localhost:2222"]
 
