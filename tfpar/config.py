@@ -53,6 +53,9 @@ class ParallelConfig:
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.
         tensorboard_dir, metrics_json: where to write TensorBoard logs and the metrics JSON.
+        keras: 3 (keras) or 2 (tf_keras, trained by `tfpar.legacy`); prune_* and qat:
+            tfmot pruning / quantization-aware training (Keras 2 only); export_dir: where
+            the final (stripped / TFLite int8) model goes. See `tfpar.legacy.options`.
 
     Example:
     >>> cfg = ParallelConfig(model="mlp", global_batch_size=64, grad_accum_steps=2)
@@ -107,6 +110,15 @@ class ParallelConfig:
     tensorboard_dir: str = ""
     metrics_json: str = ""
     verbose: int = 1
+    # Legacy Keras and tfmot (tfpar.legacy; validated by tfpar.legacy.options.check).
+    keras: int = 3
+    prune_sparsity: float = 0.0
+    prune_initial_sparsity: float = 0.0
+    prune_begin_step: int = 0
+    prune_end_step: int = 0
+    prune_frequency: int = 10
+    qat: bool = False
+    export_dir: str = ""
 
     def __post_init__(self):
         _one_of("model", self.model, MODELS)
@@ -142,6 +154,8 @@ class ParallelConfig:
         if self.global_batch_size % self.microbatches:
             raise ConfigError("microbatches", self.microbatches,
                               f"must divide global_batch_size={self.global_batch_size}")
+        from tfpar.legacy import options as legacy_options  # imports no TensorFlow
+        legacy_options.check(self)
 
     @property
     def effective_batch_size(self):

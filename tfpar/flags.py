@@ -9,6 +9,7 @@ import dataclasses
 from absl import flags
 
 from tfpar import config as config_lib
+from tfpar.legacy import options as legacy_options
 from tfpar.errors import ConfigError
 
 _HELP = {
@@ -58,6 +59,7 @@ _HELP = {
     "tensorboard_dir": "Directory for TensorBoard logs.",
     "metrics_json": "Write the run's metrics JSON here.",
     "verbose": "0 = silent, 1 = progress bar, 2 = one line per epoch.",
+    **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 
 _CHOICES = {

@@ -127,6 +127,9 @@ def train(config, environ=None, callbacks=()):
     if config.tensor_parallel > 1:
         from tfpar import layout  # a DTensor mesh instead of a tf.distribute strategy
         return layout.train(config)
+    if config.keras == 2:
+        from tfpar import legacy  # tf_keras models, tfmot pruning and QAT
+        return legacy.train(config, environ=environ, callbacks=callbacks)
     devices.split_cpu(config.cpu_devices)
     keras.utils.set_random_seed(config.seed)
     if config.mixed_precision != "none":

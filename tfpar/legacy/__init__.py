@@ -1,0 +1,30 @@
+"""Legacy Keras (`tf_keras`, Keras 2) under tfpar's strategies, with tfmot pruning and QAT.
+
+`--keras=2` trains the `models.legacy` twin of the mlp or convnet with `tf_keras.Model.fit`
+under the same strategies, data, gradient aggregators and metrics JSON as the Keras 3
+trainer; `--prune_sparsity` prunes it by magnitude during training (tfmot) and `--qat`
+trains it quantization-aware and exports a TFLite int8 model.
+
+Modules: `options` (the settings and what is refused; imports no TensorFlow, so
+`tfpar.config` can use it), `optimizer` (tf_keras optimizers and the aggregator hook),
+`pruning`, `quantization`, `trainer`.
+
+Example:
+>>> result, model = tfpar.legacy.train(config)                       # doctest: +SKIP
+>>> result["pruning"]["sparsity"]                                     # doctest: +SKIP
+0.75
+"""
+
+__all__ = ["train", "wrap_optimizer"]
+
+
+def train(config, runtime=None, environ=None, callbacks=()):
+    """See `tfpar.legacy.trainer.train` (imported on first use: it loads TensorFlow)."""
+    from tfpar.legacy import trainer
+    return trainer.train(config, runtime=runtime, environ=environ, callbacks=callbacks)
+
+
+def wrap_optimizer(optimizer, aggregator):
+    """See `tfpar.legacy.optimizer.wrap_optimizer`."""
+    from tfpar.legacy import optimizer as optimizer_lib
+    return optimizer_lib.wrap_optimizer(optimizer, aggregator)

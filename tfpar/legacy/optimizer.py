@@ -1,0 +1,120 @@
+"""`tf_keras` optimizers for a config, and `wrap_optimizer`: gradients summed by a tfpar
+aggregator.
+
+A `tf_keras` (Keras 2) optimizer sums gradients over replicas in its public
+`aggregate_gradients(grads_and_vars)`, which `apply_gradients` calls in replica context
+(tf_keras/src/optimizers/optimizer.py, "Users can implement their own aggregation logic by
+overriding this method"). Each replica's loss is already divided by the number of replicas,
+so the sum is the mean gradient: the contract of `Aggregator.all_reduce_sum`. The wrapped
+optimizer's class is a subclass of its own class with that method replaced, under the same
+name and module, so `get_config` and saving see the plain optimizer.
+"""
+
+import tensorflow as tf
+import tf_keras
+
+from tfpar.errors import ConfigError
+
+_CLASSES = {}
+
+
+class AggregatingOptimizerMixin:
+    """Mixin for a `tf_keras.optimizers.Optimizer` subclass; expects `self.tfpar_aggregator`."""
+
+    def build(self, var_list):
+        super().build(var_list)
+        # The aggregator's per-replica state is created here, in cross-replica context under
+        # the strategy scope, not lazily inside the first traced step.
+        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+            self.tfpar_aggregator.build(list(var_list))
+
+    def aggregate_gradients(self, grads_and_vars):
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            # Nothing to communicate; compressing would only add error.
+            return super().aggregate_gradients(grads_and_vars)
+        grads, variables = zip(*grads_and_vars)
+        summed = self.tfpar_aggregator.all_reduce_sum(list(grads), list(variables))
+        return list(zip(summed, variables))
+
+
+def _aggregating_class(cls):
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (AggregatingOptimizerMixin, cls),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _CLASSES[cls]
+
+
+def wrap_optimizer(optimizer, aggregator):
+    """Makes a `tf_keras` optimizer sum its gradients over replicas with `aggregator`, in
+    place.
+
+    Args:
+        optimizer: a `tf_keras.optimizers.Optimizer` (Keras 2's current optimizers; the
+            `tf_keras.optimizers.legacy` ones have no `aggregate_gradients`), or a
+            `tf_keras.mixed_precision.LossScaleOptimizer` (its inner optimizer is wrapped).
+        aggregator: a `tfpar.compression.Aggregator`.
+
+    Returns:
+        the same optimizer, with `.tfpar_aggregator`.
+
+    Raises:
+        TypeError: `optimizer` is not such an optimizer.
+
+    Example:
+    >>> with strategy.scope():                                        # doctest: +SKIP
+    ...     opt = wrap_optimizer(tf_keras.optimizers.Adam(1e-3), Int8Aggregator())
+    ...     model.compile(optimizer=opt, loss="mse")
+    """
+    target = optimizer
+    if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
+        target = optimizer.inner_optimizer
+    if not (isinstance(target, tf_keras.optimizers.Optimizer)
+            and hasattr(target, "aggregate_gradients")):
+        raise TypeError(f"optimizer={optimizer!r} cannot be wrapped: need a "
+                        "tf_keras.optimizers.Optimizer (not a Keras 3 or "
+                        "tf_keras.optimizers.legacy optimizer)")
+    if not isinstance(target, AggregatingOptimizerMixin):
+        target.__class__ = _aggregating_class(type(target))
+    target.tfpar_aggregator = aggregator
+    if target is not optimizer:
+        optimizer.tfpar_aggregator = aggregator
+    return optimizer
+
+
+def make_optimizer(config):
+    """The `tf_keras` optimizer for `config` (learning-rate rule and aggregator as the
+    Keras 3 trainer applies them).
+
+    Raises:
+        ConfigError: a setting has no `tf_keras` equivalent here.
+    """
+    lr = config.scaled_learning_rate
+    if config.warmup_steps:
+        lr = LinearWarmup(lr, config.warmup_steps)
+    if config.optimizer == "adam":
+        optimizer = tf_keras.optimizers.Adam(learning_rate=lr)
+    elif config.optimizer in ("sgd", "momentum"):
+        optimizer = tf_keras.optimizers.SGD(
+            learning_rate=lr, momentum=0.9 if config.optimizer == "momentum" else 0.0)
+    else:
+        raise ConfigError("optimizer", config.optimizer, "--keras=2 supports sgd, momentum, adam")
+    if config.compression != "none":
+        from tfpar import compression
+        wrap_optimizer(optimizer, compression.make_aggregator(config))
+    return optimizer
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpar")
+class LinearWarmup(tf_keras.optimizers.schedules.LearningRateSchedule):
+    """`peak * min(1, (step + 1) / warmup_steps)` (the Keras 3 trainer's warm-up)."""
+
+    def __init__(self, peak, warmup_steps):
+        self.peak, self.warmup_steps = peak, warmup_steps
+
+    def __call__(self, step):
+        ramp = tf.cast(step + 1, tf.float32) / float(self.warmup_steps)
+        return self.peak * tf.minimum(1.0, ramp)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps}

@@ -1,0 +1,121 @@
+"""The settings of the legacy-Keras front and what it refuses, checked before TensorFlow runs.
+
+`ParallelConfig` carries them as fields (`keras`, `prune_*`, `qat`, `export_dir`);
+`option(config, name)` reads one with its default, so a config from before those fields
+existed still works. `check(config)` raises one `ConfigError` naming the setting for every
+combination this front (or tfmot under a strategy) cannot run.
+"""
+
+from tfpar.errors import ConfigError
+
+# name -> (default, help); the flags and ParallelConfig fields come from this table.
+FIELDS = {
+    "keras": (3, "Keras generation to train with: 3 (keras) or 2 (tf_keras, legacy Keras; "
+                 "needed by --prune_sparsity and --qat)."),
+    "prune_sparsity": (0.0, "Prune to this fraction of zero weights by magnitude during "
+                            "training (tfmot, --keras=2); 0 = no pruning."),
+    "prune_initial_sparsity": (0.0, "Sparsity the pruning schedule starts from."),
+    "prune_begin_step": (0, "Step of the first pruning mask update."),
+    "prune_end_step": (0, "Step at which --prune_sparsity is reached; 0 = the last step "
+                          "that is a multiple of --prune_frequency after --prune_begin_step."),
+    "prune_frequency": (10, "Steps between pruning mask updates."),
+    "qat": (False, "Quantization-aware training (tfmot 8-bit, --keras=2); exports a TFLite "
+                   "int8 model to --export_dir."),
+    "export_dir": ("", "Directory for the trained (pruned: stripped) model and, with --qat, "
+                       "the TFLite int8 model; chief only."),
+}
+
+
+def option(config, name):
+    """`config.<name>`, or its default when `config` has no such field."""
+    return getattr(config, name, FIELDS[name][0])
+
+
+def prune_end_step(config):
+    """The step at which pruning reaches its target: `prune_end_step`, or by default the
+    last step of the run on the `prune_frequency` grid that starts at `prune_begin_step`
+    (tfmot reaches the target only at a mask update, and only on its end step)."""
+    end = option(config, "prune_end_step")
+    if end:
+        return end
+    begin, freq = option(config, "prune_begin_step"), option(config, "prune_frequency")
+    return begin + (config.steps - begin) // freq * freq
+
+
+def check(config, keras_version=None):
+    """Raises `ConfigError` for a legacy-Keras setting that is invalid or not supported.
+
+    Args:
+        config: a `ParallelConfig` (with or without the fields of `FIELDS`).
+        keras_version: check as if `config.keras` were this (`tfpar.legacy.train` is
+            Keras 2 whatever the config says).
+    """
+    if keras_version is None:
+        keras_version = option(config, "keras")
+    if keras_version not in (2, 3):
+        raise ConfigError("keras", keras_version, "choose 3 (keras) or 2 (tf_keras)")
+    sparsity, qat = option(config, "prune_sparsity"), option(config, "qat")
+    if not 0.0 <= sparsity < 1.0:
+        raise ConfigError("prune_sparsity", sparsity, "must be in [0, 1), e.g. 0.8")
+    if keras_version == 3:
+        # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
+        if sparsity:
+            raise ConfigError("prune_sparsity", sparsity,
+                              "tensorflow-model-optimization prunes only tf_keras models; "
+                              "add --keras=2")
+        if qat:
+            raise ConfigError("qat", True, "tensorflow-model-optimization quantizes only "
+                                           "tf_keras models; add --keras=2")
+        return
+    _check_legacy_run(config, sparsity, qat)
+    if sparsity:
+        _check_schedule(config, sparsity)
+
+
+def _check_legacy_run(config, sparsity, qat):
+    if config.model == "transformer":
+        raise ConfigError("model", "transformer", "--keras=2 builds mlp or convnet (the "
+                          "transformer's layers are Keras 3 only)")
+    unsupported = [
+        ("pipeline_stages", config.pipeline_stages, 1, "pipeline parallelism is Keras 3 only"),
+        ("tensor_parallel", config.tensor_parallel, 1, "tensor parallelism is Keras 3 only"),
+        ("grad_accum_steps", config.grad_accum_steps, 1,
+         "tf_keras optimizers do not accumulate gradients"),
+        ("checkpoint_dir", config.checkpoint_dir, "",
+         "checkpoint and resume are Keras 3 only; use --export_dir for the final model"),
+        ("on_nan", config.on_nan, "stop", "skipping non-finite steps is Keras 3 only"),
+    ]
+    for name, value, allowed, why in unsupported:
+        if value != allowed:
+            raise ConfigError(name, value, f"not supported with --keras=2: {why}")
+    if qat and config.mixed_precision != "none":
+        raise ConfigError("mixed_precision", config.mixed_precision,
+                          "tfmot's fake-quant layers fail under a mixed-precision policy "
+                          "(float16/bfloat16 inputs to float32 ranges); use "
+                          "--mixed_precision=none with --qat")
+    if sparsity and qat:
+        raise ConfigError("qat", True, "--prune_sparsity with --qat in one run is not "
+                          "supported (tfmot's prune-preserving QAT is not wired in); choose one")
+
+
+def _check_schedule(config, sparsity):
+    begin, freq = option(config, "prune_begin_step"), option(config, "prune_frequency")
+    initial = option(config, "prune_initial_sparsity")
+    if freq < 1:
+        raise ConfigError("prune_frequency", freq, "must be an integer >= 1")
+    if not 0.0 <= initial <= sparsity:
+        raise ConfigError("prune_initial_sparsity", initial,
+                          f"must be in [0, prune_sparsity={sparsity}]")
+    if not 0 <= begin < config.steps:
+        raise ConfigError("prune_begin_step", begin, f"must be in [0, steps={config.steps})")
+    end = prune_end_step(config)
+    if not begin < end <= config.steps:
+        raise ConfigError("prune_end_step", end, f"must be in (prune_begin_step={begin}, "
+                          f"steps={config.steps}]; pruning steps count from 1")
+    if (end - begin) % freq:
+        # tfmot updates masks only on the grid and not after end_step: the target would be
+        # missed.
+        fixed = begin + (end - begin) // freq * freq
+        raise ConfigError("prune_end_step", end,
+                          f"must be prune_begin_step + a multiple of prune_frequency={freq} "
+                          f"or the target sparsity is never reached; try {fixed or begin + freq}")

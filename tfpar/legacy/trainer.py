@@ -1,0 +1,183 @@
+"""`train(config)` for legacy Keras: a `tf_keras` model through tfpar's data-parallel path.
+
+The same run as `tfpar.train.train` — strategy from `tfpar.strategy`, data from
+`tfpar.data`, the aggregator from `tfpar.compression`, the metrics JSON from
+`tfpar.metrics` — with a `tf_keras` model from `models.legacy`, optionally pruned
+(`prune_sparsity`) or quantization-aware (`qat`) with tfmot, and the final model exported.
+
+`tf_keras.Model.fit` runs under `MirroredStrategy` and `MultiWorkerMirroredStrategy` with
+its own distribution code (Keras 3's multi-worker patch is not needed; tfpar's patch that
+gives each worker several logical CPUs is TensorFlow's and applies). One repair: under
+`MultiWorkerMirroredStrategy`, tf_keras's default `distribute_reduction_method="auto"`
+sums the per-batch logs over workers (a loss of 2.25 is logged as 4.50 by 2 workers); the
+logged metrics are already synchronised over all replicas, so "first" is what is wanted.
+"""
+
+import math
+import os
+
+import tensorflow as tf
+import tf_keras
+from absl import logging
+
+from tfpar import data, devices, metrics, strategy
+from tfpar.errors import TfparError
+from tfpar.legacy import options, optimizer as optimizer_lib
+
+
+class _Recorder(tf_keras.callbacks.Callback):
+    """Feeds `tf_keras` callback events to a `tfpar.metrics.StepRecorder` (a Keras 3
+    callback, which tf_keras's callback list would not accept)."""
+
+    def __init__(self, recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.recorder.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.recorder.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.recorder.on_train_batch_end(batch, logs)
+
+
+class _StopOnNaN(tf_keras.callbacks.Callback):
+    """`on_nan=stop` for tf_keras: a non-finite loss ends the run, naming the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = float((logs or {}).get("loss", 0.0))
+        if not math.isfinite(loss):
+            raise TfparError(f"loss became {loss} at step {self.step} (on_nan=stop); lower "
+                             "--learning_rate or check the data")
+        self.step += 1
+
+
+def build_model(config, runtime, task):
+    """The compiled `tf_keras` model for `config` (pruning or QAT wrappers applied), built
+    under the strategy scope with its optimizer built."""
+    import models.legacy
+    from tfpar.legacy import pruning, quantization
+    with runtime.strategy.scope():
+        model = models.legacy.build(config.model, task.input_shape, task.num_classes,
+                                    width=config.model_width, depth=config.model_depth,
+                                    seed=config.seed)
+        if options.option(config, "prune_sparsity"):
+            model = pruning.prune(model, config)
+        elif options.option(config, "qat"):
+            model = quantization.quantize(model)
+        model.compile(
+            optimizer=optimizer_lib.make_optimizer(config),
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[tf_keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+        model.optimizer.build(model.trainable_variables)
+    model.distribute_reduction_method = "first"  # see the module docstring
+    return model
+
+
+def train(config, runtime=None, environ=None, callbacks=()):
+    """Trains `config` with a `tf_keras` model; returns `(metrics, model)`.
+
+    Args:
+        config: a `ParallelConfig`; `keras`, `prune_*`, `qat`, `export_dir` are read with
+            `tfpar.legacy.options.option` (defaults when the config lacks them).
+        runtime: a `tfpar.strategy.Runtime` already built for `config` (else built here,
+            after splitting the CPU as `config.cpu_devices` says).
+        environ: where to read `TF_CONFIG` from (default `os.environ`).
+        callbacks: extra `tf_keras` callbacks for every `fit` call.
+
+    Returns:
+        the metrics dict of `tfpar.metrics.summarize` (plus `"pruning"` / `"qat"` /
+        `"export_dir"` blocks when they apply) and the trained model (the pruning or QAT
+        model itself, not the stripped copy).
+
+    Raises:
+        ConfigError: a setting is invalid or not supported with `tf_keras` / tfmot.
+        TfparError: the run cannot proceed.
+    """
+    options.check(config, keras_version=2)
+    if runtime is None:
+        devices.split_cpu(config.cpu_devices)
+        runtime = strategy.make_runtime(config, environ)
+    if config.mixed_precision != "none":
+        tf_keras.mixed_precision.set_global_policy(
+            {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}[config.mixed_precision])
+    config.per_replica_batch(runtime.replicas)
+    tf_keras.utils.set_random_seed(config.seed)
+    logging.info(devices.topology(runtime.strategy, runtime.workers))
+    task = data.make_task(config)
+    model = build_model(config, runtime, task)
+
+    recorder = metrics.StepRecorder()
+    callbacks = [_Recorder(recorder), _StopOnNaN(), *callbacks]
+    if options.option(config, "prune_sparsity"):
+        from tfpar.legacy import pruning
+        callbacks += pruning.pruning_callbacks()
+    if config.tensorboard_dir:
+        log_dir = config.tensorboard_dir if runtime.is_chief else os.path.join(
+            config.tensorboard_dir, f"worker_{runtime.worker_index}")
+        callbacks.append(tf_keras.callbacks.TensorBoard(log_dir, update_freq="epoch"))
+    from tfpar.train import fit_segments
+    verbose = config.verbose if runtime.is_chief else 0
+    for initial, epochs, steps, first in fit_segments(0, config.steps, config.steps_per_epoch):
+        dataset = data.distributed_dataset(runtime.strategy, config, task, first)
+        model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
+                  callbacks=callbacks, verbose=verbose, shuffle=False)
+
+    # tf_keras wraps the optimizer in a LossScaleOptimizer at compile under mixed_float16.
+    aggregator = getattr(model.optimizer, "tfpar_aggregator", None) or getattr(
+        getattr(model.optimizer, "inner_optimizer", None), "tfpar_aggregator", None)
+    comm = None
+    if aggregator is not None:
+        comm = aggregator.comm_stats()
+    elif runtime.replicas > 1:
+        fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
+        comm = {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
+                "compression_ratio": 1.0}
+    local_replicas = runtime.replicas // runtime.workers
+    result = metrics.summarize(config, runtime, recorder,
+                               [model.count_params()] * local_replicas, comm=comm)
+    result["keras"] = 2
+    result.update(_finish(config, runtime, task, model))
+    if config.metrics_json and runtime.is_chief:
+        metrics.write_json(config.metrics_json, result)
+    return result, model
+
+
+def _finish(config, runtime, task, model):
+    """Sparsity / QAT checks and the export; returns the extra metrics blocks."""
+    from tfpar.legacy import pruning, quantization
+    out = {}
+    export_dir = options.option(config, "export_dir")
+    final = model
+    if options.option(config, "prune_sparsity"):
+        final = pruning.strip(model, runtime.strategy)
+        out["pruning"] = {"target_sparsity": options.option(config, "prune_sparsity"),
+                          "end_step": options.prune_end_step(config),
+                          **pruning.sparsity_report(model)}
+    if options.option(config, "qat") and runtime.is_chief:
+        import models.legacy
+        # A fresh float model outside the strategy scope: running it is local (a model of
+        # the strategy would run collectives that only the chief joins).
+        float_model = quantization.copy_to_float(model, models.legacy.build(
+            config.model, task.input_shape, task.num_classes, width=config.model_width,
+            depth=config.model_depth, seed=config.seed))
+        flatbuffer = quantization.to_tflite(model)
+        held_out = data.global_batches(config, task, config.steps, 1)[0][0]
+        out["qat"] = quantization.compare(float_model, flatbuffer, held_out)
+        if export_dir:
+            os.makedirs(export_dir, exist_ok=True)
+            with open(os.path.join(export_dir, "model_int8.tflite"), "wb") as f:
+                f.write(flatbuffer)
+            float_model.save(os.path.join(export_dir, "model_float.keras"))
+    if export_dir and runtime.is_chief and not options.option(config, "qat"):
+        os.makedirs(export_dir, exist_ok=True)
+        final.save(os.path.join(export_dir, "model.keras"))
+    if export_dir:
+        out["export_dir"] = export_dir
+    return out
