@@ -3,7 +3,7 @@ uncompressed run and the single-device run, on a generated task that really lear
 
 import pytest
 
-from tests.subproc import last_json_line, run_python
+from subproc import last_json_line, run_python
 
 CHILD = r"""
 import json, time

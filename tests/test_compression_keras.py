@@ -3,7 +3,7 @@ aggregator (and nothing else changes for Keras)."""
 
 import pytest
 
-from tests.subproc import last_json_line, run_python
+from subproc import last_json_line, run_python
 
 CHILD = r"""
 import json, os

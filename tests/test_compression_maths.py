@@ -63,6 +63,29 @@ def test_topk_keeps_largest_and_roundtrips():
     assert np.count_nonzero(dense) == 10
 
 
+def test_topk_sampled_equals_exact_topk():
+    x = _rand(300_000, seed=3)
+    values, indices = codecs.topk_sampled(x, 3000, tf.constant([5, 7]))
+    exact_values, exact_indices = codecs.topk(x, 3000)
+    np.testing.assert_array_equal(np.sort(indices.numpy()), np.sort(exact_indices.numpy()))
+    np.testing.assert_array_equal(np.sort(values.numpy()), np.sort(exact_values.numpy()))
+
+
+def test_topk_sampled_short_of_candidates_pads_harmlessly():
+    """Too few candidates (forced by margin < 1): the message is padded with zeros that
+    densify to nothing, every real entry is among the true top k, and the rest stays owed."""
+    x = _rand(300_000, seed=4)
+    values, indices = codecs.topk_sampled(x, 3000, tf.constant([1, 2]), margin=0.6)
+    assert values.shape == [3000] and indices.shape == [3000]
+    real = values.numpy() != 0
+    assert 1000 < real.sum() < 3000
+    kth = np.sort(np.abs(x.numpy()))[-3000]
+    assert np.all(np.abs(values.numpy()[real]) >= kth)
+    dense = codecs.densify(values, indices, 300_000).numpy()
+    np.testing.assert_array_equal(dense[indices.numpy()[real]], x.numpy()[indices.numpy()[real]])
+    assert np.count_nonzero(dense) == real.sum()
+
+
 def test_threshold_and_sparse_packing():
     x = tf.constant([0.5, -2.0, 0.01, 3.0, -0.001])
     values, indices = codecs.threshold(x, 0.4)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.subproc import child_env, last_json_line
+from subproc import child_env, last_json_line
 
 WORKER = r"""
 import hashlib, json, os
@@ -54,6 +54,21 @@ for name, agg in [("powersgd", PowerSGDAggregator(rank=2, start_step=3)),
                  "traced": agg.trace_count, "comm": agg.comm_stats(),
                  "residual_hash": hashlib.sha256(strategy.experimental_local_results(
                      residual)[0].numpy().tobytes()).hexdigest()}
+
+# Checkpoint round trip: every worker's replica gets its own residual back (the save
+# gathers all workers' residuals, so one file holds them all). agg: the top-k one.
+import tempfile
+path = tf.train.Checkpoint(agg=agg).save(os.path.join(tempfile.mkdtemp(), "agg"))
+saved = dict(tf.train.list_variables(path))
+with strategy.scope():
+    fresh = TopKAggregator(0.05)
+    fresh.build([v.value for v in model.trainable_variables])
+tf.train.Checkpoint(agg=fresh).restore(path).assert_existing_objects_matched()
+own = [strategy.experimental_local_results(agg.residuals[k])[0].numpy() for k in agg.residuals]
+back = [strategy.experimental_local_results(fresh.residuals[k])[0].numpy()
+        for k in agg.residuals]
+out["ckpt"] = {"own": all(np.array_equal(a, b) for a, b in zip(own, back)),
+               "rows": saved["agg/residual_slots/0/.ATTRIBUTES/per_replica"][0]}
 print(json.dumps(out))
 """
 
@@ -101,5 +116,7 @@ def test_two_workers_end_with_identical_weights():
         assert a[name]["residual_hash"] != b[name]["residual_hash"]
         assert a[name]["losses"] == b[name]["losses"]  # the global loss, reduced
         assert a[name]["losses"][-1] < 0.5 * a[name]["losses"][0], a[name]["losses"]
+    for w in (a, b):
+        assert w["ckpt"]["own"] and w["ckpt"]["rows"] == 2, w["ckpt"]
     assert 1 / a["topk"]["comm"]["compression_ratio"] <= 0.11
     assert 1 / a["powersgd"]["comm"]["compression_ratio"] < 0.2

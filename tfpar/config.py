@@ -53,6 +53,8 @@ class ParallelConfig:
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.
         tensorboard_dir, metrics_json: where to write TensorBoard logs and the metrics JSON.
+        measure_comm: after training, time compute-only against full steps and report the
+            communication share of a step (`comm.comm_time_fraction`).
         keras: 3 (keras) or 2 (tf_keras, trained by `tfpar.legacy`); prune_* and qat:
             tfmot pruning / quantization-aware training (Keras 2 only); export_dir: where
             the final (stripped / TFLite int8) model goes. See `tfpar.legacy.options`.
@@ -109,6 +111,7 @@ class ParallelConfig:
     keep_checkpoints: int = 3
     tensorboard_dir: str = ""
     metrics_json: str = ""
+    measure_comm: bool = False
     verbose: int = 1
     # Legacy Keras and tfmot (tfpar.legacy; validated by tfpar.legacy.options.check).
     keras: int = 3

@@ -58,6 +58,8 @@ _HELP = {
     "keep_checkpoints": "Checkpoints to keep.",
     "tensorboard_dir": "Directory for TensorBoard logs.",
     "metrics_json": "Write the run's metrics JSON here.",
+    "measure_comm": "After training, measure the communication share of a step "
+                    "(compute-only vs full steps) into the metrics JSON.",
     "verbose": "0 = silent, 1 = progress bar, 2 = one line per epoch.",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }

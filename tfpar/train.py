@@ -184,6 +184,13 @@ def train(config, environ=None, callbacks=()):
         fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
         comm = {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
                 "compression_ratio": 1.0}
+    if config.measure_comm and comm is not None and config.pipeline_stages == 1 \
+            and not model.stop_training:
+        # Compute-only vs full steps on a scratch copy of the aggregator (the run's state is
+        # untouched); every worker takes part.
+        from tfpar.compression.timing import measure_comm_fraction
+        comm["comm_time_fraction"], _ = measure_comm_fraction(
+            runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task))
     local_replicas = runtime.replicas // runtime.workers
     if hasattr(model, "pipeline_metrics"):
         params = model.params_per_stage() * local_replicas

@@ -22,12 +22,16 @@ __all__ = ["Aggregator", "CastAggregator", "Int8Aggregator", "NoneAggregator",
            "wrap_optimizer"]
 
 
-def make_aggregator(config, seed=None):
+def make_aggregator(config, seed=None, dgc_momentum=0.0):
     """The aggregator `config.compression` names, with its parameters from `config`.
 
     Args:
         config: a `tfpar.ParallelConfig` (already validated).
         seed: PowerSGD's initial-Q seed (default `config.seed`).
+        dgc_momentum: for top-k, DGC's momentum correction with this momentum (see
+            `TopKAggregator`); the optimizer must then be a Keras `SGD` whose momentum
+            `wrap_optimizer` moves into the aggregator (a `tf_keras` optimizer keeps its
+            own, so leave it 0 there).
 
     Returns:
         an `Aggregator`.
@@ -42,7 +46,7 @@ def make_aggregator(config, seed=None):
     if kind == "int8":
         return Int8Aggregator(**common)
     if kind == "topk":
-        return TopKAggregator(config.topk_ratio, **common)
+        return TopKAggregator(config.topk_ratio, momentum=dgc_momentum, **common)
     if kind == "threshold":
         return ThresholdAggregator(config.threshold, **common)
     return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,

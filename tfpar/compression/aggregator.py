@@ -4,13 +4,18 @@ An aggregator is called in replica context with this replica's gradients and ret
 SUM over replicas (Keras has already divided each by the number of replicas). It owns the
 per-replica state its method needs — error-feedback residuals, PowerSGD's Q, a step
 counter — as `tf.Variable`s created under the strategy scope, so a `tf.train.Checkpoint`
-of the optimizer (which tracks `optimizer.tfpar_aggregator`) saves them.
+of the optimizer (which tracks `optimizer.tfpar_aggregator`) saves them. Residuals differ
+per replica: they are checkpointed through `PerReplicaSlot`, which saves every replica's
+own value (gathered from all workers) and gives each its own back on restore, so a resumed
+run continues bit for bit.
 
 Subclasses implement `_exchange_bucket` (one fused fp32 buffer) or `_exchange` (the whole
 list); the base class does bucketing, error feedback and the byte count.
 """
 
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable
+from tensorflow.python.trackable import data_structures
 
 from tfpar.compression import buckets, collectives, error_feedback
 
@@ -19,12 +24,65 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 
 def per_replica_variable(initial_value, name, aggregation):
     """A variable every replica keeps its own copy of (`ON_READ`), updated locally without
-    communication. Reading it in cross-replica context (a checkpoint save) aggregates with
-    `aggregation`: MEAN for residuals, so a restore gives each of N replicas the mean and
-    their sum — the error still owed — is preserved; ONLY_FIRST_REPLICA for state that is
-    identical on all replicas."""
+    communication. Reading it in cross-replica context aggregates with `aggregation`:
+    MEAN for residuals, ONLY_FIRST_REPLICA for state that is identical on all replicas
+    (which a plain checkpoint then restores exactly; residuals go through `PerReplicaSlot`).
+    """
     return tf.Variable(initial_value, name=name, trainable=False, synchronization=_ON_READ,
                        aggregation=aggregation)
+
+
+class PerReplicaSlot(trackable.Trackable):
+    """Checkpoints every replica's own value of an `ON_READ` variable.
+
+    A plain checkpoint of an `ON_READ` variable saves the aggregate (the mean of the
+    residuals) and restores it to every replica. This saves all replicas' values stacked
+    `[replicas, ...]` in replica order (under `MultiWorkerMirroredStrategy` gathered from
+    every worker, so the chief's checkpoint holds them all) and on restore gives each local
+    replica its own row. Restored onto a different number of replicas, each gets the sum
+    over the saved rows divided by the new count, so the error still owed is kept.
+
+    Args:
+        variable: the per-replica variable (a plain variable outside a strategy).
+    """
+
+    def __init__(self, variable):
+        self._variable = variable
+
+    def _serialize_to_tensors(self):
+        return {"per_replica": _stack_replicas(self._variable)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return _restore_replicas(self._variable, restored_tensors["per_replica"])
+
+
+def _local_components(variable):
+    strategy = getattr(variable, "distribute_strategy", None)
+    if strategy is None or not hasattr(variable, "values"):
+        return None, [variable]
+    return strategy, list(strategy.experimental_local_results(variable))
+
+
+def _stack_replicas(variable):
+    strategy, local = _local_components(variable)
+    if strategy is None or strategy.num_replicas_in_sync == len(local):
+        return tf.stack([v.read_value() for v in local])
+    n = len(local)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: local[ctx.replica_id_in_sync_group % n].read_value()[None])
+    return strategy.gather(values, axis=0)
+
+
+def _restore_replicas(variable, stacked):
+    strategy, local = _local_components(variable)
+    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    if int(stacked.shape[0]) == replicas:
+        task = tf.DeviceSpec.from_string(local[0].device).task or 0
+        rows = [stacked[task * len(local) + j] for j in range(len(local))]
+    else:
+        rows = [tf.reduce_sum(stacked, 0) / replicas] * len(local)
+    ops = [v.assign(tf.reshape(tf.cast(r, v.dtype), v.shape)) for v, r in zip(local, rows)]
+    return tf.group(ops) if not tf.executing_eagerly() else None
 
 
 class Aggregator(tf.Module):
@@ -70,12 +128,16 @@ class Aggregator(tf.Module):
             self.wire_bytes = per_replica_variable(
                 tf.constant(self.static_wire_bytes(range(len(variables))), tf.int64),
                 "wire_bytes", tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            self.residuals = {}
+            residuals = {}
             if self.error_feedback:
-                self.residuals = {
+                residuals = {
                     str(i): per_replica_variable(tf.zeros(self._layout.shapes[i]),
                                                  f"residual_{i}", tf.VariableAggregation.MEAN)
                     for i in self._lossy_positions()}
+            # The variables themselves stay out of checkpoints (they would save the mean);
+            # their slots save every replica's own value.
+            self.residuals = data_structures.NoDependency(residuals)
+            self.residual_slots = {k: PerReplicaSlot(v) for k, v in residuals.items()}
             self._build_state()
         self.built = True
 
@@ -109,19 +171,30 @@ class Aggregator(tf.Module):
         self.trace_count += 1
         present = [i for i, g in enumerate(grads) if g is not None]
         positions = [self._layout.keys[_key(variables[i])] for i in present]
-        xs = [tf.cast(grads[i], tf.float32) for i in present]
+        inputs = self._before_compress([tf.cast(grads[i], tf.float32) for i in present],
+                                       positions)
         residuals = [self.residuals.get(str(p)) for p in positions]
-        xs = [error_feedback.corrected(x, r) for x, r in zip(xs, residuals)]
+        xs = [error_feedback.corrected(x, r) for x, r in zip(inputs, residuals)]
         summed, local, nbytes = self._exchange(xs, positions)
         for x, r, sent in zip(xs, residuals, local):
             if r is not None:
                 r.assign(error_feedback.next_residual(x, sent))
+        self._after_compress(inputs, local, positions)
         self.wire_bytes.assign(tf.cast(nbytes, tf.int64))
         self.step.assign_add(1)
         out = list(grads)
         for i, s in zip(present, summed):
             out[i] = tf.cast(s, grads[i].dtype)
         return out
+
+    def _before_compress(self, xs, positions):
+        """Subclass hook: what to compress instead of this replica's fp32 gradients `xs`
+        (before error feedback adds the residuals)."""
+        return xs
+
+    def _after_compress(self, inputs, local, positions):
+        """Subclass hook: `inputs` (what `_before_compress` returned) plus the residuals
+        were compressed, and this replica's own message decodes to `local`."""
 
     def _exchange(self, xs, positions):
         """Sums the corrected gradients `xs` (fp32) over replicas, bucket by bucket.

@@ -89,6 +89,9 @@ def wrap_optimizer(optimizer, aggregator):
 
     Raises:
         TypeError: `optimizer` is not a Keras optimizer on the TensorFlow backend.
+        ValueError: the aggregator does DGC momentum correction (`TopKAggregator(momentum=
+            m)`) and `optimizer` is not a plain `SGD`; its momentum is set to 0 otherwise,
+            since the aggregator now applies it.
 
     Example:
     >>> with strategy.scope():                                        # doctest: +SKIP
@@ -102,6 +105,15 @@ def wrap_optimizer(optimizer, aggregator):
         raise TypeError(
             f"optimizer={optimizer!r} cannot be wrapped: need a Keras 3 optimizer on the "
             f"TensorFlow backend (KERAS_BACKEND=tensorflow)")
+    if getattr(aggregator, "momentum", 0):
+        # DGC momentum correction: the aggregator keeps the velocity per replica and hands
+        # back the summed velocity update, which the optimizer must apply as plain SGD.
+        if not isinstance(target, keras.optimizers.SGD) or target.nesterov:
+            raise ValueError(
+                f"aggregator={type(aggregator).__name__}(momentum={aggregator.momentum}) "
+                f"needs keras.optimizers.SGD without nesterov, got optimizer={target!r}; "
+                "use momentum=0 on the aggregator for other optimizers")
+        target.momentum = 0.0
     if not isinstance(target, AggregatingOptimizerMixin):
         target.__class__ = _aggregating_class(type(target))
     target.tfpar_aggregator = aggregator

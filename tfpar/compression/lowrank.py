@@ -10,11 +10,11 @@ from tfpar.compression.dense import NoneAggregator
 class PowerSGDAggregator(NoneAggregator):
     """Rank-`rank` PowerSGD with warm-started Q and error feedback.
 
-    Per step: all matrices' `P = M Q` in one all-reduce, orthogonalise, all matrices'
-    `Q = Mᵀ P̂` in a second all-reduce; vectors, biases and matrices too small to gain are
-    all-reduced uncompressed in fp32 buckets. Before `start_step` everything is all-reduced
-    uncompressed (the early gradients change fastest and PowerSGD's warm start has not
-    settled).
+    Per step: all matrices' `P = M Q` in one all-reduce, together with the vectors, biases
+    and matrices too small to gain (uncompressed, fp32), orthogonalise, all matrices'
+    `Q = Mᵀ P̂` in a second all-reduce: two collectives per step, however many tensors.
+    Before `start_step` everything is all-reduced uncompressed (the early gradients change
+    fastest and PowerSGD's warm start has not settled).
 
     Args:
         rank: rank of the approximation.
@@ -74,21 +74,20 @@ class PowerSGDAggregator(NoneAggregator):
         matrices = set(self._matrices())
         mat = [j for j, p in enumerate(positions) if p in matrices]
         rest = [j for j, p in enumerate(positions) if p not in matrices]
-        summed, local, nbytes = list(xs), list(xs), 0
-        if rest:
-            s, loc, nbytes = Aggregator._exchange(self, [xs[j] for j in rest],
-                                                  [positions[j] for j in rest])
-            for j, sj, lj in zip(rest, s, loc):
-                summed[j], local[j] = sj, lj
         if not mat:
-            return summed, local, nbytes
+            return Aggregator._exchange(self, xs, positions)
+        summed, local = list(xs), list(xs)
         ms = [tf.reshape(xs[j], powersgd.matrix_shape(xs[j].shape)) for j in mat]
         qs = [self.qs[str(positions[j])] for j in mat]
-        # One all-reduce for all Ps, one for all Qs: two collectives per step in total.
-        ps, p_bytes = self._sum_factors([powersgd.compress_p(m, q) for m, q in zip(ms, qs)])
-        p_hats = [powersgd.orthogonalize(p) for p in ps]
+        # Two collectives per step in total: all Ps together with the uncompressed vectors
+        # (exact, so nothing for error feedback), then all Qs.
+        sums, p_bytes = self._sum_flat([powersgd.compress_p(m, q) for m, q in zip(ms, qs)] +
+                                       [xs[j] for j in rest])
+        for j, s in zip(rest, sums[len(mat):]):
+            summed[j] = s
+        p_hats = [powersgd.orthogonalize(p) for p in sums[:len(mat)]]
         q_locals = [powersgd.compress_q(m, p) for m, p in zip(ms, p_hats)]
-        q_sums, q_bytes = self._sum_factors(q_locals)
+        q_sums, q_bytes = self._sum_flat(q_locals)
         for j, m, p_hat, q_loc, q_sum, q_var in zip(mat, ms, p_hats, q_locals, q_sums, qs):
             shape = xs[j].shape
             summed[j] = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
@@ -96,13 +95,14 @@ class PowerSGDAggregator(NoneAggregator):
             # Warm start from the summed Q; an all-zero gradient would leave Q at zero
             # forever, so keep the previous Q then.
             q_var.assign(tf.where(tf.reduce_any(q_sum != 0), q_sum, q_var))
-        return summed, local, nbytes + p_bytes + q_bytes
+        return summed, local, p_bytes + q_bytes
 
-    def _sum_factors(self, factors):
-        flat = tf.concat([tf.reshape(f, [-1]) for f in factors], 0)
+    def _sum_flat(self, tensors):
+        """All `tensors` summed over replicas in one fp32 all-reduce."""
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
         total, nbytes = collectives.sum_all(flat, self._opts)
-        parts = tf.split(total, [int(f.shape[0]) * int(f.shape[1]) for f in factors])
-        return [tf.reshape(p, f.shape) for p, f in zip(parts, factors)], nbytes
+        parts = tf.split(total, [t.shape.num_elements() for t in tensors])
+        return [tf.reshape(p, t.shape) for p, t in zip(parts, tensors)], nbytes
 
     def get_config(self):
         return {**super().get_config(), "rank": self.rank, "start_step": self.start_step,

@@ -13,10 +13,22 @@ import tensorflow as tf
 
 
 def matrix_shape(shape):
-    """The 2-D view PowerSGD uses: all leading dims folded into rows (`[kh, kw, cin, cout]`
-    -> `[kh·kw·cin, cout]`)."""
+    """The 2-D view PowerSGD uses: the linear map a weight applies, inputs × outputs.
+
+    A conv kernel `[kh, kw, cin, cout]` maps patches to channels: `[kh·kw·cin, cout]`.
+    Other tensors are split into leading dims (rows) and trailing dims (columns) where rows
+    + columns is smallest, which makes the factors smallest: an attention kernel
+    `[width, heads, head_dim]` becomes `[width, heads·head_dim]` (folding all leading dims
+    would give a tall `[width·heads, head_dim]` whose rank-r factors are ~4× larger).
+
+    >>> matrix_shape([3, 3, 16, 32]), matrix_shape([256, 4, 64]), matrix_shape([4, 64, 256])
+    ((144, 32), (256, 256), (256, 256))
+    """
     shape = [int(d) for d in shape]
-    return math.prod(shape[:-1]), shape[-1]
+    if len(shape) in (1, 2, 4):
+        return math.prod(shape[:-1]), shape[-1]
+    splits = [(math.prod(shape[:k]), math.prod(shape[k:])) for k in range(1, len(shape))]
+    return min(reversed(splits), key=sum)  # ties: the later split
 
 
 def effective_rank(shape, rank):

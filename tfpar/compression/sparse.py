@@ -9,9 +9,10 @@ Error feedback (on by default) carries the entries not sent into the next step.
 import math
 
 import tensorflow as tf
+from tensorflow.python.trackable import data_structures
 
 from tfpar.compression import codecs, collectives
-from tfpar.compression.aggregator import Aggregator
+from tfpar.compression.aggregator import Aggregator, PerReplicaSlot, per_replica_variable
 
 
 def _sum_gathered(rows, n):
@@ -28,19 +29,59 @@ class TopKAggregator(Aggregator):
     are small next to another's still moves every step; all of a bucket's pairs still go in
     one all-gather.
 
+    With `momentum` (Deep Gradient Compression's momentum correction, Lin et al. 2018) each
+    replica keeps its own velocity `u = momentum·u + g` and compresses that (plus the
+    residual) instead of the raw gradient, so the momentum of entries that wait in the
+    residual is not lost; the optimizer must then apply the sum as plain SGD —
+    `wrap_optimizer` moves an SGD optimizer's momentum into the aggregator. With
+    `momentum_masking` (DGC's momentum factor masking) the velocity of the entries just
+    sent is reset, so a sent update does not keep pushing from a stale velocity.
+
     Args:
         ratio: fraction of entries sent, in (0, 1]; 0.01 sends ~2 % of fp32's bytes (a
             value and an index per entry).
+        momentum: DGC momentum correction in [0, 1); 0 = off. Needs error feedback.
+        momentum_masking: reset the velocity of the entries sent.
         **kwargs: see `Aggregator`.
     """
 
     lossy = True
 
-    def __init__(self, ratio=0.01, **kwargs):
+    def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, **kwargs):
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio={ratio!r} is invalid: must be in (0, 1]")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum={momentum!r} is invalid: must be in [0, 1)")
         super().__init__(**kwargs)
+        if momentum and not self.error_feedback:
+            raise ValueError(f"momentum={momentum!r} needs error_feedback=True: the residual "
+                             "is where DGC accumulates the velocity")
         self.ratio = float(ratio)
+        self.momentum = float(momentum)
+        self.momentum_masking = bool(momentum_masking)
+
+    def _build_state(self):
+        velocities = {}
+        if self.momentum:
+            velocities = {
+                str(i): per_replica_variable(tf.zeros(self._layout.shapes[i]), f"velocity_{i}",
+                                             tf.VariableAggregation.MEAN)
+                for i in self._lossy_positions()}
+        self.velocities = data_structures.NoDependency(velocities)
+        self.velocity_slots = {k: PerReplicaSlot(v) for k, v in velocities.items()}
+
+    def _before_compress(self, xs, positions):
+        if not self.momentum:
+            return xs
+        return [self.momentum * self.velocities[str(p)] + x for x, p in zip(xs, positions)]
+
+    def _after_compress(self, inputs, local, positions):
+        if not self.momentum:
+            return
+        for u, sent, p in zip(inputs, local, positions):  # inputs: the new velocities
+            if self.momentum_masking:
+                u = tf.where(sent != 0, tf.zeros_like(u), u)
+            self.velocities[str(p)].assign(u)
 
     def k(self, size):
         """Entries sent from a tensor of `size` entries."""
@@ -49,8 +90,10 @@ class TopKAggregator(Aggregator):
     def _exchange_bucket(self, flat, bucket):
         n = flat.shape[0]
         values, indices, offset = [], [], 0
+        step = tf.cast(self.step, tf.int32)
         for part, size in zip(tf.split(flat, list(bucket.sizes)), bucket.sizes):
-            v, i = codecs.topk(part, self.k(size))
+            # Large tensors: exact top-k through a sampled threshold (~4× faster on a CPU).
+            v, i = codecs.topk_sampled(part, self.k(size), tf.stack([step, offset]))
             values.append(v)
             indices.append(i + offset)
             offset += size
@@ -62,7 +105,8 @@ class TopKAggregator(Aggregator):
         return sum(8 * self.k(size) for size in bucket.sizes)
 
     def get_config(self):
-        return {**super().get_config(), "ratio": self.ratio}
+        return {**super().get_config(), "ratio": self.ratio, "momentum": self.momentum,
+                "momentum_masking": self.momentum_masking}
 
 
 class ThresholdAggregator(Aggregator):

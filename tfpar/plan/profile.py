@@ -7,6 +7,7 @@ pixels) it runs over.
 
 import math
 
+from tfpar.compression import powersgd
 from tfpar.plan.cost import Profile
 
 FLOAT = 4  # bytes
@@ -29,8 +30,8 @@ def profile_model(model, name, tokens_of=lambda path: 1, attention=None, blocks=
     for w in model.trainable_weights:
         if len(w.shape) < 2:
             continue
+        shapes.append(powersgd.matrix_shape(w.shape))  # the view PowerSGD compresses
         rows, cols = math.prod(w.shape[:-1]), w.shape[-1]
-        shapes.append((rows, cols))
         if "embeddings" in w.path:
             activations += FLOAT * tokens_of(w.path) * cols
             continue

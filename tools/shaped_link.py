@@ -1,0 +1,130 @@
+"""A bandwidth-shaped link between two network namespaces, for benchmarks (needs root).
+
+    with ShapedLink(rate="100mbit") as link:
+        link.popen(0, ["python", "worker.py"], env={...})   # runs inside namespace 0
+        link.address(1)                                      # "10.200.0.2"
+
+Two namespaces `tfpar-bench-<pid>-0/1` joined by a veth pair (MTU 1500: tbf on a 64 KiB
+MTU stalls TCP), addresses 10.200.0.1 and 10.200.0.2 that exist only inside them, and a
+token-bucket filter on each veth's egress, so each direction carries `rate`. Everything is
+removed on exit, on an exception, on Ctrl-C and on SIGTERM (deleting a namespace deletes
+its veth end, which deletes the pair); namespaces a killed earlier run left behind are
+removed on the next start.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+PREFIX = "tfpar-bench-"
+SUBNET = "10.200.0"
+
+
+class ShapedLinkError(RuntimeError):
+    """The link cannot be set up: not root, iproute2 missing, or a command failed."""
+
+
+def check_tools():
+    """Raises `ShapedLinkError` saying what to do when this machine cannot build the link."""
+    if os.geteuid() != 0:
+        raise ShapedLinkError("network namespaces and tc need root: run as root (sudo)")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ShapedLinkError(f"{' and '.join(missing)} not found: apt-get install -y iproute2")
+
+
+def _run(*cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise ShapedLinkError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def remove_stale():
+    """Deletes namespaces of earlier runs whose process is gone (e.g. killed with -9)."""
+    for line in _run("ip", "netns", "list").splitlines():
+        match = re.match(rf"({re.escape(PREFIX)}(\d+)-\d)\b", line)
+        if match and not os.path.exists(f"/proc/{match.group(2)}"):
+            subprocess.run(["ip", "netns", "del", match.group(1)], capture_output=True)
+
+
+class ShapedLink:
+    """Two namespaces joined by a veth pair shaped to `rate` in each direction.
+
+    Args:
+        rate: tc rate, e.g. "100mbit".
+        burst, latency: tbf's bucket size and queueing limit.
+        mtu: the veth MTU.
+    """
+
+    def __init__(self, rate="100mbit", burst="64kb", latency="25ms", mtu=1500):
+        self.rate, self.burst, self.latency, self.mtu = rate, burst, latency, mtu
+        self.namespaces = [f"{PREFIX}{os.getpid()}-{i}" for i in range(2)]
+        self.devices = [f"tfv{os.getpid() % 10**8}{'ab'[i]}" for i in range(2)]
+        self._previous = {}
+        self.procs = []
+
+    def address(self, i):
+        """The IPv4 address of side `i` (0 or 1), reachable only from the other side."""
+        return f"{SUBNET}.{i + 1}"
+
+    def __enter__(self):
+        check_tools()
+        remove_stale()
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up on kill, not only Ctrl-C
+            self._previous[sig] = signal.signal(sig, _raise_interrupt)
+        try:
+            for ns in self.namespaces:
+                _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", self.devices[0], "netns", self.namespaces[0], "type",
+                 "veth", "peer", "name", self.devices[1], "netns", self.namespaces[1])
+            for i, (ns, dev) in enumerate(zip(self.namespaces, self.devices)):
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", dev)
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                     "rate", self.rate, "burst", self.burst, "latency", self.latency)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def popen(self, i, cmd, **kwargs):
+        """Starts `cmd` inside namespace `i` in its own process group (killed on close)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[i], *cmd],
+                                start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def tx_bytes(self, i):
+        """Bytes sent so far by side `i`'s veth end."""
+        return int(_run("ip", "netns", "exec", self.namespaces[i], "cat",
+                        f"/sys/class/net/{self.devices[i]}/statistics/tx_bytes"))
+
+    def kill_all(self):
+        """SIGKILLs the process group of everything `popen` started."""
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        self.procs = []
+
+    def close(self):
+        """Kills the processes, deletes both namespaces (and with them the veth pair)."""
+        self.kill_all()
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
