@@ -157,3 +157,24 @@ def test_fp16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
     assert out.returncode == 0
     w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
     assert max_diff(w0, w1) == 0.0 and all(np.all(np.isfinite(w)) for w in w0)
+
+
+def test_killed_worker_with_error_feedback_state_resumes_exactly(tmp_path):
+    # int8 keeps a per-replica residual: a resume that lost it (or gave every replica the
+    # mean) would drift from the uninterrupted run.
+    cfg = {**BASE, "model": "mlp", "optimizer": "momentum", "learning_rate": 0.05,
+           "steps": 16, "steps_per_epoch": 8, "checkpoint_every": 5, "compression": "int8"}
+    _, reference = train_child(tmp_path, "ref", **{**cfg, "strategy": "mirrored",
+                                                    "cpu_devices": 2})
+    prefix = str(tmp_path / "mw")
+    run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
+    out = run_module("tfpar.launch", "--workers=2", "--max_restarts=1", "--grace=2",
+                     "--timeout=300", "--", sys.executable, CHILD, json.dumps(run_cfg), prefix,
+                     env={"TFPAR_INJECT_FAULTS": "0:12"}, timeout=360)
+    assert "1 restart" in out.stderr
+    results = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
+               if "] {" in line]
+    assert [r["resumed_from_step"] for r in results] == [10, 10]
+    w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, weights(reference)) < 1e-6

@@ -77,7 +77,7 @@ def build_model(config, runtime, task):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
             jit_compile=False)
-        nan_guard.skip_nonfinite_updates(model.optimizer)
+        nan_guard.skip_nonfinite_updates(model.optimizer, skip=config.on_nan == "skip_step")
         model.optimizer.build(model.trainable_variables)
     accumulation.install(model, config.grad_accum_steps)
     return model

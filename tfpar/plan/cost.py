@@ -151,8 +151,8 @@ def step_seconds(profile, hw, c, global_batch):
 
 def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", "topk",
                                                          "powersgd")):
-    """Every (data, tensor, pipeline, micro-batches, compression) that uses all devices and
-    splits the batch evenly."""
+    """Every (data, tensor, pipeline, micro-batches, compression) that uses all devices,
+    splits the batch evenly, and tfpar can run."""
     out = []
     for tensor in _divisors(hw.devices):
         if tensor > profile.max_tensor_parallel:
@@ -164,9 +164,14 @@ def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", 
             if global_batch % data:
                 continue
             per_replica = global_batch // data
+            if tensor > 1 and pipeline > 1:
+                continue  # tfpar runs tensor parallelism without pipelines for now
             for m in ([1] if pipeline == 1 else [m for m in (2, 4, 8, 16, 32)
                                                   if per_replica % m == 0 and m >= pipeline]):
-                for comp in (compressions if data > 1 else ("none",)):
+                # Aggregators plug into data parallelism alone (not yet into pipeline
+                # stages or a DTensor mesh).
+                plain = data == 1 or pipeline > 1 or tensor > 1
+                for comp in (("none",) if plain else compressions):
                     out.append(Candidate(data, tensor, pipeline, m, comp))
     return out
 

@@ -32,13 +32,23 @@ def calibrate(devices, matmul=1024, allreduce_mb=16):
 
     devices_lib.split_cpu(devices)
     a = tf.random.normal([matmul, matmul])
-    step = tf.function(lambda a: tf.matmul(a, a))
+    names = devices_lib.compute_devices()[:devices]
+
+    @tf.function
+    def step(a):
+        # Every device at once: logical devices may share cores, and a step keeps all busy.
+        outs = []
+        for name in names:
+            with tf.device(name):
+                outs.append(tf.reduce_sum(tf.matmul(a, a)))
+        return tf.add_n(outs)
+
     step(a).numpy()
-    began, reps = time.perf_counter(), 20
+    began, reps = time.perf_counter(), 10
     for _ in range(reps):
         out = step(a)
     out.numpy()
-    flops = 2 * matmul ** 3 * reps / (time.perf_counter() - began)
+    flops = 2 * matmul ** 3 * reps / (time.perf_counter() - began)  # per device
     call = tf.function(lambda a: tf.matmul(a[:8, :8], a[:8, :8]))
     call(a).numpy()
     began = time.perf_counter()
