@@ -60,7 +60,10 @@ class SkipNonFiniteMixin:
                      for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
         reduced = [g for g, _ in grads_and_vars if g is not None]
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in reduced])
+        # One pass per gradient: a NaN or Inf anywhere makes the sum non-finite (a finite
+        # sum overflowing float32 would need gradients near 1e38).
+        finite = tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
+                                             for g in reduced]))
         tf.__internal__.distribute.interim.maybe_merge_call(
             self._guarded_update, self._distribution_strategy, grads_and_vars, learning_rate,
             finite)
