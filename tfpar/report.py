@@ -44,10 +44,17 @@ def load(paths):
 
 def plot_loss(runs, path, plt):
     fig, ax = plt.subplots(figsize=(7, 4))
+    import numpy as np
+
     for run in runs:
-        if run.get("loss_history"):
-            ax.plot(run["loss_history"], label=label(run), linewidth=1)
-    ax.set(xlabel="step", ylabel="training loss", title="Convergence", yscale="log")
+        losses = np.asarray(run.get("loss_history") or [], dtype=float)
+        if losses.size:
+            # Per-batch losses are noisy: plot the mean of the last `window` steps.
+            window = max(1, min(10, losses.size // 5))
+            smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+            ax.plot(np.arange(window - 1, losses.size), smooth, label=label(run), linewidth=1)
+    ax.set(xlabel="step", ylabel="training loss (moving mean of 10 steps)",
+           title="Convergence", yscale="log")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
