@@ -97,8 +97,9 @@ def main():
                     "cpu_devices": args.cpu_devices, "strategy": "mirrored", "verbose": 0,
                     **MODELS[name]}
         runs = {"plain": [], "tfpar": []}
-        for _ in range(args.repeats):
-            for role in ("plain", "tfpar"):
+        for repeat in range(args.repeats):
+            # Alternate which goes first, so neither gains from the other's warm caches.
+            for role in (("plain", "tfpar") if repeat % 2 == 0 else ("tfpar", "plain")):
                 runs[role].append(child(role, settings))
         per_run = {role: [r["step_time_ms"]["median"] for r in rs] for role, rs in runs.items()}
         median = {role: statistics.median(ms) for role, ms in per_run.items()}
