@@ -47,6 +47,24 @@ class StepRecorder(keras.callbacks.Callback):
         self._seen_in_epoch, self._mean = k, mean
 
 
+def comm_stats(model, replicas):
+    """The metrics JSON's `comm` block: what the optimizer's gradient aggregator handed to
+    the collectives per step, or Keras's plain fp32 all-reduce; None with one replica.
+
+    Looks through a `LossScaleOptimizer` (fp16 wraps the aggregating optimizer).
+    """
+    optimizer = model.optimizer
+    aggregator = getattr(optimizer, "tfpar_aggregator", None) or getattr(
+        getattr(optimizer, "inner_optimizer", None), "tfpar_aggregator", None)
+    if aggregator is not None:
+        return aggregator.comm_stats()
+    if replicas == 1:
+        return None
+    fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
+    return {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
+            "compression_ratio": 1.0}
+
+
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 

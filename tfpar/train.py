@@ -7,7 +7,6 @@ and prints a summary. `--flagfile=configs/NAME.cfg` runs a recipe; under `TF_CON
 Python callers use `train(ParallelConfig(...))`, which returns the metrics dict.
 """
 
-import math
 import os
 import sys
 
@@ -173,17 +172,7 @@ def train(config, environ=None, callbacks=()):
         guard.restore_handler()
         checkpointer.save()
 
-    comm = None
-    aggregator = getattr(model.optimizer, "tfpar_aggregator", None)
-    if aggregator is None:
-        aggregator = getattr(getattr(model.optimizer, "inner_optimizer", None),
-                             "tfpar_aggregator", None)
-    if aggregator is not None:
-        comm = aggregator.comm_stats()
-    elif runtime.replicas > 1:
-        fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
-        comm = {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
-                "compression_ratio": 1.0}
+    comm = metrics.comm_stats(model, runtime.replicas)
     if config.measure_comm and comm is not None and config.pipeline_stages == 1 \
             and not model.stop_training:
         # Compute-only vs full steps on a scratch copy of the aggregator (the run's state is

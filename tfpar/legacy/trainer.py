@@ -130,15 +130,7 @@ def train(config, runtime=None, environ=None, callbacks=()):
                   callbacks=callbacks, verbose=verbose, shuffle=False)
 
     # tf_keras wraps the optimizer in a LossScaleOptimizer at compile under mixed_float16.
-    aggregator = getattr(model.optimizer, "tfpar_aggregator", None) or getattr(
-        getattr(model.optimizer, "inner_optimizer", None), "tfpar_aggregator", None)
-    comm = None
-    if aggregator is not None:
-        comm = aggregator.comm_stats()
-    elif runtime.replicas > 1:
-        fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
-        comm = {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
-                "compression_ratio": 1.0}
+    comm = metrics.comm_stats(model, runtime.replicas)
     local_replicas = runtime.replicas // runtime.workers
     result = metrics.summarize(config, runtime, recorder,
                                [model.count_params()] * local_replicas, comm=comm)
