@@ -19,9 +19,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfpar import patches
 from tfpar.errors import TfparError
 
-_CLASSES = {}
 
 
 @keras.saving.register_keras_serializable(package="tfpar")
@@ -99,15 +99,8 @@ def skip_nonfinite_updates(optimizer, skip=True):
     `LossScaleOptimizer` (fp16) already skips such steps: it is left as it is."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
-    target = optimizer
-    if not isinstance(target, SkipNonFiniteMixin):
-        cls = type(target)
-        if cls not in _CLASSES:
-            # Same name and module: get_config and saving see the original optimizer.
-            _CLASSES[cls] = type(cls.__name__, (SkipNonFiniteMixin, cls),
-                                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        target.__class__ = _CLASSES[cls]
-    target.tfpar_skip_nonfinite = skip
+    patches.mix_in(optimizer, SkipNonFiniteMixin)
+    optimizer.tfpar_skip_nonfinite = skip
     return optimizer
 
 

@@ -126,3 +126,21 @@ def is_applied():
             and tf_trainer.TensorFlowTrainer._maybe_symbolic_build is _maybe_symbolic_build
             and tf_trainer.reduce_per_replica is _reduce_per_replica
             and _Extended._initialize_local_devices is _initialize_local_devices)
+
+
+_MIXED = {}
+
+
+def mix_in(obj, mixin):
+    """Makes `obj` an instance of a subclass of its class with `mixin` in front, in place
+    (once; the subclass is cached). The subclass keeps the original's name and module, so
+    `get_config` and saving see the original class: how tfpar hooks an optimizer the user
+    already built without changing what gets saved."""
+    cls = type(obj)
+    if isinstance(obj, mixin):
+        return obj
+    if (cls, mixin) not in _MIXED:
+        _MIXED[cls, mixin] = type(cls.__name__, (mixin, cls),
+                                  {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    obj.__class__ = _MIXED[cls, mixin]
+    return obj

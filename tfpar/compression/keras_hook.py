@@ -13,9 +13,8 @@ Keras upgrade that stops calling the method fails loudly.
 import keras
 import tensorflow as tf
 
+from tfpar import patches
 from tfpar.compression import collectives
-
-_CLASSES = {}
 
 
 class AggregatingOptimizerMixin:
@@ -66,15 +65,6 @@ class AggregatingOptimizerMixin:
         collectives.replica_cond(is_update_step, update, accumulate, (list(grads),))
 
 
-def _aggregating_class(cls):
-    # Same name and module as the original, so get_config / serialisation produce a plain
-    # optimizer of the original class (the aggregator is a runtime choice, not saved config).
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (AggregatingOptimizerMixin, cls),
-                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _CLASSES[cls]
-
-
 def wrap_optimizer(optimizer, aggregator):
     """Makes `optimizer` sum its gradients over replicas with `aggregator`, in place.
 
@@ -114,8 +104,7 @@ def wrap_optimizer(optimizer, aggregator):
                 f"needs keras.optimizers.SGD without nesterov, got optimizer={target!r}; "
                 "use momentum=0 on the aggregator for other optimizers")
         target.momentum = 0.0
-    if not isinstance(target, AggregatingOptimizerMixin):
-        target.__class__ = _aggregating_class(type(target))
+    patches.mix_in(target, AggregatingOptimizerMixin)
     target.tfpar_aggregator = aggregator
     if target is not optimizer:
         optimizer.tfpar_aggregator = aggregator

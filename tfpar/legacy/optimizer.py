@@ -13,9 +13,8 @@ name and module, so `get_config` and saving see the plain optimizer.
 import tensorflow as tf
 import tf_keras
 
+from tfpar import patches
 from tfpar.errors import ConfigError
-
-_CLASSES = {}
 
 
 class AggregatingOptimizerMixin:
@@ -36,13 +35,6 @@ class AggregatingOptimizerMixin:
         grads, variables = zip(*grads_and_vars)
         summed = self.tfpar_aggregator.all_reduce_sum(list(grads), list(variables))
         return list(zip(summed, variables))
-
-
-def _aggregating_class(cls):
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (AggregatingOptimizerMixin, cls),
-                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _CLASSES[cls]
 
 
 def wrap_optimizer(optimizer, aggregator):
@@ -74,8 +66,7 @@ def wrap_optimizer(optimizer, aggregator):
         raise TypeError(f"optimizer={optimizer!r} cannot be wrapped: need a "
                         "tf_keras.optimizers.Optimizer (not a Keras 3 or "
                         "tf_keras.optimizers.legacy optimizer)")
-    if not isinstance(target, AggregatingOptimizerMixin):
-        target.__class__ = _aggregating_class(type(target))
+    patches.mix_in(target, AggregatingOptimizerMixin)
     target.tfpar_aggregator = aggregator
     if target is not optimizer:
         optimizer.tfpar_aggregator = aggregator
