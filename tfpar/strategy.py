@@ -20,7 +20,7 @@ from tensorflow.python.eager import context
 
 from tfpar import devices, patches
 from tfpar import tf_config as tf_config_lib
-from tfpar.errors import ConfigError, TfparError
+from tfpar.errors import ConfigError
 
 READY_LINE = "TFPAR_READY"  # printed once the strategy is built; tfpar.launch waits for it
 
@@ -80,7 +80,10 @@ def make_runtime(config, environ=None):
 
     Raises:
         ConfigError: a setting or `TF_CONFIG` is invalid.
-        TfparError: peers did not come up within `startup_timeout_s`.
+
+    A multi-worker job whose peers do not all register within `startup_timeout_s` is ended
+    by a watchdog process with one `tfpar: error:` line (the constructor cannot be
+    interrupted from Python).
     """
     cluster = tf_config_lib.load(os.environ if environ is None else environ)
     kind = choose_kind(config, cluster)

@@ -16,7 +16,6 @@ logged metrics are already synchronised over all replicas, so "first" is what is
 import math
 import os
 
-import tensorflow as tf
 import tf_keras
 from absl import logging
 
