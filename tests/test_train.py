@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import ROOT, last_json_line, run, run_module
+from subproc import ROOT, last_json_line, run, run_module, run_python
 
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
 BASE = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
@@ -210,3 +210,30 @@ def test_checkpoint_of_an_incompatible_run_is_refused_with_what_differs(tmp_path
                      "--optimizer=sgd")
     assert "model_width: saved 0, now 32" in line and "optimizer: saved 'adam', now 'sgd'" in line
     assert sorted(os.listdir(ckpt)) == before  # nothing written over
+
+
+def test_two_runs_in_one_process_share_the_strategy_and_repeat_exactly():
+    # `train(runtime=...)`: a second run on the first run's strategy (TensorFlow allows one
+    # per process) starts from the same seed, so it must repeat the first bit for bit.
+    out = run_python("""
+        import json
+        import numpy as np
+        from tfpar import ParallelConfig, devices, strategy
+        from tfpar.train import train
+        config = ParallelConfig(model="mlp", steps=4, steps_per_epoch=4, verbose=0,
+                                global_batch_size=32, strategy="mirrored", cpu_devices=2)
+        devices.split_cpu(2)
+        runtime = strategy.make_runtime(config)
+        first, m1 = train(config, runtime=runtime)
+        second, m2 = train(config, runtime=runtime)
+        print(json.dumps({"losses": [first["loss_history"], second["loss_history"]],
+                          "replicas": [first["replicas"], second["replicas"]],
+                          "same_strategy": m1.distribute_strategy is m2.distribute_strategy,
+                          "diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                                      for a, b in zip(m1.weights, m2.weights))}))
+    """)
+    result = last_json_line(out.stdout)
+    assert result["same_strategy"] and result["replicas"] == [2, 2]
+    assert result["losses"][0] == result["losses"][1]
+    assert result["losses"][0][-1] < result["losses"][0][0]
+    assert result["diff"] == 0.0

@@ -114,7 +114,7 @@ def apply():
     problems = check_targets()
     if problems:
         raise TfparError("; ".join(problems) + ". Install the pinned versions from "
-                         "requirements.txt or update tfpar/keras_patches.py.")
+                         "requirements.txt or update tfpar/patches.py.")
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     tf_trainer.reduce_per_replica = _reduce_per_replica
     _Extended._initialize_local_devices = _initialize_local_devices

@@ -108,16 +108,21 @@ def fit_segments(start, total, per_epoch):
     return segments
 
 
-def train(config, environ=None, callbacks=()):
+def train(config, environ=None, callbacks=(), runtime=None):
     """Trains `config`; returns `(metrics, model)` (metrics: see `tfpar.metrics.summarize`).
 
     Args:
         config: the `ParallelConfig` to run.
         environ: where to read `TF_CONFIG` from (default `os.environ`).
         callbacks: extra Keras callbacks for every `fit` call.
+        runtime: a `tfpar.strategy.Runtime` from an earlier `make_runtime` to train on
+            instead of building a new one: how one process trains several models (or the
+            same one several times) on its one strategy. Tensor-parallel and tf_keras runs
+            build their own and ignore it.
 
-    Call in a fresh process: `config.cpu_devices` must be applied before TensorFlow
-    initialises, and TensorFlow allows one distribution strategy per process.
+    Call in a fresh process (or pass the `runtime` of the earlier call): `config.cpu_devices`
+    must be applied before TensorFlow initialises, and TensorFlow allows one distribution
+    strategy per process.
 
     Raises:
         ConfigError: a setting, `TF_CONFIG` or the checkpoint directory is unusable.
@@ -134,7 +139,8 @@ def train(config, environ=None, callbacks=()):
     if config.mixed_precision != "none":
         keras.mixed_precision.set_global_policy(
             {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}[config.mixed_precision])
-    runtime = strategy.make_runtime(config, environ)
+    if runtime is None:
+        runtime = strategy.make_runtime(config, environ)
     config.per_replica_batch(runtime.replicas)
     logging.info(devices.topology(runtime.strategy, runtime.workers))
     task = data.make_task(config)
