@@ -1,5 +1,6 @@
 """The planner's cost model against hand-computed cases, and its refusals."""
 
+import dataclasses
 import json
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 from subproc import run
 from tfpar import ParallelConfig
 from tfpar.errors import ConfigError, TfparError
-from tfpar.plan import cost, planner
+from tfpar.plan import calibration, cost, planner
 
 PROFILE = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,
                        activation_bytes_per_example=1e4, boundary_bytes_per_example=1e3,
@@ -62,6 +63,15 @@ def test_compression_ratios():
     assert cost.compression_ratio("powersgd", PROFILE) == pytest.approx(1e6 / 8000)
 
 
+def test_candidates_pair_aggregators_with_replicas_only():
+    layouts = set(cost.candidates(PROFILE, HW, global_batch=64))
+    assert all(c.data * c.tensor * c.pipeline == 4 for c in layouts)
+    assert cost.Candidate(4, 1, 1, 1, "powersgd") in layouts
+    assert cost.Candidate(2, 1, 2, 4, "topk") in layouts  # each stage aggregates its own
+    compressed = {c for c in layouts if c.compression != "none"}
+    assert compressed and all(c.data > 1 and c.tensor == 1 for c in compressed)
+
+
 def test_planner_recommends_a_layout_that_fits_and_its_command():
     hw = planner.hardware_from(devices=8, memory_gb=16, tflops=10, intra_gbps=100,
                                inter_gbps=10)
@@ -88,3 +98,77 @@ def test_cli_json_carries_the_command():
                "--json"], timeout=120)
     result = json.loads(out.stdout)
     assert "python -m tfpar.train" in result["recommended"]["command"]
+
+
+def test_step_time_fixed_costs_and_encode_per_aggregator():
+    hw = dataclasses.replace(HW, step_overhead=0.01, update_seconds_per_param=1e-9,
+                             encode_seconds_per_param={"topk": 1e-8, "fp16": 2e-9})
+    c = cost.Candidate(data=4, tensor=1, pipeline=1, microbatches=1, compression="topk")
+    seconds, parts = cost.step_seconds(PROFILE, hw, c, 64)
+    # 10 ms per step + 1 ns for each of the 1e6 parameters the device updates
+    assert parts["overhead"] == pytest.approx(0.011)
+    # top-k: 1e6 * 4 B / 50 on the wire, ring over 4 at 1 GB/s, + 10 ns per parameter
+    assert parts["data_parallel"] == pytest.approx(1.5 * 8e4 / 1e9 + 0.01)
+    assert seconds == pytest.approx(sum(parts.values()))
+    fp16 = dataclasses.replace(c, compression="fp16")
+    assert cost.step_seconds(PROFILE, hw, fp16, 64)[1]["data_parallel"] == pytest.approx(
+        1.5 * 2e6 / 1e9 + 0.002)
+
+
+def test_step_time_pipeline_action_overhead():
+    hw = dataclasses.replace(HW, action_overhead=1e-3, update_seconds_per_param=1e-9)
+    c = cost.Candidate(data=1, tensor=1, pipeline=2, microbatches=4, compression="none")
+    _, parts = cost.step_seconds(PROFILE, hw, c, 64)
+    # Per stage: 3 * 2e6 FLOPs * 64 examples / 2 stages at 1 TFLOP/s, over 4 micro-batches,
+    # plus a forward and a backward action of 1 ms each: a slot of 0.048 + 2 ms.
+    slot = 3 * 2e6 * 64 / 2 / 1e12 / 4 + 2e-3
+    assert parts["compute"] == pytest.approx(4 * slot)
+    assert parts["bubble"] == pytest.approx(slot)
+    assert parts["overhead"] == pytest.approx(1e-9 * 500_000)
+    # Logical devices sharing cores lend them to the busy stage during the bubble: only the
+    # bubble's actions remain.
+    shared = dataclasses.replace(hw, shared_cores=True)
+    assert cost.step_seconds(PROFILE, shared, c, 64)[1]["bubble"] == pytest.approx(2e-3)
+    # Without a pipeline there are no actions: a plain fit step.
+    plain = cost.Candidate(data=4, tensor=1, pipeline=1, microbatches=1, compression="none")
+    assert cost.step_seconds(PROFILE, hw, plain, 64)[1]["compute"] == pytest.approx(
+        3 * 2e6 * 16 / 1e12)
+
+
+def test_calibration_batches_avoid_the_planned_batch():
+    assert calibration.calibration_batches(256, 4) == (128, 1024)
+    for batch in (32, 64, 96, 256, 1000):
+        small, large = calibration.calibration_batches(batch, 4)
+        assert batch not in (small, large) and small % 32 == 0 and large % 32 == 0
+
+
+def test_nonnegative_least_squares():
+    # Unconstrained: x = (2, -1); with x >= 0 the second is dropped and the first refit.
+    a = [[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]]
+    b = [2.0, 1.0, 0.0]
+    assert calibration.nonnegative_lstsq(a, b) == pytest.approx([1.0, 0.0])
+    assert calibration.nonnegative_lstsq([[1.0, 0.0], [0.0, 1.0]], [3.0, 4.0]) == \
+        pytest.approx([3.0, 4.0])
+
+
+def test_fit_recovers_the_costs_that_made_the_step_times():
+    truth = dataclasses.replace(
+        HW, flops=2e11, shared_cores=True, step_overhead=0.02, update_seconds_per_param=3e-9,
+        action_overhead=1.5e-3, latency=1e-4,
+        encode_seconds_per_param={"fp16": 1e-9, "int8": 5e-9, "topk": 2e-8, "powersgd": 1e-8})
+    runs = calibration.calibration_runs(PROFILE, 4, 256)
+    assert {c.compression for c, _ in runs} == {"none", "fp16", "int8", "topk", "powersgd"}
+    assert all(batch != 256 for _, batch in runs)
+    observations = [(c, b, cost.step_seconds(PROFILE, truth, c, b)[0]) for c, b in runs]
+    start = dataclasses.replace(HW, latency=1e-4, shared_cores=True)  # links measured
+    fitted, predicted = calibration.fit(PROFILE, start, observations)
+    assert fitted.flops == pytest.approx(2e11, rel=1e-6)
+    assert fitted.step_overhead == pytest.approx(0.02, rel=1e-6)
+    assert fitted.update_seconds_per_param == pytest.approx(3e-9, rel=1e-6)
+    assert fitted.action_overhead == pytest.approx(1.5e-3, rel=1e-6)
+    assert fitted.encode_seconds_per_param["topk"] == pytest.approx(2e-8, rel=1e-6)
+    assert predicted == pytest.approx([s for _, _, s in observations], rel=1e-6)
+    # The planned batch was never run, yet is predicted exactly.
+    c = cost.Candidate(2, 1, 2, 4, "none")
+    assert cost.step_seconds(PROFILE, fitted, c, 256)[0] == pytest.approx(
+        cost.step_seconds(PROFILE, truth, c, 256)[0], rel=1e-6)

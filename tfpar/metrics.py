@@ -49,15 +49,20 @@ class StepRecorder(keras.callbacks.Callback):
 
 def comm_stats(model, replicas):
     """The metrics JSON's `comm` block: what the optimizer's gradient aggregator handed to
-    the collectives per step, or Keras's plain fp32 all-reduce; None with one replica.
+    the collectives per step (a pipeline's: summed over its stages' aggregators), or Keras's
+    plain fp32 all-reduce; None with one replica.
 
     Looks through a `LossScaleOptimizer` (fp16 wraps the aggregating optimizer).
     """
-    optimizer = model.optimizer
-    aggregator = getattr(optimizer, "tfpar_aggregator", None) or getattr(
-        getattr(optimizer, "inner_optimizer", None), "tfpar_aggregator", None)
-    if aggregator is not None:
-        return aggregator.comm_stats()
+    optimizers = getattr(model, "stage_optimizers", None) or [model.optimizer]
+    aggregators = [getattr(o, "tfpar_aggregator", None) or getattr(
+        getattr(o, "inner_optimizer", None), "tfpar_aggregator", None) for o in optimizers]
+    if all(a is not None for a in aggregators):
+        stats = [a.comm_stats() for a in aggregators]
+        wire = sum(s["bytes_on_wire_per_step"] for s in stats)
+        raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
+        return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+                "compression_ratio": raw / wire if wire else 1.0}
     if replicas == 1:
         return None
     fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)

@@ -6,6 +6,12 @@ every layout the planner ranked that the trainer can run here (data parallel, pi
 compression; tensor parallel where `--tensor` is given) for `--steps` steps each, one
 process per run, and compares.
 
+Calibration and validation are separate runs at different batches: calibration fits the
+cost model's per-unit costs to runs of the same model at half and 4 times
+`--global_batch_size` (all-device data parallelism at both, each aggregator and 2-stage
+pipelines with 2, 4, 8 micro-batches at half); every run compared here is at
+`--global_batch_size` itself, a batch the fit never saw.
+
     python tools/bench_planner.py                    # mlp (width 1024), 4 logical CPUs
     python tools/bench_planner.py --quick            # 4 configurations, a few steps
 
@@ -29,6 +35,11 @@ def run(cmd, timeout=900):
     return out.stdout
 
 
+def label(r):
+    return (f"dp={r['data']} tp={r['tensor']} pp={r['pipeline']} mb={r['microbatches']} "
+            f"{r['compression']}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mlp")
@@ -47,6 +58,10 @@ def main():
               f"--global_batch_size={args.global_batch_size}", f"--cpu_devices={args.devices}"]
     plan = json.loads(run([sys.executable, "-m", "tfpar.plan", "--calibrate", "--json",
                            *common]))
+    print(f"calibration ({len(plan['calibration']['runs'])} runs, fitted on these):")
+    for r in plan["calibration"]["runs"]:
+        print(f"  {label(r):<34}batch {r['global_batch_size']:<6}measured "
+              f"{r['measured_ms']:7.2f} ms  fitted {r['fitted_ms']:7.2f} ms")
     ranked = [r for r in plan["ranked"] if args.tensor or r["tensor"] == 1]
     grid = ranked[:args.max_runs]
     choice = grid[0]
@@ -74,8 +89,7 @@ def main():
     within = sum(abs(r["error"]) <= 0.30 for r in rows)
     print(f"{'layout':<34}{'predicted ms':>14}{'measured ms':>13}{'error':>8}")
     for r in rows:
-        name = (f"dp={r['data']} tp={r['tensor']} pp={r['pipeline']} mb={r['microbatches']} "
-                f"{r['compression']}")
+        name = label(r)
         mark = " <- planner" if r is chosen else (" <- best" if r is best else "")
         print(f"{name:<34}{r['predicted_ms']:>14.2f}{r['measured_ms']:>13.2f}"
               f"{r['error']:>+8.0%}{mark}")
@@ -83,7 +97,8 @@ def main():
     print(f"planner's choice is {gap:.1%} slower than the best measured (goal <= 10%); "
           f"{within}/{len(rows)} predictions within 30%")
     with open(args.out, "w") as f:
-        json.dump({"hardware": plan["hardware"], "runs": rows, "choice_gap": gap,
+        json.dump({"hardware": plan["hardware"], "calibration": plan["calibration"],
+                   "runs": rows, "choice_gap": gap,
                    "within_30_percent": within, "count": len(rows)}, f, indent=1)
     print(f"wrote {args.out}")
 

@@ -73,11 +73,16 @@ class PipelineExecutor:
     def build_optimizers(self, optimizer):
         """One copy of `optimizer` per stage, created and built under the stage's device so
         its slots sit next to the variables (the stock optimizer puts them all on the
-        first device)."""
+        first device). A tfpar gradient aggregator on `optimizer` is copied too: each stage
+        aggregates its own gradients across the replicas, with its residuals (and
+        PowerSGD's Q) on the stage's devices."""
+        aggregator = getattr(optimizer, "tfpar_aggregator", None)
         self.optimizers = []
         for s, placement in enumerate(self.devices):
             with variables_on(placement):
                 opt = optimizer.__class__.from_config(optimizer.get_config())
+                if aggregator is not None:  # the class already has the aggregating mixin
+                    opt.tfpar_aggregator = type(aggregator)(**aggregator.get_config())
                 opt.build(self.stage_variables(s))
             self.optimizers.append(opt)
         return self.optimizers

@@ -66,7 +66,6 @@ def for_training(model, config, runtime):
             "on other processes' devices with tfpar.pipeline.remote")
     for name, value, allowed in (
             ("grad_accum_steps", config.grad_accum_steps, 1),
-            ("compression", config.compression, "none"),
             ("mixed_precision", config.mixed_precision if config.mixed_precision == "fp16"
              else "none", "none")):
         if value != allowed:
@@ -74,8 +73,6 @@ def for_training(model, config, runtime):
                 "grad_accum_steps": "use 1: the pipeline already accumulates gradients over "
                                     "--microbatches; for a larger effective batch raise "
                                     "--global_batch_size and --microbatches together",
-                "compression": "use none with --pipeline_stages > 1 (aggregators do not "
-                               "yet plug into the pipeline's per-stage optimizers)",
                 "mixed_precision": "fp16 loss scaling is not in the pipeline step; use "
                                    "bf16 or none"}[name])
     per_replica = config.per_replica_batch(runtime.replicas)

@@ -3,8 +3,10 @@
 import dataclasses
 import time
 
+from absl import logging
+
 from tfpar.errors import ConfigError, TfparError
-from tfpar.plan import cost, profile
+from tfpar.plan import calibration, cost, profile
 
 
 def hardware_from(devices, memory_gb, tflops, intra_gbps, inter_gbps, devices_per_machine=0):
@@ -21,10 +23,45 @@ def hardware_from(devices, memory_gb, tflops, intra_gbps, inter_gbps, devices_pe
                          devices_per_machine=devices_per_machine)
 
 
-def calibrate(devices, matmul=1024, allreduce_mb=16):
-    """Measures this machine: matmul FLOP/s of one (logical) device and the bus bandwidth of
-    an all-reduce over `devices` logical CPUs. Call in a process that has not initialised
-    TensorFlow yet (it splits the CPU)."""
+def calibrate(config, devices, steps=30):
+    """Measures this machine for the cost model, on `devices` logical CPUs.
+
+    Links: the bus bandwidth and per-message latency of an all-reduce over the devices, and
+    the matmul rate with every device busy. Then the per-unit costs (seconds per FLOP, per
+    step, per parameter updated, per pipeline action, per parameter each aggregator
+    encodes) are fitted to short real training runs of `config.model` at batches other than
+    `config.global_batch_size` (see `tfpar.plan.calibration`); about 80 s on 2 cores.
+
+    Call in a process that has not initialised TensorFlow yet (it splits the CPU).
+
+    Returns:
+        `(hardware, report)`: the calibrated `cost.Hardware`, and a JSON-able dict with the
+        link measurements and each calibration run (layout, batch, measured and fitted ms).
+
+    Raises:
+        TfparError: a calibration run failed.
+    """
+    hw, matmul_flops = measure_links(devices)
+    prof = profile.profile_builtin(config.model, config.model_width, config.model_depth)
+    observations = []
+    for candidate, batch in calibration.calibration_runs(prof, devices,
+                                                         config.global_batch_size):
+        seconds = calibration.measure_run(config, candidate, batch, devices, steps)
+        logging.info("calibration: %s batch %d: %.2f ms", label(dataclasses.asdict(candidate)),
+                     batch, 1000 * seconds)
+        observations.append((candidate, batch, seconds))
+    hw, predicted = calibration.fit(prof, hw, observations)
+    if hw.flops == float("inf"):  # no compute visible above the noise: use the matmul rate
+        hw = dataclasses.replace(hw, flops=matmul_flops)
+    runs = [{**dataclasses.asdict(c), "global_batch_size": batch, "measured_ms": 1000 * s,
+             "fitted_ms": 1000 * p} for (c, batch, s), p in zip(observations, predicted)]
+    return hw, {"matmul_flops": matmul_flops, "runs": runs}
+
+
+def measure_links(devices, matmul=1024, allreduce_mb=16):
+    """`(hardware, matmul_flops)`: a `cost.Hardware` with the all-reduce bandwidth and
+    latency over `devices` logical CPUs, memory per device, and the matmul rate of one
+    device while all run matmuls at once as its FLOP/s (until calibration fits it)."""
     import psutil
     import tensorflow as tf
 
@@ -49,12 +86,6 @@ def calibrate(devices, matmul=1024, allreduce_mb=16):
         out = step(a)
     out.numpy()
     flops = 2 * matmul ** 3 * reps / (time.perf_counter() - began)  # per device
-    call = tf.function(lambda a: tf.matmul(a[:8, :8], a[:8, :8]))
-    call(a).numpy()
-    began = time.perf_counter()
-    for _ in range(50):
-        call(a).numpy()
-    action_overhead = (time.perf_counter() - began) / 50
     bandwidth, latency = 1e9, 0.0
     if devices > 1:
         strategy = tf.distribute.MirroredStrategy(devices_lib.compute_devices()[:devices])
@@ -79,8 +110,8 @@ def calibrate(devices, matmul=1024, allreduce_mb=16):
         latency = (time.perf_counter() - began) / 20 / (2 * (devices - 1))
     memory = psutil.virtual_memory().total / devices
     return cost.Hardware(devices=devices, memory_bytes=memory, flops=flops,
-                         intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, latency=latency,
-                         action_overhead=action_overhead)
+                         intra_bandwidth=bandwidth, inter_bandwidth=bandwidth,
+                         latency=latency, shared_cores=True), flops
 
 
 def plan(config, hw, simulated_cpu=False):
@@ -152,7 +183,8 @@ def reasons(best, ranked, hw):
     parts = best["parts"]
     total = best["step_seconds"]
     why = [f"fits: {best['memory_bytes'] / 1e9:.2f} of {hw.memory_bytes / 1e9:.2f} GB per device",
-           f"compute {parts['compute'] / total:.0%} of the step, data-parallel all-reduce "
+           f"fixed step costs {parts['overhead'] / total:.0%} of the step, compute "
+           f"{parts['compute'] / total:.0%}, data-parallel all-reduce "
            f"{parts['data_parallel'] / total:.0%}, tensor-parallel "
            f"{parts['tensor_parallel'] / total:.0%}, pipeline bubble "
            f"{parts['bubble'] / total:.0%}"]
