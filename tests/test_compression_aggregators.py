@@ -111,6 +111,27 @@ for name, agg in [("ef_topk", TopKAggregator(0.05)), ("ef_powersgd", PowerSGDAgg
                        "differ": not np.array_equal(after[0][0], after[0][1]),
                        "step": int(fresh.step.numpy())}
 
+# Top-k density warm-up: each step sends what the schedule says (bytes counted per step),
+# one trace serves every step, and error feedback still conserves the sum.
+agg = TopKAggregator(0.05, warmup_steps=4, warmup_start=0.5)
+run = stepper(agg, RANDOM)
+total = [np.zeros(s, np.float32) for s in SHAPES]
+steps = []
+for step in range(6):
+    out, same = run()
+    total = [t + o for t, o in zip(total, out)]
+    steps.append({"same": same, "traced": agg.trace_count,
+                  "bytes": agg.comm_stats()["bytes_on_wire_per_step"],
+                  "expected": agg.wire_bytes_at(step),
+                  "k": [agg.k(int(np.prod(s)), step) for s in SHAPES]})
+residual_sum = [sum(v.numpy() for v in strategy.experimental_local_results(agg.residuals[str(i)]))
+                for i in range(len(SHAPES))]
+res["warmup"] = {"steps": steps,
+                 "err": max(float(np.max(np.abs(t + r - 6 * np.sum(g, 0))))
+                            for t, r, g in zip(total, residual_sum, RANDOM)),
+                 "config_roundtrip": TopKAggregator(**agg.get_config()).get_config()
+                                     == agg.get_config()}
+
 # Threshold: the bytes on the wire follow the largest count over replicas.
 agg = ThresholdAggregator(threshold=2.0)
 out, same = stepper(agg, RANDOM)()
@@ -191,3 +212,20 @@ def test_threshold_sends_only_large_entries_and_counts_bytes(results):
     t = results["threshold"]
     assert t["same"] and t["err"] < 1e-5
     assert t["bytes"] == t["expected_bytes"]
+
+
+def test_topk_warmup_bytes_follow_the_density_schedule(results):
+    w = results["warmup"]
+    assert all(s["same"] for s in w["steps"])
+    assert w["steps"][0]["traced"] == w["steps"][-1]["traced"], \
+        "the density must change inside the traced step, without retracing"
+    assert [s["bytes"] for s in w["steps"]] == [s["expected"] for s in w["steps"]]
+    # 50 % of the 3072-entry kernel at step 0, then ×(0.1)^(1/4) per step down to 5 % at 4.
+    assert [s["k"][0] for s in w["steps"]] == [1536, 864, 486, 274, 154, 154]
+    assert w["steps"][0]["bytes"] == 8 * (1536 + 24 + 144)
+    assert w["steps"][-1]["bytes"] == 8 * (154 + 3 + 15)
+    assert w["config_roundtrip"]
+
+
+def test_topk_warmup_keeps_error_feedback_exact(results):
+    assert results["warmup"]["err"] <= 1e-3 * results["gmax"], results["warmup"]

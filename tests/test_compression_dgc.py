@@ -2,7 +2,8 @@
 before sparsification). With every entry sent and no masking it is exactly momentum SGD;
 at 1 % it narrows top-k's gap to uncompressed momentum SGD on this 300-step task (eval
 MSE: momentum SGD 0.1166, top-k without correction 0.1344 (+15 %), with DGC 0.1285
-(+10 %)), but does not yet close it to 2 % — DGC's density warm-up is not implemented."""
+(+10 %)), but does not close it to 2 %. DGC's other half, the density warm-up
+(`TopKAggregator(warmup_steps=...)`), is tested in test_compression_aggregators.py."""
 
 import pytest
 

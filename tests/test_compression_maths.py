@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar.compression import buckets, codecs, error_feedback, powersgd
+from tfpar import ParallelConfig
+from tfpar.compression import (TopKAggregator, buckets, codecs, error_feedback,
+                               make_aggregator, powersgd, sparse)
+from tfpar.errors import ConfigError
 
 
 def _rand(*shape, seed=0):
@@ -84,6 +87,45 @@ def test_topk_sampled_short_of_candidates_pads_harmlessly():
     dense = codecs.densify(values, indices, 300_000).numpy()
     np.testing.assert_array_equal(dense[indices.numpy()[real]], x.numpy()[indices.numpy()[real]])
     assert np.count_nonzero(dense) == real.sum()
+
+
+def test_topk_sampled_with_a_tensor_k_equals_exact_topk():
+    """Top-k's warm-up changes k from step to step inside one traced step."""
+    x = _rand(300_000, seed=5)
+    sampled = tf.function(lambda k: codecs.topk_sampled(x, k, tf.constant([3, 4])))
+    for k in (75_000, 3000):
+        values, indices = sampled(tf.constant(k))
+        _, exact_indices = codecs.topk(x, k)
+        assert values.shape == [k]
+        np.testing.assert_array_equal(np.sort(indices.numpy()), np.sort(exact_indices.numpy()))
+    assert sampled.experimental_get_tracing_count() == 1
+
+
+def test_topk_warmup_density_decays_exponentially_to_the_ratio():
+    d = [sparse.warmup_density(s, 0.01, 10) for s in range(12)]
+    assert d[0] == 0.25 and d[10] == d[11] == 0.01
+    np.testing.assert_allclose(d[5], 0.05)  # geometric mean of 25 % and 1 %
+    np.testing.assert_allclose([b / a for a, b in zip(d[:10], d[1:10])], 0.04 ** 0.1)
+    assert sparse.warmup_density(0, 0.01, 0) == 0.01  # off
+    assert sparse.warmup_density(0, 0.5, 10) == 0.5  # the target is already denser
+    agg = TopKAggregator(0.01, warmup_steps=10)
+    assert [agg.k(1000, s) for s in (0, 5, 10, 1000)] == [250, 50, 10, 10]
+    assert agg.k(1000) == 10 and agg.k(3, 0) == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [({"warmup_steps": -1}, "warmup_steps=-1"),
+                                          ({"warmup_steps": 2.5}, "warmup_steps=2.5"),
+                                          ({"warmup_start": 0.0}, "warmup_start=0.0")])
+def test_topk_warmup_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TopKAggregator(0.01, **kwargs)
+
+
+def test_topk_warmup_from_the_config():
+    with pytest.raises(ConfigError, match="topk_warmup_steps"):
+        ParallelConfig(compression="topk", topk_warmup_steps=-3)
+    agg = make_aggregator(ParallelConfig(compression="topk", topk_warmup_steps=7))
+    assert agg.warmup_steps == 7 and agg.get_config()["warmup_steps"] == 7
 
 
 def test_threshold_and_sparse_packing():

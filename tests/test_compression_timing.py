@@ -1,5 +1,5 @@
-"""`measure_comm_fraction`: a share between 0 and 1 for each aggregator, measured without
-touching the run's own aggregator state."""
+"""`measure_comm_fraction`: a share and an overlap between 0 and 1 for each aggregator,
+measured without touching the run's own aggregator state."""
 
 from subproc import last_json_line, run_python
 
@@ -44,5 +44,6 @@ def test_comm_fraction_per_aggregator_leaves_state_alone():
     print(out)
     for name, r in out.items():
         assert 0.0 <= r["fraction"] < 1.0, (name, r)
-        assert r["step_ms"] > 0 and r["compute_ms"] > 0
+        assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["aggregate_ms"] > 0
+        assert 0.0 <= r["overlap_fraction"] <= 1.0, (name, r)
         assert r["untouched"], f"{name}: measuring changed the run's aggregator state"

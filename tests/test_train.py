@@ -237,3 +237,12 @@ def test_two_runs_in_one_process_share_the_strategy_and_repeat_exactly():
     assert result["losses"][0] == result["losses"][1]
     assert result["losses"][0][-1] < result["losses"][0][0]
     assert result["diff"] == 0.0
+
+
+def test_measure_comm_reports_share_and_overlap(tmp_path):
+    out, _ = train_child(tmp_path, "comm", model="mlp", strategy="mirrored", cpu_devices=2,
+                         steps=3, steps_per_epoch=3, compression="fp16", measure_comm=True)
+    comm = out["comm"]
+    assert comm["compression_ratio"] == 2.0
+    assert 0.0 < comm["comm_time_fraction"] < 1.0, comm
+    assert 0.0 <= comm["overlap_fraction"] <= 1.0, comm

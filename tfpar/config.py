@@ -100,6 +100,7 @@ class ParallelConfig:
     # Gradient aggregation.
     compression: str = "none"
     topk_ratio: float = 0.01
+    topk_warmup_steps: int = 0
     threshold: float = 1e-3
     powersgd_rank: int = 4
     powersgd_start_step: int = 0
@@ -149,6 +150,7 @@ class ParallelConfig:
                 raise ConfigError(name, value, "must be a number > 0")
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError("topk_ratio", self.topk_ratio, "must be in (0, 1], e.g. 0.01 for 1 %")
+        _at_least("topk_warmup_steps", self.topk_warmup_steps, 0)
         if not self.threshold > 0:
             raise ConfigError("threshold", self.threshold, "must be > 0")
         if self.schedule == "interleaved" and self.virtual_stages < 2 and self.pipeline_stages > 1:

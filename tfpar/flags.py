@@ -48,6 +48,8 @@ _HELP = {
     "virtual_stages": "Virtual stages per device for the interleaved schedule.",
     "compression": "Gradient aggregator.",
     "topk_ratio": "Fraction of gradient entries top-k sends.",
+    "topk_warmup_steps": "Top-k's density warm-up (DGC): the fraction sent decays "
+                         "exponentially from 25 % to --topk_ratio over this many steps; 0 = off.",
     "threshold": "Magnitude above which threshold sparsification sends an entry.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",

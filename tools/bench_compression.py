@@ -8,6 +8,10 @@ the same seed on the same batches with each aggregator in turn, through `tfpar.t
     python tools/bench_compression.py            # all aggregators, 150 steps (~25 min)
     python tools/bench_compression.py --quick    # none, fp16, topk, powersgd; 12 steps (<3 min)
 
+Top-k runs with DGC's density warm-up (`--topk_warmup_steps`, default 10: 25 % of the
+entries at the first step, decaying exponentially to 1 % at step 10); `topk_nowarmup` is the
+same aggregator without it, run side by side to show what the warm-up buys and costs.
+
 Needs root (namespaces, tc) and iproute2. Prints a table; writes `--out` (JSON: the
 DESIGN.md metrics of every run plus per-step wall clock, and the comparison) and `--png`
 (smoothed loss against wall-clock and against steps).
@@ -15,7 +19,8 @@ DESIGN.md metrics of every run plus per-step wall clock, and the comparison) and
 Measured per run: bytes per step handed to the collectives (the aggregator's count) and
 carried by the veth (kernel counters, both directions, steps 3 to the last), steps/s
 (1 / median step time after 2 warm-up steps), the communication share of a step
-(`tfpar.compression.timing.measure_comm_fraction`, after training), wall-clock (from the
+(`tfpar.compression.timing.measure_comm_fraction`, after training) and how much of the
+aggregation hides behind the backward pass (its `overlap_fraction`), wall-clock (from the
 end of the first step, which holds tracing) until the smoothed loss first reaches the fp32
 run's final smoothed loss, and the final loss at fp32's last step (the mean of the last `--smooth` batch
 losses: every run sees the same batches, so the means compare like for like). Compressed
@@ -34,8 +39,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-AGGREGATORS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
+AGGREGATORS = ("none", "fp16", "bf16", "int8", "topk", "topk_nowarmup", "threshold",
+               "powersgd")
 QUICK = ("none", "fp16", "topk", "powersgd")
+# Runs that only show what one setting does; the goals are not checked on them.
+# topk_buckets: one bucket per layer instead of one for the whole model, so the last
+# layers' all-gathers could start while backward still computes the first layers' gradients.
+VARIANTS = {"topk_nowarmup": ("topk", {"topk_warmup_steps": 0}),
+            "topk_buckets": ("topk", {"bucket_mb": 4.1})}
 GOALS = {"powersgd": 15.0, "topk": 8.0, "fp16": 1.9}  # steps/s vs fp32
 PORT = 23456
 
@@ -83,7 +94,9 @@ def worker(config_json, out_path):
     share, times = measure_comm_fraction(
         strategy, model, data.distributed_dataset(strategy, config, data.make_task(config)),
         steps=3)
-    result.setdefault("comm", {}).update(comm_time_fraction=share, comm_timing_ms=times)
+    result.setdefault("comm", {}).update(
+        comm_time_fraction=share, overlap_fraction=times.get("overlap_fraction"),
+        comm_timing_ms={k: v for k, v in times.items() if k.endswith("_ms")})
     if os.environ.get("TFPAR_WORKER_INDEX") == "0":
         result["wall_clock_s"] = clock.ends
         # After the first two steps (tracing, first collectives' set-up).
@@ -134,6 +147,7 @@ def compare(runs, window):
             "compression_ratio": comm.get("compression_ratio"),
             "steps_per_sec": sps, "speedup": sps / ref_sps,
             "comm_time_fraction": comm.get("comm_time_fraction"),
+            "overlap_fraction": comm.get("overlap_fraction"),
             "seconds_to_fp32_loss": reach,
             "time_to_fp32_loss_speedup": (ref_time / reach) if reach else None,
             "final_loss": final, "final_loss_vs_fp32": final / target - 1,
@@ -149,7 +163,7 @@ def goals(table):
             got = table[name]["speedup"]
             out[f"{name} steps/s >= {want}x fp32"] = {"value": got, "pass": got >= want}
     for name, row in table.items():
-        if name == "none":
+        if name == "none" or name in VARIANTS:
             continue
         speed = row["time_to_fp32_loss_speedup"]
         if name in ("powersgd", "topk"):  # fp16 cannot: it at most halves the bytes
@@ -160,20 +174,23 @@ def goals(table):
     return out
 
 
-def format_table(table):
-    head = (f"{'aggregator':<10} {'MB/step':>8} {'veth MB':>8} {'ratio':>7} {'steps/s':>8} "
-            f"{'× fp32':>7} {'comm %':>6} {'s→fp32 loss':>11} {'× faster':>8} "
+def format_table(table, labels=None):
+    """The comparison as text; `labels` renames rows (e.g. to show a setting)."""
+    labels = labels or {}
+    head = (f"{'aggregator':<13} {'MB/step':>8} {'veth MB':>8} {'ratio':>7} {'steps/s':>8} "
+            f"{'× fp32':>7} {'comm %':>6} {'ovl %':>5} {'s→fp32 loss':>11} {'× faster':>8} "
             f"{'final loss':>10} {'vs fp32':>8}")
     lines = [head, "-" * len(head)]
     for name, r in table.items():
         wire = r["bytes_on_wire_per_step"]
         reach, faster = r["seconds_to_fp32_loss"], r["time_to_fp32_loss_speedup"]
-        share = r["comm_time_fraction"]
+        share, overlap = r["comm_time_fraction"], r.get("overlap_fraction")
         lines.append(
-            f"{name:<10} {wire / 1e6 if wire else math.nan:>8.3f} "
+            f"{labels.get(name, name):<13} {wire / 1e6 if wire else math.nan:>8.3f} "
             f"{r['veth_bytes_per_step'] / 1e6:>8.3f} {r['compression_ratio'] or 1:>7.1f} "
             f"{r['steps_per_sec']:>8.2f} {r['speedup']:>7.2f} "
             f"{100 * share if share is not None else math.nan:>6.0f} "
+            f"{100 * overlap if overlap is not None else math.nan:>5.0f} "
             f"{reach if reach is not None else math.nan:>11.1f} "
             f"{faster if faster else math.nan:>8.2f} {r['final_loss']:>10.4f} "
             f"{100 * r['final_loss_vs_fp32']:>+7.2f}%")
@@ -209,8 +226,11 @@ def plot(runs, window, path):
 
 # ---- the driver ----------------------------------------------------------------------
 def run_one(link, name, settings, out_dir, timeout, extra):
-    """Trains with aggregator `name` on the two sides of `link`; returns its metrics."""
-    config = dict(settings, compression=name, strategy="multi_worker", verbose=0)
+    """Trains with aggregator `name` (or a `VARIANTS` run) on the two sides of `link`;
+    returns its metrics."""
+    compression, changes = VARIANTS.get(name, (name, {}))
+    config = dict(settings, compression=compression, strategy="multi_worker", verbose=0,
+                  **changes)
     if name != "none":
         config["steps"] = config["steps_per_epoch"] = round(settings["steps"] * (1 + extra))
     out_path = os.path.join(out_dir, f"{name}.json")
@@ -257,9 +277,13 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help=f"{', '.join(QUICK)} only, 12 steps: a smoke run in < 3 min")
     parser.add_argument("--aggregators", default="",
-                        help=f"comma-separated subset of {','.join(AGGREGATORS)} (none is "
-                             "always run: it is the reference)")
+                        help=f"comma-separated subset of {','.join(AGGREGATORS)} or "
+                             f"{','.join(n for n in VARIANTS if n not in AGGREGATORS)} "
+                             "(none is always run: it is the reference)")
     parser.add_argument("--rate", default="100mbit", help="tc rate of each direction")
+    parser.add_argument("--topk_warmup_steps", type=int, default=10,
+                        help="top-k's density warm-up (DGC): 25 %% of the entries at the "
+                             "first step, decaying to 1 %% at this step; 0 = off")
     parser.add_argument("--steps", type=int, default=0, help="fp32's steps; default 150 "
                         "(quick: 12)")
     parser.add_argument("--extra", type=float, default=0.25,
@@ -285,17 +309,20 @@ def main():
 
     names = [n for n in (args.aggregators.split(",") if args.aggregators
                          else QUICK if args.quick else AGGREGATORS) if n]
-    unknown = sorted(set(names) - set(AGGREGATORS))
+    unknown = sorted(set(names) - set(AGGREGATORS) - set(VARIANTS))
     if unknown:
         parser.error(f"--aggregators: unknown {', '.join(unknown)}; choose from "
-                     f"{', '.join(AGGREGATORS)}")
+                     f"{', '.join(dict.fromkeys(AGGREGATORS + tuple(VARIANTS)))}")
+    if args.topk_warmup_steps < 0:
+        parser.error(f"--topk_warmup_steps={args.topk_warmup_steps}: must be >= 0")
     names = ["none"] + [n for n in names if n != "none"]
     steps = args.steps or (12 if args.quick else 150)
     window = args.smooth or max(5, steps // 10)
     settings = {"model": "mlp", "model_width": args.model_width,
                 "model_depth": args.model_depth, "global_batch_size": args.global_batch_size,
                 "optimizer": args.optimizer, "learning_rate": args.learning_rate,
-                "steps": steps, "steps_per_epoch": steps, "seed": 0}
+                "steps": steps, "steps_per_epoch": steps, "seed": 0,
+                "topk_warmup_steps": args.topk_warmup_steps}
     out_dir = os.path.splitext(args.out)[0] + "_runs"
     os.makedirs(out_dir, exist_ok=True)
     load_before = machine_load()
@@ -325,7 +352,14 @@ def main():
           f"batch {args.global_batch_size}, {args.optimizer} lr {args.learning_rate}; "
           f"load before {load_before['loadavg_1_5_15']}, after "
           f"{machine_load()['loadavg_1_5_15']} on {os.cpu_count()} CPUs\n")
-    print(format_table(table))
+    labels = {"none": "none (fp32)", "topk_nowarmup": "topk, no wu",
+              "topk_buckets": "topk, 4MB bkt"}
+    if args.topk_warmup_steps:
+        labels["topk"] = f"topk, wu {args.topk_warmup_steps}"
+        print(f"topk: 1 % of the entries, density warm-up 25 % -> 1 % over the first "
+              f"{args.topk_warmup_steps} steps (those steps send more bytes: veth MB counts "
+              f"them, MB/step is the last step's); topk, no wu: the same without warm-up\n")
+    print(format_table(table, labels))
     print()
     for goal, v in verdicts.items():
         value = "n/a" if v["value"] is None else f"{v['value']:.3f}"

@@ -46,7 +46,8 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0):
     if kind == "int8":
         return Int8Aggregator(**common)
     if kind == "topk":
-        return TopKAggregator(config.topk_ratio, momentum=dgc_momentum, **common)
+        return TopKAggregator(config.topk_ratio, momentum=dgc_momentum,
+                              warmup_steps=config.topk_warmup_steps, **common)
     if kind == "threshold":
         return ThresholdAggregator(config.threshold, **common)
     return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,

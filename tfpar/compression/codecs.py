@@ -88,7 +88,8 @@ def topk_sampled(x, k, seed, sample=16384, margin=1.3):
 
     Args:
         x: 1-D float tensor of static length `n`.
-        k: entries to send (`k <= n`).
+        k: entries to send (`k <= n`): a Python int, or an int32 scalar tensor when it
+            changes from step to step (top-k's density warm-up).
         seed: int32 `[2]` seed of the sample (e.g. step and tensor position).
         sample, margin: sample size, and how many candidates to aim for (× k).
 
@@ -100,7 +101,11 @@ def topk_sampled(x, k, seed, sample=16384, margin=1.3):
     if n <= 4 * sample:
         return topk(x, k)
     picks = tf.random.stateless_uniform([sample], seed, maxval=n, dtype=tf.int32)
-    keep = min(sample, max(1, round(margin * k * sample / n)))
+    if isinstance(k, int):
+        keep = min(sample, max(1, round(margin * k * sample / n)))
+    else:
+        keep = tf.cast(tf.round(margin * tf.cast(k, tf.float64) * sample / n), tf.int32)
+        keep = tf.clip_by_value(keep, 1, sample)
     cut = tf.math.top_k(tf.gather(magnitude, picks), keep, sorted=True).values[-1]
     candidates = tf.cast(tf.reshape(tf.where(magnitude >= cut), [-1]), tf.int32)
     short = tf.maximum(k - tf.size(candidates), 0)

@@ -15,6 +15,29 @@ from tfpar.compression import codecs, collectives
 from tfpar.compression.aggregator import Aggregator, PerReplicaSlot, per_replica_variable
 
 
+def warmup_density(step, ratio, warmup_steps, start=0.25):
+    """DGC's sparsity warm-up: the fraction of entries top-k sends at `step`.
+
+    The density decays exponentially from `start` at step 0 to `ratio` at `warmup_steps`
+    (Lin et al. 2018, Deep Gradient Compression: 25 %, 6.25 %, ... down to the target), and
+    stays at `ratio` from then on. Early gradients change fast; sending more of them while
+    the residuals are young keeps error feedback from delaying the first, largest updates
+    by ~1/ratio steps.
+
+    Args:
+        step: the aggregator's step (0 = the first exchange).
+        ratio: the target density, in (0, 1].
+        warmup_steps: steps of the decay; 0 = no warm-up.
+        start: the density at step 0 (no warm-up when it is not above `ratio`).
+
+    Returns:
+        float in (0, 1].
+    """
+    if step >= warmup_steps or start <= ratio:
+        return ratio
+    return start * (ratio / start) ** (step / warmup_steps)
+
+
 def _sum_gathered(rows, n):
     """Dense sum of the gathered `[replicas, 2k]` sparse messages."""
     values, indices = codecs.unpack_sparse(rows)
@@ -37,21 +60,41 @@ class TopKAggregator(Aggregator):
     `momentum_masking` (DGC's momentum factor masking) the velocity of the entries just
     sent is reset, so a sent update does not keep pushing from a stale velocity.
 
+    With `warmup_steps` (DGC's sparsity warm-up) the first steps send more: the density
+    decays exponentially from `warmup_start` to `ratio` over `warmup_steps` steps (see
+    `warmup_density`), so those steps put more bytes on the wire (`comm_stats()` reports
+    each step's own count; before the first step it gives the count after the warm-up).
+
     Args:
         ratio: fraction of entries sent, in (0, 1]; 0.01 sends ~2 % of fp32's bytes (a
             value and an index per entry).
         momentum: DGC momentum correction in [0, 1); 0 = off. Needs error feedback.
         momentum_masking: reset the velocity of the entries sent.
+        warmup_steps: steps over which the density decays to `ratio`; 0 = off.
+        warmup_start: the density at the first step, in (0, 1].
         **kwargs: see `Aggregator`.
+
+    Example:
+    >>> agg = TopKAggregator(0.01, warmup_steps=30)
+    >>> [round(agg.density(s), 4) for s in (0, 15, 30)]
+    [0.25, 0.05, 0.01]
     """
 
     lossy = True
 
-    def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, **kwargs):
+    def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, warmup_steps=0,
+                 warmup_start=0.25, **kwargs):
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio={ratio!r} is invalid: must be in (0, 1]")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum={momentum!r} is invalid: must be in [0, 1)")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
+                or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} is invalid: must be an integer "
+                             ">= 0 (0 = no warm-up)")
+        if not 0 < warmup_start <= 1:
+            raise ValueError(f"warmup_start={warmup_start!r} is invalid: must be in (0, 1], "
+                             "e.g. 0.25 for 25 %")
         super().__init__(**kwargs)
         if momentum and not self.error_feedback:
             raise ValueError(f"momentum={momentum!r} needs error_feedback=True: the residual "
@@ -59,6 +102,8 @@ class TopKAggregator(Aggregator):
         self.ratio = float(ratio)
         self.momentum = float(momentum)
         self.momentum_masking = bool(momentum_masking)
+        self.warmup_steps = warmup_steps
+        self.warmup_start = float(warmup_start)
 
     def _build_state(self):
         velocities = {}
@@ -83,9 +128,26 @@ class TopKAggregator(Aggregator):
                 u = tf.where(sent != 0, tf.zeros_like(u), u)
             self.velocities[str(p)].assign(u)
 
-    def k(self, size):
-        """Entries sent from a tensor of `size` entries."""
-        return max(1, math.ceil(self.ratio * size))
+    def density(self, step):
+        """Fraction of entries sent at aggregator step `step` (`ratio` after the warm-up)."""
+        return warmup_density(step, self.ratio, self.warmup_steps, self.warmup_start)
+
+    def k(self, size, step=None):
+        """Entries sent from a tensor of `size` entries at `step` (default: after the
+        warm-up)."""
+        density = self.ratio if step is None else self.density(step)
+        return min(size, max(1, math.ceil(density * size)))
+
+    def wire_bytes_at(self, step):
+        """Bytes this replica hands to the all-gathers at `step` (call after `build`)."""
+        return sum(8 * self.k(math.prod(shape), step) for shape in self._layout.shapes)
+
+    def _k_now(self, size):
+        if not self.warmup_steps:
+            return self.k(size)
+        # The same table on every replica, so all send messages of one length.
+        table = tf.constant([self.k(size, s) for s in range(self.warmup_steps + 1)], tf.int32)
+        return tf.gather(table, tf.minimum(self.step, self.warmup_steps))
 
     def _exchange_bucket(self, flat, bucket):
         n = flat.shape[0]
@@ -93,7 +155,7 @@ class TopKAggregator(Aggregator):
         step = tf.cast(self.step, tf.int32)
         for part, size in zip(tf.split(flat, list(bucket.sizes)), bucket.sizes):
             # Large tensors: exact top-k through a sampled threshold (~4× faster on a CPU).
-            v, i = codecs.topk_sampled(part, self.k(size), tf.stack([step, offset]))
+            v, i = codecs.topk_sampled(part, self._k_now(size), tf.stack([step, offset]))
             values.append(v)
             indices.append(i + offset)
             offset += size
@@ -106,7 +168,8 @@ class TopKAggregator(Aggregator):
 
     def get_config(self):
         return {**super().get_config(), "ratio": self.ratio, "momentum": self.momentum,
-                "momentum_masking": self.momentum_masking}
+                "momentum_masking": self.momentum_masking, "warmup_steps": self.warmup_steps,
+                "warmup_start": self.warmup_start}
 
 
 class ThresholdAggregator(Aggregator):

@@ -1,10 +1,15 @@
-"""`measure_comm_fraction`: the share of a training step spent aggregating gradients.
+"""`measure_comm_fraction`: the share of a training step spent aggregating gradients, and
+how much of the aggregation hides behind the backward pass.
 
-Two traced steps on the same batch: forward + backward alone, and forward + backward +
-the aggregation the model's optimizer really uses (its tfpar aggregator: encoding,
-collectives, decoding; or the plain all-reduce Keras does without one). The share is
-`1 - compute / (compute + aggregation)`; what the collectives manage to overlap with the
-backward pass inside the traced step does not count, which is the point.
+Three traced steps on the same batch: forward + backward alone (`compute`), forward +
+backward + the aggregation the model's optimizer really uses (`step`: its tfpar aggregator,
+encoding, collectives, decoding; or the plain all-reduce Keras does without one), and the
+aggregation alone on gradients computed once (`aggregate`). The share is
+`1 - compute / step`: what the collectives manage to overlap with the backward pass inside
+the traced step does not count, which is the point. The overlap is the part of the
+aggregation that did not lengthen the step, `(compute + aggregate - step) / aggregate`,
+clamped to [0, 1]: 0 when the collectives wait for the whole backward pass (one bucket, or
+no spare core to run them on), 1 when all of them hide behind it.
 
 The measurement runs on a scratch copy of the aggregator, so the run's residuals, PowerSGD
 Q and step counter are untouched and training continues bit for bit. Under
@@ -19,8 +24,12 @@ import tensorflow as tf
 
 def _scratch_copy(aggregator, variables):
     settings = aggregator.get_config()
+    # Measure the steady compressed path, not PowerSGD's plain start or top-k's denser
+    # warm-up (the scratch copy starts at step 0).
     if "start_step" in settings:
-        settings["start_step"] = 0  # measure the compressed path, not the plain warm-up
+        settings["start_step"] = 0
+    if "warmup_steps" in settings:
+        settings["warmup_steps"] = 0
     copy = type(aggregator)(**settings)
     copy.build(variables)
     return copy
@@ -43,8 +52,8 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
             medians are compared.
 
     Returns:
-        `(fraction, {"step_ms": ..., "compute_ms": ...})`; a fraction of 0.0 with one
-        replica, where nothing is communicated.
+        `(fraction, {"step_ms", "compute_ms", "aggregate_ms", "overlap_fraction"})`; a
+        fraction of 0.0 and `{}` with one replica, where nothing is communicated.
     """
     if strategy.num_replicas_in_sync == 1:
         return 0.0, {}
@@ -56,31 +65,46 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
             aggregator = _scratch_copy(aggregator, variables)
     batch = next(iter(dataset))
 
-    def make(aggregate):
-        def step(batch):
-            x, y = batch[0], batch[1]
-            weight = batch[2] if len(batch) > 2 else None
-            with tf.GradientTape() as tape:
-                loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True),
-                                          sample_weight=weight)
-            grads = tape.gradient(loss, variables)
-            if aggregate:
-                if aggregator is None:
-                    grads = tf.distribute.get_replica_context().all_reduce("SUM", grads)
-                else:
-                    grads = aggregator.all_reduce_sum(grads, variables)
-            # Depend on every gradient, so nothing is pruned from the traced step.
-            return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
-        return tf.function(lambda b: strategy.run(step, args=(b,)))
+    def gradients(batch):
+        x, y = batch[0], batch[1]
+        weight = batch[2] if len(batch) > 2 else None
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True),
+                                      sample_weight=weight)
+        return tape.gradient(loss, variables)
 
-    fns = {aggregate: make(aggregate) for aggregate in (False, True)}
-    seconds = {False: [], True: []}
-    for i in range(steps + 1):  # alternating, so a noisy machine slows both alike
-        for aggregate, fn in fns.items():
+    def aggregate(grads):
+        if aggregator is None:
+            return tf.distribute.get_replica_context().all_reduce("SUM", grads)
+        return aggregator.all_reduce_sum(grads, variables)
+
+    def checksum(grads):
+        # Depend on every gradient, so nothing is pruned from the traced step.
+        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
+
+    steps_of = {
+        "compute": lambda b: checksum(gradients(b)),
+        "step": lambda b: checksum(aggregate(gradients(b))),
+        # (The identity places the fixed gradients on this replica's device, as the
+        # collectives need.)
+        "aggregate": lambda g: checksum(aggregate([None if t is None else tf.identity(t)
+                                                   for t in g])),
+    }
+    fns = {name: tf.function(lambda arg, fn=fn: strategy.run(fn, args=(arg,)))
+           for name, fn in steps_of.items()}
+    # Fixed gradients for "aggregate", kept per replica (each replica sends its own).
+    grads = tf.function(lambda b: strategy.run(gradients, args=(b,)))(batch)
+    seconds = {name: [] for name in fns}
+    for i in range(steps + 1):  # alternating, so a noisy machine slows all alike
+        for name, fn in fns.items():
             began = time.perf_counter()
-            strategy.experimental_local_results(fn(batch))[0].numpy()
+            strategy.experimental_local_results(
+                fn(grads if name == "aggregate" else batch))[0].numpy()
             if i:  # the first call traces
-                seconds[aggregate].append(time.perf_counter() - began)
-    compute, step = (float(np.median(seconds[a])) for a in (False, True))
+                seconds[name].append(time.perf_counter() - began)
+    compute, step, alone = (float(np.median(seconds[n]))
+                            for n in ("compute", "step", "aggregate"))
     fraction = min(1.0, max(0.0, 1 - compute / step))
-    return fraction, {"step_ms": 1000 * step, "compute_ms": 1000 * compute}
+    overlap = min(1.0, max(0.0, (compute + alone - step) / alone))
+    return fraction, {"step_ms": 1000 * step, "compute_ms": 1000 * compute,
+                      "aggregate_ms": 1000 * alone, "overlap_fraction": overlap}
