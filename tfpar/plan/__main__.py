@@ -31,7 +31,7 @@ flags.DEFINE_bool("calibrate", False, "Measure this machine (on --cpu_devices lo
                   "instead of the hardware flags: all-reduce bandwidth and latency, then "
                   "compute rate, step, update, pipeline-action and encode costs fitted to "
                   "short training runs of --model at half and 4x --global_batch_size "
-                  "(about 80 s on 2 cores).")
+                  "(about 2 minutes on 2 cores).")
 flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 flags.DEFINE_integer("top", 10, "Rows of the table.", lower_bound=1)
 FLAGS = flags.FLAGS

@@ -40,16 +40,18 @@ def calibration_runs(profile, devices, global_batch,
                      compressions=("fp16", "int8", "topk", "powersgd")):
     """The `(Candidate, global batch)` runs calibration measures: all-device data
     parallelism at two batches (compute against fixed costs), once per aggregator (their
-    encode cost), and 2-stage pipelines at 2, 4 and 8 micro-batches (the per-action cost
-    and the update of a smaller shard)."""
+    encode cost), and 2-stage pipelines at 2, 4 and 8 micro-batches at both batches (the
+    per-action cost and the update of a smaller shard)."""
     small, large = calibration_batches(global_batch, devices)
     dp = lambda comp: cost.Candidate(devices, 1, 1, 1, comp)  # noqa: E731
     runs = [(dp("none"), small), (dp("none"), large)]
     if devices > 1:
         runs += [(dp(comp), small) for comp in compressions]
-    for stages, micro in ((2, 2), (2, 4), (2, 8)):
-        if devices % stages == 0 and stages <= profile.blocks:
-            runs.append((cost.Candidate(devices // stages, 1, stages, micro, "none"), small))
+    # At both batches: one noisy run at one batch can make extra micro-batches look free.
+    for batch in (small, large):
+        for stages, micro in ((2, 2), (2, 4), (2, 8)):
+            if devices % stages == 0 and stages <= profile.blocks:
+                runs.append((cost.Candidate(devices // stages, 1, stages, micro, "none"), batch))
     return runs
 
 

@@ -30,7 +30,7 @@ def calibrate(config, devices, steps=30):
     the matmul rate with every device busy. Then the per-unit costs (seconds per FLOP, per
     step, per parameter updated, per pipeline action, per parameter each aggregator
     encodes) are fitted to short real training runs of `config.model` at batches other than
-    `config.global_batch_size` (see `tfpar.plan.calibration`); about 80 s on 2 cores.
+    `config.global_batch_size` (see `tfpar.plan.calibration`); about 2 minutes on 2 cores.
 
     Call in a process that has not initialised TensorFlow yet (it splits the CPU).
 
