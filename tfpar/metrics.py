@@ -13,6 +13,8 @@ import time
 import keras
 import numpy as np
 
+from tfpar.compression import aggregator_of
+
 
 class StepRecorder(keras.callbacks.Callback):
     """Records wall time and loss of every training batch across any number of `fit` calls.
@@ -55,8 +57,7 @@ def comm_stats(model, replicas):
     Looks through a `LossScaleOptimizer` (fp16 wraps the aggregating optimizer).
     """
     optimizers = getattr(model, "stage_optimizers", None) or [model.optimizer]
-    aggregators = [getattr(o, "tfpar_aggregator", None) or getattr(
-        getattr(o, "inner_optimizer", None), "tfpar_aggregator", None) for o in optimizers]
+    aggregators = [aggregator_of(o) for o in optimizers]
     if all(a is not None for a in aggregators):
         stats = [a.comm_stats() for a in aggregators]
         wire = sum(s["bytes_on_wire_per_step"] for s in stats)

@@ -13,11 +13,11 @@ Example:
 
 from tfpar.compression.aggregator import Aggregator
 from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
-from tfpar.compression.keras_hook import wrap_optimizer
+from tfpar.compression.keras_hook import aggregator_of, wrap_optimizer
 from tfpar.compression.lowrank import PowerSGDAggregator
 from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
 
-__all__ = ["Aggregator", "CastAggregator", "Int8Aggregator", "NoneAggregator",
+__all__ = ["Aggregator", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator",
            "PowerSGDAggregator", "ThresholdAggregator", "TopKAggregator", "make_aggregator",
            "wrap_optimizer"]
 

@@ -65,6 +65,14 @@ class AggregatingOptimizerMixin:
         collectives.replica_cond(is_update_step, update, accumulate, (list(grads),))
 
 
+def aggregator_of(optimizer):
+    """The tfpar aggregator `optimizer` sums gradients with, looking through wrappers such
+    as a `LossScaleOptimizer`; None for a plain optimizer."""
+    aggregator = getattr(optimizer, "tfpar_aggregator", None)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return aggregator if aggregator is not None or inner is None else aggregator_of(inner)
+
+
 def wrap_optimizer(optimizer, aggregator):
     """Makes `optimizer` sum its gradients over replicas with `aggregator`, in place.
 

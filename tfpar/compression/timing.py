@@ -21,6 +21,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfpar.compression.keras_hook import aggregator_of
+
 
 def _scratch_copy(aggregator, variables):
     settings = aggregator.get_config()
@@ -33,12 +35,6 @@ def _scratch_copy(aggregator, variables):
     copy = type(aggregator)(**settings)
     copy.build(variables)
     return copy
-
-
-def _aggregator_of(optimizer):
-    agg = getattr(optimizer, "tfpar_aggregator", None)
-    inner = getattr(optimizer, "inner_optimizer", None)
-    return agg if agg is not None or inner is None else _aggregator_of(inner)
 
 
 def measure_comm_fraction(strategy, model, dataset, steps=5):
@@ -59,7 +55,7 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
         return 0.0, {}
     variables = [v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v
                  for v in model.trainable_variables]
-    aggregator = _aggregator_of(model.optimizer)
+    aggregator = aggregator_of(model.optimizer)
     if aggregator is not None:
         with strategy.scope():
             aggregator = _scratch_copy(aggregator, variables)
