@@ -123,10 +123,10 @@ def test_nan_step_is_skipped_and_training_goes_on(tmp_path):
     metrics = json.loads(path.read_text())
     assert metrics["skipped_steps"] == [3]
     losses = metrics["loss_history"]
-    # The NaN input gives NaN gradients but a finite loss (ReLU maps NaN to 0): only the
-    # gradient check can catch it. Without the skip the first layer turns NaN and the loss
-    # sticks at ln 2.
-    assert np.all(np.isfinite(losses))
+    # Step 3's own loss is NaN or finite depending on how the CPU's vectorised ReLU treats
+    # NaN; every other step's must be finite. Without the skip the first layer turns NaN and
+    # the loss sticks at ln 2 (or NaN) from step 4 on.
+    assert np.all(np.isfinite(np.delete(losses, 3)))
     assert np.mean(losses[-5:]) < 0.7 * losses[0]
 
 

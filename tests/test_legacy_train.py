@@ -71,8 +71,9 @@ for name, settings in runs:
         for w in model.weights
         for copies in [runtimes[config.strategy].strategy.experimental_local_results(w)]
         for c in copies)
-    export = config.export_dir
-    if config.prune_sparsity and export and os.path.exists(os.path.join(export, "model.keras")):
+    # Only the chief exports; only it reads the export (another worker would race its write).
+    export = config.export_dir if worker in (None, "0") else None
+    if config.prune_sparsity and export:
         saved = tf_keras.models.load_model(os.path.join(export, "model.keras"))
         report["exported_zeros"] = {w.name: float(np.mean(w.numpy() == 0))
                                     for w in saved.weights if "kernel" in w.name}

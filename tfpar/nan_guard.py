@@ -5,8 +5,11 @@ With skip_step it also leaves weights and slots untouched on them: the test runs
 each variable's update function on the gradients every replica (and worker) received from the same all-reduce,
 so all of them skip together. (A `cond` around the whole update, the obvious design, fails
 under `MirroredStrategy`: Keras's update step calls `merge_call`.) The optimizer's
-iteration counter still advances on a skipped step. A NaN input can give NaN gradients
-with a finite loss (ReLU turns NaN into 0), so the gradients are what is checked.
+iteration counter still advances on a skipped step. A NaN input always gives NaN
+gradients (the first layer's kernel gradient multiplies the input), while whether the loss
+turns NaN too depends on the CPU (a vectorised ReLU may map NaN to 0 or keep it): the
+gradients are what is checked, and a step whose gradients are not finite is named as such
+whatever the loss did.
 
 `--on_nan=stop` then ends the run with one line naming the step (without the per-variable
 branch, which costs a few percent of a step on models with many variables);
@@ -134,8 +137,9 @@ class NaNGuard(keras.callbacks.Callback):
         bad_grads, self._count = count > self._count, count
         if math.isfinite(loss) and not bad_grads:
             return
-        what = f"loss became {loss}" if not math.isfinite(loss) else \
-            "gradients became non-finite"
+        # Gradients first: they are non-finite whenever the input was, on every CPU; the
+        # loss only on some (see the module docstring).
+        what = "gradients became non-finite" if bad_grads else f"loss became {loss}"
         if self.on_nan == "stop":
             raise TfparError(
                 f"{what} at step {self.step - 1} (on_nan=stop); lower "

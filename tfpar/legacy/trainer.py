@@ -162,13 +162,30 @@ def _finish(config, runtime, task, model):
         held_out = data.global_batches(config, task, config.steps, 1)[0][0]
         out["qat"] = quantization.compare(float_model, flatbuffer, held_out)
         if export_dir:
-            os.makedirs(export_dir, exist_ok=True)
-            with open(os.path.join(export_dir, "model_int8.tflite"), "wb") as f:
-                f.write(flatbuffer)
-            float_model.save(os.path.join(export_dir, "model_float.keras"))
+            _write_atomically(os.path.join(export_dir, "model_int8.tflite"),
+                              lambda path: _write_bytes(path, flatbuffer))
+            _write_atomically(os.path.join(export_dir, "model_float.keras"), float_model.save)
     if export_dir and runtime.is_chief and not options.option(config, "qat"):
-        os.makedirs(export_dir, exist_ok=True)
-        final.save(os.path.join(export_dir, "model.keras"))
+        _write_atomically(os.path.join(export_dir, "model.keras"), final.save)
     if export_dir:
         out["export_dir"] = export_dir
     return out
+
+
+def _write_atomically(path, write):
+    """`write(tmp)` then renames tmp to `path`: a reader (or a run that fails mid-write) sees
+    the old file or the whole new one, never a partial file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    base, ext = os.path.splitext(path)
+    tmp = f"{base}.tmp-{os.getpid()}{ext}"  # Keras wants the .keras extension
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _write_bytes(path, payload):
+    with open(path, "wb") as f:
+        f.write(payload)
