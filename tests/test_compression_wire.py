@@ -29,7 +29,7 @@ import json, os
 import numpy as np
 import keras
 import tensorflow as tf
-import models
+from tfpar import models
 from tfpar import ParallelConfig, strategy as strategy_lib
 from tfpar.compression import make_aggregator, wrap_optimizer
 

@@ -19,7 +19,7 @@ import json, sys
 from tfpar import devices
 devices.split_cpu(4)
 import numpy as np, tensorflow as tf, keras
-import models
+from tfpar import models
 from tfpar import ParallelConfig, data, layout
 from tfpar.errors import TfparError
 

@@ -17,7 +17,7 @@ import json, os, sys
 from tfpar import devices
 devices.split_cpu(4)
 import numpy as np, tensorflow as tf, keras
-import models
+from tfpar import models
 from tfpar import ParallelConfig, data, layout
 
 task = data.reverse_task(0, vocab=19)

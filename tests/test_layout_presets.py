@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+from tfpar import models
 from tfpar import layout
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import newaxis, variables

@@ -56,11 +56,11 @@ def test_supported_settings_pass():
 def test_qat_of_a_layer_tfmot_cannot_quantize_names_it():
     out = run_python("""
         import json
-        import models.legacy
+        from tfpar.models import legacy as legacy_models
         from tfpar import ConfigError
         from tfpar.legacy import quantization
         try:
-            quantization.quantize(models.legacy.build("convnet", (16, 16, 3), 10))
+            quantization.quantize(legacy_models.build("convnet", (16, 16, 3), 10))
         except ConfigError as err:
             print(json.dumps({"setting": err.setting, "message": str(err)}))
     """, timeout=120)

@@ -175,10 +175,10 @@ def one_model_bytes(prefix):
 def test_tf_keras_optimizer_really_uses_the_aggregator(mirrored):
     # An aggregator that returns zero gradients freezes plain SGD.
     out, prefix = mirrored
-    import models.legacy
+    from tfpar.models import legacy as legacy_models
     zeros = out["zeros"]
     assert zeros["traced"] >= 4
-    initial = [np.asarray(w) for w in models.legacy.build("mlp", (32,), 10).trainable_weights]
+    initial = [np.asarray(w) for w in legacy_models.build("mlp", (32,), 10).trainable_weights]
     assert max_diff(weights(prefix, "zeros"), initial) == 0.0
 
 

@@ -122,7 +122,7 @@ def test_trainer_cli_runs_the_pipeline(tmp_path):
 
 ERRORS = """
 import json
-import models
+from tfpar import models
 import tfpar.pipeline
 from tfpar import ParallelConfig, devices, strategy
 from tfpar.errors import TfparError

@@ -26,7 +26,7 @@ class ParallelConfig:
     """Every setting of a tfpar run, validated on construction.
 
     Args:
-        model: model from `models/` to train: one of `MODELS`; `model_width` and
+        model: model from `tfpar.models` to train: one of `MODELS`; `model_width` and
             `model_depth` override its default size (0 keeps the default).
         dataset: `"auto"` for the model's built-in generated task, or `"module:function"`
             naming a function `(input_context, config) -> tf.data.Dataset` of `(x, y)`

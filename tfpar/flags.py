@@ -13,7 +13,7 @@ from tfpar.legacy import options as legacy_options
 from tfpar.errors import ConfigError
 
 _HELP = {
-    "model": "Model from models/ to train.",
+    "model": "Model from tfpar/models/ to train.",
     "model_width": "Override the model's width (units, channels or d_model); 0 = default.",
     "model_depth": "Override the model's depth (layers or blocks); 0 = default.",
     "dataset": "'auto' (the model's generated task) or 'module:function' returning a "

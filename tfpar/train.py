@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 from absl import app, flags, logging
 
-import models
+from tfpar import models
 from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, nan_guard,
                    pipeline, preemption, strategy)
 from tfpar import flags as tfpar_flags

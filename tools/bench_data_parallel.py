@@ -35,7 +35,7 @@ def run_plain(config, runtime):
     """What a user would write without tfpar: compile and fit under the strategy."""
     import keras
 
-    import models
+    from tfpar import models
     from tfpar import data, metrics
 
     keras.utils.set_random_seed(config.seed)

@@ -49,7 +49,7 @@ def main(argv):
     devices.split_cpu(max(tps))
     import keras
     import tensorflow as tf
-    import models
+    from tfpar import models
     from tfpar import ParallelConfig, data, layout, metrics
 
     task = data.reverse_task(0, vocab=FLAGS.vocab)

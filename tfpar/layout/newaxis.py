@@ -3,7 +3,7 @@
 Measured on TF 2.21: in a DTensor function, `x + v[None]` fails with a garbled
 `'tf.StridedSlice' op ComputeLayoutForward error` (or a `UnicodeDecodeError` from the
 message, or a segmentation fault when no default mesh is set), while
-`tf.expand_dims(v, 0)` works. `models/transformer.py` adds the position embedding with
+`tf.expand_dims(v, 0)` works. `tfpar/models/transformer.py` adds the position embedding with
 `…[None]`. While a step is traced, `tensor[spec]` whose spec only inserts axes (`None`,
 `...`, `:`) is rewritten to `tf.expand_dims`, which gives the same values; every other
 indexing is TensorFlow's own.

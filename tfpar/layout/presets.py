@@ -14,7 +14,7 @@ Presets (Megatron-LM, Shoeybi et al. 2019):
 - `vocab_parallel`: the token embedding `(vocab, d)` split on vocab, the language-model
   head `(d, vocab)` split on vocab (column).
 
-Models in `models/` know nothing of this; the regexes match their layer names.
+Models in `tfpar.models` know nothing of this; the regexes match their layer names.
 """
 
 import keras

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-import models
+from tfpar import models
 from tfpar import checkpoint, data, devices, metrics
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import presets, values

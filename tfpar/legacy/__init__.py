@@ -1,6 +1,6 @@
 """Legacy Keras (`tf_keras`, Keras 2) under tfpar's strategies, with tfmot pruning and QAT.
 
-`--keras=2` trains the `models.legacy` twin of the mlp or convnet with `tf_keras.Model.fit`
+`--keras=2` trains the `tfpar.models.legacy` twin of the mlp or convnet with `tf_keras.Model.fit`
 under the same strategies, data, gradient aggregators and metrics JSON as the Keras 3
 trainer; `--prune_sparsity` prunes it by magnitude during training (tfmot) and `--qat`
 trains it quantization-aware and exports a TFLite int8 model.

@@ -2,7 +2,7 @@
 
 The same run as `tfpar.train.train` — strategy from `tfpar.strategy`, data from
 `tfpar.data`, the aggregator from `tfpar.compression`, the metrics JSON from
-`tfpar.metrics` — with a `tf_keras` model from `models.legacy`, optionally pruned
+`tfpar.metrics` — with a `tf_keras` model from `tfpar.models.legacy`, optionally pruned
 (`prune_sparsity`) or quantization-aware (`qat`) with tfmot, and the final model exported.
 
 `tf_keras.Model.fit` runs under `MirroredStrategy` and `MultiWorkerMirroredStrategy` with
@@ -60,10 +60,10 @@ class _StopOnNaN(tf_keras.callbacks.Callback):
 def build_model(config, runtime, task):
     """The compiled `tf_keras` model for `config` (pruning or QAT wrappers applied), built
     under the strategy scope with its optimizer built."""
-    import models.legacy
+    from tfpar.models import legacy as legacy_models
     from tfpar.legacy import pruning, quantization
     with runtime.strategy.scope():
-        model = models.legacy.build(config.model, task.input_shape, task.num_classes,
+        model = legacy_models.build(config.model, task.input_shape, task.num_classes,
                                     width=config.model_width, depth=config.model_depth,
                                     seed=config.seed)
         if options.option(config, "prune_sparsity"):
@@ -152,10 +152,10 @@ def _finish(config, runtime, task, model):
                           "end_step": options.prune_end_step(config),
                           **pruning.sparsity_report(model)}
     if options.option(config, "qat") and runtime.is_chief:
-        import models.legacy
+        from tfpar.models import legacy as legacy_models
         # A fresh float model outside the strategy scope: running it is local (a model of
         # the strategy would run collectives that only the chief joins).
-        float_model = quantization.copy_to_float(model, models.legacy.build(
+        float_model = quantization.copy_to_float(model, legacy_models.build(
             config.model, task.input_shape, task.num_classes, width=config.model_width,
             depth=config.model_depth, seed=config.seed))
         flatbuffer = quantization.to_tflite(model)

@@ -56,8 +56,8 @@ def profile_model(model, name, tokens_of=lambda path: 1, attention=None, blocks=
 
 
 def profile_builtin(name, width=0, depth=0):
-    """The profile of `models/NAME` at its default size (or `width`/`depth`) on its task."""
-    import models
+    """The profile of `tfpar.models` NAME at its default size (or `width`/`depth`) on its task."""
+    from tfpar import models
     from tfpar import data
 
     task = data.DEFAULT_TASKS[name](0)

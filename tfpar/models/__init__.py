@@ -1,8 +1,8 @@
 """Plain Keras 3 models. No parallelism inside: tfpar applies it from outside."""
 
-from models.convnet import convnet
-from models.mlp import mlp
-from models.transformer import transformer
+from tfpar.models.convnet import convnet
+from tfpar.models.mlp import mlp
+from tfpar.models.transformer import transformer
 
 BUILDERS = {"mlp": mlp, "convnet": convnet, "transformer": transformer}
 

@@ -1,4 +1,4 @@
-"""The mlp and convnet of `models/` built with legacy Keras (`tf_keras`, Keras 2).
+"""The mlp and convnet of `tfpar.models` built with legacy Keras (`tf_keras`, Keras 2).
 
 tensorflow-model-optimization (pruning, quantization-aware training) accepts only
 `tf_keras` models. Layer names and sizes match the Keras 3 builders; initialisers are
@@ -19,7 +19,7 @@ def _init(seed, i):
 
 def mlp(input_shape=(32,), num_classes=10, width=256, depth=2, seed=0):
     """`depth` ReLU layers of `width` units, then logits (`dense_0 … dense_{depth-1}`,
-    `logits`), as `models.mlp.mlp`."""
+    `logits`), as `tfpar.models.mlp.mlp`."""
     inputs = tf_keras.Input(shape=input_shape, name="features")
     x = inputs
     for i in range(depth):
@@ -32,7 +32,7 @@ def mlp(input_shape=(32,), num_classes=10, width=256, depth=2, seed=0):
 
 def convnet(input_shape=(16, 16, 3), num_classes=10, width=32, depth=2, seed=0):
     """A conv stem, `depth` residual blocks of `width` channels with GroupNormalization,
-    pooling, logits, as `models.convnet.convnet`."""
+    pooling, logits, as `tfpar.models.convnet.convnet`."""
     layers = tf_keras.layers
     count = iter(range(1000))
 
