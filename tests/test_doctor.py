@@ -50,10 +50,10 @@ def test_out_of_sync_replica_is_found():
         from tfpar import ParallelConfig, devices
         devices.split_cpu(4)
         from tfpar import data, doctor, strategy
-        from tfpar.train import build_model
+        from tfpar.backends.distribute import DistributeBackend
         config = ParallelConfig(cpu_devices=4)
         runtime = strategy.make_runtime(config)
-        model = build_model(config, runtime, data.make_task(config))
+        model = DistributeBackend().build_model(config, runtime, data.make_task(config))
         healthy = doctor.check_replicas_in_sync(runtime, model)
         # A per-replica write outside the optimizer step: replica 2 drifts.
         kernel = model.get_layer("dense_1").kernel.value

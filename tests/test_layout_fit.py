@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from subproc import ROOT, last_json_line, run_module, run_python
+from subproc import last_json_line, run_module, run_python
 
 CHILD = r"""
 import json, os, sys
@@ -19,6 +19,7 @@ devices.split_cpu(4)
 import numpy as np, tensorflow as tf, keras
 from tfpar import models
 from tfpar import ParallelConfig, data, layout
+from tfpar.train import train
 
 task = data.reverse_task(0, vocab=19)
 config = ParallelConfig(model="transformer", global_batch_size=16)
@@ -108,14 +109,14 @@ run_config = ParallelConfig(
     model="transformer", tensor_parallel=2, data_parallel=2, cpu_devices=4, steps=24,
     steps_per_epoch=8, global_batch_size=16, verbose=0,
     metrics_json=os.path.join(sys.argv[1], "metrics.json"))
-result, _ = layout.train(run_config)
+result, _ = train(run_config)
 out["train"] = {k: result[k] for k in ("steps", "final_loss", "loss_history", "memory",
                                        "strategy", "mesh")}
 # stopped at step 12 with checkpoints, then resumed to 24: the same losses from step 12
 resumable = run_config.replace(checkpoint_dir=os.path.join(sys.argv[1], "run"),
                                checkpoint_every=4, metrics_json="")
-layout.train(resumable.replace(steps=12))
-resumed, _ = layout.train(resumable)
+train(resumable.replace(steps=12))
+resumed, _ = train(resumable)
 out["resumed_from_step"] = resumed["resumed_from_step"]
 out["resume_vs_uninterrupted"] = max(
     abs(a - b) for a, b in zip(resumed["loss_history"], result["loss_history"][12:]))
@@ -175,15 +176,6 @@ def test_train_entry_resumes_from_its_checkpoint_exactly(result):
     assert result["resume_vs_uninterrupted"] <= 1e-5
 
 
-def _train_routes_tensor_parallel():
-    with open(os.path.join(ROOT, "tfpar", "train.py")) as f:
-        source = f.read()
-    return "tfpar.layout" in source or "layout.train" in source
-
-
-@pytest.mark.skipif(not _train_routes_tensor_parallel(),
-                    reason="tfpar/train.py does not route --tensor_parallel>1 to "
-                           "tfpar.layout.train yet")
 def test_cli_runs_tensor_parallel():
     out = run_module("tfpar.train", "--model=transformer", "--tensor_parallel=2",
                      "--data_parallel=2", "--cpu_devices=4", "--steps=10",
@@ -192,8 +184,6 @@ def test_cli_runs_tensor_parallel():
 
 
 def test_cli_refuses_degrees_that_do_not_match_the_devices():
-    if not _train_routes_tensor_parallel():
-        pytest.skip("tfpar/train.py does not route --tensor_parallel>1 yet")
     out = run_module("tfpar.train", "--model=transformer", "--tensor_parallel=2",
                      "--data_parallel=3", "--cpu_devices=4", "--steps=2", check=False,
                      timeout=120)

@@ -43,6 +43,7 @@ import tensorflow as tf
 import tf_keras
 import tfpar.legacy
 from tfpar import compression, strategy
+from tfpar.train import train
 
 class Zeros(compression.NoneAggregator):
     """Returns zero gradients: if tf_keras uses the hook, SGD cannot move."""
@@ -60,7 +61,7 @@ for name, settings in runs:
         runtimes[config.strategy] = strategy.make_runtime(config)
     zeros = Zeros() if name == "zeros" else None
     compression.make_aggregator = (lambda c: zeros) if zeros else make_aggregator
-    result, model = tfpar.legacy.train(config, runtimes[config.strategy])
+    result, model = train(config, runtime=runtimes[config.strategy])
     agg = getattr(model.optimizer, "tfpar_aggregator", None)
     report = {k: result[k] for k in ("replicas", "workers", "strategy", "steps", "final_loss",
                                      "loss_history", "comm", "pruning", "qat") if k in result}

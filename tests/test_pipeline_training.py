@@ -97,11 +97,10 @@ def test_aggregator_composes_with_pipeline_and_replicas():
 
 CLI = """
 import sys
-from absl import app
 from tfpar import train as T
 sys.argv = ["tfpar.train"] + FLAGS
 try:
-    app.run(T.main)
+    T.run()
 except SystemExit as exit:
     assert not exit.code, exit.code
 """

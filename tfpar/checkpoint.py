@@ -125,3 +125,29 @@ def write_marker(config):
     with open(tmp, "w") as f:
         json.dump({k: getattr(config, k) for k in _STATE_SETTINGS}, f, indent=1)
     os.replace(tmp, path)
+
+
+def fit_segments(start, total, per_epoch):
+    """Splits batches `start … total-1` into `fit` calls of whole epochs.
+
+    Returns a list of `(initial_epoch, epochs, steps_per_epoch, first_batch)`; a resumed
+    run first finishes its partial epoch, and a last partial epoch gets a call of its own.
+
+    >>> fit_segments(0, 10, 4)
+    [(0, 2, 4, 0), (2, 3, 2, 8)]
+    >>> fit_segments(5, 12, 4)
+    [(1, 2, 3, 5), (2, 3, 4, 8)]
+    """
+    segments = []
+    batch = start
+    while batch < total:
+        epoch = batch // per_epoch
+        length = min(per_epoch - batch % per_epoch, total - batch)
+        if (segments and length == per_epoch and segments[-1][2] == per_epoch
+                and segments[-1][3] + (segments[-1][1] - segments[-1][0]) * per_epoch == batch):
+            initial, epochs, steps, first = segments[-1]
+            segments[-1] = (initial, epochs + 1, steps, first)
+        else:
+            segments.append((epoch, epoch + 1, length, batch))
+        batch += length
+    return segments

@@ -8,6 +8,7 @@ or re-derive degrees themselves.
 import dataclasses
 import re
 
+from tfpar import compat
 from tfpar.errors import ConfigError
 
 MODELS = ("mlp", "convnet", "transformer")
@@ -35,6 +36,11 @@ class ParallelConfig:
             gradient accumulation multiplies it).
         steps: optimizer steps to train in total; `steps_per_epoch`: steps between
             epoch ends (progress bar, validation, TensorBoard epoch scalars).
+        validation_steps: batches of held-out data evaluated at every epoch end (0 = off):
+            examples of the same generated task that the training stream never reaches,
+            or, with `dataset="module:function"`, what `module.function_validation(
+            input_context, config)` yields. Results: `validation` in the metrics JSON,
+            `val_loss` / `val_accuracy` in Keras callbacks' logs.
         optimizer, learning_rate: the optimizer and its learning rate for
             `base_batch_size` examples; with `scale_lr` the rate is multiplied by
             effective batch / `base_batch_size` (the linear scaling rule) and ramped up
@@ -74,6 +80,7 @@ class ParallelConfig:
     global_batch_size: int = 64
     steps: int = 200
     steps_per_epoch: int = 50
+    validation_steps: int = 0
     optimizer: str = "adam"
     learning_rate: float = 1e-3
     scale_lr: bool = False
@@ -141,7 +148,8 @@ class ParallelConfig:
                      "keep_checkpoints"):
             _at_least(name, getattr(self, name), 1)
         for name in ("model_width", "model_depth", "num_classes", "warmup_steps",
-                     "cpu_devices", "data_parallel", "powersgd_start_step", "seed", "verbose"):
+                     "cpu_devices", "data_parallel", "powersgd_start_step", "seed", "verbose",
+                     "validation_steps"):
             _at_least(name, getattr(self, name), 0)
         for name in ("learning_rate", "collective_timeout_s", "heartbeat_timeout_s",
                      "startup_timeout_s", "bucket_mb"):
@@ -161,6 +169,7 @@ class ParallelConfig:
                               f"must divide global_batch_size={self.global_batch_size}")
         from tfpar.legacy import options as legacy_options  # imports no TensorFlow
         legacy_options.check(self)
+        compat.check(self)  # what the backend that will run this config honours
 
     @property
     def effective_batch_size(self):

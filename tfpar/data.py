@@ -6,10 +6,15 @@ of a run whose steps take `E` examples (global batch × accumulation steps) is e
 contiguous slice. So a data-parallel run sees
 exactly the batches a single device sees, and a run resumed at step `s` continues with the
 batches the uninterrupted run would have seen.
+
+Held-out data (`validation_steps`) are examples `-1, -2, …` of the same task: the training
+stream uses indices >= 0 only, so it never reaches them. A user's `--dataset=module:function`
+gives its own held-out batches as `module.function_validation(input_context, config)`.
 """
 
 import dataclasses
 import importlib
+import inspect
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +34,7 @@ class Task:
     num_classes: int
     example_fn: object = None
     user_fn: object = None  # `module:function` pipelines replace example_fn
+    validation_fn: object = None  # `module:function_validation`, if validation_steps > 0
 
 
 def teacher_task(seed, dim=32, classes=10, hidden=64):
@@ -81,24 +87,76 @@ DEFAULT_TASKS = {"mlp": teacher_task, "convnet": pattern_images_task,
                  "transformer": reverse_task}
 
 
+USER_PIPELINE = ("a function (input_context, config) -> tf.data.Dataset of per-replica "
+                 "batches (x, y) or (x, y, sample_weight): x of shape [batch, ...], y integer "
+                 "class ids of shape [batch] (or [batch, length] for a sequence model), batch "
+                 "= config.per_replica_batch(input_context.num_replicas_in_sync)")
+
+
 def make_task(config):
-    """The task for `config`: the model's generated task, or the user's `module:function`."""
+    """The task for `config`: the model's generated task, or the user's `module:function`.
+
+    Raises:
+        ConfigError: the user's function cannot be loaded, has the wrong signature or yields
+            batches of the wrong structure or shape (one line saying what it must be).
+    """
     if config.dataset == "auto":
         return DEFAULT_TASKS[config.model](config.seed)
     module_name, fn_name = config.dataset.split(":")
     try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
+        module = importlib.import_module(module_name)
+        fn = getattr(module, fn_name)
     except (ImportError, AttributeError) as err:
         raise ConfigError("dataset", config.dataset,
                           f"could not load it ({err}); give 'module:function' importable "
                           "from the working directory") from None
     if not config.num_classes:
         raise ConfigError("num_classes", 0, f"--dataset={config.dataset} needs --num_classes")
-    spec = fn(tf.distribute.InputContext(), config).element_spec
-    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
-        raise ConfigError("dataset", config.dataset,
-                          f"must yield (x, y) or (x, y, sample_weight) batches, got {spec}")
-    return Task(config.dataset, tuple(spec[0].shape[1:]), config.num_classes, user_fn=fn)
+    spec = _user_spec("dataset", config.dataset, fn, config)
+    validation_fn = None
+    if getattr(config, "validation_steps", 0):
+        validation_fn = getattr(module, f"{fn_name}_validation", None)
+        if validation_fn is None:
+            raise ConfigError("validation_steps", config.validation_steps,
+                              f"--dataset={config.dataset} has no held-out data: define "
+                              f"{module_name}.{fn_name}_validation(input_context, config) "
+                              f"yielding batches like {fn_name}'s, or use "
+                              "--validation_steps=0")
+        _user_spec("dataset", f"{module_name}:{fn_name}_validation", validation_fn, config)
+    return Task(config.dataset, tuple(spec[0].shape[1:]), config.num_classes, user_fn=fn,
+                validation_fn=validation_fn)
+
+
+def _user_spec(setting, name, fn, config):
+    """The element spec of the user's pipeline `fn`, checked; else one `ConfigError` line."""
+    def refuse(what):
+        return ConfigError(setting, name, f"{what}; it must be {USER_PIPELINE}")
+
+    try:
+        inspect.signature(fn).bind(tf.distribute.InputContext(), config)
+    except TypeError:
+        raise refuse(f"its signature is {fn.__name__}{inspect.signature(fn)}") from None
+    except ValueError:
+        pass  # a builtin without a signature: call it and see
+    dataset = fn(tf.distribute.InputContext(), config)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise refuse(f"it returned a {type(dataset).__name__}")
+    spec = dataset.element_spec
+    if (not isinstance(spec, tuple) or len(spec) not in (2, 3)
+            or not all(isinstance(s, tf.TensorSpec) for s in spec)):
+        raise refuse(f"its elements are {spec}")
+    x, y = spec[0].shape, spec[1].shape
+    batch = config.per_replica_batch(1)
+    if x.rank is None or x.rank < 2 or y.rank is None or y.rank not in (1, 2):
+        raise refuse(f"its elements have x of shape {x} and y of shape {y} (not batched?)")
+    if not spec[1].dtype.is_integer:
+        raise refuse(f"its labels y are {spec[1].dtype.name}")
+    sizes = {d for d in (x[0], y[0], *([spec[2].shape[0]] if len(spec) == 3 else []))
+             if d is not None}
+    if sizes - {batch}:
+        raise refuse(f"its batches hold {sorted(sizes)} examples where one replica of "
+                     f"global_batch_size={config.global_batch_size} takes {batch}")
+    return spec
 
 
 def pipeline_dataset(config, task, context, start_step=0):
@@ -136,6 +194,33 @@ def distributed_dataset(strategy, config, task, start_step=0):
     """The training data for `strategy`, starting at `start_step`."""
     return strategy.distribute_datasets_from_function(
         lambda context: pipeline_dataset(config, task, context, start_step))
+
+
+def validation_dataset(config, task, context):
+    """`config.validation_steps` steps of held-out batches for one input pipeline (as
+    `pipeline_dataset` orders them); finite, so every evaluation sees the same examples."""
+    local = context.num_replicas_in_sync // context.num_input_pipelines
+    count = config.validation_steps * local
+    if task.validation_fn is not None:
+        return task.validation_fn(context, config).take(count)
+    per_replica = config.per_replica_batch(context.num_replicas_in_sync)
+    first = context.input_pipeline_id * local
+
+    def replica_examples(k):
+        step, local_index = k // local, k % local
+        begin = step * config.global_batch_size + (first + local_index) * per_replica
+        return tf.data.Dataset.range(begin, begin + per_replica)
+
+    ds = tf.data.Dataset.range(count).flat_map(replica_examples)
+    ds = ds.map(lambda i: task.example_fn(-1 - i), num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True)  # indices the training stream (>= 0) never reaches
+    return ds.batch(per_replica, drop_remainder=True).cache()
+
+
+def distributed_validation(strategy, config, task):
+    """`validation_dataset` for every input pipeline of `strategy`."""
+    return strategy.distribute_datasets_from_function(
+        lambda context: validation_dataset(config, task, context))
 
 
 def global_batches(config, task, start_step, count):

@@ -25,11 +25,19 @@ from tfpar import flags as tfpar_flags
 from tfpar import tf_config as tf_config_lib
 from tfpar.errors import ConfigError, TfparError
 
-tfpar_flags.define_flags()
-flags.DEFINE_bool("json", False, "Print the checks as JSON.")
-flags.DEFINE_float("peer_timeout_s", 10.0, "Seconds to wait for each peer's port.",
-                   lower_bound=0)
 FLAGS = flags.FLAGS
+
+
+def define_flags(flag_values=FLAGS):
+    """The trainer's flags and the doctor's own (only `run()` calls this)."""
+    tfpar_flags.define_flags(flag_values)
+    if "peer_timeout_s" not in flag_values:
+        define = dict(flag_values=flag_values)
+        flags.DEFINE_bool("json", False, "Print the checks as JSON.", **define)
+        flags.DEFINE_float("peer_timeout_s", 10.0, "Seconds to wait for each peer's port.",
+                           lower_bound=0, **define)
+    tfpar_flags.declare_key_flags(["json", "peer_timeout_s"], flag_values)
+
 
 COMM_WARN = 0.30     # communication share of a step above which the run is comm-bound
 MEMORY_WARN = 0.80   # share of device memory above which an OOM is likely
@@ -239,7 +247,7 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
         return checks
     devices.split_cpu(config.cpu_devices)
     from tfpar import data, strategy
-    from tfpar.train import build_model
+    from tfpar.backends.distribute import DistributeBackend
 
     try:
         runtime = strategy.make_runtime(config, environ)
@@ -252,7 +260,7 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     checks.append(check_memory(config, local, psutil.virtual_memory().total / local))
     safe = config.replace(global_batch_size=_splittable(config, runtime.replicas))
     task = data.make_task(safe)
-    model = build_model(safe, runtime, task)
+    model = DistributeBackend().build_model(safe, runtime, task)
     model.fit(data.distributed_dataset(runtime.strategy, safe, task), epochs=1,
               steps_per_epoch=1, verbose=0)
     checks.append(check_replicas_in_sync(runtime, model))
@@ -283,5 +291,11 @@ def main(argv):
     sys.exit(1 if any(c.status == "FAIL" for c in checks) else 0)
 
 
-if __name__ == "__main__":
+def run():
+    """`tfpar-doctor` / `python -m tfpar.doctor`."""
+    define_flags()
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,10 +1,16 @@
-"""The absl flags of `python -m tfpar.train`, defined once, one per `ParallelConfig` field.
+"""The absl flags of `python -m tfpar.train`, one per `ParallelConfig` field.
 
 Help text comes from one table; defaults come from `ParallelConfig` itself, so the two can
 never disagree. `--flagfile=configs/NAME.cfg` works as absl provides it.
+
+Importing this module (or any tfpar module) defines no flag: only the entry points'
+`run()` functions call `define_flags`, so a user script with its own `--steps` or `--seed`
+can import tfpar. The flags are made key flags of the program being run, so `--help` (not
+only `--helpfull`) lists them, for `python -m tfpar.train` and `tfpar-train` alike.
 """
 
 import dataclasses
+import sys
 
 from absl import flags
 
@@ -63,6 +69,11 @@ _HELP = {
     "measure_comm": "After training, measure the communication share of a step "
                     "(compute-only vs full steps) into the metrics JSON.",
     "verbose": "0 = silent, 1 = progress bar, 2 = one line per epoch.",
+    "validation_steps": "Batches of held-out data to evaluate at every epoch end (0 = off): "
+                        "examples of the same generated task that training never reaches; "
+                        "with --dataset=module:function, module.function_validation(input_"
+                        "context, config) gives them. Reported as validation.loss/accuracy "
+                        "in the metrics JSON and val_loss/val_accuracy to Keras callbacks.",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 
@@ -75,7 +86,9 @@ _CHOICES = {
 
 
 def define_flags(flag_values=flags.FLAGS):
-    """Defines one flag per `ParallelConfig` field (idempotent)."""
+    """Defines one flag per `ParallelConfig` field (idempotent), key flags of the program
+    being run (see `declare_key_flags`)."""
+    names = [field.name for field in dataclasses.fields(config_lib.ParallelConfig)]
     for field in dataclasses.fields(config_lib.ParallelConfig):
         name, default = field.name, field.default
         if name in flag_values:
@@ -91,6 +104,19 @@ def define_flags(flag_values=flags.FLAGS):
             flags.DEFINE_float(name, default, help_text, flag_values=flag_values)
         else:
             flags.DEFINE_string(name, default, help_text, flag_values=flag_values)
+    declare_key_flags(names, flag_values)
+
+
+def declare_key_flags(names, flag_values=flags.FLAGS):
+    """Makes flags `names` key flags of the program being run, so `--help` lists them.
+
+    absl's `--help` shows the key flags of the module named by `sys.argv[0]`: the file
+    path under `python -m tfpar.train`, the script path under the `tfpar-train` console
+    script. Flags defined in another module (or inside a function of an imported module)
+    are not key flags of that name unless registered for it.
+    """
+    for name in names:
+        flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
 
 
 def config_from_flags(flag_values=flags.FLAGS):

@@ -39,19 +39,30 @@ READY_MARKER = "TFPAR_READY"
 _POLL_S = 0.05
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("workers", None, "Worker processes to start (required, >= 1).", lower_bound=1)
-flags.DEFINE_string("host", "127.0.0.1", "Address the workers listen on; their free ports are "
-                    "picked on it.")
-flags.DEFINE_float("timeout", 0, "Seconds the whole launch may take (all attempts) before every "
-                   "worker is stopped and it fails; 0 = no limit.", lower_bound=0)
-flags.DEFINE_float("start_timeout", 0, f"Seconds within which every worker must print a line "
-                   f"containing {READY_MARKER} (the trainer does once its strategy is built); "
-                   "0 = off.", lower_bound=0)
-flags.DEFINE_float("grace", 5, "Seconds between SIGTERM and SIGKILL when stopping workers.",
-                   lower_bound=0)
-flags.DEFINE_integer("max_restarts", 0, "When a worker fails (or misses --start_timeout), stop "
-                     "the others and restart all on new ports, up to this many times.",
-                     lower_bound=0)
+
+
+def define_flags(flag_values=FLAGS):
+    """Defines the launcher's flags (only `run()` calls this: importing defines none)."""
+    from tfpar import flags as tfpar_flags
+    if "workers" not in flag_values:
+        define = dict(flag_values=flag_values)
+        flags.DEFINE_integer("workers", None, "Worker processes to start (required, >= 1).",
+                             lower_bound=1, **define)
+        flags.DEFINE_string("host", "127.0.0.1", "Address the workers listen on; their free "
+                            "ports are picked on it.", **define)
+        flags.DEFINE_float("timeout", 0, "Seconds the whole launch may take (all attempts) "
+                           "before every worker is stopped and it fails; 0 = no limit.",
+                           lower_bound=0, **define)
+        flags.DEFINE_float("start_timeout", 0, "Seconds within which every worker must print a "
+                           f"line containing {READY_MARKER} (the trainer does once its strategy "
+                           "is built); 0 = off.", lower_bound=0, **define)
+        flags.DEFINE_float("grace", 5, "Seconds between SIGTERM and SIGKILL when stopping "
+                           "workers.", lower_bound=0, **define)
+        flags.DEFINE_integer("max_restarts", 0, "When a worker fails (or misses "
+                             "--start_timeout), stop the others and restart all on new ports, "
+                             "up to this many times.", lower_bound=0, **define)
+    tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
+                                   "max_restarts", "log_dir"], flag_values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,5 +345,11 @@ def main(cmd):
     return result.returncode
 
 
-if __name__ == "__main__":
+def run():
+    """`tfpar-launch` / `python -m tfpar.launch`."""
+    define_flags()
     app.run(main, flags_parser=_parse_argv)
+
+
+if __name__ == "__main__":
+    run()

@@ -20,13 +20,16 @@ class StepRecorder(keras.callbacks.Callback):
     """Records wall time and loss of every training batch across any number of `fit` calls.
 
     Keras logs the running mean of the loss over the epoch; the loss of batch k is
-    recovered exactly as `k*mean_k - (k-1)*mean_{k-1}`.
+    recovered exactly as `k*mean_k - (k-1)*mean_{k-1}`. Epoch ends with `val_loss` in
+    their logs (`fit(validation_data=...)`) are kept in `validation` as
+    `(steps done, val_loss, val_accuracy)`.
     """
 
     def __init__(self):
         super().__init__()
         self.step_seconds = []
         self.batch_losses = []
+        self.validation = []
         self._begin = None
         self._seen_in_epoch = 0
         self._mean = 0.0
@@ -40,6 +43,12 @@ class StepRecorder(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        if "val_loss" in logs:
+            self.validation.append((len(self.batch_losses), float(logs["val_loss"]),
+                                    float(logs.get("val_accuracy", math.nan))))
 
     def on_train_batch_end(self, batch, logs=None):
         self.step_seconds.append(time.perf_counter() - self._begin)
@@ -108,6 +117,12 @@ def summarize(config, runtime, recorder, params_per_device, comm=None, pipeline=
         out["comm"] = dict(comm)
     if pipeline:
         out["pipeline"] = dict(pipeline)
+    if recorder.validation:
+        # DESIGN.md's keys (the last evaluation), and every evaluation of the run.
+        steps, losses, accuracies = zip(*recorder.validation)
+        out["validation"] = {"loss": losses[-1], "accuracy": accuracies[-1],
+                             "batches": config.validation_steps, "at_steps": list(steps),
+                             "loss_history": list(losses)}
     out["memory"] = {"peak_rss_mb": peak_rss_mb(), "params_per_device": params_per_device}
     return out
 
@@ -120,3 +135,21 @@ def write_json(path, metrics):
     with open(tmp, "w") as f:
         json.dump(metrics, f, indent=1)
     os.replace(tmp, path)
+
+
+def summary_line(result):
+    """The one line `python -m tfpar.train` prints at the end of a run."""
+    parts = [f"strategy={result['strategy']}", f"replicas={result['replicas']}",
+             f"workers={result['workers']}", f"steps={result['steps']}",
+             f"loss {result['loss_history'][0]:.4f} -> {result['final_loss']:.4f}"
+             if result["loss_history"] else "no steps run"]
+    if "examples_per_sec" in result:
+        parts.append(f"{result['examples_per_sec']:.0f} examples/s")
+        parts.append(f"step {result['step_time_ms']['median']:.1f} ms")
+    if "comm" in result:
+        parts.append(f"{result['comm']['bytes_on_wire_per_step'] / 1e6:.3f} MB/step on the "
+                     f"wire (x{result['comm']['compression_ratio']:.1f} smaller)")
+    if "validation" in result:
+        parts.append(f"validation loss {result['validation']['loss']:.4f}, accuracy "
+                     f"{result['validation']['accuracy']:.3f}")
+    return "tfpar: " + ", ".join(parts)

@@ -16,8 +16,15 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_string("out_dir", "runs/report", "Where to write the PNGs and summary.md.")
 FLAGS = flags.FLAGS
+
+
+def define_flags(flag_values=FLAGS):
+    """The report's flags (only `run()` calls this: importing defines none)."""
+    if "out_dir" not in flag_values:
+        flags.DEFINE_string("out_dir", "runs/report", "Where to write the PNGs and "
+                            "summary.md.", flag_values=flag_values)
+    flag_values.register_key_flag_for_module(sys.argv[0], flag_values["out_dir"])
 
 
 def label(run):
@@ -174,5 +181,11 @@ def main(argv):
         print(path)
 
 
-if __name__ == "__main__":
+def run():
+    """`tfpar-report` / `python -m tfpar.report`."""
+    define_flags()
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

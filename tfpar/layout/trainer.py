@@ -109,7 +109,7 @@ class MeshTrainer:
         return _logs(_host(self._train(*self._on_mesh((x, y, sample_weight)))))
 
     def fit(self, batches, epochs=1, steps_per_epoch=None, initial_epoch=0,
-            callbacks=None, verbose=0):
+            callbacks=None, verbose=0, validation_data=None, validation_steps=None):
         """Trains on `batches` like `keras.Model.fit`.
 
         Args:
@@ -120,6 +120,9 @@ class MeshTrainer:
             callbacks: Keras callbacks (they get `on_train_batch_end` logs with the
                 epoch's running mean loss and accuracy, as under `model.fit`).
             verbose: 0 silent, 1 progress bar.
+            validation_data, validation_steps: held-out batches (iterated afresh) that
+                `evaluate` runs on at every epoch end; callbacks get `val_loss` and
+                `val_accuracy` in the epoch's logs, as under `model.fit`.
 
         Returns:
             A dict `{"loss": [per epoch], "accuracy": [per epoch]}`.
@@ -146,6 +149,9 @@ class MeshTrainer:
                 if self.model.stop_training:
                     break
             logs = sums.logs()
+            if validation_data is not None:
+                logs.update({f"val_{k}": v for k, v in
+                             self.evaluate(validation_data, validation_steps).items()})
             callbacks.on_epoch_end(epoch, logs)
             for key in history:
                 history[key].append(logs.get(key, float("nan")))

@@ -7,21 +7,16 @@ trains it quantization-aware and exports a TFLite int8 model.
 
 Modules: `options` (the settings and what is refused; imports no TensorFlow, so
 `tfpar.config` can use it), `optimizer` (tf_keras optimizers and the aggregator hook),
-`pruning`, `quantization`, `trainer`.
+`pruning`, `quantization`, `trainer` (the tf_keras model, callbacks and export).
 
-Example:
->>> result, model = tfpar.legacy.train(config)                       # doctest: +SKIP
+Example (the one trainer runs it; `keras=2` picks `tfpar.backends.tf_keras`):
+>>> from tfpar.train import train                                     # doctest: +SKIP
+>>> result, model = train(ParallelConfig(keras=2, prune_sparsity=0.75))  # doctest: +SKIP
 >>> result["pruning"]["sparsity"]                                     # doctest: +SKIP
 0.75
 """
 
-__all__ = ["train", "wrap_optimizer"]
-
-
-def train(config, runtime=None, environ=None, callbacks=()):
-    """See `tfpar.legacy.trainer.train` (imported on first use: it loads TensorFlow)."""
-    from tfpar.legacy import trainer
-    return trainer.train(config, runtime=runtime, environ=environ, callbacks=callbacks)
+__all__ = ["wrap_optimizer"]
 
 
 def wrap_optimizer(optimizer, aggregator):

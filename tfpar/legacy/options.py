@@ -73,21 +73,8 @@ def check(config, keras_version=None):
 
 
 def _check_legacy_run(config, sparsity, qat):
-    if config.model == "transformer":
-        raise ConfigError("model", "transformer", "--keras=2 builds mlp or convnet (the "
-                          "transformer's layers are Keras 3 only)")
-    unsupported = [
-        ("pipeline_stages", config.pipeline_stages, 1, "pipeline parallelism is Keras 3 only"),
-        ("tensor_parallel", config.tensor_parallel, 1, "tensor parallelism is Keras 3 only"),
-        ("grad_accum_steps", config.grad_accum_steps, 1,
-         "tf_keras optimizers do not accumulate gradients"),
-        ("checkpoint_dir", config.checkpoint_dir, "",
-         "checkpoint and resume are Keras 3 only; use --export_dir for the final model"),
-        ("on_nan", config.on_nan, "stop", "skipping non-finite steps is Keras 3 only"),
-    ]
-    for name, value, allowed, why in unsupported:
-        if value != allowed:
-            raise ConfigError(name, value, f"not supported with --keras=2: {why}")
+    # Settings tf_keras itself cannot run (pipelines, accumulation, ...) are refused by the
+    # compatibility table, `tfpar.compat`; these are tfmot's limits.
     if qat and config.mixed_precision != "none":
         raise ConfigError("mixed_precision", config.mixed_precision,
                           "tfmot's fake-quant layers fail under a mixed-precision policy "

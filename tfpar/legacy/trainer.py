@@ -1,9 +1,10 @@
-"""`train(config)` for legacy Keras: a `tf_keras` model through tfpar's data-parallel path.
+"""The tf_keras pieces of a `keras=2` run (`tfpar.backends.tf_keras` drives them).
 
-The same run as `tfpar.train.train` — strategy from `tfpar.strategy`, data from
-`tfpar.data`, the aggregator from `tfpar.compression`, the metrics JSON from
+The same run as any other of `tfpar.train.train` — strategy from `tfpar.strategy`, data
+from `tfpar.data`, the aggregator from `tfpar.compression`, the metrics JSON from
 `tfpar.metrics` — with a `tf_keras` model from `tfpar.models.legacy`, optionally pruned
-(`prune_sparsity`) or quantization-aware (`qat`) with tfmot, and the final model exported.
+(`prune_sparsity`) or quantization-aware (`qat`) with tfmot, and the final model exported
+(`finish`).
 
 `tf_keras.Model.fit` runs under `MirroredStrategy` and `MultiWorkerMirroredStrategy` with
 its own distribution code (Keras 3's multi-worker patch is not needed; tfpar's patch that
@@ -17,14 +18,13 @@ import math
 import os
 
 import tf_keras
-from absl import logging
 
-from tfpar import data, devices, metrics, strategy
+from tfpar import data
 from tfpar.errors import TfparError
 from tfpar.legacy import options, optimizer as optimizer_lib
 
 
-class _Recorder(tf_keras.callbacks.Callback):
+class Recorder(tf_keras.callbacks.Callback):
     """Feeds `tf_keras` callback events to a `tfpar.metrics.StepRecorder` (a Keras 3
     callback, which tf_keras's callback list would not accept)."""
 
@@ -41,8 +41,11 @@ class _Recorder(tf_keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.recorder.on_train_batch_end(batch, logs)
 
+    def on_epoch_end(self, epoch, logs=None):
+        self.recorder.on_epoch_end(epoch, logs)
 
-class _StopOnNaN(tf_keras.callbacks.Callback):
+
+class StopOnNaN(tf_keras.callbacks.Callback):
     """`on_nan=stop` for tf_keras: a non-finite loss ends the run, naming the step."""
 
     def __init__(self):
@@ -79,68 +82,7 @@ def build_model(config, runtime, task):
     return model
 
 
-def train(config, runtime=None, environ=None, callbacks=()):
-    """Trains `config` with a `tf_keras` model; returns `(metrics, model)`.
-
-    Args:
-        config: a `ParallelConfig`; `keras`, `prune_*`, `qat`, `export_dir` are read with
-            `tfpar.legacy.options.option` (defaults when the config lacks them).
-        runtime: a `tfpar.strategy.Runtime` already built for `config` (else built here,
-            after splitting the CPU as `config.cpu_devices` says).
-        environ: where to read `TF_CONFIG` from (default `os.environ`).
-        callbacks: extra `tf_keras` callbacks for every `fit` call.
-
-    Returns:
-        the metrics dict of `tfpar.metrics.summarize` (plus `"pruning"` / `"qat"` /
-        `"export_dir"` blocks when they apply) and the trained model (the pruning or QAT
-        model itself, not the stripped copy).
-
-    Raises:
-        ConfigError: a setting is invalid or not supported with `tf_keras` / tfmot.
-        TfparError: the run cannot proceed.
-    """
-    options.check(config, keras_version=2)
-    if runtime is None:
-        devices.split_cpu(config.cpu_devices)
-        runtime = strategy.make_runtime(config, environ)
-    if config.mixed_precision != "none":
-        tf_keras.mixed_precision.set_global_policy(
-            {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}[config.mixed_precision])
-    config.per_replica_batch(runtime.replicas)
-    tf_keras.utils.set_random_seed(config.seed)
-    logging.info(devices.topology(runtime.strategy, runtime.workers))
-    task = data.make_task(config)
-    model = build_model(config, runtime, task)
-
-    recorder = metrics.StepRecorder()
-    callbacks = [_Recorder(recorder), _StopOnNaN(), *callbacks]
-    if options.option(config, "prune_sparsity"):
-        from tfpar.legacy import pruning
-        callbacks += pruning.pruning_callbacks()
-    if config.tensorboard_dir:
-        log_dir = config.tensorboard_dir if runtime.is_chief else os.path.join(
-            config.tensorboard_dir, f"worker_{runtime.worker_index}")
-        callbacks.append(tf_keras.callbacks.TensorBoard(log_dir, update_freq="epoch"))
-    from tfpar.train import fit_segments
-    verbose = config.verbose if runtime.is_chief else 0
-    for initial, epochs, steps, first in fit_segments(0, config.steps, config.steps_per_epoch):
-        dataset = data.distributed_dataset(runtime.strategy, config, task, first)
-        model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
-                  callbacks=callbacks, verbose=verbose, shuffle=False)
-
-    # tf_keras wraps the optimizer in a LossScaleOptimizer at compile under mixed_float16.
-    comm = metrics.comm_stats(model, runtime.replicas)
-    local_replicas = runtime.replicas // runtime.workers
-    result = metrics.summarize(config, runtime, recorder,
-                               [model.count_params()] * local_replicas, comm=comm)
-    result["keras"] = 2
-    result.update(_finish(config, runtime, task, model))
-    if config.metrics_json and runtime.is_chief:
-        metrics.write_json(config.metrics_json, result)
-    return result, model
-
-
-def _finish(config, runtime, task, model):
+def finish(config, runtime, task, model):
     """Sparsity / QAT checks and the export; returns the extra metrics blocks."""
     from tfpar.legacy import pruning, quantization
     out = {}

@@ -1,0 +1,65 @@
+"""`pip install .` gives a working tfpar outside the repository: the package (with its model
+zoo as `tfpar.models`) and the console scripts, next to a user's own package named `models`.
+
+Installs into a virtual environment that sees the system site-packages (TensorFlow and the
+rest are already there), without network: `--no-deps --no-build-isolation`.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from subproc import ROOT, run
+
+SOURCES = ("tfpar", "pyproject.toml", "README.md")
+
+
+def copy_sources(dest):
+    """The files `pip install` reads, copied so the build leaves nothing in the checkout."""
+    for name in SOURCES:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dest, name),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dest)
+
+
+def user_project(path):
+    """A user's directory with its own `models` package that tfpar must not shadow."""
+    os.makedirs(path / "models")
+    (path / "models" / "__init__.py").write_text("WHO = 'the user'\n")
+    return path
+
+
+@pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
+def test_pip_install_gives_working_console_scripts(tmp_path, editable):
+    source, venv = tmp_path / "src", tmp_path / "venv"
+    os.makedirs(source)
+    copy_sources(source)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+           "--no-index", "--disable-pip-version-check"]
+    run(pip + (["-e", str(source)] if editable else [str(source)]), timeout=300,
+        cwd=str(tmp_path), env={"PYTHONPATH": ""})
+    user = user_project(tmp_path / "user")
+    env = {"PYTHONPATH": "", "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+
+    where = run([python, "-c", "import tfpar, tfpar.models, models; "
+                 "print(tfpar.__file__); print(tfpar.models.__file__); print(models.WHO)"],
+                cwd=str(user), env=env, timeout=120).stdout.splitlines()
+    installed_under = str(source) if editable else str(venv)
+    assert where[0].startswith(installed_under) and where[1].startswith(installed_under)
+    assert where[2] == "the user"
+
+    for script, flag in [("tfpar-train", "--compression"), ("tfpar-launch", "--workers"),
+                         ("tfpar-plan", "--memory_gb"), ("tfpar-doctor", "--peer_timeout_s"),
+                         ("tfpar-report", "--out_dir")]:
+        out = run([str(venv / "bin" / script), "--help"], cwd=str(user), env=env,
+                  timeout=120, check=False)
+        assert flag in out.stdout, (script, out.stdout[-1500:], out.stderr[-1500:])

@@ -1,0 +1,58 @@
+"""`validation_steps`: held-out data of the same task, evaluated at every epoch end on every
+backend; the metrics JSON's `validation` block and `val_loss` in Keras callbacks' logs."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from subproc import ROOT, last_json_line, run, run_module
+
+BASE = {"steps": 40, "steps_per_epoch": 10, "validation_steps": 3, "verbose": 0,
+        "global_batch_size": 32, "learning_rate": 3e-3}
+RUNS = {
+    "data_parallel": {"cpu_devices": 2},
+    "pipeline": {"cpu_devices": 2, "pipeline_stages": 2, "microbatches": 2},
+    "dtensor": {"cpu_devices": 2, "model": "transformer", "tensor_parallel": 2,
+                "global_batch_size": 16, "steps": 30},
+    "tf_keras": {"cpu_devices": 2, "keras": 2},
+}
+
+
+@pytest.mark.parametrize("backend", list(RUNS))
+def test_validation_loss_falls_and_reaches_callbacks(backend):
+    config = {**BASE, **RUNS[backend]}
+    out = last_json_line(run([sys.executable, os.path.join(ROOT, "tests", "validation_child.py"),
+                              json.dumps(config)], timeout=300).stdout)
+    assert out["backend"] == backend
+    validation = out["validation"]
+    epochs = config["steps"] // config["steps_per_epoch"]
+    assert set(validation) >= {"loss", "accuracy"}
+    assert len(validation["loss_history"]) == epochs
+    assert validation["at_steps"] == [config["steps_per_epoch"] * (i + 1) for i in range(epochs)]
+    # Training helps on examples it never saw.
+    assert validation["loss_history"][-1] < validation["loss_history"][0]
+    assert 0.0 <= validation["accuracy"] <= 1.0
+    # The user's callback got the same val_loss the metrics report, every epoch.
+    assert out["seen_val_loss"] == pytest.approx(validation["loss_history"], rel=1e-6)
+    if "evaluate_again" in out:  # the same held-out batches at every evaluation
+        assert out["evaluate_again"] == pytest.approx(validation["loss"], rel=1e-5)
+
+
+def test_a_user_dataset_gives_its_own_held_out_batches(tmp_path):
+    path = tmp_path / "m.json"
+    tests = {"PYTHONPATH": os.path.join(ROOT, "tests")}
+    run_module("tfpar.train", "--dataset=user_data:sign_of_sum", "--num_classes=2",
+               "--steps=20", "--steps_per_epoch=10", "--validation_steps=2",
+               f"--metrics_json={path}", "--verbose=0", env=tests, timeout=240)
+    validation = json.loads(path.read_text())["validation"]
+    assert len(validation["loss_history"]) == 2 and validation["batches"] == 2
+    # A module without `<function>_validation` is refused with what to define.
+    out = run_module("tfpar.train", "--dataset=user_data:sign_of_sum_nan_at_step_3",
+                     "--num_classes=2", "--validation_steps=2", env=tests, check=False,
+                     timeout=120)
+    assert out.returncode == 2
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("tfpar: error: validation_steps=2 is invalid")
+    assert "user_data.sign_of_sum_nan_at_step_3_validation(input_context, config)" in error

@@ -1,0 +1,122 @@
+"""Keras 3 on a `tf.distribute` strategy: data parallelism, pipelines, aggregators.
+
+One device, `MirroredStrategy` or `MultiWorkerMirroredStrategy` (`tfpar.strategy`); with
+`pipeline_stages > 1` the model becomes a `PipelineModel` (`tfpar.pipeline.for_training`);
+`compression` wraps the optimizer with a gradient aggregator. Training is Keras's own
+`model.fit`, in segments of whole epochs so a resumed run continues at its step
+(`tfpar.checkpoint.fit_segments`).
+"""
+
+import keras
+from absl import logging
+
+from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, nan_guard,
+                   optimizers, pipeline, preemption, strategy)
+from tfpar import models
+from tfpar.backends import Backend, tensorboard_dir
+
+_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
+
+class DistributeBackend(Backend):
+    """Keras 3 on a `tf.distribute` strategy (see the module docstring)."""
+
+    def build_runtime(self, config, environ=None, runtime=None):
+        devices.split_cpu(config.cpu_devices)
+        keras.utils.set_random_seed(config.seed)
+        if config.mixed_precision != "none":
+            keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
+        if runtime is None:
+            runtime = strategy.make_runtime(config, environ)
+        config.per_replica_batch(runtime.replicas)
+        logging.info(devices.topology(runtime.strategy, runtime.workers))
+        return runtime
+
+    def build_model(self, config, runtime, task):
+        """Builds and compiles the model under the strategy's scope, optimizer built, so a
+        checkpoint can restore every variable before the first step."""
+        with runtime.strategy.scope():
+            model = models.build(config.model, task.input_shape, task.num_classes,
+                                 width=config.model_width, depth=config.model_depth)
+            if config.pipeline_stages > 1:
+                model = pipeline.for_training(model, config, runtime)
+            model.compile(
+                optimizer=optimizers.make_optimizer(config),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+                jit_compile=False)
+            nan_guard.skip_nonfinite_updates(model.optimizer,
+                                             skip=config.on_nan == "skip_step")
+            model.optimizer.build(model.trainable_variables)
+        accumulation.install(model, config.grad_accum_steps)
+        return model
+
+    def fit(self, config, runtime, model, task, recorder, callbacks):
+        guard_nan = nan_guard.NaNGuard(config.on_nan, recorder)
+        callbacks = [recorder, guard_nan, *callbacks]
+        start, checkpointer, guard = 0, None, None
+        if config.checkpoint_dir:
+            checkpointer = checkpoint.Checkpointer(config, model, runtime)
+            start = checkpointer.restore()
+            guard = preemption.PreemptionGuard(checkpointer, runtime.strategy,
+                                               runtime.workers)
+            callbacks += [checkpointer, guard]  # in this order: the guard saves the step done
+            if start:
+                logging.info("resuming from %s at step %d", config.checkpoint_dir, start)
+        guard_nan.step = start
+        if config.tensorboard_dir:
+            callbacks.append(keras.callbacks.TensorBoard(tensorboard_dir(config, runtime),
+                                                         update_freq="epoch"))
+        fault = faults.injector(start)
+        if fault is not None:
+            callbacks.append(fault)
+        fit_segments(config, runtime, model, task, callbacks, start)
+        if checkpointer is not None:
+            guard.restore_handler()
+            checkpointer.save()
+        out = {"resumed_from_step": start}
+        if guard_nan.skipped:
+            out["skipped_steps"] = guard_nan.skipped
+        if guard is not None and guard.preempted:
+            out["preempted"] = True
+        return out
+
+    def stats(self, config, runtime, model, task, recorder):
+        comm = metrics.comm_stats(model, runtime.replicas)
+        if config.measure_comm and comm is not None and not model.stop_training:
+            # Compute-only vs full steps on a scratch copy of the aggregator (the run's
+            # state is untouched); every worker takes part. (Not for pipelines: refused by
+            # tfpar.compat.)
+            from tfpar.compression.timing import measure_comm_fraction
+            comm["comm_time_fraction"], timing = measure_comm_fraction(
+                runtime.strategy, model,
+                data.distributed_dataset(runtime.strategy, config, task))
+            if "overlap_fraction" in timing:  # beyond DESIGN.md's keys
+                comm["overlap_fraction"] = timing["overlap_fraction"]
+        local_replicas = runtime.replicas // runtime.workers
+        if hasattr(model, "pipeline_metrics"):
+            params = model.params_per_stage() * local_replicas
+            pipeline_block = model.pipeline_metrics()
+        else:
+            params, pipeline_block = [model.count_params()] * local_replicas, None
+        return metrics.summarize(config, runtime, recorder, params, comm=comm,
+                                 pipeline=pipeline_block)
+
+
+def fit_segments(config, runtime, model, task, callbacks, start):
+    """`model.fit` from step `start` to `config.steps` in whole-epoch segments (Keras 3 and
+    tf_keras alike), with the held-out data at every epoch end if
+    `config.validation_steps`; stops early if a callback set `model.stop_training`."""
+    validation = {}
+    if config.validation_steps:
+        validation = {"validation_data": data.distributed_validation(runtime.strategy,
+                                                                     config, task),
+                      "validation_steps": config.validation_steps}
+    verbose = config.verbose if runtime.is_chief else 0
+    for initial, epochs, steps, first in checkpoint.fit_segments(start, config.steps,
+                                                                 config.steps_per_epoch):
+        dataset = data.distributed_dataset(runtime.strategy, config, task, first)
+        model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
+                  callbacks=callbacks, verbose=verbose, shuffle=False, **validation)
+        if model.stop_training:
+            break

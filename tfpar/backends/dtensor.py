@@ -1,0 +1,81 @@
+"""`tensor_parallel > 1`: Keras 3 on a DTensor mesh (`tfpar.layout`).
+
+A `batch` × `model` mesh from `data_parallel` × `tensor_parallel`, the model's layout
+presets, the exact stateless step of `MeshTrainer`; global batches from `tfpar.data` split
+on the `batch` axis. One process (multi-worker is refused by `tfpar.compat`).
+"""
+
+import math
+import types
+
+import tensorflow as tf
+from absl import logging
+
+from tfpar import checkpoint, data, devices, metrics
+from tfpar.backends import Backend
+from tfpar.errors import TfparError
+from tfpar.layout import run, values
+from tfpar.layout.mesh import describe, mesh_for_config
+
+
+class DTensorBackend(Backend):
+    """Tensor (and data) parallelism on one DTensor mesh (see the module docstring)."""
+
+    trainer = None  # the MeshTrainer of build_model
+
+    def build_runtime(self, config, environ=None, runtime=None):
+        """A runtime over the mesh (`runtime.strategy` is the mesh); `runtime`, if given,
+        must come from an earlier call of this backend."""
+        if runtime is not None:
+            if not hasattr(runtime, "mesh"):
+                raise TfparError("train(runtime=...): a tf.distribute runtime cannot run "
+                                 "--tensor_parallel>1; omit runtime")
+            return runtime
+        devices.split_cpu(config.cpu_devices)
+        mesh = mesh_for_config(config)
+        return types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
+                                     workers=1, worker_index=0, is_chief=True)
+
+    def build_model(self, config, runtime, task):
+        _, model, self.trainer = run.build(config, task, runtime.mesh)
+        logging.info("%s; %d/%d parameters per device", describe(runtime.mesh),
+                     values.shard_sizes(model.weights)[0], model.count_params())
+        return model
+
+    def fit(self, config, runtime, model, task, recorder, callbacks):
+        callbacks = [recorder, *callbacks]
+        start, checkpointer = 0, None
+        if config.checkpoint_dir:
+            checkpointer = checkpoint.Checkpointer(config, model, runtime)
+            start = checkpointer.restore()
+            callbacks.append(checkpointer)
+        context = tf.distribute.InputContext()
+        batches = iter(data.pipeline_dataset(config, task, context, start))
+        validation = {}
+        if config.validation_steps:
+            validation = {"validation_data": data.validation_dataset(config, task, context),
+                          "validation_steps": config.validation_steps}
+        step = start
+        while step < config.steps:
+            epoch, length = step // config.steps_per_epoch, min(
+                config.steps_per_epoch - step % config.steps_per_epoch, config.steps - step)
+            self.trainer.fit(batches, initial_epoch=epoch, epochs=epoch + 1,
+                             steps_per_epoch=length, callbacks=callbacks,
+                             verbose=config.verbose, **validation)
+            bad = [v for v in recorder.batch_losses if not math.isfinite(v)]
+            if bad:
+                raise TfparError(f"loss became {bad[0]} (on_nan={config.on_nan}); lower "
+                                 "--learning_rate or check the data")
+            step += length
+            if model.stop_training:
+                break
+        if checkpointer is not None and start < config.steps:
+            checkpointer.save()
+        return {"resumed_from_step": start}
+
+    def stats(self, config, runtime, model, task, recorder):
+        result = metrics.summarize(config, runtime, recorder, values.shard_sizes(model.weights))
+        result["strategy"] = "DTensorMesh"
+        result["mesh"] = {"data_parallel": runtime.mesh.shape[0],
+                          "tensor_parallel": runtime.mesh.shape[1]}
+        return result

@@ -1,0 +1,57 @@
+"""`keras=2`: `tf_keras` models on the `tf.distribute` strategies, tfmot pruning and QAT.
+
+Rides on `DistributeBackend`: the same runtime, data, segments of `fit` and metrics, with
+the tf_keras model, optimizer hook and callbacks of `tfpar.legacy`.
+
+`tf_keras.Model.fit` runs under `MirroredStrategy` and `MultiWorkerMirroredStrategy` with
+its own distribution code (Keras 3's multi-worker patch is not needed; tfpar's patch that
+gives each worker several logical CPUs is TensorFlow's and applies).
+"""
+
+import tf_keras
+from absl import logging
+
+from tfpar import devices, metrics, strategy
+from tfpar.backends import tensorboard_dir
+from tfpar.backends.distribute import DistributeBackend, fit_segments
+from tfpar.legacy import options, trainer
+
+_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
+
+class TfKerasBackend(DistributeBackend):
+    """`tf_keras` on `tfpar.strategy`'s strategies (see the module docstring)."""
+
+    def build_runtime(self, config, environ=None, runtime=None):
+        if runtime is None:
+            devices.split_cpu(config.cpu_devices)
+            runtime = strategy.make_runtime(config, environ)
+        if config.mixed_precision != "none":
+            tf_keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
+        config.per_replica_batch(runtime.replicas)
+        tf_keras.utils.set_random_seed(config.seed)
+        logging.info(devices.topology(runtime.strategy, runtime.workers))
+        return runtime
+
+    def build_model(self, config, runtime, task):
+        return trainer.build_model(config, runtime, task)
+
+    def fit(self, config, runtime, model, task, recorder, callbacks):
+        """`callbacks` are tf_keras callbacks. Checkpoints and skipping non-finite steps are
+        refused for `keras=2` (`tfpar.compat`); the model is exported at the end."""
+        callbacks = [trainer.Recorder(recorder), trainer.StopOnNaN(), *callbacks]
+        if options.option(config, "prune_sparsity"):
+            from tfpar.legacy import pruning
+            callbacks += pruning.pruning_callbacks()
+        if config.tensorboard_dir:
+            callbacks.append(tf_keras.callbacks.TensorBoard(tensorboard_dir(config, runtime),
+                                                            update_freq="epoch"))
+        fit_segments(config, runtime, model, task, callbacks, 0)
+        return {"keras": 2, **trainer.finish(config, runtime, task, model)}
+
+    def stats(self, config, runtime, model, task, recorder):
+        # tf_keras wraps the optimizer in a LossScaleOptimizer at compile under mixed_float16.
+        comm = metrics.comm_stats(model, runtime.replicas)
+        local_replicas = runtime.replicas // runtime.workers
+        return metrics.summarize(config, runtime, recorder,
+                                 [model.count_params()] * local_replicas, comm=comm)

@@ -1,0 +1,97 @@
+"""Which settings each backend of the trainer honours: one table, checked before TensorFlow.
+
+`ParallelConfig` calls `check(config)` on construction. A setting a backend cannot honour
+is refused with one `ConfigError` line naming the setting, the value and why, never
+silently ignored. Imports no TensorFlow.
+
+Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
+
+- `data_parallel`: Keras 3 on a `tf.distribute` strategy (one device, mirrored, multi-worker),
+- `pipeline`: the same backend with `pipeline_stages > 1` (a `PipelineModel`),
+- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1`,
+- `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
+
+>>> from tfpar import ParallelConfig
+>>> backend_of(ParallelConfig(tensor_parallel=2))
+'dtensor'
+"""
+
+from tfpar.errors import ConfigError
+
+BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
+
+# setting -> {backend: (the values that backend honours, why it honours no other)}.
+# A setting or backend not listed is honoured with every valid value.
+TABLE = {
+    "mixed_precision": {
+        "dtensor": (("none",), "the DTensor step has no mixed-precision path in tfpar yet"),
+    },
+    "compression": {
+        "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives, not "
+                               "on a DTensor mesh"),
+    },
+    "grad_accum_steps": {
+        "dtensor": ((1,), "the DTensor step does not accumulate gradients yet"),
+        "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
+    },
+    "pipeline_stages": {
+        "dtensor": ((1,), "pipelines and tensor parallelism do not compose in tfpar yet"),
+        "tf_keras": ((1,), "pipeline parallelism is Keras 3 only"),
+    },
+    "tensor_parallel": {
+        "tf_keras": ((1,), "tensor parallelism is Keras 3 only"),
+    },
+    "strategy": {
+        "dtensor": (("auto", "one_device", "mirrored"),
+                    "tensor parallelism runs in one process; use --strategy=auto"),
+    },
+    "model": {
+        "tf_keras": (("mlp", "convnet"), "--keras=2 builds mlp or convnet (the transformer's "
+                                         "layers are Keras 3 only)"),
+    },
+    "checkpoint_dir": {
+        "tf_keras": (("",), "checkpoint and resume are Keras 3 only; use --export_dir for the "
+                            "final model"),
+    },
+    "on_nan": {
+        "dtensor": (("stop",), "the DTensor step cannot skip a non-finite update; use "
+                               "--on_nan=stop"),
+        "tf_keras": (("stop",), "skipping non-finite steps is Keras 3 only"),
+    },
+    "tensorboard_dir": {
+        "dtensor": (("",), "Keras's TensorBoard callback needs a Keras-trained model; the "
+                           "metrics JSON has the losses"),
+    },
+    "measure_comm": {
+        "pipeline": ((False,), "the communication share is measured on a data-parallel step "
+                               "only; a pipeline reports its bubble instead"),
+        "dtensor": ((False,), "the communication share is measured on tf.distribute "
+                              "collectives only"),
+    },
+}
+
+_NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
+          "dtensor": "--tensor_parallel>1 (DTensor)", "tf_keras": "--keras=2"}
+
+
+def backend_of(config):
+    """The backend that runs `config`: one of `BACKENDS`."""
+    if getattr(config, "keras", 3) == 2:
+        return "tf_keras"
+    if config.tensor_parallel > 1:
+        return "dtensor"
+    if config.pipeline_stages > 1:
+        return "pipeline"
+    return "data_parallel"
+
+
+def check(config):
+    """Raises `ConfigError` for the first setting `config`'s backend cannot honour."""
+    backend = backend_of(config)
+    for setting, rules in TABLE.items():
+        if backend not in rules or not hasattr(config, setting):
+            continue
+        honoured, why = rules[backend]
+        value = getattr(config, setting)
+        if value not in honoured:
+            raise ConfigError(setting, value, f"not supported with {_NAMES[backend]}: {why}")

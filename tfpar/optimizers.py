@@ -1,0 +1,50 @@
+"""The Keras 3 optimizer of a run: learning-rate rule (linear scaling, warm-up), the
+gradient aggregator, fp16 loss scaling. Shared by the trainer's backends and the doctor.
+
+>>> from tfpar import ParallelConfig
+>>> make_optimizer(ParallelConfig(optimizer="momentum", learning_rate=0.1)).momentum
+0.9
+"""
+
+import keras
+
+from tfpar import nan_guard
+
+
+@keras.saving.register_keras_serializable(package="tfpar")
+class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
+    """`peak * min(1, (step + 1) / warmup_steps)`."""
+
+    def __init__(self, peak, warmup_steps):
+        self.peak, self.warmup_steps = peak, warmup_steps
+
+    def __call__(self, step):
+        ramp = keras.ops.cast(step + 1, "float32") / float(self.warmup_steps)
+        return self.peak * keras.ops.minimum(1.0, ramp)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps}
+
+
+def learning_rate(config):
+    """The peak rate after the linear scaling rule, with linear warm-up if asked for."""
+    peak = config.scaled_learning_rate
+    if not config.warmup_steps:
+        return peak
+    return LinearWarmup(peak, config.warmup_steps)
+
+
+def make_optimizer(config):
+    """The Keras optimizer for `config`: learning-rate rule, aggregator, fp16 loss scaling."""
+    kwargs = {"learning_rate": learning_rate(config)}
+    if config.optimizer == "adam":
+        optimizer = keras.optimizers.Adam(**kwargs)
+    else:
+        optimizer = keras.optimizers.SGD(
+            momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
+    if config.compression != "none":
+        from tfpar import compression
+        optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
+    if config.mixed_precision == "fp16":
+        optimizer = nan_guard.ConsistentLossScaleOptimizer(optimizer)
+    return optimizer
