@@ -198,11 +198,13 @@ def distributed_dataset(strategy, config, task, start_step=0):
 
 def validation_dataset(config, task, context):
     """`config.validation_steps` steps of held-out batches for one input pipeline (as
-    `pipeline_dataset` orders them); finite, so every evaluation sees the same examples."""
+    `pipeline_dataset` orders them), repeated: every evaluation starts a new iterator and
+    sees the same examples (an exhausted finite dataset would end Keras's next evaluation
+    with StopIteration, because fit keeps its evaluation iterator between epochs)."""
     local = context.num_replicas_in_sync // context.num_input_pipelines
     count = config.validation_steps * local
     if task.validation_fn is not None:
-        return task.validation_fn(context, config).take(count)
+        return task.validation_fn(context, config).take(count).cache().repeat()
     per_replica = config.per_replica_batch(context.num_replicas_in_sync)
     first = context.input_pipeline_id * local
 
@@ -214,7 +216,7 @@ def validation_dataset(config, task, context):
     ds = tf.data.Dataset.range(count).flat_map(replica_examples)
     ds = ds.map(lambda i: task.example_fn(-1 - i), num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True)  # indices the training stream (>= 0) never reaches
-    return ds.batch(per_replica, drop_remainder=True).cache()
+    return ds.batch(per_replica, drop_remainder=True).cache().repeat()
 
 
 def distributed_validation(strategy, config, task):

@@ -116,7 +116,8 @@ def declare_key_flags(names, flag_values=flags.FLAGS):
     are not key flags of that name unless registered for it.
     """
     for name in names:
-        flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
+        if name in flag_values:  # absl's own (e.g. --log_dir) only on the global FLAGS
+            flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
 
 
 def config_from_flags(flag_values=flags.FLAGS):
