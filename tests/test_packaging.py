@@ -73,3 +73,20 @@ def test_pip_install_gives_working_console_scripts(tmp_path, editable):
         out = run([str(venv / "bin" / script), "--help"], cwd=str(user), env=env,
                   timeout=120, check=False)
         assert flag in out.stdout, (script, out.stdout[-1500:], out.stderr[-1500:])
+
+
+def test_pyproject_pins_what_requirements_pin():
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pinned = dict(line.strip().split("==") for line in f
+                      if "==" in line and not line.startswith("#"))
+    declared = list(project["dependencies"]) + [
+        d for extra in project["optional-dependencies"].values() for d in extra]
+    for requirement in declared:
+        name, version = requirement.split("==")
+        assert pinned[name] == version, requirement
+    # The patches need the exact TensorFlow and Keras they were written for.
+    exact = {d.split("==")[0] for d in project["dependencies"] if "==" in d}
+    assert {"tensorflow", "keras"} <= exact
