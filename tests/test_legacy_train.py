@@ -41,7 +41,6 @@ devices.split_cpu(cpus)
 import numpy as np
 import tensorflow as tf
 import tf_keras
-import tfpar.legacy
 from tfpar import compression, strategy
 from tfpar.train import train
 

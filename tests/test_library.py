@@ -4,14 +4,13 @@ function that does not fit gets one line saying what it must look like."""
 
 import ast
 import dataclasses
-import json
 import os
 import sys
 
 import pytest
 from absl import flags
 
-from subproc import ROOT, last_json_line, run, run_module, run_python
+from subproc import ROOT, last_json_line, run_module, run_python
 from tfpar import ConfigError, ParallelConfig, compat
 
 # Modules a console script (or `python -m`) runs: the only ones that may import tfpar.train.

@@ -39,8 +39,9 @@ def define_flags(flag_values=FLAGS):
                              lower_bound=0, **define)
         flags.DEFINE_bool("calibrate", False, "Measure this machine (on --cpu_devices logical "
                           "CPUs) instead of the hardware flags: all-reduce bandwidth and latency, "
-                          "then compute rate, step, update, pipeline-action and encode costs fitted to "
-                          "short training runs of --model at half and 4x --global_batch_size "
+                          "then compute rate, step, update, pipeline-action and encode costs "
+                          "fitted to short training runs of --model at half and 4x "
+                          "--global_batch_size "
                           "(about 2 minutes on 2 cores).", **define)
         flags.DEFINE_bool("json", False, "Print JSON instead of a table.", **define)
         flags.DEFINE_integer("top", 10, "Rows of the table.", lower_bound=1, **define)
