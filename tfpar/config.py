@@ -65,6 +65,10 @@ class ParallelConfig:
             tfmot pruning / quantization-aware training (Keras 2 only); export_dir: where
             the final (stripped / TFLite int8) model goes. See `tfpar.legacy.options`.
 
+    Raises:
+        ConfigError: a value out of range, or a setting the backend that will run this
+            config cannot honour (the table in `tfpar.compat`), in one line naming it.
+
     Example:
     >>> cfg = ParallelConfig(model="mlp", global_batch_size=64, grad_accum_steps=2)
     >>> cfg.effective_batch_size

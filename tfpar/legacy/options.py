@@ -3,7 +3,8 @@
 `ParallelConfig` carries them as fields (`keras`, `prune_*`, `qat`, `export_dir`);
 `option(config, name)` reads one with its default, so a config from before those fields
 existed still works. `check(config)` raises one `ConfigError` naming the setting for every
-combination this front (or tfmot under a strategy) cannot run.
+combination tfmot cannot run under a strategy (what tf_keras itself cannot run is in
+`tfpar.compat`'s table).
 """
 
 from tfpar.errors import ConfigError
@@ -47,8 +48,10 @@ def check(config, keras_version=None):
 
     Args:
         config: a `ParallelConfig` (with or without the fields of `FIELDS`).
-        keras_version: check as if `config.keras` were this (`tfpar.legacy.train` is
-            Keras 2 whatever the config says).
+        keras_version: check as if `config.keras` were this (default: `config.keras`).
+
+    Settings tf_keras cannot run at all (pipelines, accumulation, checkpoints, ...) are rows
+    of the compatibility table, `tfpar.compat`; this checks the tfmot settings.
     """
     if keras_version is None:
         keras_version = option(config, "keras")
