@@ -15,6 +15,8 @@ built, before TensorFlow starts):
 Modules below `tfpar.train` (these included) never import it.
 """
 
+import os
+
 from tfpar import compat
 
 
@@ -65,7 +67,6 @@ def for_config(config):
 def tensorboard_dir(config, runtime):
     """Where this worker writes TensorBoard logs: the chief in `config.tensorboard_dir`,
     worker i in its `worker_i` subdirectory (two writers of one file would corrupt it)."""
-    import os
     if runtime.is_chief:
         return config.tensorboard_dir
     return os.path.join(config.tensorboard_dir, f"worker_{runtime.worker_index}")
