@@ -175,11 +175,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._checkpointer = Checkpointer(settings, model, _place(strategy))
         step = self._checkpointer.restore()
         self._steps_per_epoch = steps
-        if step:
-            model._initial_epoch = step // steps
-            self._skip = step % steps
-            if self._skip:
-                self._skip_in_train_function()
+        # Keras reads `_initial_epoch` on every fit and never clears it: clear it when
+        # there is nothing to resume, or a later fit would skip epochs.
+        model._initial_epoch = step // steps if step else None
+        self._skip = step % steps
+        if self._skip:
+            self._skip_in_train_function()
+        if self._guard is not None:  # a fit that ended by an exception left its handler
+            self._guard.restore_handler()
         self._guard = PreemptionGuard(self._checkpointer, strategy, _workers(strategy))
         self._guard.set_model(model)
 
