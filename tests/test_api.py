@@ -4,6 +4,7 @@ line, the caller's optimizer is left alone, and TensorBoard gets tfpar's scalars
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from tests import subproc
@@ -87,3 +88,24 @@ def test_tensorboard_event_files_hold_tfpar_scalars(tmp_path):
     assert 0.0 <= dp["tfpar/comm_time_fraction"][0] <= 1.0
     pipe = scalars("pipeline")
     assert pipe["tfpar/pipeline_bubble"][-1] == pytest.approx(1 / 5)  # 1F1B, K=2, M=4
+
+
+def test_distributed_optimizer_without_a_strategy_trains_as_the_plain_optimizer():
+    import keras
+
+    import tfpar
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = x @ rng.normal(size=(8, 2)).astype("float32")
+    weights = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam(1e-2)
+        if wrap:  # one replica: nothing to communicate, so nothing is compressed
+            optimizer = tfpar.DistributedOptimizer(optimizer, compression="powersgd", rank=1)
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    for plain, wrapped in zip(*weights, strict=True):
+        np.testing.assert_array_equal(plain, wrapped)
