@@ -109,3 +109,21 @@ def test_distributed_optimizer_without_a_strategy_trains_as_the_plain_optimizer(
         weights.append(model.get_weights())
     for plain, wrapped in zip(*weights, strict=True):
         np.testing.assert_array_equal(plain, wrapped)
+
+
+def test_distributed_optimizer_serialises_with_its_compression():
+    import keras
+
+    import tfpar
+    from tfpar.compression import aggregator_of
+    wrapped = tfpar.DistributedOptimizer(keras.optimizers.Adam(0.01), compression="topk",
+                                         ratio=0.05)
+    config = keras.optimizers.serialize(wrapped)
+    assert config["registered_name"] == "tfpar>DistributedAdam"
+    back = keras.optimizers.deserialize(config)
+    assert type(back).__name__ == "DistributedAdam" and back is not wrapped
+    assert aggregator_of(back).ratio == 0.05 and float(back.learning_rate) == pytest.approx(0.01)
+    scaled = tfpar.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=64.0), compression="fp16")
+    assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
+    assert aggregator_of(scaled).dtype_name == "fp16" and scaled.initial_scale == 64.0

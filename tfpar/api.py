@@ -15,6 +15,7 @@ from tfpar import compression as compression_lib
 from tfpar import devices
 from tfpar.config import COMPRESSIONS, STRATEGIES, ParallelConfig
 from tfpar.errors import ConfigError
+from tfpar.compression.keras_hook import AggregatingOptimizerMixin
 from tfpar.strategy import make_runtime
 
 # The ParallelConfig fields that shape a strategy (the others describe a training run).
@@ -125,8 +126,9 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
     Checkpoints of it (`tf.train.Checkpoint(optimizer=...)`, `tfpar.callbacks.
     BackupAndRestore`) include the aggregator's state: error-feedback residuals per replica,
     PowerSGD's Q. Create it inside `strategy.scope()`, like any optimizer used there.
-    `keras.optimizers.serialize` of it gives the plain optimizer's config (wrap the
-    deserialized optimizer again).
+    It serialises with Keras (`get_config`/`from_config`, `model.save`): the config of
+    `optimizer` plus the aggregator's, under the registered name `tfpar>DistributedAdam`
+    (etc.); `import tfpar.api` before loading in a new process.
 
     Args:
         optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
@@ -165,8 +167,59 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
     aggregator = _aggregator(compression, dict(aggregator_options))
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        config = optimizer.get_config()
+        config.pop("inner_optimizer")
+        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator)
+        return type(optimizer)(inner, **config)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is not a Keras optimizer; pass e.g. "
                         "keras.optimizers.Adam(1e-3) or 'adam'")
-    copy = type(optimizer).from_config(optimizer.get_config())
+    base = getattr(type(optimizer), "tfpar_base", type(optimizer))
+    config = optimizer.get_config()
+    config.pop("compression", None)
+    copy = distributed_class(base).from_config(config)
     return compression_lib.wrap_optimizer(copy, aggregator)
+
+
+_DISTRIBUTED = {}
+
+
+def distributed_class(base):
+    """The Keras-serialisable class `DistributedOptimizer` makes of optimizer class `base`
+    (registered as `tfpar>Distributed<Base>`; made once per class). Its `get_config` adds
+    the aggregator (`"compression"`); `from_config` rebuilds both, so
+    `keras.optimizers.deserialize(keras.optimizers.serialize(opt))` gives back a
+    distributed optimizer with the same compression."""
+    if base not in _DISTRIBUTED:
+        class Distributed(AggregatingOptimizerMixin, base):
+            tfpar_base = base
+
+            def get_config(self):
+                config = super().get_config()
+                aggregator = self.tfpar_aggregator
+                config["compression"] = {"class_name": type(aggregator).__name__,
+                                         "config": aggregator.get_config()}
+                return config
+
+            @classmethod
+            def from_config(cls, config, custom_objects=None):
+                config = dict(config)
+                spec = config.pop("compression", None)
+                optimizer = super().from_config(config, custom_objects=custom_objects)
+                if spec is not None:
+                    aggregator = getattr(compression_lib, spec["class_name"])(**spec["config"])
+                    compression_lib.wrap_optimizer(optimizer, aggregator)
+                return optimizer
+
+        Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
+        _DISTRIBUTED[base] = keras.saving.register_keras_serializable(package="tfpar")(
+            Distributed)
+    return _DISTRIBUTED[base]
+
+
+# The Keras optimizers, registered at import so a saved model deserialises in a new process.
+for _name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "Adafactor", "Nadam",
+              "RMSprop", "Ftrl", "Lion", "Lamb", "Muon"):
+    if hasattr(keras.optimizers, _name):
+        distributed_class(getattr(keras.optimizers, _name))
