@@ -44,6 +44,17 @@ class PipelineModel(keras.Model):
     Raises:
         ConfigError: sizes that do not fit together (stages vs K*V, M vs schedule,
             too few devices).
+
+    Example:
+    >>> import numpy as np, keras, tfpar
+    >>> _ = tfpar.make_strategy("one_device", cpu_devices=2)  # two CPU devices, one per stage
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    ...                           keras.layers.Dense(1)])
+    >>> pipeline = tfpar.PipelineModel.split(model, stages=2, schedule="1f1b", microbatches=2)
+    >>> pipeline.compile(optimizer="sgd", loss="mse")
+    >>> x = np.ones((16, 4), "float32")
+    >>> pipeline.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][0] > 0
+    True
     """
 
     def __init__(self, stages, schedule="1f1b", microbatches=1, virtual_stages=1,

@@ -1,0 +1,1 @@
+"""Your project's own models package (tfpar never imports a package of this name)."""

@@ -1,0 +1,225 @@
+"""The public entry points for a user's own Keras script: `make_strategy` and
+`DistributedOptimizer` (exported at the top of `tfpar`).
+
+They build on what `python -m tfpar.train` uses — `tfpar.strategy.make_runtime` and the
+gradient aggregators of `tfpar.compression` — so a script that calls `model.fit` itself gets
+the same fixes and the same compressed all-reduce.
+"""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+from tfpar import compression as compression_lib
+from tfpar import devices
+from tfpar.config import COMPRESSIONS, STRATEGIES, ParallelConfig
+from tfpar.errors import ConfigError
+from tfpar.compression.keras_hook import AggregatingOptimizerMixin
+from tfpar.strategy import make_runtime
+
+# The ParallelConfig fields that shape a strategy (the others describe a training run).
+STRATEGY_OPTIONS = ("collective", "collective_timeout_s", "heartbeat_timeout_s",
+                    "startup_timeout_s", "data_parallel")
+
+
+def make_strategy(kind="auto", cpu_devices=None, **options):
+    """A `tf.distribute.Strategy` with tfpar's fixes applied, for `model.fit` in your script.
+
+    `auto` picks `MultiWorkerMirroredStrategy` when `TF_CONFIG` names several workers (as
+    `tfpar-launch --workers=N` / `python -m tfpar.launch` sets it), `MirroredStrategy` when
+    this process has several devices, `OneDeviceStrategy` otherwise. Applied on top: Keras 3
+    `fit` works across workers (`tfpar.patches`), each worker can run several logical-CPU
+    replicas, collectives time out after `collective_timeout_s` and peers that never start
+    or die end the job after `startup_timeout_s` / `heartbeat_timeout_s` instead of hanging.
+
+    Call it once per process, first (TensorFlow allows one strategy per process, and the CPU
+    split must precede any TensorFlow op).
+
+    Args:
+        kind: "auto", "one_device", "mirrored" or "multi_worker".
+        cpu_devices: split the CPU into this many logical devices, one replica each (per
+            worker); None or 1 keeps one.
+        **options: `collective` ("auto", "ring", "nccl"), `collective_timeout_s`,
+            `heartbeat_timeout_s`, `startup_timeout_s`, `data_parallel` (replicas to use,
+            0 = all): the `tfpar.ParallelConfig` fields of the same names.
+
+    Returns:
+        the strategy; use it as `with strategy.scope(): model = ...; model.compile(...)`,
+        then `model.fit(...)`.
+
+    Raises:
+        ConfigError: an unknown option, a bad value, or a `TF_CONFIG` that does not fit.
+
+    Example:
+    >>> import numpy as np, keras, tfpar
+    >>> strategy = tfpar.make_strategy(cpu_devices=2)
+    >>> strategy.num_replicas_in_sync
+    2
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    >>> x = np.ones((32, 4), "float32")
+    >>> model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][0] > 0
+    True
+    """
+    for name, value in options.items():
+        if name not in STRATEGY_OPTIONS:
+            raise ConfigError(name, value,
+                              f"not an option of make_strategy; use {', '.join(STRATEGY_OPTIONS)}")
+    if kind not in STRATEGIES:
+        raise ConfigError("kind", kind, f"choose one of {', '.join(STRATEGIES)}")
+    if cpu_devices is not None and (isinstance(cpu_devices, bool)
+                                    or not isinstance(cpu_devices, int) or cpu_devices < 1):
+        raise ConfigError("cpu_devices", cpu_devices, "must be None or an integer >= 1")
+    config = ParallelConfig(strategy=kind, cpu_devices=cpu_devices or 0, **options)
+    devices.split_cpu(config.cpu_devices)
+    runtime = make_runtime(config)
+    runtime.strategy.tfpar_runtime = runtime  # what the callbacks and optimizer read
+    runtime.strategy.tfpar_config = config
+    return runtime.strategy
+
+
+def _aggregator(compression_arg, options):
+    """The aggregator `compression_arg` names, built with `options` (its constructor's
+    arguments); an `Aggregator` instance is taken as it is."""
+    if isinstance(compression_arg, compression_lib.Aggregator):
+        if options:
+            name = next(iter(options))
+            raise ConfigError(name, options[name], "options go to the aggregator's "
+                              "constructor; pass them there when compression is an instance")
+        return compression_arg
+    if compression_arg not in COMPRESSIONS:
+        raise ConfigError("compression", compression_arg,
+                          f"choose one of {', '.join(COMPRESSIONS)} or pass a "
+                          "tfpar.compression_lib.Aggregator")
+    factories = {"none": compression_lib.NoneAggregator, "int8": compression_lib.Int8Aggregator,
+                 "topk": compression_lib.TopKAggregator, "threshold": compression_lib.ThresholdAggregator,
+                 "powersgd": compression_lib.PowerSGDAggregator}
+    if compression_arg in ("fp16", "bf16"):
+        cls, args = compression_lib.CastAggregator, (compression_arg,)
+    else:
+        cls, args = factories[compression_arg], ()
+    allowed = [p for p in (list(inspect.signature(cls.__init__).parameters)[1 + len(args):]
+                           + list(inspect.signature(compression_lib.Aggregator.__init__).parameters)[1:])
+               if p not in ("kwargs", "name")]
+    for name, value in options.items():
+        if name not in allowed:
+            raise ConfigError(name, value, f"not an option of compression={compression_arg!r}; "
+                              f"use {', '.join(dict.fromkeys(allowed))}")
+    # Safe without a ParallelConfig: a collective that never completes becomes an error.
+    strategy_config = getattr(tf.distribute.get_strategy(), "tfpar_config", None)
+    options.setdefault("timeout_s", (strategy_config or ParallelConfig()).collective_timeout_s)
+    try:
+        return cls(*args, **options)
+    except ValueError as err:  # the constructors name argument and value already
+        raise ConfigError("compression", compression_arg, str(err)) from None
+
+
+def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options):  # noqa: N802
+    """A new Keras optimizer like `optimizer` that sums gradients over replicas through a
+    tfpar aggregator (compressed all-reduce), as Horovod's `DistributedOptimizer` does.
+
+    The returned optimizer is a copy built from `optimizer.get_config()`; `optimizer` itself
+    is left unchanged and usable. Under a strategy with one replica, or none, it behaves
+    exactly like the plain optimizer (nothing is communicated, nothing compressed).
+    Checkpoints of it (`tf.train.Checkpoint(optimizer=...)`, `tfpar.callbacks.
+    BackupAndRestore`) include the aggregator's state: error-feedback residuals per replica,
+    PowerSGD's Q. Create it inside `strategy.scope()`, like any optimizer used there.
+    It serialises with Keras (`get_config`/`from_config`, `model.save`): the config of
+    `optimizer` plus the aggregator's, under the registered name `tfpar>DistributedAdam`
+    (etc.); `import tfpar.api` before loading in a new process.
+
+    Args:
+        optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
+            `keras.optimizers.LossScaleOptimizer` (its inner optimizer aggregates).
+        compression: "none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", or a
+            `tfpar.compression_lib.Aggregator` instance.
+        **aggregator_options: arguments of that aggregator's constructor, e.g. `rank=2`
+            and `start_step=10` for PowerSGD, `ratio=0.01` for top-k, `bucket_mb`,
+            `error_feedback`, `timeout_s` (default: the strategy's `collective_timeout_s`
+            from `tfpar.make_strategy`, else 120 s).
+
+    Returns:
+        the new optimizer; `tfpar.compression.aggregator_of(it)` is its aggregator (with
+        `comm_stats()`: bytes on the wire per step).
+
+    Raises:
+        ConfigError: an unknown compression or option, or a bad option value.
+        TypeError: `optimizer` is not a Keras 3 optimizer on the TensorFlow backend.
+
+    Example:
+    >>> import numpy as np, keras, tfpar
+    >>> strategy = tfpar.make_strategy(cpu_devices=2)
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
+    ...     opt = tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="powersgd",
+    ...                                      rank=1)
+    ...     model.compile(optimizer=opt, loss="mse")
+    >>> x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    >>> history = model.fit(x, x, batch_size=16, epochs=3, verbose=0).history["loss"]
+    >>> history[-1] < history[0]
+    True
+    >>> stats = tfpar.compression.aggregator_of(opt).comm_stats()
+    >>> stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
+    True
+    """
+    aggregator = _aggregator(compression, dict(aggregator_options))
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        config = optimizer.get_config()
+        config.pop("inner_optimizer")
+        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator)
+        return type(optimizer)(inner, **config)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} is not a Keras optimizer; pass e.g. "
+                        "keras.optimizers.Adam(1e-3) or 'adam'")
+    base = getattr(type(optimizer), "tfpar_base", type(optimizer))
+    config = optimizer.get_config()
+    config.pop("compression", None)
+    copy = distributed_class(base).from_config(config)
+    return compression_lib.wrap_optimizer(copy, aggregator)
+
+
+_DISTRIBUTED = {}
+
+
+def distributed_class(base):
+    """The Keras-serialisable class `DistributedOptimizer` makes of optimizer class `base`
+    (registered as `tfpar>Distributed<Base>`; made once per class). Its `get_config` adds
+    the aggregator (`"compression"`); `from_config` rebuilds both, so
+    `keras.optimizers.deserialize(keras.optimizers.serialize(opt))` gives back a
+    distributed optimizer with the same compression."""
+    if base not in _DISTRIBUTED:
+        class Distributed(AggregatingOptimizerMixin, base):
+            tfpar_base = base
+
+            def get_config(self):
+                config = super().get_config()
+                aggregator = self.tfpar_aggregator
+                config["compression"] = {"class_name": type(aggregator).__name__,
+                                         "config": aggregator.get_config()}
+                return config
+
+            @classmethod
+            def from_config(cls, config, custom_objects=None):
+                config = dict(config)
+                spec = config.pop("compression", None)
+                optimizer = super().from_config(config, custom_objects=custom_objects)
+                if spec is not None:
+                    aggregator = getattr(compression_lib, spec["class_name"])(**spec["config"])
+                    compression_lib.wrap_optimizer(optimizer, aggregator)
+                return optimizer
+
+        Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
+        _DISTRIBUTED[base] = keras.saving.register_keras_serializable(package="tfpar")(
+            Distributed)
+    return _DISTRIBUTED[base]
+
+
+# The Keras optimizers, registered at import so a saved model deserialises in a new process.
+for _name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "Adafactor", "Nadam",
+              "RMSprop", "Ftrl", "Lion", "Lamb", "Muon"):
+    if hasattr(keras.optimizers, _name):
+        distributed_class(getattr(keras.optimizers, _name))
