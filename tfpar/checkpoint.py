@@ -161,6 +161,7 @@ def write_marker(config):
     path = os.path.join(config.checkpoint_dir, MARKER)
     if os.path.exists(path):
         return
+    os.makedirs(config.checkpoint_dir, exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump({k: getattr(config, k) for k in _STATE_SETTINGS}, f, indent=1)
