@@ -129,7 +129,7 @@ def test_worker_sigkilled_from_outside_inside_a_collective(tmp_path, uninterrupt
     # At a random time after the first checkpoint, stop one worker (SIGSTOP): the other
     # cannot finish its step's all-reduce and waits inside it; 2 s later SIGKILL that one.
     rng, seed = fault_seed()
-    delay, victim = rng.uniform(0.0, 3.0), rng.choice([0, 1])
+    delay, victim = rng.uniform(0.0, 2.0), rng.choice([0, 1])
     print(f"kill {delay:.2f} s after the first checkpoint; worker {victim} killed, "
           f"worker {1 - victim} stopped")
     job = Job(tmp_path, max_restarts=1)
