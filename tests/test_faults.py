@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from subproc import ROOT, run_module
+from subproc import ROOT, child_env, run_module
 from test_train import BASE, CHILD, max_diff, train_child, weights
 
 
@@ -41,7 +41,6 @@ class Job:
     as it comes (so a test can act on a line) and its workers reachable by index."""
 
     def __init__(self, tmp_path, max_restarts, env=None):
-        from subproc import child_env
         self.tmp_path, self.prefix = tmp_path, str(tmp_path / "mw")
         self.ckpt = tmp_path / "user" / "ckpt"
         cfg = {**KILL_CFG, "checkpoint_dir": str(self.ckpt)}
@@ -62,9 +61,9 @@ class Job:
 
     def wait_for_line(self, text, timeout=120):
         with self._new_line:
-            if not self._new_line.wait_for(
-                    lambda: any(text in line for line in self.lines) or self.proc.poll() is not None,
-                    timeout):
+            seen = lambda: any(text in line for line in self.lines)  # noqa: E731
+            if not self._new_line.wait_for(lambda: seen() or self.proc.poll() is not None,
+                                           timeout):
                 raise AssertionError(f"no {text!r} within {timeout}s:\n{self.output[-3000:]}")
         assert any(text in line for line in self.lines), self.output[-3000:]
 
