@@ -1,14 +1,14 @@
 """tfpar's data-parallel `fit` against stock Keras `fit` under `tf.distribute`, side by side.
 
-The stock side is what a user writes without tfpar: its own
-`tf.distribute.MirroredStrategy` over the logical CPUs, its own `tf.data` pipeline over the
-same examples (`Dataset.range → map(the task's example function) → batch → prefetch`,
-which Keras splits over the replicas; `--stock_data=arrays`: the examples materialised
-into arrays beforehand, then `from_tensor_slices`), the same Keras model, `compile` and
-`fit` with no callback but the bench's clock. The tfpar side is `tfpar.train.train` on
-tfpar's own runtime (its strategy, data, optimizer hooks, callbacks). Both sides are timed by the same minimal callback: the wall time between
-consecutive `on_train_batch_end` calls, so everything done between two steps counts,
-the first `--warmup` steps left out.
+The stock side is what a user writes without tfpar: its own `tf.distribute.MirroredStrategy`
+over the logical CPUs, its own `tf.data` pipeline over the same examples (`Dataset.range →
+map(the task's example function) → batch → prefetch`, which Keras splits over the replicas;
+`--stock_data=arrays`: the examples materialised into arrays beforehand, then
+`from_tensor_slices`), the same Keras model, `compile` and `fit` with no callback but the
+bench's clock. The tfpar side is `tfpar.train.train` on tfpar's own runtime (its strategy,
+data, optimizer hooks, callbacks). Both sides are timed by the same minimal callback: the
+wall time between consecutive `on_train_batch_end` calls, so everything done between two
+steps counts, the first `--warmup` steps left out.
 
 Each bench process builds both strategies once and alternates rounds (which side goes
 first alternating). Comparing rounds of one process removes what differs between
