@@ -1,33 +1,195 @@
 """Faults: a worker killed mid-run is restarted and the job ends where it would have."""
 
+import contextlib
 import json
 import os
+import random
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
+import psutil
+import pytest
 
-from subproc import ROOT, run_module
+from subproc import ROOT, child_env, run_module
 from test_train import BASE, CHILD, max_diff, train_child, weights
 
 
-def test_killed_worker_restarts_and_ends_equal_to_an_uninterrupted_run(tmp_path):
-    cfg = {**BASE, "model": "mlp", "optimizer": "adam", "steps": 24, "steps_per_epoch": 8,
-           "checkpoint_every": 5}
-    _, reference = train_child(tmp_path, "ref", **{**cfg, "strategy": "one_device"})
+# Two workers, Adam, a checkpoint every 20 steps. Long enough (in steps) that a kill at a
+# random time after the first checkpoint lands while both still train.
+KILL_CFG = {**BASE, "model": "mlp", "optimizer": "adam", "strategy": "multi_worker",
+            "steps": 1200, "steps_per_epoch": 100, "checkpoint_every": 20,
+            "collective_timeout_s": 60}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Worker 0's weights after the same 2-worker job with nothing killed."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
     prefix = str(tmp_path / "mw")
-    run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
-    out = run_module("tfpar.launch", "--workers=2", "--max_restarts=1", "--grace=2",
-                     "--timeout=300", "--", sys.executable, CHILD, json.dumps(run_cfg), prefix,
-                     env={"TFPAR_INJECT_FAULTS": "1:13"}, timeout=360)
-    assert "[worker 1] tfpar.faults: killing this worker after step 13" in out.stdout
-    assert "1 restart" in out.stderr
-    results = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
-               if "] {" in line]
-    assert [r["resumed_from_step"] for r in results] == [10, 10]  # lost 3 <= checkpoint_every
-    assert all(r["steps"] == 14 for r in results)
-    w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
+    cfg = {**KILL_CFG, "checkpoint_dir": str(tmp_path / "ckpt")}
+    run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable, CHILD,
+               json.dumps(cfg), prefix, timeout=240)
+    return weights(prefix + ".worker0")
+
+
+class Job:
+    """`tfpar.launch --max_restarts` of `tests/train_child.py` over 2 workers, its output read
+    as it comes (so a test can act on a line) and its workers reachable by index."""
+
+    def __init__(self, tmp_path, max_restarts, env=None):
+        self.tmp_path, self.prefix = tmp_path, str(tmp_path / "mw")
+        self.ckpt = tmp_path / "user" / "ckpt"
+        cfg = {**KILL_CFG, "checkpoint_dir": str(self.ckpt)}
+        cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2",
+               f"--max_restarts={max_restarts}", "--grace=2", "--timeout=240", "--",
+               sys.executable, CHILD, json.dumps(cfg), self.prefix]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.lines, self._new_line = [], threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
+
+    def wait_for_line(self, text, timeout=120):
+        with self._new_line:
+            seen = lambda: any(text in line for line in self.lines)  # noqa: E731
+            if not self._new_line.wait_for(lambda: seen() or self.proc.poll() is not None,
+                                           timeout):
+                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.output[-3000:]}")
+        assert any(text in line for line in self.lines), self.output[-3000:]
+
+    def wait_for(self, condition, what, timeout=120):
+        end = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"job ended before {what}:\n{self.output[-3000:]}"
+            assert time.monotonic() < end, f"no {what} within {timeout}s"
+            time.sleep(0.05)
+
+    def worker(self, index):
+        """The running worker process with `TFPAR_WORKER_INDEX=index` (the newest attempt)."""
+        for child in psutil.Process(self.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if child.environ().get("TFPAR_WORKER_INDEX") == str(index):
+                    return child
+        raise AssertionError(f"no worker {index} running:\n{self.output[-3000:]}")
+
+    def published_step(self):
+        """The step of the checkpoint the state file names as latest, or None."""
+        with contextlib.suppress(FileNotFoundError):
+            text = (self.ckpt / "checkpoint").read_text()
+            return int(text.split('model_checkpoint_path: "ckpt-')[1].split('"')[0])
+        return None
+
+    def finish(self, timeout=180):
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        time.sleep(0.5)  # the reader thread drains the last lines
+        return self.proc.returncode
+
+    @property
+    def output(self):
+        return "".join(self.lines)
+
+    def results(self):
+        """Per worker, the JSON line of the attempt that finished."""
+        return [json.loads(line.split("] ", 1)[1]) for line in self.lines if "] {" in line]
+
+    def orphans(self):
+        """Processes still alive whose command line names this test's directory."""
+        alive = []
+        for p in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if str(self.tmp_path) in " ".join(p.info["cmdline"] or []) \
+                        and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+        return alive
+
+
+def fault_seed():
+    seed = int(os.environ.get("TFPAR_FAULT_SEED", random.SystemRandom().randrange(1 << 20)))
+    print(f"fault seed {seed} (rerun with TFPAR_FAULT_SEED={seed})")
+    return random.Random(seed), seed
+
+
+def test_worker_sigkilled_from_outside_inside_a_collective(tmp_path, uninterrupted):
+    # At a random time after the first checkpoint, stop one worker (SIGSTOP): the other
+    # cannot finish its step's all-reduce and waits inside it; 2 s later SIGKILL that one.
+    rng, seed = fault_seed()
+    delay, victim = rng.uniform(0.0, 2.0), rng.choice([0, 1])
+    print(f"kill {delay:.2f} s after the first checkpoint; worker {victim} killed, "
+          f"worker {1 - victim} stopped")
+    job = Job(tmp_path, max_restarts=1)
+    try:
+        job.wait_for(lambda: job.published_step() is not None, "first checkpoint")
+        time.sleep(delay)
+        stopped, killed = job.worker(1 - victim), job.worker(victim)
+        stopped.send_signal(signal.SIGSTOP)
+        time.sleep(2)
+        assert killed.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        killed.send_signal(signal.SIGKILL)
+        saved = job.published_step()  # no step can finish while a worker is stopped
+    finally:
+        returncode = job.finish()
+    context = f"seed {seed}\n{job.output[-3000:]}"
+    assert saved < KILL_CFG["steps"], f"training ended before the kill; {context}"
+    assert returncode == 0, context
+    assert f"attempt 0: worker {victim} was killed by signal SIGKILL" in job.output, context
+    results = job.results()
+    assert [r["resumed_from_step"] for r in results] == [saved, saved], context
+    assert all(r["steps"] == KILL_CFG["steps"] - saved for r in results)
+    w0, w1 = weights(job.prefix + ".worker0"), weights(job.prefix + ".worker1")
     assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, weights(reference)) < 1e-6
+    assert max_diff(w0, uninterrupted) == 0.0, context  # bit-equal: same world size
+    assert not job.orphans()
+
+
+def test_worker_sigkilled_inside_a_checkpoint_write(tmp_path, uninterrupted):
+    # Every worker pauses inside its save of step 20 (attempt 0: the first save) and of
+    # step 40 (attempt 1), after the files are written and before the state file names
+    # them; the chief is killed in the first, the other worker in the second.
+    job = Job(tmp_path, max_restarts=2, env={"TFPAR_INJECT_SAVE_PAUSE": "20:60,40:60"})
+    user_file = tmp_path / "user" / "notes.txt"
+    try:
+        job.wait_for_line("[worker 0] tfpar.faults: pausing 60 s inside the checkpoint save "
+                          "of step 20")
+        user_file.write_text("the user's own file, next to the checkpoints")
+        # Half-written: the files are there, the state file names nothing yet.
+        assert (job.ckpt / "ckpt-20.index").exists() and job.published_step() is None
+        assert (job.ckpt / "tfpar.json").exists()  # the directory is recognisably tfpar's
+        job.worker(0).send_signal(signal.SIGKILL)
+        for worker in (0, 1):
+            job.wait_for_line(f"[worker {worker}] tfpar.faults: pausing 60 s inside the "
+                              "checkpoint save of step 40")
+        assert (job.ckpt / "ckpt-40.index").exists() and job.published_step() == 20
+        job.worker(1).send_signal(signal.SIGKILL)
+    finally:
+        returncode = job.finish()
+    context = job.output[-3000:]
+    assert returncode == 0, context
+    assert "attempt 0: worker 0 was killed by signal SIGKILL" in job.output, context
+    assert "attempt 1: worker 1 was killed by signal SIGKILL" in job.output, context
+    # The first restart did not refuse the directory of the cut first save (it reached
+    # its own pause at step 40 above); the second resumed from the complete checkpoint
+    # before the cut one, and ended where the uninterrupted job ends.
+    assert [r["resumed_from_step"] for r in job.results()] == [20, 20], context
+    assert user_file.read_text() == "the user's own file, next to the checkpoints"
+    w0, w1 = weights(job.prefix + ".worker0"), weights(job.prefix + ".worker1")
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, uninterrupted) == 0.0  # bit-equal: same world size
+    assert not job.orphans()
 
 
 def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):

@@ -2,9 +2,14 @@
 
 What is saved: model weights, optimizer state (slots, iterations, loss scale, any
 aggregator state tracked by the optimizer) and the data position (steps done; the data is
-a function of the step, see `tfpar.data`). `tf.train.CheckpointManager`
-writes the files first and the `checkpoint` index last, so a run killed mid-save leaves
-the previous checkpoint as the latest.
+a function of the step, see `tfpar.data`).
+
+`tf.train.CheckpointManager` publishes a save in two moves: it writes the checkpoint's
+files (`ckpt-S.index`, `ckpt-S.data-*`), then replaces the `checkpoint` state file
+atomically (a rename) so that it names `ckpt-S` as the latest. A run killed before the
+rename leaves files that nothing names: restore reads only what the state file names, so
+it takes the previous complete checkpoint, and the chief deletes the unnamed leftovers
+when it restores. (tests/test_faults.py kills workers inside that window.)
 
 Multi-worker: every worker must take part in a save; the chief writes to `checkpoint_dir`,
 the others to a scratch directory they delete afterwards. Every worker restores from the
@@ -18,11 +23,14 @@ from an incompatible run is refused with what differs.
 
 import json
 import os
+import re
 import shutil
 
 import keras
 import tensorflow as tf
+from absl import logging
 
+from tfpar import faults
 from tfpar.errors import ConfigError
 
 MARKER = "tfpar.json"
@@ -30,6 +38,9 @@ MARKER = "tfpar.json"
 _STATE_SETTINGS = ("model", "model_width", "model_depth", "dataset", "num_classes",
                    "optimizer", "grad_accum_steps", "mixed_precision", "compression",
                    "powersgd_rank", "error_feedback", "global_batch_size", "seed")
+# What a save writes: ckpt-S.index, ckpt-S.data-K-of-N, and TensorFlow's ckpt-S_temp* while
+# it writes them.
+_CHECKPOINT_FILE = re.compile(r"^(ckpt-\d+)(\.index|\.data-\d+-of-\d+|_temp.*)$")
 
 
 class Checkpointer(keras.callbacks.Callback):
@@ -60,8 +71,11 @@ class Checkpointer(keras.callbacks.Callback):
             checkpoint_name="ckpt")
 
     def restore(self):
-        """Restores the latest checkpoint of the chief's directory; returns the step to
-        resume at (0 if there is none)."""
+        """Restores the latest published checkpoint of the chief's directory; returns the
+        step to resume at (0 if there is none). The chief first deletes the files of saves
+        that were cut short (never published)."""
+        if self._is_chief and os.path.isdir(self.directory):
+            remove_unpublished(self.directory)
         latest = tf.train.latest_checkpoint(self.directory)
         if latest is None:
             return 0
@@ -86,11 +100,37 @@ class Checkpointer(keras.callbacks.Callback):
             return
         self._saved = self._step
         self.step.assign(self._step)
-        self._manager.save(checkpoint_number=self._step)
         if self._is_chief:
+            # Before any checkpoint file: a first save cut short must leave a directory
+            # that a restart recognises as its own, not one it refuses as foreign.
             write_marker(self.config)
-        else:
+        # Write callbacks run after the files are written, before the state file names
+        # them: the pause (off unless a test asks for it) opens that window to kill in.
+        step = self._step
+        self._manager.save(checkpoint_number=step, options=tf.train.CheckpointOptions(
+            experimental_write_callbacks=[lambda: faults.pause_in_save(step)]))
+        if not self._is_chief:
             shutil.rmtree(self._write_dir, ignore_errors=True)
+
+
+def remove_unpublished(directory):
+    """Deletes checkpoint files of `directory` that its state file does not name: what a
+    save killed before publishing left. Returns the names removed."""
+    state = tf.train.get_checkpoint_state(directory)
+    named = {os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else [])}
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        match = _CHECKPOINT_FILE.match(name)
+        if match and match.group(1) not in named:
+            path = os.path.join(directory, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(name)
+    if removed:
+        logging.info("removed %s: a save cut short before it was published", removed)
+    return removed
 
 
 def check_directory(config):
@@ -121,6 +161,7 @@ def write_marker(config):
     path = os.path.join(config.checkpoint_dir, MARKER)
     if os.path.exists(path):
         return
+    os.makedirs(config.checkpoint_dir, exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump({k: getattr(config, k) for k in _STATE_SETTINGS}, f, indent=1)

@@ -1,21 +1,31 @@
-"""Fault injection for testing recovery: kill a worker at a chosen step.
+"""Fault injection for testing recovery: kill a worker at a chosen step, or hold a
+checkpoint save open so that a test can kill a worker inside it.
 
 `TFPAR_INJECT_FAULTS="W:S[,W:S...]"` makes worker W SIGKILL itself right after global step S
 (counting steps restored from a checkpoint), once per fault: fault k fires only in the k-th
 attempt (`TFPAR_RESTART`, set by `tfpar.launch --max_restarts`), so a restarted job runs on
-past it. Used by tests/test_faults.py and tools/bench_faults.py; off unless the variable
-is set.
+past it. Used by tests/test_faults.py and tools/bench_faults.py.
+
+`TFPAR_INJECT_SAVE_PAUSE="S:SECONDS[,S:SECONDS...]"` makes every worker sleep SECONDS inside
+its checkpoint save of step S, after the checkpoint's files are written and before the
+state file names them (`tfpar.checkpoint`); pause k applies only in attempt k, like the
+faults. Each pause prints a line, so that a test killing a worker from outside knows it is
+inside the write.
+
+Both are off unless their variable is set.
 """
 
 import os
 import signal
 import sys
+import time
 
 import keras
 
 from tfpar.errors import ConfigError
 
 ENV = "TFPAR_INJECT_FAULTS"
+SAVE_PAUSE_ENV = "TFPAR_INJECT_SAVE_PAUSE"
 
 
 def parse_plan(text):
@@ -46,6 +56,28 @@ def injector(start_step, environ=os.environ):
     if worker != int(environ.get("TFPAR_WORKER_INDEX", "0")):
         return None
     return _KillAt(start_step, step)
+
+
+def pause_in_save(step, environ=os.environ):
+    """Sleeps if this attempt's `TFPAR_INJECT_SAVE_PAUSE` entry names `step`.
+
+    Raises:
+        ConfigError: the plan is not comma-separated `step:seconds` pairs.
+    """
+    text = environ.get(SAVE_PAUSE_ENV, "")
+    if not text:
+        return
+    try:
+        plan = [(int(s), float(t)) for s, t in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        raise ConfigError(SAVE_PAUSE_ENV, text,
+                          "use comma-separated step:seconds pairs, e.g. 10:60,20:60") from None
+    attempt = int(environ.get("TFPAR_RESTART", "0"))
+    if attempt < len(plan) and plan[attempt][0] == step:
+        seconds = plan[attempt][1]
+        print(f"tfpar.faults: pausing {seconds:g} s inside the checkpoint save of step {step} "
+              "(files written, not yet named by the state file)", file=sys.stderr, flush=True)
+        time.sleep(seconds)
 
 
 class _KillAt(keras.callbacks.Callback):

@@ -1,20 +1,28 @@
-"""tfpar's data-parallel `fit` against plain `tf.distribute` + Keras `fit`, side by side.
+"""tfpar's data-parallel `fit` against stock Keras `fit` under `tf.distribute`, side by side.
 
-Both train the same model on the same data on the same `MirroredStrategy`. Each bench
-process builds the strategy once and then alternates rounds: a plain run (what a user
-writes without tfpar: build, compile, `fit`) and a tfpar run (`tfpar.train.train` on that
-strategy, so tfpar's whole path: optimizer hooks, callbacks, data), which side goes first
-alternating. Comparing rounds of one process removes what differs between processes
-(measured here: ~15 % from one process to the next on the same command, larger than the
+The stock side is what a user writes without tfpar: its own `tf.distribute.MirroredStrategy`
+over the logical CPUs, its own `tf.data` pipeline over the same examples (`Dataset.range →
+map(the task's example function) → batch → prefetch`, which Keras splits over the replicas;
+`--stock_data=arrays`: the examples materialised into arrays beforehand, then
+`from_tensor_slices`), the same Keras model, `compile` and `fit` with no callback but the
+bench's clock. The tfpar side is `tfpar.train.train` on tfpar's own runtime (its strategy,
+data, optimizer hooks, callbacks). Both sides are timed by the same minimal callback: the
+wall time between consecutive `on_train_batch_end` calls, so everything done between two
+steps counts, the first `--warmup` steps left out.
+
+Each bench process builds both strategies once and alternates rounds (which side goes
+first alternating). Comparing rounds of one process removes what differs between
+processes (~15 % here from one process to the next on the same command, larger than the
 effect asked about). `--processes` processes repeat the whole thing.
 
     python tools/bench_data_parallel.py                  # mlp + transformer, 4 logical CPUs
     python tools/bench_data_parallel.py --quick          # a smoke run in about a minute
 
-The overhead is the median over all rounds of (tfpar's median step time / the plain
-median step time of the same round) - 1. Prints a table and writes JSON (`--out`, default
-runs/bench_data_parallel.json): per model the last tfpar and plain metrics (DESIGN.md
-shape), every round's median step times, and `overhead`.
+Overhead of a round = tfpar's median step time / stock's median step time of the same
+round − 1. Reported: the median over rounds with a 95 % bootstrap confidence interval
+(rounds resampled with replacement, `--bootstrap` times, seed `--bootstrap_seed`), and every
+round's value. Prints a table and writes JSON (`--out`, default
+runs/bench_data_parallel.json).
 """
 
 import argparse
@@ -23,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -31,65 +40,138 @@ MODELS = {"mlp": {"model_width": 1024, "global_batch_size": 256},
           "transformer": {"global_batch_size": 64}}
 
 
-def run_plain(config, runtime):
-    """What a user would write without tfpar: compile and fit under the strategy."""
+def step_clock():
+    """A minimal Keras callback: the time of every `on_train_batch_end`."""
+    import keras
+
+    class StepClock(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    return StepClock()
+
+
+def median_step_ms(clock, warmup):
+    gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][max(warmup - 1, 0):]
+    return 1000 * statistics.median(gaps)
+
+
+def stock_dataset(config, task, source):
+    """The stock side's own `tf.data` pipeline over the examples tfpar feeds (example i
+    from (seed, i), global batch after global batch), which Keras splits over the replicas.
+
+    `source="generated"`: each example made by the task's function inside the pipeline, as
+    tfpar's pipeline does (equal input work on both sides). `source="arrays"`: the examples
+    materialised once into arrays, then `from_tensor_slices` (no generation while timed).
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    examples = tf.data.Dataset.range(config.steps * config.global_batch_size)
+    if source == "generated":
+        ds = examples.map(task.example_fn, num_parallel_calls=tf.data.AUTOTUNE,
+                          deterministic=True)
+    else:
+        batches = [tuple(np.asarray(t) for t in batch)
+                   for batch in examples.map(task.example_fn).batch(config.global_batch_size)]
+        ds = tf.data.Dataset.from_tensor_slices(
+            tuple(np.concatenate(column) for column in zip(*batches)))
+    return ds.batch(config.global_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def run_stock(config, strategy, task, source, warmup):
+    """Stock Keras: dataset, model, compile and fit under the user's own strategy."""
     import keras
 
     from tfpar import models
-    from tfpar import data, metrics
 
     keras.utils.set_random_seed(config.seed)
-    task = data.make_task(config)
-    with runtime.strategy.scope():
+    dataset = stock_dataset(config, task, source)
+    with strategy.scope():
         model = models.build(config.model, task.input_shape, task.num_classes,
-                             width=config.model_width)
+                             width=config.model_width, depth=config.model_depth)
         model.compile(optimizer=keras.optimizers.Adam(config.learning_rate),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
                       jit_compile=False)
-    dataset = data.distributed_dataset(runtime.strategy, config, task)
-    recorder = metrics.StepRecorder()
-    model.fit(dataset, epochs=1, steps_per_epoch=config.steps, callbacks=[recorder],
-              verbose=0)
-    return metrics.summarize(config, runtime, recorder,
-                             [model.count_params()] * runtime.replicas)
+    clock = step_clock()
+    history = model.fit(dataset, epochs=1, steps_per_epoch=config.steps, callbacks=[clock],
+                        verbose=0, shuffle=False)
+    return {"step_ms": median_step_ms(clock, warmup),
+            "mean_loss": float(history.history["loss"][-1])}  # Keras: the epoch's mean
 
 
-def run_tfpar(config, runtime):
+def run_tfpar(config, runtime, warmup):
     from tfpar.train import train
 
-    return train(config, runtime=runtime)[0]
+    clock = step_clock()
+    metrics = train(config, callbacks=[clock], runtime=runtime)[0]
+    return {"step_ms": median_step_ms(clock, warmup),
+            "mean_loss": float(sum(metrics["loss_history"]) / len(metrics["loss_history"]))}
 
 
-def bench_process(settings, rounds):
-    """One process: the strategy once, then `rounds` alternating plain/tfpar rounds."""
-    from tfpar import devices, strategy
+def bench_process(settings, rounds, warmup, source):
+    """One process: both strategies once, then `rounds` alternating stock/tfpar rounds."""
+    import tensorflow as tf
+
+    from tfpar import data, devices, strategy
     from tfpar.config import ParallelConfig
 
     config = ParallelConfig(**settings)
-    devices.split_cpu(config.cpu_devices)
-    runtime = strategy.make_runtime(config)  # tfpar builds MirroredStrategy(devices) here
-    sides = {"plain": run_plain, "tfpar": run_tfpar}
-    out = {"plain": [], "tfpar": []}
+    devices.split_cpu(config.cpu_devices)  # process-wide, before TensorFlow starts: both sides
+    runtime = strategy.make_runtime(config)
+    stock = tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")][:config.cpu_devices])
+    task = data.make_task(config)
+    sides = {"stock": lambda: run_stock(config, stock, task, source, warmup),
+             "tfpar": lambda: run_tfpar(config, runtime, warmup)}
+    out = {"stock": [], "tfpar": []}
     for r in range(rounds):
-        for role in (("plain", "tfpar") if r % 2 == 0 else ("tfpar", "plain")):
-            out[role].append(sides[role](config, runtime))
+        for role in (("stock", "tfpar") if r % 2 == 0 else ("tfpar", "stock")):
+            out[role].append(sides[role]())
     return out
 
 
+def bootstrap_ci(values, statistic, resamples, seed, level=0.95):
+    """Percentile bootstrap interval of `statistic` over `values` resampled with
+    replacement."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    values = np.asarray(values)
+    stats = sorted(statistic(values[rng.integers(0, len(values), len(values))])
+                   for _ in range(resamples))
+    low = stats[int((1 - level) / 2 * resamples)]
+    high = stats[min(int((1 + level) / 2 * resamples), resamples - 1)]
+    return low, high
+
+
 def main():
+    import numpy as np
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per process")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--cpu_devices", type=int, default=4)
+    parser.add_argument("--stock_data", choices=("generated", "arrays"), default="generated",
+                        help="the stock pipeline generates each example as tfpar does, or "
+                        "reads arrays made beforehand")
+    parser.add_argument("--bootstrap", type=int, default=10000)
+    parser.add_argument("--bootstrap_seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 steps, 2 rounds, mlp only")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_data_parallel.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(bench_process(json.loads(args.child), args.rounds)))
+        print(json.dumps(bench_process(json.loads(args.child), args.rounds, args.warmup,
+                                       args.stock_data)))
         return
     if args.quick:
         args.models, args.steps, args.rounds, args.processes = "mlp", 20, 2, 1
@@ -99,33 +181,43 @@ def main():
         settings = {"model": name, "steps": args.steps, "steps_per_epoch": args.steps,
                     "cpu_devices": args.cpu_devices, "strategy": "mirrored", "verbose": 0,
                     **MODELS[name]}
-        rounds = {"plain": [], "tfpar": []}
+        rounds = {"stock": [], "tfpar": []}
         for _ in range(args.processes):
             out = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(settings),
-                 f"--rounds={args.rounds}"],
+                 f"--rounds={args.rounds}", f"--warmup={args.warmup}",
+                 f"--stock_data={args.stock_data}"],
                 capture_output=True, text=True, timeout=1800, cwd=ROOT)
             if out.returncode:
                 raise SystemExit(f"bench process failed:\n{out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
             for role in rounds:
                 rounds[role] += result[role]
-        per_round = {role: [r["step_time_ms"]["median"] for r in rs] for role, rs in rounds.items()}
-        ratios = [t / p for t, p in zip(per_round["tfpar"], per_round["plain"])]
-        overhead = statistics.median(ratios) - 1
+        per_round = {role: [r["step_ms"] for r in rs] for role, rs in rounds.items()}
+        overheads = [t / s - 1 for t, s in zip(per_round["tfpar"], per_round["stock"])]
+        overhead = float(np.median(overheads))
+        low, high = bootstrap_ci(overheads, np.median, args.bootstrap, args.bootstrap_seed)
         median = {role: statistics.median(ms) for role, ms in per_round.items()}
-        report[name] = {"plain": rounds["plain"][-1], "tfpar": rounds["tfpar"][-1],
-                        "step_ms_per_round": per_round, "step_ms": median,
-                        "ratio_per_round": ratios, "overhead": overhead,
-                        "rounds": len(ratios)}
-        rows.append((name, median["plain"], median["tfpar"], overhead, min(ratios) - 1,
-                     max(ratios) - 1, len(ratios)))
+        report[name] = {"settings": settings, "step_ms_per_round": per_round,
+                        "step_ms": median, "overhead_per_round": overheads,
+                        "overhead": overhead, "ci95": [low, high], "rounds": len(overheads),
+                        # The same work on both sides: equal mean losses over the run.
+                        "mean_loss": {role: [r["mean_loss"] for r in rs]
+                                      for role, rs in rounds.items()}}
+        rows.append((name, median["stock"], median["tfpar"], overhead, low, high, overheads))
 
-    print(f"{'model':<12}{'plain ms/step':>15}{'tfpar ms/step':>15}{'overhead':>10}"
-          f"{'rounds: min':>13}{'max':>8}{'n':>4}")
-    for name, plain, ours, overhead, low, high, n in rows:
-        print(f"{name:<12}{plain:>15.2f}{ours:>15.2f}{overhead:>+10.1%}{low:>+13.1%}"
-              f"{high:>+8.1%}{n:>4}")
+    print(f"{'model':<12}{'stock ms':>10}{'tfpar ms':>10}{'overhead':>10}{'95% CI':>20}"
+          f"{'rounds: min … max':>22}{'n':>4}")
+    for name, stock, ours, overhead, low, high, each in rows:
+        ci = f"[{low:+.1%}, {high:+.1%}]"
+        spread = f"{min(each):+.1%} … {max(each):+.1%}"
+        print(f"{name:<12}{stock:>10.2f}{ours:>10.2f}{overhead:>+10.1%}{ci:>20}{spread:>22}"
+              f"{len(each):>4}")
+    for name, *_, each in rows:
+        print(f"{name} per round: " + " ".join(f"{v:+.1%}" for v in each))
+        losses = report[name]["mean_loss"]
+        gap = max(abs(a - b) for a, b in zip(losses["stock"], losses["tfpar"]))
+        print(f"{name} mean loss over a run, largest stock/tfpar gap of a round: {gap:.2e}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
