@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from subproc import ROOT, last_json_line, run_module, run_python
+from subproc import last_json_line, run_module, run_python
 
 CHILD = r"""
 import json, os, sys
@@ -175,15 +175,6 @@ def test_train_entry_resumes_from_its_checkpoint_exactly(result):
     assert result["resume_vs_uninterrupted"] <= 1e-5
 
 
-def _train_routes_tensor_parallel():
-    with open(os.path.join(ROOT, "tfpar", "train.py")) as f:
-        source = f.read()
-    return "tfpar.layout" in source or "layout.train" in source
-
-
-@pytest.mark.skipif(not _train_routes_tensor_parallel(),
-                    reason="tfpar/train.py does not route --tensor_parallel>1 to "
-                           "tfpar.layout.train yet")
 def test_cli_runs_tensor_parallel():
     out = run_module("tfpar.train", "--model=transformer", "--tensor_parallel=2",
                      "--data_parallel=2", "--cpu_devices=4", "--steps=10",
@@ -192,8 +183,6 @@ def test_cli_runs_tensor_parallel():
 
 
 def test_cli_refuses_degrees_that_do_not_match_the_devices():
-    if not _train_routes_tensor_parallel():
-        pytest.skip("tfpar/train.py does not route --tensor_parallel>1 yet")
     out = run_module("tfpar.train", "--model=transformer", "--tensor_parallel=2",
                      "--data_parallel=3", "--cpu_devices=4", "--steps=2", check=False,
                      timeout=120)
