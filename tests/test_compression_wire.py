@@ -145,7 +145,7 @@ def wire(report_measured):
         json.dump({"width": WIDTH, "depth": DEPTH, "params": result["none"]["params"],
                    "steps": STEPS, "ratios_vs_fp32": table}, f, indent=1)
     report_measured(f"bytes on the wire vs fp32 (transformer, {result['none']['params']:,} "
-                    f"parameters, 2 workers; {RESULTS}):")
+                    f"parameters, 2 workers; {os.path.relpath(RESULTS, ROOT)}):")
     for k in sorted(LIMITS):
         report_measured(f"  {k:<9} {table[k]['ratio']:.4f} (limit {LIMITS[k]}; raw "
                         f"{table[k]['raw_ratio']:.4f})")

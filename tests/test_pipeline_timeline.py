@@ -9,6 +9,10 @@ import pytest
 from subproc import ROOT, last_json_line, run
 from tfpar.pipeline.timeline import chrome_trace, draw, from_dict, from_events, to_dict
 
+# How far the profiled bubble of the tiny pipeline may be from (K-1)/(M+K-1).
+BUBBLE_BOUND_M1 = 0.1
+BUBBLE_BOUND_M4 = 0.1
+
 
 def test_events_become_actions_busy_time_and_bubble():
     events = [  # (op name, start us, end us), as the profiler reports them
