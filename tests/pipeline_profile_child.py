@@ -1,9 +1,10 @@
 """Child of tests/test_pipeline_timeline.py: the real profiler path of the measured bubble
-(`tfpar.pipeline.timeline.profile`) on a tiny pipeline, printed as one JSON line.
+(`tfpar.pipeline.timeline.profile`) on a small pipeline, printed as one JSON line.
 
-2 stages on 2 logical CPUs (one op thread each, as bench_pipeline runs them), 4 Dense(256)
-blocks, batch 64. Per schedule and M: the profiled bubble, the theory (K-1)/(M+K-1), and
-the actions the profile found per stage.
+2 stages on 2 logical CPUs (one op thread each, as bench_pipeline runs them), 4 Dense(512)
+blocks, batch 256 (big enough that compute, not per-op dispatch, fills a step). Per
+schedule and M: the profiled bubble, the theory (K-1)/(M+K-1), and the actions the profile
+found per stage.
 
     python tests/pipeline_profile_child.py gpipe:1 1f1b:4
 """
@@ -28,7 +29,7 @@ from tfpar.pipeline.executor import PipelineExecutor, default_devices  # noqa: E
 from tfpar.pipeline.partition import partition  # noqa: E402
 from tfpar.pipeline.schedule import make_schedule, theory_bubble  # noqa: E402
 
-K, WIDTH, BATCH = 2, 256, 64
+K, WIDTH, BATCH = 2, 512, 256
 rng = np.random.default_rng(0)
 x = tf.constant(rng.normal(size=(BATCH, WIDTH)).astype("float32"))
 y = tf.constant(rng.normal(size=(BATCH, WIDTH)).astype("float32"))
@@ -48,7 +49,7 @@ for spec in sys.argv[1:]:
     for _ in range(3):  # trace and warm up
         run()
     bubbles, actions = [], None
-    for _ in range(3):  # the median of three profiled steps
+    for _ in range(5):  # the median of five profiled steps
         tl = timeline.profile(run, K)
         bubbles.append(tl.bubble)
         actions = [sorted(a[0] for a in row) for row in tl.actions]
