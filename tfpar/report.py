@@ -101,14 +101,20 @@ def scaling_groups(runs):
 
 def plot_scaling(runs, path, plt):
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for name, points in scaling_groups(runs).items():
+    groups = scaling_groups(runs)
+    alone = [name for name, points in groups.items() if len(points) == 1]
+    for name, points in groups.items():
+        if len(points) == 1:  # one replica count: nothing to scale against
+            continue
         base_replicas, base = points[0]
         xs = [r for r, _ in points]
         speedup = [eps / base for _, eps in points]
-        style = "o-" if len(points) > 1 else "o"
-        left.plot(xs, speedup, style, label=name)
-        right.plot(xs, [s / (x / base_replicas) for x, s in zip(xs, speedup)], style,
+        left.plot(xs, speedup, "o-", label=name)
+        right.plot(xs, [s / (x / base_replicas) for x, s in zip(xs, speedup)], "o-",
                    label=name)
+    if alone:
+        fig.text(0.01, 0.01, "one replica count only, not drawn: " + ", ".join(alone),
+                 fontsize=7)
     left.set(xlabel="replicas", ylabel="speedup (examples/s)", title="Speedup")
     right.set(xlabel="replicas", ylabel="efficiency", title="Scaling efficiency", ylim=(0, 1.2))
     left.legend(fontsize=7)
