@@ -8,10 +8,17 @@ aggregator in turn; worker 0 reads the counter after warm-up steps and after N m
 traffic of a step of a tiny model (1.3 k parameters) through the same `fit`, less its own
 gradients, is the fixed per-step overhead (loss reduction, RPC framing, TCP acks,
 coordination): it is subtracted from every run before the ratios to fp32 (Keras's own
-all-reduce) are taken. Raw ratios, overhead included, are printed too (PowerSGD: ~0.0081).
+all-reduce) are taken. The limits are the design's goals (fp16 2×, int8 ≥ 3.9×, top-k 1 %
+≥ 40×, PowerSGD rank 4 ≥ 100× fewer bytes than fp32). The measured ratios, and the raw ones
+with the overhead left in, are shown in pytest's terminal summary (under `-q` too) and
+written to `runs/compression_wire.json`.
+
+Without user + network namespaces every test here skips, saying what is missing; under CI
+(`CI=true`) as root, where `unshare` must work, that is a failure instead.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,10 +26,11 @@ import textwrap
 
 import pytest
 
-from subproc import last_json_line, run
+from subproc import ROOT, last_json_line, run
 
 WIDTH, DEPTH, WARMUP, STEPS = 1024, 1, 2, 3
-LIMITS = {"fp16": 0.55, "int8": 0.30, "topk": 0.05, "powersgd": 0.01}
+LIMITS = {"fp16": 0.51, "int8": 0.26, "topk": 0.025, "powersgd": 0.01}
+RESULTS = os.path.join(ROOT, "runs", "compression_wire.json")
 
 WORKER = r"""
 import json, os
@@ -111,10 +119,12 @@ def _namespace_unavailable():
 
 
 @pytest.fixture(scope="module")
-def wire():
+def wire(report_measured):
     reason = _namespace_unavailable()
     if reason:
-        pytest.skip(reason)
+        if os.environ.get("CI") == "true" and os.geteuid() == 0:
+            pytest.fail(f"CI=true and root, yet the wire tests cannot run: {reason}")
+        pytest.skip(f"bytes on the wire not measured: {reason}")
     worker = textwrap.dedent(WORKER).format(width=WIDTH, depth=DEPTH, warmup=WARMUP,
                                             steps=STEPS)
     proc = run(["unshare", "--user", "--map-root-user", "--net", "--", sys.executable, "-c",
@@ -127,8 +137,18 @@ def wire():
     for name, r in result.items():
         r["raw_ratio"] = r["lo_bytes_per_step"] / fp32
         r["ratio"] = (r["lo_bytes_per_step"] - overhead) / (fp32 - overhead)
-    print(json.dumps({k: {"bytes": v["lo_bytes_per_step"], "ratio": round(v["ratio"], 5),
-                          "raw_ratio": round(v["raw_ratio"], 5)} for k, v in result.items()}))
+    table = {k: {"bytes_per_step": v["lo_bytes_per_step"], "ratio": round(v["ratio"], 5),
+                 "raw_ratio": round(v["raw_ratio"], 5), "limit": LIMITS.get(k)}
+             for k, v in result.items()}
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump({"width": WIDTH, "depth": DEPTH, "params": result["none"]["params"],
+                   "steps": STEPS, "ratios_vs_fp32": table}, f, indent=1)
+    report_measured(f"bytes on the wire vs fp32 (transformer, {result['none']['params']:,} "
+                    f"parameters, 2 workers; {os.path.relpath(RESULTS, ROOT)}):")
+    for k in sorted(LIMITS):
+        report_measured(f"  {k:<9} {table[k]['ratio']:.4f} (limit {LIMITS[k]}; raw "
+                        f"{table[k]['raw_ratio']:.4f})")
     return result
 
 

@@ -1,7 +1,23 @@
 """Run metrics: step times, per-step loss, throughput, memory, and the metrics JSON.
 
-The JSON shape is the one in DESIGN.md; benchmarks, reports and outside checks read it.
-Keys that do not apply to a run are omitted.
+The metrics JSON (`--metrics_json=PATH`) is one shape that benchmarks, `tfpar.report` and
+outside checks read; keys that do not apply to a run are omitted:
+
+    {"config": {...every ParallelConfig setting...}, "strategy": str, "replicas": int,
+     "workers": int, "steps": int, "final_loss": float, "loss_history": [float, ...],
+     "examples_per_sec": float, "step_time_ms": {"median": float, "p90": float},
+     "comm": {"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
+              "compression_ratio": float, "comm_time_fraction": float,
+              "overlap_fraction": float},
+     "pipeline": {"stages": int, "microbatches": int, "schedule": str,
+                  "bubble_measured": float, "bubble_theory": float,
+                  "peak_stashed_microbatches": int},
+     "memory": {"peak_rss_mb": float, "params_per_device": [int, ...]}}
+
+`comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
+(`tfpar.compression.timing`). Benchmarks may add keys of their own inside these blocks
+(e.g. `bench_pipeline`'s `bubble_profiled` and `timeline`); existing keys keep their
+meaning.
 """
 
 import json
@@ -86,7 +102,7 @@ def peak_rss_mb():
 
 def summarize(config, runtime, recorder, params_per_device, comm=None, pipeline=None,
               warmup_batches=2):
-    """The metrics dict of DESIGN.md for a finished run.
+    """The metrics dict (the shape in this module's docstring) for a finished run.
 
     Args:
         config: the run's `ParallelConfig`.

@@ -13,8 +13,8 @@ entries at the first step, decaying exponentially to 1 % at step 10); `topk_nowa
 same aggregator without it, run side by side to show what the warm-up buys and costs.
 
 Needs root (namespaces, tc) and iproute2. Prints a table; writes `--out` (JSON: the
-DESIGN.md metrics of every run plus per-step wall clock, and the comparison) and `--png`
-(smoothed loss against wall-clock and against steps).
+metrics of every run, in the `tfpar.metrics` shape, plus per-step wall clock, and the
+comparison) and `--png` (smoothed loss against wall-clock and against steps).
 
 Measured per run: bytes per step handed to the collectives (the aggregator's count) and
 carried by the veth (kernel counters, both directions, steps 3 to the last), steps/s
@@ -54,8 +54,8 @@ PORT = 23456
 # ---- one worker ----------------------------------------------------------------------
 def worker(config_json, out_path):
     """Runs inside a namespace: `train(config)` with a wall-clock recorder; the chief writes
-    the metrics (DESIGN.md shape) plus `wall_clock_s` (end of each step, from the start of
-    training) to `out_path`."""
+    the metrics (the `tfpar.metrics` shape) plus `wall_clock_s` (end of each step, from the
+    start of training) to `out_path`."""
     import keras
 
     from tfpar import ParallelConfig, data
@@ -156,7 +156,7 @@ def compare(runs, window):
 
 
 def goals(table):
-    """The DESIGN.md goals for slow links, each with the value reached and pass/fail."""
+    """The design's goals for slow links, each with the value reached and pass/fail."""
     out = {}
     for name, want in GOALS.items():
         if name in table:

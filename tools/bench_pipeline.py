@@ -7,23 +7,30 @@ the same model unpipelined on one device.
 
 Per configuration: step time (median, p90, fastest) of the pipelined step (one
 tf.function), the bubble measured two ways against the theory (K-1)/(V*M+K-1), the peak
-stashed micro-batches of the schedule, and the allocator's peak memory during a step.
+stashed micro-batches of the schedule (from the schedule simulator, not measured), and the
+allocator's peak memory during a step.
 
-Bubble, two ways (timers inside the step would serialise the pipeline):
-- `bubble_measured`: the same graph with all actions chained into one sequence
-  (`serialize=True`) takes the total busy time T_busy of all stages, so
+Bubble, two ways (timers inside the step would serialise the pipeline); the table's columns:
+- `serial bubble` (JSON `bubble_measured`): the same graph with all actions chained into one
+  sequence (`serialize=True`) takes the total busy time T_busy of all stages, so
   bubble = 1 - T_busy / (K * T_pipelined), from the fastest of alternating runs.
-- `bubble_profiled`: one step under the TensorFlow profiler; every op is mapped to its
-  stage and action by name scope (`tfpar.pipeline.timeline`).
+- `profiled` (JSON `bubble_profiled`): one step under the TensorFlow profiler; every op is
+  mapped to its stage and action by name scope (`tfpar.pipeline.timeline`). This is the
+  column the README's pipeline table quotes as "bubble measured".
 Ops run one thread each (intra-op 1) so that a stage occupies one core, as it would its
 own accelerator: the machine needs at least K free cores for the pipeline to overlap.
 
-Peak memory: on CPU all logical devices share one allocator, so the figure is the sum
-over the stages (per device on GPUs).
+Peak memory: TensorFlow's CPU allocator reports its peak only when
+TF_CPU_ALLOCATOR_USE_BFC=true is set before TensorFlow starts; this tool sets it (unless
+the environment already says otherwise) and prints "n/a" where the allocator still cannot
+say. On CPU all logical devices share one allocator, so the figure is the sum over the
+stages (per device on GPUs): it is not a per-stage stash measurement.
 
 Output: a table, and with --json a file {"benchmark": "pipeline", "runs": [...]} whose
-runs have the metrics-JSON shape of DESIGN.md (config, strategy, replicas, workers,
-steps, final_loss, examples_per_sec, step_time_ms, pipeline, memory). With --timeline=P
+runs have the metrics-JSON shape (`tfpar.metrics`: config, strategy, replicas, workers,
+steps, final_loss, examples_per_sec, step_time_ms, pipeline, memory); each pipeline block
+also holds its profiled `timeline` (`tfpar.pipeline.timeline.to_dict`, which
+`tfpar.report` draws) and `peak_stash_source: "simulated"`. With --timeline=P
 the measured timeline of one configuration (--timeline_run) goes to P.png (if matplotlib
 is installed), P.trace.json (Chrome trace: chrome://tracing or ui.perfetto.dev) and P.txt.
 """
@@ -36,6 +43,8 @@ import time
 
 from absl import app, flags
 
+# The CPU allocator tracks its peak only with BFC, chosen when TensorFlow starts.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
@@ -111,10 +120,19 @@ def main(argv):
                   "steps": FLAGS.steps}
 
     def peak_memory_mb(fn):
+        """The allocator's peak during `fn()` in MB, or None where it keeps no statistics
+        (CPU without TF_CPU_ALLOCATOR_USE_BFC=true)."""
         device = "CPU:0" if not tf.config.list_logical_devices("GPU") else "GPU:0"
-        tf.config.experimental.reset_memory_stats(device)
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except (ValueError, tf.errors.OpError):
+            fn()
+            return None
         fn()
         return tf.config.experimental.get_memory_info(device)["peak"] / 2**20
+
+    def mb(value, width):
+        return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.1f}"
 
     model = build()
     opt = keras.optimizers.SGD(1e-3)
@@ -178,6 +196,8 @@ def main(argv):
                         "bubble_profiled": tl.bubble,
                         "bubble_theory": theory_bubble(K, M, V),
                         "peak_stashed_microbatches": max(sim.peak_stash),
+                        "peak_stash_source": "simulated",
+                        "timeline": timeline_lib.to_dict(tl),
                         "serialized_step_time_ms": busy,
                         "speedup_vs_unpipelined": base["min"] / t["min"]},
                     "memory": {"peak_rss_mb": peak_rss_mb(),
@@ -187,16 +207,22 @@ def main(argv):
 
     print(f"{FLAGS.layers} x Dense({FLAGS.width}), batch {FLAGS.batch}, "
           f"{FLAGS.steps} timed steps; unpipelined step {base['min']:.1f} ms "
-          f"(median {base['median']:.1f}), peak {runs[0]['memory']['peak_tensor_mb']:.1f} MB")
+          f"(median {base['median']:.1f}), peak {mb(runs[0]['memory']['peak_tensor_mb'], 0)} MB")
     print(f"{'K':>2} {'schedule':<12}{'M':>3}{'step ms':>9}{'serial':>8}{'vs 1 dev':>9}"
-          f"{'bubble':>8}{'profiled':>9}{'theory':>8}{'stash':>6}{'peak MB':>9}")
+          f"{'serial bubble':>14}{'profiled':>9}{'theory':>8}{'stash(sim)':>11}{'peak MB':>9}")
     for r in runs[1:]:
         p = r["pipeline"]
         print(f"{p['stages']:>2} {p['schedule']:<12}{p['microbatches']:>3}"
               f"{r['step_time_ms']['min']:>9.1f}{p['serialized_step_time_ms']['min']:>8.1f}"
-              f"{p['speedup_vs_unpipelined']:>8.2f}x{p['bubble_measured']:>8.3f}"
+              f"{p['speedup_vs_unpipelined']:>8.2f}x{p['bubble_measured']:>14.3f}"
               f"{p['bubble_profiled']:>9.3f}{p['bubble_theory']:>8.3f}"
-              f"{p['peak_stashed_microbatches']:>6}{r['memory']['peak_tensor_mb']:>9.1f}")
+              f"{p['peak_stashed_microbatches']:>11}{mb(r['memory']['peak_tensor_mb'], 9)}")
+    print("serial bubble: 1 - (all actions chained into one sequence) / (K x pipelined step), "
+          "fastest runs (JSON bubble_measured)\nprofiled: one step under the TensorFlow "
+          "profiler, ops mapped to stages (JSON bubble_profiled; the README's \"bubble "
+          "measured\")\ntheory: (K-1)/(V*M+K-1); stash(sim): peak stashed micro-batches "
+          "from the schedule simulator, not measured; peak MB: allocator peak summed over "
+          "the logical CPUs")
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump({"benchmark": "pipeline", "cpu_count": os.cpu_count(), "runs": runs},

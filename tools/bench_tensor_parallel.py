@@ -11,7 +11,7 @@ state (Adam's two slots), in MB; the process's peak RSS (on CPU all logical devi
 one process, so it is a sum over devices).
 
 Output: a table, and with --json a file {"benchmark": "tensor_parallel", "runs": [...]}
-whose runs have the metrics-JSON shape of DESIGN.md (config, strategy, replicas, steps,
+whose runs have the metrics-JSON shape of `tfpar.metrics` (config, strategy, replicas, steps,
 final_loss, examples_per_sec, step_time_ms, memory) plus `mesh` and `state_mb_per_device`.
 """
 

@@ -7,7 +7,8 @@ counter — as `tf.Variable`s created under the strategy scope, so a `tf.train.C
 of the optimizer (which tracks `optimizer.tfpar_aggregator`) saves them. Residuals differ
 per replica: they are checkpointed through `PerReplicaSlot`, which saves every replica's
 own value (gathered from all workers) and gives each its own back on restore, so a resumed
-run continues bit for bit.
+run continues as the uninterrupted one would (tests/test_compression_resume.py: weights
+within 1e-6 of the uninterrupted run, batch losses within rtol 1e-5).
 
 Subclasses implement `_exchange_bucket` (one fused fp32 buffer) or `_exchange` (the whole
 list); the base class does bucketing, error feedback and the byte count.

@@ -48,6 +48,20 @@ class MeasuredTimeline:
         return [sum(e - b for b, e in row) / self.makespan_us for row in self.busy]
 
 
+def to_dict(timeline):
+    """The timeline as JSON-ready data (what a metrics JSON's `pipeline.timeline` holds)."""
+    return {"actions": [[list(a) for a in row] for row in timeline.actions],
+            "busy": [[list(b) for b in row] for row in timeline.busy],
+            "makespan_us": timeline.makespan_us, "bubble": timeline.bubble}
+
+
+def from_dict(data):
+    """The inverse of `to_dict`."""
+    return MeasuredTimeline([[tuple(a) for a in row] for row in data["actions"]],
+                            [[tuple(b) for b in row] for row in data["busy"]],
+                            float(data["makespan_us"]))
+
+
 def _merge(intervals):
     merged = []
     for b, e in sorted(intervals):
