@@ -176,7 +176,7 @@ def main(argv):
                         "stages": K, "microbatches": M, "schedule": name, "virtual_stages": V,
                         "bubble_measured": max(0.0, 1 - busy["min"] / (K * t["min"])),
                         "bubble_profiled": tl.bubble,
-                        "bubble_theory": theory_bubble(K, M, V),
+                        "bubble_theory": theory_bubble(K, M, V, name),
                         "peak_stashed_microbatches": max(sim.peak_stash),
                         "serialized_step_time_ms": busy,
                         "speedup_vs_unpipelined": base["min"] / t["min"]},
