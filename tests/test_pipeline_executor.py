@@ -62,7 +62,7 @@ def error(fn):
 NUMERICS = """
 out = {}
 for opt in ("sgd", "adam"):
-    for schedule in ("gpipe", "1f1b", "interleaved"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb_h1"):
         out[f"{opt}/{schedule}"] = max_diff(mlp, opt, schedule)
 """
 
@@ -77,6 +77,10 @@ def k2():
     return _run(2, NUMERICS + """
 out["residual/adam/1f1b"] = max_diff(residual, "adam", "1f1b")
 out["recompute/adam/1f1b"] = max_diff(mlp, "adam", "1f1b", recompute=True)
+# Zero-bubble on a stage that is not a chain of layers: W repeats the stage's backward.
+out["residual/adam/zb_h1"] = max_diff(residual, "adam", "zb_h1")
+out["zb_recompute_error"] = error(lambda: PipelineModel.split(
+    mlp(), 2, "zb_h1", 4, recompute=True).compile(optimizer="sgd", loss="mse"))
 
 # Partition: devices, balance, what cannot be cut.
 parts = partition(mlp(3), 2, devices=["/device:CPU:0", "/device:CPU:1"])
@@ -158,7 +162,7 @@ def k4():
 
 
 @pytest.mark.parametrize("opt,tol", [("sgd", 1e-6), ("adam", 1e-5)])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1"])
 @pytest.mark.parametrize("K", [2, 4])
 def test_weights_after_3_steps_equal_single_device(k2, k4, K, schedule, opt, tol):
     assert {2: k2, 4: k4}[K][f"{opt}/{schedule}"] < tol
@@ -167,6 +171,8 @@ def test_weights_after_3_steps_equal_single_device(k2, k4, K, schedule, opt, tol
 def test_residual_model_and_recompute_match_single_device(k2):
     assert k2["residual/adam/1f1b"] < 1e-5
     assert k2["recompute/adam/1f1b"] < 1e-5
+    assert k2["residual/adam/zb_h1"] < 1e-5
+    assert k2["zb_recompute_error"].startswith("ConfigError: recompute=True is invalid")
 
 
 def test_partition_places_and_balances_stages(k2):

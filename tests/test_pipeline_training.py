@@ -59,7 +59,8 @@ def _max_diff(a, b):
 
 
 @pytest.mark.parametrize("model,schedule,V", [("mlp", "1f1b", 1),
-                                              ("transformer", "interleaved", 2)])
+                                              ("transformer", "interleaved", 2),
+                                              ("mlp", "zb_h1", 1)])
 def test_pipeline_times_two_replicas_equals_single_device(model, schedule, V):
     with ThreadPoolExecutor(2) as pool:  # two children at once
         ref = pool.submit(_train, model=model, strategy="one_device", **SGD)
@@ -75,6 +76,15 @@ def test_pipeline_times_two_replicas_equals_single_device(model, schedule, V):
     assert _max_diff(pp, ref) < 1e-6
     assert np.allclose(pp["loss"], ref["loss"], rtol=1e-5)
     assert pp["pipeline"]["stages"] == 2 and pp["pipeline"]["schedule"] == schedule
+    # Every run measures its bubble on a sampled step (the profiler, first replica's ops):
+    # each stage ran every action of the schedule, and it was idle part of the time. (A
+    # zero-bubble W's ops carry its forward's name, so they show under B.)
+    block = pp["pipeline"]
+    assert 0 < block["bubble_measured"] < 1
+    want = sorted(f"{k}{m}" + (f".{c}" if c else "") for k in "FB" for m in range(4)
+                  for c in range(V))
+    assert [sorted(a[0] for a in row) for row in block["timeline_measured"]["actions"]] \
+        == [want, want]
 
 
 def test_aggregator_composes_with_pipeline_and_replicas():

@@ -17,7 +17,7 @@ STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker")
 COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 

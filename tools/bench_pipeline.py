@@ -194,7 +194,7 @@ def main(argv):
                         "stages": K, "microbatches": M, "schedule": name, "virtual_stages": V,
                         "bubble_measured": max(0.0, 1 - busy["min"] / (K * t["min"])),
                         "bubble_profiled": tl.bubble,
-                        "bubble_theory": theory_bubble(K, M, V),
+                        "bubble_theory": theory_bubble(K, M, V, name),
                         "peak_stashed_microbatches": max(sim.peak_stash),
                         "peak_stash_source": "simulated",
                         "timeline": timeline_lib.to_dict(tl),

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfpar.devices import check_device_count, compute_devices
 from tfpar.errors import ConfigError
 from tfpar.pipeline.placement import current_device, variables_on
-from tfpar.pipeline.schedule import chunks_of, simulate
+from tfpar.pipeline.schedule import chunks_of, has_weight_passes, simulate
 
 
 class PipelineExecutor:
@@ -41,6 +41,7 @@ class PipelineExecutor:
             the all-reduced sum of gradients is their mean).
         recompute: keep only each stage's input and recompute its forward in the backward
             (`tf.recompute_grad`): less activation memory, one more forward per stage.
+            Not with a zero-bubble schedule (its W pass needs the kept activations).
         serialize: chain all actions of all stages into one sequence (no overlap). For
             benchmarks: its step time is the pipeline's total busy time.
     Raises:
@@ -58,8 +59,15 @@ class PipelineExecutor:
         self.stages, self.devices, self.schedule = list(stages), list(devices), schedule
         self.loss_fn, self.serialize = loss_fn, serialize
         self.optimizers = None
+        self.split = has_weight_passes(schedule)
+        if self.split and recompute:
+            raise ConfigError("recompute", recompute, "a zero-bubble schedule keeps the "
+                              "activations its weight passes need; use 1f1b to recompute")
         self._calls = [tf.recompute_grad(_training_call(s)) if recompute else _training_call(s)
                        for s in self.stages]
+        # Zero-bubble: each stage runs layer by layer, so that B can stop at the input
+        # gradients and W compute each layer's weight gradients from its output gradient.
+        self._units = [_chain_units(s) for s in self.stages] if self.split else None
         # Trace actions in simulated start order: every tensor an action needs was made by
         # an action traced before it. The graph's order comes from the control deps.
         sim = simulate(schedule, self.K, self.M, self.V)
@@ -114,10 +122,11 @@ class PipelineExecutor:
         with tf.device(devices[0]), tf.control_dependencies([ok]):
             xs = tf.split(x, M)
         with tf.device(devices[last % K]), tf.control_dependencies([ok]):
-            ys = tf.split(y, M)
+            labels = tf.split(y, M)
             ws = [None] * M if sample_weight is None else tf.split(sample_weight, M)
         inputs = {(0, m): xs[m] for m in range(M)}   # (virtual stage, mb) -> its input
         tapes, in_grads = {}, {}                       # stashed forwards; grads to pass down
+        w_inputs = {}                                  # zero-bubble: output grads for W
         losses, preds = [None] * M, [None] * M
         acc = [None] * (K * V)                         # summed grads per virtual stage
         done = [None] * K                              # last action's op, per stage
@@ -129,20 +138,45 @@ class PipelineExecutor:
             with tf.device(devices[s]), tf.control_dependencies(after), \
                     tf.name_scope(f"s{s}_{a.kind}{m}_c{a.chunk}"):
                 if a.kind == "F":
-                    with tf.GradientTape() as tape:
+                    with tf.GradientTape(persistent=self.split) as tape:
                         h = tf.identity(inputs.pop((v, m)))  # the copy onto this device
-                        if v > 0:
+                        if v > 0 or self.split:
                             tape.watch(h)
-                        out = self._calls[v](h)
+                        if self.split:
+                            ys = [h]  # each unit's output, from the stage input on
+                            for unit in self._units[v]:
+                                ys.append(unit(ys[-1], training=True))
+                            out = ys[-1]
+                        else:
+                            out = self._calls[v](h)
                         if v == last:
                             preds[m] = out
                             # Mean of per-micro-batch means / M = mean over the full batch.
-                            args = (ys[m], out) + (() if ws[m] is None else (ws[m],))
+                            args = (labels[m], out) + (() if ws[m] is None else (ws[m],))
                             out = losses[m] = tf.reduce_mean(self.loss_fn(*args)) / M
-                    tapes[(v, m)] = (tape, h, out)
+                    tapes[(v, m)] = (tape, h, out) if not self.split else (tape, ys, out)
                     if v < last:
                         inputs[(v + 1, m)] = out
                     marks = [out]
+                elif a.kind == "B" and self.split:
+                    tape, ys, out = tapes[(v, m)]
+                    upstream = None if v == last else in_grads.pop((v + 1, m))
+                    # Output gradient of each unit, last first; only input gradients here.
+                    g = tape.gradient(out, ys[-1], output_gradients=upstream)
+                    out_grads = [g]
+                    for i in range(len(ys) - 1, 1 if v == 0 else 0, -1):
+                        g = tape.gradient(ys[i], ys[i - 1], output_gradients=g)
+                        out_grads.append(g)
+                    out_grads.reverse()  # out_grads[i]: gradient of units[i]'s output
+                    w_inputs[(v, m)] = out_grads[-len(self._units[v]):]
+                    if v > 0:
+                        in_grads[(v, m)] = out_grads[0]
+                    marks = [out_grads[0]]
+                elif a.kind == "W":
+                    tape, ys, _ = tapes.pop((v, m))
+                    grads = self._weight_grads(v, tape, ys, w_inputs.pop((v, m)))
+                    acc[v] = grads if acc[v] is None else list(map(_add, acc[v], grads))
+                    marks = [_dense_part(g) for g in acc[v]]
                 else:
                     tape, h, out = tapes.pop((v, m))
                     variables = self.stages[v].trainable_variables
@@ -161,6 +195,19 @@ class PipelineExecutor:
             y_pred = tf.concat(preds, axis=0)
         grads = [[g for c in range(V) for g in acc[c * K + s]] for s in range(K)]
         return loss, y_pred, grads
+
+    def _weight_grads(self, v, tape, ys, out_grads):
+        """W pass: each unit's weight gradients from its output gradient, in the order of
+        `stages[v].trainable_variables` (zeros for a variable no unit uses)."""
+        by_id = {}
+        for unit, x_out, g in zip(self._units[v], ys[1:], out_grads):
+            variables = unit.trainable_variables
+            if variables:
+                for var, grad in zip(variables, tape.gradient(
+                        x_out, variables, output_gradients=g, unconnected_gradients="zero")):
+                    by_id[id(var)] = grad
+        return [by_id[id(var)] if id(var) in by_id else tf.zeros_like(var)
+                for var in self.stages[v].trainable_variables]
 
     def apply(self, grads):
         """One optimizer step per stage, on the stage's device."""
@@ -199,6 +246,24 @@ def _dense_part(g):
 
 def _training_call(stage):
     return lambda h: stage(h, training=True)
+
+
+def _chain_units(stage):
+    """The stage's layers in order when it is a chain (each layer takes the previous one's
+    single output), else the whole stage as one unit: its W pass then repeats the input
+    gradients through the stage, which is exact but slower."""
+    from tfpar.pipeline.partition import _graph
+    try:
+        _, nodes = _graph(stage)
+    except Exception:  # not a functional graph: one unit
+        return [stage]
+    previous = stage.inputs[0]
+    for node in nodes:
+        if len(node.input_tensors) != 1 or node.input_tensors[0] is not previous \
+                or len(node.outputs) != 1:
+            return [stage]
+        previous = node.outputs[0]
+    return [node.operation for node in nodes]
 
 
 def default_devices(num_stages):

@@ -21,6 +21,7 @@ from tfpar.pipeline import schedule as schedule_lib
 from tfpar.pipeline.executor import PipelineExecutor, default_devices
 from tfpar.pipeline.partition import partition
 from tfpar.pipeline.placement import current_device, variables_on
+from tfpar.pipeline.probe import BubbleProbe, timeline_block
 
 
 @keras.saving.register_keras_serializable(package="tfpar")
@@ -30,17 +31,20 @@ class PipelineModel(keras.Model):
     Args:
         stages: K*V built keras models; virtual stage v = c*K + s runs on device s. Their
             variables should already live on their stage's device (see `split`).
-        schedule: 'gpipe', '1f1b' or 'interleaved'.
+        schedule: 'gpipe', '1f1b', 'interleaved' or 'zb_h1' (zero bubble).
         microbatches: M, micro-batches per training batch; must divide the batch size.
         virtual_stages: V, model chunks per stage (interleaved only; 1 otherwise).
         devices: K placements: device names, or per stage one device per replica of
             the current strategy (`tfpar.pipeline.placement`); default the first K local
             devices.
         recompute: recompute each stage's forward during its backward.
+        measure_bubble: profile one step of the first `fit` (`tfpar.pipeline.probe`) and
+            report its idle fraction as `bubble_measured`.
     Attributes:
         stages: the stage models; `stage_optimizers`: after `compile`, one optimizer per
             stage holding its slots on the stage's device(s). Both are checkpointed with
-            the model (`tf.train.Checkpoint(model=...)`).
+            the model (`tf.train.Checkpoint(model=...)`). After a `fit` of 3 steps or
+            more: `bubble_measured` and `measured_timeline` (None before).
     Raises:
         ConfigError: sizes that do not fit together (stages vs K*V, M vs schedule,
             too few devices).
@@ -58,7 +62,7 @@ class PipelineModel(keras.Model):
     """
 
     def __init__(self, stages, schedule="1f1b", microbatches=1, virtual_stages=1,
-                 devices=None, recompute=False, **kwargs):
+                 devices=None, recompute=False, measure_bubble=True, **kwargs):
         super().__init__(**kwargs)
         V = virtual_stages if schedule == "interleaved" else 1
         if len(stages) % V:
@@ -71,7 +75,9 @@ class PipelineModel(keras.Model):
             setattr(self, f"stage_{v}", stage)
         self.stage_optimizers = None
         self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, V
-        self.recompute = recompute
+        self.recompute, self.measure_bubble = recompute, measure_bubble
+        self.bubble_measured = self.measured_timeline = None
+        self._probe = None
         self._devices_arg = _placements(devices) if devices else None
         self.devices = self._devices_arg or default_devices(K)
         self._schedule = schedule_lib.make_schedule(schedule, K, microbatches, V)
@@ -141,6 +147,10 @@ class PipelineModel(keras.Model):
                         f"must divide every batch, but batch_size={size} over {n} examples "
                         f"gives a batch of {b}; pick sizes that are multiples of "
                         f"{self.microbatches}")
+        if self.measure_bubble and self.bubble_measured is None:
+            if self._probe is None:  # one probe over all fit calls: it counts their steps
+                self._probe = BubbleProbe(len(self.devices))
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._probe]
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def call(self, x, training=False):
@@ -160,10 +170,16 @@ class PipelineModel(keras.Model):
     def pipeline_metrics(self, bubble_measured=None):
         """The `pipeline` block of the metrics JSON: stages, micro-batches, schedule,
         the theoretical bubble and the peak stashed micro-batches of the schedule's
-        simulation; `bubble_measured` only if the caller measured it."""
+        simulation; `bubble_measured` (the caller's, else the sampled step's) and
+        `timeline_measured` when a step was measured."""
         K = len(self.devices)
-        return schedule_lib.pipeline_metrics(self.schedule_name, K, self.microbatches,
-                                             self.virtual_stages, bubble_measured)
+        if bubble_measured is None:
+            bubble_measured = self.bubble_measured
+        block = schedule_lib.pipeline_metrics(self.schedule_name, K, self.microbatches,
+                                              self.virtual_stages, bubble_measured)
+        if self.measured_timeline is not None:
+            block["timeline_measured"] = timeline_block(self.measured_timeline)
+        return block
 
     def params_per_stage(self):
         """Parameter count each stage's device holds (all its chunks)."""
@@ -177,7 +193,7 @@ class PipelineModel(keras.Model):
             stages=[keras.saving.serialize_keras_object(s) for s in self.stages],
             schedule=self.schedule_name, microbatches=self.microbatches,
             virtual_stages=self.virtual_stages, devices=self._devices_arg,
-            recompute=self.recompute)
+            recompute=self.recompute, measure_bubble=self.measure_bubble)
         return config
 
     @classmethod

@@ -2,7 +2,7 @@
 
 Timers inside the step would serialise the pipeline (see `executor`), so the step runs
 under the TensorFlow profiler instead and every op event is mapped back to its action by
-the name scope the executor gives it (`s<stage>_<F|B><microbatch>_c<chunk>/...`; backward
+the name scope the executor gives it (`s<stage>_<F|B|W><microbatch>_c<chunk>/...`; backward
 ops carry their forward's scope under `gradient_tape/`). Each action becomes the span from
 its first op's start to its last op's end; a stage is busy while any of its ops runs.
 
@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 
-_ACTION_RE = re.compile(r"(gradient_tape/)?s(\d+)_([FB])(\d+)_c(\d+)/")
+_ACTION_RE = re.compile(r"(gradient_tape/)?s(\d+)_([FBW])(\d+)_c(\d+)/")
 
 
 @dataclasses.dataclass
@@ -84,10 +84,15 @@ def from_events(events, num_stages):
         s, kind = int(s), "B" if grad else kind
         if s >= num_stages:
             continue
+        ops[s].append((start, end))
+        if kind == "W":
+            # TensorFlow names every gradient op after its forward (`gradient_tape/<F's
+            # scope>`), so a zero-bubble W's own work shows under its micro-batch's B; only
+            # its accumulation runs in the W scope. It counts as busy time, not as a span.
+            continue
         key = (s, kind, int(m), int(c))
         b, e = spans.get(key, (start, end))
         spans[key] = (min(b, start), max(e, end))
-        ops[s].append((start, end))
     if not spans:
         return MeasuredTimeline([[] for _ in range(num_stages)],
                                 [[] for _ in range(num_stages)], 0.0)
@@ -146,8 +151,8 @@ def profile(fn, num_stages, logdir=None):
 
 def draw(timeline, columns=100):
     """The measured timeline as text: one row per stage, `columns` characters wide; each
-    action is drawn over its span (forwards `F<mb>`, backwards `B<mb>` then `=`), idle as
-    dots."""
+    action is drawn over its span (forwards `F<mb>`, backwards `B<mb>` and weight passes
+    `W<mb>` then `=`), idle as dots."""
     scale = columns / timeline.makespan_us if timeline.makespan_us else 0
     rows = []
     for s, row in enumerate(timeline.actions):
@@ -155,7 +160,7 @@ def draw(timeline, columns=100):
         for label, b, e in row:
             lo = min(int(b * scale), columns - 1)
             hi = min(max(lo + 1, int(e * scale)), columns)
-            cells[lo:hi] = (label + ("=" if label[0] == "B" else " ") * columns)[:hi - lo]
+            cells[lo:hi] = (label + ("=" if label[0] != "F" else " ") * columns)[:hi - lo]
         rows.append(f"stage {s}: {''.join(cells)}")
     rows.append(f"makespan {timeline.makespan_us / 1e3:.2f} ms, busy "
                 + ", ".join(f"{f:.2f}" for f in timeline.busy_fraction())
@@ -194,7 +199,8 @@ def plot(timeline, path, title="pipeline"):
     for s, row in enumerate(timeline.actions):
         for label, b, e in row:
             ax.barh(K - 1 - s, (e - b) / 1e3, left=b / 1e3, height=0.8,
-                    color="tab:blue" if label[0] == "F" else "tab:orange", edgecolor="white")
+                    color={"F": "tab:blue", "B": "tab:orange"}.get(label[0], "tab:green"),
+                    edgecolor="white")
             ax.text((b + e) / 2e3, K - 1 - s, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(K), [f"stage {s}" for s in reversed(range(K))])
     ax.set_xlabel("ms")

@@ -1,0 +1,221 @@
+"""tfpar's pipeline against torch.distributed.pipelining on the peer's model, in one sitting.
+
+    python tools/bench_pipeline_peer.py --torch_python=$HOME/.venvs/torch-peer/bin/python \\
+        --microbatches=4,8,16 --rounds=2 --json=runs/pipeline_peer.json
+
+The model is the peer's (`../shared/peers/torch_pipeline.py`): 8 x Dense(1024, relu) and a
+Dense(16) head, sparse cross-entropy on a fixed random teacher's labels, SGD momentum 0.9
+(lr 0.05), global batch 2048, K=2 stages on 2 logical CPUs. tfpar runs every schedule in one
+process with one intra-op thread per op, so that each stage occupies one core as the peer's
+two single-threaded ranks do. The references are the same model unpipelined on the full
+batch: tfpar in a child process with TensorFlow's own thread pools, the peer with 1 and 2
+threads.
+
+Rounds alternate: all tfpar configurations, then the peer's whole run (`--peer_schedules`),
+so that a change in the machine's speed falls on both. Per configuration the table gives
+the median over rounds of each round's median step (tfpar: `--steps` timed steps after two
+untimed; the peer: its own median, max over ranks), and per M the best schedule of each
+side and their ratio (tfpar / torch: below 1 means tfpar is faster).
+
+Output: the table, and with --json {"benchmark": "pipeline_peer", "runs": [...], "rounds":
+[...]}, each tfpar run in the metrics-JSON shape (config, strategy, replicas, workers,
+steps, final_loss, examples_per_sec, step_time_ms, pipeline).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("microbatches", ["4", "8", "16"], "micro-batch counts M")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb_h1"], "tfpar schedules")
+flags.DEFINE_list("peer_schedules", ["GPipe", "1F1B", "Interleaved1F1B",
+                                     "InterleavedZeroBubble", "ZBVZeroBubble"],
+                  "torch.distributed.pipelining schedules (the peer's names)")
+flags.DEFINE_integer("steps", 6, "timed steps per configuration and round")
+flags.DEFINE_integer("rounds", 2, "rounds of (tfpar, peer)")
+flags.DEFINE_string("torch_python", os.path.expanduser("~/.venvs/torch-peer/bin/python"),
+                    "the peer's python (its own virtual environment); '' = tfpar only")
+flags.DEFINE_string("peer_script", os.path.join(ROOT, "..", "shared", "peers",
+                                                "torch_pipeline.py"), "the peer benchmark")
+flags.DEFINE_string("json", "", "write the results here")
+flags.DEFINE_bool("child_reference", False, "internal: run the unpipelined tfpar step")
+
+WIDTH, BLOCKS, CLASSES, BATCH, K = 1024, 8, 16, 2048, 2
+
+
+def _model(keras):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((WIDTH,))]
+        + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(BLOCKS)]
+        + [keras.layers.Dense(CLASSES)], name="peer_mlp")
+
+
+def _batch(np):
+    rng = np.random.default_rng(1234)
+    x = rng.normal(size=(BATCH, WIDTH)).astype("float32")
+    w1 = rng.normal(size=(WIDTH, 256)) / WIDTH ** 0.5
+    w2 = rng.normal(size=(256, CLASSES)) / 256 ** 0.5
+    y = np.argmax(np.maximum(x @ w1, 0) @ w2, axis=1).astype("int32")
+    return x, y
+
+
+def _times(fn, steps):
+    fn()
+    fn()  # trace, warm up
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _reference_child():
+    """The unpipelined step with TensorFlow's default thread pools; prints its times."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    x, y = (tf.constant(a) for a in _batch(np))
+    model = _model(keras)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt.build(model.trainable_variables)
+
+    @tf.function(jit_compile=False)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    print(json.dumps(_times(lambda: step().numpy(), FLAGS.steps)), flush=True)
+
+
+def _build_tfpar(Ms):
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(K)
+    from tfpar.devices import split_cpu
+    split_cpu(K)
+    import keras
+    import numpy as np
+    from tfpar.pipeline.executor import PipelineExecutor, default_devices
+    from tfpar.pipeline.partition import partition
+    from tfpar.pipeline.schedule import make_schedule
+    x, y = (tf.constant(a) for a in _batch(np))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    devices = default_devices(K)
+    configs, meta = {}, {}
+    for name in FLAGS.schedules:
+        V = 2 if name == "interleaved" else 1
+        for M in Ms:
+            if name == "interleaved" and M % K:
+                continue
+            stages = partition(_model(keras), K * V,
+                               devices=[devices[v % K] for v in range(K * V)])
+            ex = PipelineExecutor(stages, devices, make_schedule(name, K, M, V), loss_fn)
+            ex.build_optimizers(keras.optimizers.SGD(0.05, momentum=0.9))
+            step = tf.function(ex.train_step, jit_compile=False)
+            key = f"{name}:{M}"
+            configs[key] = lambda step=step: step(x, y)[0].numpy()
+            meta[key] = (name, M, V)
+    return configs, meta
+
+
+def _peer_round(Ms):
+    """One run of the peer over its schedules; returns {name: seconds} (median step)."""
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="peer_")
+    os.close(fd)
+    cmd = [FLAGS.torch_python, FLAGS.peer_script, "--steps", str(FLAGS.steps), "--json", path,
+           "--schedules", *FLAGS.peer_schedules, "--microbatches", *map(str, Ms)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"the peer failed ({out.returncode}): {out.stderr[-2000:]}")
+    with open(path) as f:
+        data = json.load(f)
+    os.unlink(path)
+    result = {f"{r['schedule']}:{r['M']}": r["step_median"] for r in data["rows"] if r["ok"]}
+    result["unpipelined:1thread"] = data["unpipelined_1thread"]
+    result["unpipelined:2threads"] = data["unpipelined_2threads"]
+    return result
+
+
+def main(argv):
+    del argv
+    if FLAGS.child_reference:
+        return _reference_child()
+    Ms = sorted(set(map(int, FLAGS.microbatches)))
+    peer = bool(FLAGS.torch_python)
+    if peer and not os.path.exists(FLAGS.torch_python):
+        raise app.UsageError(f"--torch_python={FLAGS.torch_python} does not exist; install the "
+                             "peer as ../shared/peers/README.md says, or pass --torch_python=''")
+    reference = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child_reference",
+         f"--steps={FLAGS.steps}"], capture_output=True, text=True, timeout=900)
+    ref_tfpar = statistics.median(json.loads(reference.stdout.strip().splitlines()[-1]))
+    configs, meta = _build_tfpar(Ms)
+    rounds = []
+    for r in range(FLAGS.rounds):
+        load = os.getloadavg()[0]
+        ours = {k: statistics.median(_times(fn, FLAGS.steps)) for k, fn in configs.items()}
+        theirs = _peer_round(Ms) if peer else {}
+        rounds.append({"round": r, "load_1min": load, "tfpar": ours, "torch": theirs})
+        print(f"round {r}: load {load:.2f}; tfpar {len(ours)} and torch {len(theirs)} "
+              "configurations timed", file=sys.stderr, flush=True)
+
+    def median_over(side, key):
+        values = [rd[side][key] for rd in rounds if key in rd[side]]
+        return statistics.median(values) if values else None
+
+    print(f"8 x Dense(1024) + head, batch {BATCH}, K={K}, {FLAGS.steps} steps x "
+          f"{FLAGS.rounds} rounds; load (1 min) {[round(r['load_1min'], 2) for r in rounds]}")
+    print(f"unpipelined: tfpar (TF's threads) {ref_tfpar:.3f} s"
+          + (f"; torch 1 thread {median_over('torch', 'unpipelined:1thread'):.3f} s, "
+             f"2 threads {median_over('torch', 'unpipelined:2threads'):.3f} s" if peer else ""))
+    print(f"{'M':>3}  {'tfpar schedule':<14}{'s/step':>8}   {'torch schedule':<22}{'s/step':>8}"
+          f"{'tfpar/torch':>12}")
+    runs, summary = [], []
+    for M in Ms:
+        ours = {meta[k][0]: median_over("tfpar", k) for k in configs if meta[k][1] == M}
+        theirs = {s: median_over("torch", f"{s}:{M}") for s in FLAGS.peer_schedules}
+        theirs = {s: t for s, t in theirs.items() if t is not None}
+        for name, t in sorted(ours.items(), key=lambda kv: kv[1]):
+            runs.append({"config": {"schedule": name, "stages": K, "microbatches": M,
+                                    "model": "peer_mlp", "global_batch_size": BATCH},
+                         "strategy": "pipeline", "replicas": 1, "workers": 1,
+                         "steps": FLAGS.steps, "examples_per_sec": BATCH / t,
+                         "step_time_ms": {"median": 1e3 * t},
+                         "pipeline": {"stages": K, "microbatches": M, "schedule": name}})
+        best = min(ours, key=ours.get)
+        peer_best = min(theirs, key=theirs.get) if theirs else None
+        ratio = ours[best] / theirs[peer_best] if peer_best else None
+        summary.append({"microbatches": M, "tfpar_best": best, "tfpar_s": ours[best],
+                        "torch_best": peer_best,
+                        "torch_s": theirs.get(peer_best), "ratio": ratio})
+        print(f"{M:>3}  {best:<14}{ours[best]:>8.3f}   {peer_best or '-':<22}"
+              f"{theirs.get(peer_best, float('nan')):>8.3f}"
+              f"{ratio if ratio is not None else float('nan'):>12.2f}")
+        for name in sorted(ours, key=ours.get)[1:]:
+            print(f"{'':>3}  {name:<14}{ours[name]:>8.3f}")
+        for name in sorted(theirs, key=theirs.get)[1:]:
+            print(f"{'':>3}  {'':<14}{'':>8}   {name:<22}{theirs[name]:>8.3f}")
+    if FLAGS.json:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+        with open(FLAGS.json, "w") as f:
+            json.dump({"benchmark": "pipeline_peer", "unpipelined_tfpar_s": ref_tfpar,
+                       "summary": summary, "runs": runs, "rounds": rounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
