@@ -47,13 +47,10 @@ class Request:
     def from_config(cls, config, **changes):
         """A request from a `tfpar.ParallelConfig` (its model, batch, optimizer, schedule,
         precision and pinned degrees)."""
-        return cls(model=config.model, model_width=config.model_width,
-                   model_depth=config.model_depth, global_batch_size=config.global_batch_size,
-                   optimizer=config.optimizer, schedule=config.schedule,
-                   mixed_precision=config.mixed_precision, data_parallel=config.data_parallel,
-                   tensor_parallel=config.tensor_parallel,
-                   pipeline_stages=config.pipeline_stages, compression=config.compression,
-                   **changes)
+        fields = ("model", "model_width", "model_depth", "global_batch_size", "optimizer",
+                  "schedule", "mixed_precision", "data_parallel", "tensor_parallel",
+                  "pipeline_stages", "compression")
+        return cls(**{**{f: getattr(config, f) for f in fields}, **changes})
 
 
 def hardware_from(devices, memory_gb, tflops, intra_gbps, inter_gbps, devices_per_machine=0,
@@ -214,7 +211,10 @@ def plan(prof, hw, request):
         if not _pinned(c, request):
             continue
         rows.append(_row(prof, hw, c, request))
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["step_seconds"])
+    # Ties go to what runs today, then to fewer moving parts.
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (
+        round(r["step_seconds"], 12), r["runnable"] is not None, r["recompute"], r["zero"],
+        r["microbatches"], r["virtual"]))
     if not fitting:
         least = min(rows, key=lambda r: r["memory_bytes"]) if rows else None
         need = (f"the smallest ({label(least)}) needs {least['memory_bytes'] / 1e9:.2f} GB "
@@ -336,6 +336,8 @@ def _versus(name, options, best, hw):
                 f"{hw.memory_bytes / 1e9:.1f} GB ({label(least)})")
     r = min(fitting, key=lambda r: r["step_seconds"])
     slower = r["step_seconds"] / best["step_seconds"] - 1
+    if abs(slower) < 5e-4:
+        return f"{name}: the same predicted step ({label(r)}); the simpler layout is kept"
     part = max(PARTS, key=lambda k: r["parts"][k] - best["parts"][k])
     why = (f"{_PART_NAMES[part]} {_seconds(r['parts'][part])} vs "
            f"{_seconds(best['parts'][part])}")
