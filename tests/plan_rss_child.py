@@ -12,5 +12,5 @@ out = subprocess.run(sys.argv[1:], capture_output=True, text=True)
 seconds = time.perf_counter() - began
 rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux: kilobytes
 print(json.dumps({"seconds": seconds, "max_rss_mb": rss_kb / 1024,
-                  "returncode": out.returncode, "stdout": out.stdout[-4000:],
+                  "returncode": out.returncode, "stdout": out.stdout[:200],
                   "stderr": out.stderr[-2000:]}))
