@@ -86,8 +86,9 @@ def mlp_profile(width, depth, inputs, classes, element_bytes=4, name="mlp"):
     dims = [inputs] + [width] * depth + [classes]
     params = sum(i * o + o for i, o in zip(dims, dims[1:]))
     flops = sum(2 * i * o for i, o in zip(dims, dims[1:]))
-    # Each layer keeps its input and its pre-activation output; logits are the last.
-    elements = inputs + 2 * width * depth + classes
+    # Each Dense keeps its input; ReLU's gradient reads its output (the next input), not
+    # its pre-activation; the loss reads the logits.
+    elements = inputs + width * depth + classes
     return Profile(
         name=name, params=params, flops_per_example=flops,
         activation_bytes_per_example=element_bytes * elements,
@@ -107,8 +108,9 @@ def convnet_profile(width, depth, image_shape, classes, element_bytes=4, name="c
               + width * classes + classes)
     flops = 2 * pixels * (9 * C * width + depth * 2 * 9 * width * width) + \
         2 * width * classes
-    # Stem: conv, norm and ReLU outputs; each block: 2 x (conv, norm, ReLU) outputs.
-    elements = pixels * C + pixels * width * (3 + 6 * depth) + width + classes
+    # Group norm reads its input (the conv output), a conv its input (a ReLU output, which
+    # ReLU's gradient reads too): stem 2, each block 4 feature maps.
+    elements = pixels * C + pixels * width * (2 + 4 * depth) + width + classes
     return Profile(
         name=name, params=params, flops_per_example=flops,
         activation_bytes_per_example=element_bytes * elements,

@@ -223,13 +223,13 @@ def _tensor_parallel(weights):
     from tfpar.layout import presets
 
     split, row = 0, 0
-    for rule, axes in presets.preset_rules(list(presets.PRESETS)):
+    # The vocabulary split is left out: like the formulas, only heads and widths limit it.
+    for rule, axes in presets.preset_rules(["megatron_mlp", "attention_heads"]):
         for w in weights:
             if len(w.shape) != len(axes) or not re.fullmatch(rule, w.path):
                 continue
             for dim, axis in zip(w.shape, axes):
                 if axis is not None:
                     split = math.gcd(split, dim)
-            row += axes[0] is not None and len(axes) >= 2 and w.path.endswith("kernel") \
-                and not rule.endswith("embeddings")
+            row += axes[0] is not None and len(axes) >= 2 and w.path.endswith("kernel")
     return max(1, split), row
