@@ -288,3 +288,30 @@ def test_formulas_give_the_published_parameter_counts():
     ours = B * (4 * (prof.flops_per_example - prof.last_flops_per_example)
                 + 3 * prof.last_flops_per_example)
     assert ours == pytest.approx(paper, rel=1e-9)
+
+
+def test_commands_only_for_what_the_trainer_runs():
+    # A model that needs recomputation on one machine: the choice is planned-only, and the
+    # runnable layout's command never carries recomputation, ZeRO or tp x pp.
+    hw = planner.hardware_from(8, memory_gb=0.05, tflops=10, intra_gbps=100, inter_gbps=10)
+    req = planner.Request(model="transformer", model_width=256, model_depth=8,
+                          global_batch_size=256, zero=(0, 1))
+    result = planner.plan(profile.builtin_profile("transformer", 256, 8), hw, req)
+    best, runnable = result["recommended"], result["runnable"]
+    assert best["runnable"] is not None and "command" in best and best["command"] is None
+    assert runnable is not None and runnable["runnable"] is None
+    assert not runnable["recompute"] and not runnable["zero"]
+    assert not (runnable["tensor"] > 1 and runnable["pipeline"] > 1)
+    assert runnable["command"].startswith("python -m tfpar.train --model=transformer")
+    assert "recompute" not in runnable["command"] and "zero" not in runnable["command"]
+    text = planner.table(result, 5)
+    assert "not runnable in tfpar.train yet" in text and "run: python -m tfpar.train" in text
+
+
+def test_micro_batches_without_a_pipeline_become_accumulation():
+    hw = planner.hardware_from(4, 16, 10, 100, 10)
+    row = planner._row(profile.builtin_profile("mlp"), hw,
+                       cost.Candidate(4, 1, 1, 4, "none"), planner.Request(global_batch_size=256))
+    cmd = planner.command(row, planner.Request(global_batch_size=256), hw)
+    assert "--global_batch_size=64" in cmd and "--grad_accum_steps=4" in cmd
+    assert "--data_parallel=4" in cmd
