@@ -9,7 +9,7 @@ import pytest
 from subproc import run
 from tfpar import ParallelConfig
 from tfpar.errors import ConfigError, TfparError
-from tfpar.plan import calibration, cost, planner, profile
+from tfpar.plan import calibration, commands, cost, planner, profile
 
 PROFILE = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,
                        activation_bytes_per_example=1e4, boundary_bytes_per_example=1e3,
@@ -240,13 +240,13 @@ def test_runnable_mirrors_the_trainers_refusals():
     one = planner.hardware_from(8, 16, 10, 100, 10)
     two = planner.hardware_from(16, 16, 10, 100, 10, devices_per_machine=8)
     req = planner.Request()
-    assert planner.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req)
-    assert planner.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req)
-    assert planner.runnable(cost.Candidate(4, 1, 2, 2, "none", recompute=True), one, req)
-    assert "ZeRO" in planner.runnable(cost.Candidate(8, 1, 1, 1, "none", zero=1), one, req)
-    assert "machine" in planner.runnable(cost.Candidate(8, 1, 2, 2, "none"), two, req)
-    assert planner.runnable(cost.Candidate(4, 1, 2, 2, "int8"), one, req) is None
-    assert planner.runnable(cost.Candidate(16, 1, 1, 4, "none"), two, req) is None
+    assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req)
+    assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req)
+    assert commands.runnable(cost.Candidate(4, 1, 2, 2, "none", recompute=True), one, req)
+    assert "ZeRO" in commands.runnable(cost.Candidate(8, 1, 1, 1, "none", zero=1), one, req)
+    assert "machine" in commands.runnable(cost.Candidate(8, 1, 2, 2, "none"), two, req)
+    assert commands.runnable(cost.Candidate(4, 1, 2, 2, "int8"), one, req) is None
+    assert commands.runnable(cost.Candidate(16, 1, 1, 4, "none"), two, req) is None
 
 
 def test_reasons_name_the_machine_boundary_and_memory():
@@ -261,7 +261,7 @@ def test_reasons_name_the_machine_boundary_and_memory():
     text = "\n".join(best["neighbours"])
     assert "does not fit" in text or "slower" in text
     # Data parallelism alone would need all 38.7 B parameters' 619 GB of state per device.
-    dp = next(r for r in (planner._row(prof, hw, cost.Candidate(64, 1, 1, 8, "none"), req),))
+    dp = planner._row(prof, hw, cost.Candidate(64, 1, 1, 8, "none"), req)
     assert not dp["fits"] and dp["memory_bytes"] > 600e9
     # Nothing tfpar.train runs across 8 machines today (data parallelism only) fits.
     assert result["runnable"] is None
@@ -312,6 +312,6 @@ def test_micro_batches_without_a_pipeline_become_accumulation():
     hw = planner.hardware_from(4, 16, 10, 100, 10)
     row = planner._row(profile.builtin_profile("mlp"), hw,
                        cost.Candidate(4, 1, 1, 4, "none"), planner.Request(global_batch_size=256))
-    cmd = planner.command(row, planner.Request(global_batch_size=256), hw)
+    cmd = commands.command(row, planner.Request(global_batch_size=256), hw)
     assert "--global_batch_size=64" in cmd and "--grad_accum_steps=4" in cmd
     assert "--data_parallel=4" in cmd

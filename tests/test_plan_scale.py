@@ -50,6 +50,13 @@ def test_published_layout_is_in_the_top_3(layers, hidden, heads, gpus, batch, pu
     assert result["recommended"]["why"] and result["recommended"]["neighbours"]
 
 
+def test_reasons_name_the_machine_boundary():
+    result = megatron_plan(128, 25600, 160, 3072, 3072)
+    crossing = [n for n in result["recommended"]["neighbours"] if "tp=32" in n]
+    assert crossing and all("crosses the machine boundary" in n or "does not fit" in n
+                            for n in crossing), crossing
+
+
 def test_layouts_the_paper_could_not_use_do_not_fit():
     # 39.1 B with tensor = pipeline = 1: 16 B x 39.1 B = 626 GB of state per GPU.
     with pytest.raises(Exception, match="fits on no layout"):

@@ -12,14 +12,12 @@ from subproc import ROOT, run
 
 def _trace_builtin(name, width, depth):
     """The traced profile of the real built-in model (weights deferred), in this process."""
-    import keras
-
     from tfpar.plan import profile, symbolic
 
     with symbolic.deferred_weights():
         model = profile.build_builtin(name, width, depth)
     assert all(w._value is None for w in model.weights)  # never created
-    return symbolic.profile_traced(model, model.inputs, name), keras
+    return symbolic.profile_traced(model, model.inputs, name)
 
 
 @pytest.mark.parametrize("name,width,depth", [("transformer", 64, 2), ("mlp", 256, 3),
@@ -27,7 +25,7 @@ def _trace_builtin(name, width, depth):
 def test_trace_agrees_with_the_formulas(name, width, depth):
     from tfpar.plan import profile
 
-    traced, _ = _trace_builtin(name, width, depth)
+    traced = _trace_builtin(name, width, depth)
     formula = profile.builtin_profile(name, width, depth)
     assert traced.params == formula.params
     assert traced.flops_per_example == pytest.approx(formula.flops_per_example, rel=0.02)
