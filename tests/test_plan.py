@@ -315,3 +315,20 @@ def test_micro_batches_without_a_pipeline_become_accumulation():
     cmd = commands.command(row, planner.Request(global_batch_size=256), hw)
     assert "--global_batch_size=64" in cmd and "--grad_accum_steps=4" in cmd
     assert "--data_parallel=4" in cmd
+
+
+@pytest.mark.parametrize("candidate", [cost.Candidate(4, 1, 1, 1, "int8"),
+                                       cost.Candidate(2, 1, 1, 4, "none"),
+                                       cost.Candidate(2, 2, 1, 1, "none"),
+                                       cost.Candidate(2, 1, 2, 4, "none", virtual=2)])
+def test_python_calls_parse_and_name_the_users_function(candidate):
+    import ast
+
+    hw = planner.hardware_from(4, 16, 10, 100, 10)
+    req = planner.Request(model="my_models:my_gpt", trainer_builds_it=False,
+                          global_batch_size=64, schedule="interleaved", simulated_cpu=True)
+    row = planner._row(profile.builtin_profile("transformer"), hw, candidate, req)
+    lines = commands.python_calls(row, req, hw)
+    ast.parse("\n".join(lines))
+    assert lines[0] == "from my_models import my_gpt" and any("my_gpt()" in x for x in lines)
+    assert "cpu_devices=4" in lines[3] and "split_cpu" in lines[5]

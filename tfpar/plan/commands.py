@@ -86,36 +86,44 @@ def python_calls(row, request, hw):
             config.append(f"virtual_stages={row['virtual']}")
     if row["compression"] != "none":
         config.append(f"compression={row['compression']!r}")
+    if request.simulated_cpu:
+        config.append(f"cpu_devices={hw.devices}")
+    optimizer = {"adam": "keras.optimizers.Adam()", "sgd": "keras.optimizers.SGD()",
+                 "momentum": "keras.optimizers.SGD(momentum=0.9)"}[request.optimizer]
     lines = head + ["import keras", "import tfpar",
                     f"config = tfpar.ParallelConfig({', '.join(config)})"]
+    if request.simulated_cpu:
+        lines += ["from tfpar import devices",
+                  "devices.split_cpu(config.cpu_devices)  # before TensorFlow initialises"]
     if row["tensor"] > 1:
         lines += [
             "from tfpar.layout import mesh, presets, trainer",
             f"m = mesh.make_mesh({row['data']}, {row['tensor']})",
             "model, fitter = trainer.build_on_mesh(m, presets.preset_rules(list(presets.PRESETS)),",
-            f"    lambda: {build}, lambda: keras.optimizers.Adam(), loss)",
+            f"    lambda: {build}, lambda: {optimizer}, loss)",
             "fitter.fit(batches, steps_per_epoch=...)  # batches of the global batch"]
     elif row["pipeline"] > 1:
         lines += [
-            "from tfpar import devices, strategy",
+            "from tfpar import strategy",
             "from tfpar.pipeline import for_training",
-            f"devices.split_cpu(config.cpu_devices)" if request.simulated_cpu else
-            "# (one machine: its devices hold the stages)",
-            "runtime = strategy.make_runtime(config)",
+            "runtime = strategy.make_runtime(config)  # one machine: its devices hold the stages",
             "with runtime.strategy.scope():",
             f"    model = for_training({build}, config, runtime)",
-            "    model.compile(optimizer=keras.optimizers.Adam(), loss=loss)",
+            f"    model.compile(optimizer={optimizer}, loss=loss)",
             f"model.fit(dataset)  # batches of {request.global_batch_size}"]
     else:
         lines += ["from tfpar import strategy",
                   "runtime = strategy.make_runtime(config)  # MultiWorkerMirrored under TF_CONFIG",
                   "with runtime.strategy.scope():",
                   f"    model = {build}",
-                  "    optimizer = keras.optimizers.Adam()"]
+                  f"    optimizer = {optimizer}"]
         if row["compression"] != "none":
             lines += ["    from tfpar.compression import make_aggregator, wrap_optimizer",
                       "    optimizer = wrap_optimizer(optimizer, make_aggregator(config))"]
-        lines += ["    model.compile(optimizer=optimizer, loss=loss)",
-                  f"model.fit(dataset)  # per-replica batches of "
-                  f"{request.global_batch_size // row['data'] // row['microbatches']}"]
+        lines += ["    model.compile(optimizer=optimizer, loss=loss)"]
+        if row["microbatches"] > 1:
+            lines += ["    from tfpar import accumulation",
+                      f"    accumulation.install(model, {row['microbatches']})"]
+        lines += [f"model.fit(dataset)  # per-replica batches of "
+                  f"{request.global_batch_size // row['data']}"]
     return lines
