@@ -69,9 +69,9 @@ def trace_profile(spec, element_bytes=4):
         ConfigError: the function cannot be loaded, or returns something else than a
             model with known inputs or `(model, inputs)`.
     """
+    fn = load(spec)
     import keras
 
-    fn = load(spec)
     with deferred_weights():
         made = fn()
     model, inputs = made if isinstance(made, tuple) else (made, None)
