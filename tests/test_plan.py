@@ -9,7 +9,7 @@ import pytest
 from subproc import run
 from tfpar import ParallelConfig
 from tfpar.errors import ConfigError, TfparError
-from tfpar.plan import calibration, cost, planner
+from tfpar.plan import calibration, commands, cost, planner, profile
 
 PROFILE = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,
                        activation_bytes_per_example=1e4, boundary_bytes_per_example=1e3,
@@ -51,9 +51,22 @@ def test_step_time_data_parallel():
 
 def test_step_time_pipeline_bubble_matches_theory():
     c = cost.Candidate(data=1, tensor=1, pipeline=4, microbatches=8, compression="none")
-    _, parts = cost.step_seconds(PROFILE, HW, c, 64)
+    hw = dataclasses.replace(HW, latency=0.0, action_overhead=0.0, intra_bandwidth=1e30)
+    _, parts = cost.step_seconds(PROFILE, hw, c, 64)
     share = parts["bubble"] / (parts["bubble"] + parts["compute"])
     assert share == pytest.approx(cost.bubble_fraction(4, 8))
+    # Interleaving: the idle slots shrink by V.
+    v2 = dataclasses.replace(c, virtual=2)
+    _, parts = cost.step_seconds(PROFILE, hw, v2, 64)
+    assert parts["bubble"] / (parts["bubble"] + parts["compute"]) == pytest.approx(
+        cost.bubble_fraction(4, 8, 2))
+
+
+def test_uneven_stages_cost_the_largest():
+    # 4 blocks on 3 stages: the slowest stage runs 2 blocks (half the model), not 4/3.
+    c = cost.Candidate(data=1, tensor=1, pipeline=3, microbatches=3, compression="none")
+    _, parts = cost.step_seconds(PROFILE, dataclasses.replace(HW, devices=3), c, 48)
+    assert parts["compute"] == pytest.approx(3 * 2e6 * 48 / 2 / 1e12)
 
 
 def test_compression_ratios():
@@ -69,26 +82,34 @@ def test_candidates_pair_aggregators_with_replicas_only():
     assert cost.Candidate(4, 1, 1, 1, "powersgd") in layouts
     assert cost.Candidate(2, 1, 2, 4, "topk") in layouts  # each stage aggregates its own
     compressed = {c for c in layouts if c.compression != "none"}
-    assert compressed and all(c.data > 1 and c.tensor == 1 for c in compressed)
+    assert compressed and all(c.data > 1 for c in compressed)
+    assert cost.Candidate(1, 1, 4, 4, "none", recompute=True) in layouts
+
+
+def _plan(model="transformer", hw=None, **changes):
+    request = planner.Request.from_config(ParallelConfig(model=model), **changes)
+    return planner.plan(profile.builtin_profile(model), hw, request)
 
 
 def test_planner_recommends_a_layout_that_fits_and_its_command():
     hw = planner.hardware_from(devices=8, memory_gb=16, tflops=10, intra_gbps=100,
                                inter_gbps=10)
-    result = planner.plan(ParallelConfig(model="transformer"), hw)
+    result = _plan(hw=hw)
     best = result["recommended"]
     assert best["fits"] and best["data"] * best["tensor"] * best["pipeline"] == 8
-    assert best["command"].startswith("python -m tfpar.train --model=transformer")
+    assert result["runnable"]["command"].startswith(
+        "python -m tfpar.train --model=transformer")
     assert result["ranked"][0]["step_seconds"] <= result["ranked"][-1]["step_seconds"]
+    assert {r["tensor"] for r in result["layouts"]} >= {1, 2, 4}  # tp ranked by default
 
 
 def test_planner_refuses_impossible_requests():
     hw = planner.hardware_from(devices=4, memory_gb=0.0001, tflops=1, intra_gbps=1,
                                inter_gbps=1)
     with pytest.raises(TfparError, match="fits on no layout of 4 device"):
-        planner.plan(ParallelConfig(model="transformer"), hw)
+        _plan(hw=hw)
     with pytest.raises(ConfigError, match="pipeline_stages=.*at most"):
-        planner.plan(ParallelConfig(model="mlp", pipeline_stages=9, microbatches=1), hw)
+        _plan("mlp", hw, pipeline_stages=9)
     with pytest.raises(ConfigError, match="devices"):
         planner.hardware_from(devices=0, memory_gb=1, tflops=1, intra_gbps=1, inter_gbps=1)
 
@@ -116,15 +137,16 @@ def test_step_time_fixed_costs_and_encode_per_aggregator():
 
 
 def test_step_time_pipeline_action_overhead():
-    hw = dataclasses.replace(HW, action_overhead=1e-3, update_seconds_per_param=1e-9)
+    hw = dataclasses.replace(HW, action_overhead=1e-3, update_seconds_per_param=1e-9,
+                             intra_bandwidth=1e30)
     c = cost.Candidate(data=1, tensor=1, pipeline=2, microbatches=4, compression="none")
     _, parts = cost.step_seconds(PROFILE, hw, c, 64)
     # Per stage: 3 * 2e6 FLOPs * 64 examples / 2 stages at 1 TFLOP/s, over 4 micro-batches,
-    # plus a forward and a backward action of 1 ms each: a slot of 0.048 + 2 ms.
-    slot = 3 * 2e6 * 64 / 2 / 1e12 / 4 + 2e-3
-    assert parts["compute"] == pytest.approx(4 * slot)
-    assert parts["bubble"] == pytest.approx(slot)
-    assert parts["overhead"] == pytest.approx(1e-9 * 500_000)
+    # plus a forward and a backward action of 1 ms each: a slot of 0.012 + 2 ms.
+    work = 3 * 2e6 * 64 / 2 / 1e12 / 4
+    assert parts["compute"] == pytest.approx(4 * work)
+    assert parts["bubble"] == pytest.approx(work + 2e-3)
+    assert parts["overhead"] == pytest.approx(1e-9 * 500_000 + 4 * 2e-3)
     # Logical devices sharing cores lend them to the busy stage during the bubble: only the
     # bubble's actions remain.
     shared = dataclasses.replace(hw, shared_cores=True)
@@ -172,3 +194,141 @@ def test_fit_recovers_the_costs_that_made_the_step_times():
     c = cost.Candidate(2, 1, 2, 4, "none")
     assert cost.step_seconds(PROFILE, fitted, c, 256)[0] == pytest.approx(
         cost.step_seconds(PROFILE, truth, c, 256)[0], rel=1e-6)
+
+
+def test_stash_matches_the_schedules():
+    # The first stage's peak of forwards not yet backwarded, walked in tfpar's schedules.
+    from tfpar.pipeline import schedule as sched
+
+    for name, K, M, V in (("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
+                          ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4),
+                          ("interleaved", 4, 4, 2)):
+        live = peak = 0
+        for action in sched.make_schedule(name, K, M, V)[0]:
+            live += 1 if action.kind == "F" else -1
+            peak = max(peak, live)
+        c = cost.Candidate(1, 1, K, M, "none", virtual=V)
+        assert cost.stashed_microbatches(c, name) == pytest.approx(peak / V), (name, K, M, V)
+
+
+def test_memory_tensor_split_recompute_and_zero():
+    prof = dataclasses.replace(PROFILE, replicated_activation_fraction=0.25)
+    c = cost.Candidate(data=2, tensor=2, pipeline=1, microbatches=1, compression="none")
+    # 16 B over half the parameters; activations: a quarter whole, three quarters halved.
+    acts = 1e4 * (0.25 + 0.75 / 2) * 32
+    assert cost.memory_bytes(prof, c, 64) == pytest.approx(16 * 500_000 + acts)
+    # Recomputation keeps each block's input (1e3 B) and one whole block at a time.
+    rc = dataclasses.replace(c, recompute=True)
+    assert cost.memory_bytes(prof, rc, 64) == pytest.approx(
+        16 * 500_000 + 32 * (4 * 1e3 + 1e4 / 4 * (0.25 + 0.75 / 2)))
+    # ZeRO-1 splits Adam's 8 B of moments over the 2 data-parallel peers.
+    z = dataclasses.replace(c, zero=1)
+    assert cost.memory_bytes(prof, z, 64) == pytest.approx(12 * 500_000 + acts)
+
+
+def test_collective_bandwidth_inside_and_across_machines():
+    hw = cost.Hardware(devices=64, memory_bytes=1, flops=1, intra_bandwidth=300e9,
+                       inter_bandwidth=25e9, devices_per_machine=8)
+    assert cost.group_bandwidth(hw, 8, 1) == 300e9          # one machine: NVLink
+    assert cost.group_bandwidth(hw, 8, 8) == 25e9           # one peer per machine
+    assert cost.group_bandwidth(hw, 16, 2) == 100e9         # 4 per machine, 4 NICs
+    assert cost.group_bandwidth(hw, 16, 1) == 200e9         # 8 per machine
+    assert cost.crosses_machines(hw, 16, 1) and not cost.crosses_machines(hw, 8, 1)
+
+
+def test_runnable_mirrors_the_trainers_refusals():
+    one = planner.hardware_from(8, 16, 10, 100, 10)
+    two = planner.hardware_from(16, 16, 10, 100, 10, devices_per_machine=8)
+    req = planner.Request()
+    assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req)
+    assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req)
+    assert commands.runnable(cost.Candidate(4, 1, 2, 2, "none", recompute=True), one, req)
+    assert "ZeRO" in commands.runnable(cost.Candidate(8, 1, 1, 1, "none", zero=1), one, req)
+    assert "machine" in commands.runnable(cost.Candidate(8, 1, 2, 2, "none"), two, req)
+    assert commands.runnable(cost.Candidate(4, 1, 2, 2, "int8"), one, req) is None
+    assert commands.runnable(cost.Candidate(16, 1, 1, 4, "none"), two, req) is None
+
+
+def test_reasons_name_the_machine_boundary_and_memory():
+    """The issue's 8192 x 48 transformer on 64 devices of 80 GB, 8 per machine."""
+    hw = planner.hardware_from(64, 80, 300, 2400, 200, devices_per_machine=8)
+    req = planner.Request(model="transformer", model_width=8192, model_depth=48,
+                          global_batch_size=512)
+    prof = profile.builtin_profile("transformer", 8192, 48)
+    result = planner.plan(prof, hw, req)
+    best = result["recommended"]
+    assert best["memory_bytes"] <= 80e9 and best["tensor"] * best["pipeline"] >= 8
+    text = "\n".join(best["neighbours"])
+    assert "does not fit" in text or "slower" in text
+    # Data parallelism alone would need all 38.7 B parameters' 619 GB of state per device.
+    dp = planner._row(prof, hw, cost.Candidate(64, 1, 1, 8, "none"), req)
+    assert not dp["fits"] and dp["memory_bytes"] > 600e9
+    # Nothing tfpar.train runs across 8 machines today (data parallelism only) fits.
+    assert result["runnable"] is None
+    assert "inside one machine" in best["runnable"]
+    # Pinned to tensor parallelism over 16 devices, the reason names the boundary.
+    pinned = planner.plan(prof, hw, dataclasses.replace(req, tensor_parallel=4))
+    hw16 = dataclasses.replace(hw, devices_per_machine=2)
+    crossing = planner.plan(prof, hw16, dataclasses.replace(req, tensor_parallel=4))
+    assert pinned["recommended"]["tensor"] == 4 == crossing["recommended"]["tensor"]
+    assert crossing["recommended"]["parts"]["tensor_parallel"] > \
+        pinned["recommended"]["parts"]["tensor_parallel"]
+
+
+def test_formulas_give_the_published_parameter_counts():
+    # Narayanan et al. 2021, Table 1: 1.7 B, 39.1 B, 1008 B.
+    assert profile.gpt_profile(24, 2304, 24).params / 1e9 == pytest.approx(1.7, abs=0.05)
+    assert profile.gpt_profile(48, 8192, 64).params / 1e9 == pytest.approx(39.1, abs=0.05)
+    assert profile.gpt_profile(128, 25600, 160).params / 1e9 == pytest.approx(1008, abs=0.5)
+    # Their FLOPs per iteration, 96·B·s·l·h²(1 + s/6h + V/16lh), counts a recomputed
+    # forward: 4x the blocks' forward, 3x the head's.
+    prof = profile.gpt_profile(48, 8192, 64)
+    B, s, l, h, V = 1536, 2048, 48, 8192, 51200
+    paper = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    ours = B * (4 * (prof.flops_per_example - prof.last_flops_per_example)
+                + 3 * prof.last_flops_per_example)
+    assert ours == pytest.approx(paper, rel=1e-9)
+
+
+def test_commands_only_for_what_the_trainer_runs():
+    # A model that needs recomputation on one machine: the choice is planned-only, and the
+    # runnable layout's command never carries recomputation, ZeRO or tp x pp.
+    hw = planner.hardware_from(8, memory_gb=0.05, tflops=10, intra_gbps=100, inter_gbps=10)
+    req = planner.Request(model="transformer", model_width=256, model_depth=8,
+                          global_batch_size=256, zero=(0, 1))
+    result = planner.plan(profile.builtin_profile("transformer", 256, 8), hw, req)
+    best, runnable = result["recommended"], result["runnable"]
+    assert best["runnable"] is not None and "command" in best and best["command"] is None
+    assert runnable is not None and runnable["runnable"] is None
+    assert not runnable["recompute"] and not runnable["zero"]
+    assert not (runnable["tensor"] > 1 and runnable["pipeline"] > 1)
+    assert runnable["command"].startswith("python -m tfpar.train --model=transformer")
+    assert "recompute" not in runnable["command"] and "zero" not in runnable["command"]
+    text = planner.table(result, 5)
+    assert "not runnable in tfpar.train yet" in text and "run: python -m tfpar.train" in text
+
+
+def test_micro_batches_without_a_pipeline_become_accumulation():
+    hw = planner.hardware_from(4, 16, 10, 100, 10)
+    row = planner._row(profile.builtin_profile("mlp"), hw,
+                       cost.Candidate(4, 1, 1, 4, "none"), planner.Request(global_batch_size=256))
+    cmd = commands.command(row, planner.Request(global_batch_size=256), hw)
+    assert "--global_batch_size=64" in cmd and "--grad_accum_steps=4" in cmd
+    assert "--data_parallel=4" in cmd
+
+
+@pytest.mark.parametrize("candidate", [cost.Candidate(4, 1, 1, 1, "int8"),
+                                       cost.Candidate(2, 1, 1, 4, "none"),
+                                       cost.Candidate(2, 2, 1, 1, "none"),
+                                       cost.Candidate(2, 1, 2, 4, "none", virtual=2)])
+def test_python_calls_parse_and_name_the_users_function(candidate):
+    import ast
+
+    hw = planner.hardware_from(4, 16, 10, 100, 10)
+    req = planner.Request(model="my_models:my_gpt", trainer_builds_it=False,
+                          global_batch_size=64, schedule="interleaved", simulated_cpu=True)
+    row = planner._row(profile.builtin_profile("transformer"), hw, candidate, req)
+    lines = commands.python_calls(row, req, hw)
+    ast.parse("\n".join(lines))
+    assert lines[0] == "from my_models import my_gpt" and any("my_gpt()" in x for x in lines)
+    assert "cpu_devices=4" in lines[3] and "split_cpu" in lines[5]

@@ -1,29 +1,61 @@
 """The planner's cost model: pure arithmetic over a model profile and a hardware description.
 
-Step time = a fixed per-step overhead + the optimizer update of the device's shard +
-pipeline compute (with its bubble and a fixed cost per forward/backward action) +
-data-parallel gradient all-reduce (scaled by the aggregator's compression, plus its
-per-parameter encode/decode cost) + tensor-parallel activation all-reduces + pipeline
-point-to-point transfers. Memory per device = weights, gradients and optimizer state of the
-device's shard + the activations its schedule keeps alive. Every formula is a function with
-a test against a hand-computed case.
+A layout (`Candidate`) is data × tensor × pipeline parallelism, micro-batches, virtual
+stages (interleaving), the gradient aggregator, activation recomputation and ZeRO stage.
+Devices are ordered as Megatron-LM orders them: the `tensor` devices of a model shard are
+neighbours, data-parallel peers next, pipeline stages outermost.
 
-The time of a step is linear in the hardware's per-unit costs (seconds per FLOP, per
-parameter, per action, per step), which is what lets `tfpar.plan.calibration` fit them to
-measured steps by least squares.
+Step time (`step_seconds`) = fixed costs (per step, per parameter updated) + the pipeline
+(`(M + (K-1)/V)` slots of the slowest stage, each slot the stage's forward and backward
+compute on one micro-batch, its tensor-parallel all-reduces and its stage-to-stage sends) +
+the data-parallel gradient all-reduce after the last backward (not overlapped). The model:
+
+- Compute runs at `Hardware.flops` (a sustained matmul rate, not the peak) on 3× the
+  forward FLOPs (4× for the blocks with recomputation). The last stage also runs the
+  model's head (`Profile.last_flops_per_example`), so stages are only as fast as it.
+- A ring all-reduce of S bytes over n peers takes 2(n-1)/n·S/B + 2(n-1)·latency. B is
+  the link inside a machine when all peers share one; otherwise the devices' network
+  interfaces, each peer group using as many in parallel as it has members per machine
+  (NCCL runs one ring per interface): min(intra, members_per_machine · inter).
+- Tensor parallelism all-reduces a block's output `tp_syncs_per_block` times forward, as
+  many backward, and again when the block is recomputed. Stage-to-stage sends carry one
+  block output per micro-batch each way (1/tensor of it per device, as Megatron-LM
+  scatters it over the tensor group), once per virtual stage.
+- Memory per device (`memory_bytes`, the first stage, which stashes the most) = training
+  state of its shard (`STATE_BYTES` per parameter; ZeRO-1 splits the optimizer's part
+  over data-parallel peers) + activations of the micro-batches its schedule keeps alive
+  (`stashed_microbatches`): whole blocks without recomputation, only each block's input
+  with it, plus one block being recomputed. Tensor parallelism splits the matrices and
+  the activations between them, not the replicated ones (layer-norm inputs: Korthikanti
+  et al. 2022).
+
+Step time is linear in the hardware's per-unit costs (seconds per FLOP, per parameter
+updated, per pipeline action, per step, per parameter encoded), which is what lets
+`tfpar.plan.calibration` fit them to measured steps by least squares.
 """
 
 import dataclasses
 import math
 
-# Bytes per parameter for weights + gradients + optimizer state (fp32 training).
+# Bytes per parameter for weights + gradients + optimizer state, and the optimizer's share.
+# With mixed precision Keras keeps fp32 variables, so the total is the same; Megatron-LM's
+# fp16 weights + fp16 gradients + fp32 master + Adam is also 16.
 STATE_BYTES = {"sgd": 8, "momentum": 12, "adam": 16}
+OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}
+GRAD_BYTES = 4  # tfpar all-reduces fp32 gradients (mixed precision included)
 # Bytes on the wire per fp32 gradient byte sent; see tfpar.compression.
 COMPRESSION_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 3.9}
 BUCKET_BYTES = 25 * 2 ** 20  # gradients fused per collective (tfpar's --bucket_mb)
-# Encode + decode seconds per gradient parameter of each aggregator, when not calibrated.
+# Encode + decode seconds per gradient parameter of each aggregator, when not calibrated
+# and the device's memory bandwidth is unknown.
 DEFAULT_ENCODE_SECONDS = {"fp16": 2e-9, "bf16": 2e-9, "int8": 2e-9, "topk": 2e-9,
                           "threshold": 2e-9, "powersgd": 2e-9}
+# Memory traffic of encode + decode per gradient parameter (read fp32, write the wire
+# format, read it back, write fp32; int8 adds a pass for the scale, top-k and threshold
+# a selection pass, PowerSGD two thin matmuls and the error feedback), for devices whose
+# memory bandwidth is given: seconds = bytes / bandwidth.
+ENCODE_BYTES = {"fp16": 12, "bf16": 12, "int8": 14, "topk": 24, "threshold": 20,
+                "powersgd": 24}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,44 +64,67 @@ class Hardware:
 
     Per-device rates and costs are those seen while every device works at once (devices
     that share processor cores, like logical CPUs, are each slower then than alone).
+    `inter_bandwidth` is one device's share of its machine's network (a machine with 8
+    devices and 8 × 200 Gbit/s interfaces: 25 GB/s).
     """
 
     devices: int
     memory_bytes: float
     flops: float                 # sustained training FLOP/s of one device, all busy
-    intra_bandwidth: float       # between devices of one machine
-    inter_bandwidth: float       # between machines
+    intra_bandwidth: float       # between devices of one machine, per device
+    inter_bandwidth: float       # between machines, per device
     devices_per_machine: int = 0  # 0: all devices on one machine
-    # Aggregator name -> encode/decode seconds per gradient parameter of a device's shard.
-    encode_seconds_per_param: dict = dataclasses.field(
-        default_factory=lambda: dict(DEFAULT_ENCODE_SECONDS))
+    # Aggregator name -> encode/decode seconds per gradient parameter of a device's shard;
+    # None: `ENCODE_BYTES` over `memory_bandwidth`, or `DEFAULT_ENCODE_SECONDS` without it.
+    encode_seconds_per_param: dict = None
+    memory_bandwidth: float = 0.0  # bytes/s of one device's memory; 0: unknown
     latency: float = 20e-6        # one step of a ring collective (a message round)
     action_overhead: float = 1e-4  # fixed cost of one pipeline forward or backward action
     step_overhead: float = 0.0    # fixed cost of a training step (loop, callbacks, launches)
     update_seconds_per_param: float = 0.0  # optimizer update of one parameter of the shard
     shared_cores: bool = False    # devices are slices of the same cores (logical CPUs)
 
+    def __post_init__(self):
+        if self.encode_seconds_per_param is None:
+            encode = dict(DEFAULT_ENCODE_SECONDS) if not self.memory_bandwidth else {
+                k: v / self.memory_bandwidth for k, v in ENCODE_BYTES.items()}
+            object.__setattr__(self, "encode_seconds_per_param", encode)
+
+    @property
+    def per_machine(self):
+        return self.devices_per_machine or self.devices
+
     @property
     def machines(self):
-        per = self.devices_per_machine or self.devices
-        return math.ceil(self.devices / per)
+        return math.ceil(self.devices / self.per_machine)
 
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """What the cost model needs to know of a model.
+    """What the cost model needs to know of a model (see `tfpar.plan.profile`).
 
     Args:
         params: trainable parameters.
-        flops_per_example: forward FLOPs for one example.
-        activation_bytes_per_example: bytes of layer outputs one example keeps for backward.
+        flops_per_example: forward FLOPs for one example, whole model.
+        activation_bytes_per_example: bytes the backward pass needs of one example's
+            forward, whole model, without recomputation.
         boundary_bytes_per_example: bytes of one block's output (what a pipeline stage
-            sends to the next, and what a tensor-parallel block all-reduces).
+            sends to the next, what a tensor-parallel block all-reduces, what
+            recomputation keeps per block).
         blocks: how many stages the model can be cut into at most.
-        tp_syncs_per_block: activation all-reduces per block (forward and backward) under
-            tensor parallelism; 0 where the model has no tensor-parallel preset.
-        max_tensor_parallel: the largest degree the presets can split it by.
+        tp_syncs_per_block: forward activation all-reduces per block under tensor
+            parallelism (Megatron's transformer block: 2).
+        max_tensor_parallel: the tensor-parallel degree must divide it (attention heads,
+            hidden width); 1: no tensor-parallel preset fits the model.
         matrix_shapes: the 2-D shapes of its weight matrices (for PowerSGD's ratio).
+        first_params / last_params: parameters outside the blocks that sit on the first
+            stage (embeddings) and on the last stage (final norm, head; a tied head counts
+            again: each end holds a copy).
+        last_flops_per_example: forward FLOPs outside the blocks, on the last stage.
+        replicated_activation_fraction: share of the block activations tensor
+            parallelism does not split.
+        block_params: parameters inside the blocks, split over pipeline stages (default:
+            the rest).
     """
 
     name: str
@@ -78,9 +133,20 @@ class Profile:
     activation_bytes_per_example: float
     boundary_bytes_per_example: float
     blocks: int
-    tp_syncs_per_block: int = 0
+    tp_syncs_per_block: float = 0
     max_tensor_parallel: int = 1
     matrix_shapes: tuple = ()
+    first_params: int = 0
+    last_params: int = 0
+    last_flops_per_example: float = 0.0
+    replicated_activation_fraction: float = 0.0
+    block_params: int = -1  # parameters inside the blocks; -1: all of them
+
+    def __post_init__(self):
+        if self.block_params < 0:
+            object.__setattr__(self, "block_params",
+                               self.params - self.first_params - self.last_params)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +156,9 @@ class Candidate:
     pipeline: int
     microbatches: int
     compression: str
+    virtual: int = 1       # interleaved schedule: model chunks per device
+    recompute: bool = False
+    zero: int = 0          # ZeRO stage (0 or 1)
 
 
 def ring_allreduce_seconds(nbytes, n, bandwidth, latency=0.0):
@@ -101,6 +170,21 @@ def ring_allreduce_seconds(nbytes, n, bandwidth, latency=0.0):
 def bubble_fraction(stages, microbatches, virtual=1):
     """Idle share of a pipeline step: (K-1) / (V·M + K-1)."""
     return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def group_bandwidth(hw, size, stride):
+    """Bus bandwidth of a collective over `size` devices `stride` apart in device order:
+    the machine's link if they share a machine, else min(intra, members per machine ·
+    per-device network)."""
+    if size <= 1 or size * stride <= hw.per_machine:
+        return hw.intra_bandwidth
+    members = max(1, hw.per_machine // stride)
+    return min(hw.intra_bandwidth, members * hw.inter_bandwidth)
+
+
+def crosses_machines(hw, size, stride):
+    """Whether a group of `size` devices `stride` apart spans more than one machine."""
+    return size > 1 and size * stride > hw.per_machine
 
 
 def compression_ratio(name, profile, topk_ratio=0.01, rank=4):
@@ -117,69 +201,119 @@ def compression_ratio(name, profile, topk_ratio=0.01, rank=4):
     raise ValueError(f"unknown compression {name!r}")
 
 
-def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
-    """Bytes one device needs: its shard's training state + live activations."""
-    shard = profile.params / (c.tensor * c.pipeline)
-    state = STATE_BYTES[optimizer] * shard
-    micro = global_batch / c.data / c.microbatches
-    # Micro-batches whose activations wait for their backward: without a pipeline (plain
-    # or accumulated steps) one; GPipe all M; 1F1B at most K.
+def stage_params(profile, c):
+    """Parameters of the largest stage's shard on one device (before ZeRO)."""
     if c.pipeline == 1:
-        stash = 1
-    elif schedule == "gpipe":
-        stash = c.microbatches
+        whole = profile.params
     else:
-        stash = min(c.pipeline, c.microbatches)
-    activations = profile.activation_bytes_per_example / c.pipeline / c.tensor * micro * stash
-    return state + activations
+        whole = profile.block_params / profile.blocks * stage_blocks(profile, c) + max(
+            profile.first_params, profile.last_params)
+    return whole / c.tensor
+
+
+def stage_blocks(profile, c):
+    """Blocks of the largest stage: blocks are not split, so K stages of B blocks hold
+    ceil(B / K) at most."""
+    return math.ceil(profile.blocks / c.pipeline)
+
+
+def stashed_microbatches(c, schedule="1f1b"):
+    """Micro-batches whose activations the first stage holds at its peak, in units of a
+    whole stage (an interleaved chunk is 1/V of one). Matches `tfpar.pipeline.schedule`:
+    without a pipeline one (accumulation runs micro-batches one after another); GPipe
+    all M; 1F1B min(K, M); interleaved (warm-up forwards + 1) chunks."""
+    if c.pipeline == 1:
+        return 1
+    if schedule == "gpipe":
+        return c.microbatches
+    if c.virtual > 1:
+        total = c.microbatches * c.virtual
+        warmup = total if c.microbatches == c.pipeline else min(
+            (c.pipeline - 1) * 2 + (c.virtual - 1) * c.pipeline, total)
+        return min(warmup + 1, total) / c.virtual
+    return min(c.pipeline, c.microbatches)
+
+
+def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
+    """Bytes one device of the first stage needs: its shard's training state + the
+    activations its schedule keeps alive."""
+    shard = stage_params(profile, c)
+    state = (STATE_BYTES[optimizer] - OPTIMIZER_BYTES[optimizer]) * shard + \
+        OPTIMIZER_BYTES[optimizer] * shard / (c.data if c.zero >= 1 else 1)
+    return state + activation_bytes(profile, c, global_batch, schedule)
+
+
+def activation_bytes(profile, c, global_batch, schedule="1f1b"):
+    """Activation bytes of the first stage's device at its peak."""
+    micro = global_batch / c.data / c.microbatches
+    blocks = stage_blocks(profile, c)
+    rep = profile.replicated_activation_fraction
+    per_block = profile.activation_bytes_per_example / profile.blocks * (
+        rep + (1 - rep) / c.tensor)
+    stash = stashed_microbatches(c, schedule)
+    if c.recompute:
+        # Each block keeps its input; one block at a time is recomputed whole.
+        return micro * (stash * blocks * profile.boundary_bytes_per_example + per_block)
+    return micro * stash * blocks * per_block
 
 
 def step_seconds(profile, hw, c, global_batch):
     """Predicted seconds per optimizer step, and its parts."""
-    per_device_examples = global_batch / c.data
-    shard = profile.params / (c.tensor * c.pipeline)
-    work = 3 * profile.flops_per_example * per_device_examples / (c.tensor * c.pipeline) / hw.flops
-    # A pipeline runs a forward and a backward action per micro-batch, each with a fixed
-    # cost whatever its size; a step without a pipeline is one `fit` step.
-    actions = 2 * hw.action_overhead if c.pipeline > 1 else 0.0
-    slot = work / c.microbatches + actions
-    compute = c.microbatches * slot
-    # A pipeline step is M + K - 1 slots on the critical path, K - 1 of them idle. Devices
-    # that share cores lend them to the busy ones while idle: the bubble then costs only
-    # its actions' fixed costs, not compute.
-    bubble = (c.pipeline - 1) * (actions if hw.shared_cores else slot)
-    overhead = hw.step_overhead + hw.update_seconds_per_param * shard
-    # Data-parallel groups span machines once the model-parallel group fills a machine.
-    per_machine = hw.devices_per_machine or hw.devices
-    dp_bandwidth = hw.intra_bandwidth if c.data * c.tensor * c.pipeline <= per_machine \
-        else hw.inter_bandwidth
-    grad_bytes = 4 * shard
+    per_replica = global_batch / c.data
+    micro = per_replica / c.microbatches
+    K, V, T = c.pipeline, c.virtual, c.tensor
+    edge = profile.last_flops_per_example
+    blocks_flops = (profile.flops_per_example - edge) / profile.blocks * stage_blocks(profile, c)
+    # Per micro-batch on the slowest (last) stage: 3x forward (4x for recomputed blocks).
+    flops = micro * ((4 if c.recompute else 3) * blocks_flops + 3 * edge) / T
+    work = flops / hw.flops
+    # A pipeline runs a forward and a backward action per micro-batch and chunk, each with
+    # a fixed cost whatever its size; a step without a pipeline is one `fit` step.
+    actions = 2 * V * hw.action_overhead if K > 1 else 0.0
+    tp_bandwidth = group_bandwidth(hw, T, 1)
+    syncs = profile.tp_syncs_per_block * (3 if c.recompute else 2) * stage_blocks(profile, c)
+    tp = syncs * ring_allreduce_seconds(micro * profile.boundary_bytes_per_example, T,
+                                        tp_bandwidth, hw.latency)
+    p2p = 0.0
+    if K > 1:
+        p2p_bandwidth = hw.inter_bandwidth if crosses_machines(hw, 2, T * c.data) \
+            else hw.intra_bandwidth
+        p2p = 2 * V * (hw.latency + micro * profile.boundary_bytes_per_example / T
+                       / p2p_bandwidth)
+    slot = work + actions + tp + p2p
+    compute = c.microbatches * work
+    # (K-1)/V idle slots on the critical path. Devices that share cores lend them to the
+    # busy ones while idle: the bubble then costs only its actions' fixed costs.
+    idle = (K - 1) / V
+    bubble = idle * (actions + p2p if hw.shared_cores else slot)
+    shard = stage_params(profile, c)
+    overhead = hw.step_overhead + hw.update_seconds_per_param * shard + \
+        c.microbatches * actions
     ratio = compression_ratio(c.compression, profile)
+    grad_bytes = GRAD_BYTES * shard
     buckets = max(1, math.ceil(grad_bytes / ratio / BUCKET_BYTES))
-    dp = ring_allreduce_seconds(grad_bytes / ratio, c.data, dp_bandwidth,
+    dp = ring_allreduce_seconds(grad_bytes / ratio, c.data, group_bandwidth(hw, c.data, T),
                                 hw.latency * buckets)
     if c.compression != "none" and c.data > 1:
         dp += hw.encode_seconds_per_param[c.compression] * shard
-    tp_bytes = profile.boundary_bytes_per_example * per_device_examples
-    tp = profile.blocks * profile.tp_syncs_per_block * ring_allreduce_seconds(
-        tp_bytes, c.tensor, hw.intra_bandwidth, hw.latency) / c.pipeline
-    # Each micro-batch crosses K-1 boundaries forward and back; the transfers on the
-    # critical path are those of one micro-batch through the pipe.
-    p2p = 0.0 if c.pipeline == 1 else 2 * (c.pipeline - 1) * (hw.latency + (
-        profile.boundary_bytes_per_example * per_device_examples / c.microbatches / c.tensor
-    ) / hw.intra_bandwidth)
-    total = overhead + compute + bubble + dp + tp + p2p
+    tp_total = c.microbatches * tp
+    p2p_total = c.microbatches * p2p
+    total = overhead + compute + bubble + dp + tp_total + p2p_total
     return total, {"overhead": overhead, "compute": compute, "bubble": bubble,
-                   "data_parallel": dp, "tensor_parallel": tp, "pipeline_p2p": p2p}
+                   "data_parallel": dp, "tensor_parallel": tp_total,
+                   "pipeline_p2p": p2p_total}
 
 
 def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", "topk",
-                                                         "powersgd")):
-    """Every (data, tensor, pipeline, micro-batches, compression) that uses all devices,
-    splits the batch evenly, and tfpar can run."""
+                                                         "powersgd"),
+               schedule="1f1b", recompute=(False, True), zero=(0,), virtual=(1, 2, 4)):
+    """Every layout that uses all devices and splits the batch evenly: data × tensor ×
+    pipeline × micro-batches (every divisor of the replica's batch that a schedule can
+    take) × virtual stages (with `schedule="interleaved"`) × aggregator × recomputation ×
+    ZeRO stage. Whether tfpar can run one yet is `tfpar.plan.planner.runnable`'s call."""
     out = []
     for tensor in _divisors(hw.devices):
-        if tensor > profile.max_tensor_parallel:
+        if profile.max_tensor_parallel % tensor:
             continue
         for pipeline in _divisors(hw.devices // tensor):
             if pipeline > profile.blocks:
@@ -188,17 +322,25 @@ def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", 
             if global_batch % data:
                 continue
             per_replica = global_batch // data
-            if tensor > 1 and pipeline > 1:
-                continue  # tfpar runs tensor parallelism without pipelines for now
-            for m in ([1] if pipeline == 1 else [m for m in (2, 4, 8, 16, 32)
-                                                  if per_replica % m == 0 and m >= pipeline]):
-                # Aggregators reduce over data-parallel replicas (each pipeline stage its
-                # own gradients); they do not plug into a DTensor mesh yet.
-                plain = data == 1 or tensor > 1
-                for comp in (("none",) if plain else compressions):
-                    out.append(Candidate(data, tensor, pipeline, m, comp))
+            if pipeline == 1:
+                micro_counts, virtuals = _divisors(per_replica), (1,)
+            else:
+                micro_counts = [m for m in _divisors(per_replica) if m >= pipeline]
+                virtuals = [v for v in virtual if v == 1 or (
+                    schedule == "interleaved" and pipeline * v <= profile.blocks)]
+            for m in micro_counts:
+                for v in virtuals:
+                    if v > 1 and m % pipeline:
+                        continue  # the interleaved schedule takes whole groups of K
+                    comps = ("none",) if data == 1 else compressions
+                    for comp in comps:
+                        for rc in recompute:
+                            for z in zero if data > 1 else (0,):
+                                out.append(Candidate(data, tensor, pipeline, m, comp, v,
+                                                     rc, z))
     return out
 
 
 def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,129 @@
+"""How to run a planned layout: whether `python -m tfpar.train` runs it today, its
+command, and the Python calls that train it on the user's own model."""
+
+
+def runnable(c, hw, request):
+    """None when `python -m tfpar.train` runs layout `c` today, else why not. Mirrors the
+    trainer's refusals (`tfpar.layout.run.check_config`, `tfpar.pipeline.for_training`)."""
+    if c.zero:
+        return f"ZeRO-{c.zero} is planned, not runnable yet"
+    if c.recompute:
+        return ("recomputation is planned, not runnable from tfpar.train yet "
+                "(PipelineModel.split(recompute=True) from Python)")
+    if hw.machines > 1 and (c.tensor > 1 or c.pipeline > 1):
+        return ("tfpar.train runs tensor and pipeline parallelism inside one machine; across "
+                f"{hw.machines} machines only data parallelism")
+    if c.tensor > 1 and c.pipeline > 1:
+        return "tensor x pipeline parallelism is not in tfpar.train yet"
+    if c.tensor > 1 and (c.compression != "none" or c.microbatches > 1
+                         or request.mixed_precision != "none"):
+        return ("tensor parallelism runs without compression, accumulation and mixed "
+                "precision in tfpar.train so far")
+    if c.pipeline > 1 and request.mixed_precision == "fp16":
+        return "fp16 loss scaling is not in the pipeline step; plan with bf16"
+    return None
+
+
+def attach(row, request, hw):
+    row["command"] = command(row, request, hw) if row["runnable"] is None and \
+        request.trainer_builds_it else None
+    row["python"] = python_calls(row, request, hw) if row["runnable"] is None else []
+
+
+def command(row, request, hw):
+    """The `python -m tfpar.train` command for `row` (runnable only if `row["runnable"]`
+    is None and the trainer builds the model)."""
+    batch, accum = request.global_batch_size, 1
+    if row["pipeline"] == 1 and row["microbatches"] > 1:
+        accum = row["microbatches"]  # micro-batches without a pipeline: accumulation
+        batch //= accum
+    parts = ["python -m tfpar.train", f"--model={request.model}",
+             f"--global_batch_size={batch}"]
+    if request.model_width:
+        parts.append(f"--model_width={request.model_width}")
+    if request.model_depth:
+        parts.append(f"--model_depth={request.model_depth}")
+    if request.optimizer != "adam":
+        parts.append(f"--optimizer={request.optimizer}")
+    if request.mixed_precision != "none":
+        parts.append(f"--mixed_precision={request.mixed_precision}")
+    if request.simulated_cpu:
+        parts.append(f"--cpu_devices={hw.devices}")
+    if hw.machines > 1:
+        parts.append("--strategy=multi_worker")
+    parts.append(f"--data_parallel={row['data']}")
+    if row["tensor"] > 1:
+        parts.append(f"--tensor_parallel={row['tensor']}")
+    if row["pipeline"] > 1:
+        parts += [f"--pipeline_stages={row['pipeline']}", f"--microbatches={row['microbatches']}",
+                  f"--schedule={request.schedule}"]
+        if row["virtual"] > 1:
+            parts.append(f"--virtual_stages={row['virtual']}")
+    if accum > 1:
+        parts.append(f"--grad_accum_steps={accum}")
+    if row["compression"] != "none":
+        parts.append(f"--compression={row['compression']}")
+    text = " ".join(parts)
+    if hw.machines > 1:
+        text += f"    # on each of the {hw.machines} machines, TF_CONFIG naming all"
+    return text
+
+
+def python_calls(row, request, hw):
+    """Lines of Python that train `row`'s layout on the user's own model (`build()` stands
+    for the user's function; `loss`, `dataset` for theirs)."""
+    build = (f"{request.model.split(':')[1]}()" if ":" in request.model else "build()")
+    if ":" in request.model:
+        head = [f"from {request.model.split(':')[0]} import {request.model.split(':')[1]}"]
+    else:
+        head = ["build = ...  # your function returning the Keras model"]
+    config = [f"global_batch_size={request.global_batch_size}",
+              f"data_parallel={row['data']}", f"tensor_parallel={row['tensor']}",
+              f"pipeline_stages={row['pipeline']}"]
+    if row["pipeline"] > 1:
+        config += [f"microbatches={row['microbatches']}", f"schedule={request.schedule!r}"]
+        if row["virtual"] > 1:
+            config.append(f"virtual_stages={row['virtual']}")
+    if row["compression"] != "none":
+        config.append(f"compression={row['compression']!r}")
+    if request.simulated_cpu:
+        config.append(f"cpu_devices={hw.devices}")
+    optimizer = {"adam": "keras.optimizers.Adam()", "sgd": "keras.optimizers.SGD()",
+                 "momentum": "keras.optimizers.SGD(momentum=0.9)"}[request.optimizer]
+    lines = head + ["import keras", "import tfpar",
+                    f"config = tfpar.ParallelConfig({', '.join(config)})"]
+    if request.simulated_cpu:
+        lines += ["from tfpar import devices",
+                  "devices.split_cpu(config.cpu_devices)  # before TensorFlow initialises"]
+    if row["tensor"] > 1:
+        lines += [
+            "from tfpar.layout import mesh, presets, trainer",
+            f"m = mesh.make_mesh({row['data']}, {row['tensor']})",
+            "model, fitter = trainer.build_on_mesh(m, presets.preset_rules(list(presets.PRESETS)),",
+            f"    lambda: {build}, lambda: {optimizer}, loss)",
+            "fitter.fit(batches, steps_per_epoch=...)  # batches of the global batch"]
+    elif row["pipeline"] > 1:
+        lines += [
+            "from tfpar import strategy",
+            "from tfpar.pipeline import for_training",
+            "runtime = strategy.make_runtime(config)  # one machine: its devices hold the stages",
+            "with runtime.strategy.scope():",
+            f"    model = for_training({build}, config, runtime)",
+            f"    model.compile(optimizer={optimizer}, loss=loss)",
+            f"model.fit(dataset)  # batches of {request.global_batch_size}"]
+    else:
+        lines += ["from tfpar import strategy",
+                  "runtime = strategy.make_runtime(config)  # MultiWorkerMirrored under TF_CONFIG",
+                  "with runtime.strategy.scope():",
+                  f"    model = {build}",
+                  f"    optimizer = {optimizer}"]
+        if row["compression"] != "none":
+            lines += ["    from tfpar.compression import make_aggregator, wrap_optimizer",
+                      "    optimizer = wrap_optimizer(optimizer, make_aggregator(config))"]
+        lines += ["    model.compile(optimizer=optimizer, loss=loss)"]
+        if row["microbatches"] > 1:
+            lines += ["    from tfpar import accumulation",
+                      f"    accumulation.install(model, {row['microbatches']})"]
+        lines += [f"model.fit(dataset)  # per-replica batches of "
+                  f"{request.global_batch_size // row['data']}"]
+    return lines
