@@ -200,7 +200,7 @@ def check_memory(config, devices, memory_bytes):
 
     if config.dataset != "auto":
         return Check("memory headroom", "PASS", "custom dataset: not estimated")
-    prof = profile.profile_builtin(config.model, config.model_width, config.model_depth)
+    prof = profile.builtin_profile(config.model, config.model_width, config.model_depth)
     replicas = config.data_parallel or devices
     candidate = cost.Candidate(replicas, config.tensor_parallel, config.pipeline_stages,
                                config.microbatches if config.pipeline_stages > 1 else 1,

@@ -139,7 +139,7 @@ def builtin_profile(name, width=0, depth=0, heads=0, seq_len=0, vocab=0, element
 def build_builtin(name, width=0, depth=0):
     """The real Keras model `tfpar.train` builds (imports TensorFlow; for checking the
     formulas against the symbolic trace, and for calibration runs)."""
-    import models  # the model zoo: the one place the planner imports it
+    from tfpar import models  # the model zoo: the one place the planner imports it
 
     spec = BUILTIN[name]
     return models.build(name, spec["input_shape"], spec["classes"], width=width,
