@@ -244,6 +244,8 @@ def test_measure_comm_reports_share_and_overlap(tmp_path):
                          steps=3, steps_per_epoch=3, compression="fp16", measure_comm=True)
     comm = out["comm"]
     assert comm["compression_ratio"] == 2.0
-    # Shares of a timed step: present and in range (their size is timing, not asserted).
-    assert 0.0 <= comm["comm_time_fraction"] <= 1.0, comm
-    assert 0.0 <= comm["overlap_fraction"] <= 1.0, comm
+    # The trainer reports the shares the timing measured (their size is timing: planted
+    # slow collectives and computations test it, tests/test_compression_timing.py).
+    for key in ("comm_time_fraction", "overlap_fraction", "comm_fraction_unclamped",
+                "overlap_fraction_unclamped"):
+        assert isinstance(comm[key], float) and np.isfinite(comm[key]), (key, comm)

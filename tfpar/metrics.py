@@ -134,7 +134,7 @@ def summarize(config, runtime, recorder, params_per_device, comm=None, pipeline=
     if pipeline:
         out["pipeline"] = dict(pipeline)
     if recorder.validation:
-        # DESIGN.md's keys (the last evaluation), and every evaluation of the run.
+        # the metrics contract's keys (the last evaluation), and every evaluation of the run.
         steps, losses, accuracies = zip(*recorder.validation)
         out["validation"] = {"loss": losses[-1], "accuracy": accuracies[-1],
                              "batches": config.validation_steps, "at_steps": list(steps),

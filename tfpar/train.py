@@ -25,8 +25,9 @@ from tfpar.optimizers import LinearWarmup, learning_rate, make_optimizer  # noqa
 def train(config, environ=None, callbacks=(), runtime=None):
     """Trains `config` on the backend it needs; returns `(metrics, model)`.
 
-    `metrics` is the dict of `tfpar.metrics.summarize` (DESIGN.md's metrics JSON, also
-    written to `config.metrics_json` by the chief); `model` the trained model (a
+    `metrics` is the dict of `tfpar.metrics.summarize` (the metrics JSON described in
+    `tfpar.metrics`, also written to `config.metrics_json` by the chief); `model` the trained
+    model (a
     `PipelineModel` for pipelines, a `tf_keras` model for `keras=2`, the Keras model whose
     variables live on the mesh for `tensor_parallel > 1`).
 

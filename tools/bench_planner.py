@@ -16,7 +16,7 @@ pipelines with 2, 4, 8 micro-batches at half); every run compared here is at
     python tools/bench_planner.py                    # mlp (width 1024), 4 logical CPUs
     python tools/bench_planner.py --quick            # 5 configurations, 2 repeats, a few steps
 
-Goals (DESIGN.md): the choice within 10 % of the best measured; predictions within 30 %.
+Goals (the design's): the choice within 10 % of the best measured; predictions within 30 %.
 Prints a table and writes JSON (`--out`, default runs/bench_planner.json).
 """
 

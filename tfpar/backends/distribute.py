@@ -91,8 +91,12 @@ class DistributeBackend(Backend):
             comm["comm_time_fraction"], timing = measure_comm_fraction(
                 runtime.strategy, model,
                 data.distributed_dataset(runtime.strategy, config, task))
-            if "overlap_fraction" in timing:  # beyond DESIGN.md's keys
-                comm["overlap_fraction"] = timing["overlap_fraction"]
+            # Beyond the original keys: the overlap, and both shares before clamping to
+            # [0, 1] (timing noise can push a small share below 0).
+            for key in ("overlap_fraction", "comm_fraction_unclamped",
+                        "overlap_fraction_unclamped"):
+                if key in timing:
+                    comm[key] = timing[key]
         local_replicas = runtime.replicas // runtime.workers
         if hasattr(model, "pipeline_metrics"):
             params = model.params_per_stage() * local_replicas
