@@ -26,10 +26,9 @@ def train(config, environ=None, callbacks=(), runtime=None):
     """Trains `config` on the backend it needs; returns `(metrics, model)`.
 
     `metrics` is the dict of `tfpar.metrics.summarize` (the metrics JSON described in
-    `tfpar.metrics`, also written to `config.metrics_json` by the chief); `model` the trained
-    model (a
-    `PipelineModel` for pipelines, a `tf_keras` model for `keras=2`, the Keras model whose
-    variables live on the mesh for `tensor_parallel > 1`).
+    `tfpar.metrics`, also written to `config.metrics_json` by the chief); `model` is the
+    trained model (a `PipelineModel` for pipelines, a `tf_keras` model for `keras=2`, the
+    Keras model whose variables live on the mesh for `tensor_parallel > 1`).
 
     Args:
         config: the `ParallelConfig` to run.
