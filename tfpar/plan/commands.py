@@ -3,8 +3,12 @@ command, and the Python calls that train it on the user's own model."""
 
 
 def runnable(c, hw, request):
-    """None when `python -m tfpar.train` runs layout `c` today, else why not. Mirrors the
-    trainer's refusals (`tfpar.layout.run.check_config`, `tfpar.pipeline.for_training`)."""
+    """None when `python -m tfpar.train` runs layout `c` today, else why not: the layout's
+    settings go through `ParallelConfig`, whose compatibility table (`tfpar.compat`) is the
+    trainer's own, so the planner never offers what the trainer refuses."""
+    from tfpar.config import MODELS, ParallelConfig
+    from tfpar.errors import ConfigError
+
     if c.zero:
         return f"ZeRO-{c.zero} is planned, not runnable yet"
     if c.recompute:
@@ -13,15 +17,27 @@ def runnable(c, hw, request):
     if hw.machines > 1 and (c.tensor > 1 or c.pipeline > 1):
         return ("tfpar.train runs tensor and pipeline parallelism inside one machine; across "
                 f"{hw.machines} machines only data parallelism")
-    if c.tensor > 1 and c.pipeline > 1:
-        return "tensor x pipeline parallelism is not in tfpar.train yet"
-    if c.tensor > 1 and (c.compression != "none" or c.microbatches > 1
-                         or request.mixed_precision != "none"):
-        return ("tensor parallelism runs without compression, accumulation and mixed "
-                "precision in tfpar.train so far")
-    if c.pipeline > 1 and request.mixed_precision == "fp16":
-        return "fp16 loss scaling is not in the pipeline step; plan with bf16"
+    batch, accum = _batch_and_accumulation(c.pipeline, c.microbatches, request)
+    try:
+        ParallelConfig(
+            model=request.model if request.model in MODELS else "transformer",
+            global_batch_size=batch, grad_accum_steps=accum, data_parallel=c.data,
+            tensor_parallel=c.tensor, pipeline_stages=c.pipeline,
+            microbatches=c.microbatches if c.pipeline > 1 else 1,
+            schedule=request.schedule if c.pipeline > 1 else "1f1b",
+            virtual_stages=c.virtual, compression=c.compression,
+            mixed_precision=request.mixed_precision, optimizer=request.optimizer)
+    except ConfigError as err:
+        return str(err)
     return None
+
+
+def _batch_and_accumulation(pipeline, microbatches, request):
+    """`(global_batch_size, grad_accum_steps)` of the trainer's command: micro-batches
+    without a pipeline are gradient accumulation."""
+    if pipeline == 1 and microbatches > 1:
+        return request.global_batch_size // microbatches, microbatches
+    return request.global_batch_size, 1
 
 
 def attach(row, request, hw):
@@ -33,10 +49,7 @@ def attach(row, request, hw):
 def command(row, request, hw):
     """The `python -m tfpar.train` command for `row` (runnable only if `row["runnable"]`
     is None and the trainer builds the model)."""
-    batch, accum = request.global_batch_size, 1
-    if row["pipeline"] == 1 and row["microbatches"] > 1:
-        accum = row["microbatches"]  # micro-batches without a pipeline: accumulation
-        batch //= accum
+    batch, accum = _batch_and_accumulation(row["pipeline"], row["microbatches"], request)
     parts = ["python -m tfpar.train", f"--model={request.model}",
              f"--global_batch_size={batch}"]
     if request.model_width:
