@@ -267,9 +267,10 @@ def step_seconds(profile, hw, c, global_batch):
     # Per micro-batch on the slowest (last) stage: 3x forward (4x for recomputed blocks).
     flops = micro * ((4 if c.recompute else 3) * blocks_flops + 3 * edge) / T
     work = flops / hw.flops
-    # A pipeline runs a forward and a backward action per micro-batch and chunk, each with
-    # a fixed cost whatever its size; a step without a pipeline is one `fit` step.
-    actions = 2 * V * hw.action_overhead if K > 1 else 0.0
+    # A pipeline (or accumulation, micro-batches without one) runs a forward and a
+    # backward action per micro-batch and chunk, each with a fixed cost whatever its size;
+    # a step of one micro-batch without a pipeline is one `fit` step.
+    actions = 2 * V * hw.action_overhead if K > 1 or c.microbatches > 1 else 0.0
     tp_bandwidth = group_bandwidth(hw, T, 1)
     syncs = profile.tp_syncs_per_block * (3 if c.recompute else 2) * stage_blocks(profile, c)
     tp = syncs * ring_allreduce_seconds(micro * profile.boundary_bytes_per_example, T,
