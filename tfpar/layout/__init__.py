@@ -15,9 +15,12 @@ the user API; tfpar supplies the TensorFlow side Keras leaves unfinished.
 Modules: `mesh` (devices → mesh), `presets` (weight-path rules), `variables`
 (DVariable creation and the plain-variable check), `optimizer` (stateless Keras
 updates), `step` (the compiled exact steps), `newaxis` (a DTensor work-around),
-`values` (host ↔ mesh), `trainer` (`MeshTrainer`), `run` (`python -m tfpar.train`).
+`values` (host ↔ mesh), `trainer` (`MeshTrainer`), `keras_distribution` (`enable()`:
+Keras's own `set_distribution(ModelParallel(...))` + `model.fit`), `run`
+(`python -m tfpar.train`).
 """
 
+from tfpar.layout.keras_distribution import disable, enable, is_enabled
 from tfpar.layout.mesh import BATCH, MODEL, make_mesh, mesh_for_config
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.presets import (attention_heads, layout_map, megatron_mlp, model_presets,
@@ -27,7 +30,7 @@ from tfpar.layout.trainer import MeshTrainer, build_on_mesh
 from tfpar.layout.values import batch_to_mesh, shard_sizes, to_host, to_mesh
 from tfpar.layout.variables import check_dvariables, is_dvariable, variable_scope
 
-__all__ = ["BATCH", "MODEL", "make_mesh", "mesh_for_config", "stateless_optimizer",
+__all__ = ["enable", "disable", "is_enabled", "BATCH", "MODEL", "make_mesh", "mesh_for_config", "stateless_optimizer",
            "attention_heads", "layout_map", "megatron_mlp", "model_presets",
            "preset_rules", "vocab_parallel", "train", "MeshTrainer", "build_on_mesh",
            "batch_to_mesh", "shard_sizes", "to_host", "to_mesh", "check_dvariables",
