@@ -135,3 +135,34 @@ def test_fp16_loss_scaling_agrees_with_single_device(fp16):
         assert run["updates"] == run["ref_updates"] and run["updates"] > 0, label
         assert run["scale"] == run["ref_scale"], label
         assert max(run["diffs"].values()) <= 1e-2, label
+
+
+def test_dtensor_environment_comes_from_tf_config():
+    from tfpar import tf_config
+    from tfpar.errors import ConfigError
+    from tfpar.layout import multi_client
+    cluster = tf_config.parse(tf_config.make(["127.0.0.1:5001", "127.0.0.1:5002"], 1))
+    assert multi_client.dtensor_environment(cluster) == {
+        "DTENSOR_JOBS": "127.0.0.1:5001,127.0.0.1:5002", "DTENSOR_CLIENT_ID": "1",
+        "DTENSOR_NUM_CLIENTS": "2", "DTENSOR_JOB_NAME": "worker"}
+    evaluator = tf_config.parse('{"cluster": {"worker": ["a:1"], "evaluator": ["b:2"]}, '
+                                '"task": {"type": "evaluator", "index": 0}}')
+    with pytest.raises(ConfigError, match="training processes only"):
+        multi_client.dtensor_environment(evaluator)
+
+
+def test_tensor_and_data_parallel_across_two_worker_processes():
+    # tfpar.launch gives each worker its TF_CONFIG; the child derives the DTensor
+    # environment from it: batch=2 across the processes × model=2 inside each.
+    out = run([sys.executable, "-m", "tfpar.launch", "--workers=2", "--timeout=400", "--",
+               sys.executable, os.path.join(ROOT, "tests", "layout_multiclient_child.py")],
+              timeout=450, env={"PYTHONPATH": os.pathsep.join(
+                  [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])})
+    results = [last_json_line(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
+               if line.startswith("[worker ") and "] {" in line]
+    assert sorted(r["worker"] for r in results) == [0, 1]
+    for result in results:
+        assert result["mesh_devices"] == 4
+        for run_ in result["runs"]:
+            assert max(run_["diffs"].values()) <= EXACT, (result["worker"], run_["optimizer"])
+            assert run_["params_per_device"] == [2442, 2442]  # this process's 2 devices
