@@ -137,6 +137,11 @@ def test_fp16_loss_scaling_agrees_with_single_device(fp16):
         assert max(run["diffs"].values()) <= 1e-2, label
 
 
+def test_the_keras_code_enable_hooks_is_the_code_it_was_written_for():
+    from tfpar.layout import keras_distribution
+    assert keras_distribution.check_targets() == []
+
+
 def test_dtensor_environment_comes_from_tf_config():
     from tfpar import tf_config
     from tfpar.errors import ConfigError
