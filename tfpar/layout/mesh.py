@@ -9,6 +9,7 @@ works unchanged.
 
 import keras
 import numpy as np
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import devices as devices_lib
@@ -63,6 +64,28 @@ def make_mesh(data_parallel, tensor_parallel, devices=None):
     mesh._backend_mesh = dtensor.create_mesh(list(zip((BATCH, MODEL), shape)),
                                              devices=devices)
     return mesh
+
+
+def attach_backend_mesh(device_mesh):
+    """Gives a user's `keras.distribution.DeviceMesh` its DTensor mesh (in place), built
+    with `dtensor.create_mesh` over its devices ("cpu:0" and "/device:CPU:0" alike), since
+    Keras's own conversion needs an accelerator system even for CPUs. A mesh that already
+    has one (from `make_mesh`, or under DTensor multi-client) is left alone.
+
+    Returns:
+        The DTensor mesh.
+    """
+    existing = getattr(device_mesh, "_backend_mesh", None)
+    if existing is not None:
+        return existing
+    names = []
+    for device in np.asarray(device_mesh.devices).ravel():
+        spec = tf.DeviceSpec.from_string(str(device) if "/" in str(device)
+                                         else "/device:" + str(device))
+        names.append(f"/device:{spec.device_type.upper()}:{spec.device_index}")
+    device_mesh._backend_mesh = dtensor.create_mesh(
+        list(zip(device_mesh.axis_names, device_mesh.shape)), devices=names)
+    return device_mesh._backend_mesh
 
 
 def mesh_for_config(config, devices=None):

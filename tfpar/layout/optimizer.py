@@ -6,8 +6,13 @@ tf.distribute") and writes through `variable.value.assign`, which bypasses a
 `StatelessScope`. Keras's backend-neutral `BaseOptimizer` has the stateless versions of
 those methods; `stateless_optimizer` switches an optimizer to them. The update maths
 (`update_step` of SGD, Adam, …) is Keras's own, unchanged.
+
+A `keras.optimizers.LossScaleOptimizer` (what `compile` wraps the optimizer in under the
+`mixed_float16` policy) keeps its own backend-neutral `stateless_apply`; its inner
+optimizer is switched too.
 """
 
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers import base_optimizer
 
 from tfpar.errors import TfparError
@@ -40,6 +45,9 @@ def stateless_optimizer(optimizer):
     cls = type(optimizer)
     if cls in _classes.values():
         return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        stateless_optimizer(inner)
     if optimizer.built:
         raise TfparError(f"{cls.__name__} is already built; call stateless_optimizer "
                          "before optimizer.build(model.trainable_variables)")
@@ -48,7 +56,10 @@ def stateless_optimizer(optimizer):
         raise TfparError(f"{cls.__name__} cannot update statelessly (missing "
                          f"{missing or 'BaseOptimizer'}); use a keras.optimizers optimizer")
     if cls not in _classes:
-        methods = {m: base_optimizer.BaseOptimizer.__dict__[m] for m in _BASE_METHODS}
+        # Only where the class uses the TensorFlow version: a class's own override (a
+        # LossScaleOptimizer's stateless_apply) is kept.
+        methods = {m: base_optimizer.BaseOptimizer.__dict__[m] for m in _BASE_METHODS
+                   if getattr(cls, m) is getattr(TFOptimizer, m, None)}
         methods["__module__"] = cls.__module__
         _classes[cls] = type(cls.__name__, (cls,), methods)
     optimizer.__class__ = _classes[cls]

@@ -55,14 +55,20 @@ def _forward_loss(model, loss_fn, mapping, x, y, sample_weight, training):
     return logits, loss, scope
 
 
-def train_step(mesh, model, optimizer, loss_fn):
+def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1):
     """A compiled `step(x, y, sample_weight) -> {"loss", "correct", "weight"}`.
 
     Args:
         mesh: the `keras.distribution.DeviceMesh` the variables live on.
         model: a built Keras model whose variables are DVariables.
-        optimizer: a built optimizer passed through `stateless_optimizer`.
+        optimizer: a built optimizer passed through `stateless_optimizer`; a
+            `LossScaleOptimizer` scales the loss before the backward pass and skips the
+            update when a gradient is not finite (one decision for the whole mesh: the
+            check reduces over every shard).
         loss_fn: a `keras.losses.Loss` (called as `loss_fn(y, logits, sample_weight)`).
+        grad_accum_steps: k > 1 runs k micro-batches one after the other and applies
+            their mean gradient in one update; the step is then called with tuples of k
+            micro-batches (`values.micro_batches_to_mesh`).
 
     Returns:
         A callable compiled with `tf.function`; call it with batches already on the
@@ -74,21 +80,46 @@ def train_step(mesh, model, optimizer, loss_fn):
     opt_vars = list(optimizer.variables)
     check_dvariables(trainable + non_trainable + opt_vars, "the training step")
     layouts = [_layouts(trainable), _layouts(non_trainable), _layouts(opt_vars)]
+    scales_loss = hasattr(optimizer, "inner_optimizer")  # a LossScaleOptimizer
 
-    def step(x, y, sample_weight=None):
-        tv, ntv, ov = _read(trainable), _read(non_trainable), _read(opt_vars)
+    def micro_step(tv, ntv, ov, x, y, sample_weight):
         mapping = list(zip(trainable, tv)) + list(zip(non_trainable, ntv))
         with tf.GradientTape() as tape:
             tape.watch(tv)
             logits, loss, scope = _forward_loss(model, loss_fn, mapping, x, y,
                                                 sample_weight, True)
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, tv)]
+            scaled = loss
+            if scales_loss:  # reads the scale from this step's optimizer values
+                with keras.StatelessScope(state_mapping=list(zip(opt_vars, ov))):
+                    scaled = optimizer.scale_loss(loss)
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, tv)]
         new_ntv = [scope.get_current_value(v) for v in non_trainable]
+        return grads, new_ntv, _metrics(loss, logits, y, sample_weight)
+
+    def step(x, y, sample_weight=None):
+        tv, ntv, ov = _read(trainable), _read(non_trainable), _read(opt_vars)
+        if grad_accum_steps == 1:
+            grads, new_ntv, out = micro_step(tv, ntv, ov, x, y, sample_weight)
+        else:
+            # Unrolled: k forward/backward passes in one graph, the gradients summed as
+            # they come; non-trainable state (seeds, statistics) flows from one
+            # micro-batch to the next, as over k plain steps.
+            grads, new_ntv, outs = None, ntv, []
+            for i in range(grad_accum_steps):
+                part, new_ntv, out = micro_step(
+                    tv, new_ntv, ov, x[i], y[i],
+                    None if sample_weight is None else sample_weight[i])
+                grads = part if grads is None else [a + b for a, b in zip(grads, part)]
+                outs.append(out)
+            grads = [g / grad_accum_steps for g in grads]
+            out = {"loss": tf.add_n([o["loss"] for o in outs]) / grad_accum_steps,
+                   "correct": tf.add_n([o["correct"] for o in outs]),
+                   "weight": tf.add_n([o["weight"] for o in outs])}
         new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
         _write(trainable, layouts[0], tv, new_tv)
         _write(non_trainable, layouts[1], ntv, new_ntv)
         _write(opt_vars, layouts[2], ov, new_ov)
-        return _metrics(loss, logits, y, sample_weight)
+        return out
 
     return _checked(mesh, step, "the training step")
 

@@ -19,14 +19,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar.errors import TfparError
+from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import presets, step, values, variables
 from tfpar.layout.mesh import BATCH, axis_size
 from tfpar.layout.optimizer import stateless_optimizer
 
 
 def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
-                  shard_optimizer_state=False):
+                  shard_optimizer_state=False, grad_accum_steps=1):
     """Builds a model and its optimizer as DVariables on `mesh` and a trainer for them.
 
     Args:
@@ -40,6 +40,7 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         loss: a `keras.losses.Loss`.
         shard_optimizer_state: also split optimizer slots over the `batch` axis (ZeRO
             stage 1, see `variables.optimizer_state_over_batch`).
+        grad_accum_steps: micro-batches per step (see `MeshTrainer`).
 
     Returns:
         `(model, MeshTrainer)`; the model is compiled with `optimizer` and `loss` so that
@@ -54,7 +55,7 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
             optimizer.build(model.trainable_variables)
         model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
     _refuse_keras_loops(model)
-    return model, MeshTrainer(mesh, model, optimizer, loss)
+    return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps)
 
 
 def _refuse_keras_loops(model):
@@ -78,13 +79,20 @@ class MeshTrainer:
         model: a built Keras model created inside `variable_scope`.
         optimizer: its optimizer, passed through `stateless_optimizer` and built.
         loss: a `keras.losses.Loss` called as `loss(y, logits, sample_weight)`.
+        grad_accum_steps: k > 1 cuts every training batch into k micro-batches that run
+            one after the other in the step, their mean gradient applied in one update:
+            the same update as one step on the whole batch, with the activations of one
+            micro-batch at a time (the batch must divide by k × data_parallel).
+        accuracy: the name under which logs report the (sample-weighted) accuracy of the
+            argmax of the logits against integer labels; None leaves it out.
 
     Raises:
         TfparError: a variable of the model or the optimizer is not a DVariable, or
             functions are set to run eagerly (DTensor cannot differentiate eagerly).
     """
 
-    def __init__(self, mesh, model, optimizer, loss):
+    def __init__(self, mesh, model, optimizer, loss, grad_accum_steps=1,
+                 accuracy="accuracy"):
         if tf.config.functions_run_eagerly() or getattr(model, "run_eagerly", False):
             raise TfparError(
                 "run_eagerly cannot work on a DTensor mesh: an eager GradientTape meets "
@@ -92,24 +100,37 @@ class MeshTrainer:
                 "(tf.config.run_functions_eagerly(False), model.run_eagerly=False)")
         variables.check_dvariables(list(model.variables) + list(optimizer.variables),
                                    "MeshTrainer")
+        if int(grad_accum_steps) < 1:
+            raise ConfigError("grad_accum_steps", grad_accum_steps, "must be an integer >= 1")
         self.mesh, self.model, self.optimizer, self.loss = mesh, model, optimizer, loss
-        self._train = step.train_step(mesh, model, optimizer, loss)
+        self.grad_accum_steps, self.accuracy = int(grad_accum_steps), accuracy
+        self._train = step.train_step(mesh, model, optimizer, loss, self.grad_accum_steps)
         self._eval = step.eval_step(mesh, model, loss)
         self._predict = step.predict_step(mesh, model)
 
-    def _on_mesh(self, batch):
+    def _on_mesh(self, batch, training=False):
         batch = tuple(b for b in batch if b is not None)
         if len(batch) not in (2, 3):
             raise TfparError(f"a batch must be (x, y) or (x, y, sample_weight), got "
                              f"{len(batch)} arrays")
+        if any(isinstance(b, (dict, list, tuple)) for b in batch):
+            raise TfparError("a batch on a mesh holds one array each for x, y and "
+                             "sample_weight; models with several inputs or outputs are not "
+                             "supported on a mesh yet")
+        if training and self.grad_accum_steps > 1:
+            return values.micro_batches_to_mesh(batch, self.mesh, self.grad_accum_steps)
         return values.batch_to_mesh(batch, self.mesh)
+
+    def _step(self, batch):
+        return _host(self._train(*self._on_mesh(batch, training=True)))
 
     def train_on_batch(self, x, y, sample_weight=None):
         """One exact optimizer step; returns `{"loss", "accuracy"}` of the batch."""
-        return _logs(_host(self._train(*self._on_mesh((x, y, sample_weight)))))
+        return _logs(self._step((x, y, sample_weight)), self.accuracy)
 
     def fit(self, batches, epochs=1, steps_per_epoch=None, initial_epoch=0,
-            callbacks=None, verbose=0, validation_data=None, validation_steps=None):
+            callbacks=None, verbose=0, validation_data=None, validation_steps=None,
+            validation_freq=1):
         """Trains on `batches` like `keras.Model.fit`.
 
         Args:
@@ -120,41 +141,45 @@ class MeshTrainer:
             callbacks: Keras callbacks (they get `on_train_batch_end` logs with the
                 epoch's running mean loss and accuracy, as under `model.fit`).
             verbose: 0 silent, 1 progress bar.
-            validation_data, validation_steps: held-out batches (iterated afresh) that
-                `evaluate` runs on at every epoch end; callbacks get `val_loss` and
-                `val_accuracy` in the epoch's logs, as under `model.fit`.
+            validation_data, validation_steps: held-out batches (iterated afresh; a list,
+                or a function returning a new iterable each time) that `evaluate` runs on
+                for up to `validation_steps` batches at the end of every
+                `validation_freq`-th epoch; callbacks get `val_loss` and `val_accuracy` in
+                the epoch's logs, as under `model.fit`.
 
         Returns:
-            A dict `{"loss": [per epoch], "accuracy": [per epoch]}`.
+            A dict `{"loss": [per epoch], "accuracy": [per epoch], …}`, one list per key of
+            the epoch logs.
         """
         callbacks = keras.callbacks.CallbackList(
             callbacks, add_progbar=bool(verbose), model=self.model, verbose=verbose,
             epochs=epochs, steps=steps_per_epoch)
-        history = {"loss": [], "accuracy": []}
+        history = {}
         iterator = iter(batches)
         self.model.stop_training = False
         callbacks.on_train_begin()
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)
-            sums = _Sums()
+            sums = _Sums(self.accuracy)
             index = 0
             while steps_per_epoch is None or index < steps_per_epoch:
                 batch = next(iterator, None)
                 if batch is None:
                     break
                 callbacks.on_train_batch_begin(index)
-                sums.add(_host(self._train(*self._on_mesh(batch))))
+                sums.add(self._step(batch))
                 callbacks.on_train_batch_end(index, sums.logs())
                 index += 1
                 if self.model.stop_training:
                     break
             logs = sums.logs()
-            if validation_data is not None:
+            if validation_data is not None and (epoch + 1) % validation_freq == 0:
+                held_out = validation_data() if callable(validation_data) else validation_data
                 logs.update({f"val_{k}": v for k, v in
-                             self.evaluate(validation_data, validation_steps).items()})
+                             self.evaluate(held_out, validation_steps).items()})
             callbacks.on_epoch_end(epoch, logs)
-            for key in history:
-                history[key].append(logs.get(key, float("nan")))
+            for key, value in logs.items():
+                history.setdefault(key, []).append(value)
             if self.model.stop_training or (steps_per_epoch and index < steps_per_epoch):
                 break
         callbacks.on_train_end(logs if epochs > initial_epoch else None)
@@ -166,7 +191,7 @@ class MeshTrainer:
         Returns:
             `{"loss": float, "accuracy": float}`, loss averaged over batches as Keras does.
         """
-        sums = _Sums()
+        sums = _Sums(self.accuracy)
         for index, batch in enumerate(batches):
             if steps is not None and index >= steps:
                 break
@@ -214,7 +239,8 @@ class MeshTrainer:
 class _Sums:
     """Epoch running means: loss averaged over batches, accuracy over sample weights."""
 
-    def __init__(self):
+    def __init__(self, accuracy="accuracy"):
+        self.accuracy = accuracy
         self.batches, self.loss, self.correct, self.weight = 0, 0.0, 0.0, 0.0
 
     def add(self, out):
@@ -226,14 +252,16 @@ class _Sums:
     def logs(self):
         if not self.batches:
             return {}
-        return {"loss": self.loss / self.batches,
-                "accuracy": self.correct / self.weight if self.weight else 0.0}
+        return _logs({"loss": self.loss / self.batches, "correct": self.correct,
+                      "weight": self.weight}, self.accuracy)
 
 
 def _host(out):
     return {k: float(values.to_host(v)) for k, v in out.items()}
 
 
-def _logs(out):
-    return {"loss": out["loss"],
-            "accuracy": out["correct"] / out["weight"] if out["weight"] else 0.0}
+def _logs(out, accuracy="accuracy"):
+    logs = {"loss": out["loss"]}
+    if accuracy:
+        logs[accuracy] = out["correct"] / out["weight"] if out["weight"] else 0.0
+    return logs

@@ -19,8 +19,9 @@ from tfpar.layout import mesh as mesh_lib
 def to_mesh(array, layout):
     """`array` (numpy or a plain tensor) as a DTensor with `layout`.
 
-    A batch-sharded layout is packed from slices, so no device holds the whole array;
-    any other layout is copied whole to the mesh and then split.
+    A layout split along one dimension (a batch, micro-batches, most weights) is packed
+    from slices, so no device holds the whole array; any other layout is copied whole to
+    the mesh and then split.
 
     Args:
         array: a host value whose shape fits `layout`.
@@ -32,13 +33,16 @@ def to_mesh(array, layout):
     array = np.asarray(array) if not isinstance(array, tf.Tensor) else array
     specs = layout.sharding_specs
     mesh = layout.mesh
-    if (specs and specs[0] != dtensor.UNSHARDED
-            and all(s == dtensor.UNSHARDED for s in specs[1:])):
-        parts = mesh.dim_size(specs[0])
-        size = array.shape[0] // parts
-        coords = [mesh.device_location(i)[mesh.dim_names.index(specs[0])]
-                  for i in range(mesh.num_local_devices())]
-        return dtensor.pack([array[c * size:(c + 1) * size] for c in coords], layout)
+    split = [i for i, s in enumerate(specs) if s != dtensor.UNSHARDED]
+    if len(split) == 1:  # e.g. a batch, micro-batches (k, batch, ...), a column split
+        dim = split[0]
+        parts = mesh.dim_size(specs[dim])
+        size = array.shape[dim] // parts
+        coords = [mesh.device_location(i)[mesh.dim_names.index(specs[dim])]
+                  for i in mesh.local_device_ids()]
+        index = (slice(None),) * dim
+        return dtensor.pack([array[index + (slice(c * size, (c + 1) * size),)]
+                             for c in coords], layout)
     whole = dtensor.copy_to_mesh(tf.convert_to_tensor(array),
                                  dtensor.Layout.replicated(mesh, len(specs)))
     return whole if layout.is_fully_replicated() else dtensor.relayout(whole, layout)
@@ -77,6 +81,31 @@ def batch_to_mesh(batch, mesh):
             raise ConfigError("global_batch_size", array.shape[0],
                               f"must be divisible by data_parallel={parts}")
         out.append(to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim)))
+    return tuple(out)
+
+
+def micro_batches_to_mesh(batch, mesh, steps):
+    """A tuple of host arrays (x, y[, sample_weight]) cut into `steps` micro-batches, rows
+    `i*m … (i+1)*m-1` being micro-batch i: each array becomes a tuple of `steps` DTensors,
+    each split on the `batch` mesh axis. (Slicing one `(steps, m, ...)` DTensor inside the
+    step instead gives wrong layouts on TF 2.21: a `StridedSlice` that drops the first
+    axis keeps the split on the second.)
+
+    Raises:
+        ConfigError: the batch does not split into `steps` micro-batches that each split
+            over the `batch` axis.
+    """
+    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    out = []
+    for array in batch:
+        array = np.asarray(array)
+        if array.shape[0] % (steps * parts):
+            raise ConfigError("grad_accum_steps", steps,
+                              f"the batch of {array.shape[0]} must split into {steps} "
+                              f"micro-batches divisible by data_parallel={parts}; use a "
+                              f"batch that is a multiple of {steps * parts}")
+        out.append(tuple(to_mesh(micro, mesh_lib.batch_sharded(mesh, array.ndim))
+                         for micro in np.split(array, steps)))
     return tuple(out)
 
 

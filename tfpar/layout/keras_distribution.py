@@ -1,0 +1,368 @@
+"""Keras's own `keras.distribution` API, honoured on TensorFlow.
+
+On the TensorFlow backend Keras 3.15 accepts `set_distribution(ModelParallel(...))` and
+ignores it: every variable stays a plain `tf.Variable`, `fit` trains on one device, no
+warning (measured on 4 logical CPUs: every weight a `ResourceVariable` without a layout,
+`fit` returns as usual; `DataParallel` the same). After `tfpar.layout.enable()` the same
+user code trains on the mesh through tfpar's exact step (`MeshTrainer`):
+
+>>> tfpar.layout.enable()
+>>> mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+...                                      devices=keras.distribution.list_devices())
+>>> layout_map = keras.distribution.LayoutMap(mesh)
+>>> layout_map["up/kernel"] = (None, "model")
+>>> layout_map["down/kernel"] = ("model", None)
+>>> keras.distribution.set_distribution(
+...     keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+>>> model = build_my_model()      # any built Keras model, its own layer names
+>>> model.compile(optimizer=keras.optimizers.Adam(1e-3),
+...               loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+>>> history = model.fit(x, y, batch_size=32, epochs=2)
+
+Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name="batch"))` and
+`distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`,
+as Keras defines them; every key must match a weight), `DataParallel` (every weight
+whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
+up to two axes over `keras.distribution.list_devices()`; `compile(optimizer, loss,
+metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
+`mixed_float16` (the `LossScaleOptimizer` compile adds) policies; `fit(x, y, batch_size,
+epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight,
+sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size,
+validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
+generators), returning a `History`; `evaluate`, `predict`, `train_on_batch`,
+`test_on_batch`, `predict_on_batch`.
+
+Refused with one line: a layout-map key matching no weight; a layout for a layer output
+(`…/output` keys: TensorFlow's Keras has no `distribute_tensor`); a batch axis not named
+"batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
+weights were created before `enable()` and `set_distribution`; callbacks in
+`evaluate`/`predict`; Keras's `gradient_accumulation_steps` (use `MeshTrainer`'s
+`grad_accum_steps`). `steps_per_execution` and `jit_compile` are not used (one compiled
+step per batch), which is logged.
+"""
+
+import functools
+import inspect
+import itertools
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import array_slicing
+
+from tfpar.errors import ConfigError, TfparError
+from tfpar.layout import mesh as mesh_lib
+from tfpar.layout import values, variables
+from tfpar.layout.optimizer import stateless_optimizer
+from tfpar.layout.trainer import MeshTrainer
+
+_LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+          "predict_on_batch")
+_Trainer = tf_trainer.TensorFlowTrainer
+_ORIGINAL = {name: _Trainer.__dict__[name] for name in _LOOPS}
+_SIGNATURE = {name: inspect.signature(fn) for name, fn in _ORIGINAL.items()}
+# The arguments each loop is written against (keras 3.15.1); a new one would be ignored.
+_EXPECTED_ARGS = {
+    "fit": ["self", "x", "y", "batch_size", "epochs", "verbose", "callbacks",
+            "validation_split", "validation_data", "shuffle", "class_weight",
+            "sample_weight", "initial_epoch", "steps_per_epoch", "validation_steps",
+            "validation_batch_size", "validation_freq"],
+    "evaluate": ["self", "x", "y", "batch_size", "verbose", "sample_weight", "steps",
+                 "callbacks", "return_dict", "kwargs"],
+    "predict": ["self", "x", "batch_size", "verbose", "steps", "callbacks"],
+    "train_on_batch": ["self", "x", "y", "sample_weight", "class_weight", "return_dict"],
+    "test_on_batch": ["self", "x", "y", "sample_weight", "return_dict"],
+    "predict_on_batch": ["self", "x"],
+}
+_ACCURACY = ("accuracy", "acc", "sparse_categorical_accuracy")
+_enabled = False
+
+
+def check_targets():
+    """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's)."""
+    problems = []
+    for name, expected in _EXPECTED_ARGS.items():
+        if list(_SIGNATURE[name].parameters) != expected:
+            problems.append(f"keras {keras.__version__}: TensorFlowTrainer.{name} takes "
+                            f"{list(_SIGNATURE[name].parameters)}; tfpar.layout.enable was "
+                            "written for keras 3.15.1")
+    try:
+        variables.check_target()
+    except TfparError as err:
+        problems.append(str(err))
+    return problems
+
+
+def enable():
+    """Makes Keras's `keras.distribution` API work on TensorFlow, for this process.
+
+    From now on, while a `ModelParallel` or `DataParallel` distribution is set (or its
+    `scope()` is entered), Keras variables are created as DTensor DVariables laid out by
+    it, and `fit` / `evaluate` / `predict` (and the `*_on_batch` calls) of a model whose
+    weights live on a mesh run through tfpar's exact mesh step. Models built without a
+    distribution are untouched. Calling it twice is harmless.
+
+    Raises:
+        TfparError: Keras is not the version the hooks were written for.
+    """
+    global _enabled
+    problems = check_targets()
+    if problems:
+        raise TfparError(problems[0])
+    if _enabled:
+        return
+    tf_core.Variable._initialize = _initialize
+    for name in _LOOPS:
+        setattr(_Trainer, name, _routed(name))
+    tf_distribution_lib.distribute_tensor = _refuse_output_layout
+    _enabled = True
+
+
+def disable():
+    """Undoes `enable` (models already on a mesh keep their DVariables)."""
+    global _enabled
+    tf_core.Variable._initialize = variables._original_initialize
+    for name, fn in _ORIGINAL.items():
+        setattr(_Trainer, name, fn)
+    if getattr(tf_distribution_lib, "distribute_tensor", None) is _refuse_output_layout:
+        del tf_distribution_lib.distribute_tensor
+    _enabled = False
+
+
+def is_enabled():
+    return _enabled
+
+
+def _initialize(self, value):
+    distribution = keras.distribution.distribution()
+    if distribution is not None and not isinstance(value, tf.Variable):
+        check_distribution(distribution)
+    return variables._initialize(self, value)
+
+
+def check_distribution(distribution):
+    """Raises `ConfigError` for a distribution tfpar cannot honour; gives its mesh a DTensor
+    mesh (`mesh.attach_backend_mesh`)."""
+    kinds = (keras.distribution.ModelParallel, keras.distribution.DataParallel)
+    if not isinstance(distribution, kinds):
+        raise ConfigError("distribution", type(distribution).__name__,
+                          "tfpar honours keras.distribution.ModelParallel and DataParallel")
+    mesh = distribution.device_mesh
+    if distribution.batch_dim_name != mesh_lib.BATCH or len(mesh.shape) > 2:
+        raise ConfigError("batch_dim_name", distribution.batch_dim_name,
+                          f"tfpar splits batches over a mesh axis named 'batch' on a mesh "
+                          f"of at most 2 axes (got axes {tuple(mesh.axis_names)}); use "
+                          "DeviceMesh(shape, ['batch', 'model']) and batch_dim_name='batch'")
+    mesh_lib.attach_backend_mesh(mesh)
+
+
+def _refuse_output_layout(tensor, layout):
+    raise ConfigError("layout_map", "a key for a layer output ('…/output')",
+                      "layouts of layer outputs are not supported on TensorFlow (Keras's "
+                      "TensorFlow backend has no distribute_tensor); keep only weight paths")
+
+
+def check_layout_map(distribution, model):
+    """Raises `ConfigError` naming a `LayoutMap` key that matches none of `model`'s weight
+    paths (a typo there would leave the weight whole without a word)."""
+    layout_map = getattr(distribution, "_layout_map", None)
+    paths = [v.path for v in model.weights]
+    for key in layout_map or ():
+        if key not in paths and not any(re.fullmatch(key, p) for p in paths):
+            if key.endswith("output"):
+                _refuse_output_layout(None, None)
+            raise ConfigError("layout_map", key,
+                              "matches none of the model's weight paths (full match of "
+                              f"variable.path, e.g. {', '.join(paths[:3])})")
+
+
+def _on_mesh(model):
+    return any(variables.is_dvariable(v) for v in model.weights)
+
+
+def _routed(name):
+    original = _ORIGINAL[name]
+
+    @functools.wraps(original)
+    def loop(self, *args, **kwargs):
+        distribution = keras.distribution.distribution()
+        if not _on_mesh(self):
+            if distribution is not None and self.weights:
+                raise TfparError(
+                    f"model.{name}: a keras.distribution {type(distribution).__name__} is "
+                    "set but the model's weights are plain variables on one device; call "
+                    "tfpar.layout.enable() and set_distribution before building the model")
+            return original(self, *args, **kwargs)
+        arguments = _SIGNATURE[name].bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        arguments = dict(arguments.arguments)
+        del arguments["self"]
+        return globals()["_" + name](self, _mesh_trainer(self), **arguments)
+
+    return loop
+
+
+def _mesh_trainer(model):
+    """The `MeshTrainer` of `model` (made on first use, again when `compile` changed)."""
+    optimizer = model.optimizer
+    if optimizer is None:
+        raise TfparError("compile the model before fit/evaluate/predict")
+    cached = getattr(model, "_tfpar_mesh_trainer", None)
+    if cached is not None and cached.optimizer is optimizer and cached.loss_source is model.loss:
+        return cached
+    mesh = next(v._layout.device_mesh for v in model.weights if variables.is_dvariable(v))
+    distribution = keras.distribution.distribution()
+    if distribution is not None and distribution.device_mesh is mesh:
+        check_layout_map(distribution, model)
+    for setting in ("steps_per_execution",):
+        if getattr(model, setting, 1) not in (1, None):
+            logging.warning("%s=%s is not used on a mesh (one compiled step per batch)",
+                            setting, getattr(model, setting))
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
+                          "is not supported on a mesh; use "
+                          "MeshTrainer(..., grad_accum_steps=k) (k micro-batches per step)")
+    scope = keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
+    if not optimizer.built:
+        with variables.variable_scope(scope):
+            if not all(variables.is_dvariable(v) for v in optimizer.variables):
+                # made before the distribution (compile outside its scope): unbuilt, so
+                # nothing is lost by making it again on the mesh
+                optimizer = optimizer.__class__.from_config(optimizer.get_config())
+                model.optimizer = optimizer
+            stateless_optimizer(optimizer)
+            optimizer.build(model.trainable_variables)
+    trainer = MeshTrainer(mesh, model, optimizer, _loss(model), accuracy=_accuracy(model))
+    trainer.loss_source = model.loss
+    model._tfpar_mesh_trainer = trainer
+    return trainer
+
+
+def _loss(model):
+    loss = model.loss
+    outputs = getattr(model, "outputs", None) or [None]
+    if loss is None or isinstance(loss, (dict, list, tuple)) or len(outputs) > 1:
+        raise ConfigError("loss", loss, "tfpar's mesh step takes one loss on one output")
+    loss = keras.losses.get(loss)
+    return loss if isinstance(loss, keras.losses.Loss) else keras.losses.LossFunctionWrapper(loss)
+
+
+def _accuracy(model):
+    compiled = getattr(model, "_compile_metrics", None)
+    asked = list(getattr(compiled, "_user_metrics", None) or [])
+    asked += list(getattr(compiled, "_user_weighted_metrics", None) or [])
+    names = []
+    for metric in asked:
+        name = metric if isinstance(metric, str) else getattr(metric, "name", str(metric))
+        if name not in _ACCURACY:
+            raise ConfigError("metrics", name, "tfpar's mesh step reports the loss and "
+                              f"accuracy only; use one of {', '.join(_ACCURACY)} or none")
+        names.append(name)
+    return names[0] if names else None
+
+
+def _adapter(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=False,
+             class_weight=None):
+    return data_adapters.get_data_adapter(
+        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps_per_epoch=steps, shuffle=shuffle, class_weight=class_weight)
+
+
+def _verbose(verbose):
+    return 1 if verbose == "auto" else verbose
+
+
+def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validation_split,
+         validation_data, shuffle, class_weight, sample_weight, initial_epoch,
+         steps_per_epoch, validation_steps, validation_batch_size, validation_freq):
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split)
+    adapter = _adapter(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
+                       class_weight)
+    if steps_per_epoch is None:
+        steps_per_epoch = adapter.num_batches
+        if steps_per_epoch is None:
+            raise ConfigError("steps_per_epoch", None, "the data's length is unknown; pass "
+                              "steps_per_epoch")
+        # one fresh pass (reshuffled) per epoch, as Keras does
+        batches = itertools.chain.from_iterable(
+            adapter.get_numpy_iterator() for _ in range(initial_epoch, epochs))
+    else:  # one iterator across epochs, as Keras does with steps_per_epoch
+        batches = adapter.get_numpy_iterator()
+    validation = None
+    if validation_data is not None:
+        held_out = _adapter(*_unpack(validation_data),
+                            batch_size=validation_batch_size or batch_size,
+                            steps=validation_steps)
+        validation = lambda: itertools.islice(held_out.get_numpy_iterator(),  # noqa: E731
+                                              validation_steps)
+    history = keras.callbacks.History()
+    trainer.fit(batches, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                initial_epoch=initial_epoch, callbacks=list(callbacks or []) + [history],
+                verbose=_verbose(verbose), validation_data=validation,
+                validation_freq=validation_freq)
+    model.history = history
+    return history
+
+
+def _unpack(data):
+    if isinstance(data, (tuple, list)):
+        if len(data) not in (2, 3):
+            raise ConfigError("validation_data", f"a tuple of {len(data)}",
+                              "give (x, y) or (x, y, sample_weight)")
+        return tuple(data)
+    return (data,)
+
+
+def _results(logs, return_dict):
+    if return_dict:
+        return logs
+    return logs["loss"] if len(logs) == 1 else list(logs.values())
+
+
+def _no_callbacks(name, callbacks):
+    if callbacks:
+        raise ConfigError("callbacks", callbacks, f"{name} on a mesh takes no callbacks")
+
+
+def _evaluate(model, trainer, x, y, batch_size, verbose, sample_weight, steps, callbacks,
+              return_dict, kwargs):
+    _no_callbacks("evaluate", callbacks)
+    adapter = _adapter(x, y, sample_weight, batch_size, steps)
+    return _results(trainer.evaluate(adapter.get_numpy_iterator(), steps=steps),
+                    return_dict)
+
+
+def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
+    _no_callbacks("predict", callbacks)
+    adapter = _adapter(x, batch_size=batch_size, steps=steps)
+    unpack = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
+    outs = [_predict_batch(trainer, unpack(batch)[0])
+            for batch in itertools.islice(adapter.get_numpy_iterator(), steps)]
+    return np.concatenate(outs)
+
+
+def _predict_batch(trainer, x):
+    return values.to_host(trainer._predict(values.batch_to_mesh((x,), trainer.mesh)[0]))
+
+
+def _train_on_batch(model, trainer, x, y, sample_weight, class_weight, return_dict):
+    batch = next(iter(_adapter(x, y, sample_weight, batch_size=len(x),
+                               class_weight=class_weight).get_numpy_iterator()))
+    return _results(trainer.train_on_batch(*batch), return_dict)
+
+
+def _test_on_batch(model, trainer, x, y, sample_weight, return_dict):
+    return _results(trainer.evaluate([(x, y, sample_weight)]), return_dict)
+
+
+def _predict_on_batch(model, trainer, x):
+    return _predict_batch(trainer, np.asarray(x))
