@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--aggregators", default=",".join(LOSSY),
-                   help="lossy aggregators to compare with fp32 (fp32 always runs)")
+                   help="lossy aggregators to compare with fp32 (fp32 always runs); a variant "
+                   "is NAME:FIELD=VALUE[:FIELD=VALUE...], e.g. topk:topk_ratio=0.05")
     p.add_argument("--steps", type=int, default=0,
                    help="steps per run; 0 = the trainer's default (a default-length run)")
     p.add_argument("--global_batch_size", type=int, default=0, help="0 = trainer default")
@@ -87,11 +88,12 @@ def final_loss(history, smooth):
     return sum(tail) / len(tail)
 
 
-def run_one(base, compression, extra, runtime, smooth):
+def run_one(base, spec, extra, runtime, smooth):
     from tfpar import ParallelConfig
     from tfpar.train import train
-    config = ParallelConfig(**base, compression=compression,
-                            **(extra if compression != "none" else {}))
+    compression, *pairs = spec.split(":")
+    settings = {**extra, **overrides(pairs)} if compression != "none" else {}
+    config = ParallelConfig(**{**base, **settings, "compression": compression})
     if runtime[0] is None:  # one runtime (strategy) for every run of the process
         from tfpar import backends
         runtime[0] = backends.for_config(config).build_runtime(config, None, None)
@@ -99,7 +101,8 @@ def run_one(base, compression, extra, runtime, smooth):
     result, _ = train(config, runtime=runtime[0])
     val = result.get("validation", {})
     finite = all(math.isfinite(v) for v in result["loss_history"])
-    return {"compression": compression, "final_loss": final_loss(result["loss_history"], smooth),
+    return {"compression": compression, "run": spec,
+            "final_loss": final_loss(result["loss_history"], smooth),
             "last_batch_loss": result["final_loss"], "val_loss": val.get("loss", math.nan),
             "val_accuracy": val.get("accuracy", math.nan), "finite": finite,
             "steps": len(result["loss_history"]), "seconds": time.perf_counter() - start,
@@ -143,7 +146,8 @@ def main(argv=None):
         common["global_batch_size"] = args.global_batch_size
     runtime = [None]
     rows = []
-    print(f"{'task':12} {'seed':>4} {'aggregator':10} {'final loss':>10} {'vs fp32':>8} "
+    width = max([10, *(len(a) for a in aggregators)])
+    print(f"{'task':12} {'seed':>4} {'aggregator':{width}} {'final loss':>10} {'vs fp32':>8} "
           f"{'val acc':>7} {'Δacc':>6}  verdict", flush=True)
     for task in tasks:
         for seed in seeds:
@@ -151,34 +155,40 @@ def main(argv=None):
             ref = run_one(base, "none", extra, runtime, args.smooth)
             ref.update(task=task, seed=seed, loss_gap=0.0, acc_drop=0.0, fails=[])
             rows.append(ref)
-            print(f"{task:12} {seed:4d} {'fp32':10} {ref['final_loss']:10.4f} {'—':>8} "
+            print(f"{task:12} {seed:4d} {'fp32':{width}} {ref['final_loss']:10.4f} {'—':>8} "
                   f"{ref['val_accuracy']:7.3f} {'—':>6}  ({ref['seconds']:.0f} s)", flush=True)
             for agg in aggregators:
                 row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args)
                 row.update(task=task, seed=seed)
                 rows.append(row)
-                print(f"{task:12} {seed:4d} {agg:10} {row['final_loss']:10.4f} "
+                print(f"{task:12} {seed:4d} {agg:{width}} {row['final_loss']:10.4f} "
                       f"{row['loss_gap']:+8.1%} {row['val_accuracy']:7.3f} "
                       f"{-row['acc_drop']:+6.3f}  {'; '.join(row['fails']) or 'ok'} "
                       f"({row['seconds']:.0f} s)", flush=True)
+                save(args, extra, rows, {}, None)  # so far, in case the run is cut short
     failed = [r for r in rows if r["fails"]]
     worst = {}
     for r in rows:
         if r["compression"] != "none":
-            w = worst.setdefault(r["compression"], {"loss_gap": -1e9, "acc_drop": -1e9})
+            w = worst.setdefault(r["run"], {"loss_gap": -1e9, "acc_drop": -1e9})
             w["loss_gap"] = max(w["loss_gap"], r["loss_gap"])
             w["acc_drop"] = max(w["acc_drop"], r["acc_drop"])
     print("worst over tasks and seeds: " + ", ".join(
         f"{k} loss {v['loss_gap']:+.1%} acc −{v['acc_drop']:.3f}" for k, v in worst.items()))
     print(f"{len(failed)} of {len(rows) - len(tasks) * len(seeds)} lossy runs fail "
           f"(loss gap > {args.max_loss_gap:.0%} or accuracy drop > {args.max_acc_drop})")
-    out = {"args": vars(args), "overrides": extra, "rows": rows, "worst": worst,
-           "failed": len(failed), "uptime": _uptime()}
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save(args, extra, rows, worst, len(failed))
     return 1 if failed else 0
+
+
+def save(args, extra, rows, worst, failed):
+    if not args.out:
+        return
+    out = {"args": vars(args), "overrides": extra, "rows": rows, "worst": worst,
+           "failed": failed, "complete": failed is not None, "loadavg": _uptime()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def _uptime():
