@@ -53,8 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--smooth", type=int, default=10)
     p.add_argument("--max_loss_gap", type=float, default=0.10,
                    help="fail when final loss > fp32's × (1 + this)")
-    p.add_argument("--max_acc_drop", type=float, default=0.02,
-                   help="fail when held-out accuracy < fp32's − this")
+    p.add_argument("--max_acc_drop", type=float, default=0.04,
+                   help="fail when held-out accuracy < fp32's − this (default: about two "
+                   "binomial standard deviations of an accuracy near 0.66 on the 8 × 64 "
+                   "held-out examples; fp16, lossless by its loss, moved it by 0.021)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ParallelConfig field for the lossy runs (repeatable)")
     p.add_argument("--out", default="runs/compression_quality.json")
@@ -149,8 +151,8 @@ def main(argv=None):
     width = max([10, *(len(a) for a in aggregators)])
     print(f"{'task':12} {'seed':>4} {'aggregator':{width}} {'final loss':>10} {'vs fp32':>8} "
           f"{'val acc':>7} {'Δacc':>6}  verdict", flush=True)
-    for task in tasks:
-        for seed in seeds:
+    for seed in seeds:  # seed-major: a cut-short run still has every task once
+        for task in tasks:
             base = {**common, **TASKS[task], "seed": seed}
             ref = run_one(base, "none", extra, runtime, args.smooth)
             ref.update(task=task, seed=seed, loss_gap=0.0, acc_drop=0.0, fails=[])
