@@ -8,7 +8,7 @@ generated ones (`mlp` teacher classification, `convnet` pattern images, `transfo
 sequence reversal) and a user-style `--dataset` pipeline (`user` = tests/user_data.py's
 `sign_of_sum`, with its own held-out batches).
 
-    python tools/bench_compression_quality.py                       # everything (~30 min idle)
+    python tools/bench_compression_quality.py      # everything: 2 seeds x 4 tasks x 7 runs
     python tools/bench_compression_quality.py --tasks=mlp --seeds=0 --aggregators=topk
     python tools/bench_compression_quality.py --set topk_ratio=0.05  # try other settings
 
