@@ -1,0 +1,205 @@
+"""Does a lossy aggregator at its defaults end where fp32 ends? Every task, two seeds.
+
+Trains each task with fp32 (`--compression=none`) and then with every lossy aggregator at
+its defaults (the `ParallelConfig` defaults: what a user gets from `--compression=X` alone),
+same seed, same batches, same steps, on `--cpu_devices` logical CPUs in one process
+(`tfpar.train.train` reusing one runtime; quality needs no shaped link). Tasks: the three
+generated ones (`mlp` teacher classification, `convnet` pattern images, `transformer`
+sequence reversal) and a user-style `--dataset` pipeline (`user` = tests/user_data.py's
+`sign_of_sum`, with its own held-out batches).
+
+    python tools/bench_compression_quality.py      # everything: 2 seeds x 4 tasks x 7 runs
+    python tools/bench_compression_quality.py --tasks=mlp --seeds=0 --aggregators=topk
+    python tools/bench_compression_quality.py --set topk_ratio=0.05  # try other settings
+
+Per run: the final loss (mean of the last `--smooth` batch losses; every run sees the same
+batches, so the means compare like for like), its relative gap to fp32's, and held-out loss
+and accuracy (`--validation_steps` batches of examples the training stream never reaches,
+after the last step). A run FAILS when its final loss is more than `--max_loss_gap` above
+fp32's or its held-out accuracy more than `--max_acc_drop` below. Prints a table, writes
+`--out` (JSON) and exits 1 if any run failed.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # user_data.py: the user-style pipeline
+
+LOSSY = ("fp16", "bf16", "int8", "topk", "threshold", "powersgd")
+TASKS = {"mlp": {"model": "mlp"}, "convnet": {"model": "convnet"},
+         "transformer": {"model": "transformer"},
+         "user": {"model": "mlp", "dataset": "user_data:sign_of_sum", "num_classes": 2}}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--aggregators", default=",".join(LOSSY),
+                   help="lossy aggregators to compare with fp32 (fp32 always runs); a variant "
+                   "is NAME:FIELD=VALUE[:FIELD=VALUE...], e.g. topk:topk_ratio=0.05")
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per run; 0 = the trainer's default (a default-length run)")
+    p.add_argument("--global_batch_size", type=int, default=0, help="0 = trainer default")
+    p.add_argument("--cpu_devices", type=int, default=2)
+    p.add_argument("--validation_steps", type=int, default=8)
+    p.add_argument("--smooth", type=int, default=10)
+    p.add_argument("--max_loss_gap", type=float, default=0.10,
+                   help="fail when final loss > fp32's × (1 + this)")
+    p.add_argument("--max_acc_drop", type=float, default=0.04,
+                   help="fail when held-out accuracy < fp32's − this (default: about two "
+                   "binomial standard deviations of an accuracy near 0.66 on the 8 × 64 "
+                   "held-out examples; fp16, lossless by its loss, moved it by 0.021)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ParallelConfig field for the lossy runs (repeatable)")
+    p.add_argument("--out", default="runs/compression_quality.json")
+    return p.parse_args(argv)
+
+
+def _value(text):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def overrides(pairs):
+    from tfpar import ParallelConfig
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in fields or not _:
+            sys.exit(f"bench_compression_quality: error: --set={pair!r} is invalid: "
+                     f"use FIELD=VALUE with a ParallelConfig field, e.g. topk_ratio=0.05")
+        out[name] = _value(value)
+    return out
+
+
+def final_loss(history, smooth):
+    tail = history[-smooth:]
+    return sum(tail) / len(tail)
+
+
+def run_one(base, spec, extra, runtime, smooth):
+    from tfpar import ParallelConfig
+    from tfpar.train import train
+    compression, *pairs = spec.split(":")
+    settings = {**extra, **overrides(pairs)} if compression != "none" else {}
+    config = ParallelConfig(**{**base, **settings, "compression": compression})
+    if runtime[0] is None:  # one runtime (strategy) for every run of the process
+        from tfpar import backends
+        runtime[0] = backends.for_config(config).build_runtime(config, None, None)
+    start = time.perf_counter()
+    result, _ = train(config, runtime=runtime[0])
+    val = result.get("validation", {})
+    finite = all(math.isfinite(v) for v in result["loss_history"])
+    return {"compression": compression, "run": spec,
+            "final_loss": final_loss(result["loss_history"], smooth),
+            "last_batch_loss": result["final_loss"], "val_loss": val.get("loss", math.nan),
+            "val_accuracy": val.get("accuracy", math.nan), "finite": finite,
+            "steps": len(result["loss_history"]), "seconds": time.perf_counter() - start,
+            "config": {k: getattr(config, k) for k in (
+                "topk_ratio", "topk_warmup_steps", "threshold", "powersgd_rank",
+                "powersgd_start_step", "error_feedback", "bucket_mb", "steps",
+                "global_batch_size", "optimizer", "learning_rate")}}
+
+
+def judge(row, ref, args):
+    row["loss_gap"] = row["final_loss"] / ref["final_loss"] - 1
+    row["acc_drop"] = ref["val_accuracy"] - row["val_accuracy"]
+    bad = []
+    if not row["finite"]:
+        bad.append("non-finite loss")
+    if row["loss_gap"] > args.max_loss_gap:
+        bad.append(f"loss {row['loss_gap']:+.1%}")
+    if row["acc_drop"] > args.max_acc_drop:
+        bad.append(f"accuracy −{row['acc_drop']:.3f}")
+    row["fails"] = bad
+    return row
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    extra = overrides(args.set)
+    tasks = [t for t in args.tasks.split(",") if t]
+    for t in tasks:
+        if t not in TASKS:
+            sys.exit(f"bench_compression_quality: error: --tasks={t!r} is invalid: "
+                     f"choose from {', '.join(TASKS)}")
+    aggregators = [a for a in args.aggregators.split(",") if a and a != "none"]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    from tfpar import ParallelConfig  # after argparse: --help stays fast
+    common = {"cpu_devices": args.cpu_devices, "validation_steps": args.validation_steps,
+              "verbose": 0}
+    if args.steps:
+        common["steps"] = args.steps
+    if args.global_batch_size:
+        common["global_batch_size"] = args.global_batch_size
+    runtime = [None]
+    rows = []
+    width = max([10, *(len(a) for a in aggregators)])
+    print(f"{'task':12} {'seed':>4} {'aggregator':{width}} {'final loss':>10} {'vs fp32':>8} "
+          f"{'val acc':>7} {'Δacc':>6}  verdict", flush=True)
+    for seed in seeds:  # seed-major: a cut-short run still has every task once
+        for task in tasks:
+            base = {**common, **TASKS[task], "seed": seed}
+            ref = run_one(base, "none", extra, runtime, args.smooth)
+            ref.update(task=task, seed=seed, loss_gap=0.0, acc_drop=0.0, fails=[])
+            rows.append(ref)
+            print(f"{task:12} {seed:4d} {'fp32':{width}} {ref['final_loss']:10.4f} {'—':>8} "
+                  f"{ref['val_accuracy']:7.3f} {'—':>6}  ({ref['seconds']:.0f} s)", flush=True)
+            for agg in aggregators:
+                row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args)
+                row.update(task=task, seed=seed)
+                rows.append(row)
+                print(f"{task:12} {seed:4d} {agg:{width}} {row['final_loss']:10.4f} "
+                      f"{row['loss_gap']:+8.1%} {row['val_accuracy']:7.3f} "
+                      f"{-row['acc_drop']:+6.3f}  {'; '.join(row['fails']) or 'ok'} "
+                      f"({row['seconds']:.0f} s)", flush=True)
+                save(args, extra, rows, {}, None)  # so far, in case the run is cut short
+    failed = [r for r in rows if r["fails"]]
+    worst = {}
+    for r in rows:
+        if r["compression"] != "none":
+            w = worst.setdefault(r["run"], {"loss_gap": -1e9, "acc_drop": -1e9})
+            w["loss_gap"] = max(w["loss_gap"], r["loss_gap"])
+            w["acc_drop"] = max(w["acc_drop"], r["acc_drop"])
+    print("worst over tasks and seeds: " + ", ".join(
+        f"{k} loss {v['loss_gap']:+.1%} acc −{v['acc_drop']:.3f}" for k, v in worst.items()))
+    print(f"{len(failed)} of {len(rows) - len(tasks) * len(seeds)} lossy runs fail "
+          f"(loss gap > {args.max_loss_gap:.0%} or accuracy drop > {args.max_acc_drop})")
+    save(args, extra, rows, worst, len(failed))
+    return 1 if failed else 0
+
+
+def save(args, extra, rows, worst, failed):
+    if not args.out:
+        return
+    out = {"args": vars(args), "overrides": extra, "rows": rows, "worst": worst,
+           "failed": failed, "complete": failed is not None, "loadavg": _uptime()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _uptime():
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
