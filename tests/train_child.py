@@ -21,7 +21,12 @@ def main():
     result, model = train(config)
     worker = os.environ.get("TFPAR_WORKER_INDEX")
     path = sys.argv[2] + (f".worker{worker}" if worker is not None else "") + ".npz"
-    np.savez(path, *[np.asarray(v) for v in model.weights])
+    if result.get("strategy") == "DTensorMesh":  # weights sharded on a mesh: gather them
+        from tfpar.layout.values import to_host
+        arrays = [to_host(v.value) for v in model.weights]
+    else:
+        arrays = [np.asarray(v) for v in model.weights]
+    np.savez(path, *arrays)
     keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
             "resumed_from_step", "strategy")
     print(json.dumps({k: result[k] for k in keys if k in result}), flush=True)

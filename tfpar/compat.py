@@ -23,15 +23,11 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # setting -> {backend: (the values that backend honours, why it honours no other)}.
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
-    "mixed_precision": {
-        "dtensor": (("none",), "the DTensor step has no mixed-precision path in tfpar yet"),
-    },
     "compression": {
         "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives, not "
                                "on a DTensor mesh"),
     },
     "grad_accum_steps": {
-        "dtensor": ((1,), "the DTensor step does not accumulate gradients yet"),
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
     },
     "pipeline_stages": {

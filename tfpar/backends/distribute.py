@@ -117,8 +117,16 @@ def fit_segments(config, runtime, model, task, callbacks, start):
                                                                      config, task),
                       "validation_steps": config.validation_steps}
     verbose = config.verbose if runtime.is_chief else 0
-    for initial, epochs, steps, first in checkpoint.fit_segments(start, config.steps,
-                                                                 config.steps_per_epoch):
+    segments = checkpoint.fit_segments(start, config.steps, config.steps_per_epoch)
+    if validation:
+        # One `fit` per epoch: Keras keeps its evaluation iterator between the epochs of one
+        # `fit`, and a distributed iterator may have read ahead of the last evaluation, so a
+        # later epoch could start the held-out data at another batch. A new `fit` starts a
+        # new iterator: every evaluation sees the same held-out batches.
+        segments = [(epoch, epoch + 1, steps, first + (epoch - initial) * steps)
+                    for initial, epochs, steps, first in segments
+                    for epoch in range(initial, epochs)]
+    for initial, epochs, steps, first in segments:
         dataset = data.distributed_dataset(runtime.strategy, config, task, first)
         model.fit(dataset, initial_epoch=initial, epochs=epochs, steps_per_epoch=steps,
                   callbacks=callbacks, verbose=verbose, shuffle=False, **validation)

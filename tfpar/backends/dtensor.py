@@ -1,18 +1,21 @@
 """`tensor_parallel > 1`: Keras 3 on a DTensor mesh (`tfpar.layout`).
 
 A `batch` × `model` mesh from `data_parallel` × `tensor_parallel`, the model's layout
-presets, the exact stateless step of `MeshTrainer`; global batches from `tfpar.data` split
-on the `batch` axis. One process (multi-worker is refused by `tfpar.compat`).
+presets, the exact stateless step of `MeshTrainer` (with bf16/fp16 mixed precision and
+in-step gradient accumulation); global batches from `tfpar.data` split on the `batch` axis.
+One process (multi-worker is refused by `tfpar.compat`).
 """
 
 import math
 import types
 
+import keras
 import tensorflow as tf
 from absl import logging
 
 from tfpar import checkpoint, data, devices, metrics
 from tfpar.backends import Backend
+from tfpar.backends.distribute import _POLICIES
 from tfpar.errors import TfparError
 from tfpar.layout import run, values
 from tfpar.layout.mesh import describe, mesh_for_config
@@ -32,6 +35,8 @@ class DTensorBackend(Backend):
                                  "--tensor_parallel>1; omit runtime")
             return runtime
         devices.split_cpu(config.cpu_devices)
+        if config.mixed_precision != "none":
+            keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
         mesh = mesh_for_config(config)
         return types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
                                      workers=1, worker_index=0, is_chief=True)

@@ -28,7 +28,17 @@ def build(config, task, mesh=None):
         mesh, rules,
         lambda: models.build(config.model, task.input_shape, task.num_classes,
                              width=config.model_width, depth=config.model_depth),
-        # No aggregator or loss scaling here: tfpar.compat refuses both with a mesh.
-        lambda: optimizers.make_optimizer(config),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        lambda: _optimizer(config),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        grad_accum_steps=config.grad_accum_steps)
     return mesh, model, trainer
+
+
+def _optimizer(config):
+    """The run's optimizer for the mesh step: no aggregator (tfpar.compat refuses one with
+    a mesh); with fp16 Keras's own `LossScaleOptimizer`, whose skip decision the mesh step
+    makes once for the whole mesh (the tf.distribute variant all-reduces it over replicas)."""
+    optimizer = optimizers.make_optimizer(config.replace(mixed_precision="none"))
+    if config.mixed_precision == "fp16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
