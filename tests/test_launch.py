@@ -215,7 +215,7 @@ def test_python_api():
     result = tfpar_launch.launch([sys.executable, "-c", "print('hi')"], workers=2, out=out,
                                  err=err, env=child_env())
     assert (result.returncode, result.restarts) == (0, 0)
-    assert result.attempts == (tfpar_launch.Attempt((0, 0), ""),)
+    assert result.attempts == (tfpar_launch.Attempt((0, 0), "", (0, 1)),)
     assert sorted(out.getvalue().splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
     assert err.getvalue() == f"tfpar.launch: {result.summary}\n"
     with pytest.raises(tfpar_launch.ConfigError, match="workers"):
@@ -225,3 +225,44 @@ def test_python_api():
 def test_free_ports_are_distinct():
     ports = tfpar_launch.free_ports(8)
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
+
+
+LOST_SLOT = """
+    import json, os, sys, time
+    slot, attempt = os.environ["TFPAR_SLOT"], int(os.environ["TFPAR_RESTART"])
+    if slot == "2":
+        sys.exit(3)  # its machine is gone: it fails in every attempt
+    time.sleep(0.5)  # the survivors would train; they exit 0 once slot 2 is gone
+    print(json.dumps({"slot": slot, "index": os.environ["TFPAR_WORKER_INDEX"],
+                      "workers": os.environ["TFPAR_NUM_WORKERS"], "attempt": attempt}))
+    print("tfpar: world size changed at step 7: 2 worker(s)", file=sys.stderr)
+"""
+
+
+def test_elastic_job_drops_a_lost_worker_and_goes_on():
+    result = launch("--workers=3", "--min_workers=2", "--max_restarts=3", "--lost_after=2",
+                    *worker(LOST_SLOT))
+    assert result.returncode == 0, result.stderr
+    assert "worker slot 2 is lost (failed 2 attempts in a row): continuing with 2 workers" \
+        in result.stderr
+    assert "training resumed at step 7 on 2 workers" in result.stderr
+    assert "world size 3 -> 2" in result.stderr
+    survivors = reports(result.stdout, 0) + reports(result.stdout, 1)
+    assert sorted((r["slot"], r["index"], r["workers"], r["attempt"]) for r in survivors) == [
+        ("0", "0", "2", 2), ("1", "1", "2", 2)]
+
+
+def test_elastic_job_stops_below_min_workers():
+    result = launch("--workers=3", "--min_workers=3", "--max_restarts=2", *worker(LOST_SLOT))
+    assert result.returncode == 1
+    assert "is lost" not in result.stderr
+    assert "failed: worker 2 exited with code 3 (3 attempt(s), 2 restarts)" in result.stderr
+
+
+def test_python_api_reports_the_world_size_changes():
+    result = tfpar_launch.launch([sys.executable, "-c", textwrap.dedent(LOST_SLOT)], 3,
+                                 min_workers=1, max_restarts=4, lost_after=1,
+                                 out=io.StringIO(), err=io.StringIO())
+    assert result.returncode == 0
+    assert result.elastic == ({"attempt": 1, "workers": 2},)
+    assert [a.slots for a in result.attempts] == [(0, 1, 2), (0, 1)]
