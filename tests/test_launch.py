@@ -194,7 +194,12 @@ def test_sigterm_to_the_launcher_reaches_every_worker():
 
 @pytest.mark.parametrize("args,message", [
     (["--workers=0", "--", "true"], "--workers=0"),
-    (["--", "true"], "--workers is required"),
+    (["--", "true"], "--workers (or --hosts) is required"),
+    (["--hosts=a:0", "--", "true"], "hosts='a:0' is invalid"),
+    (["--hosts=a:2,a:1", "--", "true"], "name each host once"),
+    (["--hosts=127.0.0.1:2", "--workers=3", "--runner=local", "--", "true"],
+     "must equal the slots of --hosts (2)"),
+    (["--workers=2", "--min_workers=3", "--", "true"], "min_workers=3 is invalid"),
     (["--workers=2"], "no worker command"),
     (["--workers=2", "--"], "no worker command"),
     (["--workers=2", "--bogus", "--", "true"], "bogus"),
@@ -266,3 +271,63 @@ def test_python_api_reports_the_world_size_changes():
     assert result.returncode == 0
     assert result.elastic == ({"attempt": 1, "workers": 2},)
     assert [a.slots for a in result.attempts] == [(0, 1, 2), (0, 1)]
+
+
+def test_hosts_with_the_local_runner_place_workers_and_build_tf_configs():
+    # Two "hosts" on loopback addresses, 2 slots and 1: worker i listens on its host.
+    result = launch("--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", *worker(REPORT_ENV))
+    assert result.returncode == 0, result.stderr
+    configs = [json.loads(reports(result.stdout, i)[0]["TF_CONFIG"]) for i in range(3)]
+    cluster = configs[0]["cluster"]["worker"]
+    assert [a.rsplit(":", 1)[0] for a in cluster] == ["127.0.0.1", "127.0.0.1", "127.0.0.2"]
+    assert len(set(cluster)) == 3
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in range(3)]
+    assert all(c["cluster"]["worker"] == cluster for c in configs)
+
+
+def test_hosts_with_base_port_use_fixed_ports_per_host():
+    result = launch("--hosts=127.0.0.1:2,127.0.0.2:2", "--runner=local", "--base_port=23456",
+                    *worker(REPORT_ENV))
+    assert result.returncode == 0, result.stderr
+    cluster = json.loads(reports(result.stdout, 0)[0]["TF_CONFIG"])["cluster"]["worker"]
+    assert cluster == ["127.0.0.1:23456", "127.0.0.1:23457", "127.0.0.2:23456",
+                       "127.0.0.2:23457"]
+
+
+def test_sigterm_to_a_multi_host_launcher_ends_every_worker(tmp_path):
+    code = f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()
+        print("started", flush=True)
+        time.sleep(60)
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "tfpar.launch",
+                             "--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", "--grace=2",
+                             *worker(code)], cwd=ROOT, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 20
+        while len(os.listdir(tmp_path)) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert all(gone(pid) for pid in pids)
+
+
+def test_ssh_command_carries_the_workers_environment():
+    env = {"TF_CONFIG": '{"a": 1}', "TFPAR_WORKER_INDEX": "1", "HOME": "/secret/home",
+           "PYTHONUNBUFFERED": "1"}
+    cmd = tfpar_launch.ssh_command("node2", ["python", "-m", "tfpar.train", "--x=a b"], env,
+                                   cwd="/srv/job dir")
+    assert cmd[:5] == ["ssh", "-tt", "-o", "BatchMode=yes", "node2"]
+    remote = cmd[5]
+    assert remote.startswith("cd '/srv/job dir' && exec env ")
+    assert """TF_CONFIG='{"a": 1}'""" in remote and "TFPAR_WORKER_INDEX=1" in remote
+    assert "HOME" not in remote  # only the launcher's variables travel
+    assert remote.endswith("python -m tfpar.train '--x=a b'")

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -67,10 +68,23 @@ def define_flags(flag_values=FLAGS):
                              "lost for good, and the job restarts from the last checkpoint "
                              "without it while at least this many remain (default: "
                              "--workers, i.e. never shrink).", lower_bound=1, **define)
+        flags.DEFINE_string("hosts", "", "Multi-host job: HOST:SLOTS,... (e.g. "
+                            "node1:2,node2:2); worker i runs on the host of slot i, started "
+                            "by --runner. Replaces --host; --workers defaults to the sum of "
+                            "the slots.", **define)
+        flags.DEFINE_enum("runner", "ssh", ["ssh", "local"], "How workers are started on "
+                          "--hosts: ssh (ssh -tt HOST 'cd CWD && env TF_CONFIG=... CMD'; "
+                          "ending the connection hangs up the remote worker) or local "
+                          "(processes on this machine listening on HOST, for tests).",
+                          **define)
+        flags.DEFINE_integer("base_port", 0, "With --hosts: worker k of a host listens on "
+                             "BASE_PORT+k; 0 = free ports found on this machine (only for "
+                             "addresses of this machine).", lower_bound=0, **define)
         flags.DEFINE_integer("lost_after", 2, "With --min_workers: failed attempts in a row "
                              "after which a worker counts as lost.", lower_bound=1, **define)
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
-                                   "max_restarts", "min_workers", "lost_after", "log_dir"],
+                                   "max_restarts", "min_workers", "lost_after", "hosts",
+                                   "runner", "base_port", "log_dir"],
                                   flag_values)
 
 
@@ -104,7 +118,7 @@ class LaunchResult:
 
 def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
            max_restarts=0, log_dir="", env=None, out=None, err=None, min_workers=None,
-           lost_after=2):
+           lost_after=2, hosts=None, runner=None, base_port=0):
     """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
 
     Args:
@@ -125,6 +139,13 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             starts the survivors (renumbered 0..M-1) and they resume from the last
             checkpoint, which restores on any world size (`tfpar.checkpoint`).
         lost_after: failed attempts in a row that make a slot lost.
+        hosts: multi-host job: `[(host, slots), ...]` (see `parse_hosts`); worker slot k
+            runs on the k-th slot's host, started by `runner`. `workers` must equal the
+            total of the slots. None: every worker on `host`, started locally.
+        runner: starts one worker: `runner(host, cmd, env, **popen_kwargs) -> Popen`
+            (`local_runner`, the default, or `ssh_runner`).
+        base_port: with `hosts`, worker j of a host listens on `base_port + j`; 0 = free
+            ports found by binding on this machine.
 
     Returns:
         A `LaunchResult`; `returncode` is 0 only if every worker of the last attempt exited 0.
@@ -147,6 +168,14 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
         raise ConfigError("min_workers", min_workers, f"must be between 1 and --workers={workers}")
     if lost_after < 1:
         raise ConfigError("lost_after", lost_after, "must be >= 1")
+    if hosts:
+        total = sum(count for _, count in hosts)
+        if total != workers:
+            raise ConfigError("workers", workers, f"must equal the slots of --hosts ({total})")
+        placement = [h for h, count in hosts for _ in range(count)]
+    else:
+        placement = [host] * workers
+    runner = runner or local_runner
     out, err = out or sys.stdout, err or sys.stderr
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
@@ -158,7 +187,7 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     with _caught_signals() as received:
         for number in range(max_restarts + 1):
             codes, failure, retry, blamed = _run_attempt(
-                list(cmd), slots, host, number, deadline, timeout, start_timeout, grace,
+                list(cmd), slots, placement, base_port, runner, number, deadline, timeout, start_timeout, grace,
                 log_dir, env, out, received, watch.on_line)
             attempts.append(Attempt(codes, failure, tuple(slots)))
             signalled = received[0] if received else None
@@ -216,14 +245,72 @@ def free_ports(count, host="127.0.0.1"):
             s.close()
 
 
-def _run_attempt(cmd, slots, host, number, deadline, timeout, start_timeout, grace, log_dir,
-                 env, out, received, on_line=None):
+def parse_hosts(text):
+    """`"node1:2,node2:2"` → `[("node1", 2), ("node2", 2)]` (IPv6 as `[::1]:2`).
+
+    Raises:
+        ConfigError: an item is not HOST:SLOTS with SLOTS >= 1, or a host repeats.
+    """
+    hosts = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, _, count = item.rpartition(":")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ConfigError("hosts", text, "use comma-separated HOST:SLOTS items with "
+                              "SLOTS >= 1, e.g. node1:2,node2:2")
+        hosts.append((name.strip("[]"), int(count)))
+    if not hosts:
+        raise ConfigError("hosts", text, "name at least one HOST:SLOTS, e.g. node1:2")
+    names = [h for h, _ in hosts]
+    if len(set(names)) != len(names):
+        raise ConfigError("hosts", text, "name each host once, with all its slots")
+    return hosts
+
+
+def local_runner(host, cmd, env, **popen_kwargs):
+    """Starts a worker on this machine (it listens on `host`, a local address)."""
+    return subprocess.Popen(cmd, env=env, **popen_kwargs)
+
+
+_FORWARDED = ("TF_CONFIG", "TFPAR_", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+
+
+def ssh_command(host, cmd, env, cwd=None):
+    """The `ssh` command line that runs `cmd` on `host` in `cwd` (default this directory)
+    with the launcher's variables of `env` (TF_CONFIG, TFPAR_*). `-tt` gives the remote
+    worker a terminal, so closing the connection (the launcher ending the local ssh) hangs
+    it up."""
+    pairs = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
+             if k.startswith(_FORWARDED)]
+    remote = (f"cd {shlex.quote(cwd or os.getcwd())} && exec env {' '.join(pairs)} "
+              + " ".join(shlex.quote(c) for c in cmd))
+    return ["ssh", "-tt", "-o", "BatchMode=yes", host, remote]
+
+
+def ssh_runner(host, cmd, env, **popen_kwargs):
+    """Starts a worker on `host` over ssh (see `ssh_command`)."""
+    return subprocess.Popen(ssh_command(host, cmd, env), env=env, **popen_kwargs)
+
+
+def _addresses(hosts, base_port):
+    """One listening address per worker: BASE_PORT+j for the j-th worker of a host, or free
+    ports (all found before any worker starts)."""
+    ports, seen = [], {}
+    for h in hosts:
+        seen[h] = seen.get(h, 0) + 1
+        ports.append(base_port + seen[h] - 1 if base_port else None)
+    if not base_port:
+        found = {h: iter(free_ports(n, h)) for h, n in seen.items()}
+        ports = [next(found[h]) for h in hosts]
+    return [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in zip(hosts, ports)]
+
+
+def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, timeout,
+                 start_timeout, grace, log_dir, env, out, received, on_line=None):
     """Starts all workers, watches them, stops them. Returns (exit codes, failure, retry,
     the slot of the worker that failed or None)."""
     workers = len(slots)
-    host = host.strip("[]")
-    ports = free_ports(workers, host)  # all found before any worker starts
-    addresses = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
+    hosts = [placement[s].strip("[]") for s in slots]
+    addresses = _addresses(hosts, base_port)
     ready = [False] * workers
     lock = threading.Lock()
     procs, pumps = [], []
@@ -238,9 +325,9 @@ def _run_attempt(cmd, slots, host, number, deadline, timeout, start_timeout, gra
             log = (open(os.path.join(log_dir, f"worker_{slots[i]}.log"), "a" if number else "w")
                    if log_dir else None)
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=worker_env,
-                                        start_new_session=True)
+                proc = runner(hosts[i], cmd, worker_env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
             except OSError as e:
                 if log:
                     log.close()
@@ -400,8 +487,8 @@ def _parse_argv(argv):
         extra = FLAGS(own)[1:]
     except flags.Error as e:
         _usage_error(str(e))
-    if FLAGS.workers is None:
-        _usage_error("--workers is required, e.g. --workers=2")
+    if FLAGS.workers is None and not FLAGS.hosts:
+        _usage_error("--workers (or --hosts) is required, e.g. --workers=2")
     if extra:
         _usage_error(f"unexpected argument(s) {' '.join(extra)!r} before '--'; usage: "
                      "python -m tfpar.launch --workers=N [flags] -- CMD...")
@@ -413,10 +500,14 @@ def _parse_argv(argv):
 
 def main(cmd):
     try:
-        result = launch(cmd, FLAGS.workers, host=FLAGS.host, timeout=FLAGS.timeout,
+        hosts = parse_hosts(FLAGS.hosts) if FLAGS.hosts else None
+        workers = FLAGS.workers or sum(n for _, n in hosts)
+        runner = ssh_runner if hosts and FLAGS.runner == "ssh" else local_runner
+        result = launch(cmd, workers, host=FLAGS.host, timeout=FLAGS.timeout,
                         start_timeout=FLAGS.start_timeout, grace=FLAGS.grace,
                         max_restarts=FLAGS.max_restarts, log_dir=FLAGS.log_dir,
-                        min_workers=FLAGS.min_workers, lost_after=FLAGS.lost_after)
+                        min_workers=FLAGS.min_workers, lost_after=FLAGS.lost_after,
+                        hosts=hosts, runner=runner, base_port=FLAGS.base_port)
     except TfparError as e:
         _usage_error(str(e))
     return result.returncode
