@@ -76,7 +76,9 @@ class Checkpointer(keras.callbacks.Callback):
         self._write_dir = (self.directory if runtime.is_chief
                            else os.path.join(self.directory, f".worker_{runtime.worker_index}"))
         self._is_chief = runtime.is_chief
-        self._world = {"workers": runtime.workers, "replicas": runtime.replicas}
+        # The world size, when the runtime knows it (a user's own script's does not).
+        self._world = ({"workers": runtime.workers, "replicas": runtime.replicas}
+                       if hasattr(runtime, "workers") and hasattr(runtime, "replicas") else None)
         self.elastic = []  # world-size changes so far, as the metrics' `elastic` list
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, self._write_dir, max_to_keep=config.keep_checkpoints,
@@ -104,6 +106,8 @@ class Checkpointer(keras.callbacks.Callback):
     def _note_world(self, step):
         """Compares the world size with the one the checkpoint was written by; logs and (chief)
         records a change. Returns the changes so far (empty if there was none)."""
+        if self._world is None:
+            return []
         history = read_world(self.directory)
         last = history[-1] if history else None
         if last is not None and (last["workers"], last["replicas"]) != (
@@ -137,7 +141,7 @@ class Checkpointer(keras.callbacks.Callback):
             # Before any checkpoint file: a first save cut short must leave a directory
             # that a restart recognises as its own, not one it refuses as foreign.
             write_marker(self.config)
-            if not os.path.exists(os.path.join(self.directory, WORLD)):
+            if self._world and not os.path.exists(os.path.join(self.directory, WORLD)):
                 write_json_atomic(os.path.join(self.directory, WORLD),
                                   [{"step": 0, **self._world}])
         # Write callbacks run after the files are written, before the state file names
