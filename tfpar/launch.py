@@ -187,8 +187,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     with _caught_signals() as received:
         for number in range(max_restarts + 1):
             codes, failure, retry, blamed = _run_attempt(
-                list(cmd), slots, placement, base_port, runner, number, deadline, timeout, start_timeout, grace,
-                log_dir, env, out, received, watch.on_line)
+                list(cmd), slots, placement, base_port, runner, number, deadline, timeout,
+                start_timeout, grace, log_dir, env, out, received, watch.on_line)
             attempts.append(Attempt(codes, failure, tuple(slots)))
             signalled = received[0] if received else None
             if not failure or not retry or number == max_restarts:
@@ -335,7 +335,8 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
             procs.append(proc)
             logging.info("worker %d: pid %d, address %s", i, proc.pid, addresses[i])
             pumps.append(threading.Thread(
-                target=_pump, args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i, on_line),
+                target=_pump,
+                args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i, on_line),
                 daemon=True))
             pumps[-1].start()
         failure, retry, failed = _watch(procs, ready, deadline, timeout, start_timeout,
