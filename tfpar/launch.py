@@ -16,6 +16,17 @@ Example:
     python -m tfpar.launch --workers=2 --timeout=600 -- \
         python -m tfpar.train --strategy=multi_worker
 
+Elastic: with `--min_workers=M` (< N) a worker slot that fails `--lost_after` attempts in a
+row is lost for good, and the next attempt starts only the survivors (at least M; slot k keeps
+`TFPAR_SLOT=k`, worker indices are renumbered), which resume from the last checkpoint on the
+new world size (`tfpar.checkpoint`). The launcher says which slot was lost and, when the
+trainer reports the resume, at which step and how long after the loss.
+
+Multi-host: `--hosts=node1:2,node2:2` puts worker slots on hosts (in that order), builds the
+TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by default, `local`
+for tests); signals and the end of the job reach every worker as above (over ssh, through
+the connection).
+
 `--log_dir` is absl's own flag, reused: when set, worker i's output also goes to
 LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
 """
