@@ -7,6 +7,7 @@ batch is kept, and the loss curve continues the uninterrupted run's.
 """
 
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -33,6 +34,9 @@ def test_resume_on_another_replica_count(tmp_path, before, after, report_measure
     first, _ = _train(tmp_path, "first", cpu_devices=before, steps=6, checkpoint_dir=ckpt,
                       checkpoint_every=6)
     assert first["replicas"] == before and first["steps"] == 6
+    # A copy for the training run (restoring records the change of world size in the
+    # directory it restores from).
+    shutil.copytree(ckpt, tmp_path / "ckpt_train")
 
     # The residuals as restored on `after` replicas, before any step.
     config = {**BASE, "cpu_devices": after, "steps": 12, "checkpoint_dir": ckpt,
@@ -58,10 +62,13 @@ def test_resume_on_another_replica_count(tmp_path, before, after, report_measure
     assert owed > 0, "the residuals were all zero: the test would not see a lost sum"
 
     resumed, err = _train(tmp_path, "resumed", cpu_devices=after, steps=12,
-                          checkpoint_dir=ckpt, checkpoint_every=6)
+                          checkpoint_dir=str(tmp_path / "ckpt_train"), checkpoint_every=6,
+                          metrics_json=str(tmp_path / "resumed.json"))
     whole, _ = _train(tmp_path, "whole", cpu_devices=before, steps=12)
     assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 6
     assert "world size changed at step 6" in err
+    with open(tmp_path / "resumed.json") as f:
+        assert json.load(f)["elastic"] == [{"step": 6, "workers": 1, "replicas": after}]
     losses, reference = np.array(resumed["loss_history"]), np.array(whole["loss_history"][6:])
     jump = abs(losses[0] - reference[0]) / reference[0]
     worst = float(np.max(np.abs(losses - reference) / reference))
