@@ -194,7 +194,12 @@ def test_sigterm_to_the_launcher_reaches_every_worker():
 
 @pytest.mark.parametrize("args,message", [
     (["--workers=0", "--", "true"], "--workers=0"),
-    (["--", "true"], "--workers is required"),
+    (["--", "true"], "--workers (or --hosts) is required"),
+    (["--hosts=a:0", "--", "true"], "hosts='a:0' is invalid"),
+    (["--hosts=a:2,a:1", "--", "true"], "name each host once"),
+    (["--hosts=127.0.0.1:2", "--workers=3", "--runner=local", "--", "true"],
+     "must equal the slots of --hosts (2)"),
+    (["--workers=2", "--min_workers=3", "--", "true"], "min_workers=3 is invalid"),
     (["--workers=2"], "no worker command"),
     (["--workers=2", "--"], "no worker command"),
     (["--workers=2", "--bogus", "--", "true"], "bogus"),
@@ -215,7 +220,7 @@ def test_python_api():
     result = tfpar_launch.launch([sys.executable, "-c", "print('hi')"], workers=2, out=out,
                                  err=err, env=child_env())
     assert (result.returncode, result.restarts) == (0, 0)
-    assert result.attempts == (tfpar_launch.Attempt((0, 0), ""),)
+    assert result.attempts == (tfpar_launch.Attempt((0, 0), "", (0, 1)),)
     assert sorted(out.getvalue().splitlines()) == ["[worker 0] hi", "[worker 1] hi"]
     assert err.getvalue() == f"tfpar.launch: {result.summary}\n"
     with pytest.raises(tfpar_launch.ConfigError, match="workers"):
@@ -225,3 +230,104 @@ def test_python_api():
 def test_free_ports_are_distinct():
     ports = tfpar_launch.free_ports(8)
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
+
+
+LOST_SLOT = """
+    import json, os, sys, time
+    slot, attempt = os.environ["TFPAR_SLOT"], int(os.environ["TFPAR_RESTART"])
+    if slot == "2":
+        sys.exit(3)  # its machine is gone: it fails in every attempt
+    time.sleep(0.5)  # the survivors would train; they exit 0 once slot 2 is gone
+    print(json.dumps({"slot": slot, "index": os.environ["TFPAR_WORKER_INDEX"],
+                      "workers": os.environ["TFPAR_NUM_WORKERS"], "attempt": attempt}))
+    print("tfpar: world size changed at step 7: 2 worker(s)", file=sys.stderr)
+"""
+
+
+def test_elastic_job_drops_a_lost_worker_and_goes_on():
+    result = launch("--workers=3", "--min_workers=2", "--max_restarts=3", "--lost_after=2",
+                    *worker(LOST_SLOT))
+    assert result.returncode == 0, result.stderr
+    assert "worker slot 2 is lost (failed 2 attempts in a row): continuing with 2 workers" \
+        in result.stderr
+    assert "training resumed at step 7 on 2 workers" in result.stderr
+    assert "world size 3 -> 2" in result.stderr
+    survivors = reports(result.stdout, 0) + reports(result.stdout, 1)
+    assert sorted((r["slot"], r["index"], r["workers"], r["attempt"]) for r in survivors) == [
+        ("0", "0", "2", 2), ("1", "1", "2", 2)]
+
+
+def test_elastic_job_stops_below_min_workers():
+    result = launch("--workers=3", "--min_workers=3", "--max_restarts=2", *worker(LOST_SLOT))
+    assert result.returncode == 1
+    assert "is lost" not in result.stderr
+    assert "failed: worker 2 exited with code 3 (3 attempt(s), 2 restarts)" in result.stderr
+
+
+def test_python_api_reports_the_world_size_changes():
+    result = tfpar_launch.launch([sys.executable, "-c", textwrap.dedent(LOST_SLOT)], 3,
+                                 min_workers=1, max_restarts=4, lost_after=1,
+                                 out=io.StringIO(), err=io.StringIO())
+    assert result.returncode == 0
+    assert result.elastic == ({"attempt": 1, "workers": 2},)
+    assert [a.slots for a in result.attempts] == [(0, 1, 2), (0, 1)]
+
+
+def test_hosts_with_the_local_runner_place_workers_and_build_tf_configs():
+    # Two "hosts" on loopback addresses, 2 slots and 1: worker i listens on its host.
+    result = launch("--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", *worker(REPORT_ENV))
+    assert result.returncode == 0, result.stderr
+    configs = [json.loads(reports(result.stdout, i)[0]["TF_CONFIG"]) for i in range(3)]
+    cluster = configs[0]["cluster"]["worker"]
+    assert [a.rsplit(":", 1)[0] for a in cluster] == ["127.0.0.1", "127.0.0.1", "127.0.0.2"]
+    assert len(set(cluster)) == 3
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in range(3)]
+    assert all(c["cluster"]["worker"] == cluster for c in configs)
+
+
+def test_hosts_with_base_port_use_fixed_ports_per_host():
+    result = launch("--hosts=127.0.0.1:2,127.0.0.2:2", "--runner=local", "--base_port=23456",
+                    *worker(REPORT_ENV))
+    assert result.returncode == 0, result.stderr
+    cluster = json.loads(reports(result.stdout, 0)[0]["TF_CONFIG"])["cluster"]["worker"]
+    assert cluster == ["127.0.0.1:23456", "127.0.0.1:23457", "127.0.0.2:23456",
+                       "127.0.0.2:23457"]
+
+
+def test_sigterm_to_a_multi_host_launcher_ends_every_worker(tmp_path):
+    code = f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()
+        print("started", flush=True)
+        time.sleep(60)
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "tfpar.launch",
+                             "--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", "--grace=2",
+                             *worker(code)], cwd=ROOT, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 20
+        while len(os.listdir(tmp_path)) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert all(gone(pid) for pid in pids)
+
+
+def test_ssh_command_carries_the_workers_environment():
+    env = {"TF_CONFIG": '{"a": 1}', "TFPAR_WORKER_INDEX": "1", "HOME": "/secret/home",
+           "PYTHONUNBUFFERED": "1"}
+    cmd = tfpar_launch.ssh_command("node2", ["python", "-m", "tfpar.train", "--x=a b"], env,
+                                   cwd="/srv/job dir")
+    assert cmd[:5] == ["ssh", "-tt", "-o", "BatchMode=yes", "node2"]
+    remote = cmd[5]
+    assert remote.startswith("cd '/srv/job dir' && exec env ")
+    assert """TF_CONFIG='{"a": 1}'""" in remote and "TFPAR_WORKER_INDEX=1" in remote
+    assert "HOME" not in remote  # only the launcher's variables travel
+    assert remote.endswith("python -m tfpar.train '--x=a b'")

@@ -16,6 +16,15 @@ the others to a scratch directory they delete afterwards. Every worker restores 
 chief's directory, so all resume at the same step (the directory must be shared, as it is
 for workers on one machine or on a shared filesystem).
 
+Another world size: a checkpoint written by N workers (or replicas) restores on M. The
+saved state does not depend on the count: the model and optimizer are the same on every
+replica, the global batch is a setting (`global_batch_size`, checked by the marker), so
+each step consumes the same examples whatever the split (`tfpar.data`: example `i` of step
+`s` is the same for any number of replicas), and the aggregators' per-replica residuals
+are re-distributed with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`).
+`world.json` records each change as `{"step", "workers", "replicas"}` (the metrics'
+`elastic` list).
+
 A `tfpar.json` marker records the settings the saved variables depend on. A directory that
 holds files but no marker is someone else's and is refused, never overwritten; a marker
 from an incompatible run is refused with what differs.
@@ -34,6 +43,7 @@ from tfpar import faults
 from tfpar.errors import ConfigError
 
 MARKER = "tfpar.json"
+WORLD = "world.json"
 # Settings that change which variables exist or what they mean.
 _STATE_SETTINGS = ("model", "model_width", "model_depth", "dataset", "num_classes",
                    "optimizer", "grad_accum_steps", "mixed_precision", "compression",
@@ -66,6 +76,10 @@ class Checkpointer(keras.callbacks.Callback):
         self._write_dir = (self.directory if runtime.is_chief
                            else os.path.join(self.directory, f".worker_{runtime.worker_index}"))
         self._is_chief = runtime.is_chief
+        # The world size, when the runtime knows it (a user's own script's does not).
+        self._world = ({"workers": runtime.workers, "replicas": runtime.replicas}
+                       if hasattr(runtime, "workers") and hasattr(runtime, "replicas") else None)
+        self.elastic = []  # world-size changes so far, as the metrics' `elastic` list
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, self._write_dir, max_to_keep=config.keep_checkpoints,
             checkpoint_name="ckpt")
@@ -86,7 +100,30 @@ class Checkpointer(keras.callbacks.Callback):
                               f"its checkpoint {os.path.basename(latest)} does not match this "
                               f"model and optimizer ({str(err).splitlines()[0]})") from None
         self._step = self._saved = int(self.step.numpy())
+        self.elastic = self._note_world(self._step)
         return self._step
+
+    def _note_world(self, step):
+        """Compares the world size with the one the checkpoint was written by; logs and (chief)
+        records a change. Returns the changes so far (empty if there was none)."""
+        if self._world is None:
+            return []
+        history = read_world(self.directory)
+        last = history[-1] if history else None
+        if last is not None and (last["workers"], last["replicas"]) != (
+                self._world["workers"], self._world["replicas"]):
+            logging.warning(
+                "tfpar: world size changed at step %d: %d worker(s), %d replica(s) (the "
+                "checkpoint was written by %d worker(s), %d replica(s)); global batch kept at "
+                "%d (%d per replica); residuals re-distributed with their sum kept",
+                step, self._world["workers"], self._world["replicas"], last["workers"],
+                last["replicas"], self.config.global_batch_size,
+                self.config.global_batch_size // self._world["replicas"])
+            history.append({"step": step, **self._world})
+            if self._is_chief:
+                write_json_atomic(os.path.join(self.directory, WORLD), history)
+        return [{"step": h["step"], "workers": h["workers"], "replicas": h["replicas"]}
+                for h in history[1:]]
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
@@ -104,6 +141,9 @@ class Checkpointer(keras.callbacks.Callback):
             # Before any checkpoint file: a first save cut short must leave a directory
             # that a restart recognises as its own, not one it refuses as foreign.
             write_marker(self.config)
+            if self._world and not os.path.exists(os.path.join(self.directory, WORLD)):
+                write_json_atomic(os.path.join(self.directory, WORLD),
+                                  [{"step": 0, **self._world}])
         # Write callbacks run after the files are written, before the state file names
         # them: the pause (off unless a test asks for it) opens that window to kill in.
         step = self._step
@@ -155,6 +195,23 @@ def check_directory(config):
                           f"holds files tfpar did not write ({', '.join(sorted(foreign)[:3])}"
                           f"{', …' if len(foreign) > 3 else ''}); choose an empty or new "
                           "directory so nothing of yours is overwritten")
+
+
+def read_world(directory):
+    """The world sizes a checkpoint directory was trained at: `[{"step", "workers",
+    "replicas"}, ...]`, first the one that started it (empty if none was recorded)."""
+    try:
+        with open(os.path.join(directory, WORLD)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
+
+
+def write_json_atomic(path, value):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
 
 
 def write_marker(config):

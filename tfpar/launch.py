@@ -16,6 +16,17 @@ Example:
     python -m tfpar.launch --workers=2 --timeout=600 -- \
         python -m tfpar.train --strategy=multi_worker
 
+Elastic: with `--min_workers=M` (< N) a worker slot that fails `--lost_after` attempts in a
+row is lost for good, and the next attempt starts only the survivors (at least M; slot k keeps
+`TFPAR_SLOT=k`, worker indices are renumbered), which resume from the last checkpoint on the
+new world size (`tfpar.checkpoint`). The launcher says which slot was lost and, when the
+trainer reports the resume, at which step and how long after the loss.
+
+Multi-host: `--hosts=node1:2,node2:2` puts worker slots on hosts (in that order), builds the
+TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by default, `local`
+for tests); signals and the end of the job reach every worker as above (over ssh, through
+the connection).
+
 `--log_dir` is absl's own flag, reused: when set, worker i's output also goes to
 LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
 """
@@ -23,6 +34,8 @@ LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
 import contextlib
 import dataclasses
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -61,8 +74,29 @@ def define_flags(flag_values=FLAGS):
         flags.DEFINE_integer("max_restarts", 0, "When a worker fails (or misses "
                              "--start_timeout), stop the others and restart all on new ports, "
                              "up to this many times.", lower_bound=0, **define)
+        flags.DEFINE_integer("min_workers", None, "Elastic job: the fewest workers to go on "
+                             "with. A worker that fails --lost_after attempts in a row is "
+                             "lost for good, and the job restarts from the last checkpoint "
+                             "without it while at least this many remain (default: "
+                             "--workers, i.e. never shrink).", lower_bound=1, **define)
+        flags.DEFINE_string("hosts", "", "Multi-host job: HOST:SLOTS,... (e.g. "
+                            "node1:2,node2:2); worker i runs on the host of slot i, started "
+                            "by --runner. Replaces --host; --workers defaults to the sum of "
+                            "the slots.", **define)
+        flags.DEFINE_enum("runner", "ssh", ["ssh", "local"], "How workers are started on "
+                          "--hosts: ssh (ssh -tt HOST 'cd CWD && env TF_CONFIG=... CMD'; "
+                          "ending the connection hangs up the remote worker) or local "
+                          "(processes on this machine listening on HOST, for tests).",
+                          **define)
+        flags.DEFINE_integer("base_port", 0, "With --hosts: worker k of a host listens on "
+                             "BASE_PORT+k; 0 = free ports found on this machine (only for "
+                             "addresses of this machine).", lower_bound=0, **define)
+        flags.DEFINE_integer("lost_after", 2, "With --min_workers: failed attempts in a row "
+                             "after which a worker counts as lost.", lower_bound=1, **define)
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
-                                   "max_restarts", "log_dir"], flag_values)
+                                   "max_restarts", "min_workers", "lost_after", "hosts",
+                                   "runner", "base_port", "log_dir"],
+                                  flag_values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +110,7 @@ class Attempt:
 
     exit_codes: tuple
     failure: str
+    slots: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +120,7 @@ class LaunchResult:
     returncode: int
     attempts: tuple
     summary: str
+    elastic: tuple = ()
 
     @property
     def restarts(self):
@@ -92,7 +128,8 @@ class LaunchResult:
 
 
 def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
-           max_restarts=0, log_dir="", env=None, out=None, err=None):
+           max_restarts=0, log_dir="", env=None, out=None, err=None, min_workers=None,
+           lost_after=2, hosts=None, runner=None, base_port=0):
     """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
 
     Args:
@@ -107,6 +144,19 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
         env: base environment of the workers (default: this process's).
         out: where prefixed worker lines go (default sys.stdout).
         err: where the launcher's own messages go (default sys.stderr).
+        min_workers: elastic job: the fewest workers to continue with (default `workers`:
+            never shrink). Worker slot k (`TFPAR_SLOT`, its index in the first attempt)
+            that fails `lost_after` attempts in a row is lost for good; the next attempt
+            starts the survivors (renumbered 0..M-1) and they resume from the last
+            checkpoint, which restores on any world size (`tfpar.checkpoint`).
+        lost_after: failed attempts in a row that make a slot lost.
+        hosts: multi-host job: `[(host, slots), ...]` (see `parse_hosts`); worker slot k
+            runs on the k-th slot's host, started by `runner`. `workers` must equal the
+            total of the slots. None: every worker on `host`, started locally.
+        runner: starts one worker: `runner(host, cmd, env, **popen_kwargs) -> Popen`
+            (`local_runner`, the default, or `ssh_runner`).
+        base_port: with `hosts`, worker j of a host listens on `base_port + j`; 0 = free
+            ports found by binding on this machine.
 
     Returns:
         A `LaunchResult`; `returncode` is 0 only if every worker of the last attempt exited 0.
@@ -124,31 +174,61 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
                         ("grace", grace), ("max_restarts", max_restarts)):
         if value < 0:
             raise ConfigError(name, value, "must be >= 0")
+    min_workers = workers if min_workers is None else min_workers
+    if not 1 <= min_workers <= workers:
+        raise ConfigError("min_workers", min_workers, f"must be between 1 and --workers={workers}")
+    if lost_after < 1:
+        raise ConfigError("lost_after", lost_after, "must be >= 1")
+    if hosts:
+        total = sum(count for _, count in hosts)
+        if total != workers:
+            raise ConfigError("workers", workers, f"must equal the slots of --hosts ({total})")
+        placement = [h for h, count in hosts for _ in range(count)]
+    else:
+        placement = [host] * workers
+    runner = runner or local_runner
     out, err = out or sys.stdout, err or sys.stderr
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     deadline = time.monotonic() + timeout if timeout else None
     attempts, signalled = [], None
+    slots = list(range(workers))  # the slots of the next attempt; worker i runs slots[i]
+    failed_in_a_row = dict.fromkeys(slots, 0)
+    elastic, watch = [], _ElasticWatch(err)
     with _caught_signals() as received:
         for number in range(max_restarts + 1):
-            codes, failure, retry = _run_attempt(
-                list(cmd), workers, host, number, deadline, timeout, start_timeout, grace,
-                log_dir, env, out, received)
-            attempts.append(Attempt(codes, failure))
+            codes, failure, retry, blamed = _run_attempt(
+                list(cmd), slots, placement, base_port, runner, number, deadline, timeout,
+                start_timeout, grace, log_dir, env, out, received, watch.on_line)
+            attempts.append(Attempt(codes, failure, tuple(slots)))
             signalled = received[0] if received else None
             if not failure or not retry or number == max_restarts:
                 break
-            _say(err, f"attempt {number}: {failure}; restarting all {workers} workers on new "
+            for slot in failed_in_a_row:
+                failed_in_a_row[slot] = failed_in_a_row[slot] + 1 if slot == blamed else 0
+            if (blamed is not None and failed_in_a_row[blamed] >= lost_after
+                    and len(slots) - 1 >= min_workers and len(slots) > 1):
+                slots.remove(blamed)
+                elastic.append({"attempt": number + 1, "workers": len(slots)})
+                _say(err, f"attempt {number}: {failure}; worker slot {blamed} is lost (failed "
+                          f"{failed_in_a_row[blamed]} attempts in a row): continuing with "
+                          f"{len(slots)} workers (--min_workers={min_workers}) from the last "
+                          f"checkpoint (restart {number + 1} of {max_restarts})")
+                watch.lost(len(slots))
+                continue
+            _say(err, f"attempt {number}: {failure}; restarting all {len(slots)} workers on new "
                       f"ports (restart {number + 1} of {max_restarts})")
     failure = attempts[-1].failure
-    summary = f"failed: {failure}" if failure else f"all {workers} workers exited 0"
+    summary = f"failed: {failure}" if failure else f"all {len(slots)} workers exited 0"
     if max_restarts:
         restarts = len(attempts) - 1
         plural = "" if restarts == 1 else "s"
         summary += f" ({len(attempts)} attempt(s), {restarts} restart{plural})"
+    if elastic:
+        summary += f"; world size {workers} -> {len(slots)}"
     _say(err, summary)
     returncode = 128 + signalled if signalled else (1 if failure else 0)
-    return LaunchResult(returncode, tuple(attempts), summary)
+    return LaunchResult(returncode, tuple(attempts), summary, tuple(elastic))
 
 
 def free_ports(count, host="127.0.0.1"):
@@ -176,12 +256,72 @@ def free_ports(count, host="127.0.0.1"):
             s.close()
 
 
-def _run_attempt(cmd, workers, host, number, deadline, timeout, start_timeout, grace, log_dir,
-                 env, out, received):
-    """Starts all workers, watches them, stops them. Returns (exit codes, failure, retry)."""
-    host = host.strip("[]")
-    ports = free_ports(workers, host)  # all found before any worker starts
-    addresses = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
+def parse_hosts(text):
+    """`"node1:2,node2:2"` → `[("node1", 2), ("node2", 2)]` (IPv6 as `[::1]:2`).
+
+    Raises:
+        ConfigError: an item is not HOST:SLOTS with SLOTS >= 1, or a host repeats.
+    """
+    hosts = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, _, count = item.rpartition(":")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ConfigError("hosts", text, "use comma-separated HOST:SLOTS items with "
+                              "SLOTS >= 1, e.g. node1:2,node2:2")
+        hosts.append((name.strip("[]"), int(count)))
+    if not hosts:
+        raise ConfigError("hosts", text, "name at least one HOST:SLOTS, e.g. node1:2")
+    names = [h for h, _ in hosts]
+    if len(set(names)) != len(names):
+        raise ConfigError("hosts", text, "name each host once, with all its slots")
+    return hosts
+
+
+def local_runner(host, cmd, env, **popen_kwargs):
+    """Starts a worker on this machine (it listens on `host`, a local address)."""
+    return subprocess.Popen(cmd, env=env, **popen_kwargs)
+
+
+_FORWARDED = ("TF_CONFIG", "TFPAR_", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+
+
+def ssh_command(host, cmd, env, cwd=None):
+    """The `ssh` command line that runs `cmd` on `host` in `cwd` (default this directory)
+    with the launcher's variables of `env` (TF_CONFIG, TFPAR_*). `-tt` gives the remote
+    worker a terminal, so closing the connection (the launcher ending the local ssh) hangs
+    it up."""
+    pairs = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
+             if k.startswith(_FORWARDED)]
+    remote = (f"cd {shlex.quote(cwd or os.getcwd())} && exec env {' '.join(pairs)} "
+              + " ".join(shlex.quote(c) for c in cmd))
+    return ["ssh", "-tt", "-o", "BatchMode=yes", host, remote]
+
+
+def ssh_runner(host, cmd, env, **popen_kwargs):
+    """Starts a worker on `host` over ssh (see `ssh_command`)."""
+    return subprocess.Popen(ssh_command(host, cmd, env), env=env, **popen_kwargs)
+
+
+def _addresses(hosts, base_port):
+    """One listening address per worker: BASE_PORT+j for the j-th worker of a host, or free
+    ports (all found before any worker starts)."""
+    ports, seen = [], {}
+    for h in hosts:
+        seen[h] = seen.get(h, 0) + 1
+        ports.append(base_port + seen[h] - 1 if base_port else None)
+    if not base_port:
+        found = {h: iter(free_ports(n, h)) for h, n in seen.items()}
+        ports = [next(found[h]) for h in hosts]
+    return [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in zip(hosts, ports)]
+
+
+def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, timeout,
+                 start_timeout, grace, log_dir, env, out, received, on_line=None):
+    """Starts all workers, watches them, stops them. Returns (exit codes, failure, retry,
+    the slot of the worker that failed or None)."""
+    workers = len(slots)
+    hosts = [placement[s].strip("[]") for s in slots]
+    addresses = _addresses(hosts, base_port)
     ready = [False] * workers
     lock = threading.Lock()
     procs, pumps = [], []
@@ -189,15 +329,16 @@ def _run_attempt(cmd, workers, host, number, deadline, timeout, start_timeout, g
         for i in range(workers):
             worker_env = dict(os.environ if env is None else env)
             worker_env.update(TF_CONFIG=tf_config.make(addresses, i), TFPAR_WORKER_INDEX=str(i),
-                              TFPAR_NUM_WORKERS=str(workers), TFPAR_RESTART=str(number))
+                              TFPAR_NUM_WORKERS=str(workers), TFPAR_RESTART=str(number),
+                              TFPAR_SLOT=str(slots[i]))
             # Python workers writing to a pipe block-buffer; unbuffered output appears live.
             worker_env.setdefault("PYTHONUNBUFFERED", "1")
-            log = (open(os.path.join(log_dir, f"worker_{i}.log"), "a" if number else "w")
+            log = (open(os.path.join(log_dir, f"worker_{slots[i]}.log"), "a" if number else "w")
                    if log_dir else None)
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=worker_env,
-                                        start_new_session=True)
+                proc = runner(hosts[i], cmd, worker_env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
             except OSError as e:
                 if log:
                     log.close()
@@ -205,38 +346,44 @@ def _run_attempt(cmd, workers, host, number, deadline, timeout, start_timeout, g
             procs.append(proc)
             logging.info("worker %d: pid %d, address %s", i, proc.pid, addresses[i])
             pumps.append(threading.Thread(
-                target=_pump, args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i),
+                target=_pump,
+                args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i, on_line),
                 daemon=True))
             pumps[-1].start()
-        failure, retry = _watch(procs, ready, deadline, timeout, start_timeout, received)
+        failure, retry, failed = _watch(procs, ready, deadline, timeout, start_timeout,
+                                        received)
     finally:
         # Forward the launcher's own signal (SIGINT stays SIGINT); otherwise SIGTERM.
         _stop(procs, received[0] if received else signal.SIGTERM, grace)
         for pump in pumps:
             pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
-    return tuple(p.returncode for p in procs), failure, retry
+    blamed = slots[failed] if failed is not None else None
+    return tuple(p.returncode for p in procs), failure, retry, blamed
 
 
 def _watch(procs, ready, deadline, timeout, start_timeout, received):
-    """Polls until every worker exited 0 or something failed. Returns (failure, retry)."""
+    """Polls until every worker exited 0 or something failed. Returns (failure, retry, the
+    index of the worker that failed or None)."""
     started = time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
-        for i, code in enumerate(codes):
-            if code:
-                return f"worker {i} {_describe(code)}", True
+        failed = [i for i, code in enumerate(codes) if code]
+        if failed:
+            # A worker killed by a signal is the cause; the others' errors are its echo.
+            i = min(failed, key=lambda k: (codes[k] > 0, k))
+            return f"worker {i} {_describe(codes[i])}", True, i
         if all(code == 0 for code in codes):
-            return "", False
+            return "", False, None
         if received:
-            return f"the launcher received {signal.Signals(received[0]).name}", False
+            return f"the launcher received {signal.Signals(received[0]).name}", False, None
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            return f"--timeout={timeout:g}s expired before the workers finished", False
+            return f"--timeout={timeout:g}s expired before the workers finished", False, None
         if start_timeout and now - started >= start_timeout:
             late = [i for i, code in enumerate(codes) if code is None and not ready[i]]
             if late:
                 return (f"--start_timeout={start_timeout:g}s expired: worker(s) "
-                        f"{', '.join(map(str, late))} never printed {READY_MARKER}"), True
+                        f"{', '.join(map(str, late))} never printed {READY_MARKER}"), True, late[0]
         time.sleep(_POLL_S)
 
 
@@ -262,7 +409,7 @@ def _killpg(proc, sig):
         pass  # the whole group is gone already
 
 
-def _pump(stream, prefix, out, log, lock, ready, index):
+def _pump(stream, prefix, out, log, lock, ready, index, on_line=None):
     """Copies one worker's merged stdout/stderr line by line, prefixed, as it arrives."""
     with stream:
         for raw in iter(stream.readline, b""):
@@ -270,6 +417,8 @@ def _pump(stream, prefix, out, log, lock, ready, index):
             line += "" if line.endswith("\n") else "\n"
             if READY_MARKER in line:
                 ready[index] = True
+            if on_line is not None:
+                on_line(index, line)
             with lock:  # whole lines: workers' output must not interleave mid-line
                 try:
                     out.write(prefix + line)
@@ -281,6 +430,32 @@ def _pump(stream, prefix, out, log, lock, ready, index):
                 log.flush()
     if log:
         log.close()
+
+
+class _ElasticWatch:
+    """Times a shrink: from the loss of a worker being declared to the line the trainer
+    prints when it resumes on the new world size (`tfpar.checkpoint`: "world size changed at
+    step S"), and says both with the step."""
+
+    _RESUMED = re.compile(r"world size changed at step (\d+)")
+
+    def __init__(self, err):
+        self._err, self._since, self._workers = err, None, None
+        self.resumes = []  # (step, workers, seconds)
+
+    def lost(self, workers):
+        self._since, self._workers = time.monotonic(), workers
+
+    def on_line(self, index, line):
+        if self._since is None:
+            return
+        match = self._RESUMED.search(line)
+        if match:
+            seconds = time.monotonic() - self._since
+            self._since = None
+            self.resumes.append((int(match.group(1)), self._workers, seconds))
+            _say(self._err, f"training resumed at step {match.group(1)} on {self._workers} "
+                            f"workers, {seconds:.1f} s after the loss was detected")
 
 
 def _describe(code):
@@ -324,8 +499,8 @@ def _parse_argv(argv):
         extra = FLAGS(own)[1:]
     except flags.Error as e:
         _usage_error(str(e))
-    if FLAGS.workers is None:
-        _usage_error("--workers is required, e.g. --workers=2")
+    if FLAGS.workers is None and not FLAGS.hosts:
+        _usage_error("--workers (or --hosts) is required, e.g. --workers=2")
     if extra:
         _usage_error(f"unexpected argument(s) {' '.join(extra)!r} before '--'; usage: "
                      "python -m tfpar.launch --workers=N [flags] -- CMD...")
@@ -337,9 +512,14 @@ def _parse_argv(argv):
 
 def main(cmd):
     try:
-        result = launch(cmd, FLAGS.workers, host=FLAGS.host, timeout=FLAGS.timeout,
+        hosts = parse_hosts(FLAGS.hosts) if FLAGS.hosts else None
+        workers = FLAGS.workers or sum(n for _, n in hosts)
+        runner = ssh_runner if hosts and FLAGS.runner == "ssh" else local_runner
+        result = launch(cmd, workers, host=FLAGS.host, timeout=FLAGS.timeout,
                         start_timeout=FLAGS.start_timeout, grace=FLAGS.grace,
-                        max_restarts=FLAGS.max_restarts, log_dir=FLAGS.log_dir)
+                        max_restarts=FLAGS.max_restarts, log_dir=FLAGS.log_dir,
+                        min_workers=FLAGS.min_workers, lost_after=FLAGS.lost_after,
+                        hosts=hosts, runner=runner, base_port=FLAGS.base_port)
     except TfparError as e:
         _usage_error(str(e))
     return result.returncode

@@ -77,6 +77,8 @@ class DistributeBackend(Backend):
         out = {"resumed_from_step": start}
         if guard_nan.skipped:
             out["skipped_steps"] = guard_nan.skipped
+        if checkpointer is not None and checkpointer.elastic:
+            out["elastic"] = checkpointer.elastic  # world-size changes (DESIGN.md's key)
         if guard is not None and guard.preempted:
             out["preempted"] = True
         return out

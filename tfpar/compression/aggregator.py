@@ -40,8 +40,8 @@ class PerReplicaSlot(trackable.Trackable):
     residuals) and restores it to every replica. This saves all replicas' values stacked
     `[replicas, ...]` in replica order (under `MultiWorkerMirroredStrategy` gathered from
     every worker, so the chief's checkpoint holds them all) and on restore gives each local
-    replica its own row. Restored onto a different number of replicas, each gets the sum
-    over the saved rows divided by the new count, so the error still owed is kept.
+    replica its own row. Restored onto a different number of replicas, replica 0 gets the
+    sum over the saved rows and the others zero, so the error still owed is kept exactly.
 
     Args:
         variable: the per-replica variable (a plain variable outside a strategy).
@@ -81,7 +81,14 @@ def _restore_replicas(variable, stacked):
         task = tf.DeviceSpec.from_string(local[0].device).task or 0
         rows = [stacked[task * len(local) + j] for j in range(len(local))]
     else:
-        rows = [tf.reduce_sum(stacked, 0) / replicas] * len(local)
+        # Another world size: global replica 0 takes the whole sum and the others start at
+        # zero. The sum over replicas is then exactly the saved sum (adding zeros rounds
+        # nothing), where an even split (sum / replicas) rounds when the count is not a
+        # power of two; either way the error still owed is sent within the next steps.
+        task = tf.DeviceSpec.from_string(local[0].device).task or 0
+        total = tf.reduce_sum(stacked, 0)
+        rows = [total if task == 0 and j == 0 else tf.zeros_like(total)
+                for j in range(len(local))]
     ops = [v.assign(tf.reshape(tf.cast(r, v.dtype), v.shape)) for v, r in zip(local, rows)]
     return tf.group(ops) if not tf.executing_eagerly() else None
 

@@ -1,0 +1,43 @@
+"""Child process for tests: `python tests/elastic_child.py CONFIG_JSON OUT.npz`.
+
+Builds the run of `ParallelConfig(**CONFIG_JSON)` (model, optimizer, aggregator), restores
+its checkpoint and saves, for each error-feedback residual, the rows the checkpoint holds
+(`saved_<k>`, one per replica that wrote it) and the rows every local replica now holds
+(`restored_<k>`), without training a step.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfpar import ParallelConfig, backends, checkpoint, data  # noqa: E402
+
+
+def main():
+    config = ParallelConfig(**json.loads(sys.argv[1]))
+    backend = backends.for_config(config)
+    runtime = backend.build_runtime(config)
+    model = backend.build_model(config, runtime, data.make_task(config))
+    checkpointer = checkpoint.Checkpointer(config, model, runtime)
+    step = checkpointer.restore()
+    reader = tf.train.load_checkpoint(config.checkpoint_dir)
+    saved_keys = sorted(k for k in reader.get_variable_to_shape_map() if "per_replica" in k)
+    aggregator = model.optimizer.tfpar_aggregator
+    arrays = {}
+    for key, variable in sorted(aggregator.residuals.items(), key=lambda kv: int(kv[0])):
+        arrays[f"restored_{key}"] = np.stack(
+            [np.asarray(v) for v in runtime.strategy.experimental_local_results(variable)])
+        matching = [k for k in saved_keys if f"residual_slots/{key}/" in k]
+        arrays[f"saved_{key}"] = reader.get_tensor(matching[0])
+    np.savez(sys.argv[2], **arrays)
+    print(json.dumps({"step": step, "replicas": runtime.replicas, "elastic":
+                      checkpointer.elastic}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
