@@ -126,8 +126,9 @@ from tfpar import ParallelConfig
 from tfpar import tf_config
 from tfpar.backends.distribute import DistributeBackend
 env = {"TF_CONFIG": tf_config.make(["localhost:1", "localhost:2"], 1)}
-for changes in ({"pipeline_stages": 3, "microbatches": 2}, {"compression": "fp16"},
-                {"cpu_devices": 2}):
+# cpu_devices first: it must split the CPU before anything initialises TensorFlow.
+for changes in ({"cpu_devices": 2}, {"pipeline_stages": 3, "microbatches": 2},
+                {"compression": "fp16"}):
     try:
         DistributeBackend().build_runtime(ParallelConfig(
             pipeline_stages=2, microbatches=4, global_batch_size=16).replace(**changes), env)
@@ -135,7 +136,7 @@ for changes in ({"pipeline_stages": 3, "microbatches": 2}, {"compression": "fp16
         print(type(err).__name__ + ": " + str(err))
 """
     lines = run_python(code, timeout=120).stdout.strip().splitlines()[-3:]
-    assert lines[0].startswith("ConfigError: pipeline_stages=3"), lines
-    assert "--pipeline_stages=2" in lines[0]
-    assert lines[1].startswith("ConfigError: compression=fp16"), lines
-    assert lines[2].startswith("ConfigError: data_parallel=2"), lines
+    assert lines[0].startswith("ConfigError: data_parallel=2"), lines
+    assert lines[1].startswith("ConfigError: pipeline_stages=3"), lines
+    assert "--pipeline_stages=2" in lines[1]
+    assert lines[2].startswith("ConfigError: compression=fp16"), lines
