@@ -139,4 +139,4 @@ for changes in ({"cpu_devices": 2}, {"pipeline_stages": 3, "microbatches": 2},
     assert lines[0].startswith("ConfigError: data_parallel=2"), lines
     assert lines[1].startswith("ConfigError: pipeline_stages=3"), lines
     assert "--pipeline_stages=2" in lines[1]
-    assert lines[2].startswith("ConfigError: compression=fp16"), lines
+    assert lines[2].startswith("ConfigError: compression='fp16'"), lines
