@@ -1,6 +1,8 @@
 """Pipeline stages on two worker processes: one client drives both through one
-tf.function, and the weights after 3 steps equal the single-device run."""
+tf.function, and the weights after 3 (Python) or 5 (trainer, `tfpar.launch`) steps equal
+the single-device run."""
 
+import json
 import os
 import signal
 import socket
@@ -8,9 +10,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
-from subproc import ROOT, child_env, last_json_line, run_python
+from subproc import ROOT, child_env, last_json_line, run_module, run_python
+from test_train import BASE, CHILD, max_diff, train_child, weights
 
 CLIENT = """
 import json, sys
@@ -88,3 +92,51 @@ def test_stages_on_two_processes_match_single_device(workers):
         assert out[opt] < tol, out
         assert out[opt + "_devices"] == stages
         assert out[opt + "_slots"] == stages
+
+
+# The trainer across worker processes: `tfpar.launch --workers=2 -- train_child.py` with
+# two stages, one per worker, against the single-device run of the same config.
+TRAINER = {"model": "mlp", "optimizer": "adam", "learning_rate": 1e-3, "steps": 5,
+           "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
+
+
+def _launched(tmp_path, name, **config):
+    prefix = str(tmp_path / name)
+    out = run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable,
+                     CHILD, json.dumps({**TRAINER, **config}), prefix, timeout=240)
+    chief = [line.split("] ", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith("[worker 0] ")]
+    return last_json_line("\n".join(chief)), prefix + ".worker0"
+
+
+def test_trainer_pipeline_across_workers_matches_single_device(tmp_path):
+    out, prefix = _launched(tmp_path, "pp", pipeline_stages=2, microbatches=4,
+                            schedule="1f1b")
+    ref_out, ref_prefix = train_child(tmp_path, "ref", strategy="one_device",
+                                      **{k: v for k, v in TRAINER.items() if k not in BASE})
+    assert out["workers"] == 2 and out["replicas"] == 1
+    assert out["steps"] == ref_out["steps"] == 5
+    assert max_diff(weights(prefix), weights(ref_prefix)) < 1e-5
+    assert np.allclose(out["loss_history"], ref_out["loss_history"], rtol=1e-5)
+
+
+def test_trainer_pipeline_across_workers_refuses_what_it_cannot_do():
+    code = """
+from tfpar import ParallelConfig
+from tfpar import tf_config
+from tfpar.backends.distribute import DistributeBackend
+env = {"TF_CONFIG": tf_config.make(["localhost:1", "localhost:2"], 1)}
+# cpu_devices first: it must split the CPU before anything initialises TensorFlow.
+for changes in ({"cpu_devices": 2}, {"pipeline_stages": 3, "microbatches": 2},
+                {"compression": "fp16"}):
+    try:
+        DistributeBackend().build_runtime(ParallelConfig(
+            pipeline_stages=2, microbatches=4, global_batch_size=16).replace(**changes), env)
+    except Exception as err:
+        print(type(err).__name__ + ": " + str(err))
+"""
+    lines = run_python(code, timeout=120).stdout.strip().splitlines()[-3:]
+    assert lines[0].startswith("ConfigError: data_parallel=2"), lines
+    assert lines[1].startswith("ConfigError: pipeline_stages=3"), lines
+    assert "--pipeline_stages=2" in lines[1]
+    assert lines[2].startswith("ConfigError: compression='fp16'"), lines

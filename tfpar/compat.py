@@ -7,7 +7,10 @@ silently ignored. Imports no TensorFlow.
 Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 
 - `data_parallel`: Keras 3 on a `tf.distribute` strategy (one device, mirrored, multi-worker),
-- `pipeline`: the same backend with `pipeline_stages > 1` (a `PipelineModel`),
+- `pipeline`: the same backend with `pipeline_stages > 1` (a `PipelineModel`); under a
+  `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
+  which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
+  compression and checkpoints),
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1`,
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 

@@ -30,7 +30,7 @@ class Runtime:
     """What the strategy factory built: the strategy and facts every other part reads."""
 
     strategy: tf.distribute.Strategy
-    kind: str  # one_device | mirrored | multi_worker
+    kind: str  # one_device | mirrored | multi_worker | pipeline_workers (pipeline.remote)
     workers: int
     worker_index: int
     is_chief: bool

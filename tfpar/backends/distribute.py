@@ -7,13 +7,16 @@ One device, `MirroredStrategy` or `MultiWorkerMirroredStrategy` (`tfpar.strategy
 (`tfpar.checkpoint.fit_segments`).
 """
 
+import os
+
 import keras
 from absl import logging
 
 from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, nan_guard,
-                   optimizers, pipeline, preemption, strategy)
+                   optimizers, pipeline, preemption, strategy, tf_config)
 from tfpar import models
 from tfpar.backends import Backend, tensorboard_dir
+from tfpar.pipeline import remote
 
 _POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
@@ -26,6 +29,10 @@ class DistributeBackend(Backend):
         keras.utils.set_random_seed(config.seed)
         if config.mixed_precision != "none":
             keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
+        cluster = tf_config.load(os.environ if environ is None else environ)
+        if runtime is None and remote.spans_workers(config, cluster):
+            # One stage per worker process, worker 0 the client; the others serve and exit.
+            runtime = remote.make_runtime(config, cluster, strategy.Runtime)
         if runtime is None:
             runtime = strategy.make_runtime(config, environ)
         config.per_replica_batch(runtime.replicas)
@@ -99,7 +106,8 @@ class DistributeBackend(Backend):
                         "overlap_fraction_unclamped"):
                 if key in timing:
                     comm[key] = timing[key]
-        local_replicas = runtime.replicas // runtime.workers
+        local_replicas = runtime.replicas // (runtime.workers if runtime.kind == "multi_worker"
+                                              else 1)
         if hasattr(model, "pipeline_metrics"):
             params = model.params_per_stage() * local_replicas
             pipeline_block = model.pipeline_metrics()

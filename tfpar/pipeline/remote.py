@@ -1,5 +1,9 @@
 """Pipeline stages on other processes (or machines): one stage per worker process.
 
+Two ways in. From the trainer, `python -m tfpar.launch --workers=K -- python -m
+tfpar.train --pipeline_stages=K ...` (`make_runtime` below): worker 0 is the client and
+holds stage 0, worker s serves stage s and exits when worker 0 has gone. From Python:
+
 Each worker process only serves its devices (`python -m tfpar.pipeline.remote
 --workers=HOST:PORT,HOST:PORT --task=I`); one client process connects to all of them,
 builds the `PipelineModel` with stage devices `/job:worker/replica:0/task:I/device:CPU:0`
@@ -13,10 +17,15 @@ Example (client):
 """
 
 import argparse
+import socket
+import sys
+import time
 
 import tensorflow as tf
+from absl import logging
 
-from tfpar.errors import ConfigError
+from tfpar import devices as devices_lib
+from tfpar.errors import ConfigError, TfparError
 
 JOB = "worker"
 
@@ -62,6 +71,118 @@ def serve(workers, task):
     server = tf.distribute.Server(cluster, job_name=JOB, task_index=task, start=True)
     print(f"tfpar: pipeline worker {task} serving at {workers[task]}", flush=True)
     server.join()
+
+
+KIND = "pipeline_workers"  # the `Runtime.kind` of a pipeline across worker processes
+_POLL_S = 0.5
+
+
+def spans_workers(config, cluster):
+    """True when `config` pipelines across the workers of `cluster` (a parsed `TF_CONFIG`,
+    or None): `pipeline_stages > 1` and more than one training process."""
+    return config.pipeline_stages > 1 and cluster is not None and cluster.num_workers > 1
+
+
+def make_runtime(config, cluster, runtime_class):
+    """The runtime of a pipeline across the workers of `cluster`: one stage per worker.
+
+    On the chief (worker 0) this connects to the cluster and returns a `runtime_class`
+    (`tfpar.strategy.Runtime`) of kind `KIND` with a `OneDeviceStrategy` on the chief's
+    CPU:0: one pipeline, stage s on worker s. (Pipeline x data parallel across workers
+    is refused: a `MirroredStrategy` over the chief's devices hangs in its collectives
+    once the process is connected to a cluster.) Every other worker serves its devices
+    to the chief and ends the process (exit 0) once the chief has gone; a chief that
+    failed says so in its own exit code.
+
+    Call after `devices.split_cpu(config.cpu_devices)`, before any TensorFlow op.
+
+    Raises:
+        ConfigError: the workers are not one per stage, an evaluator task, or a setting
+            the cross-worker pipeline does not honour.
+        TfparError: the chief never came up within `startup_timeout_s` (non-chief).
+    """
+    W, K = cluster.num_workers, config.pipeline_stages
+    if W != K:
+        raise ConfigError("pipeline_stages", K,
+                          f"across worker processes each of the {W} workers holds one "
+                          f"stage; use --pipeline_stages={W} or --workers={K}")
+    if cluster.worker_index is None:
+        raise ConfigError("TF_CONFIG", cluster.task_type, "a pipeline across workers has "
+                          "no evaluator task; give chief/worker tasks only")
+    _check_settings(config)
+    jobs = {job: cluster.cluster[job] for job in ("chief", "worker") if job in cluster.cluster}
+    spec = tf.train.ClusterSpec(jobs)
+    R = config.data_parallel or devices_lib.local_device_count(config.cpu_devices)
+    if R > 1:  # MirroredStrategy's collectives on the chief hang over cluster devices
+        raise ConfigError("data_parallel", R, "a pipeline across worker processes runs one "
+                          "replica yet; use --data_parallel=1 (and --cpu_devices<=1), or "
+                          "pipeline x data parallel in one process with --cpu_devices")
+    if not cluster.is_chief:
+        _serve_until_chief_exits(spec, cluster, R, config.startup_timeout_s)
+        print(f"tfpar: pipeline worker {cluster.worker_index}: the chief has finished; "
+              f"exiting", file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    tf.config.experimental_connect_to_cluster(spec, job_name=cluster.task_type,
+                                              task_index=cluster.task_index)
+    strategy = tf.distribute.OneDeviceStrategy(f"{_task_name(cluster, 0)}/device:CPU:0")
+    print("TFPAR_READY", file=sys.stderr, flush=True)  # what tfpar.launch waits for
+    return runtime_class(strategy=strategy, kind=KIND, workers=W, worker_index=0,
+                         is_chief=True, collective="none")
+
+
+def worker_stage_devices(cluster, stages, replicas):
+    """Per stage s, the `replicas` CPU devices of worker s (the `for_training`
+    placements of a pipeline across workers)."""
+    return [tuple(f"{_task_name(cluster, s)}/device:CPU:{r}" for r in range(replicas))
+            for s in range(stages)]
+
+
+def _check_settings(config):
+    # What the one-client pipeline across workers does not do (yet); one line each.
+    if config.strategy in ("one_device", "mirrored"):
+        raise ConfigError("strategy", config.strategy, "TF_CONFIG names several workers; "
+                          "use --strategy=auto or multi_worker, or unset TF_CONFIG")
+    if config.compression != "none":
+        raise ConfigError("compression", config.compression, "pipelines across worker "
+                          "processes all-reduce inside one client, not with tf.distribute "
+                          "collectives between workers; use --compression=none, or one "
+                          "process with --cpu_devices")
+    if config.checkpoint_dir:
+        raise ConfigError("checkpoint_dir", config.checkpoint_dir, "checkpoints of a "
+                          "pipeline across worker processes are not supported yet; run "
+                          "without --checkpoint_dir, or in one process with --cpu_devices")
+
+
+def _task_name(cluster, worker_index):
+    """'/job:J/replica:0/task:T' of training process `worker_index` (chief first)."""
+    chiefs = len(cluster.cluster.get("chief", []))
+    job, task = ("chief", 0) if worker_index < chiefs else ("worker", worker_index - chiefs)
+    return f"/job:{job}/replica:0/task:{task}"
+
+
+def _serve_until_chief_exits(spec, cluster, cpu_devices, startup_timeout_s):
+    """Serves this worker's devices until the chief's address stops accepting
+    connections (after it first did)."""
+    server = tf.distribute.Server(
+        spec, job_name=cluster.task_type, task_index=cluster.task_index, start=True,
+        config=tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices}))
+    print("TFPAR_READY", file=sys.stderr, flush=True)
+    logging.info("pipeline worker %d serving at %s", cluster.worker_index, cluster.own_address)
+    host, _, port = cluster.cluster["chief" if "chief" in cluster.cluster else "worker"][0] \
+        .rpartition(":")
+    started, seen = time.monotonic(), False
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            seen = True
+        except OSError:
+            if seen:
+                break
+            if time.monotonic() - started > startup_timeout_s:
+                raise TfparError(f"the chief at {host}:{port} did not start within "
+                                 f"startup_timeout_s={startup_timeout_s:g}") from None
+        time.sleep(_POLL_S)
+    del server  # the process ends next; the server goes with it
 
 
 def main(argv=None):

@@ -8,7 +8,9 @@ replica 0 runs its stages on CPU:0, CPU:2 and replica 1 on CPU:1, CPU:3.
 """
 
 from tfpar import devices as devices_lib
+from tfpar import tf_config
 from tfpar.errors import ConfigError
+from tfpar.pipeline import remote
 from tfpar.pipeline.model import PipelineModel
 
 
@@ -59,11 +61,12 @@ def for_training(model, config, runtime):
     """
     K = config.pipeline_stages
     if runtime.kind == "multi_worker":
+        # tfpar.backends.distribute builds a `remote.KIND` runtime for a pipelined
+        # TF_CONFIG job; a multi-worker strategy here came from the caller.
         raise ConfigError(
             "strategy", "multi_worker",
-            "pipeline stages run inside one process (one tf.function over its devices); "
-            "use --cpu_devices / GPUs of one machine with --data_parallel, or place stages "
-            "on other processes' devices with tfpar.pipeline.remote")
+            "a pipeline across workers runs from one client (worker 0), not under "
+            "MultiWorkerMirroredStrategy; let tfpar.train build the runtime (no runtime=)")
     for name, value, allowed in (
             ("grad_accum_steps", config.grad_accum_steps, 1),
             ("mixed_precision", config.mixed_precision if config.mixed_precision == "fp16"
@@ -83,9 +86,16 @@ def for_training(model, config, runtime):
             f"(global_batch_size={config.global_batch_size} over {runtime.replicas} "
             f"replicas)")
     leads = list(runtime.strategy.extended.worker_devices)
-    placements = stage_placements(leads, devices_lib.compute_devices(), K)
+    across_workers = runtime.kind == remote.KIND
+    if across_workers:  # stage s on worker s, replica r on each worker's device r
+        placements = remote.worker_stage_devices(tf_config.load(), K, runtime.replicas)
+    else:
+        placements = stage_placements(leads, devices_lib.compute_devices(), K)
     if runtime.replicas == 1:
         placements = [p[0] for p in placements]
+    # The profiler sees this process's ops only: across workers the bubble is not measured
+    # (the metrics JSON then has bubble_theory and no bubble_measured).
     return PipelineModel.split(model, K, config.schedule, config.microbatches,
                                config.virtual_stages, devices=placements,
-                               name=f"{model.name}_pipeline")
+                               name=f"{model.name}_pipeline",
+                               measure_bubble=not across_workers)
