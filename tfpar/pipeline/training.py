@@ -88,4 +88,5 @@ def for_training(model, config, runtime):
         placements = [p[0] for p in placements]
     return PipelineModel.split(model, K, config.schedule, config.microbatches,
                                config.virtual_stages, devices=placements,
+                               recompute=config.recompute == "full",
                                name=f"{model.name}_pipeline")
