@@ -7,12 +7,10 @@ through Keras's public `keras.RematScope` (on TensorFlow it is `tf.recompute_gra
 - `"blocks"`: each block keeps only its input and recomputes its inside in the backward:
   the transformer's `block_i` (attention + MLP), the MLP's hidden `dense_i` layers, the
   convnet's `block_i_*` convolutions and norms.
-- `"full"`: the blocks and also the layers around them that hold activations worth
-  dropping (the final norm and the head, the convnet's stem): only the inputs of these
-  layers are kept between forward and backward. (Keras's `RematScope("full")`, nesting a
-  recomputation in every sub-layer, is not used: its attention call passes keyword
-  arguments that `tf.recompute_grad` refuses in graph mode. The embedding keeps its
-  output: its input is integer tokens.)
+- `"full"`: pipelines only (refused on data parallelism by `tfpar.compat`): each stage's
+  whole forward is recomputed. (Recomputing every layer through Keras's `RematScope`
+  fails: layers called with keyword arguments, e.g. Dense's `training=`, are refused by
+  `tf.recompute_grad` in graph mode.)
 
 On a pipeline (`pipeline_stages > 1`), `"full"` recomputes each stage's forward in its
 backward (`PipelineModel(recompute=True)`, keeping one input per stage and micro-batch) and
@@ -31,7 +29,6 @@ MODES = ("none", "blocks", "full")
 # The zoo's block names (stable, see tfpar/models): transformer, mlp, convnet.
 _BLOCK_PATTERNS = ("block_{i}", "dense_{i}", "block_{i}_conv1", "block_{i}_conv2",
                    "block_{i}_norm1", "block_{i}_norm2")
-_OUTER_LAYERS = ("ln_f", "lm_head", "logits", "stem_conv", "stem_norm")
 
 
 def block_names(model_name, depth=0):
@@ -49,7 +46,5 @@ def scope(config):
     mode = config.recompute
     if mode == "none" or (mode == "full" and config.pipeline_stages > 1):
         return contextlib.nullcontext()
-    names = block_names(config.model, config.model_depth)
-    if mode == "full":
-        names += list(_OUTER_LAYERS)
-    return keras.RematScope(mode="list_of_layers", layer_names=names)
+    return keras.RematScope(mode="list_of_layers",
+                            layer_names=block_names(config.model, config.model_depth))
