@@ -61,6 +61,19 @@ TABLE = {
         "dtensor": (("",), "Keras's TensorBoard callback needs a Keras-trained model; the "
                            "metrics JSON has the losses"),
     },
+    "recompute": {
+        "data_parallel": (("none", "blocks"), "full recomputation is per pipeline stage; on "
+                                              "data parallelism use --recompute=blocks"),
+        "dtensor": (("none",), "the DTensor step does not recompute activations yet; use "
+                               "--recompute with data parallelism or pipelines"),
+        "tf_keras": (("none",), "recomputation uses Keras 3's RematScope"),
+    },
+    "zero_stage": {
+        backend: ((0,), "optimizer-state/gradient/parameter sharding is not built on this "
+                        "backend yet; on a DTensor mesh, tfpar.layout.trainer.build_on_mesh("
+                        "shard_optimizer_state=True) shards optimizer state from Python")
+        for backend in BACKENDS
+    },
     "measure_comm": {
         "pipeline": ((False,), "the communication share is measured on a data-parallel step "
                                "only; a pipeline reports its bubble instead"),

@@ -19,6 +19,8 @@ PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
+RECOMPUTE = ("none", "blocks", "full")
+ZERO_STAGES = (0, 1, 2, 3)
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
@@ -55,6 +57,9 @@ class ParallelConfig:
             a stalled collective, a dead peer, or a peer that never starts becomes an error.
         data_parallel, tensor_parallel, pipeline_stages, microbatches, schedule,
             virtual_stages: parallel degrees; 0 for `data_parallel` means "all replicas".
+        recompute: activation recomputation, one of `RECOMPUTE` (`tfpar.recompute`).
+        zero_stage: optimizer-state (1), gradient (2) and parameter (3) sharding over the
+            data-parallel replicas; 0 = none. See `tfpar.compat` for where it is honoured.
         compression and its parameters: the gradient aggregator (`tfpar.compression`).
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.
@@ -108,6 +113,9 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # Memory.
+    recompute: str = "none"
+    zero_stage: int = 0
     # Gradient aggregation.
     compression: str = "none"
     topk_ratio: float = 0.01
@@ -144,6 +152,9 @@ class ParallelConfig:
         _one_of("compression", self.compression, COMPRESSIONS)
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("on_nan", self.on_nan, ON_NAN)
+        _one_of("recompute", self.recompute, RECOMPUTE)
+        if self.zero_stage not in ZERO_STAGES:
+            raise ConfigError("zero_stage", self.zero_stage, "choose one of 0, 1, 2, 3")
         if not _DATASET_RE.match(self.dataset):
             raise ConfigError("dataset", self.dataset, "use 'auto' or 'package.module:function'")
         for name in ("global_batch_size", "steps", "steps_per_epoch", "base_batch_size",

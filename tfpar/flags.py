@@ -74,6 +74,11 @@ _HELP = {
                         "with --dataset=module:function, module.function_validation(input_"
                         "context, config) gives them. Reported as validation.loss/accuracy "
                         "in the metrics JSON and val_loss/val_accuracy to Keras callbacks.",
+    "recompute": "Activation recomputation: none, blocks (each block keeps only its input "
+                 "and is recomputed in the backward) or full (every layer; on pipelines each "
+                 "stage's forward).",
+    "zero_stage": "ZeRO sharding over data-parallel replicas: 0 = none (1 optimizer state, "
+                  "2 + gradients, 3 + parameters: not built yet, refused).",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 
@@ -82,6 +87,7 @@ _CHOICES = {
     "strategy": config_lib.STRATEGIES, "collective": config_lib.COLLECTIVES,
     "mixed_precision": config_lib.PRECISIONS, "compression": config_lib.COMPRESSIONS,
     "schedule": config_lib.SCHEDULES, "on_nan": config_lib.ON_NAN,
+    "recompute": config_lib.RECOMPUTE,
 }
 
 

@@ -12,7 +12,15 @@ outside checks read; keys that do not apply to a run are omitted:
      "pipeline": {"stages": int, "microbatches": int, "schedule": str,
                   "bubble_measured": float, "bubble_theory": float,
                   "peak_stashed_microbatches": int},
-     "memory": {"peak_rss_mb": float, "params_per_device": [int, ...]}}
+     "memory": {"peak_rss_mb": float, "params_per_device": [int, ...],
+                "devices": [str, ...], "peak_bytes_per_device": [int, ...] | null,
+                "peak_bytes_scope": "process" | "device",
+                "peak_bytes_above_start_per_device": [int, ...],
+                "param_bytes_per_device": [int, ...],
+                "optimizer_state_bytes_per_device": [int, ...]}}
+
+`memory`'s per-device lists follow `memory.devices` (`tfpar.memory` says what each figure
+means; on CPU logical devices share one allocator, so `peak_bytes_scope` is "process").
 
 `comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
 (`tfpar.compression.timing`). Benchmarks may add keys of their own inside these blocks

@@ -10,9 +10,15 @@ the config (`tfpar.backends`: tf.distribute with or without a pipeline, a DTenso
 module defines no flag: `run()` (the `tfpar-train` console script, and `python -m`) does.
 """
 
+import os
 import sys
 
-import tensorflow as tf
+# The CPU allocator must be BFC for per-device memory figures (tfpar.memory), chosen before
+# TensorFlow starts: `python -m tfpar.train` and callers importing this module before
+# tensorflow get it; a user's own setting wins. (It changes no result, only the allocator.)
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import tensorflow as tf  # noqa: E402
 from absl import app
 
 from tfpar import backends, data, metrics

@@ -12,8 +12,9 @@ import os
 import keras
 from absl import logging
 
-from tfpar import (accumulation, checkpoint, data, devices, faults, metrics, nan_guard,
-                   optimizers, pipeline, preemption, strategy, tf_config)
+from tfpar import (accumulation, checkpoint, data, devices, faults, memory, metrics,
+                   nan_guard, optimizers, pipeline, preemption, recompute, strategy,
+                   tf_config)
 from tfpar import models
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.pipeline import remote
@@ -43,8 +44,9 @@ class DistributeBackend(Backend):
         """Builds and compiles the model under the strategy's scope, optimizer built, so a
         checkpoint can restore every variable before the first step."""
         with runtime.strategy.scope():
-            model = models.build(config.model, task.input_shape, task.num_classes,
-                                 width=config.model_width, depth=config.model_depth)
+            with recompute.scope(config):
+                model = models.build(config.model, task.input_shape, task.num_classes,
+                                     width=config.model_width, depth=config.model_depth)
             if config.pipeline_stages > 1:
                 model = pipeline.for_training(model, config, runtime)
             model.compile(
@@ -77,6 +79,7 @@ class DistributeBackend(Backend):
         fault = faults.injector(start)
         if fault is not None:
             callbacks.append(fault)
+        self._memory_start = memory.reset_peaks()  # the peak of training, not of building
         fit_segments(config, runtime, model, task, callbacks, start)
         if checkpointer is not None:
             guard.restore_handler()
@@ -113,8 +116,10 @@ class DistributeBackend(Backend):
             pipeline_block = model.pipeline_metrics()
         else:
             params, pipeline_block = [model.count_params()] * local_replicas, None
-        return metrics.summarize(config, runtime, recorder, params, comm=comm,
-                                 pipeline=pipeline_block)
+        result = metrics.summarize(config, runtime, recorder, params, comm=comm,
+                                   pipeline=pipeline_block)
+        result["memory"].update(memory.memory_block(model, getattr(self, "_memory_start", None)))
+        return result
 
 
 def fit_segments(config, runtime, model, task, callbacks, start):

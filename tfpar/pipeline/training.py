@@ -97,5 +97,6 @@ def for_training(model, config, runtime):
     # (the metrics JSON then has bubble_theory and no bubble_measured).
     return PipelineModel.split(model, K, config.schedule, config.microbatches,
                                config.virtual_stages, devices=placements,
+                               recompute=config.recompute == "full",
                                name=f"{model.name}_pipeline",
                                measure_bubble=not across_workers)
