@@ -200,11 +200,13 @@ def validation_dataset(config, task, context):
     """`config.validation_steps` steps of held-out batches for one input pipeline (as
     `pipeline_dataset` orders them), repeated: every evaluation starts a new iterator and
     sees the same examples (an exhausted finite dataset would end Keras's next evaluation
-    with StopIteration, because fit keeps its evaluation iterator between epochs)."""
+    with StopIteration, because fit keeps its evaluation iterator between epochs). No
+    `cache()`: iterators sharing one in-memory cache, one of them abandoned part-way, were
+    seen to start later evaluations at other batches; the examples are cheap to regenerate."""
     local = context.num_replicas_in_sync // context.num_input_pipelines
     count = config.validation_steps * local
     if task.validation_fn is not None:
-        return task.validation_fn(context, config).take(count).cache().repeat()
+        return task.validation_fn(context, config).take(count).repeat()
     per_replica = config.per_replica_batch(context.num_replicas_in_sync)
     first = context.input_pipeline_id * local
 
@@ -216,7 +218,7 @@ def validation_dataset(config, task, context):
     ds = tf.data.Dataset.range(count).flat_map(replica_examples)
     ds = ds.map(lambda i: task.example_fn(-1 - i), num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True)  # indices the training stream (>= 0) never reaches
-    return ds.batch(per_replica, drop_remainder=True).cache().repeat()
+    return ds.batch(per_replica, drop_remainder=True).repeat()
 
 
 def distributed_validation(strategy, config, task):
