@@ -224,6 +224,13 @@ def test_memory_tensor_split_recompute_and_zero():
     # ZeRO-1 splits Adam's 8 B of moments over the 2 data-parallel peers.
     z = dataclasses.replace(c, zero=1)
     assert cost.memory_bytes(prof, z, 64) == pytest.approx(12 * 500_000 + acts)
+    # ZeRO-2 also splits the 4 B of gradients; ZeRO-3 the 4 B of weights too, and holds
+    # one gathered block's weights (the profile's blocks / 4, halved by tensor parallelism).
+    z2 = dataclasses.replace(c, zero=2)
+    assert cost.memory_bytes(prof, z2, 64) == pytest.approx(10 * 500_000 + acts)
+    z3 = dataclasses.replace(c, zero=3)
+    gathered = 4 * prof.block_params / prof.blocks / 2
+    assert cost.memory_bytes(prof, z3, 64) == pytest.approx(8 * 500_000 + gathered + acts)
 
 
 def test_collective_bandwidth_inside_and_across_machines():
@@ -242,8 +249,20 @@ def test_runnable_mirrors_the_trainers_refusals():
     req = planner.Request()
     assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req)
     assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req)
-    assert commands.runnable(cost.Candidate(4, 1, 2, 2, "none", recompute=True), one, req)
-    assert "ZeRO" in commands.runnable(cost.Candidate(8, 1, 1, 1, "none", zero=1), one, req)
+    # Recomputation runs in the trainer; ZeRO is runnable exactly when tfpar.compat
+    # accepts --zero_stage (the planner asks it, it keeps no rules of its own).
+    assert commands.runnable(cost.Candidate(4, 1, 2, 2, "none", recompute=True), one,
+                             req) is None
+    assert commands.runnable(cost.Candidate(4, 2, 1, 1, "none", recompute=True), one,
+                             req) is None
+    for stage in (1, 2, 3):
+        try:
+            ParallelConfig(data_parallel=8, zero_stage=stage)
+            refused = None
+        except ConfigError as err:
+            refused = str(err)
+        assert commands.runnable(cost.Candidate(8, 1, 1, 1, "none", zero=stage), one,
+                                 req) == refused
     assert "machine" in commands.runnable(cost.Candidate(8, 1, 2, 2, "none"), two, req)
     assert commands.runnable(cost.Candidate(4, 1, 2, 2, "int8"), one, req) is None
     assert commands.runnable(cost.Candidate(16, 1, 1, 4, "none"), two, req) is None
@@ -291,21 +310,30 @@ def test_formulas_give_the_published_parameter_counts():
 
 
 def test_commands_only_for_what_the_trainer_runs():
-    # A model that needs recomputation on one machine: the choice is planned-only, and the
-    # runnable layout's command never carries recomputation, ZeRO or tp x pp.
+    # A model that needs recomputation on one machine: the runnable layout's command
+    # carries --recompute=blocks, ZeRO only if tfpar.compat accepts it, never tp x pp.
     hw = planner.hardware_from(8, memory_gb=0.05, tflops=10, intra_gbps=100, inter_gbps=10)
     req = planner.Request(model="transformer", model_width=256, model_depth=8,
-                          global_batch_size=256, zero=(0, 1))
+                          global_batch_size=256, zero=(0, 1, 2, 3), recompute="on")
     result = planner.plan(profile.builtin_profile("transformer", 256, 8), hw, req)
-    best, runnable = result["recommended"], result["runnable"]
-    assert best["runnable"] is not None and "command" in best and best["command"] is None
+    runnable = result["runnable"]
     assert runnable is not None and runnable["runnable"] is None
-    assert not runnable["recompute"] and not runnable["zero"]
+    assert runnable["recompute"] and "--recompute=blocks" in runnable["command"]
+    assert "recompute='blocks'" not in "\n".join(runnable["python"])
+    assert "tfpar.recompute.every_layer(" in "\n".join(runnable["python"])
     assert not (runnable["tensor"] > 1 and runnable["pipeline"] > 1)
     assert runnable["command"].startswith("python -m tfpar.train --model=transformer")
-    assert "recompute" not in runnable["command"] and "zero" not in runnable["command"]
-    text = planner.table(result, 5)
-    assert "not runnable in tfpar.train yet" in text and "run: python -m tfpar.train" in text
+    assert ("--zero_stage" in runnable["command"]) == bool(runnable["zero"])
+    for row in result["ranked"]:
+        if row["tensor"] > 1 and row["pipeline"] > 1:
+            assert row["runnable"] is not None
+    try:
+        ParallelConfig(data_parallel=8, zero_stage=1)
+    except ConfigError:  # ZeRO refused by the trainer: marked, never given a command
+        zero_rows = [r for r in result["ranked"] if r["zero"]]
+        assert zero_rows and all(r["runnable"] for r in zero_rows)
+        assert any("zero_stage" in r["runnable"] for r in zero_rows)
+    assert "run: python -m tfpar.train" in planner.table(result, 5)
 
 
 def test_micro_batches_without_a_pipeline_become_accumulation():

@@ -30,7 +30,7 @@ __all__ = ["ParallelConfig", "ConfigError", "TfparError", "make_strategy",
 _LAZY = {"make_strategy": ("tfpar.api", "make_strategy"),
          "DistributedOptimizer": ("tfpar.api", "DistributedOptimizer"),
          "PipelineModel": ("tfpar.pipeline.model", "PipelineModel")}
-_SUBMODULES = ("callbacks", "compression")
+_SUBMODULES = ("callbacks", "compression", "recompute")
 
 
 def __getattr__(name):

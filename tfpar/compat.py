@@ -62,11 +62,7 @@ TABLE = {
                            "metrics JSON has the losses"),
     },
     "recompute": {
-        "data_parallel": (("none", "blocks"), "full recomputation is per pipeline stage; on "
-                                              "data parallelism use --recompute=blocks"),
-        "dtensor": (("none",), "the DTensor step does not recompute activations yet; use "
-                               "--recompute with data parallelism or pipelines"),
-        "tf_keras": (("none",), "recomputation uses Keras 3's RematScope"),
+        "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
         backend: ((0,), "optimizer-state/gradient/parameter sharding is not built on this "

@@ -7,7 +7,8 @@ PASS, WARN or FAIL with what to do; the exit status is 1 when any check FAILs.
 Checks: devices and topology; `TF_CONFIG` valid and peers reachable; the batch splits over
 replicas × micro-batches; the learning rate is scaled for the global batch; replicas hold
 the same weights and gradients after a step; communication share of a step; memory
-headroom from the planner's model; the collective implementation and its environment.
+headroom of a device (the allocator's peak of one step, else the planner's estimate,
+against the device's memory, not the host's); the collective implementation and its environment.
 """
 
 import dataclasses
@@ -195,24 +196,37 @@ def check_communication(runtime, model, task, config, steps=5):
     return Check("communication share", "PASS", detail), share
 
 
-def check_memory(config, devices, memory_bytes):
+def check_memory(config, replicas, memory_bytes, where="", measured=None):
+    """Memory headroom of one device: the allocator's peak of one training step
+    (`measured`, bytes per device) when it could be read, else the planner's estimate
+    (with the run's recomputation and ZeRO stage), against the device's memory
+    (`memory_bytes`, from `where`: `tfpar.memory.device_memory`)."""
     from tfpar.plan import cost, profile
 
-    if config.dataset != "auto":
+    if memory_bytes is None:
+        return Check("memory headroom", "WARN", f"device memory unknown ({where})")
+    if measured is not None:
+        need, how = measured, "measured peak of one step"
+    elif config.dataset != "auto":
         return Check("memory headroom", "PASS", "custom dataset: not estimated")
-    prof = profile.builtin_profile(config.model, config.model_width, config.model_depth)
-    replicas = config.data_parallel or devices
-    candidate = cost.Candidate(replicas, config.tensor_parallel, config.pipeline_stages,
-                               config.microbatches if config.pipeline_stages > 1 else 1,
-                               config.compression)
-    need = cost.memory_bytes(prof, candidate, config.effective_batch_size, config.optimizer,
-                             config.schedule)
+    else:
+        prof = profile.builtin_profile(config.model, config.model_width, config.model_depth)
+        candidate = cost.Candidate(
+            replicas, config.tensor_parallel, config.pipeline_stages,
+            config.microbatches if config.pipeline_stages > 1 else config.grad_accum_steps,
+            config.compression, recompute=config.recompute != "none",
+            zero=config.zero_stage)
+        need = cost.memory_bytes(prof, candidate, config.global_batch_size,
+                                 config.optimizer, config.schedule)
+        how = "planner's estimate"
     share = need / memory_bytes
-    detail = f"about {need / 1e6:.1f} MB of {memory_bytes / 1e9:.1f} GB per device ({share:.1%})"
+    detail = (f"{how}: {need / 1e6:.1f} MB of {memory_bytes / 1e6:.1f} MB per device "
+              f"({share:.1%}; device memory: {where})")
     if share > MEMORY_WARN:
         return Check("memory headroom", "WARN" if share <= 1 else "FAIL", detail,
-                     "likely out of memory: more pipeline stages or tensor parallelism, "
-                     "more micro-batches, or a smaller batch (see python -m tfpar.plan)")
+                     "likely out of memory: --recompute=blocks, --zero_stage, more "
+                     "micro-batches (--grad_accum_steps), tensor or pipeline parallelism, "
+                     "or a smaller batch (see python -m tfpar.plan)")
     return Check("memory headroom", "PASS", detail)
 
 
@@ -235,8 +249,6 @@ def check_collectives(runtime):
 
 def diagnose(config, environ=os.environ, peer_timeout=10.0):
     """Runs every check for `config`; returns the list of `Check`s."""
-    import psutil
-
     from tfpar import devices
 
     checks = []
@@ -246,7 +258,7 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     if tf_check.status == "FAIL":
         return checks
     devices.split_cpu(config.cpu_devices)
-    from tfpar import data, strategy
+    from tfpar import data, memory, strategy
     from tfpar.backends.distribute import DistributeBackend
 
     try:
@@ -256,13 +268,19 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     checks.append(Check("devices", "PASS", devices.topology(runtime.strategy, runtime.workers)))
     checks.append(check_batch(config, runtime.replicas))
     checks.append(check_collectives(runtime))
-    local = max(1, runtime.replicas // runtime.workers)
-    checks.append(check_memory(config, local, psutil.virtual_memory().total / local))
     safe = config.replace(global_batch_size=_splittable(config, runtime.replicas))
     task = data.make_task(safe)
     model = DistributeBackend().build_model(safe, runtime, task)
+    start = memory.reset_peaks()
     model.fit(data.distributed_dataset(runtime.strategy, safe, task), epochs=1,
               steps_per_epoch=1, verbose=0)
+    peaks = memory.peak_bytes()
+    measured = None
+    if peaks is not None and safe.global_batch_size == config.global_batch_size:
+        # Logical CPUs share one allocator: its peak is every device's; per device, /n.
+        measured = max(peaks) // (len(peaks) if memory.shares_allocator() else 1)
+    available, where = memory.device_memory()
+    checks.append(check_memory(config, runtime.replicas, available, where, measured))
     checks.append(check_replicas_in_sync(runtime, model))
     checks.append(check_communication(runtime, model, task, safe)[0])
     return checks
@@ -293,6 +311,9 @@ def main(argv):
 
 def run():
     """`tfpar-doctor` / `python -m tfpar.doctor`."""
+    # The allocator's peak per device is readable on CPU only with the BFC allocator,
+    # chosen before TensorFlow starts (as tfpar.train does); a user's setting wins.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     define_flags()
     app.run(main)
 

@@ -21,6 +21,10 @@ import os
 import tensorflow as tf
 
 ALLOCATOR_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+# The CPU BFC allocator's cap for the whole process, read by TensorFlow when it starts
+# (its default: 64 GiB). Logical CPUs share that one allocator and its cap.
+CPU_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+CPU_LIMIT_DEFAULT_MB = 1 << 16
 
 
 def allocator_note():
@@ -31,6 +35,45 @@ def allocator_note():
         return (f"{ALLOCATOR_ENV}=true was not set before TensorFlow started; import "
                 f"tfpar.train before tensorflow, or set it in the environment")
     return None
+
+
+def device_memory(devices=None):
+    """`(bytes, where)`: the memory one of `devices` (default every local device) can
+    allocate, and a note saying where the figure comes from; `(None, why)` if unknown.
+
+    GPUs: `nvidia-smi`'s total of the first. CPUs: the BFC allocator's cap (or the host's
+    RAM if smaller) shared by the logical CPUs: the process's figure over their number.
+    """
+    devices = local_devices() if devices is None else devices
+    if any("GPU" in d.upper() for d in devices):
+        import shutil
+        import subprocess
+        if not shutil.which("nvidia-smi"):
+            return None, "no nvidia-smi to read the GPUs' memory"
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20)
+        totals = [int(x) for x in out.stdout.split() if x.isdigit()]
+        if not totals:
+            return None, "nvidia-smi reported no memory total"
+        return min(totals) * 2 ** 20, "nvidia-smi memory.total"
+    process, where = process_cpu_memory()
+    n = max(1, len(devices))
+    return process // n, where + (f", shared by {n} logical CPUs" if n > 1 else "")
+
+
+def process_cpu_memory():
+    """`(bytes, where)`: what this process's CPU allocator may hold: the BFC cap
+    (`TF_CPU_BFC_MEM_LIMIT_IN_MB`) when BFC is on and the cap is below the host's RAM,
+    else the host's RAM."""
+    import psutil
+
+    ram = int(psutil.virtual_memory().total)
+    if os.environ.get(ALLOCATOR_ENV, "").lower() in ("true", "1"):
+        mb = int(os.environ.get(CPU_LIMIT_ENV, CPU_LIMIT_DEFAULT_MB))
+        if mb * 2 ** 20 < ram:
+            return mb * 2 ** 20, f"the CPU allocator's cap {CPU_LIMIT_ENV}={mb}"
+    return ram, "host RAM"
 
 
 def _readable(device):
@@ -75,6 +118,10 @@ def shares_allocator(devices=None):
 
 def _components(variable):
     """The (device, tf.Variable) storages behind a Keras or TensorFlow variable."""
+    if isinstance(variable, tf.distribute.DistributedValues):  # tf_keras under a strategy
+        return list(variable.values)
+    if isinstance(variable, tf.Variable):
+        return [variable]
     value = getattr(variable, "value", variable)
     if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
@@ -115,22 +162,50 @@ def optimizer_variables(model):
     optimizer's for a `PipelineModel`."""
     stage_optimizers = getattr(model, "stage_optimizers", None)
     optimizers = stage_optimizers or [model.optimizer]
-    return [v for opt in optimizers if opt is not None for v in opt.variables]
+    out = []
+    for opt in optimizers:
+        if opt is None:
+            continue
+        variables = opt.variables
+        out += list(variables() if callable(variables) else variables)  # tf_keras: a method
+    return out
 
 
-def memory_block(model, start_bytes=None):
+def shard_bytes_per_device(variables, devices):
+    """Bytes of the local shard of each DTensor variable (DVariable, or a Keras variable
+    whose value is one) on each of `devices`, the mesh's devices in its order: a variable
+    split over k devices counts 1/k of its bytes on each, a replicated one all of them."""
+    from tensorflow.experimental import dtensor
+
+    out = [0] * len(devices)
+    for variable in variables:
+        value = getattr(variable, "value", variable)
+        for i, shard in enumerate(dtensor.unpack(value.read_value())):
+            out[i] += int(shard.shape.num_elements() or 0) * shard.dtype.size
+    return out
+
+
+def memory_block(model, start_bytes=None, devices=None, param_bytes=None,
+                 optimizer_state_bytes=None):
     """The allocator and variable keys the metrics JSON's `memory` block gains.
 
     Args:
-        model: the trained model (Keras or `PipelineModel`).
+        model: the trained model (Keras, tf_keras or `PipelineModel`).
         start_bytes: what `reset_peaks` returned before training (bytes in use per device
             when the peak was reset), or `None`.
+        devices: the devices to report (default every local device).
+        param_bytes, optimizer_state_bytes: the variable bytes per device when the caller
+            measured them (a DTensor mesh: `shard_bytes_per_device`); default: counted
+            from where `model`'s variables live.
     """
-    devices = local_devices()
-    out = {"devices": devices,
-           "param_bytes_per_device": variable_bytes_per_device(model.weights, devices),
-           "optimizer_state_bytes_per_device": variable_bytes_per_device(
-               optimizer_variables(model), devices)}
+    devices = local_devices() if devices is None else devices
+    if param_bytes is None:
+        param_bytes = variable_bytes_per_device(model.weights, devices)
+    if optimizer_state_bytes is None:
+        optimizer_state_bytes = variable_bytes_per_device(optimizer_variables(model),
+                                                          devices)
+    out = {"devices": devices, "param_bytes_per_device": param_bytes,
+           "optimizer_state_bytes_per_device": optimizer_state_bytes}
     peaks = peak_bytes(devices)
     out["peak_bytes_per_device"] = peaks
     if peaks is None:
@@ -143,3 +218,30 @@ def memory_block(model, start_bytes=None):
         # data buffers): activations, gradients and temporaries of a step.
         out["peak_bytes_above_start_per_device"] = [p - s for p, s in zip(peaks, start_bytes)]
     return out
+
+
+def out_of_memory_error(err, config, replicas, devices=None):
+    """`err` (a `tf.errors.ResourceExhaustedError`) as a `tfpar.oom.OutOfMemoryError` whose
+    message is one line: the device, the bytes, settings that would fit."""
+    from tfpar import oom
+
+    devices = local_devices() if devices is None else devices
+    device, _ = oom.parse(getattr(err, "message", None) or str(err))
+    on_cpu = not any("GPU" in d.upper() for d in devices)
+    if on_cpu:  # one allocator for the process: its figures, not one logical device's
+        available, where = process_cpu_memory()
+    else:
+        available, where = device_memory(devices)
+    in_use = None
+    try:
+        in_use = int(tf.config.experimental.get_memory_info(
+            device if device and not on_cpu else devices[0])["current"])
+    except (ValueError, tf.errors.OpError):
+        pass
+    if on_cpu and config is not None:
+        # The planner's estimate is per device; the process holds every logical device's.
+        available, in_use = available // len(devices), (in_use or 0) // len(devices) or None
+        where += f" over {len(devices)} logical CPUs"
+    return oom.OutOfMemoryError(oom.explain(err, config, replicas, len(devices),
+                                            in_use=in_use, available=available,
+                                            where=where))

@@ -21,7 +21,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 import tensorflow as tf  # noqa: E402
 from absl import app
 
-from tfpar import backends, data, metrics
+from tfpar import backends, data, memory, metrics
 from tfpar import flags as tfpar_flags
 from tfpar.checkpoint import fit_segments  # noqa: F401  (re-exported: resume arithmetic)
 from tfpar.errors import TfparError
@@ -53,15 +53,20 @@ def train(config, environ=None, callbacks=(), runtime=None):
     Raises:
         ConfigError: a setting, `TF_CONFIG`, the `--dataset` function or the checkpoint
             directory is unusable.
-        TfparError: the run cannot proceed (peers missing, loss not finite, ...).
+        TfparError: the run cannot proceed (peers missing, loss not finite, ...);
+            `tfpar.oom.OutOfMemoryError` when a device ran out of memory.
     """
     backend = backends.for_config(config)
     runtime = backend.build_runtime(config, environ, runtime)
     task = data.make_task(config)
-    model = backend.build_model(config, runtime, task)
-    recorder = metrics.StepRecorder()
-    added = backend.fit(config, runtime, model, task, recorder, list(callbacks))
-    result = backend.stats(config, runtime, model, task, recorder)
+    try:
+        model = backend.build_model(config, runtime, task)
+        recorder = metrics.StepRecorder()
+        added = backend.fit(config, runtime, model, task, recorder, list(callbacks))
+        result = backend.stats(config, runtime, model, task, recorder)
+    except tf.errors.ResourceExhaustedError as err:
+        # One line: the device, the bytes, settings that would fit (tfpar.oom).
+        raise memory.out_of_memory_error(err, config, runtime.replicas) from err
     result.update(added)
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)

@@ -44,9 +44,9 @@ class DistributeBackend(Backend):
         """Builds and compiles the model under the strategy's scope, optimizer built, so a
         checkpoint can restore every variable before the first step."""
         with runtime.strategy.scope():
-            with recompute.scope(config):
-                model = models.build(config.model, task.input_shape, task.num_classes,
-                                     width=config.model_width, depth=config.model_depth)
+            model = models.build(config.model, task.input_shape, task.num_classes,
+                                 width=config.model_width, depth=config.model_depth)
+            recompute.apply(model, config)
             if config.pipeline_stages > 1:
                 model = pipeline.for_training(model, config, runtime)
             model.compile(

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfpar import checkpoint, data, devices, metrics
+from tfpar import checkpoint, data, devices, memory, metrics
 from tfpar.backends import Backend
 from tfpar.backends.distribute import _POLICIES
 from tfpar.errors import TfparError
@@ -60,6 +60,7 @@ class DTensorBackend(Backend):
         if config.validation_steps:
             validation = {"validation_data": data.validation_dataset(config, task, context),
                           "validation_steps": config.validation_steps}
+        self._memory_start = memory.reset_peaks(_mesh_devices(runtime))
         step = start
         while step < config.steps:
             epoch, length = step // config.steps_per_epoch, min(
@@ -80,7 +81,18 @@ class DTensorBackend(Backend):
 
     def stats(self, config, runtime, model, task, recorder):
         result = metrics.summarize(config, runtime, recorder, values.shard_sizes(model.weights))
+        mesh_devices = _mesh_devices(runtime)
+        result["memory"].update(memory.memory_block(
+            model, getattr(self, "_memory_start", None), mesh_devices,
+            param_bytes=memory.shard_bytes_per_device(model.weights, mesh_devices),
+            optimizer_state_bytes=memory.shard_bytes_per_device(
+                self.trainer.optimizer.variables, mesh_devices)))
         result["strategy"] = "DTensorMesh"
         result["mesh"] = {"data_parallel": runtime.mesh.shape[0],
                           "tensor_parallel": runtime.mesh.shape[1]}
         return result
+
+
+def _mesh_devices(runtime):
+    """The mesh's devices in DTensor's shard order (`dtensor.unpack`)."""
+    return [str(d) for d in runtime.mesh.backend_mesh.local_devices()]

@@ -11,7 +11,7 @@ gives each worker several logical CPUs is TensorFlow's and applies).
 import tf_keras
 from absl import logging
 
-from tfpar import devices, metrics, strategy
+from tfpar import devices, memory, metrics, strategy
 from tfpar.backends import tensorboard_dir
 from tfpar.backends.distribute import DistributeBackend, fit_segments
 from tfpar.legacy import options, trainer
@@ -46,6 +46,7 @@ class TfKerasBackend(DistributeBackend):
         if config.tensorboard_dir:
             callbacks.append(tf_keras.callbacks.TensorBoard(tensorboard_dir(config, runtime),
                                                             update_freq="epoch"))
+        self._memory_start = memory.reset_peaks()
         fit_segments(config, runtime, model, task, callbacks, 0)
         return {"keras": 2, **trainer.finish(config, runtime, task, model)}
 
@@ -53,5 +54,8 @@ class TfKerasBackend(DistributeBackend):
         # tf_keras wraps the optimizer in a LossScaleOptimizer at compile under mixed_float16.
         comm = metrics.comm_stats(model, runtime.replicas)
         local_replicas = runtime.replicas // runtime.workers
-        return metrics.summarize(config, runtime, recorder,
-                                 [model.count_params()] * local_replicas, comm=comm)
+        result = metrics.summarize(config, runtime, recorder,
+                                   [model.count_params()] * local_replicas, comm=comm)
+        result["memory"].update(memory.memory_block(model, getattr(self, "_memory_start",
+                                                                   None)))
+        return result

@@ -8,7 +8,7 @@ model's presets, model and optimizer built on the mesh. Which settings combine w
 
 import keras
 
-from tfpar import models, optimizers
+from tfpar import models, optimizers, recompute
 from tfpar.layout import presets
 from tfpar.layout.mesh import mesh_for_config
 from tfpar.layout.trainer import build_on_mesh
@@ -26,12 +26,18 @@ def build(config, task, mesh=None):
     keras.utils.set_random_seed(config.seed)
     model, trainer = build_on_mesh(
         mesh, rules,
-        lambda: models.build(config.model, task.input_shape, task.num_classes,
-                             width=config.model_width, depth=config.model_depth),
+        lambda: _build_model(config, task),
         lambda: _optimizer(config),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         grad_accum_steps=config.grad_accum_steps)
     return mesh, model, trainer
+
+
+def _build_model(config, task):
+    model = models.build(config.model, task.input_shape, task.num_classes,
+                         width=config.model_width, depth=config.model_depth)
+    recompute.apply(model, config)
+    return model
 
 
 def _optimizer(config):

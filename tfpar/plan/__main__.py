@@ -1,8 +1,7 @@
 """`python -m tfpar.plan`: how should this model run on this hardware?
 
-Enumerates data × tensor × pipeline × micro-batches × interleaving × compression (and
-activation recomputation, and with --zero ZeRO-1: both planned, not runnable yet) layouts
-that use every device and fit in memory, ranks them by predicted step time, and prints the
+Enumerates data × tensor × pipeline × micro-batches × interleaving × compression ×
+activation recomputation (and with --zero ZeRO stages 1-3) layouts that use every device and fit in memory, ranks them by predicted step time, and prints the
 choice, why, why each neighbour lost, and how to run it (`--json` for tools). Nothing is
 built: built-in models are profiled by formula, `--model=module:function` symbolically
 (see `tfpar.plan.symbolic`).
@@ -54,9 +53,9 @@ def define_flags(flag_values=FLAGS):
     flags.DEFINE_string("compression", "none", "Allow only this aggregator besides the "
                         "plain all-reduce (none: every aggregator).", **f)
     flags.DEFINE_enum("recompute", "auto", ["auto", "on", "off"], "Activation "
-                      "recomputation (planned, not runnable from tfpar.train yet).", **f)
-    flags.DEFINE_bool("zero", False, "Also rank ZeRO-1 layouts (planned, not runnable "
-                      "yet).", **f)
+                      "recomputation of the blocks (--recompute=blocks in tfpar.train).", **f)
+    flags.DEFINE_bool("zero", False, "Also rank ZeRO stages 1-3 (runnable where "
+                      "tfpar.compat accepts --zero_stage; marked otherwise).", **f)
     flags.DEFINE_integer("devices", 0, "Devices to plan for (with --calibrate: "
                          "--cpu_devices).", lower_bound=0, **f)
     flags.DEFINE_integer("cpu_devices", 0, "--calibrate: logical CPUs to measure.",
@@ -115,7 +114,7 @@ def main(argv):
             mixed_precision=FLAGS.mixed_precision, data_parallel=FLAGS.data_parallel,
             tensor_parallel=FLAGS.tensor_parallel, pipeline_stages=FLAGS.pipeline_stages,
             compression=FLAGS.compression, recompute=FLAGS.recompute,
-            zero=(0, 1) if FLAGS.zero else (0,), simulated_cpu=FLAGS.calibrate)
+            zero=(0, 1, 2, 3) if FLAGS.zero else (0,), simulated_cpu=FLAGS.calibrate)
         calibration = None
         if FLAGS.calibrate:
             if FLAGS.model not in ("mlp", "convnet", "transformer"):

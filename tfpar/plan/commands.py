@@ -9,11 +9,6 @@ def runnable(c, hw, request):
     from tfpar.config import MODELS, ParallelConfig
     from tfpar.errors import ConfigError
 
-    if c.zero:
-        return f"ZeRO-{c.zero} is planned, not runnable yet"
-    if c.recompute:
-        return ("recomputation is planned, not runnable from tfpar.train yet "
-                "(PipelineModel.split(recompute=True) from Python)")
     if hw.machines > 1 and (c.tensor > 1 or c.pipeline > 1):
         return ("tfpar.train runs tensor and pipeline parallelism inside one machine; across "
                 f"{hw.machines} machines only data parallelism")
@@ -26,7 +21,8 @@ def runnable(c, hw, request):
             microbatches=c.microbatches if c.pipeline > 1 else 1,
             schedule=request.schedule if c.pipeline > 1 else "1f1b",
             virtual_stages=c.virtual, compression=c.compression,
-            mixed_precision=request.mixed_precision, optimizer=request.optimizer)
+            mixed_precision=request.mixed_precision, optimizer=request.optimizer,
+            recompute="blocks" if c.recompute else "none", zero_stage=c.zero)
     except ConfigError as err:
         return str(err)
     return None
@@ -76,6 +72,10 @@ def command(row, request, hw):
         parts.append(f"--grad_accum_steps={accum}")
     if row["compression"] != "none":
         parts.append(f"--compression={row['compression']}")
+    if row["recompute"]:
+        parts.append("--recompute=blocks")
+    if row["zero"]:
+        parts.append(f"--zero_stage={row['zero']}")
     text = " ".join(parts)
     if hw.machines > 1:
         text += f"    # on each of the {hw.machines} machines, TF_CONFIG naming all"
@@ -86,6 +86,8 @@ def python_calls(row, request, hw):
     """Lines of Python that train `row`'s layout on the user's own model (`build()` stands
     for the user's function; `loss`, `dataset` for theirs)."""
     build = (f"{request.model.split(':')[1]}()" if ":" in request.model else "build()")
+    if row["recompute"]:  # the user's model has no zoo block names: every layer
+        build = f"tfpar.recompute.every_layer({build})"
     if ":" in request.model:
         head = [f"from {request.model.split(':')[0]} import {request.model.split(':')[1]}"]
     else:
@@ -99,6 +101,8 @@ def python_calls(row, request, hw):
             config.append(f"virtual_stages={row['virtual']}")
     if row["compression"] != "none":
         config.append(f"compression={row['compression']!r}")
+    if row["zero"]:
+        config.append(f"zero_stage={row['zero']}")
     if request.simulated_cpu:
         config.append(f"cpu_devices={hw.devices}")
     optimizer = {"adam": "keras.optimizers.Adam()", "sgd": "keras.optimizers.SGD()",

@@ -22,8 +22,8 @@ the data-parallel gradient all-reduce after the last backward (not overlapped). 
   block output per micro-batch each way (1/tensor of it per device, as Megatron-LM
   scatters it over the tensor group), once per virtual stage.
 - Memory per device (`memory_bytes`, the first stage, which stashes the most) = training
-  state of its shard (`STATE_BYTES` per parameter; ZeRO-1 splits the optimizer's part
-  over data-parallel peers) + activations of the micro-batches its schedule keeps alive
+  state of its shard (`STATE_BYTES` per parameter; ZeRO splits over data-parallel peers
+  the optimizer's part (stage 1), the gradients (2) and the weights (3)) + activations of the micro-batches its schedule keeps alive
   (`stashed_microbatches`): whole blocks without recomputation, only each block's input
   with it, plus one block being recomputed. Tensor parallelism splits the matrices and
   the activations between them, not the replicated ones (layer-norm inputs: Korthikanti
@@ -158,7 +158,7 @@ class Candidate:
     compression: str
     virtual: int = 1       # interleaved schedule: model chunks per device
     recompute: bool = False
-    zero: int = 0          # ZeRO stage (0 or 1)
+    zero: int = 0          # ZeRO stage (0-3)
 
 
 def ring_allreduce_seconds(nbytes, n, bandwidth, latency=0.0):
@@ -234,13 +234,29 @@ def stashed_microbatches(c, schedule="1f1b"):
     return min(c.pipeline, c.microbatches)
 
 
-def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
-    """Bytes one device of the first stage needs: its shard's training state + the
-    activations its schedule keeps alive."""
+def state_bytes(profile, c, optimizer="adam"):
+    """Bytes of training state one device of the first stage holds: weights, gradients
+    and optimizer state of its shard. ZeRO splits over the data-parallel peers the
+    optimizer state (stage 1), also the gradients (2), also the weights (3, which then
+    gathers one block's weights at a time while it runs)."""
     shard = stage_params(profile, c)
-    state = (STATE_BYTES[optimizer] - OPTIMIZER_BYTES[optimizer]) * shard + \
-        OPTIMIZER_BYTES[optimizer] * shard / (c.data if c.zero >= 1 else 1)
-    return state + activation_bytes(profile, c, global_batch, schedule)
+    weight = STATE_BYTES[optimizer] - OPTIMIZER_BYTES[optimizer] - GRAD_BYTES
+    split = c.data if c.data > 1 else 1
+    opt = OPTIMIZER_BYTES[optimizer] * shard / (split if c.zero >= 1 else 1)
+    grads = GRAD_BYTES * shard / (split if c.zero >= 2 else 1)
+    if c.zero >= 3:
+        gathered = profile.block_params / max(1, profile.blocks) / c.tensor
+        weights = weight * (shard / split + gathered)
+    else:
+        weights = weight * shard
+    return weights + grads + opt
+
+
+def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
+    """Bytes one device of the first stage needs: its shard's training state
+    (`state_bytes`) + the activations its schedule keeps alive."""
+    return state_bytes(profile, c, optimizer) + activation_bytes(profile, c, global_batch,
+                                                                schedule)
 
 
 def activation_bytes(profile, c, global_batch, schedule="1f1b"):
@@ -297,6 +313,11 @@ def step_seconds(profile, hw, c, global_batch):
                                 hw.latency * buckets)
     if c.compression != "none" and c.data > 1:
         dp += hw.encode_seconds_per_param[c.compression] * shard
+    if c.zero >= 3:
+        # The weights all-gathered for the forward and again for the backward: two
+        # all-gathers of (n-1)/n·S each, the volume of one all-reduce.
+        dp += ring_allreduce_seconds(4 * shard, c.data, group_bandwidth(hw, c.data, T),
+                                     hw.latency * buckets)
     tp_total = c.microbatches * tp
     p2p_total = c.microbatches * p2p
     total = overhead + compute + bubble + dp + tp_total + p2p_total

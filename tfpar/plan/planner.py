@@ -24,8 +24,9 @@ class Request:
         trainer_builds_it: `python -m tfpar.train --model=... --model_width --model_depth`
             builds exactly the profiled model (False for other shapes and user models).
         recompute: "auto" (with and without activation recomputation), "on" or "off";
-            zero: ZeRO stages to try.
-            Neither runs in tfpar.train yet: such layouts are marked, never given a command.
+            zero: ZeRO stages to try. Whether `tfpar.train` runs a layout is
+            `tfpar.compat`'s answer (`commands.runnable`); one it refuses is marked with
+            the reason, never given a command.
     """
 
     model: str = "mlp"

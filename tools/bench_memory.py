@@ -1,0 +1,235 @@
+"""Memory benchmark: under a per-device memory cap, the largest transformer that trains.
+
+    python tools/bench_memory.py                        # 4 devices, 96 MB each
+    python tools/bench_memory.py --quick                # a smoke run, a few minutes
+
+For each configuration — plain data parallelism, ZeRO-1/2/3, tensor parallelism, each
+without and with `--recompute=blocks` — it searches a ladder of transformers (width ×
+depth, ordered by parameters) for the largest that trains `--steps` steps under the cap,
+and reports it with its step time (median) and its measured peak per device. A
+configuration `tfpar.compat` refuses is printed as "refused: <reason>" (ZeRO runs where
+the trainer accepts `--zero_stage`).
+
+How the cap is enforced on CPU: `tf.config.set_logical_device_configuration(...,
+memory_limit=...)` is not honoured for CPUs (measured: a logical CPU with a 64 MB limit
+allocates 100 MB; see `--probe_limit`), and logical CPUs share one allocator. So each
+configuration runs in its own child process (`python -m tfpar.train`) with the process's
+CPU allocator capped at devices × cap (`TF_CPU_BFC_MEM_LIMIT_IN_MB`, BFC on): a run that
+needs more fails with tfpar's one-line out-of-memory error. On top of that, the measured
+allocator peak per device (process peak / devices) must be within the cap, so a run whose
+devices are unbalanced cannot borrow from another's share unnoticed.
+
+Output: a table, and JSON under runs/ (or --json): {"benchmark": "memory", "cap_mb",
+"devices", "rows": [{"name", "flags", "refused" | "largest": {"width", "depth", "params",
+"step_ms", "peak_mb_per_device"}, "tried": [...]}]}.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("devices", 4, "logical CPU devices (replicas)")
+flags.DEFINE_integer("cap_mb", 96, "memory cap per device, MB")
+flags.DEFINE_integer("batch", 64, "global batch size")
+flags.DEFINE_integer("steps", 3, "training steps per probe")
+flags.DEFINE_list("widths", ["64", "128", "192", "256", "384", "512", "768", "1024"],
+                  "transformer widths of the ladder (multiples of 4 x tensor_parallel)")
+flags.DEFINE_list("depths", ["2", "4", "8"], "transformer depths of the ladder")
+flags.DEFINE_list("only", [], "run only these configurations (names of the table)")
+flags.DEFINE_string("optimizer", "adam", "optimizer (its state is what ZeRO-1 splits)")
+flags.DEFINE_bool("quick", False, "smoke run: 2 devices, a short ladder, 2 steps")
+flags.DEFINE_bool("probe_limit", False, "only check whether a logical CPU's memory_limit "
+                  "is honoured, and exit")
+flags.DEFINE_string("json", "", "write the results here (default runs/bench_memory_<time>.json)")
+flags.DEFINE_integer("timeout", 600, "seconds per child run")
+
+CONFIGS = [  # name, trainer flags
+    ("plain", []),
+    ("zero1", ["--zero_stage=1"]),
+    ("zero2", ["--zero_stage=2"]),
+    ("zero3", ["--zero_stage=3"]),
+    ("tensor", ["--tensor_parallel={tp}", "--data_parallel=1"]),
+]
+
+
+def refusal(flag_list, devices):
+    """`tfpar.compat`'s reason for refusing these flags, or None."""
+    from tfpar import ParallelConfig
+    from tfpar.errors import ConfigError
+
+    settings = {"model": "transformer", "cpu_devices": devices}
+    for flag in flag_list:
+        key, value = flag[2:].split("=")
+        settings[key] = int(value) if value.isdigit() else value
+    try:
+        ParallelConfig(**settings)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def ladder():
+    sizes = []
+    for width in (int(w) for w in FLAGS.widths):
+        for depth in (int(d) for d in FLAGS.depths):
+            params = 12 * width * width * depth  # the blocks; embeddings are tiny here
+            sizes.append((params, width, depth))
+    return sorted(sizes)
+
+
+def probe(flag_list, width, depth):
+    """Trains one size in a child; returns a dict with `fits` and what was measured."""
+    devices = FLAGS.devices
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
+               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(devices * FLAGS.cap_mb),
+               TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TF_CONFIG", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.json")
+        cmd = [sys.executable, "-m", "tfpar.train", "--model=transformer",
+               f"--model_width={width}", f"--model_depth={depth}",
+               f"--cpu_devices={devices}", f"--global_batch_size={FLAGS.batch}",
+               f"--steps={FLAGS.steps}", f"--steps_per_epoch={FLAGS.steps}",
+               f"--optimizer={FLAGS.optimizer}", "--verbose=0", f"--metrics_json={path}",
+               *flag_list]
+        began = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                                  timeout=FLAGS.timeout)
+        except subprocess.TimeoutExpired:
+            return {"width": width, "depth": depth, "fits": False, "error": "timed out"}
+        out = {"width": width, "depth": depth, "seconds": round(time.time() - began, 1)}
+        if proc.returncode != 0 or not os.path.exists(path):
+            lines = [l for l in proc.stderr.splitlines() if l.startswith("tfpar")]
+            out.update(fits=False, error=(lines or proc.stderr.splitlines()[-1:] or
+                                          ["exit %d" % proc.returncode])[-1][:400])
+            out["oom"] = "out of memory" in out["error"]
+            return out
+        with open(path) as f:
+            metrics = json.load(f)
+    memory = metrics["memory"]
+    peaks = memory.get("peak_bytes_per_device") or [0]
+    peak = max(peaks) / (len(peaks) if memory.get("peak_bytes_scope") == "process" else 1)
+    out.update(params=sum(metrics["memory"]["params_per_device"][:1]) or None,
+               step_ms=metrics["step_time_ms"]["median"],
+               peak_mb_per_device=round(peak / 2 ** 20, 2),
+               param_mb_per_device=round(max(memory["param_bytes_per_device"]) / 2 ** 20, 2),
+               optimizer_mb_per_device=round(
+                   max(memory["optimizer_state_bytes_per_device"]) / 2 ** 20, 2))
+    out["fits"] = peak <= FLAGS.cap_mb * 2 ** 20
+    if not out["fits"]:
+        out["error"] = (f"measured peak {out['peak_mb_per_device']} MB per device over the "
+                        f"{FLAGS.cap_mb} MB cap")
+    return out
+
+
+def largest(flag_list):
+    """Binary search of the ladder for the largest size that fits (fitting taken as
+    monotone in the parameters)."""
+    sizes = ladder()
+    tried, lo, hi, best = [], 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        params, width, depth = sizes[mid]
+        result = probe(flag_list, width, depth)
+        result["ladder_params"] = params
+        tried.append(result)
+        print(f"    {width}x{depth}: {'fits' if result['fits'] else result.get('error')}",
+              flush=True)
+        if result["fits"]:
+            best, lo = result, mid + 1
+        else:
+            hi = mid - 1
+    return best, tried
+
+
+def probe_limit():
+    """Whether a logical CPU honours memory_limit: allocate 100 MB on one limited to 64."""
+    code = ("import tensorflow as tf\n"
+            "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+            "tf.config.set_logical_device_configuration(cpu, "
+            "[tf.config.LogicalDeviceConfiguration(memory_limit=64)] * 2)\n"
+            "with tf.device('CPU:0'):\n"
+            "    a = tf.ones([100 * 2**20 // 4]); b = a + 1\n"
+            "print('allocated', float(tf.reduce_sum(b)) > 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
+                                   TF_CPP_MIN_LOG_LEVEL="2"), timeout=120)
+    honoured = "allocated True" not in proc.stdout
+    print(f"logical CPU memory_limit=64 MB, 100 MB allocated on it: "
+          f"{'refused (honoured)' if honoured else 'allowed (not honoured)'}")
+    return honoured
+
+
+def main(argv):
+    del argv
+    if FLAGS.probe_limit:
+        probe_limit()
+        return
+    if FLAGS.quick:
+        FLAGS.devices, FLAGS.steps = 2, 2
+        FLAGS.widths, FLAGS.depths = ["64", "128", "256", "512"], ["2", "4"]
+    tp = FLAGS.devices
+    rows = []
+    print(f"cap {FLAGS.cap_mb} MB per device x {FLAGS.devices} logical CPUs "
+          f"(process CPU allocator capped at {FLAGS.devices * FLAGS.cap_mb} MB), "
+          f"global batch {FLAGS.batch}, {FLAGS.optimizer}, {FLAGS.steps} steps per probe",
+          flush=True)
+    for base, base_flags in CONFIGS:
+        for recompute in ("none", "blocks"):
+            name = base + ("+recompute" if recompute != "none" else "")
+            if FLAGS.only and name not in FLAGS.only:
+                continue
+            flag_list = [f.format(tp=tp) for f in base_flags]
+            if base != "tensor":
+                flag_list.append("--strategy=mirrored")
+            if recompute != "none":
+                flag_list.append(f"--recompute={recompute}")
+            row = {"name": name, "flags": flag_list}
+            why = refusal([f for f in flag_list if f != "--strategy=mirrored"], FLAGS.devices)
+            if why:
+                row["refused"] = why
+                print(f"  {name}: refused: {why}", flush=True)
+            else:
+                print(f"  {name}: {' '.join(flag_list)}", flush=True)
+                row["largest"], row["tried"] = largest(flag_list)
+            rows.append(row)
+    plain = next((r.get("largest") for r in rows if r["name"] == "plain"), None)
+    print()
+    print(f"{'configuration':<20}{'largest that trains':>22}{'params':>12}{'x plain':>9}"
+          f"{'step ms':>9}{'peak MB/dev':>13}")
+    for row in rows:
+        if "refused" in row:
+            print(f"{row['name']:<20}refused: {row['refused']}")
+            continue
+        best = row["largest"]
+        if best is None:
+            print(f"{row['name']:<20}{'nothing on the ladder':>22}")
+            continue
+        params = best["ladder_params"]
+        ratio = f"{params / plain['ladder_params']:.2f}" if plain else "-"
+        print(f"{row['name']:<20}{'width %d depth %d' % (best['width'], best['depth']):>22}"
+              f"{params:>12,}{ratio:>9}{best['step_ms']:>9.1f}"
+              f"{best['peak_mb_per_device']:>13.1f}")
+    path = FLAGS.json or os.path.join(ROOT, "runs",
+                                      time.strftime("bench_memory_%Y%m%d_%H%M%S.json"))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": "memory", "cap_mb": FLAGS.cap_mb, "devices": FLAGS.devices,
+                   "global_batch_size": FLAGS.batch, "optimizer": FLAGS.optimizer,
+                   "steps": FLAGS.steps, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
