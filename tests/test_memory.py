@@ -13,8 +13,9 @@ import sys
 import numpy as np
 import pytest
 
+import subproc
 from subproc import ROOT, last_json_line, run
-from tfpar import ParallelConfig
+from tfpar import ParallelConfig, doctor, oom
 from tfpar.errors import ConfigError
 
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
@@ -57,7 +58,7 @@ def test_memory_block_counts_mirrored_variables_on_every_device(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer,lr,tolerance,modes", [
-    ("sgd", 0.05, 1e-6, ("blocks",)),
+    ("sgd", 0.05, 1e-6, ("blocks", "full")),
     ("adam", 1e-3, 1e-5, ("blocks",)),
 ])
 def test_recompute_is_exact_and_lowers_the_activation_peak(tmp_path, optimizer, lr,
@@ -84,15 +85,108 @@ def test_recompute_on_a_pipeline_is_exact(tmp_path):
         assert max_diff(w_plain, w) <= 1e-6, mode
 
 
+def test_recompute_on_the_mesh_is_exact_and_memory_is_per_shard(tmp_path):
+    """Tensor parallelism (DTensor): recomputation exact and the training peak at least
+    halved; the memory keys count each device's shards."""
+    cfg = {"model": "transformer", "optimizer": "momentum", "learning_rate": 0.05,
+           "tensor_parallel": 2, "cpu_devices": 2, "global_batch_size": 64,
+           "model_depth": 4}
+    plain, w_plain = train_child(tmp_path, "none", **cfg)
+    memory = plain["memory"]
+    param_bytes = sum(w.size * w.itemsize for w in w_plain)
+    per_device = memory["param_bytes_per_device"]
+    # Megatron's split: each device holds less than the model, the two together more
+    # (norms, biases of row-parallel layers and embeddings are replicated).
+    assert len(per_device) == 2 and all(p < param_bytes for p in per_device)
+    assert sum(per_device) > param_bytes
+    for params, slots in zip(per_device, memory["optimizer_state_bytes_per_device"]):
+        assert params <= slots <= params + 64  # one momentum slot per shard + counters
+    assert memory["peak_bytes_scope"] == "process" and memory["peak_bytes_per_device"][0] > 0
+    peak_plain = memory["peak_bytes_above_start_per_device"][0]
+    result, w = train_child(tmp_path, "blocks", recompute="blocks", **cfg)
+    assert max_diff(w_plain, w) <= 1e-6
+    peak = result["memory"]["peak_bytes_above_start_per_device"][0]
+    print(f"mesh 1x2 recompute=blocks: training peak {peak} B vs {peak_plain} B without "
+          f"({peak_plain / peak:.2f}x lower)")
+    assert peak * 2 <= peak_plain, (peak, peak_plain)
+
+
+def test_memory_keys_on_tf_keras(tmp_path):
+    result, weights = train_child(tmp_path, "k2", model="mlp", keras=2, optimizer="adam",
+                                  strategy="mirrored", cpu_devices=2)
+    memory = result["memory"]
+    param_bytes = sum(w.size * w.itemsize for w in weights)
+    assert memory["param_bytes_per_device"] == [param_bytes] * 2
+    for slots in memory["optimizer_state_bytes_per_device"]:
+        assert 2 * param_bytes <= slots <= 2 * param_bytes + 64
+    assert memory["peak_bytes_per_device"][0] > 4 * param_bytes
+
+
+def test_out_of_memory_ends_in_one_line():
+    """The process's CPU allocator capped at 48 MB: a transformer whose Adam state alone is
+    ~50 MB fails with one line naming the device, the bytes and settings to try."""
+    out = subproc.run_module(
+        "tfpar.train", "--model=transformer", "--model_width=256", "--model_depth=16",
+        "--strategy=one_device", "--global_batch_size=64", "--steps=2", "--verbose=0",
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "48"},
+        timeout=240, check=False)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    line = lines[-1]
+    assert line.startswith("tfpar: error: out of memory on ") and "CPU:0" in line, line
+    assert "MB available" in line and "TF_CPU_BFC_MEM_LIMIT_IN_MB=48" in line, line
+
+
+def test_out_of_memory_line_names_what_would_fit():
+    message = ("OOM when allocating tensor with shape[64,16,1024] and type float on "
+               "/job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu")
+    assert oom.parse(message) == ("/job:localhost/replica:0/task:0/device:CPU:0",
+                                  64 * 16 * 1024 * 4)
+    config = ParallelConfig(model="transformer", model_width=512, model_depth=8,
+                            global_batch_size=64, optimizer="adam")
+    need = oom.estimate(config, 1)
+    line = oom.explain(message, config, 1, 1, in_use=int(need), available=int(need * 0.7))
+    assert line.startswith("out of memory on /job:localhost/replica:0/task:0/device:CPU:0: "
+                           "4.0 MB more")
+    assert "would fit by tfpar.plan's memory model: " in line
+    # Every suggestion is a setting tfpar.compat accepts, and fits by the model's estimate.
+    for flags in line.split("memory model: ")[1].split("; or "):
+        changes = dict(f[2:].split("=") for f in flags.split())
+        variant = config.replace(**{k: int(v) if v.isdigit() else v
+                                    for k, v in changes.items()})
+        assert oom.estimate(variant, 1) <= 0.7 * need, flags
+    # Nothing fits a device 100x too small: the line says what to do instead.
+    tiny = oom.explain(message, config, 1, 1, in_use=int(need), available=int(need / 100))
+    assert "would fit" not in tiny and "--global_batch_size" in tiny
+
+
+def test_doctor_memory_check_uses_the_device_and_the_run_settings():
+    config = ParallelConfig(model="transformer", model_width=512, model_depth=8,
+                            global_batch_size=64, optimizer="adam", cpu_devices=4)
+    plain = doctor.check_memory(config, 4, 10e9, "test device")
+    assert plain.status == "PASS" and "planner's estimate" in plain.detail
+    need = float(plain.detail.split(": ")[1].split(" MB")[0]) * 1e6
+    # The same run with recomputation or ZeRO-3 is estimated smaller.
+    for changes in ({"recompute": "blocks"}, {"zero_stage": 3}):
+        variant = ParallelConfig.__new__(ParallelConfig)
+        variant.__dict__.update({**config.__dict__, **changes})  # unchecked: compat aside
+        smaller = doctor.check_memory(variant, 4, 10e9, "test device")
+        assert float(smaller.detail.split(": ")[1].split(" MB")[0]) * 1e6 < need, changes
+    assert doctor.check_memory(config, 4, need / 0.9, "d").status == "WARN"
+    assert doctor.check_memory(config, 4, need / 2, "d").status == "FAIL"
+    # A measured peak wins over the estimate.
+    measured = doctor.check_memory(config, 4, 10e9, "d", measured=123e6)
+    assert "measured peak of one step: 123.0 MB of 10000.0 MB" in measured.detail
+    unknown = doctor.check_memory(config, 4, None, "no nvidia-smi")
+    assert unknown.status == "WARN" and "no nvidia-smi" in unknown.detail
+
+
 def test_unsupported_memory_settings_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="recompute"):
-        ParallelConfig(tensor_parallel=2, recompute="blocks")
-    with pytest.raises(ConfigError, match="recompute"):
         ParallelConfig(recompute="some")
-    with pytest.raises(ConfigError, match="recompute.*blocks"):
-        ParallelConfig(recompute="full")
-    for stage in (1, 2, 3):
-        with pytest.raises(ConfigError, match="zero_stage.*build_on_mesh"):
-            ParallelConfig(zero_stage=stage)
+    with pytest.raises(ConfigError, match="recompute.*keras"):
+        ParallelConfig(keras=2, recompute="blocks")
+    ParallelConfig(tensor_parallel=2, recompute="full")  # accepted on every Keras 3 path
     with pytest.raises(ConfigError, match="zero_stage"):
         ParallelConfig(zero_stage=4)

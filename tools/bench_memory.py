@@ -11,8 +11,9 @@ configuration `tfpar.compat` refuses is printed as "refused: <reason>" (ZeRO run
 the trainer accepts `--zero_stage`).
 
 How the cap is enforced on CPU: `tf.config.set_logical_device_configuration(...,
-memory_limit=...)` is not honoured for CPUs (measured: a logical CPU with a 64 MB limit
-allocates 100 MB; see `--probe_limit`), and logical CPUs share one allocator. So each
+memory_limit=...)` is refused for CPUs by TensorFlow 2.21 ("Setting memory limit on CPU
+virtual devices is currently not supported"; `--probe_limit` checks), and logical CPUs
+share one allocator. So each
 configuration runs in its own child process (`python -m tfpar.train`) with the process's
 CPU allocator capped at devices × cap (`TF_CPU_BFC_MEM_LIMIT_IN_MB`, BFC on): a run that
 needs more fails with tfpar's one-line out-of-memory error. On top of that, the measured
@@ -165,10 +166,13 @@ def probe_limit():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
                                    TF_CPP_MIN_LOG_LEVEL="2"), timeout=120)
-    honoured = "allocated True" not in proc.stdout
-    print(f"logical CPU memory_limit=64 MB, 100 MB allocated on it: "
-          f"{'refused (honoured)' if honoured else 'allowed (not honoured)'}")
-    return honoured
+    if "allocated True" in proc.stdout:
+        verdict = "100 MB allocated on it: not honoured"
+    elif "ResourceExhausted" in proc.stderr or "OOM" in proc.stderr:
+        verdict = "100 MB refused: honoured"
+    else:
+        verdict = "refused by TensorFlow: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+    print(f"logical CPU with memory_limit=64 MB: {verdict}")
 
 
 def main(argv):

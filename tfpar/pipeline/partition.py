@@ -156,4 +156,7 @@ def _rebuild(nodes, src, out, index):
             values[id(t)] = v
     for copy, original in copies.values():
         copy.set_weights(original.get_weights())
+        if getattr(original, "_tfpar_recomputed", False):  # --recompute=blocks carries over
+            from tfpar.recompute import rematerialize
+            rematerialize(copy)
     return keras.Model(inp, values[id(out)], name=f"stage_{index}")
