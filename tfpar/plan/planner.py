@@ -115,6 +115,7 @@ def measure_links(devices, matmul=1024, allreduce_mb=16):
     import tensorflow as tf
 
     from tfpar import devices as devices_lib
+    from tfpar import memory as memory_lib
 
     devices_lib.split_cpu(devices)
     a = tf.random.normal([matmul, matmul])
@@ -157,7 +158,9 @@ def measure_links(devices, matmul=1024, allreduce_mb=16):
             result = reduce(tiny)
             strategy.experimental_local_results(result)[0].numpy()
         latency = (time.perf_counter() - began) / 20 / (2 * (devices - 1))
-    memory = psutil.virtual_memory().total / devices
+    # What one device can allocate (the CPU allocator's cap or RAM, shared by the
+    # logical CPUs), not the host's RAM alone.
+    memory = memory_lib.device_memory(names)[0] or psutil.virtual_memory().total / devices
     return cost.Hardware(devices=devices, memory_bytes=memory, flops=flops,
                          intra_bandwidth=bandwidth, inter_bandwidth=bandwidth,
                          latency=latency, shared_cores=True), flops
