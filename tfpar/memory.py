@@ -238,10 +238,10 @@ def out_of_memory_error(err, config, replicas, devices=None):
             device if device and not on_cpu else devices[0])["current"])
     except (ValueError, tf.errors.OpError):
         pass
-    if on_cpu and config is not None:
+    if on_cpu and len(devices) > 1:
         # The planner's estimate is per device; the process holds every logical device's.
         available, in_use = available // len(devices), (in_use or 0) // len(devices) or None
-        where += f" over {len(devices)} logical CPUs"
+        where += f", shared by {len(devices)} logical CPUs"
     return oom.OutOfMemoryError(oom.explain(err, config, replicas, len(devices),
                                             in_use=in_use, available=available,
                                             where=where))
