@@ -2,8 +2,9 @@
 
 Enumerates data × tensor × pipeline × micro-batches × interleaving × compression ×
 activation recomputation (and with --zero ZeRO stages 1-3) layouts that use every device
-and fit in memory, ranks them by predicted step time, and prints the choice, why, why each neighbour lost, and how to run it (`--json` for tools). Nothing is
-built: built-in models are profiled by formula, `--model=module:function` symbolically
+and fit in memory, ranks them by predicted step time, and prints the choice, why, why
+each neighbour lost, and how to run it (`--json` for tools). Nothing is built: built-in
+models are profiled by formula, `--model=module:function` symbolically
 (see `tfpar.plan.symbolic`).
 
     python -m tfpar.plan --model=transformer --model_width=8192 --model_depth=48 \\

@@ -22,11 +22,12 @@ the data-parallel gradient all-reduce after the last backward (not overlapped). 
   block output per micro-batch each way (1/tensor of it per device, as Megatron-LM
   scatters it over the tensor group), once per virtual stage.
 - Memory per device (`memory_bytes`, the first stage, which stashes the most) = training
-  state of its shard (`STATE_BYTES` per parameter; ZeRO splits over data-parallel peers
-  the optimizer's part (stage 1), the gradients (2) and the weights (3)) + activations
-  of the micro-batches its schedule keeps alive (`stashed_microbatches`): whole blocks without recomputation, only each block's input
-  with it, plus one block being recomputed. Tensor parallelism splits the matrices and
-  the activations between them, not the replicated ones (layer-norm inputs: Korthikanti
+  state of its shard (`STATE_BYTES` per parameter; ZeRO splits over data-parallel
+  peers the optimizer's part (stage 1), the gradients (2) and the weights (3)) +
+  activations of the micro-batches its schedule keeps alive (`stashed_microbatches`):
+  whole blocks without recomputation, only each block's input with it, plus one block
+  being recomputed. Tensor parallelism splits the matrices and the activations between
+  them, not the replicated ones (layer-norm inputs: Korthikanti
   et al. 2022).
 
 Step time is linear in the hardware's per-unit costs (seconds per FLOP, per parameter
