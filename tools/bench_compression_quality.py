@@ -162,7 +162,12 @@ def main(argv=None):
             print(f"{task:12} {seed:4d} {'fp32':{width}} {ref['final_loss']:10.4f} {'—':>8} "
                   f"{ref['val_accuracy']:7.3f} {'—':>6}  ({ref['seconds']:.0f} s)", flush=True)
             for agg in aggregators:
-                row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args)
+                try:
+                    row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args)
+                except Exception as err:  # noqa: BLE001 — one broken run must not end the suite
+                    row = {"compression": agg.split(":")[0], "run": agg, "final_loss": math.nan,
+                           "val_accuracy": math.nan, "loss_gap": math.nan, "acc_drop": math.nan,
+                           "seconds": 0.0, "fails": [f"error: {type(err).__name__}: {err}"[:300]]}
                 row.update(task=task, seed=seed)
                 rows.append(row)
                 print(f"{task:12} {seed:4d} {agg:{width}} {row['final_loss']:10.4f} "

@@ -45,16 +45,20 @@ class PerReplicaSlot(trackable.Trackable):
 
     Args:
         variable: the per-replica variable (a plain variable outside a strategy).
+        average: on another world size give every replica the mean of the saved rows
+            instead (for state that is an estimate, like Adam's moments, not a debt).
     """
 
-    def __init__(self, variable):
+    def __init__(self, variable, average=False):
         self._variable = variable
+        self._average = average
 
     def _serialize_to_tensors(self):
         return {"per_replica": _stack_replicas(self._variable)}
 
     def _restore_from_tensors(self, restored_tensors):
-        return _restore_replicas(self._variable, restored_tensors["per_replica"])
+        return _restore_replicas(self._variable, restored_tensors["per_replica"],
+                                 self._average)
 
 
 def _local_components(variable):
@@ -74,12 +78,14 @@ def _stack_replicas(variable):
     return strategy.gather(values, axis=0)
 
 
-def _restore_replicas(variable, stacked):
+def _restore_replicas(variable, stacked, average=False):
     strategy, local = _local_components(variable)
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     if int(stacked.shape[0]) == replicas:
         task = tf.DeviceSpec.from_string(local[0].device).task or 0
         rows = [stacked[task * len(local) + j] for j in range(len(local))]
+    elif average:
+        rows = [tf.reduce_mean(stacked, 0)] * len(local)
     else:
         # Another world size: global replica 0 takes the whole sum and the others start at
         # zero. The sum over replicas is then exactly the saved sum (adding zeros rounds
@@ -161,7 +167,8 @@ class Aggregator(tf.Module):
                                                         tf.VariableAggregation.MEAN)
                     for i, shape in enumerate(self._layout.shapes) for kind in ("m", "v")}
             self.moments = data_structures.NoDependency(moments)
-            self.moment_slots = {k: PerReplicaSlot(v) for k, v in moments.items()}
+            self.moment_slots = {k: PerReplicaSlot(v, average=True)
+                                 for k, v in moments.items()}
             self._build_state()
         self.built = True
 
