@@ -59,10 +59,9 @@ _HELP = {
     "threshold": "Magnitude above which threshold sparsification sends an entry.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
-    "compress_adam_step": "With --optimizer=adam, top-k and PowerSGD compress each replica's "
-                          "Adam step (moments of its own gradient) and the optimizer applies "
-                          "the summed steps; off = compress gradients that Adam then "
-                          "normalises (fails on short runs: README, Gradient aggregators).",
+    "compress_adam_step": "With --optimizer=adam, top-k compresses each replica's Adam step "
+                          "(moments of its own gradient) and the optimizer applies the summed "
+                          "steps; off = compress gradients that Adam then normalises.",
     "auto_budget_ms": "--compression=auto: wall time per step the gradient exchange may take "
                       "on the link (measured at start); sets the high and low ranks.",
     "auto_link_mbps": "--compression=auto: act as on a link of this many Mbit/s instead of "

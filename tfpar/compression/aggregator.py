@@ -238,7 +238,8 @@ class Aggregator(tf.Module):
         c2 = 1 - tf.pow(beta_2, t)
         out = []
         for g, p in zip(grads, positions):
-            g = g * replicas  # this replica's own gradient (Keras divided it)
+            # This replica's own gradient (Keras divided it); embeddings' IndexedSlices dense.
+            g = tf.convert_to_tensor(g) * replicas
             m, v = self.moments[f"m_{p}"], self.moments[f"v_{p}"]
             m_new = m + (g - m) * (1 - beta_1)
             v_new = v + (tf.square(g) - v) * (1 - beta_2)
