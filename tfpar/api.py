@@ -95,7 +95,8 @@ def _aggregator(compression_arg, options):
                           "tfpar.compression_lib.Aggregator")
     factories = {"none": compression_lib.NoneAggregator, "int8": compression_lib.Int8Aggregator,
                  "topk": compression_lib.TopKAggregator, "threshold": compression_lib.ThresholdAggregator,
-                 "powersgd": compression_lib.PowerSGDAggregator}
+                 "powersgd": compression_lib.PowerSGDAggregator,
+                 "auto": compression_lib.AutoAggregator}
     if compression_arg in ("fp16", "bf16"):
         cls, args = compression_lib.CastAggregator, (compression_arg,)
     else:
@@ -175,6 +176,13 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is not a Keras optimizer; pass e.g. "
                         "keras.optimizers.Adam(1e-3) or 'adam'")
+    if (isinstance(compression, str) and "adam" not in aggregator_options
+            and compression in compression_lib.ADAM_STEP_AGGREGATORS
+            and getattr(type(optimizer), "tfpar_base", type(optimizer)) is keras.optimizers.Adam
+            and not optimizer.amsgrad):
+        # As the trainer does (`--compress_adam_step`): compress Adam's step, not the
+        # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in).
+        aggregator.adam = (0.9, 0.999, 1e-7)
     base = getattr(type(optimizer), "tfpar_base", type(optimizer))
     config = optimizer.get_config()
     config.pop("compression", None)

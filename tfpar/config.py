@@ -16,7 +16,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker")
 COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
 RECOMPUTE = ("none", "blocks", "full")
@@ -123,8 +123,12 @@ class ParallelConfig:
     threshold: float = 1e-3
     powersgd_rank: int = 4
     powersgd_start_step: int = 0
+    compress_adam_step: bool = True
+    auto_budget_ms: float = 20.0
+    auto_link_mbps: float = 0.0
+    auto_link_latency_ms: float = 1.0
     error_feedback: bool = True
-    bucket_mb: float = 25.0
+    bucket_mb: float = 4.0
     # Outputs.
     checkpoint_dir: str = ""
     checkpoint_every: int = 50
@@ -176,6 +180,11 @@ class ParallelConfig:
         _at_least("topk_warmup_steps", self.topk_warmup_steps, 0)
         if not self.threshold > 0:
             raise ConfigError("threshold", self.threshold, "must be > 0")
+        if not self.auto_budget_ms > 0:
+            raise ConfigError("auto_budget_ms", self.auto_budget_ms, "must be > 0, e.g. 20")
+        for name in ("auto_link_mbps", "auto_link_latency_ms"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0 (0 = measure)")
         if self.schedule == "interleaved" and self.virtual_stages < 2 and self.pipeline_stages > 1:
             raise ConfigError("virtual_stages", self.virtual_stages,
                               "the interleaved schedule needs --virtual_stages >= 2")

@@ -59,6 +59,14 @@ _HELP = {
     "threshold": "Magnitude above which threshold sparsification sends an entry.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
+    "compress_adam_step": "With --optimizer=adam, top-k compresses each replica's Adam step "
+                          "(moments of its own gradient) and the optimizer applies the summed "
+                          "steps; off = compress gradients that Adam then normalises.",
+    "auto_budget_ms": "--compression=auto: wall time per step the gradient exchange may take "
+                      "on the link (measured at start); sets the high and low ranks.",
+    "auto_link_mbps": "--compression=auto: act as on a link of this many Mbit/s instead of "
+                      "measuring it; 0 = measure.",
+    "auto_link_latency_ms": "--compression=auto: the latency that goes with --auto_link_mbps.",
     "error_feedback": "Keep what a lossy aggregator did not send and add it next step.",
     "bucket_mb": "Fuse small gradients into buckets of this many MB.",
     "checkpoint_dir": "Directory for checkpoints; a run resumes from its latest one.",

@@ -34,15 +34,20 @@ def learning_rate(config):
     return LinearWarmup(peak, config.warmup_steps)
 
 
-def make_optimizer(config):
-    """The Keras optimizer for `config`: learning-rate rule, aggregator, fp16 loss scaling."""
+def make_optimizer(config, bucketed=False):
+    """The Keras optimizer for `config`: learning-rate rule, aggregator, fp16 loss scaling.
+
+    With `bucketed`, `--compression=none` also goes through an aggregator (the exact fp32
+    all-reduce in `--bucket_mb` buckets, last layers first), so the first buckets' sums
+    start while backward still runs, where Keras's one all-reduce waits for all of it.
+    """
     kwargs = {"learning_rate": learning_rate(config)}
     if config.optimizer == "adam":
         optimizer = keras.optimizers.Adam(**kwargs)
     else:
         optimizer = keras.optimizers.SGD(
             momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
-    if config.compression != "none":
+    if config.compression != "none" or bucketed:
         from tfpar import compression
         optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
     if config.mixed_precision == "fp16":

@@ -50,7 +50,9 @@ class DistributeBackend(Backend):
             if config.pipeline_stages > 1:
                 model = pipeline.for_training(model, config, runtime)
             model.compile(
-                optimizer=optimizers.make_optimizer(config),
+                # fp32 in buckets too (overlap with backward), with more than one replica.
+                optimizer=optimizers.make_optimizer(
+                    config, bucketed=runtime.replicas > 1 and config.pipeline_stages == 1),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                 jit_compile=False)
@@ -79,6 +81,10 @@ class DistributeBackend(Backend):
         fault = faults.injector(start)
         if fault is not None:
             callbacks.append(fault)
+        from tfpar import compression
+        aggregator = compression.aggregator_of(model.optimizer)
+        if isinstance(aggregator, compression.AutoAggregator):
+            callbacks.append(compression.LossGuard(aggregator))  # sends more when loss drifts
         self._memory_start = memory.reset_peaks()  # the peak of training, not of building
         fit_segments(config, runtime, model, task, callbacks, start)
         if checkpointer is not None:
@@ -95,6 +101,10 @@ class DistributeBackend(Backend):
 
     def stats(self, config, runtime, model, task, recorder):
         comm = metrics.comm_stats(model, runtime.replicas)
+        from tfpar import compression
+        decisions = getattr(compression.aggregator_of(model.optimizer), "decisions", None)
+        if comm is not None and decisions is not None:
+            comm["auto"] = decisions()  # --compression=auto: the link and ranks it chose
         if config.measure_comm and comm is not None and not model.stop_training:
             # Compute-only vs full steps on a scratch copy of the aggregator (the run's
             # state is untouched); every worker takes part. (Not for pipelines: refused by

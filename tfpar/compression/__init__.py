@@ -14,17 +14,24 @@ Example:
 from absl import logging
 
 from tfpar.compression.aggregator import Aggregator
+from tfpar.compression.auto import AutoAggregator, LossGuard
 from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
 from tfpar.compression.keras_hook import aggregator_of, wrap_optimizer
 from tfpar.compression.lowrank import PowerSGDAggregator
 from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
 
-__all__ = ["Aggregator", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator",
-           "PowerSGDAggregator", "ThresholdAggregator", "TopKAggregator", "make_aggregator",
+__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator",
+           "PowerSGDAggregator", "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
            "wrap_optimizer"]
 
 
-def make_aggregator(config, seed=None, dgc_momentum=0.0):
+# Aggregators that compress Adam's step by default: top-k's error feedback turns gradients
+# into spikes Adam would slow down. (PowerSGD with Adam's step ended further from fp32 on the
+# convnet, +119 % against +56 %, tools/bench_compression_quality.py, seed 0: not on by default.)
+ADAM_STEP_AGGREGATORS = ("topk",)
+
+
+def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
     """The aggregator `config.compression` names, with its parameters from `config`.
 
     Args:
@@ -34,12 +41,19 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0):
             `TopKAggregator`); the optimizer must then be a Keras `SGD` whose momentum
             `wrap_optimizer` moves into the aggregator (a `tf_keras` optimizer keeps its
             own, so leave it 0 there).
+        adam_step: with `config.compress_adam_step` and Adam, top-k compresses
+            each replica's Adam step (see `Aggregator`); False for optimizers whose hook
+            cannot apply steps linearly (`tf_keras`).
 
     Returns:
         an `Aggregator`.
     """
     common = {"bucket_mb": config.bucket_mb, "error_feedback": config.error_feedback,
               "timeout_s": config.collective_timeout_s}
+    if (adam_step and config.compress_adam_step and config.optimizer == "adam"
+            and config.compression in ADAM_STEP_AGGREGATORS):
+        # Keras's Adam defaults; `wrap_optimizer` copies the optimizer's own values in.
+        common["adam"] = (0.9, 0.999, 1e-7)
     kind = config.compression
     if kind == "none":
         return NoneAggregator(**common)
@@ -50,7 +64,8 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0):
     if kind == "topk":
         if config.optimizer == "adam" and config.topk_ratio < 0.5:
             # tools/bench_compression_quality.py: with Adam, a default-length run of the
-            # convnet ended at 36× fp32's loss (ratio 0.01) and 11× (0.1).
+            # convnet ended at 36× fp32's loss (ratio 0.01) and 11× (0.1); with Adam's step
+            # compressed (the default) still 4–7× (docs/compression_benchmark.md).
             logging.warning("compression=topk with optimizer=adam can end far above fp32's "
                             "loss on short runs (README, Gradient aggregators); int8 or "
                             "powersgd hold there")
@@ -58,5 +73,11 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0):
                               warmup_steps=config.topk_warmup_steps, **common)
     if kind == "threshold":
         return ThresholdAggregator(config.threshold, **common)
+    if kind == "auto":
+        link = None
+        if config.auto_link_mbps:
+            link = (config.auto_link_mbps * 1e6 / 8, config.auto_link_latency_ms / 1000)
+        return AutoAggregator(config.auto_budget_ms, link,
+                              seed=config.seed if seed is None else seed, **common)
     return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,
                               config.seed if seed is None else seed, **common)

@@ -32,12 +32,15 @@ class Bucket:
 
 
 def plan_buckets(shapes, bucket_bytes, itemsize=4, order=None):
-    """Greedily groups tensors into buckets of at most `bucket_bytes` (a tensor larger than
-    that gets a bucket of its own).
+    """Greedily groups tensors into buckets, closing a bucket as soon as it holds at least
+    `bucket_bytes` (as PyTorch DDP's `bucket_cap_mb`): a layer's bias and kernel, produced
+    together by backward, share a bucket instead of the bias getting a collective of its
+    own, and a tensor larger than the budget closes its bucket alone or with a few small
+    ones before it.
 
     Args:
         shapes: static shapes (lists/tuples/TensorShapes of ints) of the tensors.
-        bucket_bytes: byte budget per bucket.
+        bucket_bytes: byte threshold at which a bucket is closed.
         itemsize: bytes per element used for the budget.
         order: positions in the order to fill buckets (default: reversed, because backward
             produces the last layers' gradients first, so their bucket can be sent first).
@@ -49,12 +52,11 @@ def plan_buckets(shapes, bucket_bytes, itemsize=4, order=None):
     order = list(reversed(range(len(shapes)))) if order is None else list(order)
     buckets, cur, cur_bytes = [], [], 0
     for i in order:
-        nbytes = math.prod(shapes[i]) * itemsize
-        if cur and cur_bytes + nbytes > bucket_bytes:
+        cur.append(i)
+        cur_bytes += math.prod(shapes[i]) * itemsize
+        if cur_bytes >= bucket_bytes:
             buckets.append(cur)
             cur, cur_bytes = [], 0
-        cur.append(i)
-        cur_bytes += nbytes
     if cur:
         buckets.append(cur)
     return [Bucket(tuple(b), tuple(shapes[i] for i in b)) for b in buckets]

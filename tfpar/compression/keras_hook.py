@@ -35,7 +35,16 @@ class AggregatingOptimizerMixin:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         grads, variables = zip(*grads_and_vars)
         summed = self.tfpar_aggregator.all_reduce_sum(list(grads), list(variables))
+        # With Adam moved into the aggregator, what comes back are Adam's steps, applied
+        # linearly by `update_step` below (set while tracing, before the updates are traced).
+        self._tfpar_linear = getattr(self.tfpar_aggregator, "adam", None) is not None
         return list(zip(summed, variables))
+
+    def update_step(self, gradient, variable, learning_rate):
+        if not getattr(self, "_tfpar_linear", False):
+            return super().update_step(gradient, variable, learning_rate)
+        lr = tf.cast(learning_rate, variable.dtype)
+        self.assign_sub(variable, lr * tf.cast(gradient, variable.dtype))
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Keras runs the accumulate-or-update choice as a tf.cond in replica context, which
@@ -112,6 +121,14 @@ def wrap_optimizer(optimizer, aggregator):
                 f"needs keras.optimizers.SGD without nesterov, got optimizer={target!r}; "
                 "use momentum=0 on the aggregator for other optimizers")
         target.momentum = 0.0
+    if getattr(aggregator, "adam", None) is not None:
+        # Adam in front of compression: the aggregator keeps the moments of each replica's
+        # own gradient and the optimizer applies the summed steps linearly.
+        if not isinstance(target, keras.optimizers.Adam) or target.amsgrad:
+            raise ValueError(
+                f"aggregator={type(aggregator).__name__}(adam=...) needs "
+                f"keras.optimizers.Adam without amsgrad, got optimizer={target!r}")
+        aggregator.adam = (float(target.beta_1), float(target.beta_2), float(target.epsilon))
     patches.mix_in(target, AggregatingOptimizerMixin)
     target.tfpar_aggregator = aggregator
     if target is not optimizer:

@@ -92,7 +92,7 @@ def make_optimizer(config):
         raise ConfigError("optimizer", config.optimizer, "--keras=2 supports sgd, momentum, adam")
     if config.compression != "none":
         from tfpar import compression
-        wrap_optimizer(optimizer, compression.make_aggregator(config))
+        wrap_optimizer(optimizer, compression.make_aggregator(config, adam_step=False))
     return optimizer
 
 
