@@ -51,6 +51,8 @@ flags.DEFINE_string("torch_python", os.path.expanduser("~/.venvs/torch-peer/bin/
 flags.DEFINE_string("peer_script", os.path.join(ROOT, "..", "shared", "peers",
                                                 "torch_pipeline.py"), "the peer benchmark")
 flags.DEFINE_string("json", "", "write the results here")
+flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time "
+                  "(PipelineExecutor's one_op_at_a_time)")
 flags.DEFINE_bool("child_reference", False, "internal: run the unpipelined tfpar step")
 
 WIDTH, BLOCKS, CLASSES, BATCH, K = 1024, 8, 16, 2048, 2
@@ -127,7 +129,8 @@ def _build_tfpar(Ms):
                 continue
             stages = partition(_model(keras), K * V,
                                devices=[devices[v % K] for v in range(K * V)])
-            ex = PipelineExecutor(stages, devices, make_schedule(name, K, M, V), loss_fn)
+            ex = PipelineExecutor(stages, devices, make_schedule(name, K, M, V), loss_fn,
+                                  one_op_at_a_time=FLAGS.one_op_at_a_time)
             ex.build_optimizers(keras.optimizers.SGD(0.05, momentum=0.9))
             step = tf.function(ex.train_step, jit_compile=False)
             key = f"{name}:{M}"
@@ -199,7 +202,8 @@ def main(argv):
         v = values(side, key)
         return statistics.median(v) if v else None
 
-    print(f"8 x Dense(1024) + head, batch {BATCH}, K={K}, {FLAGS.steps} steps x "
+    print(f"8 x Dense(1024) + head, batch {BATCH}, K={K}, one_op_at_a_time="
+          f"{FLAGS.one_op_at_a_time}, {FLAGS.steps} steps x "
           f"{FLAGS.rounds} rounds; s/step as median [min-max] over rounds of each round's "
           f"median; load (1 min) at round start/end "
           f"{[(round(r['load_1min'], 2), round(r['load_1min_end'], 2)) for r in rounds]}")
