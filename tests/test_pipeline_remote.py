@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from subproc import ROOT, child_env, last_json_line, run_module, run_python
+from subproc import ROOT, child_env, last_json_line, run, run_module, run_python
 from test_train import BASE, CHILD, max_diff, train_child, weights
 
 CLIENT = """
@@ -140,3 +140,23 @@ for changes in ({"cpu_devices": 2}, {"pipeline_stages": 3, "microbatches": 2},
     assert lines[1].startswith("ConfigError: pipeline_stages=3"), lines
     assert "--pipeline_stages=2" in lines[1]
     assert lines[2].startswith("ConfigError: compression='fp16'"), lines
+
+
+def test_1f1b_stashes_fewer_microbatches_than_gpipe_measured_from_memory(tmp_path):
+    # tools/bench_pipeline_memory.py: stage 0 in its own process (its own BFC allocator),
+    # stage 1 on a worker process; a micro-batch of fixed size, so GPipe's stash grows with
+    # M and 1F1B's stays at <= K = 2. Memory, not time: the allocator's peak per step.
+    path = tmp_path / "mem.json"
+    run([sys.executable, f"{ROOT}/tools/bench_pipeline_memory.py", "--microbatches=2,8",
+         "--schedules=gpipe,1f1b", "--width=256", "--layers=4", "--microbatch_size=64",
+         f"--json={path}"], timeout=300)
+    out = json.loads(path.read_text())
+    peak = {(r["schedule"], r["microbatches"]): r["peak_mb"] for r in out["rows"]}
+    per_mb = out["fit"]["per_microbatch_mb"]  # GPipe's growth per micro-batch
+    print(json.dumps(out["rows"]), per_mb)
+    assert per_mb > 0
+    # GPipe at M=8 holds 6 more micro-batches than 1F1B's at most 2: at least half that.
+    assert peak[("gpipe", 8)] - peak[("1f1b", 8)] > 3 * per_mb, peak
+    # 1F1B's peak grows by less than K = 2 micro-batches from M=2 to M=8 (measured: 0.22 MB
+    # against 0.20 MB per micro-batch; GPipe's by 1.19 MB).
+    assert peak[("1f1b", 8)] - peak[("1f1b", 2)] < 2 * per_mb, peak

@@ -56,6 +56,8 @@ flags.DEFINE_integer("layers", 8, "Dense blocks in the model (a multiple of K*V 
 flags.DEFINE_integer("width", 512, "width of each block")
 flags.DEFINE_integer("batch", 256, "global batch size")
 flags.DEFINE_integer("steps", 8, "timed runs per configuration (after one warm-up)")
+flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time "
+                  "(PipelineExecutor's one_op_at_a_time)")
 flags.DEFINE_bool("quick", False, "smoke run: K=2,4, M=2,4, a small model, 3 steps")
 flags.DEFINE_string("json", "", "write the results here")
 flags.DEFINE_string("timeline", "", "path prefix for the measured timeline picture/trace")
@@ -173,7 +175,8 @@ def main(argv):
                 sched = make_schedule(name, K, M, V)
                 steps = []
                 for serialize in (False, True):
-                    ex = PipelineExecutor(stages, devices, sched, loss_fn, serialize=serialize)
+                    ex = PipelineExecutor(stages, devices, sched, loss_fn, serialize=serialize,
+                                          one_op_at_a_time=FLAGS.one_op_at_a_time)
                     ex.build_optimizers(keras.optimizers.SGD(1e-3))
                     steps.append(tf.function(ex.train_step, jit_compile=False))
                 fns = [lambda f=f: f(x, y)[0].numpy() for f in steps]
@@ -206,6 +209,7 @@ def main(argv):
                 print(f"  K={K} {name} M={M} done", file=sys.stderr, flush=True)
 
     print(f"{FLAGS.layers} x Dense({FLAGS.width}), batch {FLAGS.batch}, "
+          f"one_op_at_a_time={FLAGS.one_op_at_a_time}, load (1 min) {os.getloadavg()[0]:.2f}, "
           f"{FLAGS.steps} timed steps; unpipelined step {base['min']:.1f} ms "
           f"(median {base['median']:.1f}), peak {mb(runs[0]['memory']['peak_tensor_mb'], 0)} MB")
     print(f"{'K':>2} {'schedule':<12}{'M':>3}{'step ms':>9}{'serial':>8}{'vs 1 dev':>9}"

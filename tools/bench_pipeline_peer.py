@@ -1,7 +1,7 @@
 """tfpar's pipeline against torch.distributed.pipelining on the peer's model, in one sitting.
 
     python tools/bench_pipeline_peer.py --torch_python=$HOME/.venvs/torch-peer/bin/python \\
-        --microbatches=4,8,16 --rounds=2 --json=runs/pipeline_peer.json
+        --microbatches=4,8,16 --rounds=3 --json=runs/pipeline_peer.json
 
 The model is the peer's (`../shared/peers/torch_pipeline.py`): 8 x Dense(1024, relu) and a
 Dense(16) head, sparse cross-entropy on a fixed random teacher's labels, SGD momentum 0.9
@@ -11,11 +11,14 @@ two single-threaded ranks do. The references are the same model unpipelined on t
 batch: tfpar in a child process with TensorFlow's own thread pools, the peer with 1 and 2
 threads.
 
-Rounds alternate: all tfpar configurations, then the peer's whole run (`--peer_schedules`),
-so that a change in the machine's speed falls on both. Per configuration the table gives
-the median over rounds of each round's median step (tfpar: `--steps` timed steps after two
-untimed; the peer: its own median, max over ranks), and per M the best schedule of each
-side and their ratio (tfpar / torch: below 1 means tfpar is faster).
+Rounds alternate: tfpar's unpipelined reference, all tfpar configurations, then the peer's
+whole run (`--peer_schedules`, its own references included), so that a change in the
+machine's speed falls on both. Per configuration the table gives the median over rounds of
+each round's median step (tfpar: `--steps` timed steps after two untimed; the peer: its own
+median, max over ranks) and the spread [min-max] of those round medians, and per M the best
+schedule of each side and their ratio (tfpar / torch: below 1 means tfpar is faster; per
+round the ratio of the two best is also given, as min-max). The 1-minute load average is
+recorded at the start and end of every round.
 
 Output: the table, and with --json {"benchmark": "pipeline_peer", "runs": [...], "rounds":
 [...]}, each tfpar run in the metrics-JSON shape (config, strategy, replicas, workers,
@@ -42,12 +45,14 @@ flags.DEFINE_list("peer_schedules", ["GPipe", "1F1B", "Interleaved1F1B",
                                      "InterleavedZeroBubble", "ZBVZeroBubble"],
                   "torch.distributed.pipelining schedules (the peer's names)")
 flags.DEFINE_integer("steps", 6, "timed steps per configuration and round")
-flags.DEFINE_integer("rounds", 2, "rounds of (tfpar, peer)")
+flags.DEFINE_integer("rounds", 3, "rounds of (tfpar, peer)")
 flags.DEFINE_string("torch_python", os.path.expanduser("~/.venvs/torch-peer/bin/python"),
                     "the peer's python (its own virtual environment); '' = tfpar only")
 flags.DEFINE_string("peer_script", os.path.join(ROOT, "..", "shared", "peers",
                                                 "torch_pipeline.py"), "the peer benchmark")
 flags.DEFINE_string("json", "", "write the results here")
+flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time "
+                  "(PipelineExecutor's one_op_at_a_time)")
 flags.DEFINE_bool("child_reference", False, "internal: run the unpipelined tfpar step")
 
 WIDTH, BLOCKS, CLASSES, BATCH, K = 1024, 8, 16, 2048, 2
@@ -124,7 +129,8 @@ def _build_tfpar(Ms):
                 continue
             stages = partition(_model(keras), K * V,
                                devices=[devices[v % K] for v in range(K * V)])
-            ex = PipelineExecutor(stages, devices, make_schedule(name, K, M, V), loss_fn)
+            ex = PipelineExecutor(stages, devices, make_schedule(name, K, M, V), loss_fn,
+                                  one_op_at_a_time=FLAGS.one_op_at_a_time)
             ex.build_optimizers(keras.optimizers.SGD(0.05, momentum=0.9))
             step = tf.function(ex.train_step, jit_compile=False)
             key = f"{name}:{M}"
@@ -151,6 +157,22 @@ def _peer_round(Ms):
     return result
 
 
+def _reference_round():
+    """tfpar's unpipelined step in a child process (TensorFlow's own thread pools)."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child_reference",
+                          f"--steps={FLAGS.steps}"], capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"the unpipelined reference failed: {out.stderr[-2000:]}")
+    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _fmt(values):
+    """'median [min-max]' of a list of seconds, or '-'."""
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
 def main(argv):
     del argv
     if FLAGS.child_reference:
@@ -160,31 +182,36 @@ def main(argv):
     if peer and not os.path.exists(FLAGS.torch_python):
         raise app.UsageError(f"--torch_python={FLAGS.torch_python} does not exist; install the "
                              "peer as ../shared/peers/README.md says, or pass --torch_python=''")
-    reference = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child_reference",
-         f"--steps={FLAGS.steps}"], capture_output=True, text=True, timeout=900)
-    ref_tfpar = statistics.median(json.loads(reference.stdout.strip().splitlines()[-1]))
     configs, meta = _build_tfpar(Ms)
     rounds = []
     for r in range(FLAGS.rounds):
         load = os.getloadavg()[0]
-        ours = {k: statistics.median(_times(fn, FLAGS.steps)) for k, fn in configs.items()}
+        ours = {"unpipelined:tf_threads": _reference_round()}
+        ours.update({k: statistics.median(_times(fn, FLAGS.steps)) for k, fn in configs.items()})
         theirs = _peer_round(Ms) if peer else {}
-        rounds.append({"round": r, "load_1min": load, "tfpar": ours, "torch": theirs})
-        print(f"round {r}: load {load:.2f}; tfpar {len(ours)} and torch {len(theirs)} "
-              "configurations timed", file=sys.stderr, flush=True)
+        rounds.append({"round": r, "load_1min": load, "load_1min_end": os.getloadavg()[0],
+                       "tfpar": ours, "torch": theirs})
+        print(f"round {r}: load {load:.2f} -> {rounds[-1]['load_1min_end']:.2f}; tfpar "
+              f"{len(ours)} and torch {len(theirs)} configurations timed",
+              file=sys.stderr, flush=True)
+
+    def values(side, key):
+        return [rd[side][key] for rd in rounds if key in rd[side]]
 
     def median_over(side, key):
-        values = [rd[side][key] for rd in rounds if key in rd[side]]
-        return statistics.median(values) if values else None
+        v = values(side, key)
+        return statistics.median(v) if v else None
 
-    print(f"8 x Dense(1024) + head, batch {BATCH}, K={K}, {FLAGS.steps} steps x "
-          f"{FLAGS.rounds} rounds; load (1 min) {[round(r['load_1min'], 2) for r in rounds]}")
-    print(f"unpipelined: tfpar (TF's threads) {ref_tfpar:.3f} s"
-          + (f"; torch 1 thread {median_over('torch', 'unpipelined:1thread'):.3f} s, "
-             f"2 threads {median_over('torch', 'unpipelined:2threads'):.3f} s" if peer else ""))
-    print(f"{'M':>3}  {'tfpar schedule':<14}{'s/step':>8}   {'torch schedule':<22}{'s/step':>8}"
-          f"{'tfpar/torch':>12}")
+    print(f"8 x Dense(1024) + head, batch {BATCH}, K={K}, one_op_at_a_time="
+          f"{FLAGS.one_op_at_a_time}, {FLAGS.steps} steps x "
+          f"{FLAGS.rounds} rounds; s/step as median [min-max] over rounds of each round's "
+          f"median; load (1 min) at round start/end "
+          f"{[(round(r['load_1min'], 2), round(r['load_1min_end'], 2)) for r in rounds]}")
+    print(f"unpipelined: tfpar (TF's threads) {_fmt(values('tfpar', 'unpipelined:tf_threads'))}"
+          + (f"; torch 1 thread {_fmt(values('torch', 'unpipelined:1thread'))}, "
+             f"2 threads {_fmt(values('torch', 'unpipelined:2threads'))}" if peer else ""))
+    print(f"{'M':>3}  {'tfpar schedule':<14}{'s/step [spread]':>24}   {'torch schedule':<22}"
+          f"{'s/step [spread]':>24}{'tfpar/torch':>12}{'per round':>13}")
     runs, summary = [], []
     for M in Ms:
         ours = {meta[k][0]: median_over("tfpar", k) for k in configs if meta[k][1] == M}
@@ -194,26 +221,43 @@ def main(argv):
             runs.append({"config": {"schedule": name, "stages": K, "microbatches": M,
                                     "model": "peer_mlp", "global_batch_size": BATCH},
                          "strategy": "pipeline", "replicas": 1, "workers": 1,
-                         "steps": FLAGS.steps, "examples_per_sec": BATCH / t,
-                         "step_time_ms": {"median": 1e3 * t},
+                         "steps": FLAGS.steps, "rounds": FLAGS.rounds,
+                         "examples_per_sec": BATCH / t,
+                         "step_time_ms": {"median": 1e3 * t,
+                                          "rounds": [1e3 * v for v in
+                                                     values("tfpar", f"{name}:{M}")]},
                          "pipeline": {"stages": K, "microbatches": M, "schedule": name}})
         best = min(ours, key=ours.get)
         peer_best = min(theirs, key=theirs.get) if theirs else None
         ratio = ours[best] / theirs[peer_best] if peer_best else None
+        # Per round: tfpar's best over torch's best in that same round.
+        per_round = []
+        for rd in rounds:
+            a = [rd["tfpar"][k] for k in configs if meta[k][1] == M]
+            b = [rd["torch"][f"{s}:{M}"] for s in FLAGS.peer_schedules
+                 if f"{s}:{M}" in rd["torch"]]
+            if a and b:
+                per_round.append(min(a) / min(b))
         summary.append({"microbatches": M, "tfpar_best": best, "tfpar_s": ours[best],
-                        "torch_best": peer_best,
-                        "torch_s": theirs.get(peer_best), "ratio": ratio})
-        print(f"{M:>3}  {best:<14}{ours[best]:>8.3f}   {peer_best or '-':<22}"
-              f"{theirs.get(peer_best, float('nan')):>8.3f}"
-              f"{ratio if ratio is not None else float('nan'):>12.2f}")
+                        "tfpar_rounds": values("tfpar", f"{best}:{M}"),
+                        "torch_best": peer_best, "torch_s": theirs.get(peer_best),
+                        "torch_rounds": values("torch", f"{peer_best}:{M}") if peer_best else [],
+                        "ratio": ratio, "ratio_per_round": per_round})
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
+        print(f"{M:>3}  {best:<14}{_fmt(values('tfpar', f'{best}:{M}')):>24}   "
+              f"{peer_best or '-':<22}"
+              f"{_fmt(values('torch', f'{peer_best}:{M}')) if peer_best else '-':>24}"
+              f"{ratio if ratio is not None else float('nan'):>12.2f}{spread:>13}")
         for name in sorted(ours, key=ours.get)[1:]:
-            print(f"{'':>3}  {name:<14}{ours[name]:>8.3f}")
+            print(f"{'':>3}  {name:<14}{_fmt(values('tfpar', f'{name}:{M}')):>24}")
         for name in sorted(theirs, key=theirs.get)[1:]:
-            print(f"{'':>3}  {'':<14}{'':>8}   {name:<22}{theirs[name]:>8.3f}")
+            print(f"{'':>3}  {'':<14}{'':>24}   {name:<22}"
+                  f"{_fmt(values('torch', f'{name}:{M}')):>24}")
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:
-            json.dump({"benchmark": "pipeline_peer", "unpipelined_tfpar_s": ref_tfpar,
+            json.dump({"benchmark": "pipeline_peer",
+                       "unpipelined_tfpar_s": median_over("tfpar", "unpipelined:tf_threads"),
                        "summary": summary, "runs": runs, "rounds": rounds}, f, indent=1)
 
 

@@ -44,11 +44,17 @@ class PipelineExecutor:
             Not with a zero-bubble schedule (its W pass needs the kept activations).
         serialize: chain all actions of all stages into one sequence (no overlap). For
             benchmarks: its step time is the pipeline's total busy time.
+        one_op_at_a_time: chain every op of a stage after the one created before it, so
+            a stage runs one op at a time, as a device with one stream does. Without it
+            the runtime may run independent ops of one stage side by side (a backward's
+            input- and weight-gradient matmuls), and on logical CPUs sharing a thread
+            pool that stage then takes the threads the next stage waits for.
     Raises:
         ConfigError: stages, devices and schedule disagree in size.
     """
 
-    def __init__(self, stages, devices, schedule, loss_fn, recompute=False, serialize=False):
+    def __init__(self, stages, devices, schedule, loss_fn, recompute=False, serialize=False,
+                 one_op_at_a_time=False):
         self.K, self.V = len(schedule), chunks_of(schedule)
         self.M = 1 + max(a.microbatch for a in schedule[0])
         if len(stages) != self.K * self.V:
@@ -58,6 +64,7 @@ class PipelineExecutor:
             raise ConfigError("devices", devices, f"give one device per stage ({self.K})")
         self.stages, self.devices, self.schedule = list(stages), list(devices), schedule
         self.loss_fn, self.serialize = loss_fn, serialize
+        self.one_op_at_a_time = one_op_at_a_time
         self.optimizers = None
         self.split = has_weight_passes(schedule)
         if self.split and recompute:
@@ -130,7 +137,10 @@ class PipelineExecutor:
         losses, preds = [None] * M, [None] * M
         acc = [None] * (K * V)                         # summed grads per virtual stage
         done = [None] * K                              # last action's op, per stage
+        graph = tf.compat.v1.get_default_graph()
+        chained = self.one_op_at_a_time and not tf.executing_eagerly()
         for _, s, a in self._order:
+            first_op = len(graph.get_operations()) if chained else 0
             v, m = a.chunk * K + s, a.microbatch
             chain = 0 if self.serialize else s
             after = [done[chain]] if done[chain] is not None else []
@@ -190,6 +200,8 @@ class PipelineExecutor:
                     marks = [_dense_part(g) for g in acc[v]] + (
                         [in_grads[(v, m)]] if v > 0 else [])
                 done[chain] = tf.group(*marks)
+            if chained:
+                _chain_in_order(graph.get_operations()[first_op:])
         with tf.device(devices[last % K]):
             loss = tf.add_n(losses)
             y_pred = tf.concat(preds, axis=0)
@@ -229,6 +241,14 @@ class PipelineExecutor:
             with tf.device(current_device(self.devices[v % self.K])):
                 x = stage(x, training=training)
         return x
+
+
+def _chain_in_order(ops):
+    """Each op waits for the op created before it. Creation order is a topological order
+    (an op's inputs exist before it), so the extra edges add no cycle."""
+    for prev, op in zip(ops, ops[1:]):
+        if prev not in op.control_inputs:
+            op._add_control_input(prev)  # graph building only; no public equivalent
 
 
 def _add(a, b):
