@@ -75,6 +75,8 @@ def shares_allocator(devices=None):
 
 def _components(variable):
     """The (device, tf.Variable) storages behind a Keras or TensorFlow variable."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return list(variable.values)
     value = getattr(variable, "value", variable)
     if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
@@ -111,11 +113,14 @@ def variable_bytes_per_device(variables, devices=None):
 
 
 def optimizer_variables(model):
-    """The optimizer state of `model`: its optimizer's variables, or every stage
-    optimizer's for a `PipelineModel`."""
+    """The optimizer state of `model`: its optimizer's variables (with ZeRO, the sharded
+    slots: each device's piece counts on that device), or every stage optimizer's for a
+    `PipelineModel`."""
+    from tfpar import zero
     stage_optimizers = getattr(model, "stage_optimizers", None)
     optimizers = stage_optimizers or [model.optimizer]
-    return [v for opt in optimizers if opt is not None for v in opt.variables]
+    return [v for opt in optimizers if opt is not None
+            for v in [*opt.variables, *zero.state_variables(opt)]]
 
 
 def memory_block(model, start_bytes=None):
