@@ -14,6 +14,9 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1`,
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
+`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
+compression or fp16).
+
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
 'dtensor'
