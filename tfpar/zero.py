@@ -37,7 +37,8 @@ Stage 3 (parameters sharded too) is not built: the weights stay mirrored.
 import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer
-from tensorflow.python.ops import gen_collective_ops
+from tensorflow.python.distribute import device_util
+from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 
 from tfpar import patches
@@ -68,6 +69,7 @@ class ZeroMixin:
         strategy = tf.distribute.get_strategy()
         self._tfpar_layout = FlatLayout(variables, strategy.num_replicas_in_sync)
         with tf.init_scope():
+            self._tfpar_layout.tokens = ordering_tokens(strategy)
             slots = {name: aggregator_lib.per_replica_variable(
                 tf.zeros([self._tfpar_layout.piece]), f"zero_{name}",
                 tf.VariableAggregation.ONLY_FIRST_REPLICA) for name in slot_names(self)}
@@ -78,7 +80,7 @@ class ZeroMixin:
         for name, variable in slots.items():
             setattr(self, f"tfpar_zero_{name}", ShardedSlot(variable, self._tfpar_layout.size))
         if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly():
-            check_ranks(strategy, self.tfpar_zero_timeout_s)
+            check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         ctx = tf.distribute.get_replica_context()
@@ -93,7 +95,8 @@ class ZeroMixin:
         if n == 1:
             grad_piece = flat_grads
         elif self.tfpar_zero_stage >= 2:
-            grad_piece = reduce_scatter(flat_grads, n, self.tfpar_zero_timeout_s)
+            grad_piece = reduce_scatter(flat_grads, n, layout.tokens,
+                                        self.tfpar_zero_timeout_s)
         else:
             grad_piece = _own(ctx.all_reduce(tf.distribute.ReduceOp.SUM, flat_grads), ctx, n)
         # Every replica learns whether any piece is non-finite (one scalar all-reduce).
@@ -111,7 +114,8 @@ class ZeroMixin:
             new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
         for name, value in new_slots.items():
             layout.slots[name].assign(value)
-        full = all_gather(new_piece, n, self.tfpar_zero_timeout_s) if n > 1 else new_piece
+        full = (all_gather(new_piece, n, layout.tokens, self.tfpar_zero_timeout_s)
+                if n > 1 else new_piece)
         for variable, value in zip(variables, layout.unflatten(full, variables)):
             variable.assign(tf.cast(value, variable.dtype))
         self.nonfinite_steps.assign_add(bad)
@@ -205,21 +209,43 @@ def _own(flat, ctx, n):
     return tf.gather(tf.reshape(flat, [n, -1]), ctx.replica_id_in_sync_group)
 
 
-def reduce_scatter(flat, n, timeout_s):
+def ordering_tokens(strategy):
+    """One resource per local device for the collectives to take as ordering token.
+
+    A collective op without a resource input is stateful and unordered, so a
+    `tf.function` chains all of them in program order, across replicas too: replica 1's
+    gather would wait for replica 0's, which waits for replica 1's (a deadlock).
+    Taking its device's token, each is ordered only after the ops of its own device
+    (what `tf.distribute`'s own collective launcher does).
+    """
+    tokens = {}
+    for device in strategy.extended.worker_devices:
+        with tf.device(device):
+            # Not through the strategy's variable creator: one plain variable per device.
+            tokens[device_util.canonicalize(device)] = resource_variable_ops.ResourceVariable(0.)
+    return tokens
+
+
+def _token(tokens):
+    return [tokens[device_util.canonicalize(device_util.current())].handle]
+
+
+def reduce_scatter(flat, n, tokens, timeout_s):
     """Sum over replicas of `flat`, of which this replica receives piece `rank`."""
     return gen_collective_ops.collective_reduce_scatter_v2(
         flat, group_size=n, group_key=_GROUP_KEY, instance_key=_INSTANCE_REDUCE_SCATTER,
-        ordering_token=[], merge_op="Add", final_op="Id", timeout_seconds=timeout_s or 0)
+        ordering_token=_token(tokens), merge_op="Add", final_op="Id",
+        timeout_seconds=timeout_s or 0)
 
 
-def all_gather(piece, n, timeout_s, instance_key=_INSTANCE_GATHER):
+def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
     """Every replica's `piece`, concatenated in rank order."""
     return gen_collective_ops.collective_gather_v2(
         piece, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
-        ordering_token=[], timeout_seconds=timeout_s or 0)
+        ordering_token=_token(tokens), timeout_seconds=timeout_s or 0)
 
 
-def check_ranks(strategy, timeout_s):
+def check_ranks(strategy, tokens, timeout_s):
     """Checks once that each replica's rank in the collective group is its replica id (the
     order in which pieces are owned and checkpointed).
 
@@ -232,7 +258,7 @@ def check_ranks(strategy, timeout_s):
     def gather_ids():
         def fn():
             rid = tf.distribute.get_replica_context().replica_id_in_sync_group
-            return all_gather(tf.reshape(tf.cast(rid, tf.int32), [1]), n, timeout_s,
+            return all_gather(tf.reshape(tf.cast(rid, tf.int32), [1]), n, tokens, timeout_s,
                               _INSTANCE_RANKS)
         return strategy.run(fn)
 
