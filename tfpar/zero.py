@@ -37,7 +37,7 @@ Stage 3 (parameters sharded too) is not built: the weights stay mirrored.
 import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer
-from tensorflow.python.distribute import device_util
+from tensorflow.python.distribute import values_util
 from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 
@@ -210,7 +210,8 @@ def _own(flat, ctx, n):
 
 
 def ordering_tokens(strategy):
-    """One resource per local device for the collectives to take as ordering token.
+    """One resource per local replica's device, for the collectives to take as ordering
+    token.
 
     A collective op without a resource input is stateful and unordered, so a
     `tf.function` chains all of them in program order, across replicas too: replica 1's
@@ -218,16 +219,18 @@ def ordering_tokens(strategy):
     Taking its device's token, each is ordered only after the ops of its own device
     (what `tf.distribute`'s own collective launcher does).
     """
-    tokens = {}
-    for device in strategy.extended.worker_devices:
+    tokens = []
+    for device in strategy.extended.worker_devices:  # in local replica order
         with tf.device(device):
             # Not through the strategy's variable creator: one plain variable per device.
-            tokens[device_util.canonicalize(device)] = resource_variable_ops.ResourceVariable(0.)
+            tokens.append(resource_variable_ops.ResourceVariable(0.))
     return tokens
 
 
 def _token(tokens):
-    return [tokens[device_util.canonicalize(device_util.current())].handle]
+    # The local replica's index, as tf.distribute's own variables pick their component
+    # (the current device is not known while a tf.function is traced).
+    return [tokens[values_util.get_current_replica_id_as_int()].handle]
 
 
 def reduce_scatter(flat, n, tokens, timeout_s):
