@@ -72,8 +72,9 @@ TABLE = {
         "tf_keras": (("none",), "recomputation uses Keras 3's RematScope"),
     },
     "zero_stage": {
-        "data_parallel": ((0, 1, 2), "tfpar shards optimizer state (1) and gradients (2); "
-                                     "parameter sharding (3) is not built"),
+        "data_parallel": ((0, 1), "tfpar shards optimizer state (1); stage 2's "
+                                  "reduce-scatter has no CPU implementation in TensorFlow "
+                                  "2.21 and parameter sharding (3) is not built"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
         "dtensor": ((0,), "not on a DTensor mesh; there tfpar.layout.trainer.build_on_mesh("

@@ -79,8 +79,8 @@ _HELP = {
                  "stage's forward).",
     "zero_stage": "ZeRO sharding over data-parallel replicas (mirrored, multi_worker): 0 = "
                   "none, 1 = optimizer state (each replica keeps 1/N of the SGD/Adam "
-                  "slots), 2 = also gradients (reduce-scatter). 3 (parameters) is refused; "
-                  "so are --compression, fp16, pipelines and tensor parallelism with it.",
+                  "slots). 2 (gradients) and 3 (parameters) are refused; so are "
+                  "--compression, fp16, pipelines and tensor parallelism with it.",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 

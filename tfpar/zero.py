@@ -31,7 +31,10 @@ Checkpoints save the slots whole: `ShardedSlot` gathers every replica's piece (f
 worker) into one `[N, S]` tensor; a restore onto the same replica count gives each its row
 back, onto another count it re-cuts the flat vector.
 
-Stage 3 (parameters sharded too) is not built: the weights stay mirrored.
+Stage 2 is written (`reduce_scatter`) but refused: on CPU, TensorFlow 2.21 has no
+implementation of `CollectiveReduceScatterV2` ("CollectiveRegistry::Lookup did not find
+collective implementation"); an all-to-all would be the next try. Stage 3 (parameters
+sharded too) is not built: the weights stay mirrored.
 """
 
 import keras
@@ -313,9 +316,10 @@ def wrap_optimizer(optimizer, stage, timeout_s=None):
     Raises:
         ConfigError: another optimizer or option, or stage not 1 or 2.
     """
-    if stage not in (1, 2):
-        raise ConfigError("zero_stage", stage, "tfpar shards optimizer state (1) and "
-                          "gradients (2); parameter sharding (3) is not built")
+    if stage != 1:
+        raise ConfigError("zero_stage", stage, "tfpar shards optimizer state (1); stage 2's "
+                          "reduce-scatter has no CPU implementation in TensorFlow 2.21, "
+                          "parameter sharding (3) is not built")
     supported = (isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adam))
                  and not getattr(optimizer, "amsgrad", False) and not optimizer.use_ema
                  and not optimizer.gradient_accumulation_steps)
