@@ -14,6 +14,9 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1`,
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
+`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
+compression or fp16).
+
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
 'dtensor'
@@ -65,10 +68,14 @@ TABLE = {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
-        backend: ((0,), "optimizer-state/gradient/parameter sharding is not built on this "
-                        "backend yet; on a DTensor mesh, tfpar.layout.trainer.build_on_mesh("
-                        "shard_optimizer_state=True) shards optimizer state from Python")
-        for backend in BACKENDS
+        "data_parallel": ((0, 1), "tfpar shards optimizer state (1); stage 2's "
+                                  "reduce-scatter has no CPU implementation in TensorFlow "
+                                  "2.21 and parameter sharding (3) is not built"),
+        "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
+                           "pipeline's per-stage optimizers are not sharded"),
+        "dtensor": ((0,), "not on a DTensor mesh; there tfpar.layout.trainer.build_on_mesh("
+                          "shard_optimizer_state=True) shards optimizer state from Python"),
+        "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
     "measure_comm": {
         "pipeline": ((False,), "the communication share is measured on a data-parallel step "
@@ -77,6 +84,17 @@ TABLE = {
                               "collectives only"),
     },
 }
+
+# Settings that a value of another setting excludes, on every backend:
+# (setting, the values it may take then, when, why).
+COMBINATIONS = (
+    ("compression", ("none",), lambda c: c.zero_stage > 0,
+     "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
+     "reduce-scatter is not built (use --zero_stage=0)"),
+    ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
+     "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
+     "in; use bf16"),
+)
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
           "dtensor": "--tensor_parallel>1 (DTensor)", "tf_keras": "--keras=2"}
@@ -103,3 +121,6 @@ def check(config):
         value = getattr(config, setting)
         if value not in honoured:
             raise ConfigError(setting, value, f"not supported with {_NAMES[backend]}: {why}")
+    for setting, honoured, when, why in COMBINATIONS:
+        if when(config) and getattr(config, setting) not in honoured:
+            raise ConfigError(setting, getattr(config, setting), f"not supported: {why}")

@@ -85,8 +85,10 @@ _HELP = {
     "recompute": "Activation recomputation: none, blocks (each block keeps only its input "
                  "and is recomputed in the backward) or full (every layer; on pipelines each "
                  "stage's forward).",
-    "zero_stage": "ZeRO sharding over data-parallel replicas: 0 = none (1 optimizer state, "
-                  "2 + gradients, 3 + parameters: not built yet, refused).",
+    "zero_stage": "ZeRO sharding over data-parallel replicas (mirrored, multi_worker): 0 = "
+                  "none, 1 = optimizer state (each replica keeps 1/N of the SGD/Adam "
+                  "slots). 2 (gradients) and 3 (parameters) are refused; so are "
+                  "--compression, fp16, pipelines and tensor parallelism with it.",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 

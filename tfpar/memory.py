@@ -158,8 +158,10 @@ def variable_bytes_per_device(variables, devices=None):
 
 
 def optimizer_variables(model):
-    """The optimizer state of `model`: its optimizer's variables, or every stage
-    optimizer's for a `PipelineModel`."""
+    """The optimizer state of `model`: its optimizer's variables (with ZeRO, the sharded
+    slots: each device's piece counts on that device), or every stage optimizer's for a
+    `PipelineModel`."""
+    from tfpar import zero
     stage_optimizers = getattr(model, "stage_optimizers", None)
     optimizers = stage_optimizers or [model.optimizer]
     out = []
@@ -168,6 +170,7 @@ def optimizer_variables(model):
             continue
         variables = opt.variables
         out += list(variables() if callable(variables) else variables)  # tf_keras: a method
+        out += zero.state_variables(opt)
     return out
 
 

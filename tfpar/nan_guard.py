@@ -102,8 +102,10 @@ def skip_nonfinite_updates(optimizer, skip=True):
     `LossScaleOptimizer` (fp16) already skips such steps: it is left as it is."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
-    patches.mix_in(optimizer, SkipNonFiniteMixin)
     optimizer.tfpar_skip_nonfinite = skip
+    if hasattr(optimizer, "tfpar_zero_stage"):
+        return optimizer  # a ZeRO update (tfpar.zero) counts and skips on its own pieces
+    patches.mix_in(optimizer, SkipNonFiniteMixin)
     return optimizer
 
 

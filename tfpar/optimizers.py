@@ -1,5 +1,5 @@
-"""The Keras 3 optimizer of a run: learning-rate rule (linear scaling, warm-up), the
-gradient aggregator, fp16 loss scaling. Shared by the trainer's backends and the doctor.
+"""The Keras 3 optimizer of a run: learning-rate rule (linear scaling, warm-up), ZeRO
+sharding, the gradient aggregator, fp16 loss scaling. Shared by the trainer's backends and the doctor.
 
 >>> from tfpar import ParallelConfig
 >>> make_optimizer(ParallelConfig(optimizer="momentum", learning_rate=0.1)).momentum
@@ -35,7 +35,8 @@ def learning_rate(config):
 
 
 def make_optimizer(config, bucketed=False):
-    """The Keras optimizer for `config`: learning-rate rule, aggregator, fp16 loss scaling.
+    """The Keras optimizer for `config`: learning-rate rule, ZeRO sharding (`tfpar.zero`),
+    aggregator, fp16 loss scaling. Call under the strategy's scope.
 
     With `bucketed`, `--compression=none` also goes through an aggregator (the exact fp32
     all-reduce in `--bucket_mb` buckets, last layers first), so the first buckets' sums
@@ -47,6 +48,10 @@ def make_optimizer(config, bucketed=False):
     else:
         optimizer = keras.optimizers.SGD(
             momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
+    if config.zero_stage:
+        from tfpar import zero
+        optimizer = zero.wrap_optimizer(optimizer, config.zero_stage,
+                                        config.collective_timeout_s)
     if config.compression != "none" or bucketed:
         from tfpar import compression
         optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))

@@ -1,0 +1,118 @@
+"""ZeRO stage 1 on data parallelism (`tfpar.zero`, `--zero_stage`).
+
+Each test runs one child process (tests/zero_child.py) that trains several configurations
+on one strategy. ZeRO changes where optimizer state lives and how gradients travel, not
+the maths: weights after 5 steps must equal plain data parallelism on the same replicas
+within 1e-6 (SGD with momentum) / 1e-5 (Adam), the optimizer state per device must shrink
+to about 1/replicas, and a resumed run must end where the uninterrupted one does.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from subproc import ROOT, last_json_line, run, run_module
+from tfpar import ParallelConfig
+from tfpar.errors import ConfigError
+
+CHILD = os.path.join(ROOT, "tests", "zero_child.py")
+BASE = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
+MOMENTUM = {"optimizer": "momentum", "learning_rate": 0.05}
+ADAM = {"optimizer": "adam", "learning_rate": 1e-3}
+
+
+def weights(path):
+    data = np.load(path)
+    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measured):
+    where = {**BASE, "strategy": "mirrored", "cpu_devices": 4}
+    ckpt = str(tmp_path / "ckpt")
+    cases = [{"name": f"{model}-{opt_name}-{stage}", **where, "model": model,
+              **(MOMENTUM if opt_name == "momentum" else ADAM), "zero_stage": stage,
+              **({"model_depth": 2} if model == "transformer" else {})}
+             for model, opt_name, stages in (("mlp", "momentum", (0, 1)),
+                                             ("mlp", "adam", (0, 1)),
+                                             ("transformer", "momentum", (0, 1)),
+                                             ("transformer", "adam", (0, 1)))
+             for stage in stages]
+    # Resume: 5 steps saved, then on to 10, against 10 uninterrupted steps.
+    long = {**where, "model": "mlp", **ADAM, "zero_stage": 1, "steps": 10,
+            "steps_per_epoch": 5}
+    cases += [{"name": "whole", **long},
+              {"name": "first", **long, "steps": 5, "checkpoint_dir": ckpt},
+              {"name": "resumed", **long, "checkpoint_dir": ckpt}]
+    prefix = str(tmp_path / "w")
+    out = run([sys.executable, CHILD, json.dumps(cases), prefix], timeout=600)
+    results = last_json_line(out.stdout)
+
+    for case in cases[:-3]:
+        name, stage = case["name"], case["zero_stage"]
+        if stage == 0:
+            continue
+        plain = name[:-1] + "0"
+        diff = max_diff(weights(f"{prefix}.{name}.npz"), weights(f"{prefix}.{plain}.npz"))
+        tolerance = 1e-5 if case["optimizer"] == "adam" else 1e-6
+        report_measured(f"zero: {name} vs plain, max |dw| after 5 steps = {diff:.2e}")
+        assert diff <= tolerance, (name, diff)
+
+    # Optimizer state lives where the pieces are: ~1/4 of plain on each of 4 devices.
+    plain = results["mlp-adam-0"]["optimizer_state_bytes_per_device"]
+    for stage in (1,):
+        sharded = results[f"mlp-adam-{stage}"]["optimizer_state_bytes_per_device"]
+        ratios = [s / p for s, p in zip(sharded, plain)]
+        report_measured(f"zero: stage {stage} Adam state per device / plain = "
+                        f"{max(ratios):.3f} (mlp, 4 replicas)")
+        assert len(sharded) == 4 and max(ratios) <= 0.3, (sharded, plain)
+        # Weights stay mirrored (stage 3 is not built).
+        assert (results[f"mlp-adam-{stage}"]["param_bytes_per_device"]
+                == results["mlp-adam-0"]["param_bytes_per_device"])
+
+    assert results["resumed"]["resumed_from_step"] == 5
+    diff = max_diff(weights(f"{prefix}.resumed.npz"), weights(f"{prefix}.whole.npz"))
+    assert diff <= 1e-6, f"resumed ZeRO-1 run differs from the uninterrupted one by {diff}"
+    np.testing.assert_allclose(results["resumed"]["loss_history"],
+                               results["whole"]["loss_history"][5:], rtol=1e-5)
+
+
+def test_zero_on_two_workers_equals_plain_two_workers(tmp_path):
+    where = {**BASE, "strategy": "multi_worker", "cpu_devices": 2, "model": "mlp", **ADAM}
+    cases = [{"name": "plain", **where}, {"name": "zero1", **where, "zero_stage": 1}]
+    prefix = str(tmp_path / "mw")
+    out = run_module("tfpar.launch", "--workers=2", "--timeout=240", "--", sys.executable,
+                     CHILD, json.dumps(cases), prefix, timeout=300)
+    lines = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
+             if "] {" in line]
+    assert [r["zero1"]["workers"] for r in lines] == [2, 2]
+    assert [r["zero1"]["replicas"] for r in lines] == [4, 4]
+    for name in ("zero1",):
+        w0 = weights(f"{prefix}.{name}.worker0.npz")
+        assert max_diff(w0, weights(f"{prefix}.{name}.worker1.npz")) == 0.0, name
+        assert max_diff(w0, weights(f"{prefix}.plain.worker0.npz")) <= 1e-5, name
+        # Each worker's two devices hold a quarter of the state each.
+        assert (max(lines[0][name]["optimizer_state_bytes_per_device"])
+                <= 0.3 * min(lines[0]["plain"]["optimizer_state_bytes_per_device"]))
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"zero_stage": 3}, "zero_stage=3.*parameter sharding"),
+    ({"zero_stage": 2}, "zero_stage=2.*reduce-scatter"),
+    ({"zero_stage": 1, "compression": "int8"}, "compression='int8'.*reduce-scatter"),
+    ({"zero_stage": 1, "mixed_precision": "fp16"}, "mixed_precision='fp16'"),
+    ({"zero_stage": 1, "pipeline_stages": 2}, "zero_stage=1.*pipeline"),
+    ({"zero_stage": 1, "tensor_parallel": 2}, "zero_stage=1.*DTensor"),
+    ({"zero_stage": 1, "keras": 2}, "zero_stage=1.*keras=2"),
+])
+def test_zero_refuses_what_it_does_not_compose_with(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        ParallelConfig(**settings)
+    assert ParallelConfig(zero_stage=1).zero_stage == 1

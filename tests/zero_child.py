@@ -1,0 +1,47 @@
+"""Child process for tests/test_zero.py: `python tests/zero_child.py CASES_JSON OUT_PREFIX`.
+
+Trains each case of `CASES_JSON` (a list of `{"name": str, **ParallelConfig settings}`) in
+turn on one runtime (TensorFlow allows one strategy per process; every case must ask for
+the same devices), saves each case's final weights to `OUT_PREFIX.NAME[.worker<i>].npz`
+and prints one JSON line: per case the losses, the step it resumed from, the optimizer
+state per device and the median step time.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from tfpar import ParallelConfig, devices, strategy  # noqa: E402
+from tfpar.train import train  # noqa: E402
+
+
+def main():
+    cases, prefix = json.loads(sys.argv[1]), sys.argv[2]
+    worker = os.environ.get("TFPAR_WORKER_INDEX")
+    out, runtime = {}, None
+    for case in cases:
+        name = case.pop("name")
+        config = ParallelConfig(**case)
+        if runtime is None:
+            devices.split_cpu(config.cpu_devices)
+            runtime = strategy.make_runtime(config)
+        result, model = train(config, runtime=runtime)
+        path = f"{prefix}.{name}" + (f".worker{worker}" if worker is not None else "") + ".npz"
+        np.savez(path, *[np.asarray(v) for v in model.weights])
+        out[name] = {"final_loss": result["final_loss"],
+                     "loss_history": result["loss_history"],
+                     "replicas": result["replicas"], "workers": result["workers"],
+                     "resumed_from_step": result.get("resumed_from_step", 0),
+                     "optimizer_state_bytes_per_device":
+                         result["memory"]["optimizer_state_bytes_per_device"],
+                     "param_bytes_per_device": result["memory"]["param_bytes_per_device"],
+                     "step_time_ms": result["step_time_ms"]["median"]}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

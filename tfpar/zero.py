@@ -1,0 +1,334 @@
+"""ZeRO stages 1 and 2 on `tf.distribute` data parallelism (`--zero_stage`).
+
+The shard unit is a flat piece: every trainable variable is flattened into one fp32
+vector of `T` elements, padded to `N * S` (`S = ceil(T / N)`, `N` replicas), and replica
+`r` owns elements `[r*S, (r+1)*S)`. Equal pieces, not whole variables per owner: an
+owner-per-variable split is as uneven as the largest variable (an mlp's first kernel is
+over half its parameters), so the state per device would stay far above 1/N; equal pieces
+give `S / T` of it, within padding (< N elements).
+
+The optimizer's slots (SGD momentum, Adam's m and v) exist only as these pieces: one
+`ON_READ` variable of shape `[S]` per slot, whose component on each replica's device holds
+that replica's piece (Keras's full-size slots are never created). A step, in replica
+context, after the backward pass:
+
+1. the gradients, flattened and padded: stage 1 all-reduces them (every replica holds the
+   full sum) and takes its piece; stage 2 reduce-scatters them (each replica receives only
+   the sum of its own piece);
+2. the replica updates its piece of the weights (read from its own copy of the mirrored
+   weights) and of the slots with the optimizer's own formulas (`_sgd`, `_adam`, the same
+   operations as Keras's `update_step`, element-wise, so a flat piece updates exactly as
+   the shaped tensor would);
+3. the updated pieces are all-gathered and every replica assigns the full vector back to
+   its copy of each mirrored weight, so the weights stay mirrored for the forward pass.
+
+Reduce-scatter and the gather run as TensorFlow collective ops on one group of all
+replicas (`CollectiveReduceScatterV2`, `CollectiveGatherV2`): the piece a replica
+receives is its rank's; `check_ranks` verifies once that rank equals the replica id that
+checkpoints order pieces by.
+
+Checkpoints save the slots whole: `ShardedSlot` gathers every replica's piece (from every
+worker) into one `[N, S]` tensor; a restore onto the same replica count gives each its row
+back, onto another count it re-cuts the flat vector.
+
+Stage 2 is written (`reduce_scatter`) but refused: on CPU, TensorFlow 2.21 has no
+implementation of `CollectiveReduceScatterV2` ("CollectiveRegistry::Lookup did not find
+collective implementation"); an all-to-all would be the next try. Stage 3 (parameters
+sharded too) is not built: the weights stay mirrored.
+"""
+
+import keras
+import tensorflow as tf
+from keras.src.optimizers import base_optimizer
+from tensorflow.python.distribute import values_util
+from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
+from tensorflow.python.trackable import base as trackable
+
+from tfpar import patches
+from tfpar.compression import aggregator as aggregator_lib
+from tfpar.errors import ConfigError
+
+# One collective group of all replicas, with keys far from those tf.distribute hands out
+# (they count up from 1).
+_GROUP_KEY = 0x2E40
+_INSTANCE_REDUCE_SCATTER, _INSTANCE_GATHER, _INSTANCE_RANKS = 0x2E400, 0x2E401, 0x2E402
+
+
+class ZeroMixin:
+    """Mixin for a Keras 3 `SGD` or `Adam` (TensorFlow backend): ZeRO stage 1 or 2 update.
+
+    Expects `self.tfpar_zero_stage` and `self.tfpar_zero_timeout_s`; `self.tfpar_skip_nonfinite`
+    (set by `tfpar.nan_guard.skip_nonfinite_updates`) makes a step with non-finite
+    gradients leave weights and slots untouched.
+    """
+
+    def build(self, variables):
+        # The base build only (iterations, variable indices): no full-size slots.
+        base_optimizer.BaseOptimizer.build(self, variables)
+        if not hasattr(self, "nonfinite_steps"):
+            self.nonfinite_steps = self.add_variable(
+                (), "zeros", "float32", aggregation="only_first_replica",
+                name="nonfinite_steps")
+        strategy = tf.distribute.get_strategy()
+        self._tfpar_layout = FlatLayout(variables, strategy.num_replicas_in_sync)
+        with tf.init_scope():
+            self._tfpar_layout.tokens = ordering_tokens(strategy)
+            slots = {name: aggregator_lib.per_replica_variable(
+                tf.zeros([self._tfpar_layout.piece]), f"zero_{name}",
+                tf.VariableAggregation.ONLY_FIRST_REPLICA) for name in slot_names(self)}
+        # Held by a plain object, so neither Keras nor TensorFlow tracks the variables
+        # (a checkpoint of an ON_READ variable keeps one replica's piece): each is saved
+        # through a ShardedSlot, which keeps every replica's.
+        self._tfpar_layout.slots = slots
+        for name, variable in slots.items():
+            setattr(self, f"tfpar_zero_{name}", ShardedSlot(variable, self._tfpar_layout.size))
+        if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly():
+            check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None:
+            raise RuntimeError("a ZeRO optimizer updates in replica context (model.fit or "
+                               "strategy.run)")
+        layout = self._tfpar_layout
+        variables = [v.value if isinstance(v, keras.Variable) else v
+                     for v in trainable_variables]
+        n = layout.replicas
+        flat_grads = layout.flatten(grads, variables)
+        if n == 1:
+            grad_piece = flat_grads
+        elif self.tfpar_zero_stage >= 2:
+            grad_piece = reduce_scatter(flat_grads, n, layout.tokens,
+                                        self.tfpar_zero_timeout_s)
+        else:
+            grad_piece = _own(ctx.all_reduce(tf.distribute.ReduceOp.SUM, flat_grads), ctx, n)
+        # Every replica learns whether any piece is non-finite (one scalar all-reduce).
+        bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
+        if n > 1:
+            bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        finite = tf.equal(bad, 0.0)
+        params = layout.flatten([tf.convert_to_tensor(v) for v in variables], variables)
+        param_piece = _own(params, ctx, n) if n > 1 else params
+        slots = {k: tf.convert_to_tensor(v) for k, v in layout.slots.items()}
+        new_piece, new_slots = self._tfpar_update(param_piece, grad_piece, slots,
+                                                  learning_rate)
+        if getattr(self, "tfpar_skip_nonfinite", False):
+            new_piece = tf.where(finite, new_piece, param_piece)
+            new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
+        for name, value in new_slots.items():
+            layout.slots[name].assign(value)
+        full = (all_gather(new_piece, n, layout.tokens, self.tfpar_zero_timeout_s)
+                if n > 1 else new_piece)
+        for variable, value in zip(variables, layout.unflatten(full, variables)):
+            variable.assign(tf.cast(value, variable.dtype))
+        self.nonfinite_steps.assign_add(bad)
+
+    def _tfpar_update(self, param, grad, slots, learning_rate):
+        lr = tf.cast(learning_rate, tf.float32)
+        if isinstance(self, keras.optimizers.Adam):
+            return _adam(self, param, grad, slots, lr)
+        return _sgd(self, param, grad, slots, lr)
+
+
+def slot_names(optimizer):
+    """The sharded slots `optimizer` needs."""
+    if isinstance(optimizer, keras.optimizers.Adam):
+        return ("momentum", "velocity")
+    return ("momentum",) if optimizer.momentum else ()
+
+
+def _sgd(opt, param, grad, slots, lr):
+    # keras.optimizers.SGD.update_step (keras 3.15.1), on one flat piece.
+    if not opt.momentum:
+        return param - grad * lr, {}
+    momentum = tf.cast(opt.momentum, param.dtype)
+    m = slots["momentum"] * momentum - grad * lr
+    step = m * momentum - grad * lr if opt.nesterov else m
+    return param + step, {"momentum": m}
+
+
+def _adam(opt, param, grad, slots, lr):
+    # keras.optimizers.Adam.update_step (keras 3.15.1, amsgrad=False), on one flat piece.
+    local_step = tf.cast(opt.iterations + 1, param.dtype)
+    beta_1_power = tf.pow(tf.cast(opt.beta_1, param.dtype), local_step)
+    beta_2_power = tf.pow(tf.cast(opt.beta_2, param.dtype), local_step)
+    alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    m, v = slots["momentum"], slots["velocity"]
+    m = m + (grad - m) * (1 - opt.beta_1)
+    v = v + (tf.square(grad) - v) * (1 - opt.beta_2)
+    return param - (m * alpha) / (tf.sqrt(v) + opt.epsilon), {"momentum": m, "velocity": v}
+
+
+def state_variables(optimizer):
+    """The sharded slot variables of a ZeRO `optimizer` (empty for any other)."""
+    layout = getattr(optimizer, "_tfpar_layout", None)
+    return list(layout.slots.values()) if layout is not None else []
+
+
+class FlatLayout:
+    """Where each variable sits in the flat, padded vector (`size` elements, `replicas`
+    pieces of `piece`), and the sharded slots (`slots`, set by the optimizer's build)."""
+
+    def __init__(self, variables, replicas):
+        self.slots = {}
+        self.replicas = replicas
+        self.keys = {_key(v): i for i, v in enumerate(variables)}
+        self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        self.sizes = [int(tf.TensorShape(s).num_elements()) for s in self.shapes]
+        self.size = sum(self.sizes)
+        self.piece = -(-self.size // replicas)
+
+    def flatten(self, tensors, variables):
+        """`tensors` (one per `variables`, None = zeros) as one padded fp32 vector."""
+        parts = [tf.zeros([s]) for s in self.sizes]
+        for t, v in zip(tensors, variables):
+            if t is not None:
+                parts[self.keys[_key(v)]] = tf.reshape(
+                    tf.cast(tf.convert_to_tensor(t), tf.float32), [-1])
+        parts.append(tf.zeros([self.piece * self.replicas - self.size]))
+        return tf.concat(parts, 0)
+
+    def unflatten(self, flat, variables):
+        """The values of `variables` from the flat vector."""
+        offsets, start = [], 0
+        for s in self.sizes:
+            offsets.append(start)
+            start += s
+        out = []
+        for v in variables:
+            i = self.keys[_key(v)]
+            out.append(tf.reshape(flat[offsets[i]:offsets[i] + self.sizes[i]], self.shapes[i]))
+        return out
+
+
+def _key(variable):
+    if not isinstance(variable, tf.Variable) and hasattr(variable, "value"):
+        variable = variable.value
+    return variable.ref()
+
+
+def _own(flat, ctx, n):
+    """This replica's piece of a full flat vector."""
+    return tf.gather(tf.reshape(flat, [n, -1]), ctx.replica_id_in_sync_group)
+
+
+def ordering_tokens(strategy):
+    """One resource per local replica's device, for the collectives to take as ordering
+    token.
+
+    A collective op without a resource input is stateful and unordered, so a
+    `tf.function` chains all of them in program order, across replicas too: replica 1's
+    gather would wait for replica 0's, which waits for replica 1's (a deadlock).
+    Taking its device's token, each is ordered only after the ops of its own device
+    (what `tf.distribute`'s own collective launcher does).
+    """
+    tokens = []
+    for device in strategy.extended.worker_devices:  # in local replica order
+        with tf.device(device):
+            # Not through the strategy's variable creator: one plain variable per device.
+            tokens.append(resource_variable_ops.ResourceVariable(0.))
+    return tokens
+
+
+def _token(tokens):
+    # The local replica's index, as tf.distribute's own variables pick their component
+    # (the current device is not known while a tf.function is traced).
+    return [tokens[values_util.get_current_replica_id_as_int()].handle]
+
+
+def reduce_scatter(flat, n, tokens, timeout_s):
+    """Sum over replicas of `flat`, of which this replica receives piece `rank`."""
+    return gen_collective_ops.collective_reduce_scatter_v2(
+        flat, group_size=n, group_key=_GROUP_KEY, instance_key=_INSTANCE_REDUCE_SCATTER,
+        ordering_token=_token(tokens), merge_op="Add", final_op="Id",
+        timeout_seconds=timeout_s or 0)
+
+
+def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
+    """Every replica's `piece`, concatenated in rank order."""
+    return gen_collective_ops.collective_gather_v2(
+        piece, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
+        ordering_token=_token(tokens), timeout_seconds=timeout_s or 0)
+
+
+def check_ranks(strategy, tokens, timeout_s):
+    """Checks once that each replica's rank in the collective group is its replica id (the
+    order in which pieces are owned and checkpointed).
+
+    Raises:
+        RuntimeError: they differ (a device order tfpar does not expect).
+    """
+    n = strategy.num_replicas_in_sync
+
+    @tf.function
+    def gather_ids():
+        def fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return all_gather(tf.reshape(tf.cast(rid, tf.int32), [1]), n, tokens, timeout_s,
+                              _INSTANCE_RANKS)
+        return strategy.run(fn)
+
+    ids = strategy.experimental_local_results(gather_ids())[0].numpy().tolist()
+    if ids != list(range(n)):
+        raise RuntimeError(f"ZeRO: collective ranks {ids} do not follow replica ids; "
+                           "run without --zero_stage")
+
+
+class ShardedSlot(trackable.Trackable):
+    """Checkpoints every replica's piece of a sharded slot as one `[N, S]` tensor.
+
+    Args:
+        variable: the `ON_READ` variable holding each replica's piece.
+        size: elements of the unpadded flat vector (`FlatLayout.size`).
+    """
+
+    def __init__(self, variable, size):
+        self._variable, self._size = variable, size
+
+    def _serialize_to_tensors(self):
+        return {"pieces": aggregator_lib._stack_replicas(self._variable)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        stacked = restored_tensors["pieces"]
+        strategy, local = aggregator_lib._local_components(self._variable)
+        replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+        piece = int(local[0].shape[0])
+        if int(stacked.shape[0]) != replicas:
+            # Saved by another replica count: re-cut the flat vector.
+            flat = tf.reshape(stacked, [-1])[:self._size]
+            flat = tf.concat([flat, tf.zeros([replicas * piece - self._size], flat.dtype)], 0)
+            stacked = tf.reshape(flat, [replicas, piece])
+        return aggregator_lib._restore_replicas(self._variable, stacked)
+
+
+def wrap_optimizer(optimizer, stage, timeout_s=None):
+    """Makes `optimizer` shard its state over replicas (ZeRO `stage` 1 or 2), in place.
+
+    Args:
+        optimizer: a Keras 3 `SGD` or `Adam` (amsgrad off, no EMA, no Keras gradient
+            accumulation), not yet built, created under the strategy's scope.
+        stage: 1 (optimizer state) or 2 (also gradients reduce-scattered).
+        timeout_s: timeout of each collective.
+
+    Returns:
+        the same optimizer.
+
+    Raises:
+        ConfigError: another optimizer or option, or stage not 1 or 2.
+    """
+    if stage != 1:
+        raise ConfigError("zero_stage", stage, "tfpar shards optimizer state (1); stage 2's "
+                          "reduce-scatter has no CPU implementation in TensorFlow 2.21, "
+                          "parameter sharding (3) is not built")
+    supported = (isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adam))
+                 and not getattr(optimizer, "amsgrad", False) and not optimizer.use_ema
+                 and not optimizer.gradient_accumulation_steps)
+    if not supported or type(optimizer).__name__ not in ("SGD", "Adam"):
+        raise ConfigError("zero_stage", stage, f"needs keras SGD or Adam (no amsgrad, EMA or "
+                          f"Keras accumulation), got {type(optimizer).__name__}")
+    if optimizer.built:
+        raise ConfigError("zero_stage", stage, "wrap the optimizer before it is built")
+    patches.mix_in(optimizer, ZeroMixin)
+    optimizer.tfpar_zero_stage = stage
+    optimizer.tfpar_zero_timeout_s = timeout_s
+    return optimizer
