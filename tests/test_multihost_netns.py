@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -244,3 +245,53 @@ def test_rerun_resumes_and_ends_as_a_single_process_run(faults):
     np.testing.assert_allclose(resumed, same, rtol=1e-4)
     assert faults["user_file"] == "the user's own file, next to the checkpoints"
     assert not faults["orphans"]
+
+
+@pytest.fixture(scope="module")
+def sshd(hosts, tmp_path_factory):
+    """An OpenSSH server in each namespace host, accepting one key made for the test."""
+    if shutil.which("sshd") is None and not os.path.exists("/usr/sbin/sshd"):
+        pytest.skip("no sshd: apt-get install -y openssh-server to run the ssh runner test")
+    keys = tmp_path_factory.mktemp("ssh")
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)],
+                       check=True)
+    shutil.copy(keys / "user_key.pub", keys / "authorized_keys")
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    servers = [hosts.popen(i, [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e",
+                               "-f", "/dev/null", "-o", f"HostKey={keys / 'host_key'}",
+                               "-o", f"AuthorizedKeysFile={keys / 'authorized_keys'}",
+                               "-o", "StrictModes=no", "-o", "PidFile=none", "-o", "UsePAM=no",
+                               "-o", f"ListenAddress={hosts.address(i)}"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for i in range(2)]
+    time.sleep(1)
+    yield ["-i", str(keys / "user_key"), "-o", "StrictHostKeyChecking=no",
+           "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+    for server in servers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, 9)
+        server.wait()
+
+
+def test_ssh_runner_runs_a_job_across_two_hosts(hosts, sshd, tmp_path, report_measured):
+    # The launcher runs on host 0 and starts both workers over ssh (one of them on host 0
+    # itself); each worker gets only TF_CONFIG and TFPAR_* through the connection.
+    metrics = tmp_path / "ssh.json"
+    began = time.monotonic()
+    out = subprocess.run(
+        ["ip", "netns", "exec", hosts.namespaces[0], sys.executable, "-m", "tfpar.launch",
+         f"--hosts={hosts.address(0)}:1,{hosts.address(1)}:1", "--runner=ssh",
+         f"--ssh_options={' '.join(sshd)}", f"--base_port={PORT + 100}", "--timeout=150",
+         "--grace=2", "--", sys.executable, "-m", "tfpar.train", *TRAIN, "--steps=30",
+         f"--metrics_json={metrics}"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=200,
+        start_new_session=True)
+    seconds = time.monotonic() - began
+    context = out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == 0, context
+    assert "all 2 workers exited 0" in out.stderr, context
+    result = json.loads(metrics.read_text())
+    assert result["workers"] == 2 and result["steps"] == 30, context
+    report_measured(f"ssh runner, 2 namespace hosts x 1 worker, 30 steps: {seconds:.1f} s")
+    assert not _orphans(tmp_path)

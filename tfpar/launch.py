@@ -43,6 +43,7 @@ LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -98,6 +99,8 @@ def define_flags(flag_values=FLAGS):
                           "ending the connection hangs up the remote worker) or local "
                           "(processes on this machine listening on HOST, for tests).",
                           **define)
+        flags.DEFINE_string("ssh_options", "", "With --runner=ssh: options for ssh, before "
+                            "the host (e.g. '-i ~/.ssh/cluster -p 2222').", **define)
         flags.DEFINE_integer("base_port", 0, "With --hosts: worker k of a host listens on "
                              "BASE_PORT+k; 0 = free ports found on this machine (only for "
                              "addresses of this machine).", lower_bound=0, **define)
@@ -116,7 +119,7 @@ def define_flags(flag_values=FLAGS):
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
                                    "max_restarts", "min_workers", "max_workers", "discovery",
                                    "discovery_interval", "lost_after", "hosts",
-                                   "runner", "base_port", "log_dir"],
+                                   "runner", "ssh_options", "base_port", "log_dir"],
                                   flag_values)
 
 
@@ -345,21 +348,22 @@ def local_runner(host, cmd, env, **popen_kwargs):
 _FORWARDED = ("TF_CONFIG", "TFPAR_", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
 
 
-def ssh_command(host, cmd, env, cwd=None):
+def ssh_command(host, cmd, env, cwd=None, options=()):
     """The `ssh` command line that runs `cmd` on `host` in `cwd` (default this directory)
-    with the launcher's variables of `env` (TF_CONFIG, TFPAR_*). `-tt` gives the remote
-    worker a terminal, so closing the connection (the launcher ending the local ssh) hangs
-    it up."""
+    with the launcher's variables of `env` (TF_CONFIG, TFPAR_*); `options` go to ssh before
+    the host (e.g. `-i KEY -p PORT`). `-tt` gives the remote worker a terminal, so closing
+    the connection (the launcher ending the local ssh) hangs it up."""
     pairs = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
              if k.startswith(_FORWARDED)]
     remote = (f"cd {shlex.quote(cwd or os.getcwd())} && exec env {' '.join(pairs)} "
               + " ".join(shlex.quote(c) for c in cmd))
-    return ["ssh", "-tt", "-o", "BatchMode=yes", host, remote]
+    return ["ssh", "-tt", "-o", "BatchMode=yes", *options, host, remote]
 
 
-def ssh_runner(host, cmd, env, **popen_kwargs):
+def ssh_runner(host, cmd, env, options=(), **popen_kwargs):
     """Starts a worker on `host` over ssh (see `ssh_command`)."""
-    return subprocess.Popen(ssh_command(host, cmd, env), env=env, **popen_kwargs)
+    return subprocess.Popen(ssh_command(host, cmd, env, options=options), env=env,
+                            **popen_kwargs)
 
 
 def _addresses(hosts, base_port):
@@ -671,7 +675,9 @@ def main(cmd):
     try:
         hosts = parse_hosts(FLAGS.hosts) if FLAGS.hosts else None
         workers = FLAGS.workers or sum(n for _, n in hosts)
-        runner = ssh_runner if hosts and FLAGS.runner == "ssh" else local_runner
+        runner = local_runner
+        if hosts and FLAGS.runner == "ssh":
+            runner = functools.partial(ssh_runner, options=shlex.split(FLAGS.ssh_options))
         result = launch(cmd, workers, host=FLAGS.host, timeout=FLAGS.timeout,
                         start_timeout=FLAGS.start_timeout, grace=FLAGS.grace,
                         max_restarts=FLAGS.max_restarts, log_dir=FLAGS.log_dir,
