@@ -109,3 +109,73 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
                     f"{GROW_STEP} (0 repeated) {float(grown.group(2)):.1f} s after the offer; "
                     f"final loss {final:.5f} vs {reference:.5f} uninterrupted ({gap:.3%})")
     assert gap <= 0.01, context
+
+
+FAKE_WORKER = r"""
+import os, pathlib, signal, sys, time
+slot, n, attempt = (os.environ[k] for k in ("TFPAR_SLOT", "TFPAR_NUM_WORKERS", "TFPAR_RESTART"))
+state = pathlib.Path(sys.argv[1])
+print("TFPAR_READY", flush=True)
+if attempt != "0":
+    print(f"world size changed at step {attempt}0", flush=True)
+if os.environ.get("LOSE_SLOT") == slot and attempt == "0":
+    sys.exit(3)
+if n == "1":
+    (state / "lost").touch()  # the discovery script now stops listing slot 1, once
+
+def stop(*_):
+    print(f"tfpar: stopping at step {attempt}5 on SIGTERM: checkpoint saved", flush=True)
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, stop)
+if attempt == os.environ["LAST_ATTEMPT"]:
+    sys.exit(0)
+time.sleep(60)  # until the launcher stops it to grow
+sys.exit(5)
+"""
+DISCOVERY = r"""
+import pathlib, sys
+state = pathlib.Path(sys.argv[1])
+if (state / "lost").exists() and not (state / "seen").exists():
+    (state / "seen").touch()
+    print("127.0.0.1:1")
+else:
+    print("127.0.0.1:2")
+"""
+
+
+def _fake_launch(tmp_path, workers, env, **kwargs):
+    import io
+
+    from tfpar.launch import launch
+    (tmp_path / "worker.py").write_text(FAKE_WORKER)
+    (tmp_path / "discovery.py").write_text(DISCOVERY)
+    out, err = io.StringIO(), io.StringIO()
+    result = launch([sys.executable, str(tmp_path / "worker.py"), str(tmp_path)], workers,
+                    env={**os.environ, **env}, out=out, err=err, grace=10, timeout=60,
+                    discovery=f"{sys.executable} {tmp_path / 'discovery.py'} {tmp_path}",
+                    discovery_interval=0.1, **kwargs)
+    return result, err.getvalue()
+
+
+def test_a_lost_slot_comes_back_only_after_discovery_stopped_listing_it(tmp_path):
+    # No TensorFlow: stand-in workers that print what the trainer prints. Slot 1 fails in
+    # attempt 0 while discovery keeps listing it: it is lost, not taken back at once; the
+    # lone worker makes discovery drop it once, and when it is listed again the launcher
+    # stops the worker (SIGTERM) and continues with both.
+    result, err = _fake_launch(tmp_path, 2, {"LOSE_SLOT": "1", "LAST_ATTEMPT": "2"},
+                               min_workers=1, lost_after=1, max_restarts=1)
+    assert result.returncode == 0, err
+    assert [a.slots for a in result.attempts] == [(0, 1), (0,), (0, 1)], err
+    assert "worker slot 1 is lost" in err
+    assert "attempt 1: stopped at step 15 to grow: worker slot(s) 1 offered again" in err
+    assert re.search(r"training resumed at step 20 on 2 workers, [\d.]+ s after capacity "
+                     r"returned", err), err
+    assert "world size 2 -> 1 -> 2" in err and "(3 attempt(s), 1 restart)" in err
+
+
+def test_a_new_slot_grows_the_job_up_to_max_workers(tmp_path):
+    result, err = _fake_launch(tmp_path, 1, {"LAST_ATTEMPT": "1"}, max_workers=2)
+    assert result.returncode == 0, err
+    assert [a.slots for a in result.attempts] == [(0,), (0, 1)], err
+    assert "world size 1 -> 2" in err and "(2 attempt(s), 0 restarts)" in err
