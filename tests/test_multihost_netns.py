@@ -97,10 +97,15 @@ class Job:
         return "".join(self.lines)
 
     def wait_for(self, condition, what, timeout=120):
+        """Waits until `condition()` (checked on each line and every 0.1 s: a checkpoint
+        appears without a line)."""
+        end = time.monotonic() + timeout
         with self._new:
-            if not self._new.wait_for(lambda: condition() or self.proc.poll() is not None,
-                                      timeout) or not condition():
-                raise AssertionError(f"no {what} within {timeout} s:\n{self.output[-3000:]}")
+            while not condition():
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    raise AssertionError(f"no {what} within {timeout} s:\n"
+                                         f"{self.output[-3000:]}")
+                self._new.wait(0.1)
 
     def seen(self, text, count=1):
         return lambda: sum(text in line for line in self.lines) >= count
