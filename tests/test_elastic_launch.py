@@ -86,7 +86,7 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
     assert f"stopped at step {GROW_STEP} to grow: worker slot(s) 1 offered again" in output, \
         context
     grown = re.search(r"training resumed at step (\d+) on 2 workers, ([\d.]+) s after "
-                      r"capacity returned", output)
+                      r"the workers stopped to grow", output)
     assert grown and int(grown.group(1)) == GROW_STEP, context  # no step repeated
     assert "world size 2 -> 1 -> 2" in output, context
     metrics = json.load(open(tmp_path / "metrics.json"))
@@ -106,7 +106,7 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
     report_measured(f"elastic 2 -> 1 -> 2 workers (lost at step {kill_step}, seed {seed}): "
                     f"resumed on 1 at step {step} ({kill_step - step} steps repeated) "
                     f"{seconds:.1f} s after the loss was detected; grown back at step "
-                    f"{GROW_STEP} (0 repeated) {float(grown.group(2)):.1f} s after the offer; "
+                    f"{GROW_STEP} (0 repeated) {float(grown.group(2)):.1f} s after the stop; "
                     f"final loss {final:.5f} vs {reference:.5f} uninterrupted ({gap:.3%})")
     assert gap <= 0.01, context
 
@@ -169,8 +169,8 @@ def test_a_lost_slot_comes_back_only_after_discovery_stopped_listing_it(tmp_path
     assert [a.slots for a in result.attempts] == [(0, 1), (0,), (0, 1)], err
     assert "worker slot 1 is lost" in err
     assert "attempt 1: stopped at step 15 to grow: worker slot(s) 1 offered again" in err
-    assert re.search(r"training resumed at step 20 on 2 workers, [\d.]+ s after capacity "
-                     r"returned", err), err
+    assert re.search(r"training resumed at step 20 on 2 workers, [\d.]+ s after the workers "
+                     r"stopped to grow", err), err
     assert "world size 2 -> 1 -> 2" in err and "(3 attempt(s), 1 restart)" in err
 
 

@@ -260,7 +260,7 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
                           f"{', '.join(map(str, added))} offered again by --discovery; "
                           f"continuing with {len(slots)} workers (--max_workers="
                           f"{max_workers}) from that checkpoint")
-                watch.changed(len(slots), "capacity returned")
+                watch.changed(len(slots), "the workers stopped to grow")
                 continue
             attempts.append(Attempt(codes, failure, tuple(slots)))
             if not failure or kind != "retry" or restarts == max_restarts:
