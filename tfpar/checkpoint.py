@@ -125,6 +125,11 @@ class Checkpointer(keras.callbacks.Callback):
         return [{"step": h["step"], "workers": h["workers"], "replicas": h["replicas"]}
                 for h in history[1:]]
 
+    @property
+    def saved_step(self):
+        """The step of the newest save (or restore)."""
+        return self._saved
+
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
         if self._step % self.every == 0:

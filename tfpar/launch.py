@@ -27,12 +27,23 @@ TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by defau
 for tests); signals and the end of the job reach every worker as above (over ssh, through
 the connection).
 
+Growing back: with `--discovery=CMD` the launcher runs CMD (a shell command) every
+`--discovery_interval` seconds; it prints the worker slots available now as HOST:SLOTS items
+(comma- or line-separated, as `--hosts`). A lost slot is offered again once CMD, having
+stopped listing it, lists it again (its host went away and answers again); slots beyond the
+current ones are offered whenever CMD lists them, up to `--max_workers`. When a slot is
+offered the launcher sends SIGTERM: every worker agrees on a step within a few steps, writes a
+checkpoint there and stops (`tfpar.preemption`), and the next attempt starts on the larger
+world from that checkpoint (no step repeated; a worker without the preemption guard is simply
+restarted from its last checkpoint). Each change is said with the step and the world size.
+
 `--log_dir` is absl's own flag, reused: when set, worker i's output also goes to
 LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
 """
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -88,14 +99,27 @@ def define_flags(flag_values=FLAGS):
                           "ending the connection hangs up the remote worker) or local "
                           "(processes on this machine listening on HOST, for tests).",
                           **define)
+        flags.DEFINE_string("ssh_options", "", "With --runner=ssh: options for ssh, before "
+                            "the host (e.g. '-i ~/.ssh/cluster -p 2222').", **define)
         flags.DEFINE_integer("base_port", 0, "With --hosts: worker k of a host listens on "
                              "BASE_PORT+k; 0 = free ports found on this machine (only for "
                              "addresses of this machine).", lower_bound=0, **define)
+        flags.DEFINE_integer("max_workers", None, "Elastic job: the most workers to grow to "
+                             "when --discovery offers more slots (default: --workers).",
+                             lower_bound=1, **define)
+        flags.DEFINE_string("discovery", "", "Elastic job: a shell command printing the "
+                            "worker slots available now (HOST:SLOTS,...), run every "
+                            "--discovery_interval s; a lost slot it lists again, or a new "
+                            "one, is added at the next checkpoint (see the module doc).",
+                            **define)
+        flags.DEFINE_float("discovery_interval", 5, "Seconds between runs of --discovery.",
+                           lower_bound=0.1, **define)
         flags.DEFINE_integer("lost_after", 2, "With --min_workers: failed attempts in a row "
                              "after which a worker counts as lost.", lower_bound=1, **define)
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
-                                   "max_restarts", "min_workers", "lost_after", "hosts",
-                                   "runner", "base_port", "log_dir"],
+                                   "max_restarts", "min_workers", "max_workers", "discovery",
+                                   "discovery_interval", "lost_after", "hosts",
+                                   "runner", "ssh_options", "base_port", "log_dir"],
                                   flag_values)
 
 
@@ -129,7 +153,8 @@ class LaunchResult:
 
 def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
            max_restarts=0, log_dir="", env=None, out=None, err=None, min_workers=None,
-           lost_after=2, hosts=None, runner=None, base_port=0):
+           lost_after=2, hosts=None, runner=None, base_port=0, max_workers=None,
+           discovery="", discovery_interval=5.0):
     """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
 
     Args:
@@ -157,6 +182,12 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             (`local_runner`, the default, or `ssh_runner`).
         base_port: with `hosts`, worker j of a host listens on `base_port + j`; 0 = free
             ports found by binding on this machine.
+        max_workers: elastic job: the most workers to grow to (default `workers`).
+        discovery: elastic job: a shell command printing the slots available now
+            (HOST:SLOTS,...), run every `discovery_interval` s; a lost slot it lists again
+            (after a run that did not list it), or a new slot, makes the job grow at the next
+            checkpoint: SIGTERM, the workers agree on a step and save there
+            (`tfpar.preemption`), and the next attempt starts on the larger world.
 
     Returns:
         A `LaunchResult`; `returncode` is 0 only if every worker of the last attempt exited 0.
@@ -177,6 +208,9 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     min_workers = workers if min_workers is None else min_workers
     if not 1 <= min_workers <= workers:
         raise ConfigError("min_workers", min_workers, f"must be between 1 and --workers={workers}")
+    max_workers = workers if max_workers is None else max_workers
+    if max_workers < workers:
+        raise ConfigError("max_workers", max_workers, f"must be >= --workers={workers}")
     if lost_after < 1:
         raise ConfigError("lost_after", lost_after, "must be >= 1")
     if hosts:
@@ -195,37 +229,66 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     slots = list(range(workers))  # the slots of the next attempt; worker i runs slots[i]
     failed_in_a_row = dict.fromkeys(slots, 0)
     elastic, watch = [], _ElasticWatch(err)
-    with _caught_signals() as received:
-        for number in range(max_restarts + 1):
-            codes, failure, retry, blamed = _run_attempt(
+    offers = _Offers(placement, max_workers, discovery, discovery_interval, err)
+    number = restarts = 0
+    pending = []  # the slots offered when the attempt was stopped to grow
+
+    def grow_due():
+        pending[:] = offers.added(slots)
+        return bool(pending)
+
+    with _caught_signals() as received, offers:
+        while True:
+            watch.new_attempt()
+            codes, failure, kind, blamed = _run_attempt(
                 list(cmd), slots, placement, base_port, runner, number, deadline, timeout,
-                start_timeout, grace, log_dir, env, out, received, watch.on_line)
-            attempts.append(Attempt(codes, failure, tuple(slots)))
+                start_timeout, grace, log_dir, env, out, received, watch.on_line, grow_due)
+            number += 1
             signalled = received[0] if received else None
-            if not failure or not retry or number == max_restarts:
+            if kind == "grow":
+                if all(code == 0 for code in codes) and not watch.stopped_at:
+                    attempts.append(Attempt(codes, "", tuple(slots)))  # it had finished
+                    break
+                attempts.append(Attempt(codes, failure, tuple(slots)))
+                added = list(pending)
+                offers.taken(added)
+                slots = sorted(slots + added)
+                failed_in_a_row.update(dict.fromkeys(added, 0))
+                elastic.append({"attempt": number, "workers": len(slots)})
+                at = f" at step {watch.stopped_at}" if watch.stopped_at else ""
+                _say(err, f"attempt {number - 1}: stopped{at} to grow: worker slot(s) "
+                          f"{', '.join(map(str, added))} offered again by --discovery; "
+                          f"continuing with {len(slots)} workers (--max_workers="
+                          f"{max_workers}) from that checkpoint")
+                watch.changed(len(slots), "the workers stopped to grow")
+                continue
+            attempts.append(Attempt(codes, failure, tuple(slots)))
+            if not failure or kind != "retry" or restarts == max_restarts:
                 break
+            restarts += 1
             for slot in failed_in_a_row:
                 failed_in_a_row[slot] = failed_in_a_row[slot] + 1 if slot == blamed else 0
             if (blamed is not None and failed_in_a_row[blamed] >= lost_after
                     and len(slots) - 1 >= min_workers and len(slots) > 1):
                 slots.remove(blamed)
-                elastic.append({"attempt": number + 1, "workers": len(slots)})
-                _say(err, f"attempt {number}: {failure}; worker slot {blamed} is lost (failed "
-                          f"{failed_in_a_row[blamed]} attempts in a row): continuing with "
-                          f"{len(slots)} workers (--min_workers={min_workers}) from the last "
-                          f"checkpoint (restart {number + 1} of {max_restarts})")
-                watch.lost(len(slots))
+                offers.lost(blamed)
+                elastic.append({"attempt": number, "workers": len(slots)})
+                _say(err, f"attempt {number - 1}: {failure}; worker slot {blamed} is lost "
+                          f"(failed {failed_in_a_row[blamed]} attempts in a row): continuing "
+                          f"with {len(slots)} workers (--min_workers={min_workers}) from the "
+                          f"last checkpoint (restart {restarts} of {max_restarts})")
+                watch.changed(len(slots), "the loss was detected")
                 continue
-            _say(err, f"attempt {number}: {failure}; restarting all {len(slots)} workers on new "
-                      f"ports (restart {number + 1} of {max_restarts})")
+            _say(err, f"attempt {number - 1}: {failure}; restarting all {len(slots)} workers "
+                      f"on new ports (restart {restarts} of {max_restarts})")
     failure = attempts[-1].failure
     summary = f"failed: {failure}" if failure else f"all {len(slots)} workers exited 0"
-    if max_restarts:
-        restarts = len(attempts) - 1
+    if max_restarts or elastic:
         plural = "" if restarts == 1 else "s"
         summary += f" ({len(attempts)} attempt(s), {restarts} restart{plural})"
     if elastic:
-        summary += f"; world size {workers} -> {len(slots)}"
+        sizes = " -> ".join(str(n) for n in [workers] + [e["workers"] for e in elastic])
+        summary += f"; world size {sizes}"
     _say(err, summary)
     returncode = 128 + signalled if signalled else (1 if failure else 0)
     return LaunchResult(returncode, tuple(attempts), summary, tuple(elastic))
@@ -285,21 +348,22 @@ def local_runner(host, cmd, env, **popen_kwargs):
 _FORWARDED = ("TF_CONFIG", "TFPAR_", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
 
 
-def ssh_command(host, cmd, env, cwd=None):
+def ssh_command(host, cmd, env, cwd=None, options=()):
     """The `ssh` command line that runs `cmd` on `host` in `cwd` (default this directory)
-    with the launcher's variables of `env` (TF_CONFIG, TFPAR_*). `-tt` gives the remote
-    worker a terminal, so closing the connection (the launcher ending the local ssh) hangs
-    it up."""
+    with the launcher's variables of `env` (TF_CONFIG, TFPAR_*); `options` go to ssh before
+    the host (e.g. `-i KEY -p PORT`). `-tt` gives the remote worker a terminal, so closing
+    the connection (the launcher ending the local ssh) hangs it up."""
     pairs = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
              if k.startswith(_FORWARDED)]
     remote = (f"cd {shlex.quote(cwd or os.getcwd())} && exec env {' '.join(pairs)} "
               + " ".join(shlex.quote(c) for c in cmd))
-    return ["ssh", "-tt", "-o", "BatchMode=yes", host, remote]
+    return ["ssh", "-tt", "-o", "BatchMode=yes", *options, host, remote]
 
 
-def ssh_runner(host, cmd, env, **popen_kwargs):
+def ssh_runner(host, cmd, env, options=(), **popen_kwargs):
     """Starts a worker on `host` over ssh (see `ssh_command`)."""
-    return subprocess.Popen(ssh_command(host, cmd, env), env=env, **popen_kwargs)
+    return subprocess.Popen(ssh_command(host, cmd, env, options=options), env=env,
+                            **popen_kwargs)
 
 
 def _addresses(hosts, base_port):
@@ -316,9 +380,12 @@ def _addresses(hosts, base_port):
 
 
 def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, timeout,
-                 start_timeout, grace, log_dir, env, out, received, on_line=None):
-    """Starts all workers, watches them, stops them. Returns (exit codes, failure, retry,
-    the slot of the worker that failed or None)."""
+                 start_timeout, grace, log_dir, env, out, received, on_line=None,
+                 grow_due=None):
+    """Starts all workers, watches them, stops them. Returns (exit codes, failure, kind, the
+    slot of the worker that failed or None); kind is "retry" (a worker failed: restarting
+    may help), "grow" (stopped because `grow_due()` offered slots) or "" (done, or a
+    failure a restart cannot mend)."""
     workers = len(slots)
     hosts = [placement[s].strip("[]") for s in slots]
     addresses = _addresses(hosts, base_port)
@@ -350,20 +417,20 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
                 args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i, on_line),
                 daemon=True))
             pumps[-1].start()
-        failure, retry, failed = _watch(procs, ready, deadline, timeout, start_timeout,
-                                        received)
+        failure, kind, failed = _watch(procs, ready, deadline, timeout, start_timeout,
+                                       received, grow_due)
     finally:
         # Forward the launcher's own signal (SIGINT stays SIGINT); otherwise SIGTERM.
         _stop(procs, received[0] if received else signal.SIGTERM, grace)
         for pump in pumps:
             pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
     blamed = slots[failed] if failed is not None else None
-    return tuple(p.returncode for p in procs), failure, retry, blamed
+    return tuple(p.returncode for p in procs), failure, kind, blamed
 
 
-def _watch(procs, ready, deadline, timeout, start_timeout, received):
-    """Polls until every worker exited 0 or something failed. Returns (failure, retry, the
-    index of the worker that failed or None)."""
+def _watch(procs, ready, deadline, timeout, start_timeout, received, grow_due=None):
+    """Polls until every worker exited 0 or something failed. Returns (failure, kind, the
+    index of the worker that failed or None); kind as `_run_attempt`'s."""
     started = time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
@@ -371,19 +438,22 @@ def _watch(procs, ready, deadline, timeout, start_timeout, received):
         if failed:
             # A worker killed by a signal is the cause; the others' errors are its echo.
             i = min(failed, key=lambda k: (codes[k] > 0, k))
-            return f"worker {i} {_describe(codes[i])}", True, i
+            return f"worker {i} {_describe(codes[i])}", "retry", i
         if all(code == 0 for code in codes):
-            return "", False, None
+            return "", "", None
         if received:
-            return f"the launcher received {signal.Signals(received[0]).name}", False, None
+            return f"the launcher received {signal.Signals(received[0]).name}", "", None
+        if grow_due is not None and grow_due():
+            return "stopped to grow", "grow", None
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            return f"--timeout={timeout:g}s expired before the workers finished", False, None
+            return f"--timeout={timeout:g}s expired before the workers finished", "", None
         if start_timeout and now - started >= start_timeout:
             late = [i for i, code in enumerate(codes) if code is None and not ready[i]]
             if late:
                 return (f"--start_timeout={start_timeout:g}s expired: worker(s) "
-                        f"{', '.join(map(str, late))} never printed {READY_MARKER}"), True, late[0]
+                        f"{', '.join(map(str, late))} never printed {READY_MARKER}",
+                        "retry", late[0])
         time.sleep(_POLL_S)
 
 
@@ -433,20 +503,29 @@ def _pump(stream, prefix, out, log, lock, ready, index, on_line=None):
 
 
 class _ElasticWatch:
-    """Times a shrink: from the loss of a worker being declared to the line the trainer
-    prints when it resumes on the new world size (`tfpar.checkpoint`: "world size changed at
-    step S"), and says both with the step."""
+    """Times each change of world size: from the loss of a worker being declared (or capacity
+    returning) to the line the trainer prints when it resumes on the new world size
+    (`tfpar.checkpoint`: "world size changed at step S"), and says both with the step. Also
+    notes the step at which the workers stopped on SIGTERM (`tfpar.preemption`)."""
 
     _RESUMED = re.compile(r"world size changed at step (\d+)")
+    _STOPPED = re.compile(r"tfpar: stopping at step (\d+) on SIGTERM")
 
     def __init__(self, err):
-        self._err, self._since, self._workers = err, None, None
+        self._err, self._since, self._workers, self._cause = err, None, None, ""
         self.resumes = []  # (step, workers, seconds)
+        self.stopped_at = None
 
-    def lost(self, workers):
-        self._since, self._workers = time.monotonic(), workers
+    def new_attempt(self):
+        self.stopped_at = None
+
+    def changed(self, workers, cause):
+        self._since, self._workers, self._cause = time.monotonic(), workers, cause
 
     def on_line(self, index, line):
+        stopped = self._STOPPED.search(line)
+        if stopped:
+            self.stopped_at = int(stopped.group(1))
         if self._since is None:
             return
         match = self._RESUMED.search(line)
@@ -455,7 +534,89 @@ class _ElasticWatch:
             self._since = None
             self.resumes.append((int(match.group(1)), self._workers, seconds))
             _say(self._err, f"training resumed at step {match.group(1)} on {self._workers} "
-                            f"workers, {seconds:.1f} s after the loss was detected")
+                            f"workers, {seconds:.1f} s after {self._cause}")
+
+
+class _Offers:
+    """Runs the `--discovery` command every `interval` s in a thread and says which worker
+    slots it offers that the job is not using.
+
+    A slot is offered when the command lists its host with enough slots (slot k is the j-th
+    slot of its host in `placement`); a slot lost earlier only after one run of the command
+    did not list it (so a host that stays listed while its worker keeps failing is not taken
+    back at once). Hosts or slots not in `placement` are appended to it, up to
+    `max_workers` in all.
+    """
+
+    def __init__(self, placement, max_workers, command, interval, err):
+        self.placement, self.max_workers = placement, max_workers
+        self.command, self.interval, self._err = command, interval, err
+        self._lost, self._cleared = set(), set()
+        self._listed = None  # {host: slots} of the newest run, None before the first
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.command:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def lost(self, slot):
+        with self._lock:
+            self._lost.add(slot)
+            self._cleared.discard(slot)
+
+    def added(self, running):
+        """Slots to add to `running` now (empty when nothing is offered)."""
+        with self._lock:
+            listed = self._listed
+            if listed is None or len(running) >= self.max_workers:
+                return []
+            for h, n in listed.items():  # new slots a listed host has beyond the placement
+                while (self.placement.count(h) < n
+                       and len(self.placement) < self.max_workers + len(self._lost)):
+                    self.placement.append(h)
+            offered = []
+            for k, h in enumerate(self.placement):
+                rank = self.placement[:k].count(h)
+                if (k not in running and rank < listed.get(h, 0)
+                        and (k not in self._lost or k in self._cleared)):
+                    offered.append(k)
+            offered = offered[:self.max_workers - len(running)]
+            return offered
+
+    def taken(self, slots):
+        with self._lock:
+            self._lost.difference_update(slots)
+            self._cleared.difference_update(slots)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            listed = self._run()
+            if listed is not None:
+                with self._lock:
+                    self._listed = listed
+                    for k in self._lost:
+                        h = self.placement[k]
+                        if self.placement[:k].count(h) >= listed.get(h, 0):
+                            self._cleared.add(k)
+            self._stop.wait(self.interval)
+
+    def _run(self):
+        try:
+            proc = subprocess.run(self.command, shell=True, capture_output=True, text=True,
+                                  timeout=max(30.0, self.interval))
+            if proc.returncode:
+                raise OSError(f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}")
+            text = ",".join(proc.stdout.split())
+            return {h.strip("[]"): n for h, n in parse_hosts(text)} if text else {}
+        except (OSError, subprocess.TimeoutExpired, ConfigError) as e:
+            _say(self._err, f"--discovery={self.command!r} failed ({e}); offers unchanged")
+            return None
 
 
 def _describe(code):
@@ -514,12 +675,16 @@ def main(cmd):
     try:
         hosts = parse_hosts(FLAGS.hosts) if FLAGS.hosts else None
         workers = FLAGS.workers or sum(n for _, n in hosts)
-        runner = ssh_runner if hosts and FLAGS.runner == "ssh" else local_runner
+        runner = local_runner
+        if hosts and FLAGS.runner == "ssh":
+            runner = functools.partial(ssh_runner, options=shlex.split(FLAGS.ssh_options))
         result = launch(cmd, workers, host=FLAGS.host, timeout=FLAGS.timeout,
                         start_timeout=FLAGS.start_timeout, grace=FLAGS.grace,
                         max_restarts=FLAGS.max_restarts, log_dir=FLAGS.log_dir,
                         min_workers=FLAGS.min_workers, lost_after=FLAGS.lost_after,
-                        hosts=hosts, runner=runner, base_port=FLAGS.base_port)
+                        hosts=hosts, runner=runner, base_port=FLAGS.base_port,
+                        max_workers=FLAGS.max_workers, discovery=FLAGS.discovery,
+                        discovery_interval=FLAGS.discovery_interval)
     except TfparError as e:
         _usage_error(str(e))
     return result.returncode

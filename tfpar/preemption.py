@@ -46,6 +46,9 @@ class PreemptionGuard(keras.callbacks.Callback):
             self.preempted = True
             self.checkpointer.save()
             self.model.stop_training = True
+            # What `tfpar.launch` reads to tell a stop it asked for from a finished job.
+            print(f"tfpar: stopping at step {self.checkpointer.saved_step} on SIGTERM: "
+                  "checkpoint saved", flush=True)
 
     def restore_handler(self):
         if self._previous is not None:

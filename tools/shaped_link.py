@@ -10,6 +10,9 @@ token-bucket filter on each veth's egress, so each direction carries `rate`. Eve
 removed on exit, on an exception, on Ctrl-C and on SIGTERM (deleting a namespace deletes
 its veth end, which deletes the pair); namespaces a killed earlier run left behind are
 removed on the next start.
+
+`ShapedLink(rate=None)` leaves the link unshaped (no tc needed): two "hosts" for multi-host
+tests, whose link `set_link(i, up=False)` cuts.
 """
 
 import os
@@ -26,11 +29,12 @@ class ShapedLinkError(RuntimeError):
     """The link cannot be set up: not root, iproute2 missing, or a command failed."""
 
 
-def check_tools():
+def check_tools(shaped=True):
     """Raises `ShapedLinkError` saying what to do when this machine cannot build the link."""
     if os.geteuid() != 0:
         raise ShapedLinkError("network namespaces and tc need root: run as root (sudo)")
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in (("ip", "tc") if shaped else ("ip",))
+               if shutil.which(tool) is None]
     if missing:
         raise ShapedLinkError(f"{' and '.join(missing)} not found: apt-get install -y iproute2")
 
@@ -54,7 +58,7 @@ class ShapedLink:
     """Two namespaces joined by a veth pair shaped to `rate` in each direction.
 
     Args:
-        rate: tc rate, e.g. "100mbit".
+        rate: tc rate, e.g. "100mbit"; None: no shaping.
         burst, latency: tbf's bucket size and queueing limit.
         mtu: the veth MTU.
     """
@@ -71,7 +75,7 @@ class ShapedLink:
         return f"{SUBNET}.{i + 1}"
 
     def __enter__(self):
-        check_tools()
+        check_tools(shaped=self.rate is not None)
         remove_stale()
         for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up on kill, not only Ctrl-C
             self._previous[sig] = signal.signal(sig, _raise_interrupt)
@@ -84,8 +88,9 @@ class ShapedLink:
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 _run("ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", dev)
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                     "rate", self.rate, "burst", self.burst, "latency", self.latency)
+                if self.rate is not None:
+                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                         "tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency)
         except BaseException:
             self.close()
             raise
@@ -100,6 +105,11 @@ class ShapedLink:
                                 start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
+
+    def set_link(self, i, up=True):
+        """Brings side `i`'s veth end up or down (down: that side's link is cut)."""
+        _run("ip", "-n", self.namespaces[i], "link", "set", "dev", self.devices[i],
+             "up" if up else "down")
 
     def tx_bytes(self, i):
         """Bytes sent so far by side `i`'s veth end."""
