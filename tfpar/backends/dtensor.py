@@ -13,9 +13,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfpar import checkpoint, data, devices, metrics
+from tfpar import checkpoint, data, devices, metrics, optimizers
 from tfpar.backends import Backend
-from tfpar.backends.distribute import _POLICIES
 from tfpar.errors import TfparError
 from tfpar.layout import run, values
 from tfpar.layout.mesh import describe, mesh_for_config
@@ -36,7 +35,8 @@ class DTensorBackend(Backend):
             return runtime
         devices.split_cpu(config.cpu_devices)
         if config.mixed_precision != "none":
-            keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
+            keras.mixed_precision.set_global_policy(
+                optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
         mesh = mesh_for_config(config)
         return types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
                                      workers=1, worker_index=0, is_chief=True)
