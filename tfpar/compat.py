@@ -27,8 +27,9 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives, not "
-                               "on a DTensor mesh"),
+        "dtensor": (("none", "fp16", "bf16", "int8"),
+                    "the mesh compresses its batch-axis reduction with fp16, bf16 or int8; "
+                    "sparse and low-rank aggregators run on tf.distribute only"),
     },
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
@@ -39,10 +40,6 @@ TABLE = {
     },
     "tensor_parallel": {
         "tf_keras": ((1,), "tensor parallelism is Keras 3 only"),
-    },
-    "strategy": {
-        "dtensor": (("auto", "one_device", "mirrored"),
-                    "tensor parallelism runs in one process; use --strategy=auto"),
     },
     "model": {
         "tf_keras": (("mlp", "convnet"), "--keras=2 builds mlp or convnet (the transformer's "
