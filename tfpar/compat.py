@@ -11,7 +11,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
   which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
   compression and checkpoints),
-- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1`,
+- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` (under a `TF_CONFIG` of
+  several workers the mesh spans them; `compression` on its `batch` axis),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 >>> from tfpar import ParallelConfig
