@@ -24,3 +24,36 @@ def test_apply_replaces_every_target_and_is_idempotent():
     patches.apply()
     patches.apply()
     assert patches.is_applied()
+
+
+def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
+    assert set(patches.REGISTRY) == {"multi_worker_fit", "multi_worker_cpu_devices",
+                                     "mesh_variables", "mesh_loops", "mesh_output_layouts"}
+    assert patches.check_targets(list(patches.REGISTRY)) == []
+    monkeypatch.setitem(patches.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
+    monkeypatch.setattr(patches, "_EXPECTED_INITIALIZE", "not Keras's code")
+    problems = patches.check_targets(["mesh_loops", "mesh_variables"])
+    assert len(problems) == 2 and "predict_on_batch" in problems[0]
+
+
+def test_layout_enable_changes_only_what_the_registry_lists():
+    from keras.src.backend.tensorflow import core, distribution_lib, trainer
+    from tfpar.layout import keras_distribution
+
+    def snapshot():
+        return {**{f"TensorFlowTrainer.{n}": trainer.TensorFlowTrainer.__dict__.get(n)
+                   for n in dir(trainer.TensorFlowTrainer)},
+                **{f"Variable.{n}": core.Variable.__dict__.get(n) for n in dir(core.Variable)},
+                **{f"distribution_lib.{n}": getattr(distribution_lib, n)
+                   for n in dir(distribution_lib)}}
+
+    before = snapshot()
+    keras_distribution.enable()
+    try:
+        after = snapshot()
+    finally:
+        keras_distribution.disable()
+    changed = {k for k in set(before) | set(after) if before.get(k) is not after.get(k)}
+    listed = " ".join(target for target, _ in patches.REGISTRY.values())
+    assert changed and all(k.split(".")[-1] in listed for k in changed), changed
+    assert snapshot() == before

@@ -11,7 +11,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
   which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
   compression and checkpoints),
-- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1`,
+- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` (under a `TF_CONFIG` of
+  several workers the mesh spans them; `compression` on its `batch` axis),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
@@ -30,8 +31,9 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives, not "
-                               "on a DTensor mesh"),
+        "dtensor": (("none", "fp16", "bf16", "int8"),
+                    "the mesh compresses its batch-axis reduction with fp16, bf16 or int8; "
+                    "sparse and low-rank aggregators run on tf.distribute only"),
     },
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
@@ -42,10 +44,6 @@ TABLE = {
     },
     "tensor_parallel": {
         "tf_keras": ((1,), "tensor parallelism is Keras 3 only"),
-    },
-    "strategy": {
-        "dtensor": (("auto", "one_device", "mirrored"),
-                    "tensor parallelism runs in one process; use --strategy=auto"),
     },
     "model": {
         "tf_keras": (("mlp", "convnet"), "--keras=2 builds mlp or convnet (the transformer's "

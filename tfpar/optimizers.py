@@ -10,6 +10,9 @@ import keras
 
 from tfpar import nan_guard
 
+# `--mixed_precision` value -> the Keras dtype policy it sets (Keras 3 and tf_keras alike).
+MIXED_PRECISION_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
 
 @keras.saving.register_keras_serializable(package="tfpar")
 class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):

@@ -14,12 +14,27 @@ Patches:
 - `multi_worker_cpu_devices`: `MultiWorkerMirroredStrategy` uses one CPU device per worker
   whatever the logical-device split. With `cpu_devices(n)` set, each worker runs n
   replicas, one per logical CPU, so several simulated devices per worker work like GPUs.
+- `mesh_variables`: Keras's TensorFlow `Variable._initialize` creates a plain
+  `tf.Variable`; inside `tfpar.layout.variables.variable_scope` (and after
+  `tfpar.layout.enable()` under a Keras distribution) it creates a DTensor DVariable laid
+  out by the layout map.
+- `mesh_loops`: after `tfpar.layout.enable()`, `TensorFlowTrainer.fit`, `evaluate`,
+  `predict`, `train_on_batch`, `test_on_batch`, `predict_on_batch` of a model whose
+  weights live on a mesh run through `MeshTrainer` (the code is in
+  `tfpar/layout/keras_distribution.py`; checked here: the arguments each loop takes).
+- `mesh_output_layouts`: `enable()` adds `distribution_lib.distribute_tensor` to Keras's
+  TensorFlow backend (it has none) so a layout for a layer output is refused with one line.
+
+`REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
+every one (`tests/test_patches.py`).
 """
 
 import inspect
 
 import keras
 from keras.src import tree
+from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
@@ -40,6 +55,37 @@ _EXPECTED = {
     "TFOptimizer._backend_update_step":
         "grads_and_vars = self._all_reduce_sum_gradients(grads_and_vars)",
 }
+# patch -> (what it replaces, what applies it).
+REGISTRY = {
+    "multi_worker_fit": ("TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica",
+                         "tfpar.patches.apply"),
+    "multi_worker_cpu_devices": ("CollectiveAllReduceExtended._initialize_local_devices",
+                                 "tfpar.patches.apply"),
+    "mesh_variables": ("keras.src.backend.tensorflow.core.Variable._initialize",
+                       "tfpar.layout.variables.variable_scope, tfpar.layout.enable"),
+    "mesh_loops": ("TensorFlowTrainer." + "/".join(_name for _name in (
+        "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")),
+        "tfpar.layout.enable"),
+    "mesh_output_layouts": ("keras.src.backend.tensorflow.distribution_lib.distribute_tensor",
+                            "tfpar.layout.enable"),
+}
+# The arguments each Keras loop `mesh_loops` routes is written against (keras 3.15.1); a
+# new argument would be ignored on the mesh.
+MESH_LOOP_ARGS = {
+    "fit": ["self", "x", "y", "batch_size", "epochs", "verbose", "callbacks",
+            "validation_split", "validation_data", "shuffle", "class_weight",
+            "sample_weight", "initial_epoch", "steps_per_epoch", "validation_steps",
+            "validation_batch_size", "validation_freq"],
+    "evaluate": ["self", "x", "y", "batch_size", "verbose", "sample_weight", "steps",
+                 "callbacks", "return_dict", "kwargs"],
+    "predict": ["self", "x", "batch_size", "verbose", "steps", "callbacks"],
+    "train_on_batch": ["self", "x", "y", "sample_weight", "class_weight", "return_dict"],
+    "test_on_batch": ["self", "x", "y", "sample_weight", "return_dict"],
+    "predict_on_batch": ["self", "x"],
+}
+MESH_LOOPS = {name: tf_trainer.TensorFlowTrainer.__dict__[name] for name in MESH_LOOP_ARGS}
+VARIABLE_INITIALIZE = tf_core.Variable._initialize  # Keras's own, before any patch
+_EXPECTED_INITIALIZE = "self._value = tf.Variable("
 _Extended = _collective.CollectiveAllReduceExtended
 _original_initialize_local_devices = _Extended._initialize_local_devices
 _cpu_devices_per_worker = 1
@@ -49,8 +95,45 @@ _original_reduce_per_replica = tf_trainer.reduce_per_replica
 _original_maybe_symbolic_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
 
 
-def check_targets():
-    """Returns a list of problems: patch targets whose source no longer matches."""
+def check_targets(names=None):
+    """Returns a list of problems: patch targets whose source no longer matches.
+
+    Args:
+        names: the `REGISTRY` patches to check (default all).
+    """
+    names = list(REGISTRY) if names is None else list(names)
+    problems = []
+    if {"multi_worker_fit", "multi_worker_cpu_devices"} & set(names):
+        problems += _check_multi_worker()
+    if "mesh_variables" in names and _EXPECTED_INITIALIZE not in inspect.getsource(
+            VARIABLE_INITIALIZE):
+        problems.append(f"keras {keras.__version__} changed keras.src.backend.tensorflow."
+                        "core.Variable._initialize; tfpar.layout was written for keras "
+                        f"{WRITTEN_FOR['keras']}")
+    if "mesh_loops" in names:
+        for name, expected in MESH_LOOP_ARGS.items():
+            args = list(inspect.signature(MESH_LOOPS[name]).parameters)
+            if args != expected:
+                problems.append(f"keras {keras.__version__}: TensorFlowTrainer.{name} takes "
+                                f"{args}; tfpar.layout.enable was written for keras "
+                                f"{WRITTEN_FOR['keras']}")
+    if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
+        problems.append(f"keras {keras.__version__} has its own TensorFlow "
+                        "distribution_lib.distribute_tensor; tfpar.layout.enable's refusal "
+                        "would replace it")
+    return problems
+
+
+def _keras_distribute_tensor():
+    """Keras's own `distribute_tensor` on TensorFlow (None in keras 3.15.1), not the
+    refusal `tfpar.layout.enable` puts there."""
+    fn = getattr(tf_distribution_lib, "distribute_tensor", None)
+    if fn is None or getattr(fn, "__module__", "").startswith("tfpar."):
+        return None
+    return fn
+
+
+def _check_multi_worker():
     targets = {
         "TensorFlowTrainer._maybe_symbolic_build": _original_maybe_symbolic_build,
         "reduce_per_replica": _original_reduce_per_replica,
@@ -111,7 +194,7 @@ def apply():
     global _applied
     if _applied:
         return
-    problems = check_targets()
+    problems = check_targets(["multi_worker_fit", "multi_worker_cpu_devices"])
     if problems:
         raise TfparError("; ".join(problems) + ". Install the pinned versions from "
                          "requirements.txt or update tfpar/patches.py.")

@@ -1,5 +1,7 @@
 """Tensor-parallel benchmark: the transformer on 1, 2 and 4 devices of the `model` axis,
-side by side with the plain single-device Keras step.
+and on data_parallel=2 × tensor_parallel=2 with the batch-axis gradient reduction plain
+(DTensor's own) or through each `--compression` codec (`tfpar.layout.reduction`), side by
+side with the plain single-device Keras step.
 
     python tools/bench_tensor_parallel.py --json=/tmp/tp.json
     python tools/bench_tensor_parallel.py --quick      # a smoke run, about a minute
@@ -26,6 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tensor_parallel", ["1", "2", "4"], "model-axis sizes to try")
+flags.DEFINE_list("compression", ["plain", "none", "fp16", "int8"],
+                  "batch-axis reductions to try on the 2×2 mesh (plain: DTensor's own; "
+                  "empty: no 2×2 rows)")
 flags.DEFINE_integer("width", 256, "transformer width")
 flags.DEFINE_integer("depth", 4, "transformer blocks")
 flags.DEFINE_integer("vocab", 255, "vocabulary of the reversal task (+1 separator)")
@@ -46,7 +51,7 @@ def main(argv):
         FLAGS.width, FLAGS.depth, FLAGS.steps, FLAGS.vocab = 64, 2, 3, 63
     tps = [int(t) for t in FLAGS.tensor_parallel]
     from tfpar import devices
-    devices.split_cpu(max(tps))
+    devices.split_cpu(max(tps + ([4] if FLAGS.compression else [])))
     import keras
     import tensorflow as tf
     from tfpar import models
@@ -92,6 +97,21 @@ def main(argv):
             "state_mb_per_device": _state_mb(
                 layout, list(model.weights) + list(trainer.optimizer.variables))}))
 
+    for codec in FLAGS.compression:
+        mesh = layout.make_mesh(2, 2, devices.compute_devices()[:4])
+        model, trainer = layout.build_on_mesh(
+            mesh, layout.preset_rules(layout.model_presets("transformer")), build_model,
+            lambda: keras.optimizers.Adam(1e-3), loss,
+            compression=None if codec == "plain" else codec)
+        runs.append((f"mesh 2x2 {codec}", lambda b, t=trainer: t.train_on_batch(*b)["loss"], {
+            "strategy": "DTensorMesh", "mesh": [2, 2], "compression": codec,
+            "params_per_device": layout.shard_sizes(model.weights),
+            "state_mb_per_device": _state_mb(
+                layout, list(model.weights) + list(trainer.optimizer.variables)
+                ),
+            "residual_mb_per_device": _state_mb(layout, trainer.reduction.variables)
+            if trainer.reduction is not None else None}))
+
     times = {name: [] for name, _, _ in runs}
     losses = {name: [] for name, _, _ in runs}
     for name, step, _ in runs:
@@ -105,14 +125,17 @@ def main(argv):
     results = []
     print(f"transformer width={FLAGS.width} depth={FLAGS.depth} vocab={task.num_classes} "
           f"batch={FLAGS.batch}, {params} parameters, Adam; {FLAGS.steps} timed steps")
-    print(f"{'run':<16}{'step ms (med/p90/min)':>24}{'params/device':>15}"
+    print(f"{'run':<20}{'step ms (med/p90/min)':>24}{'params/device':>15}"
           f"{'weights+Adam MB/device':>24}")
     for name, _, record in runs:
         ms = sorted(1e3 * t for t in times[name])
         step_ms = {"median": statistics.median(ms),
                    "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "min": ms[0]}
-        result = {"config": {**config.to_dict(), "tensor_parallel": record["mesh"][1]},
-                  "strategy": record["strategy"], "replicas": 1, "workers": 1,
+        result = {"config": {**config.to_dict(), "data_parallel": record["mesh"][0],
+                             "tensor_parallel": record["mesh"][1],
+                             "compression": record.get("compression", "none")},
+                  "strategy": record["strategy"], "replicas": record["mesh"][0],
+                  "workers": 1, "residual_mb_per_device": record.get("residual_mb_per_device"),
                   "steps": len(losses[name]), "final_loss": losses[name][-1],
                   "loss_history": losses[name],
                   "examples_per_sec": FLAGS.batch / (step_ms["median"] / 1e3),
@@ -121,7 +144,7 @@ def main(argv):
                   "memory": {"peak_rss_mb": metrics.peak_rss_mb(),
                              "params_per_device": record["params_per_device"]}}
         results.append(result)
-        print(f"{name:<16}{step_ms['median']:>10.1f} /{step_ms['p90']:>6.1f} /"
+        print(f"{name:<20}{step_ms['median']:>10.1f} /{step_ms['p90']:>6.1f} /"
               f"{step_ms['min']:>6.1f}{record['params_per_device'][0]:>15}"
               f"{record['state_mb_per_device'][0]:>24.2f}")
     print(f"peak RSS of the process (all devices): {metrics.peak_rss_mb():.0f} MB")

@@ -19,8 +19,6 @@ from tfpar import models
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.pipeline import remote
 
-_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
-
 
 class DistributeBackend(Backend):
     """Keras 3 on a `tf.distribute` strategy (see the module docstring)."""
@@ -29,7 +27,8 @@ class DistributeBackend(Backend):
         devices.split_cpu(config.cpu_devices)
         keras.utils.set_random_seed(config.seed)
         if config.mixed_precision != "none":
-            keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
+            keras.mixed_precision.set_global_policy(
+                optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
         cluster = tf_config.load(os.environ if environ is None else environ)
         if runtime is None and remote.spans_workers(config, cluster):
             # One stage per worker process, worker 0 the client; the others serve and exit.

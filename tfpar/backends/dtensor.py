@@ -3,21 +3,28 @@
 A `batch` × `model` mesh from `data_parallel` × `tensor_parallel`, the model's layout
 presets, the exact stateless step of `MeshTrainer` (with bf16/fp16 mixed precision and
 in-step gradient accumulation); global batches from `tfpar.data` split on the `batch` axis.
-One process (multi-worker is refused by `tfpar.compat`).
+
+Under a `TF_CONFIG` of several training processes (`python -m tfpar.launch --workers=2 --
+python -m tfpar.train --tensor_parallel=2 --data_parallel=2 --cpu_devices=2`), each process
+is a DTensor client (`tfpar.layout.multi_client` sets `DTENSOR_*` from `TF_CONFIG`) and the
+mesh spans all of them, row-major: the model axis inside a process, the batch axis across.
+Every process reads the same global batches and packs only its own devices' shards; the
+chief alone writes the metrics JSON.
 """
 
 import math
+import os
+import sys
 import types
 
 import keras
 import tensorflow as tf
 from absl import logging
 
-from tfpar import checkpoint, data, devices, memory, metrics
+from tfpar import checkpoint, data, devices, memory, metrics, optimizers, strategy, tf_config
 from tfpar.backends import Backend
-from tfpar.backends.distribute import _POLICIES
 from tfpar.errors import TfparError
-from tfpar.layout import run, values
+from tfpar.layout import multi_client, run, values
 from tfpar.layout.mesh import describe, mesh_for_config
 
 
@@ -34,12 +41,29 @@ class DTensorBackend(Backend):
                 raise TfparError("train(runtime=...): a tf.distribute runtime cannot run "
                                  "--tensor_parallel>1; omit runtime")
             return runtime
-        devices.split_cpu(config.cpu_devices)
+        cluster = tf_config.load(os.environ if environ is None else environ)
+        workers = cluster.num_workers if cluster is not None else 1
+        if config.strategy == "multi_worker" and workers < 2:
+            strategy.choose_kind(config, cluster)  # names what is missing (TF_CONFIG)
+        if workers > 1:
+            if config.strategy in ("one_device", "mirrored"):
+                strategy.choose_kind(config, cluster)  # refuses, naming the workers
+            # Every training process of TF_CONFIG is a DTensor client; the mesh spans them.
+            cluster = multi_client.initialize(config.cpu_devices, environ)
+        else:
+            devices.split_cpu(config.cpu_devices)
         if config.mixed_precision != "none":
-            keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
-        mesh = mesh_for_config(config)
-        return types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
-                                     workers=1, worker_index=0, is_chief=True)
+            keras.mixed_precision.set_global_policy(
+                optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
+        if workers > 1:
+            mesh = multi_client.distributed_mesh(config.data_parallel, config.tensor_parallel)
+            index, chief = cluster.worker_index, cluster.is_chief
+        else:
+            mesh, index, chief = mesh_for_config(config), 0, True
+        runtime = types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
+                                        workers=workers, worker_index=index, is_chief=chief)
+        print(strategy.READY_LINE, file=sys.stderr, flush=True)  # tfpar.launch waits for it
+        return runtime
 
     def build_model(self, config, runtime, task):
         _, model, self.trainer = run.build(config, task, runtime.mesh)

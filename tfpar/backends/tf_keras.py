@@ -11,12 +11,10 @@ gives each worker several logical CPUs is TensorFlow's and applies).
 import tf_keras
 from absl import logging
 
-from tfpar import devices, memory, metrics, strategy
+from tfpar import devices, memory, metrics, optimizers, strategy
 from tfpar.backends import tensorboard_dir
 from tfpar.backends.distribute import DistributeBackend, fit_segments
 from tfpar.legacy import options, trainer
-
-_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
 class TfKerasBackend(DistributeBackend):
@@ -27,7 +25,8 @@ class TfKerasBackend(DistributeBackend):
             devices.split_cpu(config.cpu_devices)
             runtime = strategy.make_runtime(config, environ)
         if config.mixed_precision != "none":
-            tf_keras.mixed_precision.set_global_policy(_POLICIES[config.mixed_precision])
+            tf_keras.mixed_precision.set_global_policy(
+                optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
         config.per_replica_batch(runtime.replicas)
         tf_keras.utils.set_random_seed(config.seed)
         logging.info(devices.topology(runtime.strategy, runtime.workers))

@@ -56,6 +56,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters import array_slicing
 
+from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values, variables
@@ -65,38 +66,16 @@ from tfpar.layout.trainer import MeshTrainer
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
           "predict_on_batch")
 _Trainer = tf_trainer.TensorFlowTrainer
-_ORIGINAL = {name: _Trainer.__dict__[name] for name in _LOOPS}
+_ORIGINAL = {name: patches.MESH_LOOPS[name] for name in _LOOPS}  # Keras's own
 _SIGNATURE = {name: inspect.signature(fn) for name, fn in _ORIGINAL.items()}
-# The arguments each loop is written against (keras 3.15.1); a new one would be ignored.
-_EXPECTED_ARGS = {
-    "fit": ["self", "x", "y", "batch_size", "epochs", "verbose", "callbacks",
-            "validation_split", "validation_data", "shuffle", "class_weight",
-            "sample_weight", "initial_epoch", "steps_per_epoch", "validation_steps",
-            "validation_batch_size", "validation_freq"],
-    "evaluate": ["self", "x", "y", "batch_size", "verbose", "sample_weight", "steps",
-                 "callbacks", "return_dict", "kwargs"],
-    "predict": ["self", "x", "batch_size", "verbose", "steps", "callbacks"],
-    "train_on_batch": ["self", "x", "y", "sample_weight", "class_weight", "return_dict"],
-    "test_on_batch": ["self", "x", "y", "sample_weight", "return_dict"],
-    "predict_on_batch": ["self", "x"],
-}
 _ACCURACY = ("accuracy", "acc", "sparse_categorical_accuracy")
 _enabled = False
 
 
 def check_targets():
-    """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's)."""
-    problems = []
-    for name, expected in _EXPECTED_ARGS.items():
-        if list(_SIGNATURE[name].parameters) != expected:
-            problems.append(f"keras {keras.__version__}: TensorFlowTrainer.{name} takes "
-                            f"{list(_SIGNATURE[name].parameters)}; tfpar.layout.enable was "
-                            "written for keras 3.15.1")
-    try:
-        variables.check_target()
-    except TfparError as err:
-        problems.append(str(err))
-    return problems
+    """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's): the
+    `mesh_*` entries of `tfpar.patches.REGISTRY`."""
+    return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts"])
 
 
 def enable():

@@ -63,20 +63,25 @@ def initialize(cpu_devices=1, environ=None):
     cluster = tf_config.load(environ)
     if cluster is None:
         return None
-    environ.update(dtensor_environment(cluster))
+    dtensor_env = dtensor_environment(cluster)
+    environ.update(dtensor_env)
+    os.environ.update(dtensor_env)  # DTensor reads its settings from the process environment
     dtensor.initialize_accelerator_system(
         "CPU", num_logical_cpu_devices=cpu_devices if cpu_devices > 1 else None)
     return cluster
 
 
 def distributed_mesh(data_parallel, tensor_parallel):
-    """A `batch` × `model` Keras `DeviceMesh` over every client's devices.
+    """A `batch` × `model` Keras `DeviceMesh` over every client's devices
+    (`data_parallel=0`: all devices the model axis leaves).
 
     Raises:
         ConfigError: the degrees do not multiply to the devices of all clients.
     """
     local = len(dtensor.local_devices("CPU"))
     total = local * dtensor.num_clients()
+    if not data_parallel and tensor_parallel and total % tensor_parallel == 0:
+        data_parallel = total // tensor_parallel  # 0: every device tensor parallelism leaves
     if data_parallel * tensor_parallel != total:
         raise ConfigError("data_parallel", data_parallel,
                           f"data_parallel × tensor_parallel = {data_parallel}×"

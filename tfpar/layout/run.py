@@ -29,7 +29,9 @@ def build(config, task, mesh=None):
         lambda: _build_model(config, task),
         lambda: _optimizer(config),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        grad_accum_steps=config.grad_accum_steps)
+        grad_accum_steps=config.grad_accum_steps,
+        compression=None if config.compression == "none" else config.compression,
+        error_feedback=config.error_feedback)
     return mesh, model, trainer
 
 
@@ -41,10 +43,11 @@ def _build_model(config, task):
 
 
 def _optimizer(config):
-    """The run's optimizer for the mesh step: no aggregator (tfpar.compat refuses one with
-    a mesh); with fp16 Keras's own `LossScaleOptimizer`, whose skip decision the mesh step
+    """The run's optimizer for the mesh step: no aggregator (the mesh step compresses
+    over its `batch` axis itself, `tfpar.layout.reduction`); with fp16 Keras's own `LossScaleOptimizer`, whose skip decision the mesh step
     makes once for the whole mesh (the tf.distribute variant all-reduces it over replicas)."""
-    optimizer = optimizers.make_optimizer(config.replace(mixed_precision="none"))
+    optimizer = optimizers.make_optimizer(
+        config.replace(mixed_precision="none", compression="none"))
     if config.mixed_precision == "fp16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer

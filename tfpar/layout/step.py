@@ -55,7 +55,7 @@ def _forward_loss(model, loss_fn, mapping, x, y, sample_weight, training):
     return logits, loss, scope
 
 
-def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1):
+def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=None):
     """A compiled `step(x, y, sample_weight) -> {"loss", "correct", "weight"}`.
 
     Args:
@@ -69,6 +69,11 @@ def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1):
         grad_accum_steps: k > 1 runs k micro-batches one after the other and applies
             their mean gradient in one update; the step is then called with tuples of k
             micro-batches (`values.micro_batches_to_mesh`).
+        reduction: a `tfpar.layout.reduction.BatchAxisReduction`: each data-parallel
+            replica's gradient is formed on its own and averaged over the `batch` axis
+            through it (compression); the step is then called with batches shaped
+            `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`). Not with
+            `grad_accum_steps > 1` or a `LossScaleOptimizer`.
 
     Returns:
         A callable compiled with `tf.function`; call it with batches already on the
@@ -96,9 +101,40 @@ def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1):
         new_ntv = [scope.get_current_value(v) for v in non_trainable]
         return grads, new_ntv, _metrics(loss, logits, y, sample_weight)
 
+    def replica_step(tv, ntv, x, y, sample_weight):
+        # One gradient per data-parallel replica: vectorized over the leading `batch`
+        # axis, so DTensor never sums over it; `reduction` does, through its codec.
+        def one(args):
+            xr, yr, wr = args
+            mapping = list(zip(trainable, tv)) + list(zip(non_trainable, ntv))
+            with tf.GradientTape() as tape:
+                tape.watch(tv)
+                logits, loss, scope = _forward_loss(model, loss_fn, mapping, xr, yr,
+                                                    None if sample_weight is None else wr,
+                                                    True)
+            grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, tv)]
+            new = [scope.get_current_value(v) for v in non_trainable]
+            return grads, new, _metrics(loss, logits, yr, None if sample_weight is None
+                                        else wr)
+
+        weights = y if sample_weight is None else sample_weight
+        grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
+        # Non-trainable state (seeds) advances alike on every replica: keep replica 0's.
+        new_ntv = [n[0] if n.shape.rank == v.value.shape.rank + 1 else n
+                   for n, v in zip(new_ntv, non_trainable)]
+        residuals = reduction.read()
+        grads, kept = reduction.mean(grads, residuals)
+        out = {"loss": tf.reduce_mean(out["loss"]), "correct": tf.reduce_sum(out["correct"]),
+               "weight": tf.reduce_sum(out["weight"])}
+        return grads, new_ntv, out, residuals, kept
+
     def step(x, y, sample_weight=None):
         tv, ntv, ov = _read(trainable), _read(non_trainable), _read(opt_vars)
-        if grad_accum_steps == 1:
+        if reduction is not None:
+            grads, new_ntv, out, residuals, kept = replica_step(tv, ntv, x, y, sample_weight)
+            for residual, value in zip(reduction.variables, kept):
+                residual.assign(dtensor.relayout(value, residual.layout))
+        elif grad_accum_steps == 1:
             grads, new_ntv, out = micro_step(tv, ntv, ov, x, y, sample_weight)
         else:
             # Unrolled: k forward/backward passes in one graph, the gradients summed as

@@ -20,13 +20,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.errors import ConfigError, TfparError
-from tfpar.layout import presets, step, values, variables
+from tfpar.layout import presets, reduction, step, values, variables
 from tfpar.layout.mesh import BATCH, axis_size
 from tfpar.layout.optimizer import stateless_optimizer
 
 
 def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
-                  shard_optimizer_state=False, grad_accum_steps=1):
+                  shard_optimizer_state=False, grad_accum_steps=1, compression=None,
+                  error_feedback=True):
     """Builds a model and its optimizer as DVariables on `mesh` and a trainer for them.
 
     Args:
@@ -41,6 +42,10 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         shard_optimizer_state: also split optimizer slots over the `batch` axis (ZeRO
             stage 1, see `variables.optimizer_state_over_batch`).
         grad_accum_steps: micro-batches per step (see `MeshTrainer`).
+        compression: None (DTensor's own fp32 sum over `batch`), or a codec of
+            `tfpar.layout.reduction.CODECS` for the data-parallel gradient reduction
+            (`none` forms each replica's gradient and averages in fp32).
+        error_feedback: with a lossy `compression`, carry what it dropped to the next step.
 
     Returns:
         `(model, MeshTrainer)`; the model is compiled with `optimizer` and `loss` so that
@@ -55,7 +60,16 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
             optimizer.build(model.trainable_variables)
         model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
     _refuse_keras_loops(model)
-    return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps)
+    reducer = None
+    if compression is not None:
+        if grad_accum_steps > 1 or hasattr(optimizer, "inner_optimizer"):
+            raise ConfigError("compression", compression,
+                              "on a DTensor mesh, compression runs without gradient "
+                              "accumulation and without fp16 loss scaling")
+        reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables, compression,
+                                               error_feedback)
+    return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,
+                              reduction=reducer)
 
 
 def _refuse_keras_loops(model):
@@ -83,6 +97,8 @@ class MeshTrainer:
             one after the other in the step, their mean gradient applied in one update:
             the same update as one step on the whole batch, with the activations of one
             micro-batch at a time (the batch must divide by k × data_parallel).
+        reduction: a `tfpar.layout.reduction.BatchAxisReduction` that averages each
+            replica's own gradient over the `batch` axis (compression), or None.
         accuracy: the name under which logs report the (sample-weighted) accuracy of the
             argmax of the logits against integer labels; None leaves it out.
 
@@ -92,7 +108,7 @@ class MeshTrainer:
     """
 
     def __init__(self, mesh, model, optimizer, loss, grad_accum_steps=1,
-                 accuracy="accuracy"):
+                 accuracy="accuracy", reduction=None):
         if tf.config.functions_run_eagerly() or getattr(model, "run_eagerly", False):
             raise TfparError(
                 "run_eagerly cannot work on a DTensor mesh: an eager GradientTape meets "
@@ -104,7 +120,9 @@ class MeshTrainer:
             raise ConfigError("grad_accum_steps", grad_accum_steps, "must be an integer >= 1")
         self.mesh, self.model, self.optimizer, self.loss = mesh, model, optimizer, loss
         self.grad_accum_steps, self.accuracy = int(grad_accum_steps), accuracy
-        self._train = step.train_step(mesh, model, optimizer, loss, self.grad_accum_steps)
+        self.reduction = reduction
+        self._train = step.train_step(mesh, model, optimizer, loss, self.grad_accum_steps,
+                                      reduction)
         self._eval = step.eval_step(mesh, model, loss)
         self._predict = step.predict_step(mesh, model)
 
@@ -117,6 +135,8 @@ class MeshTrainer:
             raise TfparError("a batch on a mesh holds one array each for x, y and "
                              "sample_weight; models with several inputs or outputs are not "
                              "supported on a mesh yet")
+        if training and self.reduction is not None:
+            return values.replica_batches_to_mesh(batch, self.mesh)
         if training and self.grad_accum_steps > 1:
             return values.micro_batches_to_mesh(batch, self.mesh, self.grad_accum_steps)
         return values.batch_to_mesh(batch, self.mesh)

@@ -84,6 +84,26 @@ def batch_to_mesh(batch, mesh):
     return tuple(out)
 
 
+def replica_batches_to_mesh(batch, mesh):
+    """A tuple of host arrays (x, y[, sample_weight]) as `[data_parallel, m, ...]`
+    DTensors split on the `batch` axis: row r is replica r's part of the batch (for a step
+    that forms each replica's gradient, `tfpar.layout.reduction`).
+
+    Raises:
+        ConfigError: the batch size does not split over the `batch` axis.
+    """
+    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    out = []
+    for array in batch:
+        array = np.asarray(array)
+        if array.shape[0] % parts:
+            raise ConfigError("global_batch_size", array.shape[0],
+                              f"must be divisible by data_parallel={parts}")
+        stacked = array.reshape((parts, -1) + array.shape[1:])
+        out.append(to_mesh(stacked, mesh_lib.batch_sharded(mesh, stacked.ndim)))
+    return tuple(out)
+
+
 def micro_batches_to_mesh(batch, mesh, steps):
     """A tuple of host arrays (x, y[, sample_weight]) cut into `steps` micro-batches, rows
     `i*m … (i+1)*m-1` being micro-batch i: each array becomes a tuple of `steps` DTensors,

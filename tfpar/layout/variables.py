@@ -16,7 +16,6 @@ refuses any variable that is not a DVariable before a step runs.
 """
 
 import contextlib
-import inspect
 
 import keras
 import tensorflow as tf
@@ -24,22 +23,21 @@ from absl import logging
 from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.experimental import dtensor
 
+from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
 
-_EXPECTED_INITIALIZE = "self._value = tf.Variable("  # Keras's code this scope replaces
 _original_initialize = tf_core.Variable._initialize
 _state_over_batch = False  # see optimizer_state_over_batch
 
 
 def check_target():
     """Raises `TfparError` if Keras's `Variable._initialize` is not the code this module
-    was written against (keras 3.15.1)."""
-    if _EXPECTED_INITIALIZE not in inspect.getsource(_original_initialize):
-        raise TfparError(
-            f"keras {keras.__version__} changed keras.src.backend.tensorflow.core."
-            "Variable._initialize; tfpar.layout was written for keras 3.15.1")
+    was written against (`tfpar.patches.REGISTRY["mesh_variables"]`)."""
+    problems = patches.check_targets(["mesh_variables"])
+    if problems:
+        raise TfparError(problems[0])
 
 
 def layout_for(distribution, path, shape, preset=None):
