@@ -71,3 +71,16 @@ def last_json_line(text):
             except ValueError:
                 continue
     raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")
+
+
+def run_concurrently(jobs, workers=2):
+    """Calls each of `jobs` (functions of no arguments that start children) two at a time and
+    returns their results in order; the first exception is raised.
+
+    A child spends most of its time starting TensorFlow and tracing (one core); two at once
+    keep the machine's two cores busy. Only for children that check no timing.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [future.result() for future in futures]
