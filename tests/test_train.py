@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tfpar import ParallelConfig
+import subproc
 from subproc import ROOT, last_json_line, run, run_module, run_python
 
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
@@ -62,9 +63,8 @@ ACCUM = {"model": "mlp", "optimizer": "momentum", "learning_rate": 0.05, "steps"
 RESUME = {"model": "mlp", "optimizer": "adam", "steps_per_epoch": 4, "checkpoint_every": 3}
 
 
-@pytest.fixture(scope="module")
-def on_4_cpus(tmp_path_factory):
-    """The single-device and 4-replica runs of the comparisons below, in one child."""
+def runs_on_4_cpus():
+    """The single-device and 4-replica runs of the comparisons below."""
     runs = []
     for model, optimizer, lr, _ in MODELS:
         cfg = {"model": model, "optimizer": optimizer, "learning_rate": lr}
@@ -74,7 +74,35 @@ def on_4_cpus(tmp_path_factory):
     runs += [["big", {**ACCUM, "strategy": "one_device", "global_batch_size": 64}],
              ["acc", {**ACCUM, "strategy": "mirrored", "cpu_devices": 4,
                       "global_batch_size": 16, "grad_accum_steps": 4}]]
-    return train_runs(tmp_path_factory.mktemp("on_4_cpus"), runs)
+    return runs
+
+
+def runs_on_2_cpus():
+    """float32, bf16 and fp16 runs and the --measure_comm run."""
+    cfg = {"model": "mlp", "steps": 60, "steps_per_epoch": 60, "cpu_devices": 2,
+           "strategy": "mirrored"}
+    return [["fp32", cfg], ["bf16", {**cfg, "mixed_precision": "bf16"}],
+            ["fp16", {**cfg, "mixed_precision": "fp16"}],
+            ["comm", {"model": "mlp", "strategy": "mirrored", "cpu_devices": 2, "steps": 3,
+                      "steps_per_epoch": 3, "compression": "fp16", "measure_comm": True}]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Both children at once (4 and 2 logical CPUs: one split per process)."""
+    return subproc.run_concurrently([
+        lambda: train_runs(tmp_path_factory.mktemp("on_4_cpus"), runs_on_4_cpus()),
+        lambda: train_runs(tmp_path_factory.mktemp("on_2_cpus"), runs_on_2_cpus())])
+
+
+@pytest.fixture(scope="module")
+def on_4_cpus(trained):
+    return trained[0]
+
+
+@pytest.fixture(scope="module")
+def on_2_cpus(trained):
+    return trained[1][0]
 
 
 @pytest.mark.parametrize("model,optimizer,lr,tolerance", MODELS)
@@ -134,18 +162,6 @@ def test_user_dataset_and_tensorboard(tmp_path):
     events = [os.path.join(d, f) for d, _, files in os.walk(logs) for f in files
               if "tfevents" in f]
     assert any("epoch_loss" in open(e, "rb").read().decode("latin-1") for e in events)
-
-
-@pytest.fixture(scope="module")
-def on_2_cpus(tmp_path_factory):
-    """float32, bf16 and fp16 runs and the --measure_comm run, in one child."""
-    cfg = {"model": "mlp", "steps": 60, "steps_per_epoch": 60, "cpu_devices": 2,
-           "strategy": "mirrored"}
-    runs = [["fp32", cfg], ["bf16", {**cfg, "mixed_precision": "bf16"}],
-            ["fp16", {**cfg, "mixed_precision": "fp16"}],
-            ["comm", {"model": "mlp", "strategy": "mirrored", "cpu_devices": 2, "steps": 3,
-                      "steps_per_epoch": 3, "compression": "fp16", "measure_comm": True}]]
-    return train_runs(tmp_path_factory.mktemp("on_2_cpus"), runs)[0]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
