@@ -10,7 +10,7 @@ import os
 import pytest
 
 import installing
-from subproc import ROOT, run
+from subproc import ROOT, run, run_concurrently
 
 
 def user_project(path):
@@ -45,11 +45,14 @@ def test_pip_install_gives_working_console_scripts(tmp_path, installed):
     assert where[0].startswith(installed_under) and where[1].startswith(installed_under)
     assert where[2] == "the user"
 
-    for script, flag in [("tfpar-train", "--compression"), ("tfpar-launch", "--workers"),
-                         ("tfpar-plan", "--memory_gb"), ("tfpar-doctor", "--peer_timeout_s"),
-                         ("tfpar-report", "--out_dir")]:
-        out = run([str(venv / "bin" / script), "--help"], cwd=str(user), env=env,
-                  timeout=120, check=False)
+    scripts = [("tfpar-train", "--compression"), ("tfpar-launch", "--workers"),
+               ("tfpar-plan", "--memory_gb"), ("tfpar-doctor", "--peer_timeout_s"),
+               ("tfpar-report", "--out_dir")]
+    outs = run_concurrently([
+        lambda script=script: run([str(venv / "bin" / script), "--help"], cwd=str(user),
+                                  env=env, timeout=120, check=False)
+        for script, _ in scripts])
+    for (script, flag), out in zip(scripts, outs):
         assert flag in out.stdout, (script, out.stdout[-1500:], out.stderr[-1500:])
 
 
