@@ -209,7 +209,7 @@ def cli_error(*args, env=None):
     return errors[0]
 
 
-@pytest.mark.parametrize("tf_config,field", [
+BAD_TF_CONFIGS = [
     ("{not json", "TF_CONFIG"),
     ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}}', "TF_CONFIG.task"),
     ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}',
@@ -218,18 +218,45 @@ def cli_error(*args, env=None):
      '"task": {"type": "worker", "index": 0}}', "TF_CONFIG.cluster.worker"),
     ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}',
      "TF_CONFIG.cluster.worker[0]"),
-])
-def test_bad_tf_config_is_one_clear_error(tf_config, field):
-    line = cli_error("--steps=1", env={"TF_CONFIG": tf_config})
+]
+BAD_SETTINGS = [("--cpu_devices=4", "--global_batch_size=30", "--steps=1"),
+                ("--collective=nccl", "--steps=1"), ("--steps=0",)]
+
+
+@pytest.fixture(scope="module")
+def cli_errors():
+    """`cli_error` of each bad TF_CONFIG and bad setting below, two CLIs at a time:
+    {tf_config or args: its error line, or the AssertionError it failed with}."""
+    def error(args, env=None):
+        try:
+            return cli_error(*args, env=env)
+        except AssertionError as failed:
+            return failed
+    cases = [(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
+             for tf_config, _ in BAD_TF_CONFIGS] + [(args, args, None) for args in BAD_SETTINGS]
+    lines = subproc.run_concurrently([lambda a=args, e=env: error(a, e)
+                                      for _, args, env in cases])
+    return {key: line for (key, _, _), line in zip(cases, lines)}
+
+
+def _line(cli_errors, key):
+    if isinstance(cli_errors[key], AssertionError):
+        raise cli_errors[key]
+    return cli_errors[key]
+
+
+@pytest.mark.parametrize("tf_config,field", BAD_TF_CONFIGS)
+def test_bad_tf_config_is_one_clear_error(cli_errors, tf_config, field):
+    line = _line(cli_errors, tf_config)
     assert field in line
 
 
-def test_bad_settings_are_one_clear_error():
-    line = cli_error("--cpu_devices=4", "--global_batch_size=30", "--steps=1")
+def test_bad_settings_are_one_clear_error(cli_errors):
+    line = _line(cli_errors, BAD_SETTINGS[0])
     assert "global_batch_size=30" in line and "4 replicas" in line
-    line = cli_error("--collective=nccl", "--steps=1")
+    line = _line(cli_errors, BAD_SETTINGS[1])
     assert "collective='nccl'" in line and "ring" in line
-    line = cli_error("--steps=0")
+    line = _line(cli_errors, BAD_SETTINGS[2])
     assert "--steps=0" in line and ">= 1" in line
 
 
