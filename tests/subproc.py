@@ -84,3 +84,14 @@ def run_concurrently(jobs, workers=2):
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(job) for job in jobs]
         return [future.result() for future in futures]
+
+
+def in_background(job):
+    """Starts `job` (a function of no arguments that starts children) on a thread; returns
+    its future (`.result()` waits, and raises what the job raised). For a child whose result
+    is needed only after other children ran."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(job)
+    pool.shutdown(wait=False)
+    return future
