@@ -93,11 +93,16 @@ def _assert_same(a, b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(venv, tmp_path_factory):
+    """The uninterrupted run's weights file, as a future: it trains while the interrupted
+    runs do (`.result()` waits for it)."""
     project = tmp_path_factory.mktemp("uninterrupted") / "project"
     shutil.copytree(EXAMPLES, project)
-    out = _resume_script(venv, project, "backup", "final.npz")
-    assert "resuming at step 0" in out.stdout and "trained to step 60" in out.stdout
-    return project / "final.npz"
+
+    def run():
+        out = _resume_script(venv, project, "backup", "final.npz")
+        assert "resuming at step 0" in out.stdout and "trained to step 60" in out.stdout
+        return project / "final.npz"
+    return subproc.in_background(run)
 
 
 def test_backup_and_restore_after_sigkill_mid_epoch(venv, project, uninterrupted):
@@ -121,7 +126,7 @@ def test_backup_and_restore_after_sigkill_mid_epoch(venv, project, uninterrupted
     out = _resume_script(venv, project, "backup", "final.npz")
     # Saves every 7 steps: the last before the kill was step 21, mid-way through epoch 2.
     assert "resuming at step 21" in out.stdout and "trained to step 60" in out.stdout
-    _assert_same(project / "final.npz", uninterrupted)
+    _assert_same(project / "final.npz", uninterrupted.result())
 
 
 def test_backup_and_restore_after_an_exception_mid_epoch(venv, project, uninterrupted):
@@ -129,7 +134,7 @@ def test_backup_and_restore_after_an_exception_mid_epoch(venv, project, uninterr
     assert out.returncode != 0 and "interrupted at step 33" in out.stderr
     out = _resume_script(venv, project, "backup", "final.npz")
     assert "resuming at step 28" in out.stdout and "trained to step 60" in out.stdout
-    _assert_same(project / "final.npz", uninterrupted)
+    _assert_same(project / "final.npz", uninterrupted.result())
 
 
 def test_backup_dir_with_someone_elses_files_is_refused(venv, project):
