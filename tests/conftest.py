@@ -17,6 +17,18 @@ def report_measured():
     return _MEASURED.append
 
 
+@pytest.fixture(scope="session")
+def installed_venv(tmp_path_factory):
+    """A venv with tfpar `pip install`ed into it (tests/installing.py), made once per
+    session: tests/test_packaging.py and tests/test_user_script.py share it (neither
+    writes into it)."""
+    import installing
+    why = installing.missing()
+    if why:
+        pytest.skip(why)
+    return installing.make_venv(tmp_path_factory.mktemp("install"))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _MEASURED:
         terminalreporter.section("measured")

@@ -71,3 +71,27 @@ def last_json_line(text):
             except ValueError:
                 continue
     raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")
+
+
+def run_concurrently(jobs, workers=2):
+    """Calls each of `jobs` (functions of no arguments that start children) two at a time and
+    returns their results in order; the first exception is raised.
+
+    A child spends most of its time starting TensorFlow and tracing (one core); two at once
+    keep the machine's two cores busy. Only for children that check no timing.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [future.result() for future in futures]
+
+
+def in_background(job):
+    """Starts `job` (a function of no arguments that starts children) on a thread; returns
+    its future (`.result()` waits, and raises what the job raised). For a child whose result
+    is needed only after other children ran."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(job)
+    pool.shutdown(wait=False)
+    return future

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, in_background, last_json_line, run
 
 TRAIN = f"{ROOT}/tests/train_child.py"
 RESTORE = f"{ROOT}/tests/elastic_child.py"
@@ -30,6 +30,8 @@ def _train(tmp_path, name, **settings):
 
 @pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
 def test_resume_on_another_replica_count(tmp_path, before, after, report_measured):
+    # The uninterrupted run needs nothing of the others: it trains while they do.
+    whole_run = in_background(lambda: _train(tmp_path, "whole", cpu_devices=before, steps=12))
     ckpt = str(tmp_path / "ckpt")
     first, _ = _train(tmp_path, "first", cpu_devices=before, steps=6, checkpoint_dir=ckpt,
                       checkpoint_every=6)
@@ -64,7 +66,7 @@ def test_resume_on_another_replica_count(tmp_path, before, after, report_measure
     resumed, err = _train(tmp_path, "resumed", cpu_devices=after, steps=12,
                           checkpoint_dir=str(tmp_path / "ckpt_train"), checkpoint_every=6,
                           metrics_json=str(tmp_path / "resumed.json"))
-    whole, _ = _train(tmp_path, "whole", cpu_devices=before, steps=12)
+    whole, _ = whole_run.result()
     assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 6
     assert "world size changed at step 6" in err
     with open(tmp_path / "resumed.json") as f:

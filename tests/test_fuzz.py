@@ -13,7 +13,7 @@ from absl import flags
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from subproc import run
+from subproc import run, run_concurrently
 from tfpar import flags as tfpar_flags
 from tfpar import tf_config
 from tfpar.errors import ConfigError
@@ -91,9 +91,11 @@ CLI_CASES = [
 
 
 def test_sampled_inputs_through_the_cli_train_or_fail_in_one_line():
-    for argv in CLI_CASES:
-        out = run([sys.executable, "-m", "tfpar.train", "--verbose=0", *argv], check=False,
-                  timeout=120)
+    outs = run_concurrently([
+        lambda argv=argv: run([sys.executable, "-m", "tfpar.train", "--verbose=0", *argv],
+                              check=False, timeout=120)
+        for argv in CLI_CASES])
+    for argv, out in zip(CLI_CASES, outs):
         assert "Traceback" not in out.stderr, (argv, out.stderr[-2000:])
         if out.returncode:
             errors = [line for line in out.stderr.splitlines()

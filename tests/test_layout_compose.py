@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, last_json_line, run, run_concurrently
 from test_train import max_diff, train_child, weights
 
 TP = {"tensor_parallel": 2, "data_parallel": 1, "cpu_devices": 2}
@@ -28,8 +28,9 @@ TP = {"tensor_parallel": 2, "data_parallel": 1, "cpu_devices": 2}
 ])
 def test_tensor_parallel_trainer_equals_one_device(tmp_path, settings, tol):
     config = {"model": "mlp", **settings}
-    one, ref = train_child(tmp_path, "one", strategy="one_device", **config)
-    tp, mesh = train_child(tmp_path, "tp", **TP, **config)
+    (one, ref), (tp, mesh) = run_concurrently([
+        lambda: train_child(tmp_path, "one", strategy="one_device", **config),
+        lambda: train_child(tmp_path, "tp", **TP, **config)])
     assert tp["strategy"] == "DTensorMesh"
     assert max_diff(weights(mesh), weights(ref)) < tol
     np.testing.assert_allclose(tp["loss_history"], one["loss_history"],

@@ -12,7 +12,7 @@ JAX backend and on the mesh, squares the summed gradient.
 
 import pytest
 
-from subproc import last_json_line, run_python
+from subproc import last_json_line, run_concurrently, run_python
 
 CHILD = r"""
 import json, sys
@@ -157,18 +157,39 @@ def _check(result, tolerance=1e-5, zero_gradient=()):
                            for a, b in zip(slot, weight)), (slot, weight)
 
 
-@pytest.fixture(scope="module")
-def mlp_result():
-    runs = [(opt, dp, tp, False) for opt in ("sgd", "momentum", "adam")
+MLP_RUNS = [(opt, dp, tp, False) for opt in ("sgd", "momentum", "adam")
             for dp, tp in MESHES] + [("adam", 2, 2, True)]
-    return _run("mlp", runs)
+TRANSFORMER_RUNS = ([("adam", dp, tp, False) for dp, tp in MESHES]
+                    + [("sgd", 2, 2, False), ("momentum", 1, 4, False), ("adam", 2, 2, True)])
 
 
 @pytest.fixture(scope="module")
-def transformer_result():
-    runs = ([("adam", dp, tp, False) for dp, tp in MESHES]
-            + [("sgd", 2, 2, False), ("momentum", 1, 4, False), ("adam", 2, 2, True)])
-    return _run("transformer", runs)
+def results():
+    """The mlp and transformer children at the same time; each entry the AssertionError its
+    child failed with if it failed."""
+    def child(model, runs):
+        try:
+            return _run(model, runs)
+        except AssertionError as failed:
+            return failed
+    return run_concurrently([lambda: child("mlp", MLP_RUNS),
+                             lambda: child("transformer", TRANSFORMER_RUNS)])
+
+
+def _result(result):
+    if isinstance(result, AssertionError):
+        raise result
+    return result
+
+
+@pytest.fixture(scope="module")
+def mlp_result(results):
+    return _result(results[0])
+
+
+@pytest.fixture(scope="module")
+def transformer_result(results):
+    return _result(results[1])
 
 
 def test_mlp_every_mesh_and_optimizer_matches_single_device(mlp_result):

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import subproc
 from subproc import ROOT, last_json_line, run
 
 EXACT = 1e-5
@@ -27,8 +28,27 @@ def _child(case, *args, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def keras_api():
-    return _child("keras_api")
+def cases():
+    """The four cases' children, two at a time: {case: its JSON, or the AssertionError its
+    child failed with}."""
+    def child(case):
+        try:
+            return _child(case)
+        except AssertionError as failed:
+            return failed
+    names = ["keras_api", "accum", "bf16", "fp16"]  # fp16: Keras's default first scale, 2**15
+    return dict(zip(names, subproc.run_concurrently([lambda c=c: child(c) for c in names])))
+
+
+def _case(cases, name):
+    if isinstance(cases[name], AssertionError):
+        raise cases[name]
+    return cases[name]
+
+
+@pytest.fixture(scope="module")
+def keras_api(cases):
+    return _case(cases, "keras_api")
 
 
 def _assert_exact(run, label):
@@ -87,8 +107,8 @@ def test_what_cannot_be_honoured_is_refused_in_one_line(keras_api):
 
 
 @pytest.fixture(scope="module")
-def accum():
-    return _child("accum")
+def accum(cases):
+    return _case(cases, "accum")
 
 
 def test_gradient_accumulation_equals_one_step_on_the_whole_batch(accum):
@@ -103,8 +123,8 @@ def test_gradient_accumulation_equals_one_step_on_the_whole_batch(accum):
 
 
 @pytest.fixture(scope="module")
-def bf16():
-    return _child("bf16")
+def bf16(cases):
+    return _case(cases, "bf16")
 
 
 def test_bf16_stays_within_the_measured_distance_of_single_device_bf16(bf16):
@@ -120,8 +140,8 @@ def test_bf16_stays_within_the_measured_distance_of_single_device_bf16(bf16):
 
 
 @pytest.fixture(scope="module")
-def fp16():
-    return _child("fp16")  # Keras's default first loss scale, 2**15
+def fp16(cases):
+    return _case(cases, "fp16")
 
 
 def test_fp16_loss_scaling_agrees_with_single_device(fp16):

@@ -119,9 +119,22 @@ def test_only_entry_points_import_the_trainer():
                                          ("tfpar.train", "--validation_steps"),
                                          ("tfpar.launch", "--max_restarts"),
                                          ("tfpar.doctor", "--peer_timeout_s")])
-def test_help_lists_the_flags(module, flag):
-    out = run_module(module, "--help", check=False, timeout=120)
-    assert flag in out.stdout, out.stdout[-2000:]
+def test_help_lists_the_flags(module, flag, help_output):
+    stdout = help_output(module)
+    assert flag in stdout, stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def help_output():
+    """`python -m MODULE --help`'s stdout, run once per module (two flags are looked up in
+    tfpar.train's)."""
+    outputs = {}
+
+    def get(module):
+        if module not in outputs:
+            outputs[module] = run_module(module, "--help", check=False, timeout=120).stdout
+        return outputs[module]
+    return get
 
 
 # The compatibility table: every refusal is one ConfigError line naming the setting.

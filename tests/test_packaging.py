@@ -6,26 +6,11 @@ rest are already there), without network: `--no-deps --no-build-isolation`.
 """
 
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from subproc import ROOT, run
-
-SOURCES = ("tfpar", "pyproject.toml", "README.md")
-
-
-def copy_sources(dest):
-    """The files `pip install` reads, copied so the build leaves nothing in the checkout."""
-    for name in SOURCES:
-        src = os.path.join(ROOT, name)
-        if os.path.isdir(src):
-            shutil.copytree(src, os.path.join(dest, name),
-                            ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(src, dest)
+import installing
+from subproc import ROOT, run, run_concurrently
 
 
 def user_project(path):
@@ -35,43 +20,39 @@ def user_project(path):
     return path
 
 
-def _has_setuptools():
-    try:
-        import setuptools  # noqa: F401  (the build backend --no-build-isolation uses)
-    except ImportError:
-        return False
-    return True
+@pytest.fixture(params=[False, True], ids=["install", "editable"])
+def installed(request, tmp_path):
+    """(venv, where tfpar's files must be): the session's `pip install .` venv
+    (tests/conftest.py, shared with tests/test_user_script.py), or `pip install -e`."""
+    if not request.param:
+        venv = request.getfixturevalue("installed_venv")
+        return venv, str(venv)
+    why = installing.missing()
+    if why:
+        pytest.skip(why)
+    return installing.make_venv(tmp_path, editable=True), str(tmp_path / "src")
 
 
-@pytest.mark.skipif(not _has_setuptools(), reason="the offline build needs setuptools>=61 "
-                    "in this Python (pip install setuptools)")
-@pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
-def test_pip_install_gives_working_console_scripts(tmp_path, editable):
-    source, venv = tmp_path / "src", tmp_path / "venv"
-    os.makedirs(source)
-    copy_sources(source)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)
+def test_pip_install_gives_working_console_scripts(tmp_path, installed):
+    venv, installed_under = installed
     python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--no-index", "--disable-pip-version-check"]
-    run(pip + (["-e", str(source)] if editable else [str(source)]), timeout=300,
-        cwd=str(tmp_path), env={"PYTHONPATH": ""})
     user = user_project(tmp_path / "user")
     env = {"PYTHONPATH": "", "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
 
     where = run([python, "-c", "import tfpar, tfpar.models, models; "
                  "print(tfpar.__file__); print(tfpar.models.__file__); print(models.WHO)"],
                 cwd=str(user), env=env, timeout=120).stdout.splitlines()
-    installed_under = str(source) if editable else str(venv)
     assert where[0].startswith(installed_under) and where[1].startswith(installed_under)
     assert where[2] == "the user"
 
-    for script, flag in [("tfpar-train", "--compression"), ("tfpar-launch", "--workers"),
-                         ("tfpar-plan", "--memory_gb"), ("tfpar-doctor", "--peer_timeout_s"),
-                         ("tfpar-report", "--out_dir")]:
-        out = run([str(venv / "bin" / script), "--help"], cwd=str(user), env=env,
-                  timeout=120, check=False)
+    scripts = [("tfpar-train", "--compression"), ("tfpar-launch", "--workers"),
+               ("tfpar-plan", "--memory_gb"), ("tfpar-doctor", "--peer_timeout_s"),
+               ("tfpar-report", "--out_dir")]
+    outs = run_concurrently([
+        lambda script=script: run([str(venv / "bin" / script), "--help"], cwd=str(user),
+                                  env=env, timeout=120, check=False)
+        for script, _ in scripts])
+    for (script, flag), out in zip(scripts, outs):
         assert flag in out.stdout, (script, out.stdout[-1500:], out.stderr[-1500:])
 
 

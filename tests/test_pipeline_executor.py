@@ -6,7 +6,7 @@ prints one JSON line; the tests below read it (one TensorFlow start-up per K).
 
 import pytest
 
-from subproc import last_json_line, run_python
+from subproc import last_json_line, run_concurrently, run_python
 
 PRELUDE = """
 import json, sys
@@ -73,8 +73,34 @@ def _run(K, body, timeout=150):
 
 
 @pytest.fixture(scope="module")
-def k2():
-    return _run(2, NUMERICS + """
+def children():
+    """The K=2 and K=4 children at the same time: [K=2's out, K=4's out], each the
+    AssertionError its child failed with if it failed."""
+    def child(K, body):
+        try:
+            return _run(K, body)
+        except AssertionError as failed:
+            return failed
+    return run_concurrently([lambda: child(2, K2), lambda: child(4, NUMERICS)])
+
+
+def _out(result):
+    if isinstance(result, AssertionError):
+        raise result
+    return result
+
+
+@pytest.fixture(scope="module")
+def k2(children):
+    return _out(children[0])
+
+
+@pytest.fixture(scope="module")
+def k4(children):
+    return _out(children[1])
+
+
+K2 = NUMERICS + """
 out["residual/adam/1f1b"] = max_diff(residual, "adam", "1f1b")
 out["recompute/adam/1f1b"] = max_diff(mlp, "adam", "1f1b", recompute=True)
 # Zero-bubble on a stage that is not a chain of layers: W repeats the stage's backward.
@@ -153,12 +179,7 @@ out["overlap_dependency"] = [depends(False), depends(True)]
 stateful = {op.type for op in tf.function(pm._executor.train_step).get_concrete_function(
     x[:8], y[:8]).graph.get_operations() if op._is_stateful and "Variable" not in op.type}
 out["stateful_ops"] = sorted(stateful)
-""")
-
-
-@pytest.fixture(scope="module")
-def k4():
-    return _run(4, NUMERICS)
+"""
 
 
 @pytest.mark.parametrize("opt,tol", [("sgd", 1e-6), ("adam", 1e-5)])

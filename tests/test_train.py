@@ -15,9 +15,12 @@ import sys
 import numpy as np
 import pytest
 
+from tfpar import ParallelConfig
+import subproc
 from subproc import ROOT, last_json_line, run, run_module, run_python
 
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
+RUNS_CHILD = os.path.join(ROOT, "tests", "train_runs_child.py")
 BASE = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
 
 
@@ -25,6 +28,15 @@ def train_child(tmp_path, name, env=None, **config):
     prefix = str(tmp_path / name)
     out = run([sys.executable, CHILD, json.dumps({**BASE, **config}), prefix], env=env,
               timeout=240)
+    return last_json_line(out.stdout), prefix
+
+
+def train_runs(tmp_path, runs):
+    """Several runs in one child (tests/train_runs_child.py): {name: summary}, and
+    `prefix_<name>` for `weights`."""
+    prefix = str(tmp_path / "run")
+    out = run([sys.executable, RUNS_CHILD, json.dumps([[n, {**BASE, **c}] for n, c in runs]),
+               prefix], timeout=400)
     return last_json_line(out.stdout), prefix
 
 
@@ -38,36 +50,83 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("model,optimizer,lr,tolerance", [
+MODELS = [
     ("mlp", "adam", 1e-3, 1e-6),
     ("transformer", "momentum", 0.05, 1e-6),
     # Convolution gradients sum over every pixel of every example: more re-association.
     ("convnet", "sgd", 0.05, 5e-6),
-])
-def test_mirrored_on_4_devices_equals_one_device(tmp_path, model, optimizer, lr, tolerance):
-    cfg = {"model": model, "optimizer": optimizer, "learning_rate": lr}
-    one, p1 = train_child(tmp_path, "one", strategy="one_device", **cfg)
-    four, p4 = train_child(tmp_path, "four", strategy="mirrored", cpu_devices=4, **cfg)
+]
+ACCUM = {"model": "mlp", "optimizer": "momentum", "learning_rate": 0.05, "steps": 3,
+         "steps_per_epoch": 3}
+
+# The resume test's runs; its uninterrupted run is in `on_4_cpus`.
+RESUME = {"model": "mlp", "optimizer": "adam", "steps_per_epoch": 4, "checkpoint_every": 3}
+
+
+def runs_on_4_cpus():
+    """The single-device and 4-replica runs of the comparisons below."""
+    runs = []
+    for model, optimizer, lr, _ in MODELS:
+        cfg = {"model": model, "optimizer": optimizer, "learning_rate": lr}
+        runs += [[f"one_{model}", {**cfg, "strategy": "one_device"}],
+                 [f"four_{model}", {**cfg, "strategy": "mirrored", "cpu_devices": 4}]]
+    runs += [["full", {**RESUME, "strategy": "one_device", "steps": 10}]]
+    runs += [["big", {**ACCUM, "strategy": "one_device", "global_batch_size": 64}],
+             ["acc", {**ACCUM, "strategy": "mirrored", "cpu_devices": 4,
+                      "global_batch_size": 16, "grad_accum_steps": 4}]]
+    return runs
+
+
+def runs_on_2_cpus():
+    """float32, bf16 and fp16 runs and the --measure_comm run."""
+    cfg = {"model": "mlp", "steps": 60, "steps_per_epoch": 60, "cpu_devices": 2,
+           "strategy": "mirrored"}
+    return [["fp32", cfg], ["bf16", {**cfg, "mixed_precision": "bf16"}],
+            ["fp16", {**cfg, "mixed_precision": "fp16"}],
+            ["comm", {"model": "mlp", "strategy": "mirrored", "cpu_devices": 2, "steps": 3,
+                      "steps_per_epoch": 3, "compression": "fp16", "measure_comm": True}]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Both children at once (4 and 2 logical CPUs: one split per process)."""
+    return subproc.run_concurrently([
+        lambda: train_runs(tmp_path_factory.mktemp("on_4_cpus"), runs_on_4_cpus()),
+        lambda: train_runs(tmp_path_factory.mktemp("on_2_cpus"), runs_on_2_cpus())])
+
+
+@pytest.fixture(scope="module")
+def on_4_cpus(trained):
+    return trained[0]
+
+
+@pytest.fixture(scope="module")
+def on_2_cpus(trained):
+    return trained[1][0]
+
+
+@pytest.mark.parametrize("model,optimizer,lr,tolerance", MODELS)
+def test_mirrored_on_4_devices_equals_one_device(on_4_cpus, model, optimizer, lr, tolerance):
+    out, prefix = on_4_cpus
+    one, four = out[f"one_{model}"], out[f"four_{model}"]
     assert (one["replicas"], four["replicas"]) == (1, 4)
     assert four["strategy"] == "MirroredStrategy"
-    assert max_diff(weights(p1), weights(p4)) < tolerance
+    assert max_diff(weights(f"{prefix}_one_{model}"), weights(f"{prefix}_four_{model}")) \
+        < tolerance
     assert abs(one["final_loss"] - four["final_loss"]) < 1e-5
 
 
-def test_grad_accumulation_equals_the_larger_batch(tmp_path):
-    cfg = {"model": "mlp", "optimizer": "momentum", "learning_rate": 0.05, "steps": 3,
-           "steps_per_epoch": 3}
-    big, pb = train_child(tmp_path, "big", strategy="one_device", global_batch_size=64, **cfg)
-    acc, pa = train_child(tmp_path, "acc", strategy="mirrored", cpu_devices=4,
-                          global_batch_size=16, grad_accum_steps=4, **cfg)
+def test_grad_accumulation_equals_the_larger_batch(on_4_cpus):
+    out, prefix = on_4_cpus
+    big, acc = out["big"], out["acc"]
     assert acc["steps"] == big["steps"] == 3
-    assert max_diff(weights(pb), weights(pa)) < 1e-6
+    assert max_diff(weights(f"{prefix}_big"), weights(f"{prefix}_acc")) < 1e-6
     np.testing.assert_allclose(acc["loss_history"], big["loss_history"], rtol=1e-5)
 
 
-def test_resume_continues_at_the_saved_step(tmp_path):
-    cfg = {"model": "mlp", "optimizer": "adam", "steps_per_epoch": 4, "checkpoint_every": 3}
-    full, pf = train_child(tmp_path, "full", steps=10, **cfg)
+def test_resume_continues_at_the_saved_step(tmp_path, on_4_cpus):
+    cfg = RESUME
+    full, pf = on_4_cpus[0]["full"], f"{on_4_cpus[1]}_full"  # uninterrupted, 10 steps
     ckpt = str(tmp_path / "ckpt")
     first, _ = train_child(tmp_path, "first", steps=6, checkpoint_dir=ckpt, **cfg)
     assert first["resumed_from_step"] == 0
@@ -106,19 +165,18 @@ def test_user_dataset_and_tensorboard(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains_like_float32(tmp_path, precision):
-    cfg = {"model": "mlp", "steps": 60, "steps_per_epoch": 60, "cpu_devices": 2}
-    full, _ = train_child(tmp_path, "fp32", **cfg)
-    mixed, _ = train_child(tmp_path, precision, mixed_precision=precision, **cfg)
+def test_mixed_precision_trains_like_float32(on_2_cpus, precision):
+    full, mixed = on_2_cpus["fp32"], on_2_cpus[precision]
     assert mixed["final_loss"] < 0.75 * mixed["loss_history"][0]
     # Same seed and data: half precision changes the trajectory only a little.
     assert abs(mixed["final_loss"] - full["final_loss"]) < 0.05 * full["final_loss"]
 
 
-def test_two_workers_end_identical_and_equal_one_device(tmp_path):
+def test_two_workers_end_identical_and_equal_one_device(tmp_path, on_4_cpus):
     cfg = {"model": "mlp", "optimizer": "adam", "cpu_devices": 2}
-    one, p1 = train_child(tmp_path, "one", strategy="one_device",
-                          **{**cfg, "cpu_devices": 0})
+    # The single-device reference: MODELS' mlp run (adam at the default 1e-3).
+    assert MODELS[0][:3] == ("mlp", "adam", ParallelConfig().learning_rate)
+    p1 = f"{on_4_cpus[1]}_one_mlp"
     prefix = str(tmp_path / "mw")
     out = run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable,
                      CHILD, json.dumps({**BASE, **cfg, "strategy": "multi_worker"}), prefix,
@@ -151,7 +209,7 @@ def cli_error(*args, env=None):
     return errors[0]
 
 
-@pytest.mark.parametrize("tf_config,field", [
+BAD_TF_CONFIGS = [
     ("{not json", "TF_CONFIG"),
     ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}}', "TF_CONFIG.task"),
     ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}',
@@ -160,18 +218,45 @@ def cli_error(*args, env=None):
      '"task": {"type": "worker", "index": 0}}', "TF_CONFIG.cluster.worker"),
     ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}',
      "TF_CONFIG.cluster.worker[0]"),
-])
-def test_bad_tf_config_is_one_clear_error(tf_config, field):
-    line = cli_error("--steps=1", env={"TF_CONFIG": tf_config})
+]
+BAD_SETTINGS = [("--cpu_devices=4", "--global_batch_size=30", "--steps=1"),
+                ("--collective=nccl", "--steps=1"), ("--steps=0",)]
+
+
+@pytest.fixture(scope="module")
+def cli_errors():
+    """`cli_error` of each bad TF_CONFIG and bad setting below, two CLIs at a time:
+    {tf_config or args: its error line, or the AssertionError it failed with}."""
+    def error(args, env=None):
+        try:
+            return cli_error(*args, env=env)
+        except AssertionError as failed:
+            return failed
+    cases = [(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
+             for tf_config, _ in BAD_TF_CONFIGS] + [(args, args, None) for args in BAD_SETTINGS]
+    lines = subproc.run_concurrently([lambda a=args, e=env: error(a, e)
+                                      for _, args, env in cases])
+    return {key: line for (key, _, _), line in zip(cases, lines)}
+
+
+def _line(cli_errors, key):
+    if isinstance(cli_errors[key], AssertionError):
+        raise cli_errors[key]
+    return cli_errors[key]
+
+
+@pytest.mark.parametrize("tf_config,field", BAD_TF_CONFIGS)
+def test_bad_tf_config_is_one_clear_error(cli_errors, tf_config, field):
+    line = _line(cli_errors, tf_config)
     assert field in line
 
 
-def test_bad_settings_are_one_clear_error():
-    line = cli_error("--cpu_devices=4", "--global_batch_size=30", "--steps=1")
+def test_bad_settings_are_one_clear_error(cli_errors):
+    line = _line(cli_errors, BAD_SETTINGS[0])
     assert "global_batch_size=30" in line and "4 replicas" in line
-    line = cli_error("--collective=nccl", "--steps=1")
+    line = _line(cli_errors, BAD_SETTINGS[1])
     assert "collective='nccl'" in line and "ring" in line
-    line = cli_error("--steps=0")
+    line = _line(cli_errors, BAD_SETTINGS[2])
     assert "--steps=0" in line and ">= 1" in line
 
 
@@ -239,10 +324,8 @@ def test_two_runs_in_one_process_share_the_strategy_and_repeat_exactly():
     assert result["diff"] == 0.0
 
 
-def test_measure_comm_reports_share_and_overlap(tmp_path):
-    out, _ = train_child(tmp_path, "comm", model="mlp", strategy="mirrored", cpu_devices=2,
-                         steps=3, steps_per_epoch=3, compression="fp16", measure_comm=True)
-    comm = out["comm"]
+def test_measure_comm_reports_share_and_overlap(on_2_cpus):
+    comm = on_2_cpus["comm"]["comm"]
     assert comm["compression_ratio"] == 2.0
     # The trainer reports the shares the timing measured (their size is timing: planted
     # slow collectives and computations test it, tests/test_compression_timing.py).

@@ -1,7 +1,7 @@
 """tfpar as a user runs it: installed into a fresh virtual environment, imported from the
 user's own directory, which holds a package of their own named `models`.
 
-Needs the repository's `pyproject.toml` (skipped without it).
+Needs the repository's `pyproject.toml` and setuptools (skipped without them).
 """
 
 import os
@@ -9,7 +9,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -24,21 +23,10 @@ USER_ENV = {"PYTHONPATH": "", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory):
-    if not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
-        pytest.skip("no pyproject.toml: tfpar cannot be pip-installed from this checkout")
-    base = tmp_path_factory.mktemp("install")
-    # Build from a copy so the checkout gets no build/ or *.egg-info.
-    source = base / "src"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", "runs", "__pycache__", "*.egg-info", "build", ".pytest_cache"))
-    env_dir = base / "venv"
-    subproc.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)],
-                env=USER_ENV, timeout=120)
-    subproc.run([str(env_dir / "bin" / "pip"), "install", "-q", "--no-deps",
-                 "--no-build-isolation", str(source)], env=USER_ENV, timeout=300)
-    shutil.rmtree(source)
-    return env_dir
+def venv(installed_venv):
+    """The session's venv with tfpar installed (tests/conftest.py; tests/test_packaging.py
+    checks the same install)."""
+    return installed_venv
 
 
 @pytest.fixture()
@@ -105,11 +93,16 @@ def _assert_same(a, b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(venv, tmp_path_factory):
+    """The uninterrupted run's weights file, as a future: it trains while the interrupted
+    runs do (`.result()` waits for it)."""
     project = tmp_path_factory.mktemp("uninterrupted") / "project"
     shutil.copytree(EXAMPLES, project)
-    out = _resume_script(venv, project, "backup", "final.npz")
-    assert "resuming at step 0" in out.stdout and "trained to step 60" in out.stdout
-    return project / "final.npz"
+
+    def run():
+        out = _resume_script(venv, project, "backup", "final.npz")
+        assert "resuming at step 0" in out.stdout and "trained to step 60" in out.stdout
+        return project / "final.npz"
+    return subproc.in_background(run)
 
 
 def test_backup_and_restore_after_sigkill_mid_epoch(venv, project, uninterrupted):
@@ -133,7 +126,7 @@ def test_backup_and_restore_after_sigkill_mid_epoch(venv, project, uninterrupted
     out = _resume_script(venv, project, "backup", "final.npz")
     # Saves every 7 steps: the last before the kill was step 21, mid-way through epoch 2.
     assert "resuming at step 21" in out.stdout and "trained to step 60" in out.stdout
-    _assert_same(project / "final.npz", uninterrupted)
+    _assert_same(project / "final.npz", uninterrupted.result())
 
 
 def test_backup_and_restore_after_an_exception_mid_epoch(venv, project, uninterrupted):
@@ -141,7 +134,7 @@ def test_backup_and_restore_after_an_exception_mid_epoch(venv, project, uninterr
     assert out.returncode != 0 and "interrupted at step 33" in out.stderr
     out = _resume_script(venv, project, "backup", "final.npz")
     assert "resuming at step 28" in out.stdout and "trained to step 60" in out.stdout
-    _assert_same(project / "final.npz", uninterrupted)
+    _assert_same(project / "final.npz", uninterrupted.result())
 
 
 def test_backup_dir_with_someone_elses_files_is_refused(venv, project):

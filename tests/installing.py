@@ -1,0 +1,55 @@
+"""`pip install` of this checkout into a virtual environment, for the tests that run tfpar
+as a user installed it (tests/test_packaging.py, tests/test_user_script.py).
+
+The environment sees the system site-packages (TensorFlow and the rest are already there);
+the install is offline: `--no-deps --no-build-isolation --no-index`, from a copy of the
+files `pip install` reads, so the build leaves nothing in the checkout.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from subproc import ROOT, run
+
+SOURCES = ("tfpar", "pyproject.toml", "README.md")
+
+
+def copy_sources(dest):
+    """The files `pip install` reads, copied to `dest`."""
+    os.makedirs(dest, exist_ok=True)
+    for name in SOURCES:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dest, name),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dest)
+
+
+def missing():
+    """Why this checkout cannot be pip-installed offline here, or None."""
+    if not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
+        return "no pyproject.toml: tfpar cannot be pip-installed from this checkout"
+    try:
+        import setuptools  # noqa: F401  (the build backend --no-build-isolation uses)
+    except ImportError:
+        return "the offline build needs setuptools>=61 in this Python (pip install setuptools)"
+    return None
+
+
+def make_venv(base, editable=False):
+    """A venv at `base/venv` with tfpar installed from a copy at `base/src` (kept when
+    editable: the install points at it). Returns the venv's path."""
+    source, venv = base / "src", base / "venv"
+    copy_sources(source)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+         "--no-build-isolation", "--no-index", "--disable-pip-version-check",
+         *(["-e"] if editable else []), str(source)],
+        timeout=300, cwd=str(base), env={"PYTHONPATH": ""})
+    if not editable:
+        shutil.rmtree(source)
+    return venv
