@@ -73,15 +73,8 @@ def batch_to_mesh(batch, mesh):
     Raises:
         ConfigError: the batch size does not split over the `batch` axis.
     """
-    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
-    out = []
-    for array in batch:
-        array = np.asarray(array)
-        if array.shape[0] % parts:
-            raise ConfigError("global_batch_size", array.shape[0],
-                              f"must be divisible by data_parallel={parts}")
-        out.append(to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim)))
-    return tuple(out)
+    return tuple(to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim))
+                 for array in _batch_arrays(batch, mesh_lib.axis_size(mesh, mesh_lib.BATCH)))
 
 
 def replica_batches_to_mesh(batch, mesh):
@@ -94,14 +87,20 @@ def replica_batches_to_mesh(batch, mesh):
     """
     parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
     out = []
-    for array in batch:
-        array = np.asarray(array)
-        if array.shape[0] % parts:
-            raise ConfigError("global_batch_size", array.shape[0],
-                              f"must be divisible by data_parallel={parts}")
+    for array in _batch_arrays(batch, parts):
         stacked = array.reshape((parts, -1) + array.shape[1:])
         out.append(to_mesh(stacked, mesh_lib.batch_sharded(mesh, stacked.ndim)))
     return tuple(out)
+
+
+def _batch_arrays(batch, parts):
+    """`batch`'s arrays as numpy, each checked to split into `parts` equal rows."""
+    arrays = [np.asarray(array) for array in batch]
+    for array in arrays:
+        if array.shape[0] % parts:
+            raise ConfigError("global_batch_size", array.shape[0],
+                              f"must be divisible by data_parallel={parts}")
+    return arrays
 
 
 def micro_batches_to_mesh(batch, mesh, steps):
