@@ -43,7 +43,8 @@ def train_run(compression):
         m.compile(optimizer=make(), loss="mse")
     else:
         agg = make_aggregator(ParallelConfig(compression=compression, topk_ratio=0.01,
-                                             powersgd_rank=4, threshold=1e-3))
+                                             powersgd_rank=4, threshold=1e-3,
+                                             optimizer="sgd"))
         with strategy.scope():
             m = mlp(D, HIDDEN, 1)
             m.compile(optimizer=wrap_optimizer(make(), agg), loss="mse")
@@ -73,7 +74,8 @@ xb = rng.normal(size=(2 * BATCH, 64)).astype("float32")
 yb = rng.integers(0, 10, size=(2 * BATCH,))
 res["bytes"] = {}
 for name in ["fp16", "bf16", "int8", "topk", "powersgd"]:
-    agg = make_aggregator(ParallelConfig(compression=name, topk_ratio=0.01, powersgd_rank=4))
+    agg = make_aggregator(ParallelConfig(compression=name, topk_ratio=0.01, powersgd_rank=4,
+                                         optimizer="sgd"))
     with strategy.scope():
         m = mlp(64, 512, 10)
         m.compile(optimizer=wrap_optimizer(keras.optimizers.SGD(0.01), agg),

@@ -127,7 +127,9 @@ def wrap_optimizer(optimizer, aggregator):
         if not isinstance(target, keras.optimizers.Adam) or target.amsgrad:
             raise ValueError(
                 f"aggregator={type(aggregator).__name__}(adam=...) needs "
-                f"keras.optimizers.Adam without amsgrad, got optimizer={target!r}")
+                f"keras.optimizers.Adam without amsgrad, got optimizer={target!r}; build "
+                "the aggregator from a config whose optimizer matches (make_aggregator("
+                "ParallelConfig(optimizer='sgd', ...))) or with compress_adam_step=False")
         aggregator.adam = (float(target.beta_1), float(target.beta_2), float(target.epsilon))
     patches.mix_in(target, AggregatingOptimizerMixin)
     target.tfpar_aggregator = aggregator
