@@ -60,7 +60,7 @@ for name, settings in runs:
     if config.strategy not in runtimes:
         runtimes[config.strategy] = strategy.make_runtime(config)
     zeros = Zeros() if name == "zeros" else None
-    compression.make_aggregator = (lambda c: zeros) if zeros else make_aggregator
+    compression.make_aggregator = (lambda c, **kw: zeros) if zeros else make_aggregator
     result, model = train(config, runtime=runtimes[config.strategy])
     agg = getattr(model.optimizer, "tfpar_aggregator", None)
     report = {k: result[k] for k in ("replicas", "workers", "strategy", "steps", "final_loss",

@@ -12,7 +12,7 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
   compression and checkpoints),
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` (under a `TF_CONFIG` of
-  several workers the mesh spans them; `compression` on its `batch` axis),
+  several workers the mesh spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
@@ -31,9 +31,9 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none", "fp16", "bf16", "int8"),
-                    "the mesh compresses its batch-axis reduction with fp16, bf16 or int8; "
-                    "sparse and low-rank aggregators run on tf.distribute only"),
+        "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives; the "
+                               "mesh's compressed batch-axis reduction (tfpar.layout.reduction) "
+                               "is written but does not run yet"),
     },
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),

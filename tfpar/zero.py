@@ -37,6 +37,7 @@ collective implementation"); an all-to-all would be the next try. Stage 3 (param
 sharded too) is not built: the weights stay mirrored.
 """
 
+import itertools
 import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer
@@ -52,6 +53,10 @@ from tfpar.errors import ConfigError
 # (they count up from 1).
 _GROUP_KEY = 0x2E40
 _INSTANCE_REDUCE_SCATTER, _INSTANCE_GATHER, _INSTANCE_RANKS = 0x2E400, 0x2E401, 0x2E402
+# Each ZeRO optimizer built in a process gets its own instance keys (one collective
+# instance has one shape: two models' gathers under one key fail with a shape mismatch).
+# Workers build their optimizers in the same order, so the keys agree across workers.
+_INSTANCES = itertools.count(0x2E410, 3)
 
 
 class ZeroMixin:
@@ -71,6 +76,7 @@ class ZeroMixin:
                 name="nonfinite_steps")
         strategy = tf.distribute.get_strategy()
         self._tfpar_layout = FlatLayout(variables, strategy.num_replicas_in_sync)
+        self._tfpar_layout.instance = next(_INSTANCES)
         with tf.init_scope():
             self._tfpar_layout.tokens = ordering_tokens(strategy)
             slots = {name: aggregator_lib.per_replica_variable(
@@ -83,7 +89,8 @@ class ZeroMixin:
         for name, variable in slots.items():
             setattr(self, f"tfpar_zero_{name}", ShardedSlot(variable, self._tfpar_layout.size))
         if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly():
-            check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s)
+            check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s,
+                        self._tfpar_layout.instance + 2)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         ctx = tf.distribute.get_replica_context()
@@ -99,7 +106,7 @@ class ZeroMixin:
             grad_piece = flat_grads
         elif self.tfpar_zero_stage >= 2:
             grad_piece = reduce_scatter(flat_grads, n, layout.tokens,
-                                        self.tfpar_zero_timeout_s)
+                                        self.tfpar_zero_timeout_s, layout.instance)
         else:
             grad_piece = _own(ctx.all_reduce(tf.distribute.ReduceOp.SUM, flat_grads), ctx, n)
         # Every replica learns whether any piece is non-finite (one scalar all-reduce).
@@ -117,7 +124,8 @@ class ZeroMixin:
             new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
         for name, value in new_slots.items():
             layout.slots[name].assign(value)
-        full = (all_gather(new_piece, n, layout.tokens, self.tfpar_zero_timeout_s)
+        full = (all_gather(new_piece, n, layout.tokens, self.tfpar_zero_timeout_s,
+                           layout.instance + 1)
                 if n > 1 else new_piece)
         for variable, value in zip(variables, layout.unflatten(full, variables)):
             variable.assign(tf.cast(value, variable.dtype))
@@ -236,10 +244,10 @@ def _token(tokens):
     return [tokens[values_util.get_current_replica_id_as_int()].handle]
 
 
-def reduce_scatter(flat, n, tokens, timeout_s):
+def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCATTER):
     """Sum over replicas of `flat`, of which this replica receives piece `rank`."""
     return gen_collective_ops.collective_reduce_scatter_v2(
-        flat, group_size=n, group_key=_GROUP_KEY, instance_key=_INSTANCE_REDUCE_SCATTER,
+        flat, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
         ordering_token=_token(tokens), merge_op="Add", final_op="Id",
         timeout_seconds=timeout_s or 0)
 
@@ -251,7 +259,7 @@ def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
         ordering_token=_token(tokens), timeout_seconds=timeout_s or 0)
 
 
-def check_ranks(strategy, tokens, timeout_s):
+def check_ranks(strategy, tokens, timeout_s, instance_key=_INSTANCE_RANKS):
     """Checks once that each replica's rank in the collective group is its replica id (the
     order in which pieces are owned and checkpointed).
 
@@ -265,7 +273,7 @@ def check_ranks(strategy, tokens, timeout_s):
         def fn():
             rid = tf.distribute.get_replica_context().replica_id_in_sync_group
             return all_gather(tf.reshape(tf.cast(rid, tf.int32), [1]), n, tokens, timeout_s,
-                              _INSTANCE_RANKS)
+                              instance_key)
         return strategy.run(fn)
 
     ids = strategy.experimental_local_results(gather_ids())[0].numpy().tolist()
