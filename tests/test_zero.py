@@ -3,7 +3,7 @@
 Each test runs one child process (tests/zero_child.py) that trains several configurations
 on one strategy. ZeRO changes where optimizer state lives and how gradients travel, not
 the maths: weights after 5 steps must equal plain data parallelism on the same replicas
-within 1e-6 (SGD with momentum) / 1e-5 (Adam), the optimizer state per device must shrink
+within 1e-6 (SGD with momentum; Adam is refused: not exact yet on the transformer), the optimizer state per device must shrink
 to about 1/replicas, and a resumed run must end where the uninterrupted one does.
 """
 
@@ -41,12 +41,10 @@ def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measur
               **(MOMENTUM if opt_name == "momentum" else ADAM), "zero_stage": stage,
               **({"model_depth": 2} if model == "transformer" else {})}
              for model, opt_name, stages in (("mlp", "momentum", (0, 1)),
-                                             ("mlp", "adam", (0, 1)),
-                                             ("transformer", "momentum", (0, 1)),
-                                             ("transformer", "adam", (0, 1)))
+                                             ("transformer", "momentum", (0, 1)))
              for stage in stages]
     # Resume: 5 steps saved, then on to 10, against 10 uninterrupted steps.
-    long = {**where, "model": "mlp", **ADAM, "zero_stage": 1, "steps": 10,
+    long = {**where, "model": "mlp", **MOMENTUM, "zero_stage": 1, "steps": 10,
             "steps_per_epoch": 5}
     cases += [{"name": "whole", **long},
               {"name": "first", **long, "steps": 5, "checkpoint_dir": ckpt},
@@ -66,16 +64,16 @@ def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measur
         assert diff <= tolerance, (name, diff)
 
     # Optimizer state lives where the pieces are: ~1/4 of plain on each of 4 devices.
-    plain = results["mlp-adam-0"]["optimizer_state_bytes_per_device"]
+    plain = results["mlp-momentum-0"]["optimizer_state_bytes_per_device"]
     for stage in (1,):
-        sharded = results[f"mlp-adam-{stage}"]["optimizer_state_bytes_per_device"]
+        sharded = results[f"mlp-momentum-{stage}"]["optimizer_state_bytes_per_device"]
         ratios = [s / p for s, p in zip(sharded, plain)]
-        report_measured(f"zero: stage {stage} Adam state per device / plain = "
+        report_measured(f"zero: stage {stage} momentum state per device / plain = "
                         f"{max(ratios):.3f} (mlp, 4 replicas)")
         assert len(sharded) == 4 and max(ratios) <= 0.3, (sharded, plain)
         # Weights stay mirrored (stage 3 is not built).
-        assert (results[f"mlp-adam-{stage}"]["param_bytes_per_device"]
-                == results["mlp-adam-0"]["param_bytes_per_device"])
+        assert (results[f"mlp-momentum-{stage}"]["param_bytes_per_device"]
+                == results["mlp-momentum-0"]["param_bytes_per_device"])
 
     assert results["resumed"]["resumed_from_step"] == 5
     diff = max_diff(weights(f"{prefix}.resumed.npz"), weights(f"{prefix}.whole.npz"))
@@ -85,7 +83,8 @@ def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measur
 
 
 def test_zero_on_two_workers_equals_plain_two_workers(tmp_path):
-    where = {**BASE, "strategy": "multi_worker", "cpu_devices": 2, "model": "mlp", **ADAM}
+    where = {**BASE, "strategy": "multi_worker", "cpu_devices": 2, "model": "mlp",
+             **MOMENTUM}
     cases = [{"name": "plain", **where}, {"name": "zero1", **where, "zero_stage": 1}]
     prefix = str(tmp_path / "mw")
     out = run_module("tfpar.launch", "--workers=2", "--timeout=240", "--", sys.executable,
@@ -97,10 +96,12 @@ def test_zero_on_two_workers_equals_plain_two_workers(tmp_path):
     for name in ("zero1",):
         w0 = weights(f"{prefix}.{name}.worker0.npz")
         assert max_diff(w0, weights(f"{prefix}.{name}.worker1.npz")) == 0.0, name
-        assert max_diff(w0, weights(f"{prefix}.plain.worker0.npz")) <= 1e-5, name
-        # Each worker's two devices hold a quarter of the state each.
-        assert (max(lines[0][name]["optimizer_state_bytes_per_device"])
-                <= 0.3 * min(lines[0]["plain"]["optimizer_state_bytes_per_device"]))
+        assert max_diff(w0, weights(f"{prefix}.plain.worker0.npz")) <= 1e-6, name
+        # Each worker's two devices hold a quarter of the state each (the list covers all
+        # four devices; a worker counts only its own, the others' entries are 0).
+        local = [b for b in lines[0][name]["optimizer_state_bytes_per_device"] if b]
+        plain = [b for b in lines[0]["plain"]["optimizer_state_bytes_per_device"] if b]
+        assert len(local) == len(plain) == 2 and max(local) <= 0.3 * min(plain), (local, plain)
 
 
 @pytest.mark.parametrize("settings,match", [
@@ -111,8 +112,9 @@ def test_zero_on_two_workers_equals_plain_two_workers(tmp_path):
     ({"zero_stage": 1, "pipeline_stages": 2}, "zero_stage=1.*pipeline"),
     ({"zero_stage": 1, "tensor_parallel": 2}, "zero_stage=1.*DTensor"),
     ({"zero_stage": 1, "keras": 2}, "zero_stage=1.*keras=2"),
+    ({"zero_stage": 1, "optimizer": "adam"}, "optimizer='adam'.*not exact yet"),
 ])
 def test_zero_refuses_what_it_does_not_compose_with(settings, match):
     with pytest.raises(ConfigError, match=match):
         ParallelConfig(**settings)
-    assert ParallelConfig(zero_stage=1).zero_stage == 1
+    assert ParallelConfig(zero_stage=1, optimizer="momentum").zero_stage == 1
