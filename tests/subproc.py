@@ -73,17 +73,38 @@ def last_json_line(text):
     raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")
 
 
-def run_concurrently(jobs, workers=2):
+def run_concurrently(jobs, workers=2, keep_failures=False):
     """Calls each of `jobs` (functions of no arguments that start children) two at a time and
     returns their results in order; the first exception is raised.
+
+    With `keep_failures`, a job that fails with AssertionError (a failed child) gives that
+    error in its place instead, so that each test reading a shared fixture fails alone
+    (`outcome`).
 
     A child spends most of its time starting TensorFlow and tracing (one core); two at once
     keep the machine's two cores busy. Only for children that check no timing.
     """
     from concurrent.futures import ThreadPoolExecutor
+
+    def call(job):
+        try:
+            return job()
+        except AssertionError as failed:
+            if not keep_failures:
+                raise
+            return failed
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(job) for job in jobs]
+        futures = [pool.submit(call, job) for job in jobs]
         return [future.result() for future in futures]
+
+
+def outcome(result):
+    """A result of `run_concurrently(..., keep_failures=True)`: raises it when it is the
+    AssertionError its child failed with, else returns it."""
+    if isinstance(result, AssertionError):
+        raise result
+    return result
 
 
 def in_background(job):

@@ -18,19 +18,15 @@ def docstring_runs():
     """Each public name's docstring examples in a child of its own (they build strategies),
     two at a time: {name: the child's CompletedProcess, or the AssertionError it failed with}."""
     def child(name):
-        try:
-            return subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests",
-                                                             "doc_child.py"), name], timeout=300)
-        except AssertionError as failed:
-            return failed
-    return dict(zip(PUBLIC, subproc.run_concurrently([lambda n=n: child(n) for n in PUBLIC])))
+        return subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests", "doc_child.py"),
+                            name], timeout=300)
+    return dict(zip(PUBLIC, subproc.run_concurrently([lambda n=n: child(n) for n in PUBLIC],
+                                                     keep_failures=True)))
 
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_docstring_examples_run(docstring_runs, name):
-    out = docstring_runs[name]
-    if isinstance(out, AssertionError):
-        raise out
+    out = subproc.outcome(docstring_runs[name])
     assert " 0 failed" in out.stdout, out.stdout
 
 

@@ -12,7 +12,7 @@ JAX backend and on the mesh, squares the summed gradient.
 
 import pytest
 
-from subproc import last_json_line, run_concurrently, run_python
+from subproc import last_json_line, outcome, run_concurrently, run_python
 
 CHILD = r"""
 import json, sys
@@ -167,29 +167,18 @@ TRANSFORMER_RUNS = ([("adam", dp, tp, False) for dp, tp in MESHES]
 def results():
     """The mlp and transformer children at the same time; each entry the AssertionError its
     child failed with if it failed."""
-    def child(model, runs):
-        try:
-            return _run(model, runs)
-        except AssertionError as failed:
-            return failed
-    return run_concurrently([lambda: child("mlp", MLP_RUNS),
-                             lambda: child("transformer", TRANSFORMER_RUNS)])
-
-
-def _result(result):
-    if isinstance(result, AssertionError):
-        raise result
-    return result
+    return run_concurrently([lambda: _run("mlp", MLP_RUNS),
+                             lambda: _run("transformer", TRANSFORMER_RUNS)], keep_failures=True)
 
 
 @pytest.fixture(scope="module")
 def mlp_result(results):
-    return _result(results[0])
+    return outcome(results[0])
 
 
 @pytest.fixture(scope="module")
 def transformer_result(results):
-    return _result(results[1])
+    return outcome(results[1])
 
 
 def test_mlp_every_mesh_and_optimizer_matches_single_device(mlp_result):

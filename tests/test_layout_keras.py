@@ -31,19 +31,13 @@ def _child(case, *args, timeout=600):
 def cases():
     """The four cases' children, two at a time: {case: its JSON, or the AssertionError its
     child failed with}."""
-    def child(case):
-        try:
-            return _child(case)
-        except AssertionError as failed:
-            return failed
     names = ["keras_api", "accum", "bf16", "fp16"]  # fp16: Keras's default first scale, 2**15
-    return dict(zip(names, subproc.run_concurrently([lambda c=c: child(c) for c in names])))
+    return dict(zip(names, subproc.run_concurrently([lambda c=c: _child(c) for c in names],
+                                                    keep_failures=True)))
 
 
 def _case(cases, name):
-    if isinstance(cases[name], AssertionError):
-        raise cases[name]
-    return cases[name]
+    return subproc.outcome(cases[name])
 
 
 @pytest.fixture(scope="module")

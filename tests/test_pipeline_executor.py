@@ -6,7 +6,7 @@ prints one JSON line; the tests below read it (one TensorFlow start-up per K).
 
 import pytest
 
-from subproc import last_json_line, run_concurrently, run_python
+from subproc import last_json_line, outcome, run_concurrently, run_python
 
 PRELUDE = """
 import json, sys
@@ -76,28 +76,18 @@ def _run(K, body, timeout=150):
 def children():
     """The K=2 and K=4 children at the same time: [K=2's out, K=4's out], each the
     AssertionError its child failed with if it failed."""
-    def child(K, body):
-        try:
-            return _run(K, body)
-        except AssertionError as failed:
-            return failed
-    return run_concurrently([lambda: child(2, K2), lambda: child(4, NUMERICS)])
-
-
-def _out(result):
-    if isinstance(result, AssertionError):
-        raise result
-    return result
+    return run_concurrently([lambda: _run(2, K2), lambda: _run(4, NUMERICS)],
+                            keep_failures=True)
 
 
 @pytest.fixture(scope="module")
 def k2(children):
-    return _out(children[0])
+    return outcome(children[0])
 
 
 @pytest.fixture(scope="module")
 def k4(children):
-    return _out(children[1])
+    return outcome(children[1])
 
 
 K2 = NUMERICS + """

@@ -227,22 +227,15 @@ BAD_SETTINGS = [("--cpu_devices=4", "--global_batch_size=30", "--steps=1"),
 def cli_errors():
     """`cli_error` of each bad TF_CONFIG and bad setting below, two CLIs at a time:
     {tf_config or args: its error line, or the AssertionError it failed with}."""
-    def error(args, env=None):
-        try:
-            return cli_error(*args, env=env)
-        except AssertionError as failed:
-            return failed
     cases = [(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
              for tf_config, _ in BAD_TF_CONFIGS] + [(args, args, None) for args in BAD_SETTINGS]
-    lines = subproc.run_concurrently([lambda a=args, e=env: error(a, e)
-                                      for _, args, env in cases])
+    lines = subproc.run_concurrently([lambda a=args, e=env: cli_error(*a, env=e)
+                                      for _, args, env in cases], keep_failures=True)
     return {key: line for (key, _, _), line in zip(cases, lines)}
 
 
 def _line(cli_errors, key):
-    if isinstance(cli_errors[key], AssertionError):
-        raise cli_errors[key]
-    return cli_errors[key]
+    return subproc.outcome(cli_errors[key])
 
 
 @pytest.mark.parametrize("tf_config,field", BAD_TF_CONFIGS)

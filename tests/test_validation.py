@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from subproc import ROOT, last_json_line, run, run_concurrently, run_module
+from subproc import ROOT, last_json_line, outcome, run, run_concurrently, run_module
 
 BASE = {"steps": 40, "steps_per_epoch": 10, "validation_steps": 3, "verbose": 0,
         "global_batch_size": 32, "learning_rate": 3e-3}
@@ -25,22 +25,18 @@ def trained():
     """Each backend's child (tests/validation_child.py), two at a time: {backend: its JSON,
     or the AssertionError of its failed child}."""
     def child(backend):
-        try:
-            return last_json_line(run([sys.executable, os.path.join(ROOT, "tests",
-                                                                    "validation_child.py"),
-                                       json.dumps({**BASE, **RUNS[backend]})],
-                                      timeout=300).stdout)
-        except AssertionError as failed:
-            return failed
-    return dict(zip(RUNS, run_concurrently([lambda b=b: child(b) for b in RUNS])))
+        return last_json_line(run([sys.executable, os.path.join(ROOT, "tests",
+                                                                "validation_child.py"),
+                                   json.dumps({**BASE, **RUNS[backend]})],
+                                  timeout=300).stdout)
+    return dict(zip(RUNS, run_concurrently([lambda b=b: child(b) for b in RUNS],
+                                           keep_failures=True)))
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
 def test_validation_loss_falls_and_reaches_callbacks(trained, backend):
     config = {**BASE, **RUNS[backend]}
-    out = trained[backend]
-    if isinstance(out, AssertionError):
-        raise out
+    out = outcome(trained[backend])
     assert out["backend"] == backend
     validation = out["validation"]
     epochs = config["steps"] // config["steps_per_epoch"]
