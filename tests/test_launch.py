@@ -200,6 +200,8 @@ def test_sigterm_to_the_launcher_reaches_every_worker():
     (["--hosts=127.0.0.1:2", "--workers=3", "--runner=local", "--", "true"],
      "must equal the slots of --hosts (2)"),
     (["--workers=2", "--min_workers=3", "--", "true"], "min_workers=3 is invalid"),
+    (["--workers=2", "--max_workers=1", "--", "true"], "max_workers=1 is invalid"),
+    (["--workers=2", "--lost_after=0", "--", "true"], "--lost_after=0"),
     (["--workers=2"], "no worker command"),
     (["--workers=2", "--"], "no worker command"),
     (["--workers=2", "--bogus", "--", "true"], "bogus"),
