@@ -7,14 +7,47 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-_MEASURED = []
+def pytest_configure(config):
+    # Measured figures go to files in one directory that the controlling process reads at
+    # the end: under pytest-xdist the tests run in worker processes (which inherit this
+    # environment), and the terminal summary is written by the controller.
+    if "TFPAR_MEASURED_DIR" not in os.environ:
+        import tempfile
+        os.environ["TFPAR_MEASURED_DIR"] = tempfile.mkdtemp(prefix="tfpar-measured-")
+        config._tfpar_measured_dir = os.environ["TFPAR_MEASURED_DIR"]
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_tfpar_measured_dir", None)
+    if folder:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ["TFPAR_MEASURED_DIR"]
+
+
+def _measured_lines():
+    folder = os.environ.get("TFPAR_MEASURED_DIR", "")
+    if not os.path.isdir(folder):
+        return []
+    lines = []
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            lines.extend(line.rstrip("\n") for line in f)
+    return lines
 
 
 @pytest.fixture(scope="session")
 def report_measured():
     """`report_measured(line)`: a measured figure shown in pytest's terminal summary, under
-    `-q` too (a test's own prints are hidden when it passes)."""
-    return _MEASURED.append
+    `-q` too (a test's own prints are hidden when it passes), from whichever worker process
+    ran the test."""
+    path = os.path.join(os.environ["TFPAR_MEASURED_DIR"],
+                        os.environ.get("PYTEST_XDIST_WORKER", "main") + ".txt")
+
+    def report(line):
+        with open(path, "a") as f:
+            f.write(str(line).replace("\n", " ") + "\n")
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +63,10 @@ def installed_venv(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _MEASURED:
+    measured = _measured_lines()
+    if measured:
         terminalreporter.section("measured")
-        for line in _MEASURED:
+        for line in measured:
             terminalreporter.write_line(line)
     # Skips are easy to miss under -q ("5 skipped"): say why each group skipped.
     reasons = {}
