@@ -66,9 +66,8 @@ TABLE = {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
-        "data_parallel": ((0, 1), "tfpar shards optimizer state (1); stage 2's "
-                                  "reduce-scatter has no CPU implementation in TensorFlow "
-                                  "2.21 and parameter sharding (3) is not built"),
+        "data_parallel": ((0, 1, 2), "tf.distribute shards optimizer state (1) and "
+                                     "gradients (2); parameter sharding (3) is not built"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
         "dtensor": ((0,), "not on a DTensor mesh; there tfpar.layout.trainer.build_on_mesh("
@@ -92,9 +91,6 @@ COMBINATIONS = (
     ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
      "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
      "in; use bf16"),
-    ("optimizer", ("sgd", "momentum"), lambda c: c.zero_stage > 0,
-     "ZeRO-1 with Adam is not exact yet (the transformer ends 7.9e-3 away from plain Adam "
-     "after 5 steps); use --optimizer=sgd|momentum or --zero_stage=0"),
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
