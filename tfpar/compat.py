@@ -67,11 +67,11 @@ TABLE = {
     },
     "zero_stage": {
         "data_parallel": ((0, 1, 2), "tf.distribute shards optimizer state (1) and "
-                                     "gradients (2); parameter sharding (3) is not built"),
+                                     "gradients (2); stage 3 runs on a DTensor mesh"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
-        "dtensor": ((0,), "not on a DTensor mesh; there tfpar.layout.trainer.build_on_mesh("
-                          "shard_optimizer_state=True) shards optimizer state from Python"),
+        "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.layout.fsdp); "
+                            "stages 1 and 2 run on tf.distribute (--tensor_parallel=1)"),
         "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
     "measure_comm": {
@@ -91,17 +91,22 @@ COMBINATIONS = (
     ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
      "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
      "in; use bf16"),
+
+    ("tensor_parallel", (1,), lambda c: c.zero_stage == 3,
+     "--zero_stage=3 splits every weight over the data-parallel axis of a DTensor mesh; "
+     "with tensor parallelism it is not tested (use --zero_stage=0)"),
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
-          "dtensor": "--tensor_parallel>1 (DTensor)", "tf_keras": "--keras=2"}
+          "dtensor": "a DTensor mesh (--tensor_parallel>1 or --zero_stage=3)",
+          "tf_keras": "--keras=2"}
 
 
 def backend_of(config):
     """The backend that runs `config`: one of `BACKENDS`."""
     if getattr(config, "keras", 3) == 2:
         return "tf_keras"
-    if config.tensor_parallel > 1:
+    if config.tensor_parallel > 1 or getattr(config, "zero_stage", 0) == 3:
         return "dtensor"
     if config.pipeline_stages > 1:
         return "pipeline"
