@@ -11,8 +11,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
   which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
   compression and checkpoints),
-- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` (under a `TF_CONFIG` of
-  several workers the mesh spans them),
+- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` and for `zero_stage=3`
+  (under a `TF_CONFIG` of several workers the mesh spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
@@ -66,8 +66,6 @@ TABLE = {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
-        "data_parallel": ((0, 1, 2), "tf.distribute shards optimizer state (1) and "
-                                     "gradients (2); stage 3 runs on a DTensor mesh"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
         "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.layout.fsdp); "
@@ -98,7 +96,7 @@ COMBINATIONS = (
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
-          "dtensor": "a DTensor mesh (--tensor_parallel>1 or --zero_stage=3)",
+          "dtensor": "--tensor_parallel>1 (DTensor; also --zero_stage=3)",
           "tf_keras": "--keras=2"}
 
 
@@ -106,8 +104,9 @@ def backend_of(config):
     """The backend that runs `config`: one of `BACKENDS`."""
     if getattr(config, "keras", 3) == 2:
         return "tf_keras"
-    if config.tensor_parallel > 1 or getattr(config, "zero_stage", 0) == 3:
-        return "dtensor"
+    if config.tensor_parallel > 1 or (getattr(config, "zero_stage", 0) == 3
+                                      and config.pipeline_stages == 1):
+        return "dtensor"  # ZeRO-3: tfpar.layout.fsdp
     if config.pipeline_stages > 1:
         return "pipeline"
     return "data_parallel"

@@ -7,8 +7,12 @@ For each configuration — plain data parallelism, ZeRO-1/2/3, tensor parallelis
 without and with `--recompute=blocks` — it searches a ladder of transformers (width ×
 depth, ordered by parameters) for the largest that trains `--steps` steps under the cap,
 and reports it with its step time (median) and its measured peak per device. A
-configuration `tfpar.compat` refuses is printed as "refused: <reason>" (ZeRO runs where
-the trainer accepts `--zero_stage`).
+configuration `tfpar.compat` refuses is printed as "refused: <reason>".
+
+`--overhead` instead times plain, ZeRO-1, ZeRO-2 and ZeRO-3 on one size, uncapped, the
+four alternating in each of `--rounds` rounds (side by side in one run). Step times of
+the ladder with `--quick` (2 steps) include the first step's tracing: use `--overhead`
+for step times.
 
 How the cap is enforced on CPU: `tf.config.set_logical_device_configuration(...,
 memory_limit=...)` is refused for CPUs by TensorFlow 2.21 ("Setting memory limit on CPU
@@ -252,7 +256,7 @@ def main(argv):
             if FLAGS.only and name not in FLAGS.only:
                 continue
             flag_list = [f.format(tp=tp) for f in base_flags]
-            if base != "tensor":
+            if base not in ("tensor", "zero3"):  # those two run on a DTensor mesh
                 flag_list.append("--strategy=mirrored")
             if recompute != "none":
                 flag_list.append(f"--recompute={recompute}")
