@@ -2,7 +2,8 @@
 
 Trains each case of `CASES_JSON` (a list of `{"name": str, **ParallelConfig settings}`) in
 turn on one runtime (TensorFlow allows one strategy per process; every case must ask for
-the same devices), saves each case's final weights to `OUT_PREFIX.NAME[.worker<i>].npz`
+the same devices and run on the same backend: tf.distribute, or a DTensor mesh for
+`zero_stage=3`), saves each case's final weights to `OUT_PREFIX.NAME[.worker<i>].npz`
 and prints one JSON line: per case the losses, the step it resumed from, the optimizer
 state per device and the median step time.
 """
@@ -15,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from tfpar import ParallelConfig, devices, strategy  # noqa: E402
+from tfpar import ParallelConfig, backends, compat, devices, strategy  # noqa: E402
+from tfpar.layout import values  # noqa: E402
 from tfpar.train import train  # noqa: E402
 
 
@@ -26,12 +28,14 @@ def main():
     for case in cases:
         name = case.pop("name")
         config = ParallelConfig(**case)
-        if runtime is None:
+        if runtime is None and compat.backend_of(config) == "dtensor":
+            runtime = backends.for_config(config).build_runtime(config)  # the mesh
+        elif runtime is None:
             devices.split_cpu(config.cpu_devices)
             runtime = strategy.make_runtime(config)
         result, model = train(config, runtime=runtime)
         path = f"{prefix}.{name}" + (f".worker{worker}" if worker is not None else "") + ".npz"
-        np.savez(path, *[np.asarray(v) for v in model.weights])
+        np.savez(path, *[np.asarray(values.to_host(v.value)) for v in model.weights])
         out[name] = {"final_loss": result["final_loss"],
                      "loss_history": result["loss_history"],
                      "replicas": result["replicas"], "workers": result["workers"],

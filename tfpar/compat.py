@@ -11,8 +11,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
   which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
   compression and checkpoints),
-- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` (under a `TF_CONFIG` of
-  several workers the mesh spans them),
+- `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` and for `zero_stage=3`
+  (under a `TF_CONFIG` of several workers the mesh spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
@@ -66,13 +66,10 @@ TABLE = {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
-        "data_parallel": ((0, 1), "tfpar shards optimizer state (1); stage 2's "
-                                  "reduce-scatter has no CPU implementation in TensorFlow "
-                                  "2.21 and parameter sharding (3) is not built"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
-        "dtensor": ((0,), "not on a DTensor mesh; there tfpar.layout.trainer.build_on_mesh("
-                          "shard_optimizer_state=True) shards optimizer state from Python"),
+        "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.layout.fsdp); "
+                            "stages 1 and 2 run on tf.distribute (--tensor_parallel=1)"),
         "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
     "measure_comm": {
@@ -92,21 +89,24 @@ COMBINATIONS = (
     ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
      "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
      "in; use bf16"),
-    ("optimizer", ("sgd", "momentum"), lambda c: c.zero_stage > 0,
-     "ZeRO-1 with Adam is not exact yet (the transformer ends 7.9e-3 away from plain Adam "
-     "after 5 steps); use --optimizer=sgd|momentum or --zero_stage=0"),
+
+    ("tensor_parallel", (1,), lambda c: c.zero_stage == 3,
+     "--zero_stage=3 splits every weight over the data-parallel axis of a DTensor mesh; "
+     "with tensor parallelism it is not tested (use --zero_stage=0)"),
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
-          "dtensor": "--tensor_parallel>1 (DTensor)", "tf_keras": "--keras=2"}
+          "dtensor": "--tensor_parallel>1 (DTensor; also --zero_stage=3)",
+          "tf_keras": "--keras=2"}
 
 
 def backend_of(config):
     """The backend that runs `config`: one of `BACKENDS`."""
     if getattr(config, "keras", 3) == 2:
         return "tf_keras"
-    if config.tensor_parallel > 1:
-        return "dtensor"
+    if config.tensor_parallel > 1 or (getattr(config, "zero_stage", 0) == 3
+                                      and config.pipeline_stages == 1):
+        return "dtensor"  # ZeRO-3: tfpar.layout.fsdp
     if config.pipeline_stages > 1:
         return "pipeline"
     return "data_parallel"

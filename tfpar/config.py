@@ -58,9 +58,9 @@ class ParallelConfig:
         data_parallel, tensor_parallel, pipeline_stages, microbatches, schedule,
             virtual_stages: parallel degrees; 0 for `data_parallel` means "all replicas".
         recompute: activation recomputation, one of `RECOMPUTE` (`tfpar.recompute`).
-        zero_stage: optimizer-state sharding (1) over the data-parallel replicas
-            (`tfpar.zero`); 0 = none; 2 (gradients) and 3 (parameters) are refused. See
-            `tfpar.compat` for where it is honoured.
+        zero_stage: ZeRO over the data-parallel replicas: 0 = none, 1 = optimizer state,
+            2 = also gradients (`tfpar.zero`), 3 = also parameters (on a DTensor mesh,
+            `tfpar.layout.fsdp`). See `tfpar.compat` for where it is honoured.
         compression and its parameters: the gradient aggregator (`tfpar.compression`).
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.

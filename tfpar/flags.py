@@ -85,10 +85,11 @@ _HELP = {
     "recompute": "Activation recomputation: none, blocks (each block keeps only its input "
                  "and is recomputed in the backward) or full (every layer; on pipelines each "
                  "stage's forward).",
-    "zero_stage": "ZeRO sharding over data-parallel replicas (mirrored, multi_worker): 0 = "
-                  "none, 1 = optimizer state (each replica keeps 1/N of the SGD/Adam "
-                  "slots). 2 (gradients) and 3 (parameters) are refused; so are "
-                  "--compression, fp16, pipelines and tensor parallelism with it.",
+    "zero_stage": "ZeRO sharding over data-parallel replicas: 0 = none, 1 = optimizer "
+                  "state (each replica keeps 1/N of the SGD/Adam slots; mirrored, "
+                  "multi_worker), 2 = also gradients reduce-scattered, 3 = also parameters "
+                  "(on a DTensor mesh). --compression, fp16, pipelines and tensor "
+                  "parallelism are refused with it.",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 

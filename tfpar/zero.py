@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 on `tf.distribute` data parallelism (`--zero_stage`).
+"""ZeRO stages 1 and 2 on `tf.distribute` data parallelism (`--zero_stage=1|2`).
 
 The shard unit is a flat piece: every trainable variable is flattened into one fp32
 vector of `T` elements, padded to `N * S` (`S = ceil(T / N)`, `N` replicas), and replica
@@ -22,19 +22,21 @@ context, after the backward pass:
 3. the updated pieces are all-gathered and every replica assigns the full vector back to
    its copy of each mirrored weight, so the weights stay mirrored for the forward pass.
 
-Reduce-scatter and the gather run as TensorFlow collective ops on one group of all
-replicas (`CollectiveReduceScatterV2`, `CollectiveGatherV2`): the piece a replica
-receives is its rank's; `check_ranks` verifies once that rank equals the replica id that
-checkpoints order pieces by.
+The reduce-scatter and the gather run as TensorFlow collective ops on one group of all
+replicas (`CollectiveAllToAllV2` plus a local sum, `CollectiveGatherV2`): the piece a
+replica receives is its rank's; `check_ranks` verifies once that rank equals the replica
+id that checkpoints order pieces by.
+
+Adam with a sparse (`IndexedSlices`) gradient, an embedding's: Keras squares each slice
+before summing them into `v`, so the update carries a second flat vector there, the
+replica's summed squared slices, reduced like the gradient (see `_adam`).
 
 Checkpoints save the slots whole: `ShardedSlot` gathers every replica's piece (from every
 worker) into one `[N, S]` tensor; a restore onto the same replica count gives each its row
 back, onto another count it re-cuts the flat vector.
 
-Stage 2 is written (`reduce_scatter`) but refused: on CPU, TensorFlow 2.21 has no
-implementation of `CollectiveReduceScatterV2` ("CollectiveRegistry::Lookup did not find
-collective implementation"); an all-to-all would be the next try. Stage 3 (parameters
-sharded too) is not built: the weights stay mirrored.
+Stage 3 (parameters sharded too) is not on tf.distribute: its weights stay mirrored
+here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.layout.fsdp`).
 """
 
 import itertools
@@ -56,7 +58,7 @@ _INSTANCE_REDUCE_SCATTER, _INSTANCE_GATHER, _INSTANCE_RANKS = 0x2E400, 0x2E401, 
 # Each ZeRO optimizer built in a process gets its own instance keys (one collective
 # instance has one shape: two models' gathers under one key fail with a shape mismatch).
 # Workers build their optimizers in the same order, so the keys agree across workers.
-_INSTANCES = itertools.count(0x2E410, 3)
+_INSTANCES = itertools.count(0x2E410, 4)
 
 
 class ZeroMixin:
@@ -102,13 +104,32 @@ class ZeroMixin:
                      for v in trainable_variables]
         n = layout.replicas
         flat_grads = layout.flatten(grads, variables)
+        # Adam's second moment of a sparse gradient, as Keras computes it (see `_adam`):
+        # the sum over replicas of each replica's sum of squared slices.
+        sparse = [(g, v) for g, v in zip(grads, variables)
+                  if isinstance(g, tf.IndexedSlices)] if isinstance(
+                      self, keras.optimizers.Adam) else []
+        squares = layout.flatten([_slice_squares(g) for g, _ in sparse],
+                                 [v for _, v in sparse]) if sparse else None
         if n == 1:
-            grad_piece = flat_grads
+            grad_piece, square_piece = flat_grads, squares
         elif self.tfpar_zero_stage >= 2:
             grad_piece = reduce_scatter(flat_grads, n, layout.tokens,
                                         self.tfpar_zero_timeout_s, layout.instance)
+            square_piece = (reduce_scatter(squares, n, layout.tokens,
+                                           self.tfpar_zero_timeout_s, layout.instance + 3)
+                            if sparse else None)
         else:
-            grad_piece = _own(ctx.all_reduce(tf.distribute.ReduceOp.SUM, flat_grads), ctx, n)
+            # One all-reduce of both vectors.
+            both = tf.concat([flat_grads, squares], 0) if sparse else flat_grads
+            both = tf.reshape(ctx.all_reduce(tf.distribute.ReduceOp.SUM, both), [-1])
+            grad_piece = _own(both[:layout.padded], ctx, n)
+            square_piece = _own(both[layout.padded:], ctx, n) if sparse else None
+        if sparse:
+            mask = layout.flatten([tf.ones(v.shape) for _, v in sparse],
+                                  [v for _, v in sparse])
+            mask = _own(mask, ctx, n) if n > 1 else mask
+            square_piece = tf.where(mask > 0, square_piece, tf.square(grad_piece))
         # Every replica learns whether any piece is non-finite (one scalar all-reduce).
         bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
         if n > 1:
@@ -118,7 +139,7 @@ class ZeroMixin:
         param_piece = _own(params, ctx, n) if n > 1 else params
         slots = {k: tf.convert_to_tensor(v) for k, v in layout.slots.items()}
         new_piece, new_slots = self._tfpar_update(param_piece, grad_piece, slots,
-                                                  learning_rate)
+                                                  learning_rate, square_piece)
         if getattr(self, "tfpar_skip_nonfinite", False):
             new_piece = tf.where(finite, new_piece, param_piece)
             new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
@@ -131,11 +152,18 @@ class ZeroMixin:
             variable.assign(tf.cast(value, variable.dtype))
         self.nonfinite_steps.assign_add(bad)
 
-    def _tfpar_update(self, param, grad, slots, learning_rate):
+    def _tfpar_update(self, param, grad, slots, learning_rate, square=None):
         lr = tf.cast(learning_rate, tf.float32)
         if isinstance(self, keras.optimizers.Adam):
-            return _adam(self, param, grad, slots, lr)
+            return _adam(self, param, grad, slots, lr, square)
         return _sgd(self, param, grad, slots, lr)
+
+
+def _slice_squares(grad):
+    """An `IndexedSlices` gradient's squared slices summed per row, dense."""
+    rows = tf.cast(grad.dense_shape[0], grad.indices.dtype)
+    return tf.math.unsorted_segment_sum(tf.square(tf.cast(grad.values, tf.float32)),
+                                        grad.indices, rows)
 
 
 def slot_names(optimizer):
@@ -155,15 +183,20 @@ def _sgd(opt, param, grad, slots, lr):
     return param + step, {"momentum": m}
 
 
-def _adam(opt, param, grad, slots, lr):
+def _adam(opt, param, grad, slots, lr, square=None):
     # keras.optimizers.Adam.update_step (keras 3.15.1, amsgrad=False), on one flat piece.
+    # `square` is the gradient's square where Keras squares something else: for an
+    # `IndexedSlices` gradient (an embedding's), Keras's `ops.square` squares each slice
+    # and the sum adds them up, so v gets the sum of the squared slices (one per token
+    # occurrence per replica), not the square of the summed gradient; `square` carries
+    # that sum there (`_slice_squares`, summed over replicas) and `grad ** 2` elsewhere.
     local_step = tf.cast(opt.iterations + 1, param.dtype)
     beta_1_power = tf.pow(tf.cast(opt.beta_1, param.dtype), local_step)
     beta_2_power = tf.pow(tf.cast(opt.beta_2, param.dtype), local_step)
     alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     m, v = slots["momentum"], slots["velocity"]
     m = m + (grad - m) * (1 - opt.beta_1)
-    v = v + (tf.square(grad) - v) * (1 - opt.beta_2)
+    v = v + ((tf.square(grad) if square is None else square) - v) * (1 - opt.beta_2)
     return param - (m * alpha) / (tf.sqrt(v) + opt.epsilon), {"momentum": m, "velocity": v}
 
 
@@ -185,6 +218,7 @@ class FlatLayout:
         self.sizes = [int(tf.TensorShape(s).num_elements()) for s in self.shapes]
         self.size = sum(self.sizes)
         self.piece = -(-self.size // replicas)
+        self.padded = self.piece * replicas
 
     def flatten(self, tensors, variables):
         """`tensors` (one per `variables`, None = zeros) as one padded fp32 vector."""
@@ -245,11 +279,19 @@ def _token(tokens):
 
 
 def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCATTER):
-    """Sum over replicas of `flat`, of which this replica receives piece `rank`."""
-    return gen_collective_ops.collective_reduce_scatter_v2(
-        flat, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
-        ordering_token=_token(tokens), merge_op="Add", final_op="Id",
+    """Sum over replicas of `flat`, of which this replica receives piece `rank`.
+
+    An all-to-all (`CollectiveAllToAllV2`: replica `r` receives piece `r` of every
+    replica's vector, `n` pieces of `S`) and a local sum of those pieces: the traffic of a
+    reduce-scatter (each replica receives `(n - 1) * S` elements from the others), where
+    TensorFlow 2.21's own `CollectiveReduceScatterV2` has no CPU implementation
+    ("CollectiveRegistry::Lookup did not find collective implementation").
+    """
+    pieces = gen_collective_ops.collective_all_to_all_v2(
+        tf.reshape(flat, [n, -1]), group_size=n, group_key=_GROUP_KEY,
+        instance_key=instance_key, ordering_token=_token(tokens),
         timeout_seconds=timeout_s or 0)
+    return tf.add_n(tf.unstack(pieces, n))
 
 
 def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
@@ -324,10 +366,9 @@ def wrap_optimizer(optimizer, stage, timeout_s=None):
     Raises:
         ConfigError: another optimizer or option, or stage not 1 or 2.
     """
-    if stage != 1:
-        raise ConfigError("zero_stage", stage, "tfpar shards optimizer state (1); stage 2's "
-                          "reduce-scatter has no CPU implementation in TensorFlow 2.21, "
-                          "parameter sharding (3) is not built")
+    if stage not in (1, 2):
+        raise ConfigError("zero_stage", stage, "tf.distribute shards optimizer state (1) and "
+                          "gradients (2); parameter sharding (3) runs on a DTensor mesh")
     supported = (isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adam))
                  and not getattr(optimizer, "amsgrad", False) and not optimizer.use_ema
                  and not optimizer.gradient_accumulation_steps)

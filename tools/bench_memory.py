@@ -7,8 +7,12 @@ For each configuration — plain data parallelism, ZeRO-1/2/3, tensor parallelis
 without and with `--recompute=blocks` — it searches a ladder of transformers (width ×
 depth, ordered by parameters) for the largest that trains `--steps` steps under the cap,
 and reports it with its step time (median) and its measured peak per device. A
-configuration `tfpar.compat` refuses is printed as "refused: <reason>" (ZeRO runs where
-the trainer accepts `--zero_stage`).
+configuration `tfpar.compat` refuses is printed as "refused: <reason>".
+
+`--overhead` instead times plain, ZeRO-1, ZeRO-2 and ZeRO-3 on one size, uncapped, the
+four alternating in each of `--rounds` rounds (side by side in one run). Step times of
+the ladder with `--quick` (2 steps) include the first step's tracing: use `--overhead`
+for step times.
 
 How the cap is enforced on CPU: `tf.config.set_logical_device_configuration(...,
 memory_limit=...)` is refused for CPUs by TensorFlow 2.21 ("Setting memory limit on CPU
@@ -27,6 +31,7 @@ Output: a table, and JSON under runs/ (or --json): {"benchmark": "memory", "cap_
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +57,12 @@ flags.DEFINE_bool("probe_limit", False, "only check whether a logical CPU's memo
                   "is honoured, and exit")
 flags.DEFINE_string("json", "", "write the results here (default runs/bench_memory_<time>.json)")
 flags.DEFINE_integer("timeout", 600, "seconds per child run")
+flags.DEFINE_bool("overhead", False, "instead of the ladder: step time of plain and ZeRO-1/"
+                  "2/3 on one size (--overhead_width x --overhead_depth), uncapped, the "
+                  "configurations alternating in --rounds rounds")
+flags.DEFINE_integer("overhead_width", 256, "transformer width of --overhead")
+flags.DEFINE_integer("overhead_depth", 4, "transformer depth of --overhead")
+flags.DEFINE_integer("rounds", 3, "rounds of --overhead")
 
 CONFIGS = [  # name, trainer flags
     ("plain", []),
@@ -87,11 +98,11 @@ def ladder():
     return sorted(sizes)
 
 
-def probe(flag_list, width, depth):
+def probe(flag_list, width, depth, capped=True):
     """Trains one size in a child; returns a dict with `fits` and what was measured."""
     devices = FLAGS.devices
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
-               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(devices * FLAGS.cap_mb),
+    cap = {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(devices * FLAGS.cap_mb)} if capped else {}
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", **cap,
                TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TF_CONFIG", None)
@@ -175,10 +186,60 @@ def probe_limit():
     print(f"logical CPU with memory_limit=64 MB: {verdict}")
 
 
+def overhead():
+    """Step time (median of each run's steps) of plain, ZeRO-1, ZeRO-2 and ZeRO-3 on one
+    size, uncapped; the four alternate within each round so that a slower spell of the
+    machine hits all of them. Returns the rows for the JSON."""
+    configs = [("plain", ["--strategy=mirrored"]),
+               ("zero1", ["--strategy=mirrored", "--zero_stage=1"]),
+               ("zero2", ["--strategy=mirrored", "--zero_stage=2"]),
+               ("zero3", ["--zero_stage=3"])]
+    width, depth = FLAGS.overhead_width, FLAGS.overhead_depth
+    print(f"step time: transformer width {width} depth {depth}, {FLAGS.devices} logical "
+          f"CPUs, global batch {FLAGS.batch}, {FLAGS.optimizer}, {FLAGS.steps} steps per "
+          f"run, {FLAGS.rounds} rounds", flush=True)
+    times = {name: [] for name, _ in configs}
+    memory = {}
+    for round_ in range(FLAGS.rounds):
+        for name, flag_list in configs:
+            result = probe(flag_list, width, depth, capped=False)
+            if "step_ms" not in result:
+                raise SystemExit(f"{name}: {result.get('error')}")
+            times[name].append(result["step_ms"])
+            memory[name] = {k: result[k] for k in ("param_mb_per_device",
+                                                   "optimizer_mb_per_device")}
+            print(f"  round {round_ + 1} {name}: {result['step_ms']:.1f} ms", flush=True)
+    base = statistics.median(times["plain"])
+    print(f"\n{'configuration':<14}{'median ms':>10}{'vs plain':>10}{'rounds (ms)':>30}"
+          f"{'params MB/dev':>15}{'opt. state MB/dev':>19}")
+    rows = []
+    for name, _ in configs:
+        med = statistics.median(times[name])
+        rounds = " ".join(f"{t:.1f}" for t in times[name])
+        print(f"{name:<14}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
+              f"{memory[name]['param_mb_per_device']:>15.2f}"
+              f"{memory[name]['optimizer_mb_per_device']:>19.2f}")
+        rows.append({"name": name, "step_ms_rounds": times[name], "step_ms_median": med,
+                     "overhead_vs_plain": med / base - 1, **memory[name]})
+    return rows
+
+
 def main(argv):
     del argv
     if FLAGS.probe_limit:
         probe_limit()
+        return
+    if FLAGS.overhead:
+        rows = overhead()
+        path = FLAGS.json or os.path.join(
+            ROOT, "runs", time.strftime("bench_memory_overhead_%Y%m%d_%H%M%S.json"))
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"benchmark": "memory_overhead", "devices": FLAGS.devices,
+                       "width": FLAGS.overhead_width, "depth": FLAGS.overhead_depth,
+                       "global_batch_size": FLAGS.batch, "optimizer": FLAGS.optimizer,
+                       "steps": FLAGS.steps, "rows": rows}, f, indent=1)
+        print(f"wrote {path}")
         return
     if FLAGS.quick:
         FLAGS.devices, FLAGS.steps = 2, 2
@@ -195,7 +256,7 @@ def main(argv):
             if FLAGS.only and name not in FLAGS.only:
                 continue
             flag_list = [f.format(tp=tp) for f in base_flags]
-            if base != "tensor":
+            if base not in ("tensor", "zero3"):  # those two run on a DTensor mesh
                 flag_list.append("--strategy=mirrored")
             if recompute != "none":
                 flag_list.append(f"--recompute={recompute}")

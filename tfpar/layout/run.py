@@ -9,7 +9,7 @@ model's presets, model and optimizer built on the mesh. Which settings combine w
 import keras
 
 from tfpar import models, optimizers, recompute
-from tfpar.layout import presets
+from tfpar.layout import presets, variables
 from tfpar.layout.mesh import mesh_for_config
 from tfpar.layout.trainer import build_on_mesh
 
@@ -21,7 +21,8 @@ def build(config, task, mesh=None):
         ConfigError: the model has no tensor-parallel presets, or the degrees do not
             match the devices.
     """
-    rules = presets.preset_rules(presets.model_presets(config.model))
+    rules = ([] if config.zero_stage == 3  # every weight over `batch`: _build_model
+             else presets.preset_rules(presets.model_presets(config.model)))
     mesh = mesh or mesh_for_config(config)
     keras.utils.set_random_seed(config.seed)
     model, trainer = build_on_mesh(
@@ -36,8 +37,10 @@ def build(config, task, mesh=None):
 
 
 def _build_model(config, task):
-    model = models.build(config.model, task.input_shape, task.num_classes,
-                         width=config.model_width, depth=config.model_depth)
+    # ZeRO-3 (`tfpar.layout.fsdp`): weights split over `batch`, slots follow their weight.
+    with variables.weights_over_batch(config.zero_stage == 3):
+        model = models.build(config.model, task.input_shape, task.num_classes,
+                             width=config.model_width, depth=config.model_depth)
     recompute.apply(model, config)
     return model
 
@@ -47,7 +50,7 @@ def _optimizer(config):
     over its `batch` axis itself, `tfpar.layout.reduction`); with fp16 Keras's own `LossScaleOptimizer`, whose skip decision the mesh step
     makes once for the whole mesh (the tf.distribute variant all-reduces it over replicas)."""
     optimizer = optimizers.make_optimizer(
-        config.replace(mixed_precision="none", compression="none"))
+        config.replace(mixed_precision="none", compression="none", zero_stage=0))
     if config.mixed_precision == "fp16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer

@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar.layout import fsdp
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
 
@@ -46,6 +47,7 @@ def _metrics(loss, logits, y, sample_weight):
 
 
 def _forward_loss(model, loss_fn, mapping, x, y, sample_weight, training):
+    mapping = fsdp.gathered(mapping)  # ZeRO-3's weights split over `batch`, whole here
     with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
         logits = model(x, training=training)
         loss = loss_fn(y, logits, sample_weight)

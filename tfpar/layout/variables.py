@@ -30,6 +30,7 @@ from tfpar.layout import values
 
 _original_initialize = tf_core.Variable._initialize
 _state_over_batch = False  # see optimizer_state_over_batch
+_weights_over_batch = False  # see weights_over_batch
 
 
 def check_target():
@@ -110,6 +111,24 @@ def optimizer_state_over_batch(enabled=True):
         _state_over_batch = previous
 
 
+@contextlib.contextmanager
+def weights_over_batch(enabled=True):
+    """Within (around building the model and its optimizer), every variable is split over
+    the `batch` axis on top of its layout (`over_batch`): ZeRO stage 3, each data-parallel
+    replica keeps 1/data_parallel of the weights and, sharded like them, of the optimizer
+    state; DTensor gathers a weight where an op needs it whole (see `tfpar.layout.fsdp`).
+
+    Args:
+        enabled: False makes this a no-op.
+    """
+    global _weights_over_batch
+    previous, _weights_over_batch = _weights_over_batch, enabled
+    try:
+        yield
+    finally:
+        _weights_over_batch = previous
+
+
 def _initialize(self, value):
     distribution = keras.distribution.distribution()
     if isinstance(value, tf.Variable) or distribution is None:
@@ -118,7 +137,7 @@ def _initialize(self, value):
     initial = tf.convert_to_tensor(initial, dtype=self._dtype)
     preset = self._layout  # an optimizer slot carries its weight's layout
     self._layout = layout_for(distribution, self.path, initial.shape, preset)
-    if _state_over_batch and preset is not None:
+    if (_state_over_batch and preset is not None) or _weights_over_batch:
         self._layout = over_batch(self._layout, initial.shape)
     layout = self._layout.backend_layout
     self._value = dtensor.DVariable(values.to_mesh(initial, layout),
