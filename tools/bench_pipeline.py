@@ -6,7 +6,8 @@ the same model unpipelined on one device.
     python tools/bench_pipeline.py --quick      # a smoke run, well under 2 minutes
 
 Per configuration: step time (median, p90, fastest) of the pipelined step (one
-tf.function), the bubble measured two ways against the theory (K-1)/(V*M+K-1), the peak
+tf.function), the bubble measured two ways against the theory (K-1)/(V*M+K-1) and against
+the schedule simulated with each stage's real cost in matmuls (`matmuls`), the peak
 stashed micro-batches of the schedule (from the schedule simulator, not measured), and the
 allocator's peak memory during a step.
 
@@ -83,6 +84,19 @@ def _step_time_ms(times):
     ms = sorted(1e3 * t for t in times)
     return {"median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
             "min": ms[0]}
+
+
+def _matmul_theory(schedule, K, M, V):
+    """The schedule's simulated bubble with each stage's cost in matmuls of this model: a
+    chunk of n Dense layers runs n in its forward, n for the weight gradients and n for the
+    input gradients, except the first chunk of stage 0, whose first layer needs none (the
+    model's input has no gradient). The balanced theory assumes every stage costs the same,
+    which a model of equal layers split by parameters cannot give."""
+    from tfpar.pipeline.schedule import simulate
+    n = FLAGS.layers / (K * V)
+    f = [n] * K
+    b = [2 * n - (1 / V if s == 0 else 0) for s in range(K)]
+    return simulate(schedule, K, M, V, f_cost=f, b_cost=b, w_cost=f).bubble
 
 
 def main(argv):
@@ -198,6 +212,7 @@ def main(argv):
                         "bubble_measured": max(0.0, 1 - busy["min"] / (K * t["min"])),
                         "bubble_profiled": tl.bubble,
                         "bubble_theory": theory_bubble(K, M, V, name),
+                        "bubble_theory_stage_costs": _matmul_theory(sched, K, M, V),
                         "peak_stashed_microbatches": max(sim.peak_stash),
                         "peak_stash_source": "simulated",
                         "timeline": timeline_lib.to_dict(tl),
@@ -213,18 +228,23 @@ def main(argv):
           f"{FLAGS.steps} timed steps; unpipelined step {base['min']:.1f} ms "
           f"(median {base['median']:.1f}), peak {mb(runs[0]['memory']['peak_tensor_mb'], 0)} MB")
     print(f"{'K':>2} {'schedule':<12}{'M':>3}{'step ms':>9}{'serial':>8}{'vs 1 dev':>9}"
-          f"{'serial bubble':>14}{'profiled':>9}{'theory':>8}{'stash(sim)':>11}{'peak MB':>9}")
+          f"{'serial bubble':>14}{'profiled':>9}{'theory':>8}{'matmuls':>8}{'stash(sim)':>11}"
+          f"{'peak MB':>9}")
     for r in runs[1:]:
         p = r["pipeline"]
         print(f"{p['stages']:>2} {p['schedule']:<12}{p['microbatches']:>3}"
               f"{r['step_time_ms']['min']:>9.1f}{p['serialized_step_time_ms']['min']:>8.1f}"
               f"{p['speedup_vs_unpipelined']:>8.2f}x{p['bubble_measured']:>14.3f}"
               f"{p['bubble_profiled']:>9.3f}{p['bubble_theory']:>8.3f}"
+              f"{p['bubble_theory_stage_costs']:>8.3f}"
               f"{p['peak_stashed_microbatches']:>11}{mb(r['memory']['peak_tensor_mb'], 9)}")
     print("serial bubble: 1 - (all actions chained into one sequence) / (K x pipelined step), "
           "fastest runs (JSON bubble_measured)\nprofiled: one step under the TensorFlow "
           "profiler, ops mapped to stages (JSON bubble_profiled; the README's \"bubble "
-          "measured\")\ntheory: (K-1)/(V*M+K-1); stash(sim): peak stashed micro-batches "
+          "measured\")\ntheory: (K-1)/(V*M+K-1) (zb_h1: simulated with equal F, B, W); "
+          "matmuls: the schedule simulated with each stage's cost in this model's matmuls "
+          "(stage 0 skips its first layer's input gradient: JSON bubble_theory_stage_costs)"
+          "\nstash(sim): peak stashed micro-batches "
           "from the schedule simulator, not measured; peak MB: allocator peak summed over "
           "the logical CPUs")
     if FLAGS.json:
