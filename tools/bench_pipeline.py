@@ -15,8 +15,10 @@ Bubble, two ways (timers inside the step would serialise the pipeline); the tabl
 - `serial bubble` (JSON `bubble_measured`): the same graph with all actions chained into one
   sequence (`serialize=True`) takes the total busy time T_busy of all stages, so
   bubble = 1 - T_busy / (K * T_pipelined), from the fastest of alternating runs.
-- `profiled` (JSON `bubble_profiled`): one step under the TensorFlow profiler; every op is
-  mapped to its stage and action by name scope (`tfpar.pipeline.timeline`). This is the
+- `profiled` (JSON `bubble_profiled`): the median over `--profiles` steps, each under the
+  TensorFlow profiler; every op is mapped to its stage and action by name scope
+  (`tfpar.pipeline.timeline`). The spread [min-max] is printed when `--profiles` > 1 (JSON
+  `bubble_profiled_all`). This is the
   column the README's pipeline table quotes as "bubble measured".
 Ops run one thread each (intra-op 1) so that a stage occupies one core, as it would its
 own accelerator: the machine needs at least K free cores for the pipeline to overlap.
@@ -59,6 +61,8 @@ flags.DEFINE_integer("batch", 256, "global batch size")
 flags.DEFINE_integer("steps", 8, "timed runs per configuration (after one warm-up)")
 flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time "
                   "(PipelineExecutor's one_op_at_a_time)")
+flags.DEFINE_integer("profiles", 1, "profiled steps per configuration (the bubble is their "
+                     "median)")
 flags.DEFINE_bool("quick", False, "smoke run: K=2,4, M=2,4, a small model, 3 steps")
 flags.DEFINE_string("json", "", "write the results here")
 flags.DEFINE_string("timeline", "", "path prefix for the measured timeline picture/trace")
@@ -196,7 +200,9 @@ def main(argv):
                 fns = [lambda f=f: f(x, y)[0].numpy() for f in steps]
                 piped, serial = _paired_times(fns, FLAGS.steps)
                 t, busy = _step_time_ms(piped), _step_time_ms(serial)
-                tl = timeline_lib.profile(fns[0], K)
+                tls = [timeline_lib.profile(fns[0], K) for _ in range(FLAGS.profiles)]
+                bubbles = [t.bubble for t in tls]
+                tl = sorted(tls, key=lambda t: t.bubble)[(len(tls) - 1) // 2]  # the median
                 if (name, K, M) == (draw_name, draw_K, draw_M):
                     drawn = (tl, f"{name} K={K} M={M}")
                 sim = simulate(sched, K, M, V)
@@ -211,6 +217,7 @@ def main(argv):
                         "stages": K, "microbatches": M, "schedule": name, "virtual_stages": V,
                         "bubble_measured": max(0.0, 1 - busy["min"] / (K * t["min"])),
                         "bubble_profiled": tl.bubble,
+                        "bubble_profiled_all": bubbles,
                         "bubble_theory": theory_bubble(K, M, V, name),
                         "bubble_theory_stage_costs": _matmul_theory(sched, K, M, V),
                         "peak_stashed_microbatches": max(sim.peak_stash),
@@ -235,7 +242,10 @@ def main(argv):
         print(f"{p['stages']:>2} {p['schedule']:<12}{p['microbatches']:>3}"
               f"{r['step_time_ms']['min']:>9.1f}{p['serialized_step_time_ms']['min']:>8.1f}"
               f"{p['speedup_vs_unpipelined']:>8.2f}x{p['bubble_measured']:>14.3f}"
-              f"{p['bubble_profiled']:>9.3f}{p['bubble_theory']:>8.3f}"
+              f"{p['bubble_profiled']:>9.3f}"
+              + (f" [{min(p['bubble_profiled_all']):.3f}-{max(p['bubble_profiled_all']):.3f}]"
+                 if FLAGS.profiles > 1 else "")
+              + f"{p['bubble_theory']:>8.3f}"
               f"{p['bubble_theory_stage_costs']:>8.3f}"
               f"{p['peak_stashed_microbatches']:>11}{mb(r['memory']['peak_tensor_mb'], 9)}")
     print("serial bubble: 1 - (all actions chained into one sequence) / (K x pipelined step), "
