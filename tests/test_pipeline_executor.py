@@ -169,6 +169,25 @@ out["overlap_dependency"] = [depends(False), depends(True)]
 stateful = {op.type for op in tf.function(pm._executor.train_step).get_concrete_function(
     x[:8], y[:8]).graph.get_operations() if op._is_stateful and "Variable" not in op.type}
 out["stateful_ops"] = sorted(stateful)
+
+# One op at a time per stage (edges added with tfpar.patches.add_control_input): the same
+# weights as one device, and the graph really has the extra edges.
+def one_op(schedule, chained):
+    ref = mlp()
+    ref.compile(optimizer=OPTS["sgd"](), loss="mse", jit_compile=False)
+    devs = ["/device:CPU:0", "/device:CPU:1"]
+    ex = PipelineExecutor(partition(mlp(), 2, devices=devs), devs, make_schedule(schedule, 2, 4),
+                          keras.losses.MeanSquaredError(), one_op_at_a_time=chained)
+    ex.build_optimizers(OPTS["sgd"]())
+    step = tf.function(ex.train_step, jit_compile=False)
+    for _ in range(3):
+        ref.train_on_batch(x, y)
+        step(tf.constant(x), tf.constant(y))
+    edges = sum(len(op.control_inputs) for op in step.get_concrete_function(
+        tf.constant(x), tf.constant(y)).graph.get_operations())
+    return float(np.abs(flat(ex.stages) - flat([ref])).max()), edges
+out["one_op"] = {s: one_op(s, True) for s in ("1f1b", "zb_h1")}
+out["one_op_edges_without"] = one_op("1f1b", False)[1]
 """
 
 
@@ -222,6 +241,12 @@ def test_stages_overlap_in_the_traced_graph(k2):
     # that automatic control dependencies would chain across stages.
     assert set(k2["stateful_ops"]) <= {"Assert", "Placeholder", "ResourceApplyAdam", "NoOp"}, \
         k2["stateful_ops"]
+
+
+def test_one_op_at_a_time_is_exact_and_chains_each_stage(k2):
+    for schedule, (diff, edges) in k2["one_op"].items():
+        assert diff < 1e-6, (schedule, diff)
+    assert k2["one_op"]["1f1b"][1] > 2 * k2["one_op_edges_without"], k2
 
 
 def test_built_from_a_parallel_config(k2):

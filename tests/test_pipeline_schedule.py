@@ -91,3 +91,15 @@ def test_metrics_block_for_the_json():
         "stages": 4, "microbatches": 8, "schedule": "1f1b", "virtual_stages": 1,
         "bubble_theory": 3 / 11, "peak_stashed_microbatches": 4, "bubble_measured": 0.3}
     assert pipeline_metrics("gpipe", 2, 16)["peak_stashed_microbatches"] == 16
+
+
+def test_simulate_takes_a_cost_per_stage():
+    # GPipe, K=2, M=1: F 0-1 on stage 0, F 1-2 on stage 1, its backward 2-4, stage 0's 4-5.
+    sim = simulate(gpipe_schedule(2, 1), 2, 1, 1, f_cost=[1, 1], b_cost=[1, 2])
+    assert sim.makespan == 5 and sim.bubble == pytest.approx(0.5)
+    # ZB-H1 with equal costs as lists equals the scalar theory; a shorter input-gradient
+    # pass on stage 0 than on stage 1 (the peer model's 3 against 4 matmuls) leaves idle time.
+    zb = make_schedule("zb_h1", 2, 8)
+    assert simulate(zb, 2, 8, 1, [1, 1], [2, 2], [1, 1]).bubble == pytest.approx(
+        theory_bubble(2, 8, 1, "zb_h1"))
+    assert simulate(zb, 2, 8, 1, [4, 4], [7, 8], [4, 4]).bubble == pytest.approx(0.08)

@@ -24,6 +24,13 @@ Patches:
   `tfpar/layout/keras_distribution.py`; checked here: the arguments each loop takes).
 - `mesh_output_layouts`: `enable()` adds `distribution_lib.distribute_tensor` to Keras's
   TensorFlow backend (it has none) so a layout for a layer output is refused with one line.
+- `graph_control_input`: not a replacement but a call of a private method.
+  `PipelineExecutor(one_op_at_a_time=True)` adds a control edge between two ops that already
+  exist (each op of a stage waits for the one created before it) with TensorFlow's
+  `Operation._add_control_input`, the call `tf.function`'s automatic control dependencies
+  make; the public `tf.control_dependencies` works only on ops not yet created.
+  `add_control_input` is the one caller; the check looks at the C++ binding's signature and
+  at TensorFlow's own use of it in `auto_control_deps`, and adds one edge in a scratch graph.
 
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
@@ -40,6 +47,8 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective
+from tensorflow.python.framework import auto_control_deps as _auto_control_deps
+from tensorflow.python.framework import ops as _tf_ops
 
 from tfpar.errors import TfparError
 
@@ -68,6 +77,9 @@ REGISTRY = {
         "tfpar.layout.enable"),
     "mesh_output_layouts": ("keras.src.backend.tensorflow.distribution_lib.distribute_tensor",
                             "tfpar.layout.enable"),
+    "graph_control_input": ("tensorflow.python.framework.ops.Operation._add_control_input "
+                            "(called, not replaced)",
+                            "tfpar.pipeline.executor (one_op_at_a_time)"),
 }
 # The arguments each Keras loop `mesh_loops` routes is written against (keras 3.15.1); a
 # new argument would be ignored on the mesh.
@@ -85,6 +97,11 @@ MESH_LOOP_ARGS = {
 }
 MESH_LOOPS = {name: tf_trainer.TensorFlowTrainer.__dict__[name] for name in MESH_LOOP_ARGS}
 VARIABLE_INITIALIZE = tf_core.Variable._initialize  # Keras's own, before any patch
+# `graph_control_input`: the binding's signature (tensorflow 2.21.0) and TensorFlow's own call.
+_EXPECTED_CONTROL_INPUT = {
+    "signature": "(self: object, arg0: object) -> None",
+    "auto_control_deps": "op._add_control_input(o)",
+}
 _EXPECTED_INITIALIZE = "self._value = tf.Variable("
 _Extended = _collective.CollectiveAllReduceExtended
 _original_initialize_local_devices = _Extended._initialize_local_devices
@@ -117,11 +134,39 @@ def check_targets(names=None):
                 problems.append(f"keras {keras.__version__}: TensorFlowTrainer.{name} takes "
                                 f"{args}; tfpar.layout.enable was written for keras "
                                 f"{WRITTEN_FOR['keras']}")
+    if "graph_control_input" in names:
+        problems += _check_control_input()
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's refusal "
                         "would replace it")
     return problems
+
+
+def _check_control_input():
+    method = getattr(_tf_ops.Operation, "_add_control_input", None)
+    found = [
+        method is not None and _EXPECTED_CONTROL_INPUT["signature"] in (method.__doc__ or ""),
+        _EXPECTED_CONTROL_INPUT["auto_control_deps"] in inspect.getsource(
+            _auto_control_deps.AutomaticControlDependencies.__exit__),
+    ]
+    if all(found):
+        graph = tf.Graph()
+        with graph.as_default():
+            a, b = tf.constant(1.0), tf.constant(2.0)
+            add_control_input(b.op, a.op)
+            found.append(list(b.op.control_inputs) == [a.op])
+    if all(found):
+        return []
+    return [f"tensorflow {tf.__version__} changed Operation._add_control_input; "
+            "PipelineExecutor(one_op_at_a_time=True) was written for tensorflow "
+            f"{WRITTEN_FOR['tensorflow']}"]
+
+
+def add_control_input(op, before):
+    """Makes graph op `op` wait for op `before` (both already created; graph building
+    only). Registry entry `graph_control_input`."""
+    op._add_control_input(before)
 
 
 def _keras_distribute_tensor():

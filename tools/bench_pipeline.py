@@ -6,7 +6,8 @@ the same model unpipelined on one device.
     python tools/bench_pipeline.py --quick      # a smoke run, well under 2 minutes
 
 Per configuration: step time (median, p90, fastest) of the pipelined step (one
-tf.function), the bubble measured two ways against the theory (K-1)/(V*M+K-1), the peak
+tf.function), the bubble measured two ways against the theory (K-1)/(V*M+K-1) and against
+the schedule simulated with each stage's real cost in matmuls (`matmuls`), the peak
 stashed micro-batches of the schedule (from the schedule simulator, not measured), and the
 allocator's peak memory during a step.
 
@@ -14,8 +15,10 @@ Bubble, two ways (timers inside the step would serialise the pipeline); the tabl
 - `serial bubble` (JSON `bubble_measured`): the same graph with all actions chained into one
   sequence (`serialize=True`) takes the total busy time T_busy of all stages, so
   bubble = 1 - T_busy / (K * T_pipelined), from the fastest of alternating runs.
-- `profiled` (JSON `bubble_profiled`): one step under the TensorFlow profiler; every op is
-  mapped to its stage and action by name scope (`tfpar.pipeline.timeline`). This is the
+- `profiled` (JSON `bubble_profiled`): the median over `--profiles` steps, each under the
+  TensorFlow profiler; every op is mapped to its stage and action by name scope
+  (`tfpar.pipeline.timeline`). The spread [min-max] is printed when `--profiles` > 1 (JSON
+  `bubble_profiled_all`). This is the
   column the README's pipeline table quotes as "bubble measured".
 Ops run one thread each (intra-op 1) so that a stage occupies one core, as it would its
 own accelerator: the machine needs at least K free cores for the pipeline to overlap.
@@ -58,6 +61,8 @@ flags.DEFINE_integer("batch", 256, "global batch size")
 flags.DEFINE_integer("steps", 8, "timed runs per configuration (after one warm-up)")
 flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time "
                   "(PipelineExecutor's one_op_at_a_time)")
+flags.DEFINE_integer("profiles", 1, "profiled steps per configuration (the bubble is their "
+                     "median)")
 flags.DEFINE_bool("quick", False, "smoke run: K=2,4, M=2,4, a small model, 3 steps")
 flags.DEFINE_string("json", "", "write the results here")
 flags.DEFINE_string("timeline", "", "path prefix for the measured timeline picture/trace")
@@ -83,6 +88,19 @@ def _step_time_ms(times):
     ms = sorted(1e3 * t for t in times)
     return {"median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
             "min": ms[0]}
+
+
+def _matmul_theory(schedule, K, M, V):
+    """The schedule's simulated bubble with each stage's cost in matmuls of this model: a
+    chunk of n Dense layers runs n in its forward, n for the weight gradients and n for the
+    input gradients, except the first chunk of stage 0, whose first layer needs none (the
+    model's input has no gradient). The balanced theory assumes every stage costs the same,
+    which a model of equal layers split by parameters cannot give."""
+    from tfpar.pipeline.schedule import simulate
+    n = FLAGS.layers / (K * V)
+    f = [n] * K
+    b = [2 * n - (1 / V if s == 0 else 0) for s in range(K)]
+    return simulate(schedule, K, M, V, f_cost=f, b_cost=b, w_cost=f).bubble
 
 
 def main(argv):
@@ -182,7 +200,9 @@ def main(argv):
                 fns = [lambda f=f: f(x, y)[0].numpy() for f in steps]
                 piped, serial = _paired_times(fns, FLAGS.steps)
                 t, busy = _step_time_ms(piped), _step_time_ms(serial)
-                tl = timeline_lib.profile(fns[0], K)
+                tls = [timeline_lib.profile(fns[0], K) for _ in range(FLAGS.profiles)]
+                bubbles = [t.bubble for t in tls]
+                tl = sorted(tls, key=lambda t: t.bubble)[(len(tls) - 1) // 2]  # the median
                 if (name, K, M) == (draw_name, draw_K, draw_M):
                     drawn = (tl, f"{name} K={K} M={M}")
                 sim = simulate(sched, K, M, V)
@@ -197,7 +217,9 @@ def main(argv):
                         "stages": K, "microbatches": M, "schedule": name, "virtual_stages": V,
                         "bubble_measured": max(0.0, 1 - busy["min"] / (K * t["min"])),
                         "bubble_profiled": tl.bubble,
+                        "bubble_profiled_all": bubbles,
                         "bubble_theory": theory_bubble(K, M, V, name),
+                        "bubble_theory_stage_costs": _matmul_theory(sched, K, M, V),
                         "peak_stashed_microbatches": max(sim.peak_stash),
                         "peak_stash_source": "simulated",
                         "timeline": timeline_lib.to_dict(tl),
@@ -213,18 +235,26 @@ def main(argv):
           f"{FLAGS.steps} timed steps; unpipelined step {base['min']:.1f} ms "
           f"(median {base['median']:.1f}), peak {mb(runs[0]['memory']['peak_tensor_mb'], 0)} MB")
     print(f"{'K':>2} {'schedule':<12}{'M':>3}{'step ms':>9}{'serial':>8}{'vs 1 dev':>9}"
-          f"{'serial bubble':>14}{'profiled':>9}{'theory':>8}{'stash(sim)':>11}{'peak MB':>9}")
+          f"{'serial bubble':>14}{'profiled':>9}{'theory':>8}{'matmuls':>8}{'stash(sim)':>11}"
+          f"{'peak MB':>9}")
     for r in runs[1:]:
         p = r["pipeline"]
         print(f"{p['stages']:>2} {p['schedule']:<12}{p['microbatches']:>3}"
               f"{r['step_time_ms']['min']:>9.1f}{p['serialized_step_time_ms']['min']:>8.1f}"
               f"{p['speedup_vs_unpipelined']:>8.2f}x{p['bubble_measured']:>14.3f}"
-              f"{p['bubble_profiled']:>9.3f}{p['bubble_theory']:>8.3f}"
+              f"{p['bubble_profiled']:>9.3f}"
+              + (f" [{min(p['bubble_profiled_all']):.3f}-{max(p['bubble_profiled_all']):.3f}]"
+                 if FLAGS.profiles > 1 else "")
+              + f"{p['bubble_theory']:>8.3f}"
+              f"{p['bubble_theory_stage_costs']:>8.3f}"
               f"{p['peak_stashed_microbatches']:>11}{mb(r['memory']['peak_tensor_mb'], 9)}")
     print("serial bubble: 1 - (all actions chained into one sequence) / (K x pipelined step), "
           "fastest runs (JSON bubble_measured)\nprofiled: one step under the TensorFlow "
           "profiler, ops mapped to stages (JSON bubble_profiled; the README's \"bubble "
-          "measured\")\ntheory: (K-1)/(V*M+K-1); stash(sim): peak stashed micro-batches "
+          "measured\")\ntheory: (K-1)/(V*M+K-1) (zb_h1: simulated with equal F, B, W); "
+          "matmuls: the schedule simulated with each stage's cost in this model's matmuls "
+          "(stage 0 skips its first layer's input gradient: JSON bubble_theory_stage_costs)"
+          "\nstash(sim): peak stashed micro-batches "
           "from the schedule simulator, not measured; peak MB: allocator peak summed over "
           "the logical CPUs")
     if FLAGS.json:

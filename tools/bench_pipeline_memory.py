@@ -18,14 +18,22 @@ One micro-batch's activations (`per_microbatch_mb`) is the slope of GPipe's peak
 slope: the micro-batches stage 0 held at its peak, measured from memory. The schedule
 simulator's peak (`stash_sim`) is printed next to it.
 
+With --live_at_peak=N the measured step runs under the TensorFlow profiler (which records
+every allocation and free of the BFC allocator with the op that made it); the tool replays
+them and prints what was alive at the peak, grouped by op name.
+
 Output: a table, and with --json {"benchmark": "pipeline_memory", "rows": [...], "fit": ...}.
 """
 
+import glob
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -42,6 +50,9 @@ flags.DEFINE_integer("microbatch_size", 128, "rows per micro-batch (the batch is
 flags.DEFINE_integer("width", 1024, "width of each Dense block")
 flags.DEFINE_integer("layers", 8, "Dense blocks (half on each stage)")
 flags.DEFINE_string("json", "", "write the results here")
+flags.DEFINE_integer("live_at_peak", 0, "also profile the measured step and print, per run, "
+                     "the N largest groups of tensors alive at stage 0's peak (by the op "
+                     "that made them, digits folded)")
 
 K = 2
 
@@ -76,6 +87,51 @@ def _fit(points):
     sxx = sum((x - mx) ** 2 for x, _ in points)
     slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
     return slope, my - slope * mx
+
+
+def _live_at_peak(logdir, top):
+    """Replays the profiler's allocation events of stage 0's CPU allocator; returns the `top`
+    groups of tensors alive at the traced peak as [op name with digits as '#', MB, count]."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    path = max(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
+               key=os.path.getmtime)
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                kind = plane.event_metadata[ev.metadata_id].name
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {}
+                for st in ev.stats:
+                    stats[stat_names.get(st.metadata_id)] = (
+                        st.str_value or (plane.stat_metadata[st.ref_value].name
+                                         if st.ref_value else None)
+                        or st.int64_value or st.uint64_value)
+                events.append((line.timestamp_ns * 1000 + ev.offset_ps, kind, stats))
+    live, now, peak = {}, 0, (0, {})
+    for _, kind, stats in sorted(events, key=lambda e: e[0]):
+        addr = stats.get("addr")
+        if kind == "MemoryAllocation":
+            live[addr] = (stats.get("allocation_bytes") or 0, str(stats.get("tf_op")))
+            now += live[addr][0]
+            if now > peak[0]:
+                peak = (now, dict(live))
+        elif addr in live:
+            now -= live.pop(addr)[0]
+    groups = {}
+    for size, op in peak[1].values():
+        key = re.sub(r"\d+", "#", op)
+        mb, count = groups.get(key, (0.0, 0))
+        groups[key] = (mb + size / 2**20, count + 1)
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    for key, (mb, count) in ranked:
+        print(f"      {mb:7.1f} MB in {count:3} tensors from {key}", file=sys.stderr)
+    return [[key, mb, count] for key, (mb, count) in ranked]
 
 
 def measure(address, schedules, Ms):
@@ -113,12 +169,20 @@ def measure(address, schedules, Ms):
                 step(x, y)[0].numpy()
             resting = tf.config.experimental.get_memory_info("CPU:0")["current"]
             tf.config.experimental.reset_memory_stats("CPU:0")
+            logdir = tempfile.mkdtemp(prefix="tfpar_mem_") if FLAGS.live_at_peak else None
+            if logdir:
+                tf.profiler.experimental.start(logdir)
             step(x, y)[0].numpy()
+            if logdir:
+                tf.profiler.experimental.stop()
             peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             rows.append({"schedule": name, "microbatches": M, "batch": n,
                          "peak_mb": (peak - resting) / 2**20,
                          "stash_sim": simulate(sched, K, M).peak_stash[0]})
             print(f"  {name} M={M}: {rows[-1]['peak_mb']:.1f} MB", file=sys.stderr, flush=True)
+            if logdir:
+                rows[-1]["live_at_peak"] = _live_at_peak(logdir, FLAGS.live_at_peak)
+                shutil.rmtree(logdir, ignore_errors=True)
     return rows
 
 

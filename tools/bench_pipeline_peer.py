@@ -192,8 +192,9 @@ def main(argv):
         rounds.append({"round": r, "load_1min": load, "load_1min_end": os.getloadavg()[0],
                        "tfpar": ours, "torch": theirs})
         print(f"round {r}: load {load:.2f} -> {rounds[-1]['load_1min_end']:.2f}; tfpar "
-              f"{len(ours)} and torch {len(theirs)} configurations timed",
-              file=sys.stderr, flush=True)
+              f"{len(ours)} and torch {len(theirs)} configurations timed; "
+              + json.dumps({k: round(v, 4) for side in (ours, theirs) for k, v in side.items()}),
+              file=sys.stderr, flush=True)  # kept if a later round is cut by a timeout
 
     def values(side, key):
         return [rd[side][key] for rd in rounds if key in rd[side]]

@@ -20,8 +20,9 @@ Example:
 
 import tensorflow as tf
 
+from tfpar import patches
 from tfpar.devices import check_device_count, compute_devices
-from tfpar.errors import ConfigError
+from tfpar.errors import ConfigError, TfparError
 from tfpar.pipeline.placement import current_device, variables_on
 from tfpar.pipeline.schedule import chunks_of, has_weight_passes, simulate
 
@@ -51,6 +52,8 @@ class PipelineExecutor:
             pool that stage then takes the threads the next stage waits for.
     Raises:
         ConfigError: stages, devices and schedule disagree in size.
+        TfparError: `one_op_at_a_time` on a TensorFlow whose `Operation._add_control_input`
+            changed (`tfpar.patches.REGISTRY["graph_control_input"]`).
     """
 
     def __init__(self, stages, devices, schedule, loss_fn, recompute=False, serialize=False,
@@ -65,6 +68,10 @@ class PipelineExecutor:
         self.stages, self.devices, self.schedule = list(stages), list(devices), schedule
         self.loss_fn, self.serialize = loss_fn, serialize
         self.one_op_at_a_time = one_op_at_a_time
+        if one_op_at_a_time:
+            problems = patches.check_targets(["graph_control_input"])
+            if problems:
+                raise TfparError(problems[0])
         self.optimizers = None
         self.split = has_weight_passes(schedule)
         if self.split and recompute:
@@ -248,7 +255,7 @@ def _chain_in_order(ops):
     (an op's inputs exist before it), so the extra edges add no cycle."""
     for prev, op in zip(ops, ops[1:]):
         if prev not in op.control_inputs:
-            op._add_control_input(prev)  # graph building only; no public equivalent
+            patches.add_control_input(op, prev)  # no public equivalent for existing ops
 
 
 def _add(a, b):

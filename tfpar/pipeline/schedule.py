@@ -249,7 +249,7 @@ def _validate(schedule, K, M, V):
             raise ScheduleError(f"stage {s}: action {Action(*missing)} is missing")
 
 
-def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0):
+def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0, w_cost=None):
     """Runs the per-stage lists against the cross-stage dependencies and times them.
 
     Each stage runs its actions in order, one at a time. Forward of virtual stage v needs
@@ -259,8 +259,10 @@ def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0):
 
     Args:
         schedule: list of K action lists. K, M, V: stages, micro-batches, chunks per stage.
-        f_cost, b_cost: time of one forward / backward of one chunk; with W actions, B and
-            W take half of `b_cost` each.
+        f_cost, b_cost: time of one forward / whole backward of one chunk: a number, or one
+            per stage (a list of K: stages of unequal cost).
+        w_cost: with W actions, the part of `b_cost` the W pass takes (a number or one per
+            stage; default half), B takes the rest.
     Returns:
         a `Simulation`.
     Raises:
@@ -269,7 +271,11 @@ def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0):
     """
     _validate(schedule, K, M, V)
     split = has_weight_passes(schedule)
-    cost = {"F": f_cost, "B": b_cost / 2 if split else b_cost, "W": b_cost / 2}
+    per_stage = [c if isinstance(c, (list, tuple)) else [c] * K
+                 for c in (f_cost, b_cost, w_cost)]
+    if per_stage[2] == [None] * K:
+        per_stage[2] = [b / 2 for b in per_stage[1]]
+    cost = [{"F": f, "B": b - w if split else b, "W": w} for f, b, w in zip(*per_stage)]
     releases = "W" if split else "B"
     last = K * V - 1
     done = {}  # (kind, mb, virtual stage) -> end time
@@ -293,7 +299,7 @@ def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0):
                 if any(d not in done for d in deps):
                     break
                 start = max([free[s]] + [done[d] for d in deps])
-                end = start + cost[a.kind]
+                end = start + cost[s][a.kind]
                 done[(a.kind, a.microbatch, v)] = free[s] = end
                 timeline[s].append((a, start, end))
                 stash[s] += 1 if a.kind == "F" else -1 if a.kind == releases else 0
