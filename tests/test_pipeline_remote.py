@@ -149,6 +149,10 @@ def test_1f1b_stashes_fewer_microbatches_than_gpipe_measured_from_memory(tmp_pat
     path = tmp_path / "mem.json"
     run([sys.executable, f"{ROOT}/tools/bench_pipeline_memory.py", "--microbatches=2,8",
          "--schedules=gpipe,1f1b", "--width=256", "--layers=4", "--microbatch_size=64",
+         # Each stage's ops in the schedule's order: without it a loaded machine (another
+         # test file running alongside) let stage 0 run forwards ahead of 1F1B's order and
+         # hold ~4 micro-batches at M=8, a result of timing, not of the schedule.
+         "--one_op_at_a_time",
          f"--json={path}"], timeout=300)
     out = json.loads(path.read_text())
     peak = {(r["schedule"], r["microbatches"]): r["peak_mb"] for r in out["rows"]}

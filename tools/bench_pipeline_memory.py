@@ -50,6 +50,9 @@ flags.DEFINE_integer("microbatch_size", 128, "rows per micro-batch (the batch is
 flags.DEFINE_integer("width", 1024, "width of each Dense block")
 flags.DEFINE_integer("layers", 8, "Dense blocks (half on each stage)")
 flags.DEFINE_string("json", "", "write the results here")
+flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time in the "
+                  "schedule's order (PipelineExecutor's one_op_at_a_time): the stash then "
+                  "depends on the schedule alone, not on how fast the other process runs")
 flags.DEFINE_integer("live_at_peak", 0, "also profile the measured step and print, per run, "
                      "the N largest groups of tensors alive at stage 0's peak (by the op "
                      "that made them, digits folded)")
@@ -156,7 +159,8 @@ def measure(address, schedules, Ms):
                    for _ in range(FLAGS.layers)], name="blocks")
             stages = partition(model, K, devices=devices)
             sched = make_schedule(name, K, M)
-            ex = PipelineExecutor(stages, devices, sched, keras.losses.MeanSquaredError())
+            ex = PipelineExecutor(stages, devices, sched, keras.losses.MeanSquaredError(),
+                                  one_op_at_a_time=FLAGS.one_op_at_a_time)
             ex.build_optimizers(keras.optimizers.SGD(1e-3))
             step = tf.function(ex.train_step, jit_compile=False)
             rng = np.random.default_rng(0)
