@@ -39,7 +39,6 @@ TABLE = {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
     },
     "pipeline_stages": {
-        "dtensor": ((1,), "pipelines and tensor parallelism do not compose in tfpar yet"),
         "tf_keras": ((1,), "pipeline parallelism is Keras 3 only"),
     },
     "tensor_parallel": {
