@@ -207,17 +207,18 @@ class MeshPipelineTrainer(MeshTrainer):
 
     def _on_mesh(self, batch, training=False):
         batch = tuple(b for b in batch if b is not None)
-        if len(batch) != 2:
+        if len(batch) not in (2, 3):
             raise ConfigError("batch", f"{len(batch)} arrays",
-                              "a mesh pipeline takes (x, y) batches")
-        x, y = (np.asarray(b) for b in batch)
+                              "a mesh pipeline takes (x, y) or (x, y, sample_weight) batches")
+        x, y = np.asarray(batch[0]), np.asarray(batch[1])
         parts = axis_size(self.mesh, BATCH)
         if len(x) % (self.M * parts):
             raise ConfigError("microbatches", self.M,
                               f"the batch of {len(x)} must split into {self.M} micro-batches "
                               f"divisible by data_parallel={parts}")
         xs = values.micro_batches_to_mesh((x,), self.meshes[0], self.M)[0]
-        ys = values.micro_batches_to_mesh((y,), self.meshes[-1], self.M)[0]
+        # Labels and weights go where the loss is: the last stage's mesh.
+        ys = values.micro_batches_to_mesh(batch[1:], self.meshes[-1], self.M)
         return xs, ys
 
     def _stage_forward(self, s, tv, ntv, h):
@@ -247,9 +248,9 @@ class MeshPipelineTrainer(MeshTrainer):
                         h_in = h
                     out = self._stage_forward(s, tv[s], ntv[s], h_in)
                     if s == K - 1:
-                        loss = self.loss(ys[m], out) / M
+                        loss = self._loss(out, ys, m)
                         losses.append(loss)
-                        metrics.append(_correct(out, ys[m]))
+                        metrics.append(_correct(out, ys, m))
                         out = loss
                 tapes[(s, m)] = (tape, h, out)
                 if s < K - 1:
@@ -281,10 +282,16 @@ class MeshPipelineTrainer(MeshTrainer):
             for s in range(self.K):
                 h = self._stage_forward(s, tv[s], ntv[s], h if s == 0 else
                                         _move(h, self.meshes[s - 1], self.meshes[s]))
-            losses.append(self.loss(ys[m], h) / self.M)
-            metrics.append(_correct(h, ys[m]))
+            losses.append(self._loss(h, ys, m))
+            metrics.append(_correct(h, ys, m))
         return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
                 "weight": tf.add_n([w for _, w in metrics])}
+
+    def _loss(self, logits, ys, m):
+        """Micro-batch m's share of the batch's mean loss (equal micro-batches: the mean of
+        their means)."""
+        weight = ys[1][m] if len(ys) > 1 else None
+        return self.loss(ys[0][m], logits, weight) / self.M
 
     def _step(self, batch):
         from tfpar.layout.trainer import _host
@@ -303,6 +310,9 @@ class MeshPipelineTrainer(MeshTrainer):
         raise ConfigError("predict", "mesh pipeline", "not built for a mesh pipeline yet")
 
 
-def _correct(logits, y):
+def _correct(logits, ys, m):
+    """(weighted correct predictions, weight sum) of micro-batch m."""
+    y = ys[0][m]
     match = tf.cast(tf.equal(tf.cast(tf.argmax(logits, axis=-1), y.dtype), y), tf.float32)
-    return tf.reduce_sum(match), tf.reduce_sum(tf.ones_like(match))
+    weight = tf.cast(ys[1][m], tf.float32) if len(ys) > 1 else tf.ones_like(match)
+    return tf.reduce_sum(match * weight), tf.reduce_sum(weight)
