@@ -89,6 +89,9 @@ def build(config, task, meshes, build_optimizer):
             not cut into K stages.
     """
     for setting, value, honoured in (
+            # The transformer's step hung (no CPU use for minutes after tracing): not
+            # run until that is found.
+            ("model", config.model, ("mlp",)),
             ("schedule", config.schedule, ("gpipe", "1f1b")),
             ("grad_accum_steps", config.grad_accum_steps, (1,)),
             ("mixed_precision", config.mixed_precision, ("none",)),
