@@ -39,7 +39,6 @@ TABLE = {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
     },
     "pipeline_stages": {
-        "dtensor": ((1,), "pipelines and tensor parallelism do not compose in tfpar yet"),
         "tf_keras": ((1,), "pipeline parallelism is Keras 3 only"),
     },
     "tensor_parallel": {
@@ -82,7 +81,22 @@ TABLE = {
 
 # Settings that a value of another setting excludes, on every backend:
 # (setting, the values it may take then, when, why).
+_MESH_PIPELINE = "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (tfpar.layout.pipeline)"
+
+
+def _mesh_pipeline(c):
+    return c.tensor_parallel > 1 and c.pipeline_stages > 1
+
+
 COMBINATIONS = (
+    # dp × tp × pp (`tfpar.layout.pipeline`): what it runs so far. The transformer's step
+    # hung after tracing (no CPU use for minutes); not run until that is found.
+    ("model", ("mlp",), _mesh_pipeline, _MESH_PIPELINE),
+    ("schedule", ("gpipe", "1f1b"), _mesh_pipeline, _MESH_PIPELINE),
+    ("grad_accum_steps", (1,), _mesh_pipeline, _MESH_PIPELINE),
+    ("mixed_precision", ("none",), _mesh_pipeline, _MESH_PIPELINE),
+    ("recompute", ("none",), _mesh_pipeline, _MESH_PIPELINE),
+    ("checkpoint_dir", ("",), _mesh_pipeline, _MESH_PIPELINE),
     ("compression", ("none",), lambda c: c.zero_stage > 0,
      "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
      "reduce-scatter is not built (use --zero_stage=0)"),

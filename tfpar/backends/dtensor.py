@@ -23,8 +23,9 @@ from absl import logging
 
 from tfpar import checkpoint, data, devices, memory, metrics, optimizers, strategy, tf_config
 from tfpar.backends import Backend
-from tfpar.errors import TfparError
-from tfpar.layout import multi_client, run, values
+from tfpar.errors import ConfigError, TfparError
+from tfpar.layout import multi_client, pipeline, run, values
+from tfpar.pipeline import schedule
 from tfpar.layout.mesh import describe, mesh_for_config
 
 
@@ -55,20 +56,32 @@ class DTensorBackend(Backend):
         if config.mixed_precision != "none":
             keras.mixed_precision.set_global_policy(
                 optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
+        meshes = None
+        if workers > 1 and config.pipeline_stages > 1:
+            raise ConfigError("pipeline_stages", config.pipeline_stages,
+                              "with --tensor_parallel>1 pipelines run in one process so far; "
+                              "use --pipeline_stages=1 across workers")
         if workers > 1:
             mesh = multi_client.distributed_mesh(config.data_parallel, config.tensor_parallel)
             index, chief = cluster.worker_index, cluster.is_chief
+        elif config.pipeline_stages > 1:  # dp × tp × pp: a mesh per stage
+            meshes = pipeline.make_meshes(config.data_parallel, config.tensor_parallel,
+                                          config.pipeline_stages, devices.compute_devices())
+            mesh, index, chief = meshes[0], 0, True
         else:
             mesh, index, chief = mesh_for_config(config), 0, True
         runtime = types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
-                                        workers=workers, worker_index=index, is_chief=chief)
+                                        workers=workers, worker_index=index, is_chief=chief,
+                                        meshes=meshes or [mesh])
         print(strategy.READY_LINE, file=sys.stderr, flush=True)  # tfpar.launch waits for it
         return runtime
 
     def build_model(self, config, runtime, task):
-        _, model, self.trainer = run.build(config, task, runtime.mesh)
-        logging.info("%s; %d/%d parameters per device", describe(runtime.mesh),
-                     values.shard_sizes(model.weights)[0], model.count_params())
+        meshes = runtime.meshes if config.pipeline_stages > 1 else runtime.mesh
+        _, model, self.trainer = run.build(config, task, meshes)
+        logging.info("%s; %d/%d parameters per device", "; ".join(
+            describe(m) for m in runtime.meshes), _shard_sizes(runtime, model)[0],
+            model.count_params())
         return model
 
     def fit(self, config, runtime, model, task, recorder, callbacks):
@@ -104,7 +117,7 @@ class DTensorBackend(Backend):
         return {"resumed_from_step": start}
 
     def stats(self, config, runtime, model, task, recorder):
-        result = metrics.summarize(config, runtime, recorder, values.shard_sizes(model.weights))
+        result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model))
         mesh_devices = _mesh_devices(runtime)
         result["memory"].update(memory.memory_block(
             model, getattr(self, "_memory_start", None), mesh_devices,
@@ -114,9 +127,22 @@ class DTensorBackend(Backend):
         result["strategy"] = "DTensorMesh"
         result["mesh"] = {"data_parallel": runtime.mesh.shape[0],
                           "tensor_parallel": runtime.mesh.shape[1]}
+        if len(runtime.meshes) > 1:
+            result["mesh"]["pipeline_stages"] = len(runtime.meshes)
+            result["pipeline"] = schedule.pipeline_metrics(
+                config.schedule, config.pipeline_stages, config.microbatches)
         return result
 
 
 def _mesh_devices(runtime):
-    """The mesh's devices in DTensor's shard order (`dtensor.unpack`)."""
-    return [str(d) for d in runtime.mesh.backend_mesh.local_devices()]
+    """The meshes' devices (one mesh per pipeline stage), each in DTensor's shard order
+    (`dtensor.unpack`)."""
+    return [str(d) for mesh in runtime.meshes for d in mesh.backend_mesh.local_devices()]
+
+
+def _shard_sizes(runtime, model):
+    """Parameters each device holds: per stage's mesh, that stage's shards."""
+    stages = getattr(model, "stages", None)
+    if len(runtime.meshes) == 1 or stages is None:
+        return values.shard_sizes(model.weights)
+    return [n for stage in stages for n in values.shard_sizes(stage.weights)]

@@ -15,12 +15,18 @@ from tfpar.layout.trainer import build_on_mesh
 
 
 def build(config, task, mesh=None):
-    """Builds `(mesh, model, MeshTrainer)` for `config` on its mesh (or `mesh`).
+    """Builds `(mesh, model, MeshTrainer)` for `config` on its mesh (or `mesh`); with
+    `pipeline_stages > 1`, `mesh` is the list of the stages' meshes and the model and
+    trainer come from `tfpar.layout.pipeline`.
 
     Raises:
         ConfigError: the model has no tensor-parallel presets, or the degrees do not
             match the devices.
     """
+    if config.pipeline_stages > 1:  # dp × tp × pp: one mesh per stage
+        from tfpar.layout import pipeline
+        model, trainer = pipeline.build(config, task, mesh, lambda: _optimizer(config))
+        return mesh, model, trainer
     rules = ([] if config.zero_stage == 3  # every weight over `batch`: _build_model
              else presets.preset_rules(presets.model_presets(config.model)))
     mesh = mesh or mesh_for_config(config)

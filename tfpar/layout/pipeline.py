@@ -1,0 +1,321 @@
+"""dp × tp × pp in one process: pipeline stages, each a tensor-parallel model on its own mesh.
+
+`python -m tfpar.train --model=transformer --cpu_devices=8 --data_parallel=2
+--tensor_parallel=2 --pipeline_stages=2 --microbatches=4`: K meshes, each `batch` × `model`
+(data_parallel × tensor_parallel) over its own group of devices (stage s on devices
+s·dp·tp … (s+1)·dp·tp − 1). The model is built whole with the run's seed, cut into K stages
+by `tfpar.pipeline.partition`'s rules, and every stage rebuilt as DVariables on its mesh
+with the presets of `tfpar.layout.presets` (the same weight paths as the whole model), its
+weights copied in. Each stage has its own stateless optimizer on its mesh.
+
+One compiled step holds all K meshes. It runs the schedule (`tfpar.pipeline.schedule`:
+any of its schedules, in the simulated start order as `tfpar.pipeline.executor`) with one
+`GradientTape` per stage and micro-batch, as the exact mesh step does: every variable read
+once, forward/backward inside a `StatelessScope`, one write per changed variable at the end.
+
+Measured on TF 2.21 (8 logical CPUs, two 2×2 meshes): inside one `tf.function`, a
+cross-mesh copy works only between fully replicated layouts (`copy_to_mesh` of a
+batch-sharded value fails in SPMD expansion), and an explicit copy from a later mesh back
+to an earlier one made the step hang. So an activation crosses forwards only, inside the
+receiving stage's tape: gathered on its mesh, copied replicated, split again on the
+`batch` axis of the next mesh; its gradient crosses back through the copy's own gradient
+(`CopyToMeshGrad`), which runs.
+"""
+
+import types
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import models
+from tfpar.errors import ConfigError
+from tfpar.layout import presets, values, variables
+from tfpar.layout.mesh import BATCH, axis_size, make_mesh
+from tfpar.layout.newaxis import traced_with_expand_dims
+from tfpar.layout.optimizer import stateless_optimizer
+from tfpar.layout.step import _layouts, _read, _write
+from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
+from tfpar.pipeline import partition as partition_lib
+from tfpar.pipeline.schedule import has_weight_passes, make_schedule, simulate
+
+
+def make_meshes(data_parallel, tensor_parallel, stages, devices):
+    """`stages` meshes of `data_parallel` × `tensor_parallel`, over consecutive groups of
+    `devices`.
+
+    Raises:
+        ConfigError: the three degrees do not multiply to the number of devices.
+    """
+    per_stage = data_parallel * tensor_parallel
+    if per_stage * stages != len(devices):
+        raise ConfigError(
+            "pipeline_stages", stages,
+            f"data_parallel × tensor_parallel × pipeline_stages = {data_parallel}×"
+            f"{tensor_parallel}×{stages} = {per_stage * stages} must equal the "
+            f"{len(devices)} local devices; use --cpu_devices={per_stage * stages} on CPU")
+    return [make_mesh(data_parallel, tensor_parallel, devices[s * per_stage:
+                                                              (s + 1) * per_stage])
+            for s in range(stages)]
+
+
+class StagedModel(keras.Model):
+    """The stage models of a mesh pipeline, in order; `weights` lists them stage by stage,
+    in the whole model's order. Not callable: `MeshPipelineTrainer` runs it."""
+
+    def __init__(self, stages, **kwargs):
+        super().__init__(**kwargs)
+        self.stages = list(stages)
+        self.built = True
+
+    def call(self, x, training=False):
+        raise TypeError("a mesh pipeline runs through its MeshPipelineTrainer")
+
+
+def build(config, task, meshes, build_optimizer):
+    """Builds `(StagedModel, MeshPipelineTrainer)` for `config` over `meshes` (one per
+    stage).
+
+    Args:
+        config: the `ParallelConfig` (model, seed, pipeline_stages, microbatches,
+            schedule, virtual_stages).
+        task: the `tfpar.data` task (input shape, classes).
+        meshes: K `keras.distribution.DeviceMesh`es of equal shape (`make_meshes`).
+        build_optimizer: a function returning a new Keras optimizer (one per stage).
+
+    Raises:
+        ConfigError: a setting this composition does not run (named), or the model does
+            not cut into K stages.
+    """
+    for setting, value, honoured in (
+            # The transformer's step hung (no CPU use for minutes after tracing): not
+            # run until that is found.
+            ("model", config.model, ("mlp",)),
+            ("schedule", config.schedule, ("gpipe", "1f1b")),
+            ("grad_accum_steps", config.grad_accum_steps, (1,)),
+            ("mixed_precision", config.mixed_precision, ("none",)),
+            ("recompute", config.recompute, ("none",)),
+            ("checkpoint_dir", config.checkpoint_dir, ("",))):
+        if value not in honoured:
+            raise ConfigError(setting, value, "not built yet for --tensor_parallel>1 with "
+                              f"--pipeline_stages>1; use {' or '.join(map(repr, honoured))}")
+    rules = presets.preset_rules(presets.model_presets(config.model))
+    keras.utils.set_random_seed(config.seed)
+    whole = models.build(config.model, task.input_shape, task.num_classes,
+                         width=config.model_width, depth=config.model_depth)
+    stages, optimizers = [], []
+    for s, (nodes, src, out) in enumerate(_cut(whole, len(meshes))):
+        distribution = keras.distribution.ModelParallel(
+            layout_map=presets.layout_map(meshes[s], rules), batch_dim_name=BATCH)
+        with variables.variable_scope(distribution):
+            stage = _rebuild(nodes, src, out, s)
+            optimizer = stateless_optimizer(build_optimizer())
+            optimizer.build(stage.trainable_variables)
+        _refuse_keras_loops(stage)
+        stages.append(stage)
+        optimizers.append(optimizer)
+    model = StagedModel(stages, name=f"{whole.name}_mesh_pipeline")
+    schedule = make_schedule(config.schedule, len(meshes), config.microbatches)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss)
+
+
+def _cut(model, num_stages):
+    """`(nodes, input tensor, output tensor)` per stage: `tfpar.pipeline.partition`'s
+    balanced split by parameter count."""
+    functional, nodes = partition_lib._graph(model)
+    if num_stages > len(nodes):
+        raise ConfigError("pipeline_stages", num_stages,
+                          f"model {model.name!r} has {len(nodes)} layers")
+    cuts, blocker = partition_lib._valid_cuts(functional, nodes)
+    cuts[len(nodes) - 1] = functional.outputs[0]
+    cuts[-1] = functional.inputs[0]
+    if len(cuts) - 1 < num_stages:
+        raise ConfigError("pipeline_stages", num_stages,
+                          f"model {model.name!r} cuts into at most {len(cuts) - 1} "
+                          f"stages: {blocker}")
+    costs = [partition_lib._cost(n.operation) for n in nodes]
+    return [(nodes[b:e], cuts[b - 1], cuts[e - 1]) for b, e in
+            partition_lib.balanced_bounds(costs, sorted(cuts)[1:-1], num_stages)]
+
+
+def _rebuild(nodes, src, out, index):
+    """`partition._rebuild` for a mesh: fresh layers (DVariables, inside the caller's
+    variable scope) with the original weights put on their layouts."""
+    inp = keras.Input(shape=src.shape[1:], dtype=src.dtype, name=f"stage_{index}_input")
+    tensors, copies = {id(src): inp}, {}
+    for n in nodes:
+        op = n.operation
+        if isinstance(op, keras.layers.Layer):
+            if id(op) not in copies:
+                copies[id(op)] = (op.__class__.from_config(op.get_config()), op)
+            op = copies[id(op)][0]
+        args, kwargs = n.arguments.fill_in(tensors)
+        for t, v in zip(n.outputs, keras.tree.flatten(op(*args, **kwargs))):
+            tensors[id(t)] = v
+    for copy, original in copies.values():
+        for variable, weight in zip(copy.weights, original.weights):
+            values.assign(variable, np.asarray(weight))
+    return keras.Model(inp, tensors[id(out)], name=f"stage_{index}")
+
+
+def _move(h, source, mesh):
+    """`h` (split on the `batch` axis of mesh `source`) onto `mesh`, split there the same
+    way: the one cross-mesh copy that works inside a step (see the module docstring)."""
+    rank = h.shape.rank
+    whole = dtensor.relayout(h, dtensor.Layout.replicated(source.backend_mesh, rank))
+    whole = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(mesh.backend_mesh, rank))
+    return dtensor.relayout(whole, dtensor.Layout.batch_sharded(mesh.backend_mesh, BATCH,
+                                                                rank))
+
+
+class MeshPipelineTrainer(MeshTrainer):
+    """`MeshTrainer` for K stage models on K meshes, trained by a pipeline schedule.
+
+    Args:
+        meshes: one `keras.distribution.DeviceMesh` per stage.
+        model: the `StagedModel`.
+        optimizers: one built stateless optimizer per stage, on its mesh.
+        schedule: K action lists (`tfpar.pipeline.schedule`, no virtual stages).
+        loss: a mean-reducing `keras.losses.Loss`.
+    """
+
+    def __init__(self, meshes, model, optimizers, schedule, loss, accuracy="accuracy"):
+        if has_weight_passes(schedule) or any(a.chunk for row in schedule for a in row):
+            raise ConfigError("schedule", "zb_h1/interleaved",
+                              "with --tensor_parallel>1 use gpipe or 1f1b")
+        self.meshes, self.mesh, self.model, self.loss = meshes, meshes[0], model, loss
+        self.stage_optimizers = optimizers
+        self.optimizer = types.SimpleNamespace(
+            variables=[v for o in optimizers for v in o.variables])
+        self.grad_accum_steps, self.accuracy, self.reduction = 1, accuracy, None
+        self.K, self.M = len(schedule), 1 + max(a.microbatch for a in schedule[0])
+        sim = simulate(schedule, self.K, self.M)
+        self._order = sorted(((start, s, a) for s in range(self.K)
+                              for a, start, _ in sim.timeline[s]), key=lambda t: t[:2])
+        for stage, optimizer in zip(model.stages, optimizers):
+            variables.check_dvariables(list(stage.variables) + list(optimizer.variables),
+                                       "the mesh pipeline")
+        self._train = self._compiled(self._train_step)
+        self._eval = self._compiled(self._eval_step)
+
+    def _compiled(self, step):
+        fn = tf.function(traced_with_expand_dims(step))
+
+        def call(*args):
+            with dtensor.default_mesh(self.mesh.backend_mesh):
+                return fn(*args)
+        return call
+
+    def _on_mesh(self, batch, training=False):
+        batch = tuple(b for b in batch if b is not None)
+        if len(batch) not in (2, 3):
+            raise ConfigError("batch", f"{len(batch)} arrays",
+                              "a mesh pipeline takes (x, y) or (x, y, sample_weight) batches")
+        x, y = np.asarray(batch[0]), np.asarray(batch[1])
+        parts = axis_size(self.mesh, BATCH)
+        if len(x) % (self.M * parts):
+            raise ConfigError("microbatches", self.M,
+                              f"the batch of {len(x)} must split into {self.M} micro-batches "
+                              f"divisible by data_parallel={parts}")
+        xs = values.micro_batches_to_mesh((x,), self.meshes[0], self.M)[0]
+        # Labels and weights go where the loss is: the last stage's mesh.
+        ys = values.micro_batches_to_mesh(batch[1:], self.meshes[-1], self.M)
+        return xs, ys
+
+    def _stage_forward(self, s, tv, ntv, h):
+        stage = self.model.stages[s]
+        mapping = (list(zip(stage.trainable_variables, tv))
+                   + list(zip(stage.non_trainable_variables, ntv)))
+        with keras.StatelessScope(state_mapping=mapping):
+            return stage(h, training=True)
+
+    def _train_step(self, xs, ys):
+        K, M, stages = self.K, self.M, self.model.stages
+        tv = [_read(st.trainable_variables) for st in stages]
+        ntv = [_read(st.non_trainable_variables) for st in stages]
+        ov = [_read(o.variables) for o in self.stage_optimizers]
+        outs, tapes, in_grads, acc = {}, {}, {}, [None] * K
+        losses, metrics = [], []
+        for _, s, a in self._order:
+            m = a.microbatch
+            if a.kind == "F":
+                with tf.GradientTape() as tape:
+                    tape.watch(tv[s])
+                    h = xs[m] if s == 0 else outs.pop((s - 1, m))
+                    if s > 0:
+                        tape.watch(h)
+                        h_in = _move(h, self.meshes[s - 1], self.meshes[s])
+                    else:
+                        h_in = h
+                    out = self._stage_forward(s, tv[s], ntv[s], h_in)
+                    if s == K - 1:
+                        loss = self._loss(out, ys, m)
+                        losses.append(loss)
+                        metrics.append(_correct(out, ys, m))
+                        out = loss
+                tapes[(s, m)] = (tape, h, out)
+                if s < K - 1:
+                    outs[(s, m)] = out
+            else:
+                tape, h, out = tapes.pop((s, m))
+                upstream = None if s == K - 1 else in_grads.pop((s + 1, m))
+                sources = list(tv[s]) + ([h] if s > 0 else [])
+                grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+                    out, sources, output_gradients=upstream, unconnected_gradients="zero")]
+                if s > 0:
+                    in_grads[(s, m)] = grads.pop()
+                acc[s] = grads if acc[s] is None else [a + b for a, b in zip(acc[s], grads)]
+        for s, (stage, optimizer) in enumerate(zip(stages, self.stage_optimizers)):
+            new_tv, new_ov = optimizer.stateless_apply(ov[s], acc[s], tv[s])
+            _write(stage.trainable_variables, _layouts(stage.trainable_variables), tv[s],
+                   new_tv)
+            _write(optimizer.variables, _layouts(optimizer.variables), ov[s], new_ov)
+        return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
+                "weight": tf.add_n([w for _, w in metrics])}
+
+    def _eval_step(self, xs, ys):
+        losses, metrics = [], []
+        stages = self.model.stages
+        tv = [_read(st.trainable_variables) for st in stages]
+        ntv = [_read(st.non_trainable_variables) for st in stages]
+        for m in range(self.M):
+            h = xs[m]
+            for s in range(self.K):
+                h = self._stage_forward(s, tv[s], ntv[s], h if s == 0 else
+                                        _move(h, self.meshes[s - 1], self.meshes[s]))
+            losses.append(self._loss(h, ys, m))
+            metrics.append(_correct(h, ys, m))
+        return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
+                "weight": tf.add_n([w for _, w in metrics])}
+
+    def _loss(self, logits, ys, m):
+        """Micro-batch m's share of the batch's mean loss (equal micro-batches: the mean of
+        their means)."""
+        weight = ys[1][m] if len(ys) > 1 else None
+        return self.loss(ys[0][m], logits, weight) / self.M
+
+    def _step(self, batch):
+        from tfpar.layout.trainer import _host
+        return _host(self._train(*self._on_mesh(batch, training=True)))
+
+    def evaluate(self, batches, steps=None):
+        from tfpar.layout.trainer import _host, _Sums
+        sums = _Sums(self.accuracy)
+        for index, batch in enumerate(batches):
+            if steps is not None and index >= steps:
+                break
+            sums.add(_host(self._eval(*self._on_mesh(batch))))
+        return sums.logs()
+
+    def predict(self, x, batch_size=None):
+        raise ConfigError("predict", "mesh pipeline", "not built for a mesh pipeline yet")
+
+
+def _correct(logits, ys, m):
+    """(weighted correct predictions, weight sum) of micro-batch m."""
+    y = ys[0][m]
+    match = tf.cast(tf.equal(tf.cast(tf.argmax(logits, axis=-1), y.dtype), y), tf.float32)
+    weight = tf.cast(ys[1][m], tf.float32) if len(ys) > 1 else tf.ones_like(match)
+    return tf.reduce_sum(match * weight), tf.reduce_sum(weight)
