@@ -15,8 +15,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   several workers the mesh spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
-`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
-compression or fp16).
+`COMBINATIONS` lists what one setting's value excludes (ZeRO with compression or fp16;
+on a mesh, compression with accumulation, pipelines or fp16).
 
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
@@ -31,9 +31,10 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives; the "
-                               "mesh's compressed batch-axis reduction (tfpar.layout.reduction) "
-                               "is written but does not run yet"),
+        "dtensor": (("none", "fp16", "bf16", "int8"),
+                    "the mesh's batch-axis reduction (tfpar.layout.reduction) compresses "
+                    "with fp16, bf16 or int8; the other aggregators run on tf.distribute "
+                    "collectives"),
     },
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
@@ -86,6 +87,11 @@ TABLE = {
 # Settings that a value of another setting excludes, on every backend:
 # (setting, the values it may take then, when, why).
 COMBINATIONS = (
+    ("compression", ("none",),
+     lambda c: c.tensor_parallel > 1 and (c.grad_accum_steps > 1 or c.pipeline_stages > 1
+                                          or c.mixed_precision == "fp16"),
+     "on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis reduction runs "
+     "without --grad_accum_steps, --pipeline_stages and fp16 loss scaling"),
     ("compression", ("none",), lambda c: c.zero_stage > 0,
      "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
      "reduce-scatter is not built (use --zero_stage=0)"),
