@@ -80,3 +80,15 @@ def test_sequence_parallel_equals_one_device(report_measured):
         assert len(result["laid_out"]) == 21, result["laid_out"]
     report_measured("--sequence_parallel transformer on 2x2 and 1x4 meshes vs one device, "
                     f"5 steps SGD and Adam: max weight diff {worst:.1e}")
+
+
+def test_sequence_parallel_is_refused_in_one_line_where_it_does_not_apply():
+    from tfpar.config import ParallelConfig
+    from tfpar.errors import ConfigError
+    ParallelConfig(model="transformer", tensor_parallel=2, sequence_parallel=True)
+    for settings, why in [({"model": "transformer"}, "tensor_parallel>1"),
+                          ({"model": "mlp", "tensor_parallel": 2}, "mlp and convnet"),
+                          ({"model": "transformer", "tensor_parallel": 2,
+                            "data_parallel": 2, "compression": "int8"}, "compression=none")]:
+        with pytest.raises(ConfigError, match=f"sequence_parallel=True.*{why}"):
+            ParallelConfig(sequence_parallel=True, **settings)

@@ -36,6 +36,10 @@ TABLE = {
                     "with fp16, bf16 or int8; the other aggregators run on tf.distribute "
                     "collectives"),
     },
+    "sequence_parallel": {
+        backend: ((False,), "sequence parallelism splits activations over the model axis "
+                            "of --tensor_parallel>1")
+        for backend in ("data_parallel", "pipeline", "tf_keras")},
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
     },
@@ -95,6 +99,14 @@ COMBINATIONS = (
     ("compression", ("none",), lambda c: c.zero_stage > 0,
      "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
      "reduce-scatter is not built (use --zero_stage=0)"),
+    ("sequence_parallel", (False,), lambda c: c.model != "transformer",
+     "sequence parallelism splits the transformer's sequence; --model=mlp and convnet have "
+     "none"),
+    ("sequence_parallel", (False,), lambda c: c.pipeline_stages > 1,
+     "sequence layouts are built for the unpipelined mesh step; use --pipeline_stages=1"),
+    ("sequence_parallel", (False,), lambda c: c.compression != "none",
+     "the compressed batch-axis reduction maps the step over replicas, where the sequence "
+     "layouts are not built; use --compression=none"),
     ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
      "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
      "in; use bf16"),

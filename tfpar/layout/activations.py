@@ -30,6 +30,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar.errors import ConfigError
+from tfpar.layout.mesh import BATCH
 
 OUTPUT, INPUT = "/output", "/input"
 
@@ -142,15 +143,16 @@ def _relayout(layer, path, chosen, mesh):
 
 
 def _relayout_value(value, layout):
-    """`dtensor.relayout(value, layout)` whose gradient passes the incoming gradient on
-    as it is: the relayout is the identity on values, and DTensor lays the gradient out
-    as the backward ops before it need. (DTensor's own gradient, `RelayoutLike` to the
-    forward input's layout, measured on TF 2.21: wrong values when the input was a sum
-    over `model` not yet reduced — embeddings 0.08 off after one SGD step — and a failed
-    "EmitAllScatter" when a sequence-split gradient went back to a whole one.)"""
-    whole = dtensor.Layout([s if s == "batch" else dtensor.UNSHARDED
-                            for s in layout.sharding_specs], layout.mesh)
+    """`value` relaid out to `layout` through the layout with every `model` split removed.
 
+    Measured on TF 2.21: one `dtensor.relayout` straight from a sum over `model` not yet
+    reduced (a row-parallel output) to a sequence split is exact forward but its gradient
+    is not (embeddings 0.08 off after one SGD step), and from a sequence split to a
+    gathered input DTensor's gradient failed ("EmitAllScatter … not more sharded");
+    through the whole layout first both are exact (the reduce, then a local slice).
+    """
+    whole = dtensor.Layout([s if s == BATCH else dtensor.UNSHARDED
+                            for s in layout.sharding_specs], layout.mesh)
     return dtensor.relayout(dtensor.relayout(value, whole), layout)
 
 

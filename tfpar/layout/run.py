@@ -21,7 +21,7 @@ def build(config, task, mesh=None):
         ConfigError: the model has no tensor-parallel presets, or the degrees do not
             match the devices.
     """
-    rules = presets.preset_rules(presets.model_presets(config.model))
+    rules = presets.preset_rules(presets.model_presets(config.model, config.sequence_parallel))
     mesh = mesh or mesh_for_config(config)
     keras.utils.set_random_seed(config.seed)
     model, trainer = build_on_mesh(
