@@ -118,8 +118,8 @@ def sequence_parallel(blocks=_ANY + r"block_\d+", embedding=_ANY + "embed",
             (blocks + "/mlp_proj" + OUTPUT, split),
             (blocks + OUTPUT, split),
             (final_norm + OUTPUT, split),
-            (head + INPUT, whole),
-            (head + OUTPUT, units)]
+            (head + INPUT, whole)]  # its output: as vocab_parallel leaves it (the
+                                    # vocabulary may not split over `model`)
 
 
 PRESETS = {"megatron_mlp": megatron_mlp, "attention_heads": attention_heads,
