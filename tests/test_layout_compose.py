@@ -90,12 +90,14 @@ def test_trainer_tensor_parallel_across_two_workers_equals_one_device(tmp_path,
     assert any(p.name.startswith("ckpt-5") for p in ckpt.iterdir())
 
 
-def test_compression_with_tensor_parallelism_is_refused_in_one_line():
-    # tfpar.layout.reduction (the batch axis's compressed reduction) is written but fails in
-    # the traced step (dtensor.fetch_layout outside eager); until it runs, compat refuses.
+def test_compression_on_the_mesh_takes_the_batch_axis_codecs_and_refuses_the_rest():
+    # tfpar.layout.reduction compresses the batch axis's reduction with fp16, bf16 or int8
+    # (tests/test_layout_mesh.py trains them); the tf.distribute aggregators are refused.
     from tfpar.config import ParallelConfig
     from tfpar.errors import ConfigError
-    for codec in ("fp16", "int8", "topk"):
-        with pytest.raises(ConfigError, match="compression.*does not run yet"):
+    for codec in ("fp16", "bf16", "int8"):
+        ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4, compression=codec)
+    for codec in ("topk", "powersgd", "auto"):
+        with pytest.raises(ConfigError, match=f"compression='{codec}'.*fp16, bf16 or int8"):
             ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4,
                            compression=codec)

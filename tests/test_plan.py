@@ -247,8 +247,17 @@ def test_runnable_mirrors_the_trainers_refusals():
     one = planner.hardware_from(8, 16, 10, 100, 10)
     two = planner.hardware_from(16, 16, 10, 100, 10, devices_per_machine=8)
     req = planner.Request()
-    assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req)
-    assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req)
+    # dp × tp × pp runs the mlp so far (tfpar.layout.pipeline); the transformer is refused.
+    assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req) is None
+    assert "model='transformer'" in commands.runnable(
+        cost.Candidate(2, 2, 2, 2, "none"), one, dataclasses.replace(req, model="transformer"))
+    # The mesh compresses its batch-axis reduction with fp16/bf16/int8, not top-k.
+    assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req) is None
+    assert "compression='topk'" in commands.runnable(cost.Candidate(4, 2, 1, 1, "topk"),
+                                                     one, req)
+    row = {**dataclasses.asdict(cost.Candidate(4, 2, 1, 1, "int8")), "runnable": None}
+    assert "--compression=int8" in commands.command(row, req, one)
+    assert "compression='int8')" in "\n".join(commands.python_calls(row, req, one))
     # Recomputation runs in the trainer; ZeRO is runnable exactly when tfpar.compat
     # accepts --zero_stage (the planner asks it, it keeps no rules of its own).
     assert commands.runnable(cost.Candidate(4, 1, 2, 2, "none", recompute=True), one,

@@ -15,8 +15,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   (under a `TF_CONFIG` of several workers the mesh spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
-`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
-compression or fp16).
+`COMBINATIONS` lists what one setting's value excludes (ZeRO with compression or fp16;
+on a mesh, compression with accumulation, pipelines or fp16).
 
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
@@ -31,10 +31,15 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none",), "gradient aggregators run on tf.distribute collectives; the "
-                               "mesh's compressed batch-axis reduction (tfpar.layout.reduction) "
-                               "is written but does not run yet"),
+        "dtensor": (("none", "fp16", "bf16", "int8"),
+                    "the mesh's batch-axis reduction (tfpar.layout.reduction) compresses "
+                    "with fp16, bf16 or int8; the other aggregators run on tf.distribute "
+                    "collectives"),
     },
+    "sequence_parallel": {
+        backend: ((False,), "sequence parallelism splits activations over the model axis "
+                            "of --tensor_parallel>1")
+        for backend in ("data_parallel", "pipeline", "tf_keras")},
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
     },
@@ -97,9 +102,22 @@ COMBINATIONS = (
     ("mixed_precision", ("none",), _mesh_pipeline, _MESH_PIPELINE),
     ("recompute", ("none",), _mesh_pipeline, _MESH_PIPELINE),
     ("checkpoint_dir", ("",), _mesh_pipeline, _MESH_PIPELINE),
+    ("compression", ("none",),
+     lambda c: c.tensor_parallel > 1 and (c.grad_accum_steps > 1 or c.pipeline_stages > 1
+                                          or c.mixed_precision == "fp16"),
+     "on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis reduction runs "
+     "without --grad_accum_steps, --pipeline_stages and fp16 loss scaling"),
     ("compression", ("none",), lambda c: c.zero_stage > 0,
      "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
      "reduce-scatter is not built (use --zero_stage=0)"),
+    ("sequence_parallel", (False,), lambda c: c.model != "transformer",
+     "sequence parallelism splits the transformer's sequence; --model=mlp and convnet have "
+     "none"),
+    ("sequence_parallel", (False,), lambda c: c.pipeline_stages > 1,
+     "sequence layouts are built for the unpipelined mesh step; use --pipeline_stages=1"),
+    ("sequence_parallel", (False,), lambda c: c.compression != "none",
+     "the compressed batch-axis reduction maps the step over replicas, where the sequence "
+     "layouts are not built; use --compression=none"),
     ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
      "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
      "in; use bf16"),

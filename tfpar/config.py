@@ -57,6 +57,9 @@ class ParallelConfig:
             a stalled collective, a dead peer, or a peer that never starts becomes an error.
         data_parallel, tensor_parallel, pipeline_stages, microbatches, schedule,
             virtual_stages: parallel degrees; 0 for `data_parallel` means "all replicas".
+        sequence_parallel: with `tensor_parallel > 1` on the transformer, also split the
+            activations outside attention and MLP (norms, residual adds) along the
+            sequence over the `model` axis (`tfpar.layout.presets.sequence_parallel`).
         recompute: activation recomputation, one of `RECOMPUTE` (`tfpar.recompute`).
         zero_stage: ZeRO over the data-parallel replicas: 0 = none, 1 = optimizer state,
             2 = also gradients (`tfpar.zero`), 3 = also parameters (on a DTensor mesh,
@@ -114,6 +117,7 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    sequence_parallel: bool = False
     # Memory.
     recompute: str = "none"
     zero_stage: int = 0

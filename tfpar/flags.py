@@ -52,6 +52,9 @@ _HELP = {
     "microbatches": "Micro-batches per step in the pipeline.",
     "schedule": "Pipeline schedule.",
     "virtual_stages": "Virtual stages per device for the interleaved schedule.",
+    "sequence_parallel": "With --tensor_parallel>1 on the transformer: split the norms' and "
+                         "residual adds' activations along the sequence over the model axis "
+                         "(Megatron-LM's sequence parallelism).",
     "compression": "Gradient aggregator.",
     "topk_ratio": "Fraction of gradient entries top-k sends.",
     "topk_warmup_steps": "Top-k's density warm-up (DGC): the fraction sent decays "

@@ -13,6 +13,18 @@ Presets (Megatron-LM, Shoeybi et al. 2019):
   (column), the output kernel `(heads, head_dim, d)` split on heads (row).
 - `vocab_parallel`: the token embedding `(vocab, d)` split on vocab, the language-model
   head `(d, vocab)` split on vocab (column).
+- `sequence_parallel` (Korthikanti et al. 2022, Megatron-LM's `--sequence-parallel`): rules
+  for activations, not weights. Outside the attention and MLP blocks (layer norms,
+  residual adds, dropout) the `[batch, sequence, width]` activations are split along the
+  sequence over the `model` axis, where plain tensor parallelism keeps them whole on every
+  device. Before a column-parallel layer the sequence is all-gathered, after a
+  row-parallel one the sum over `model` is reduce-scattered onto the sequence split
+  (Megatron's g and g-bar): the same bytes as the all-reduce it replaces, and the norms'
+  work and activations cut by `tensor_parallel`. Used on top of the three above.
+
+A rule whose regex ends in `/output` (Keras's `LayoutMap` key for a layer's output) or
+`/input` lays out that layer's output or inputs; `tfpar.layout.activations` applies those,
+`layout_map` takes the others.
 
 Models in `tfpar.models` know nothing of this; the regexes match their layer names.
 """
@@ -20,7 +32,8 @@ Models in `tfpar.models` know nothing of this; the regexes match their layer nam
 import keras
 
 from tfpar.errors import ConfigError
-from tfpar.layout.mesh import MODEL
+from tfpar.layout.activations import INPUT, OUTPUT, weight_rules
+from tfpar.layout.mesh import BATCH, MODEL
 
 _ANY = r"(?:.*/)?"  # any enclosing layers
 
@@ -70,10 +83,51 @@ def vocab_parallel(embedding=_ANY + r"embed/token", head=_ANY + r"lm_head"):
             (head + "/kernel", (None, MODEL)), (head + "/bias", (MODEL,))]
 
 
+def sequence_parallel(blocks=_ANY + r"block_\d+", embedding=_ANY + "embed",
+                      final_norm=_ANY + "ln_f", head=_ANY + "lm_head"):
+    """Megatron's sequence parallelism for pre-norm transformer blocks, as output layouts.
+
+    The residual stream (embedding, block and final-norm outputs) and the norms' outputs
+    are split on the sequence; the inputs of the column-parallel layers (the attention,
+    the MLP's first Dense, the head) are gathered whole, their outputs split on heads or
+    units; the row-parallel outputs (attention's, the MLP's second Dense) are split on
+    the sequence again.
+
+    Args:
+        blocks: regex of the blocks' paths, each holding `ln_1`, `attn`, `ln_2`,
+            `mlp_fc`, `mlp_proj` (default `block_i` of `models.transformer`).
+        embedding, final_norm, head: regexes of the embedding, the final norm and the
+            language-model head.
+
+    Returns:
+        A list of `(regex + "/output" or "/input", axes)` rules, axes over
+        `[batch, sequence, …]` (`tfpar.layout.activations`).
+    """
+    split = (BATCH, MODEL, None)    # [batch, sequence, width], the sequence split
+    whole = (BATCH, None, None)     # gathered (Megatron's g) before a column-parallel layer
+    units = (BATCH, None, MODEL)    # a column-parallel output: its units split
+    heads = (BATCH, None, MODEL, None)  # [batch, sequence, heads, head_dim]
+    return [(embedding + OUTPUT, split),
+            (blocks + "/ln_1" + OUTPUT, split),
+            (blocks + "/attn" + INPUT, whole),
+            (blocks + r"/attn/(?:query|key|value)" + OUTPUT, heads),
+            (blocks + "/attn" + OUTPUT, split),
+            (blocks + "/ln_2" + OUTPUT, split),
+            (blocks + "/mlp_fc" + INPUT, whole),
+            (blocks + "/mlp_fc" + OUTPUT, units),
+            (blocks + "/mlp_proj" + OUTPUT, split),
+            (blocks + OUTPUT, split),
+            (final_norm + OUTPUT, split),
+            (head + INPUT, whole)]  # its output: as vocab_parallel leaves it (the
+                                    # vocabulary may not split over `model`)
+
+
 PRESETS = {"megatron_mlp": megatron_mlp, "attention_heads": attention_heads,
-           "vocab_parallel": vocab_parallel}
+           "vocab_parallel": vocab_parallel, "sequence_parallel": sequence_parallel}
 MODEL_PRESETS = {"mlp": ("megatron_mlp",),
                  "transformer": ("megatron_mlp", "attention_heads", "vocab_parallel")}
+# Presets a model takes on top of its own when asked (`--sequence_parallel`).
+SEQUENCE_PRESETS = {"transformer": ("sequence_parallel",)}
 
 
 def preset_rules(names):
@@ -90,21 +144,29 @@ def preset_rules(names):
     return rules
 
 
-def model_presets(model_name):
-    """The preset names that fit `models.build(model_name, …)`.
+def model_presets(model_name, sequence_parallel=False):
+    """The preset names that fit `models.build(model_name, …)`, with the sequence-parallel
+    ones when `sequence_parallel`.
 
     Raises:
-        ConfigError: the model has no tensor-parallel preset.
+        ConfigError: the model has no tensor-parallel preset, or no sequence to split.
     """
     if model_name not in MODEL_PRESETS:
         raise ConfigError("model", model_name,
                           f"tensor parallelism has presets for {', '.join(MODEL_PRESETS)}; "
                           "use --tensor_parallel=1 or give your own layout rules")
-    return MODEL_PRESETS[model_name]
+    if not sequence_parallel:
+        return MODEL_PRESETS[model_name]
+    if model_name not in SEQUENCE_PRESETS:
+        raise ConfigError("sequence_parallel", True,
+                          f"--model={model_name} has no sequence dimension; sequence "
+                          f"parallelism has presets for {', '.join(SEQUENCE_PRESETS)}")
+    return MODEL_PRESETS[model_name] + SEQUENCE_PRESETS[model_name]
 
 
 def layout_map(mesh, rules):
-    """A `keras.distribution.LayoutMap` on `mesh` holding `rules`.
+    """A `keras.distribution.LayoutMap` on `mesh` holding the weight rules of `rules`
+    (`…/output` rules are applied by `tfpar.layout.activations.apply`).
 
     Args:
         mesh: a `keras.distribution.DeviceMesh` (see `make_mesh`).
@@ -116,6 +178,6 @@ def layout_map(mesh, rules):
     (None, 'model')
     """
     result = keras.distribution.LayoutMap(mesh)
-    for regex, axes in rules:
+    for regex, axes in weight_rules(rules):
         result[regex] = tuple(axes)
     return result

@@ -51,11 +51,18 @@ class BatchAxisReduction:
                               + ", ".join(CODECS))
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
+        # Layouts are taken here, eagerly: inside the traced step DTensor cannot fetch one
+        # (`fetch_layout` must be called eagerly). Per variable: its gradient stacked over
+        # replicas `(batch, *layout)`, and the same gathered over `batch`.
+        self.stacked, self.gathered = [], []
+        for variable in variables:
+            layout = dtensor.fetch_layout(variable.value)
+            specs = list(layout.sharding_specs)
+            self.stacked.append(dtensor.Layout([BATCH] + specs, layout.mesh))
+            self.gathered.append(dtensor.Layout([dtensor.UNSHARDED] + specs, layout.mesh))
         self.residuals = []
         if codec != "none" and error_feedback:
-            for variable in variables:
-                layout = dtensor.fetch_layout(variable.value)
-                stacked = dtensor.Layout([BATCH] + list(layout.sharding_specs), layout.mesh)
+            for variable, stacked in zip(variables, self.stacked):
                 zeros = values.to_mesh(
                     tf.zeros((self.replicas,) + tuple(variable.shape), tf.float32), stacked)
                 self.residuals.append(dtensor.DVariable(zeros, trainable=False))
@@ -72,19 +79,24 @@ class BatchAxisReduction:
         """`(means, new_residuals)`: the mean over replicas of `grads` (each
         `[replicas, *shape]`, split on `batch`) through the codec; `residuals` are the
         values `read()` gave (or [])."""
+        if len(grads) != len(self.stacked):
+            raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
         means, kept = [], []
         for i, g in enumerate(grads):
-            x = tf.cast(g, tf.float32)
+            # Pin each replica's gradient to its own shard (a no-op when DTensor already
+            # placed it so): nothing over `batch` is summed before the codec.
+            x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
-            total, sent = self._sum(x)
+            total, sent = self._sum(x, i)
             means.append(tf.cast(total / self.replicas, g.dtype))
             if residuals:
                 kept.append(error_feedback.next_residual(x, sent))
         return means, kept
 
-    def _sum(self, x):
-        """`(sum over axis 0, what each replica's message decodes to)`."""
+    def _sum(self, x, index):
+        """`(sum over axis 0, what each replica's message decodes to)` for the gradient
+        of variable `index`."""
         if self.codec == "none":
             return tf.reduce_sum(x, 0), x
         if self.codec in _CAST:
@@ -96,12 +108,9 @@ class BatchAxisReduction:
         scale = tf.where(amax > 0, amax / codecs.INT8_MAX, tf.ones_like(amax))
         codes = tf.cast(tf.clip_by_value(tf.round(x / scale), -codecs.INT8_MAX,
                                          codecs.INT8_MAX), tf.int8)
-        layout = dtensor.fetch_layout(codes)
-        whole = dtensor.Layout([dtensor.UNSHARDED] + list(layout.sharding_specs[1:]),
-                               layout.mesh)
-        gathered = dtensor.relayout(codes, whole)
-        scales = dtensor.relayout(scale, dtensor.Layout(
-            [dtensor.UNSHARDED] * scale.shape.rank, layout.mesh))
+        gathered = dtensor.relayout(codes, self.gathered[index])
+        scales = dtensor.relayout(scale, dtensor.Layout.replicated(
+            self.mesh.backend_mesh, scale.shape.rank))
         decoded = tf.cast(gathered, tf.float32) * scales
         summed = tf.add_n(tf.unstack(decoded, num=self.replicas))
         return summed, tf.cast(codes, tf.float32) * scale

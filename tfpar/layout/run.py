@@ -28,7 +28,8 @@ def build(config, task, mesh=None):
         model, trainer = pipeline.build(config, task, mesh, lambda: _optimizer(config))
         return mesh, model, trainer
     rules = ([] if config.zero_stage == 3  # every weight over `batch`: _build_model
-             else presets.preset_rules(presets.model_presets(config.model)))
+             else presets.preset_rules(presets.model_presets(config.model,
+                                                                config.sequence_parallel)))
     mesh = mesh or mesh_for_config(config)
     keras.utils.set_random_seed(config.seed)
     model, trainer = build_on_mesh(

@@ -18,9 +18,10 @@ Example:
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfpar.errors import ConfigError, TfparError
-from tfpar.layout import presets, reduction, step, values, variables
+from tfpar.layout import activations, presets, reduction, step, values, variables
 from tfpar.layout.mesh import BATCH, axis_size
 from tfpar.layout.optimizer import stateless_optimizer
 
@@ -32,7 +33,9 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
 
     Args:
         mesh: a `keras.distribution.DeviceMesh` from `make_mesh`.
-        rules: `(regex, axes)` layout rules (see `tfpar.layout.presets`).
+        rules: `(regex, axes)` layout rules (see `tfpar.layout.presets`); rules about
+            layer outputs or inputs (`…/output`, `…/input`, e.g. the `sequence_parallel`
+            preset) lay out activations (`tfpar.layout.activations`).
         build_model: a function returning the built, uncompiled Keras model; called
             inside the variable scope so every weight is created on the mesh.
         build_optimizer: a function returning a new Keras optimizer; called inside the
@@ -44,7 +47,8 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         grad_accum_steps: micro-batches per step (see `MeshTrainer`).
         compression: None (DTensor's own fp32 sum over `batch`), or a codec of
             `tfpar.layout.reduction.CODECS` for the data-parallel gradient reduction
-            (`none` forms each replica's gradient and averages in fp32).
+            (`none` forms each replica's gradient and averages in fp32). With one
+            replica on `batch` there is nothing to reduce and the exact step runs.
         error_feedback: with a lossy `compression`, carry what it dropped to the next step.
 
     Returns:
@@ -59,6 +63,10 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         with variables.optimizer_state_over_batch(shard_optimizer_state):
             optimizer.build(model.trainable_variables)
         model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    laid_out = activations.apply(model, mesh, rules)
+    if laid_out:
+        logging.info("activation layouts on %d layers (%s)", len(laid_out),
+                     ", ".join(list(laid_out)[:3]) + (" …" if len(laid_out) > 3 else ""))
     _refuse_keras_loops(model)
     reducer = None
     if compression is not None:
@@ -66,8 +74,11 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
             raise ConfigError("compression", compression,
                               "on a DTensor mesh, compression runs without gradient "
                               "accumulation and without fp16 loss scaling")
-        reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables, compression,
-                                               error_feedback)
+        # One replica on the `batch` axis: no data-parallel reduction to compress (the
+        # `model` axis's collectives are never compressed), so the exact step runs.
+        if axis_size(mesh, BATCH) > 1:
+            reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
+                                                   compression, error_feedback)
     return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,
                               reduction=reducer)
 

@@ -117,7 +117,9 @@ def python_calls(row, request, hw):
             "from tfpar.layout import mesh, presets, trainer",
             f"m = mesh.make_mesh({row['data']}, {row['tensor']})",
             "model, fitter = trainer.build_on_mesh(m, presets.preset_rules(list(presets.PRESETS)),",
-            f"    lambda: {build}, lambda: {optimizer}, loss)",
+            f"    lambda: {build}, lambda: {optimizer}, loss"
+            + (f", compression={row['compression']!r})" if row["compression"] != "none"
+               else ")"),
             "fitter.fit(batches, steps_per_epoch=...)  # batches of the global batch"]
     elif row["pipeline"] > 1:
         lines += [

@@ -1,0 +1,87 @@
+"""Child process for tests/test_layout_mesh.py, on 4 logical CPUs; prints one JSON line.
+
+Usage: python tests/layout_mesh_child.py CASE
+- `reduction`: the transformer on a 2×2 mesh, 5 steps (SGD, Adam), with the batch-axis
+  reduction of `tfpar.layout.reduction` at `compression="none"` against DTensor's implicit
+  sum; and tensor_parallel=2 × data_parallel=1 with int8 against no codec.
+- `sequence`: the transformer with the `sequence_parallel` preset on a 2×2 and a 1×4 mesh,
+  5 steps (SGD, Adam), against the single-device run; which layer outputs were laid out.
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+from layout_keras_child import (LOSS, OPTIMIZERS, arrays, diffs, reference_once,  # noqa: E402
+                                seeded, task_for)  # (imports split the CPU into 4)
+
+import numpy as np  # noqa: E402
+
+from tfpar import devices, layout  # noqa: E402
+from tfpar.layout import activations, presets  # noqa: E402
+
+
+def train(mesh, names, build, optimizer, batches, **options):
+    model, trainer = layout.build_on_mesh(mesh, layout.preset_rules(names),
+                                          lambda: seeded(build), OPTIMIZERS[optimizer],
+                                          LOSS, **options)
+    losses = [trainer.train_on_batch(*batch)["loss"] for batch in batches]
+    return model, trainer, losses
+
+
+def host(model):
+    return [np.asarray(layout.to_host(v.value), "float64") for v in model.weights]
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def reduction():
+    task, build = task_for("transformer")
+    *_, batches = arrays(task, "transformer", 8)
+    names = presets.model_presets("transformer")
+    mesh = layout.make_mesh(2, 2)
+    out = {}
+    for optimizer in ("sgd", "adam"):
+        implicit, _, implicit_losses = train(mesh, names, build, optimizer, batches)
+        reduced, trainer, losses = train(mesh, names, build, optimizer, batches,
+                                         compression="none")
+        out[optimizer] = {"diff": max_diff(host(reduced), host(implicit)),
+                          "loss_diff": max(abs(a - b) for a, b in
+                                           zip(losses, implicit_losses)),
+                          "reduction": trainer.reduction is not None}
+    # One replica on `batch`: no data-parallel reduction, nothing to compress.
+    sub = layout.make_mesh(1, 2, devices.compute_devices()[:2])
+    plain, _, _ = train(sub, names, build, "adam", batches)
+    coded, trainer, _ = train(sub, names, build, "adam", batches, compression="int8")
+    out["tp2_dp1_int8"] = {"diff": max_diff(host(coded), host(plain)),
+                           "reduction": trainer.reduction is not None}
+    return out
+
+
+def sequence():
+    task, build = task_for("transformer")
+    *_, batches = arrays(task, "transformer", 8)
+    names = presets.model_presets("transformer",
+                                  sequence_parallel=os.environ.get("NO_SP") is None)
+    out = {}
+    for dp, tp in ((2, 2), (1, 4)):
+        mesh = layout.make_mesh(dp, tp)
+        for optimizer in ("sgd", "adam"):
+            ref, ref_losses, _ = reference_once(("transformer", optimizer, 8), build,
+                                                OPTIMIZERS[optimizer], batches)
+            model, trainer, losses = train(mesh, names, build, optimizer, batches)
+            out[f"{dp}x{tp} {optimizer}"] = {
+                "diff": max(diffs(model, ref).values()),
+                "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                "laid_out": sorted(activations.laid_out(model))}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"reduction": reduction, "sequence": sequence}[sys.argv[1]]()),
+          flush=True)

@@ -1,0 +1,94 @@
+"""Compression and sequence parallelism on a DTensor mesh, against the exact runs.
+
+- The batch-axis reduction (`tfpar.layout.reduction`) at `compression="none"` equals
+  DTensor's implicit sum; with one replica on `batch` a codec changes nothing (the
+  `model` axis's collectives are never compressed); each lossy codec through
+  `python -m tfpar.train --compression=…` ends near `--compression=none`.
+- `--sequence_parallel` (`presets.sequence_parallel`) equals the single-device run.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+import subproc
+from subproc import ROOT, last_json_line, run
+from test_layout_compose import train_configs
+
+CHILD = os.path.join(ROOT, "tests", "layout_mesh_child.py")
+# The mlp on a 2x2 mesh: 40 Adam steps per codec, one child on one mesh.
+CODEC_STEPS = {"model": "mlp", "steps": 40, "steps_per_epoch": 40, "verbose": 0,
+               "global_batch_size": 32, "optimizer": "adam", "learning_rate": 1e-3,
+               "tensor_parallel": 2, "data_parallel": 2, "cpu_devices": 4}
+CODECS = ("none", "fp16", "bf16", "int8")
+
+
+def _child(case):
+    return last_json_line(run([sys.executable, CHILD, case], timeout=400).stdout)
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("codecs") / "codec")
+    reduction, codecs = subproc.run_concurrently([
+        lambda: _child("reduction"),
+        lambda: train_configs(prefix, [{**CODEC_STEPS, "compression": c} for c in CODECS])])
+    return {"reduction": reduction, "codecs": dict(zip(CODECS, codecs[None]))}
+
+
+def test_uncompressed_reduction_equals_the_implicit_sum(children, report_measured):
+    out = children["reduction"]
+    for optimizer in ("sgd", "adam"):
+        assert out[optimizer]["reduction"]
+        assert out[optimizer]["diff"] < 1e-5, (optimizer, out[optimizer])
+        assert out[optimizer]["loss_diff"] < 1e-5, (optimizer, out[optimizer])
+    report_measured("mesh 2x2 transformer, reduction path at compression=none vs DTensor's "
+                    f"sum, 5 steps: max weight diff SGD {out['sgd']['diff']:.1e}, Adam "
+                    f"{out['adam']['diff']:.1e}")
+
+
+def test_one_replica_on_batch_compresses_nothing(children):
+    out = children["reduction"]["tp2_dp1_int8"]
+    assert not out["reduction"]
+    assert out["diff"] == 0.0
+
+
+def test_each_codec_ends_near_the_uncompressed_loss(children, report_measured):
+    runs = children["codecs"]
+    none = runs["none"]["final_loss"]
+    gaps = {}
+    for codec in CODECS[1:]:
+        assert runs[codec]["mesh"] == {"data_parallel": 2, "tensor_parallel": 2}
+        gaps[codec] = runs[codec]["final_loss"] / none - 1
+        assert abs(gaps[codec]) < 0.02, (codec, runs[codec]["final_loss"], none)
+    # The codec ran: its losses are not the uncompressed run's.
+    assert runs["int8"]["loss_history"] != runs["none"]["loss_history"]
+    report_measured("mlp on a 2x2 mesh, 40 Adam steps, final loss vs --compression=none "
+                    + ", ".join(f"{c} {g:+.2%}" for c, g in gaps.items()))
+
+
+def test_sequence_parallel_equals_one_device(report_measured):
+    out = _child("sequence")
+    worst = 0.0
+    for run_name, result in out.items():
+        assert result["diff"] < 1e-5, (run_name, result["diff"])
+        assert result["loss_diff"] < 1e-5, (run_name, result["loss_diff"])
+        worst = max(worst, result["diff"])
+        # Every block's norms, attention and MLP, the embedding, final norm and head.
+        assert len(result["laid_out"]) == 21, result["laid_out"]
+    report_measured("--sequence_parallel transformer on 2x2 and 1x4 meshes vs one device, "
+                    f"5 steps SGD and Adam: max weight diff {worst:.1e}")
+
+
+def test_sequence_parallel_is_refused_in_one_line_where_it_does_not_apply():
+    from tfpar.config import ParallelConfig
+    from tfpar.errors import ConfigError
+    ParallelConfig(model="transformer", tensor_parallel=2, sequence_parallel=True)
+    for settings, why in [({"model": "transformer"}, "tensor_parallel>1"),
+                          ({"model": "mlp", "tensor_parallel": 2}, "mlp and convnet"),
+                          ({"model": "transformer", "tensor_parallel": 2,
+                            "data_parallel": 2, "compression": "int8"}, "compression=none")]:
+        with pytest.raises(ConfigError, match=f"sequence_parallel=True.*{why}"):
+            ParallelConfig(sequence_parallel=True, **settings)
