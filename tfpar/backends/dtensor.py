@@ -119,11 +119,19 @@ class DTensorBackend(Backend):
     def stats(self, config, runtime, model, task, recorder):
         result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model))
         mesh_devices = _mesh_devices(runtime)
+        stages = getattr(model, "stages", None) or [model]
+        stage_optimizers = getattr(self.trainer, "stage_optimizers", None) or [
+            self.trainer.optimizer]
+        per_mesh = len(mesh_devices) // len(stages)  # a pipeline: one mesh per stage
+
+        def per_device(variable_lists):  # each stage's shards on its own mesh's devices
+            return [b for s, variables in enumerate(variable_lists)
+                    for b in memory.shard_bytes_per_device(
+                        variables, mesh_devices[s * per_mesh:(s + 1) * per_mesh])]
         result["memory"].update(memory.memory_block(
             model, getattr(self, "_memory_start", None), mesh_devices,
-            param_bytes=memory.shard_bytes_per_device(model.weights, mesh_devices),
-            optimizer_state_bytes=memory.shard_bytes_per_device(
-                self.trainer.optimizer.variables, mesh_devices)))
+            param_bytes=per_device([stage.weights for stage in stages]),
+            optimizer_state_bytes=per_device([o.variables for o in stage_optimizers])))
         result["strategy"] = "DTensorMesh"
         result["mesh"] = {"data_parallel": runtime.mesh.shape[0],
                           "tensor_parallel": runtime.mesh.shape[1]}
