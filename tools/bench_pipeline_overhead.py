@@ -62,20 +62,9 @@ def _measure(fn, steps):
     return statistics.median(wall), statistics.median(cpu)
 
 
-def _op_seconds(timeline_lib, tf, fn):
+def _op_seconds(timeline_lib, fn):
     """Profiles one call of `fn`; returns (all op seconds, accumulation op seconds)."""
-    import shutil
-    import tempfile
-    logdir = tempfile.mkdtemp(prefix="tfpar_overhead_")
-    try:
-        tf.profiler.experimental.start(logdir)
-        try:
-            fn()
-        finally:
-            tf.profiler.experimental.stop()
-        events = timeline_lib._read_xspace(logdir)
-    finally:
-        shutil.rmtree(logdir, ignore_errors=True)
+    events = timeline_lib.profiled_events(fn)
     ops = [(n, e - b) for n, b, e in events if re.search(r":[A-Z_][A-Za-z0-9_]*$", n)]
     return (sum(d for _, d in ops) / 1e6,
             sum(d for n, d in ops if _ACCUMULATE.search(n)) / 1e6)
@@ -150,7 +139,7 @@ def main(argv):
         rounds.append({"load_1min": load, **{f"{k[0]}:{k[1]}": _measure(fn, FLAGS.steps)
                                              for k, fn in fns.items()}})
         print(f"round {r}: load {load:.2f}", file=sys.stderr, flush=True)
-    profiled = {M: _op_seconds(timeline_lib, tf, fns[("pipelined", M)]) for M in Ms}
+    profiled = {M: _op_seconds(timeline_lib, fns[("pipelined", M)]) for M in Ms}
 
     print(f"8 x Dense(1024) + head, batch {BATCH}, K={K}, {FLAGS.schedule}, one thread per op, "
           f"{FLAGS.steps} steps x {FLAGS.rounds} rounds, load (1 min) at round starts "

@@ -213,7 +213,7 @@ class MeshPipelineTrainer(MeshTrainer):
         if len(batch) not in (2, 3):
             raise ConfigError("batch", f"{len(batch)} arrays",
                               "a mesh pipeline takes (x, y) or (x, y, sample_weight) batches")
-        x, y = np.asarray(batch[0]), np.asarray(batch[1])
+        x = np.asarray(batch[0])
         parts = axis_size(self.mesh, BATCH)
         if len(x) % (self.M * parts):
             raise ConfigError("microbatches", self.M,
@@ -232,7 +232,7 @@ class MeshPipelineTrainer(MeshTrainer):
             return stage(h, training=True)
 
     def _train_step(self, xs, ys):
-        K, M, stages = self.K, self.M, self.model.stages
+        K, stages = self.K, self.model.stages
         tv = [_read(st.trainable_variables) for st in stages]
         ntv = [_read(st.non_trainable_variables) for st in stages]
         ov = [_read(o.variables) for o in self.stage_optimizers]
@@ -295,19 +295,6 @@ class MeshPipelineTrainer(MeshTrainer):
         their means)."""
         weight = ys[1][m] if len(ys) > 1 else None
         return self.loss(ys[0][m], logits, weight) / self.M
-
-    def _step(self, batch):
-        from tfpar.layout.trainer import _host
-        return _host(self._train(*self._on_mesh(batch, training=True)))
-
-    def evaluate(self, batches, steps=None):
-        from tfpar.layout.trainer import _host, _Sums
-        sums = _Sums(self.accuracy)
-        for index, batch in enumerate(batches):
-            if steps is not None and index >= steps:
-                break
-            sums.add(_host(self._eval(*self._on_mesh(batch))))
-        return sums.logs()
 
     def predict(self, x, batch_size=None):
         raise ConfigError("predict", "mesh pipeline", "not built for a mesh pipeline yet")

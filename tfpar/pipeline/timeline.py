@@ -134,6 +134,12 @@ def profile(fn, num_stages, logdir=None):
         num_stages: K.
         logdir: where the profiler writes; default a temporary directory, removed after.
     """
+    return from_events(profiled_events(fn, logdir), num_stages)
+
+
+def profiled_events(fn, logdir=None):
+    """Runs `fn()` under the TensorFlow profiler; returns its events as
+    `(name, start_us, end_us)` (`logdir` as for `profile`)."""
     import tensorflow as tf
     own = logdir is None
     logdir = logdir or tempfile.mkdtemp(prefix="tfpar_profile_")
@@ -143,7 +149,7 @@ def profile(fn, num_stages, logdir=None):
             fn()
         finally:
             tf.profiler.experimental.stop()
-        return from_events(_read_xspace(logdir), num_stages)
+        return _read_xspace(logdir)
     finally:
         if own:
             shutil.rmtree(logdir, ignore_errors=True)
