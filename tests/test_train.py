@@ -89,10 +89,13 @@ def runs_on_2_cpus():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Both children at once (4 and 2 logical CPUs: one split per process)."""
-    return subproc.run_concurrently([
-        lambda: train_runs(tmp_path_factory.mktemp("on_4_cpus"), runs_on_4_cpus()),
-        lambda: train_runs(tmp_path_factory.mktemp("on_2_cpus"), runs_on_2_cpus())])
+    """Both children at once (4 and 2 logical CPUs: one split per process).
+
+    The folders are made before the threads start: a worker's first `mktemp` (re)creates
+    pytest's base folder, so two first calls at once can delete each other's folder."""
+    on_4, on_2 = tmp_path_factory.mktemp("on_4_cpus"), tmp_path_factory.mktemp("on_2_cpus")
+    return subproc.run_concurrently([lambda: train_runs(on_4, runs_on_4_cpus()),
+                                     lambda: train_runs(on_2, runs_on_2_cpus())])
 
 
 @pytest.fixture(scope="module")
