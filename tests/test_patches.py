@@ -29,14 +29,20 @@ def test_apply_replaces_every_target_and_is_idempotent():
 def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
     assert set(patches.REGISTRY) == {"multi_worker_fit", "multi_worker_cpu_devices",
                                      "mesh_variables", "mesh_loops", "mesh_output_layouts",
-                                     "graph_control_input"}
+                                     "graph_control_input", "function_nodes",
+                                     "function_loss"}
     assert patches.check_targets(list(patches.REGISTRY)) == []
     monkeypatch.setitem(patches.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
     monkeypatch.setattr(patches, "_EXPECTED_INITIALIZE", "not Keras's code")
     monkeypatch.setitem(patches._EXPECTED_CONTROL_INPUT, "signature",
                         "(self: object, arg0: object, arg1: int) -> None")
-    problems = patches.check_targets(["mesh_loops", "mesh_variables", "graph_control_input"])
-    assert len(problems) == 3, problems
+    monkeypatch.setattr(patches, "_EXPECTED_FUNCTION_NODES", "not Keras's code")
+    monkeypatch.setattr(patches, "_EXPECTED_FUNCTION_LOSS", "(self, fn)")
+    problems = patches.check_targets(["mesh_loops", "mesh_variables", "graph_control_input",
+                                      "function_nodes", "function_loss"])
+    assert len(problems) == 5, problems
+    assert any("_nodes_by_depth" in p for p in problems), problems
+    assert any("LossFunctionWrapper" in p for p in problems), problems
     assert any("predict_on_batch" in p for p in problems), problems
     assert any("Variable._initialize" in p for p in problems), problems
     assert any("_add_control_input" in p for p in problems), problems

@@ -31,6 +31,14 @@ Patches:
   make; the public `tf.control_dependencies` works only on ops not yet created.
   `add_control_input` is the one caller; the check looks at the C++ binding's signature and
   at TensorFlow's own use of it in `auto_control_deps`, and adds one edge in a scratch graph.
+- `function_nodes`: not a replacement but a read. `tfpar.pipeline.partition` walks a
+  functional model's graph through `Function._nodes_by_depth` (Keras has no public
+  accessor for its nodes); `nodes_by_depth` is the one reader, and the check looks for the
+  attribute being built in `keras.src.ops.function.Function`.
+- `function_loss`: not a replacement but a call. `PipelineModel.compile` wraps a loss
+  given as a function in Keras's own `LossFunctionWrapper` (private; it matches the ranks
+  of labels and predictions as `compile` does for Keras's models); `function_loss` is the
+  one caller, and the check compares the wrapper's signature.
 
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
@@ -44,6 +52,8 @@ from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.ops import function as _keras_function
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective
@@ -80,7 +90,14 @@ REGISTRY = {
     "graph_control_input": ("tensorflow.python.framework.ops.Operation._add_control_input "
                             "(called, not replaced)",
                             "tfpar.pipeline.executor (one_op_at_a_time)"),
+    "function_nodes": ("keras.src.ops.function.Function._nodes_by_depth (read, not replaced)",
+                       "tfpar.pipeline.partition"),
+    "function_loss": ("keras.src.losses.losses.LossFunctionWrapper (called, not replaced)",
+                      "tfpar.pipeline.model.PipelineModel.compile"),
 }
+# `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
+_EXPECTED_FUNCTION_NODES = "self._nodes_by_depth = nodes_by_depth"
+_EXPECTED_FUNCTION_LOSS = "(self, fn, reduction='sum_over_batch_size', name=None, dtype=None, **kwargs)"
 # The arguments each Keras loop `mesh_loops` routes is written against (keras 3.15.1); a
 # new argument would be ignored on the mesh.
 MESH_LOOP_ARGS = {
@@ -136,6 +153,16 @@ def check_targets(names=None):
                                 f"{WRITTEN_FOR['keras']}")
     if "graph_control_input" in names:
         problems += _check_control_input()
+    if "function_nodes" in names and _EXPECTED_FUNCTION_NODES not in inspect.getsource(
+            _keras_function.Function.__init__):
+        problems.append(f"keras {keras.__version__} changed Function._nodes_by_depth; "
+                        "tfpar.pipeline.partition was written for keras "
+                        f"{WRITTEN_FOR['keras']}")
+    if "function_loss" in names and str(inspect.signature(
+            LossFunctionWrapper.__init__)) != _EXPECTED_FUNCTION_LOSS:
+        problems.append(f"keras {keras.__version__} changed LossFunctionWrapper; "
+                        "PipelineModel.compile was written for keras "
+                        f"{WRITTEN_FOR['keras']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's refusal "
@@ -167,6 +194,18 @@ def add_control_input(op, before):
     """Makes graph op `op` wait for op `before` (both already created; graph building
     only). Registry entry `graph_control_input`."""
     op._add_control_input(before)
+
+
+def nodes_by_depth(functional):
+    """{depth: [nodes]} of a functional model's graph, or None if it has none. Registry
+    entry `function_nodes`."""
+    return getattr(functional, "_nodes_by_depth", None)
+
+
+def function_loss(fn):
+    """A `keras.losses.Loss` computing `fn(y_true, y_pred)` as Keras's `compile` wraps a
+    function. Registry entry `function_loss`."""
+    return LossFunctionWrapper(fn)
 
 
 def _keras_distribute_tensor():

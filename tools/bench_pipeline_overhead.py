@@ -30,6 +30,9 @@ import time
 
 from absl import app, flags
 
+import peer_mlp
+from peer_mlp import BATCH, K
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
@@ -39,16 +42,7 @@ flags.DEFINE_integer("steps", 4, "timed steps per configuration and round")
 flags.DEFINE_integer("rounds", 3, "alternating rounds")
 flags.DEFINE_string("json", "", "write the results here")
 
-WIDTH, BLOCKS, CLASSES, BATCH, K = 1024, 8, 16, 2048, 2
 _ACCUMULATE = re.compile(r"(^|/)s\d+_[BW]\d+_c\d+/add(_\d+)?:")
-
-
-def _model(keras):
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [keras.Input((WIDTH,))]
-        + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(BLOCKS)]
-        + [keras.layers.Dense(CLASSES)], name="peer_mlp")
 
 
 def _measure(fn, steps):
@@ -90,16 +84,14 @@ def main(argv):
     from tfpar.pipeline.schedule import make_schedule
 
     Ms = sorted(set(map(int, FLAGS.microbatches)))
-    rng = np.random.default_rng(1234)
-    x = tf.constant(rng.normal(size=(BATCH, WIDTH)).astype("float32"))
-    y = tf.constant(rng.integers(0, CLASSES, size=BATCH).astype("int32"))
+    x, y = (tf.constant(a) for a in peer_mlp.batch(np))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     devices = default_devices(K)
     V = 2 if FLAGS.schedule == "interleaved" else 1
 
     fns = {}
     for M in Ms:
-        ex = PipelineExecutor(partition(_model(keras), K * V,
+        ex = PipelineExecutor(partition(peer_mlp.model(keras), K * V,
                                         devices=[devices[v % K] for v in range(K * V)]),
                               devices, make_schedule(FLAGS.schedule, K, M, V), loss_fn)
         ex.build_optimizers(keras.optimizers.SGD(0.05, momentum=0.9))
@@ -107,7 +99,7 @@ def main(argv):
         fns[("pipelined", M)] = lambda step=step: step(x, y)[0].numpy()
 
         # The unpipelined forward and backward of one micro-batch on one logical CPU.
-        ref = _model(keras)
+        ref = peer_mlp.model(keras)
         b = BATCH // M
 
         @tf.function(jit_compile=False)
@@ -118,7 +110,7 @@ def main(argv):
 
         fns[("micro", M)] = lambda micro=micro: micro()[0].numpy()
 
-    model = _model(keras)
+    model = peer_mlp.model(keras)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
     opt.build(model.trainable_variables)
     fixed = [tf.ones_like(v) * 1e-6 for v in model.trainable_variables]

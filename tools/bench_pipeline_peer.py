@@ -35,6 +35,9 @@ import time
 
 from absl import app, flags
 
+import peer_mlp
+from peer_mlp import BATCH, K
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -55,25 +58,6 @@ flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a t
                   "(PipelineExecutor's one_op_at_a_time)")
 flags.DEFINE_bool("child_reference", False, "internal: run the unpipelined tfpar step")
 
-WIDTH, BLOCKS, CLASSES, BATCH, K = 1024, 8, 16, 2048, 2
-
-
-def _model(keras):
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [keras.Input((WIDTH,))]
-        + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(BLOCKS)]
-        + [keras.layers.Dense(CLASSES)], name="peer_mlp")
-
-
-def _batch(np):
-    rng = np.random.default_rng(1234)
-    x = rng.normal(size=(BATCH, WIDTH)).astype("float32")
-    w1 = rng.normal(size=(WIDTH, 256)) / WIDTH ** 0.5
-    w2 = rng.normal(size=(256, CLASSES)) / 256 ** 0.5
-    y = np.argmax(np.maximum(x @ w1, 0) @ w2, axis=1).astype("int32")
-    return x, y
-
 
 def _times(fn, steps):
     fn()
@@ -91,8 +75,8 @@ def _reference_child():
     import keras
     import numpy as np
     import tensorflow as tf
-    x, y = (tf.constant(a) for a in _batch(np))
-    model = _model(keras)
+    x, y = (tf.constant(a) for a in peer_mlp.batch(np))
+    model = peer_mlp.model(keras)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt.build(model.trainable_variables)
@@ -118,7 +102,7 @@ def _build_tfpar(Ms):
     from tfpar.pipeline.executor import PipelineExecutor, default_devices
     from tfpar.pipeline.partition import partition
     from tfpar.pipeline.schedule import make_schedule
-    x, y = (tf.constant(a) for a in _batch(np))
+    x, y = (tf.constant(a) for a in peer_mlp.batch(np))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     devices = default_devices(K)
     configs, meta = {}, {}
@@ -127,7 +111,7 @@ def _build_tfpar(Ms):
         for M in Ms:
             if name == "interleaved" and M % K:
                 continue
-            stages = partition(_model(keras), K * V,
+            stages = partition(peer_mlp.model(keras), K * V,
                                devices=[devices[v % K] for v in range(K * V)])
             ex = PipelineExecutor(stages, devices, make_schedule(name, K, M, V), loss_fn,
                                   one_op_at_a_time=FLAGS.one_op_at_a_time)

@@ -13,9 +13,8 @@ Example:
 
 import keras
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.losses.losses import LossFunctionWrapper
 
+from tfpar import patches
 from tfpar.errors import ConfigError
 from tfpar.pipeline import schedule as schedule_lib
 from tfpar.pipeline.executor import PipelineExecutor, default_devices
@@ -119,7 +118,7 @@ class PipelineModel(keras.Model):
         if not isinstance(loss_fn, keras.losses.Loss):
             # A Loss reduces to the mean and divides by the replicas, as Keras's own
             # train_step expects of the loss whose gradients are all-reduced as a sum.
-            loss_fn = LossFunctionWrapper(loss_fn)
+            loss_fn = patches.function_loss(loss_fn)
         self._executor = PipelineExecutor(self.stages, self.devices, self._schedule,
                                           loss_fn, recompute=self.recompute)
         self.stage_optimizers = self._executor.build_optimizers(self.optimizer)
@@ -163,7 +162,10 @@ class PipelineModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss, y_pred = self._executor.train_step(x, y, sample_weight)
         self.optimizer.iterations.assign_add(1)
-        self._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
+        # The executor's loss is divided by the replicas (see `_FunctionLoss`); the tracker
+        # shows the loss of the whole batch, as Keras's own train_step does.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        self._loss_tracker.update_state(loss * tf.cast(replicas, loss.dtype),
                                         sample_weight=tf.shape(x)[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

@@ -16,6 +16,7 @@ import contextlib
 
 import keras
 
+from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.pipeline.placement import variables_on
 
@@ -23,13 +24,13 @@ from tfpar.pipeline.placement import variables_on
 def _graph(model):
     """Topologically ordered (non-input) nodes of a built single-input, single-output model."""
     functional = getattr(model, "_functional", None) or model  # Sequential wraps a Functional
-    if not hasattr(functional, "_nodes_by_depth") or not getattr(model, "inputs", None):
+    by_depth = patches.nodes_by_depth(functional)
+    if by_depth is None or not getattr(model, "inputs", None):
         raise TfparError(f"model {model.name!r} is not built as a graph; give it a "
                          "keras.Input (Sequential) or build it with the functional API")
     if len(functional.inputs) != 1 or len(functional.outputs) != 1:
         raise TfparError(f"model {model.name!r} has {len(functional.inputs)} inputs and "
                          f"{len(functional.outputs)} outputs; pipelining needs one of each")
-    by_depth = functional._nodes_by_depth
     nodes = [n for d in sorted(by_depth, reverse=True) for n in by_depth[d]
              if n.operation is not None and not n.is_input]
     return functional, nodes
