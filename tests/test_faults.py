@@ -20,8 +20,9 @@ from test_train import BASE, CHILD, max_diff, train_child, train_runs, weights
 
 # Two workers, Adam, a checkpoint every 20 steps. Long enough (in steps) that a kill at a
 # random time up to 0.5 s after the first checkpoint lands while both still train: a step
-# of two workers takes 10-35 ms here (idle to loaded), so at most ~50 of the 280 steps
-# left run before the kill.
+# of the two workers took 16-33 ms here (measured alone and under load), so ~35 of the 280
+# steps left run before the kill; a step would have to take under 2 ms to end training
+# first, and then `saved < steps` fails the test rather than passing it unkilled.
 KILL_CFG = {**BASE, "model": "mlp", "optimizer": "adam", "strategy": "multi_worker",
             "steps": 300, "steps_per_epoch": 100, "checkpoint_every": 20,
             "collective_timeout_s": 60}
