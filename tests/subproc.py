@@ -61,6 +61,26 @@ def run_module(module, *args, timeout=240, env=None, check=True):
     return run([sys.executable, "-m", module, *args], timeout=timeout, env=env, check=check)
 
 
+def run_cli_cases(cases, timeout=240, env=None):
+    """`python -m tfpar.train ARGV` with `env` added, for each `(argv, env or None)` of
+    `cases`, through tests/cli_child.py: one TensorFlow import for all, a forked process
+    per case (two at a time; `env` here is the child's, e.g. a PYTHONPATH every case
+    needs). Returns per case a CompletedProcess (`args` its argv) with `.seconds`, the
+    case's own wall time."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="tfpar-cli-") as folder:
+        out = run([sys.executable, os.path.join(ROOT, "tests", "cli_child.py"),
+                   json.dumps([{"argv": list(argv), "env": env or {}} for argv, env in cases]),
+                   folder], timeout=timeout, env=env)
+    results = []
+    for (argv, _), case in zip(cases, last_json_line(out.stdout)["cases"], strict=True):
+        result = subprocess.CompletedProcess(list(argv), case["returncode"], case["stdout"],
+                                             case["stderr"])
+        result.seconds = case["seconds"]
+        results.append(result)
+    return results
+
+
 def last_json_line(text):
     """The last line of `text` that parses as a JSON object (how child scripts report)."""
     for line in reversed(text.strip().splitlines()):

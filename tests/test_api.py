@@ -14,29 +14,25 @@ PUBLIC = ["tfpar.make_strategy", "tfpar.DistributedOptimizer", "tfpar.PipelineMo
 
 
 @pytest.fixture(scope="module")
-def docstring_runs():
-    """Each public name's docstring examples in a child of its own (they build strategies),
-    two at a time: {name: the child's CompletedProcess, or the AssertionError it failed with}."""
-    def child(name):
-        return subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests", "doc_child.py"),
-                            name], timeout=300)
-    return dict(zip(PUBLIC, subproc.run_concurrently([lambda n=n: child(n) for n in PUBLIC],
-                                                     keep_failures=True)))
+def docstring_runs(tmp_path_factory):
+    """Each public name's docstring examples in a process of its own (they build
+    strategies), all forked from one child (tests/doc_child.py), which first checks what
+    `import tfpar` loads: {"names": {name: its result}, "import_check": two lines}."""
+    out = subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests", "doc_child.py"),
+                       str(tmp_path_factory.mktemp("doc")), *PUBLIC], timeout=600)
+    return subproc.last_json_line(out.stdout)
 
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_docstring_examples_run(docstring_runs, name):
-    out = subproc.outcome(docstring_runs[name])
-    assert " 0 failed" in out.stdout, out.stdout
+    out = docstring_runs["names"][name]
+    assert out["returncode"] == 0 and " 0 failed" in out["stdout"], out
 
 
-def test_import_tfpar_loads_no_tensorflow():
-    out = subproc.run_python("""
-        import sys, tfpar
-        print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules))
-        print(tfpar.make_strategy.__module__, "tensorflow" in sys.modules)
-    """)
-    assert out.stdout.split("\n")[:2] == ["[]", "tfpar.api True"], out.stdout
+def test_import_tfpar_loads_no_tensorflow(docstring_runs):
+    # Checked first thing in the docstring child (tests/doc_child.py `import_check`).
+    lines = docstring_runs["import_check"]
+    assert lines == ["[]", "tfpar.api True"], lines
 
 
 @pytest.mark.parametrize("call, setting", [

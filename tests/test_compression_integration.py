@@ -15,7 +15,10 @@ import keras
 from tfpar.compression import make_aggregator, wrap_optimizer
 from tfpar.config import ParallelConfig
 
-STEPS, BATCH, D, HIDDEN = 400, 256, 32, 128
+# 200 steps (seed 0, measured): every run ends at 0.105-0.112 of its first loss (checked:
+# < 0.2), each aggregator at most 0.3 % above `none` (checked: 2 %); at 400 steps 0.106-0.107
+# and none above `none`. The checks keep their room at half the steps.
+STEPS, BATCH, D, HIDDEN = 200, 256, 32, 128
 strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
 
 # Teacher: a random tanh network; targets normalised, plus noise (the loss has a floor).

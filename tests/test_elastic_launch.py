@@ -24,7 +24,7 @@ import time
 
 import psutil
 
-from subproc import ROOT, child_env, last_json_line, run_module
+from subproc import ROOT, child_env, in_background, last_json_line, run_module
 from test_train import CHILD
 
 CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 60,
@@ -45,6 +45,12 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
                                               3 * CFG["checkpoint_every"])
     cfg = {**CFG, "checkpoint_dir": str(tmp_path / "ckpt"),
            "metrics_json": str(tmp_path / "metrics.json")}
+    # The uninterrupted 2-worker job, meanwhile: the elastic job spends much of its time
+    # waiting (a lost worker detected, restarts, a pause inside a save).
+    base = {**CFG, "checkpoint_dir": str(tmp_path / "ckpt_whole")}
+    whole_run = in_background(lambda: run_module(
+        "tfpar.launch", "--workers=2", "--timeout=300", "--", sys.executable, CHILD,
+        json.dumps(base), str(tmp_path / "whole"), timeout=360))
     offers = tmp_path / "offers"
     offers.write_text("127.0.0.1:2\n")
     cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--min_workers=1",
@@ -74,6 +80,7 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
             os.killpg(proc.pid, 9)
             proc.wait()
     reader.join(timeout=5)
+    whole = whole_run.result()
     output = "".join(lines)
     context = f"seed {seed}, kill at step {kill_step}\n{output[-4000:]}"
     assert proc.returncode == 0, context
@@ -97,9 +104,6 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
              if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not alive, alive
 
-    base = {**CFG, "checkpoint_dir": str(tmp_path / "ckpt_whole")}
-    whole = run_module("tfpar.launch", "--workers=2", "--timeout=300", "--", sys.executable,
-                       CHILD, json.dumps(base), str(tmp_path / "whole"), timeout=360)
     final = _chief_line(output)["final_loss"]
     reference = _chief_line(whole.stdout)["final_loss"]
     gap = abs(final - reference) / reference

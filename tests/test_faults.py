@@ -14,14 +14,17 @@ import numpy as np
 import psutil
 import pytest
 
-from subproc import ROOT, child_env, run_module
-from test_train import BASE, CHILD, max_diff, train_child, weights
+from subproc import ROOT, child_env, run_cli_cases, run_module
+from test_train import BASE, CHILD, max_diff, train_child, train_runs, weights
 
 
 # Two workers, Adam, a checkpoint every 20 steps. Long enough (in steps) that a kill at a
-# random time after the first checkpoint lands while both still train.
+# random time up to 0.5 s after the first checkpoint lands while both still train: a step
+# of the two workers took 16-33 ms here (measured alone and under load), so ~35 of the 280
+# steps left run before the kill; a step would have to take under 2 ms to end training
+# first, and then `saved < steps` fails the test rather than passing it unkilled.
 KILL_CFG = {**BASE, "model": "mlp", "optimizer": "adam", "strategy": "multi_worker",
-            "steps": 1200, "steps_per_epoch": 100, "checkpoint_every": 20,
+            "steps": 300, "steps_per_epoch": 100, "checkpoint_every": 20,
             "collective_timeout_s": 60}
 
 
@@ -125,10 +128,11 @@ def fault_seed():
 
 
 def test_worker_sigkilled_from_outside_inside_a_collective(tmp_path, uninterrupted):
-    # At a random time after the first checkpoint, stop one worker (SIGSTOP): the other
-    # cannot finish its step's all-reduce and waits inside it; 2 s later SIGKILL that one.
+    # At a random time after the first checkpoint (up to 0.5 s: many steps, so the stop
+    # lands at a random point of one), stop one worker (SIGSTOP): the other cannot finish
+    # its step's all-reduce and waits inside it; 2 s later SIGKILL that one.
     rng, seed = fault_seed()
-    delay, victim = rng.uniform(0.0, 2.0), rng.choice([0, 1])
+    delay, victim = rng.uniform(0.0, 0.5), rng.choice([0, 1])
     print(f"kill {delay:.2f} s after the first checkpoint; worker {victim} killed, "
           f"worker {1 - victim} stopped")
     job = Job(tmp_path, max_restarts=1)
@@ -203,7 +207,6 @@ def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):
     # reordering over hundreds of steps (5e-5 seen), SGD keeps it at rounding level.
     cfg = {**BASE, "model": "mlp", "optimizer": "sgd", "learning_rate": 0.05, "steps": 400,
            "steps_per_epoch": 400, "checkpoint_every": 1000}
-    _, reference = train_child(tmp_path, "ref", **{**cfg, "strategy": "one_device"})
     prefix = str(tmp_path / "mw")
     run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
     cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=20", "--timeout=200",
@@ -224,9 +227,12 @@ def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):
     saved = [int(name.split("-")[1].split(".")[0]) for name in os.listdir(tmp_path / "ckpt")
              if name.startswith("ckpt-") and name.endswith(".index")]
     assert len(saved) == 1 and 0 < saved[0] < 400, (saved, output[-2000:])
-    rest, _ = train_child(tmp_path, "rest", **{**run_cfg, "strategy": "one_device"})
-    assert rest["resumed_from_step"] == saved[0]
-    assert max_diff(weights(str(tmp_path / "rest")), weights(reference)) < 1e-6
+    # The rest on one device, then the uninterrupted single-device reference, in one child
+    # (the rest first: a fresh process resumes).
+    out, runs = train_runs(tmp_path, [["rest", {**run_cfg, "strategy": "one_device"}],
+                                      ["ref", {**cfg, "strategy": "one_device"}]])
+    assert out["rest"]["resumed_from_step"] == saved[0]
+    assert max_diff(weights(f"{runs}_rest"), weights(f"{runs}_ref")) < 1e-6
 
 
 def test_a_stalled_peer_ends_the_job_with_a_clear_error(tmp_path):
@@ -267,23 +273,29 @@ def test_a_stalled_peer_ends_the_job_with_a_clear_error(tmp_path):
     assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def nan_run(tmp_path, *flags):
-    path = tmp_path / "m.json"
-    out = run_module("tfpar.train", "--dataset=user_data:sign_of_sum_nan_at_step_3",
-                     "--num_classes=2", "--cpu_devices=2", "--steps=40", "--verbose=0",
-                     "--learning_rate=0.01", f"--metrics_json={path}", *flags, check=False,
-                     env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=180)
-    return out, path
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory):
+    """The CLI on a dataset whose step 3 is NaN, without and with `--on_nan=skip_step`, in
+    one child (`run_cli_cases`): {flag: (its CompletedProcess, its metrics path)}."""
+    folder = tmp_path_factory.mktemp("nan")
+    flags = {"stop": [], "skip": ["--on_nan=skip_step"]}
+    outs = run_cli_cases(
+        [(["--dataset=user_data:sign_of_sum_nan_at_step_3", "--num_classes=2",
+           "--cpu_devices=2", "--steps=40", "--verbose=0", "--learning_rate=0.01",
+           f"--metrics_json={folder / name}.json", *more], None)
+         for name, more in flags.items()],
+        env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=240)
+    return {name: (out, folder / f"{name}.json") for name, out in zip(flags, outs)}
 
 
-def test_nan_stops_naming_the_step(tmp_path):
-    out, _ = nan_run(tmp_path)
+def test_nan_stops_naming_the_step(nan_runs):
+    out, _ = nan_runs["stop"]
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "tfpar: error: gradients became non-finite at step 3" in out.stderr
 
 
-def test_nan_step_is_skipped_and_training_goes_on(tmp_path):
-    out, path = nan_run(tmp_path, "--on_nan=skip_step")
+def test_nan_step_is_skipped_and_training_goes_on(nan_runs):
+    out, path = nan_runs["skip"]
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = json.loads(path.read_text())
     assert metrics["skipped_steps"] == [3]

@@ -3,17 +3,17 @@
 In-process, hypothesis drives many values through the same validation the CLI runs
 (`config_from_flags`, `tf_config.parse`, and the checks of `strategy.choose_kind`): only
 `ConfigError` may come out. A few sampled inputs then go through the real CLI in child
-processes: exit 0, or a non-zero exit with one `tfpar: error:` line and no traceback.
+processes (forked from one child, tests/cli_child.py): exit 0, or a non-zero exit with one
+`tfpar: error:` line and no traceback.
 """
 
 import json
-import sys
 
 from absl import flags
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from subproc import run, run_concurrently
+from subproc import run_cli_cases
 from tfpar import flags as tfpar_flags
 from tfpar import tf_config
 from tfpar.errors import ConfigError
@@ -91,10 +91,9 @@ CLI_CASES = [
 
 
 def test_sampled_inputs_through_the_cli_train_or_fail_in_one_line():
-    outs = run_concurrently([
-        lambda argv=argv: run([sys.executable, "-m", "tfpar.train", "--verbose=0", *argv],
-                              check=False, timeout=120)
-        for argv in CLI_CASES])
+    # One child for all (`run_cli_cases`: TensorFlow imported once, a process forked per
+    # input running the command line).
+    outs = run_cli_cases([(["--verbose=0", *argv], None) for argv in CLI_CASES], timeout=400)
     for argv, out in zip(CLI_CASES, outs):
         assert "Traceback" not in out.stderr, (argv, out.stderr[-2000:])
         if out.returncode:

@@ -17,7 +17,7 @@ import pytest
 
 from tfpar import ParallelConfig
 import subproc
-from subproc import ROOT, last_json_line, run, run_module, run_python
+from subproc import ROOT, last_json_line, run, run_module
 
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
 RUNS_CHILD = os.path.join(ROOT, "tests", "train_runs_child.py")
@@ -59,18 +59,31 @@ MODELS = [
 ACCUM = {"model": "mlp", "optimizer": "momentum", "learning_rate": 0.05, "steps": 3,
          "steps_per_epoch": 3}
 
-# The resume test's runs; its uninterrupted run is in `on_4_cpus`.
+# The resume test's runs; its uninterrupted run and its first part are in `on_4_cpus`.
 RESUME = {"model": "mlp", "optimizer": "adam", "steps_per_epoch": 4, "checkpoint_every": 3}
+# The refused-checkpoint test's first run: what `tfpar.train --checkpoint_dir=DIR --steps=2`
+# trains (the flags' defaults), made in `on_4_cpus`.
+DEFAULTS = ParallelConfig()
+INCOMPATIBLE_BASE = {"strategy": "one_device", "steps": 2,
+                     "global_batch_size": DEFAULTS.global_batch_size,
+                     "steps_per_epoch": DEFAULTS.steps_per_epoch}
 
 
-def runs_on_4_cpus():
-    """The single-device and 4-replica runs of the comparisons below."""
+def runs_on_4_cpus(folder):
+    """The single-device and 4-replica runs of the comparisons below; the resume test's
+    first part and the refused-checkpoint test's first run write checkpoints into
+    `folder` (a fresh process resumes or is refused: runs in one child save the starts of
+    two processes)."""
     runs = []
     for model, optimizer, lr, _ in MODELS:
         cfg = {"model": model, "optimizer": optimizer, "learning_rate": lr}
         runs += [[f"one_{model}", {**cfg, "strategy": "one_device"}],
                  [f"four_{model}", {**cfg, "strategy": "mirrored", "cpu_devices": 4}]]
-    runs += [["full", {**RESUME, "strategy": "one_device", "steps": 10}]]
+    runs += [["full", {**RESUME, "strategy": "one_device", "steps": 10}],
+             ["first", {**RESUME, "strategy": "one_device", "steps": 6,
+                        "checkpoint_dir": str(folder / "resume_ckpt")}],
+             ["incompatible_base", {**INCOMPATIBLE_BASE,
+                                    "checkpoint_dir": str(folder / "incompatible_ckpt")}]]
     runs += [["big", {**ACCUM, "strategy": "one_device", "global_batch_size": 64}],
              ["acc", {**ACCUM, "strategy": "mirrored", "cpu_devices": 4,
                       "global_batch_size": 16, "grad_accum_steps": 4}]]
@@ -78,10 +91,11 @@ def runs_on_4_cpus():
 
 
 def runs_on_2_cpus():
-    """float32, bf16 and fp16 runs and the --measure_comm run."""
+    """float32, bf16 and fp16 runs and the --measure_comm run; `again` repeats `fp32` on
+    the strategy `fp32` made (`train(runtime=...)`)."""
     cfg = {"model": "mlp", "steps": 60, "steps_per_epoch": 60, "cpu_devices": 2,
            "strategy": "mirrored"}
-    return [["fp32", cfg], ["bf16", {**cfg, "mixed_precision": "bf16"}],
+    return [["fp32", cfg], ["again", cfg], ["bf16", {**cfg, "mixed_precision": "bf16"}],
             ["fp16", {**cfg, "mixed_precision": "fp16"}],
             ["comm", {"model": "mlp", "strategy": "mirrored", "cpu_devices": 2, "steps": 3,
                       "steps_per_epoch": 3, "compression": "fp16", "measure_comm": True}]]
@@ -94,7 +108,7 @@ def trained(tmp_path_factory):
     The folders are made before the threads start: a worker's first `mktemp` (re)creates
     pytest's base folder, so two first calls at once can delete each other's folder."""
     on_4, on_2 = tmp_path_factory.mktemp("on_4_cpus"), tmp_path_factory.mktemp("on_2_cpus")
-    return subproc.run_concurrently([lambda: train_runs(on_4, runs_on_4_cpus()),
+    return subproc.run_concurrently([lambda: train_runs(on_4, runs_on_4_cpus(on_4)),
                                      lambda: train_runs(on_2, runs_on_2_cpus())])
 
 
@@ -106,6 +120,11 @@ def on_4_cpus(trained):
 @pytest.fixture(scope="module")
 def on_2_cpus(trained):
     return trained[1][0]
+
+
+@pytest.fixture(scope="module")
+def on_2_cpus_prefix(trained):
+    return trained[1][1]
 
 
 @pytest.mark.parametrize("model,optimizer,lr,tolerance", MODELS)
@@ -130,8 +149,8 @@ def test_grad_accumulation_equals_the_larger_batch(on_4_cpus):
 def test_resume_continues_at_the_saved_step(tmp_path, on_4_cpus):
     cfg = RESUME
     full, pf = on_4_cpus[0]["full"], f"{on_4_cpus[1]}_full"  # uninterrupted, 10 steps
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = train_child(tmp_path, "first", steps=6, checkpoint_dir=ckpt, **cfg)
+    ckpt = os.path.join(os.path.dirname(on_4_cpus[1]), "resume_ckpt")
+    first = on_4_cpus[0]["first"]  # 6 steps, saved to ckpt
     assert first["resumed_from_step"] == 0
     rest, pr = train_child(tmp_path, "rest", steps=10, checkpoint_dir=ckpt, **cfg)
     assert rest["resumed_from_step"] == 6
@@ -153,14 +172,18 @@ def test_no_flag_default_run_learns(tmp_path):
         assert key in metrics
 
 
-def test_user_dataset_and_tensorboard(tmp_path):
+def test_user_dataset_its_held_out_batches_and_tensorboard(tmp_path):
     path, logs = tmp_path / "m.json", tmp_path / "tb"
     run_module("tfpar.train", "--dataset=user_data:sign_of_sum", "--num_classes=2",
                "--cpu_devices=2", "--steps=60", "--steps_per_epoch=30", "--learning_rate=0.01",
-               f"--metrics_json={path}", f"--tensorboard_dir={logs}", "--verbose=0",
-               env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=240)
+               "--validation_steps=2", f"--metrics_json={path}", f"--tensorboard_dir={logs}",
+               "--verbose=0", env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=240)
     metrics = json.loads(path.read_text())
     assert metrics["replicas"] == 2
+    # The module's own `sign_of_sum_validation` batches, evaluated at both epochs' ends (a
+    # module without one is refused: tests/test_validation.py).
+    validation = metrics["validation"]
+    assert len(validation["loss_history"]) == 2 and validation["batches"] == 2
     assert np.mean(metrics["loss_history"][-10:]) < 0.5 * metrics["loss_history"][0]
     events = [os.path.join(d, f) for d, _, files in os.walk(logs) for f in files
               if "tfevents" in f]
@@ -203,8 +226,8 @@ def test_launch_cli_writes_metrics_with_two_workers(tmp_path):
     assert metrics["final_loss"] < metrics["loss_history"][0]
 
 
-def cli_error(*args, env=None):
-    out = run_module("tfpar.train", *args, env=env, check=False, timeout=120)
+def error_line(out):
+    """The one `tfpar: error:` line of a failed CLI run (no traceback, no second line)."""
     assert out.returncode != 0
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("tfpar: error:")]
@@ -226,98 +249,95 @@ BAD_SETTINGS = [("--cpu_devices=4", "--global_batch_size=30", "--steps=1"),
                 ("--collective=nccl", "--steps=1"), ("--steps=0",)]
 
 
+def _unused_ports(count):
+    import socket
+    ports = []
+    for _ in range(count):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
 @pytest.fixture(scope="module")
-def cli_errors():
-    """`cli_error` of each bad TF_CONFIG and bad setting below, two CLIs at a time:
-    {tf_config or args: its error line, or the AssertionError it failed with}."""
-    cases = [(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
-             for tf_config, _ in BAD_TF_CONFIGS] + [(args, args, None) for args in BAD_SETTINGS]
-    lines = subproc.run_concurrently([lambda a=args, e=env: cli_error(*a, env=e)
-                                      for _, args, env in cases], keep_failures=True)
-    return {key: line for (key, _, _), line in zip(cases, lines)}
+def cli_errors(tmp_path_factory, on_4_cpus):
+    """Every CLI run below that must fail, through one child (`subproc.run_cli_cases`: one
+    TensorFlow import, a process forked per run): {key: its CompletedProcess}, and what
+    the tests check around them.
 
-
-def _line(cli_errors, key):
-    return subproc.outcome(cli_errors[key])
+    Keys: each bad TF_CONFIG and bad setting; "foreign" (a checkpoint_dir holding a user's
+    file); "peer" (worker 0 of a 2-worker cluster whose worker 1 never starts);
+    "incompatible" (the checkpoint of `--checkpoint_dir=DIR --steps=2`, trained in
+    on_4_cpus, resumed with another model width and optimizer)."""
+    foreign = tmp_path_factory.mktemp("foreign")
+    (foreign / "precious.txt").write_text("mine")
+    incompatible = os.path.join(os.path.dirname(on_4_cpus[1]), "incompatible_ckpt")
+    lonely = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in _unused_ports(2)]},
+                         "task": {"type": "worker", "index": 0}})
+    cases = ([(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
+              for tf_config, _ in BAD_TF_CONFIGS]
+             + [(args, args, None) for args in BAD_SETTINGS]
+             + [("foreign", (f"--checkpoint_dir={foreign}", "--steps=2"), None),
+                ("peer", ("--startup_timeout_s=8", "--steps=1"), {"TF_CONFIG": lonely}),
+                ("incompatible", (f"--checkpoint_dir={incompatible}", "--steps=4",
+                                  "--model_width=32", "--optimizer=sgd"), None)])
+    before = sorted(os.listdir(incompatible))
+    outs = subproc.run_cli_cases([(args, env) for _, args, env in cases], timeout=300)
+    return {**{key: out for (key, _, _), out in zip(cases, outs)},
+            "foreign_dir": foreign, "incompatible_dir": incompatible,
+            "incompatible_before": before}
 
 
 @pytest.mark.parametrize("tf_config,field", BAD_TF_CONFIGS)
 def test_bad_tf_config_is_one_clear_error(cli_errors, tf_config, field):
-    line = _line(cli_errors, tf_config)
+    line = error_line(cli_errors[tf_config])
     assert field in line
 
 
 def test_bad_settings_are_one_clear_error(cli_errors):
-    line = _line(cli_errors, BAD_SETTINGS[0])
+    line = error_line(cli_errors[BAD_SETTINGS[0]])
     assert "global_batch_size=30" in line and "4 replicas" in line
-    line = _line(cli_errors, BAD_SETTINGS[1])
+    line = error_line(cli_errors[BAD_SETTINGS[1]])
     assert "collective='nccl'" in line and "ring" in line
-    line = _line(cli_errors, BAD_SETTINGS[2])
+    line = error_line(cli_errors[BAD_SETTINGS[2]])
     assert "--steps=0" in line and ">= 1" in line
 
 
-def test_foreign_checkpoint_dir_is_refused_and_kept(tmp_path):
-    precious = tmp_path / "precious.txt"
-    precious.write_text("mine")
-    line = cli_error(f"--checkpoint_dir={tmp_path}", "--steps=2")
+def test_foreign_checkpoint_dir_is_refused_and_kept(cli_errors):
+    folder = cli_errors["foreign_dir"]
+    line = error_line(cli_errors["foreign"])
     assert "checkpoint_dir" in line and "precious.txt" in line
-    assert precious.read_text() == "mine"
-    assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
+    assert (folder / "precious.txt").read_text() == "mine"
+    assert sorted(os.listdir(folder)) == ["precious.txt"]
 
 
-def test_a_peer_that_never_starts_fails_within_the_bound():
-    # Worker 0 of a 2-worker cluster whose worker 1 never starts.
-    import socket
-    import time
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                            "task": {"type": "worker", "index": 0}})
-    began = time.monotonic()
-    line = cli_error("--startup_timeout_s=8", "--steps=1", env={"TF_CONFIG": tf_config})
-    assert time.monotonic() - began < 60
+def test_a_peer_that_never_starts_fails_within_the_bound(cli_errors):
+    out = cli_errors["peer"]
+    line = error_line(out)
+    assert out.seconds < 60
     assert "startup_timeout_s=8" in line
 
 
-def test_checkpoint_of_an_incompatible_run_is_refused_with_what_differs(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run_module("tfpar.train", f"--checkpoint_dir={ckpt}", "--steps=2", "--verbose=0",
-               timeout=120)
-    before = sorted(os.listdir(ckpt))
-    line = cli_error(f"--checkpoint_dir={ckpt}", "--steps=4", "--model_width=32",
-                     "--optimizer=sgd")
+def test_checkpoint_of_an_incompatible_run_is_refused_with_what_differs(cli_errors):
+    line = error_line(cli_errors["incompatible"])
     assert "model_width: saved 0, now 32" in line and "optimizer: saved 'adam', now 'sgd'" in line
-    assert sorted(os.listdir(ckpt)) == before  # nothing written over
+    # nothing written over
+    assert sorted(os.listdir(cli_errors["incompatible_dir"])) == \
+        cli_errors["incompatible_before"]
 
 
-def test_two_runs_in_one_process_share_the_strategy_and_repeat_exactly():
-    # `train(runtime=...)`: a second run on the first run's strategy (TensorFlow allows one
-    # per process) starts from the same seed, so it must repeat the first bit for bit.
-    out = run_python("""
-        import json
-        import numpy as np
-        from tfpar import ParallelConfig, devices, strategy
-        from tfpar.train import train
-        config = ParallelConfig(model="mlp", steps=4, steps_per_epoch=4, verbose=0,
-                                global_batch_size=32, strategy="mirrored", cpu_devices=2)
-        devices.split_cpu(2)
-        runtime = strategy.make_runtime(config)
-        first, m1 = train(config, runtime=runtime)
-        second, m2 = train(config, runtime=runtime)
-        print(json.dumps({"losses": [first["loss_history"], second["loss_history"]],
-                          "replicas": [first["replicas"], second["replicas"]],
-                          "same_strategy": m1.distribute_strategy is m2.distribute_strategy,
-                          "diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                                      for a, b in zip(m1.weights, m2.weights))}))
-    """)
-    result = last_json_line(out.stdout)
-    assert result["same_strategy"] and result["replicas"] == [2, 2]
-    assert result["losses"][0] == result["losses"][1]
-    assert result["losses"][0][-1] < result["losses"][0][0]
-    assert result["diff"] == 0.0
+def test_two_runs_in_one_process_share_the_strategy_and_repeat_exactly(on_2_cpus,
+                                                                     on_2_cpus_prefix):
+    # `train(runtime=...)` (tests/train_runs_child.py): a second run on the first run's
+    # strategy (TensorFlow allows one per process) starts from the same seed, so it must
+    # repeat the first bit for bit.
+    first, second = on_2_cpus["fp32"], on_2_cpus["again"]
+    assert first["strategy_object"] == second["strategy_object"]
+    assert [first["replicas"], second["replicas"]] == [2, 2]
+    assert first["loss_history"] == second["loss_history"]
+    assert first["loss_history"][-1] < first["loss_history"][0]
+    assert max_diff(weights(f"{on_2_cpus_prefix}_fp32"),
+                    weights(f"{on_2_cpus_prefix}_again")) == 0.0
 
 
 def test_measure_comm_reports_share_and_overlap(on_2_cpus):

@@ -10,7 +10,8 @@ before each run, since a mixed-precision run sets the global policy. Multi-worke
 do not belong here (one strategy per process).
 
 Saves each run's final weights to `OUT_PREFIX_<name>.npz` and prints one JSON line
-`{name: summary}` with train_child.py's keys. The name of the run in progress goes to
+`{name: summary}` with train_child.py's keys and `strategy_object` (the `id` of the
+model's strategy: equal for runs on one runtime, the runtimes being kept alive). The name of the run in progress goes to
 stderr first, so a failure's tail says which run failed.
 """
 
@@ -51,6 +52,8 @@ def main():
         result, model = train(config, runtime=runtimes[key])
         np.savez(f"{prefix}_{name}.npz", *[np.asarray(v) for v in model.weights])
         out[name] = {k: result[k] for k in KEYS if k in result}
+        # Which strategy object the model was built under: runs on one runtime share it.
+        out[name]["strategy_object"] = id(model.distribute_strategy)
     print(json.dumps(out), flush=True)
 
 

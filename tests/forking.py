@@ -1,0 +1,65 @@
+"""Runs calls in processes forked from a child that has imported TensorFlow once.
+
+Importing TensorFlow costs ~5 CPU seconds per process. A test child (tests/cli_child.py,
+tests/doc_child.py) imports it once, starts no TensorFlow runtime (no op, no device, no
+strategy: those would be shared with the forks), and forks one process per call: each
+starts its own runtime, strategies included (one per process, as TensorFlow requires).
+"""
+
+import os
+import sys
+import time
+import traceback
+
+
+def _in_fork(call, out_path, err_path):
+    """In the forked process: `call()` with stdout and stderr in files, then `os._exit`
+    with its exit status (an uncaught exception prints its traceback, status 1, as the
+    interpreter would)."""
+    code = 1
+    try:
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+        try:
+            call()
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:  # sys.exit("message"): printed, status 1
+                print(exit_.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_forked(calls, folder, at_once=2):
+    """Runs each of `calls` (functions of no arguments) in a forked process, `at_once` at a
+    time; returns per call, in order, `{"returncode", "stdout", "stderr", "seconds"}`
+    (returncode negative for a signal, as subprocess gives it; seconds from its fork to its
+    exit). Output files go to `folder`."""
+    paths = [(os.path.join(folder, f"fork{i}.out"), os.path.join(folder, f"fork{i}.err"))
+             for i in range(len(calls))]
+    results, running, pending = [None] * len(calls), {}, list(range(len(calls)))
+    while pending or running:
+        while pending and len(running) < at_once:
+            i = pending.pop(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _in_fork(calls[i], *paths[i])
+            running[pid] = (i, time.monotonic())
+        pid, status = os.wait()
+        i, began = running.pop(pid)
+        with open(paths[i][0]) as out, open(paths[i][1]) as err:
+            results[i] = {"returncode": os.waitstatus_to_exitcode(status),
+                          "stdout": out.read(), "stderr": err.read(),
+                          "seconds": time.monotonic() - began}
+    return results
