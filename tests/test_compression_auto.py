@@ -1,7 +1,8 @@
 """`--compression=auto` and Adam's step compressed, on two workers
 (MultiWorkerMirroredStrategy on localhost, each its own process and data): the workers make
 every rank decision alike and end bit-identical; with Adam moved in front of compression
-and nothing dropped, the run equals Keras's own Adam."""
+and nothing dropped, the run equals Keras's own Adam (in the exact warm-up, and with the
+second moment frozen after it)."""
 
 from test_compression_multiworker import _run_workers
 
@@ -107,6 +108,13 @@ adam_agg = TopKAggregator(0.01)
 adam_agg.adam = (0.9, 0.999, 1e-7)
 out["moved"] = {"keras": linear_run(None), "topk_gradient": linear_run(gradient_agg),
                 "topk_adam_step": linear_run(adam_agg)}
+# 4. After the exact warm-up the second moment is frozen; with a constant gradient Keras's
+# own v̂ stays g², so frozen-variance Adam through top-k at ratio 1 must move as Keras does.
+frozen = TopKAggregator(1.0, adam_warmup_steps=5)
+frozen.adam = (0.9, 0.999, 1e-7)
+out["frozen"] = {"keras": linear_run(None, steps=40), "topk": linear_run(frozen, steps=40),
+                 "step": int(frozen.step.numpy() if not hasattr(frozen.step, "values")
+                             else strategy.experimental_local_results(frozen.step)[0].numpy())}
 print(json.dumps(out))
 """
 
@@ -131,3 +139,6 @@ def test_auto_workers_agree_and_adam_step_matches_keras():
     moved = a["moved"]
     assert abs(moved["keras"] - 1) < 0.01, moved
     assert moved["topk_gradient"] < 0.4 and moved["topk_adam_step"] > 0.6, moved
+    frozen = a["frozen"]
+    assert frozen["step"] == 40, frozen  # 5 exact steps, then 35 with v frozen
+    assert abs(frozen["topk"] / frozen["keras"] - 1) < 1e-5, frozen

@@ -25,10 +25,11 @@ __all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAg
            "wrap_optimizer"]
 
 
-# Aggregators that compress Adam's step by default: top-k's error feedback turns gradients
-# into spikes Adam would slow down. (PowerSGD with Adam's step ended further from fp32 on the
-# convnet, +119 % against +56 %, tools/bench_compression_quality.py, seed 0: not on by default.)
-ADAM_STEP_AGGREGATORS = ("topk",)
+# Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
+# exact Adam for `adam_warmup_steps`, then the second moment frozen. Without it top-k's error
+# feedback turns gradients into spikes Adam would slow down, and PowerSGD ended +56 % above
+# fp32 on the convnet at rank 4 (+1.7 % with it; tools/bench_compression_quality.py, seed 0).
+ADAM_STEP_AGGREGATORS = ("topk", "powersgd")
 
 
 def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
@@ -41,9 +42,9 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
             `TopKAggregator`); the optimizer must then be a Keras `SGD` whose momentum
             `wrap_optimizer` moves into the aggregator (a `tf_keras` optimizer keeps its
             own, so leave it 0 there).
-        adam_step: with `config.compress_adam_step` and Adam, top-k compresses
-            each replica's Adam step (see `Aggregator`); False for optimizers whose hook
-            cannot apply steps linearly (`tf_keras`).
+        adam_step: with `config.compress_adam_step` and Adam, top-k and PowerSGD take
+            Adam in front of compression (see `Aggregator`); False for optimizers whose
+            hook cannot apply steps linearly (`tf_keras`).
 
     Returns:
         an `Aggregator`.
@@ -64,8 +65,8 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
     if kind == "topk":
         if config.optimizer == "adam" and config.topk_ratio < 0.5:
             # tools/bench_compression_quality.py: with Adam, a default-length run of the
-            # convnet ended at 36× fp32's loss (ratio 0.01) and 11× (0.1); with Adam's step
-            # compressed (the default) still 4–7× (docs/compression_benchmark.md).
+            # convnet ended at 36× fp32's loss (ratio 0.01); with frozen-variance Adam in
+            # front (the default) still +27 % / +580 % (seeds 0 / 1; README).
             logging.warning("compression=topk with optimizer=adam can end far above fp32's "
                             "loss on short runs (README, Gradient aggregators); int8 or "
                             "powersgd hold there")

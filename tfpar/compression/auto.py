@@ -104,6 +104,10 @@ class AutoAggregator(PowerSGDAggregator):
             raise ValueError(f"budget_ms={budget_ms!r} is invalid: must be > 0, e.g. 20")
         if window < 1:
             raise ValueError(f"window={window!r} is invalid: must be an integer >= 1")
+        # With Adam in front: per-replica moments (no frozen variance). Frozen after a warm-up
+        # as short as auto's exact start (2 steps in tests/test_compression_auto.py), `v` was
+        # too small for the later gradients and the run diverged.
+        kwargs.setdefault("adam_warmup_steps", 0)
         super().__init__(rank=max(RANKS), start_step=start_step, seed=seed, **kwargs)
         self.budget_ms = float(budget_ms)
         self.link = None if link is None else (float(link[0]), float(link[1]))

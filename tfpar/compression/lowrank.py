@@ -24,6 +24,7 @@ class PowerSGDAggregator(NoneAggregator):
     """
 
     lossy = True
+    adam_compresses = "gradient"  # see `Aggregator.adam_compresses`
 
     def __init__(self, rank=4, start_step=0, seed=0, **kwargs):
         if rank < 1:

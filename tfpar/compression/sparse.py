@@ -145,9 +145,11 @@ class TopKAggregator(Aggregator):
     def _k_now(self, size):
         if not self.warmup_steps:
             return self.k(size)
-        # The same table on every replica, so all send messages of one length.
+        # The same table on every replica, so all send messages of one length. With Adam's
+        # exact warm-up in front, the density warm-up starts when compression does.
         table = tf.constant([self.k(size, s) for s in range(self.warmup_steps + 1)], tf.int32)
-        return tf.gather(table, tf.minimum(self.step, self.warmup_steps))
+        step = self.step - self._compression_start()
+        return tf.gather(table, tf.clip_by_value(step, 0, self.warmup_steps))
 
     def _exchange_bucket(self, flat, bucket):
         n = flat.shape[0]
