@@ -17,6 +17,7 @@ holds a copy, a variable placed on one device counts on that device only.
 """
 
 import os
+import re
 
 import tensorflow as tf
 
@@ -221,6 +222,28 @@ def memory_block(model, start_bytes=None, devices=None, param_bytes=None,
         # data buffers): activations, gradients and temporaries of a step.
         out["peak_bytes_above_start_per_device"] = [p - s for p, s in zip(peaks, start_bytes)]
     return out
+
+
+_OOM_TEXT = re.compile(r"\bOOM\b|ResourceExhausted|[Oo]ut of memory|exceeds \d+% of free")
+
+
+def is_out_of_memory(err, devices=None):
+    """Whether TensorFlow error `err` comes from a device running out of memory: a
+    `ResourceExhaustedError`, an error whose message says so, or (a DTensor mesh, where the
+    device that ran out cancels its peers' collectives and the step reports the cancelled
+    collective) any error while the CPU allocator's peak reached within 1 MB of its cap."""
+    if isinstance(err, tf.errors.ResourceExhaustedError):
+        return True
+    if _OOM_TEXT.search(getattr(err, "message", None) or str(err)):
+        return True
+    devices = local_devices() if devices is None else devices
+    if any("GPU" in d.upper() for d in devices) or not _readable(devices[0]):
+        return False
+    available, where = process_cpu_memory()
+    if "cap" not in where:
+        return False
+    peak = int(tf.config.experimental.get_memory_info(devices[0])["peak"])
+    return peak >= available - 2 ** 20
 
 
 def out_of_memory_error(err, config, replicas, devices=None):

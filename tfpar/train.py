@@ -64,8 +64,11 @@ def train(config, environ=None, callbacks=(), runtime=None):
         recorder = metrics.StepRecorder()
         added = backend.fit(config, runtime, model, task, recorder, list(callbacks))
         result = backend.stats(config, runtime, model, task, recorder)
-    except tf.errors.ResourceExhaustedError as err:
-        # One line: the device, the bytes, settings that would fit (tfpar.oom).
+    except tf.errors.OpError as err:
+        # One line: the device, the bytes, settings that would fit (tfpar.oom); on a mesh
+        # the OOM may surface as a cancelled collective (memory.is_out_of_memory).
+        if not memory.is_out_of_memory(err):
+            raise
         raise memory.out_of_memory_error(err, config, runtime.replicas) from err
     result.update(added)
     if config.metrics_json and runtime.is_chief:

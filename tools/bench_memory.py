@@ -17,12 +17,18 @@ for step times.
 How the cap is enforced on CPU: `tf.config.set_logical_device_configuration(...,
 memory_limit=...)` is refused for CPUs by TensorFlow 2.21 ("Setting memory limit on CPU
 virtual devices is currently not supported"; `--probe_limit` checks), and logical CPUs
-share one allocator. So each
-configuration runs in its own child process (`python -m tfpar.train`) with the process's
-CPU allocator capped at devices × cap (`TF_CPU_BFC_MEM_LIMIT_IN_MB`, BFC on): a run that
-needs more fails with tfpar's one-line out-of-memory error. On top of that, the measured
-allocator peak per device (process peak / devices) must be within the cap, so a run whose
-devices are unbalanced cannot borrow from another's share unnoticed.
+share one allocator. So each configuration runs in its own child process (`python -m
+tfpar.train`) with the process's CPU allocator capped at devices x cap
+(`TF_CPU_BFC_MEM_LIMIT_IN_MB`, BFC on): a run that needs more fails with tfpar's one-line
+out-of-memory error. On top of that, the measured allocator peak per device (process
+peak / devices) must be within the cap. This is a cap on the devices' sum, not on each
+device: it equals a per-device cap only while the devices' peaks coincide, which they do
+here as every configuration is SPMD (each device runs the same program on pieces of the
+same size, in step through the collectives), but a device whose peak came earlier than
+the others' could borrow from their share unnoticed.
+
+Parameters (`params`, `x plain`) are the ladder's 12 x width^2 x depth (the blocks; the
+small embeddings and head are left out alike for every configuration).
 
 Output: a table, and JSON under runs/ (or --json): {"benchmark": "memory", "cap_mb",
 "devices", "rows": [{"name", "flags", "refused" | "largest": {"width", "depth", "params",

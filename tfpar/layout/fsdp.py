@@ -7,20 +7,30 @@ is split over `batch` on its first dimension that divides by the replicas
 whole), and the optimizer's slots, created with their weight's layout, are split the same
 way. Between steps each device holds 1/N of the parameters and of the optimizer state.
 
-In the step, `gathered` relayouts each split weight to its layout without `batch` where the
-forward pass reads it (an all-gather), so every op sees the whole weight as on one device.
-Its gradient runs the relayout backwards: the batch-summed gradient arrives split like
-the weight, and the element-wise update runs on each device's piece. DTensor does not
-gather a split weight by itself for every op (measured on TF 2.21: a `Gather` of an
-embedding split on its rows fails in SPMD expansion, "input and output layout do not agree
-on non-axis dim 1"), hence the explicit relayout.
+Each weight is gathered one layer at a time (`gather_per_layer`, ZeRO-3 / FSDP's
+"gather before use, free after"): every top-level layer with weights gets a `call` that
+takes its weights' pieces, relayouts them whole over `batch` (an all-gather) just before
+the layer runs, and runs inside `tf.recompute_grad`, so neither the whole weights nor the
+layer's inner activations are kept for the backward pass: the backward gathers the layer's
+weights again, recomputes the layer and hands back the gradient split like the weight (the
+relayout's gradient, a reduce-scatter). The gather reads a zero computed from the layer's
+input (`_after`), a data dependency so that TensorFlow cannot hoist every gather to the
+start of the step (all pieces are ready there): at any time about one layer's weights are
+whole. Exact: the same ops on the same values (a weight plus 0.0 is the weight); the cost
+is one extra forward per layer, as `--recompute=full`.
 
-The gathers are ops of the compiled step, scheduled by TensorFlow when their inputs are
-ready (all at the start of the step), not one layer at a time: the whole weights exist
-transiently during the step; the saving is at rest (parameters, gradients' update,
-optimizer state), not in the step's peak.
+Layers not wrapped (no weights split over `batch`, or non-trainable state that a
+recomputation would update twice) have their split weights relayouted whole at the start
+of the step (`gathered`). DTensor does not gather a split weight by itself for every op
+(measured on TF 2.21: a `Gather` of an embedding split on its rows fails in SPMD
+expansion, "input and output layout do not agree on non-axis dim 1"), hence the explicit
+relayouts.
 """
 
+import functools
+
+import keras
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar.layout.mesh import BATCH
@@ -37,9 +47,79 @@ def gathered(mapping):
     it (its other axes kept); values of other variables unchanged."""
     out = []
     for variable, value in mapping:
-        inner = getattr(variable, "value", variable)
-        layout = getattr(inner, "layout", None)
-        if layout is not None and BATCH in layout.sharding_specs:
-            value = dtensor.relayout(value, whole_over_batch(layout))
+        if not getattr(variable, "_tfpar_gathered_per_layer", False):
+            value = _whole(variable, value)
         out.append((variable, value))
     return out
+
+
+def _split_layout(variable):
+    """The DTensor layout of `variable` if it is split over `batch`, else None."""
+    inner = getattr(variable, "value", variable)
+    layout = getattr(inner, "layout", None)
+    return layout if layout is not None and BATCH in layout.sharding_specs else None
+
+
+def _whole(variable, value, layout=None):
+    """`value` of `variable` relayouted whole over `batch` (`layout`: the variable's, read
+    beforehand; under a StatelessScope `variable.value` is a tensor without one)."""
+    layout = layout or _split_layout(variable)
+    return value if layout is None else dtensor.relayout(value, whole_over_batch(layout))
+
+
+def _after(value, inputs):
+    """`value` + 0.0, the zero computed from `inputs`: `value`, exactly, but only once the
+    layer's input exists (NaN if the input is NaN, as the layer's output would be)."""
+    if not inputs:
+        return value
+    probe = tf.reduce_max(tf.cast(inputs[0], tf.float32))
+    zero = tf.where(probe == probe, 0.0, float("nan"))
+    return value + tf.cast(zero, value.dtype)
+
+
+def gather_per_layer(model):
+    """Makes every top-level layer of `model` whose weights are split over `batch` gather
+    them whole just before it runs, and again in its backward pass (see the module
+    docstring); returns the names of those layers. Marks the layers as recomputed
+    (`tfpar.recompute` then leaves them alone: they already are) and their weights as
+    gathered per layer (`gathered` leaves them split)."""
+    names = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer) or layer.non_trainable_weights:
+            continue
+        variables = list(layer.trainable_variables)
+        layouts = [_split_layout(v) for v in variables]
+        if all(layout is None for layout in layouts):
+            continue
+        _wrap(layer, variables, layouts)
+        for variable in variables:
+            object.__setattr__(variable, "_tfpar_gathered_per_layer", True)
+        names.append(layer.name)
+    return names
+
+
+def _wrap(layer, variables, layouts):
+    call = layer.call
+
+    @functools.wraps(call)
+    def gathering_call(*args, **kwargs):
+        # Under the step's StatelessScope `v.value` is this step's piece of the weight.
+        pieces = [tf.cast(v.value, v.dtype) for v in variables]
+        flat = tf.nest.flatten(args)
+        positions = [i for i, a in enumerate(flat) if tf.is_tensor(a)]
+        tensors = [flat[i] for i in positions]
+
+        def forward(*inputs):
+            given, own = inputs[:len(positions)], inputs[len(positions):]
+            values = list(flat)
+            for i, tensor in zip(positions, given):
+                values[i] = tensor
+            whole = [_whole(v, _after(p, given), layout)
+                     for v, p, layout in zip(variables, own, layouts)]
+            with keras.StatelessScope(state_mapping=list(zip(variables, whole))):
+                return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
+
+        return tf.recompute_grad(forward)(*tensors, *pieces)
+
+    object.__setattr__(layer, "call", gathering_call)
+    object.__setattr__(layer, "_tfpar_recomputed", True)

@@ -9,7 +9,7 @@ model's presets, model and optimizer built on the mesh. Which settings combine w
 import keras
 
 from tfpar import models, optimizers, recompute
-from tfpar.layout import presets, variables
+from tfpar.layout import fsdp, presets, variables
 from tfpar.layout.mesh import mesh_for_config
 from tfpar.layout.trainer import build_on_mesh
 
@@ -48,6 +48,8 @@ def _build_model(config, task):
     with variables.weights_over_batch(config.zero_stage == 3):
         model = models.build(config.model, task.input_shape, task.num_classes,
                              width=config.model_width, depth=config.model_depth)
+    if config.zero_stage == 3:
+        fsdp.gather_per_layer(model)  # before recompute: its layers already recompute
     recompute.apply(model, config)
     return model
 
