@@ -64,7 +64,9 @@ def variants(config, replicas, devices):
         except (ConfigError, ValueError, TypeError):
             pass
 
-    if config.recompute == "none":
+    # ZeRO-3 already recomputes every layer it gathers (tfpar.layout.fsdp).
+    recompute = config.recompute == "none" and config.zero_stage < 3
+    if recompute:
         add("--recompute=blocks", recompute="blocks")
     if replicas > 1:
         for stage in range(max(1, config.zero_stage + 1), 4):
@@ -78,7 +80,7 @@ def variants(config, replicas, devices):
         if tp > config.tensor_parallel and devices % tp == 0 and config.pipeline_stages == 1:
             add(f"--tensor_parallel={tp} --data_parallel={devices // tp}",
                 tensor_parallel=tp, data_parallel=devices // tp)
-    if config.recompute == "none" and replicas > 1:
+    if recompute and replicas > 1:
         add("--recompute=blocks --zero_stage=3", recompute="blocks", zero_stage=3)
     for div in (2, 4):
         batch = config.global_batch_size // div

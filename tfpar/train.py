@@ -25,6 +25,7 @@ from tfpar import backends, data, memory, metrics
 from tfpar import flags as tfpar_flags
 from tfpar.checkpoint import fit_segments  # noqa: F401  (re-exported: resume arithmetic)
 from tfpar.errors import TfparError
+from tfpar.oom import OutOfMemoryError
 from tfpar.optimizers import LinearWarmup, learning_rate, make_optimizer  # noqa: F401
 
 
@@ -97,6 +98,12 @@ def main(argv):
         result, _ = train(config)
     except TfparError as err:
         print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
+        if isinstance(err, OutOfMemoryError):
+            # On a mesh the devices that did not run out wait in cancelled collectives,
+            # and TensorFlow's shutdown waits for them: the process would hang after the
+            # line. Nothing is left to save (checkpoints are written before a step runs).
+            sys.stdout.flush()
+            os._exit(2)
         sys.exit(2)
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError, tf.errors.AbortedError) as err:
