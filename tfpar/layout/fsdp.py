@@ -106,15 +106,18 @@ def _wrap(layer, variables, layouts):
         # Under the step's StatelessScope `v.value` is this step's piece of the weight.
         pieces = [tf.cast(v.value, v.dtype) for v in variables]
         flat = tf.nest.flatten(args)
-        positions = [i for i, a in enumerate(flat) if tf.is_tensor(a)]
+        # Only floating inputs go through recompute_grad (it watches them; token ids
+        # have no gradient and would only be warned about); the rest stay captured.
+        positions = [i for i, a in enumerate(flat) if tf.is_tensor(a) and a.dtype.is_floating]
         tensors = [flat[i] for i in positions]
+        others = [a for a in flat if tf.is_tensor(a) and not a.dtype.is_floating]
 
         def forward(*inputs):
             given, own = inputs[:len(positions)], inputs[len(positions):]
             values = list(flat)
             for i, tensor in zip(positions, given):
                 values[i] = tensor
-            whole = [_whole(v, _after(p, given), layout)
+            whole = [_whole(v, _after(p, list(given) or others), layout)
                      for v, p, layout in zip(variables, own, layouts)]
             with keras.StatelessScope(state_mapping=list(zip(variables, whole))):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
