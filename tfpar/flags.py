@@ -62,9 +62,11 @@ _HELP = {
     "threshold": "Magnitude above which threshold sparsification sends an entry.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
-    "compress_adam_step": "With --optimizer=adam, top-k compresses each replica's Adam step "
-                          "(moments of its own gradient) and the optimizer applies the summed "
-                          "steps; off = compress gradients that Adam then normalises.",
+    "compress_adam_step": "With --optimizer=adam, top-k and PowerSGD run Adam in front of "
+                          "the compression: 50 exact Adam steps on all-reduced gradients, then "
+                          "the second moment frozen; top-k compresses each replica's Adam "
+                          "step, PowerSGD the gradient scaled by the frozen denominator. Off = "
+                          "compress gradients that Adam then normalises.",
     "auto_budget_ms": "--compression=auto: wall time per step the gradient exchange may take "
                       "on the link (measured at start); sets the high and low ranks.",
     "auto_link_mbps": "--compression=auto: act as on a link of this many Mbit/s instead of "
