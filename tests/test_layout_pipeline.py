@@ -1,7 +1,7 @@
 """dp × tp × pp in one process (`tfpar.layout.pipeline`): `python -m tfpar.train
 --cpu_devices=8 --data_parallel=2 --tensor_parallel=2 --pipeline_stages=2 --microbatches=4`
 against the single-device run of the same config (same seed, same data), SGD and Adam,
-mlp, GPipe and 1F1B. All 3D runs share one child (one set of meshes per
+mlp and transformer, GPipe and 1F1B. All 3D runs share one child (one set of meshes per
 process), the references another.
 """
 
@@ -16,7 +16,10 @@ from test_train import max_diff, weights
 STEPS = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
 RUNS = [{"model": "mlp", "optimizer": "sgd", "learning_rate": 0.1, "schedule": "gpipe"},
         {"model": "mlp", "optimizer": "adam", "learning_rate": 1e-3, "schedule": "1f1b"},
-]  # the transformer's 3D step hangs so far (refused)
+        {"model": "transformer", "optimizer": "sgd", "learning_rate": 0.1,
+         "schedule": "1f1b"},
+        {"model": "transformer", "optimizer": "adam", "learning_rate": 1e-3,
+         "schedule": "gpipe"}]
 MESH3D = {"cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2, "pipeline_stages": 2,
           "microbatches": 4}
 
