@@ -94,9 +94,7 @@ def _mesh_pipeline(c):
 
 
 COMBINATIONS = (
-    # dp × tp × pp (`tfpar.layout.pipeline`): what it runs so far. The transformer's step
-    # hung after tracing (no CPU use for minutes); not run until that is found.
-    ("model", ("mlp",), _mesh_pipeline, _MESH_PIPELINE),
+    # dp × tp × pp (`tfpar.layout.pipeline`): what it runs so far.
     ("schedule", ("gpipe", "1f1b"), _mesh_pipeline, _MESH_PIPELINE),
     ("grad_accum_steps", (1,), _mesh_pipeline, _MESH_PIPELINE),
     ("mixed_precision", ("none",), _mesh_pipeline, _MESH_PIPELINE),

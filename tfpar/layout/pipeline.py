@@ -15,18 +15,28 @@ once, forward/backward inside a `StatelessScope`, one write per changed variable
 
 Measured on TF 2.21 (8 logical CPUs, two 2×2 meshes): inside one `tf.function`, a
 cross-mesh copy works only between fully replicated layouts (`copy_to_mesh` of a
-batch-sharded value fails in SPMD expansion), and an explicit copy from a later mesh back
-to an earlier one made the step hang. So an activation crosses forwards only, inside the
+batch-sharded value fails in SPMD expansion). DTensor's all-reduce combining
+(`DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION`, on by default, read once when DTensor
+starts) made the step hang with no CPU use whenever an earlier stage holds a replicated
+weight and data_parallel > 1 (the transformer's embedding; a 2-mesh Dense|Dense with
+replicated kernels hangs too, with dp=2 × tp=1 as well, not with dp=1); with it off
+the same steps run. Presumably it merges that stage's collectives over `batch`, the
+forward gather of its output with the backward sum of its weight gradients, which
+waits on the next mesh, which waits on the gather. `make_meshes` turns it off. (An
+explicit copy from a later mesh back to an earlier one also hung before this was found;
+it was not tried again.) So an activation crosses forwards only, inside the
 receiving stage's tape: gathered on its mesh, copied replicated, split again on the
 `batch` axis of the next mesh; its gradient crosses back through the copy's own gradient
 (`CopyToMeshGrad`), which runs.
 """
 
+import os
 import types
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.dtensor.python import api as dtensor_api
 from tensorflow.experimental import dtensor
 
 from tfpar import models
@@ -40,15 +50,40 @@ from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
 from tfpar.pipeline.schedule import has_weight_passes, make_schedule, simulate
 
+# DTensor's pass that merges all-reduces over the same devices, read once when DTensor
+# starts; see the module docstring for why a mesh pipeline turns it off.
+_COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+
+
+def _no_all_reduce_combining():
+    """Turns DTensor's all-reduce combining off for this process (see the module
+    docstring).
+
+    Raises:
+        ConfigError: DTensor already started in this process with combining on (it reads
+            the setting once), so a pipeline step could hang.
+    """
+    if os.environ.get(_COMBINE_ALL_REDUCES) == "0":
+        return
+    if getattr(dtensor_api, "_dtensor_singleton", None) is not None:
+        raise ConfigError(
+            "pipeline_stages", "a mesh pipeline after other DTensor work",
+            f"create the meshes (make_meshes) before any other DTensor use in the process, "
+            f"or start it with {_COMBINE_ALL_REDUCES}=0")
+    os.environ[_COMBINE_ALL_REDUCES] = "0"
+
 
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
     """`stages` meshes of `data_parallel` × `tensor_parallel`, over consecutive groups of
-    `devices`.
+    `devices`. Call it before any other DTensor use in the process: it turns off DTensor's
+    all-reduce combining, which DTensor reads once (see the module docstring).
 
     Raises:
-        ConfigError: the three degrees do not multiply to the number of devices.
+        ConfigError: the three degrees do not multiply to the number of devices, or
+            DTensor already started with all-reduce combining on.
     """
     per_stage = data_parallel * tensor_parallel
+    _no_all_reduce_combining()
     if per_stage * stages != len(devices):
         raise ConfigError(
             "pipeline_stages", stages,
@@ -89,9 +124,6 @@ def build(config, task, meshes, build_optimizer):
             not cut into K stages.
     """
     for setting, value, honoured in (
-            # The transformer's step hung (no CPU use for minutes after tracing): not
-            # run until that is found.
-            ("model", config.model, ("mlp",)),
             ("schedule", config.schedule, ("gpipe", "1f1b")),
             ("grad_accum_steps", config.grad_accum_steps, (1,)),
             ("mixed_precision", config.mixed_precision, ("none",)),
