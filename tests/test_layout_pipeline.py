@@ -49,7 +49,7 @@ def test_dp_tp_pp_equals_one_device(tmp_path, report_measured):
         assert len(per_device) == 8
         assert max(per_device) < total / 2, (per_device, total)
         assert sum(per_device) / 2 >= total  # per batch row: every parameter at least once
-    report_measured("dp=2 x tp=2 x pp=2 vs one device after 5 steps (SGD and Adam, gpipe "
-                    "and 1f1b): max weight diff " + ", ".join(
+    report_measured("dp=2 x tp=2 x pp=2 vs one device after 5 steps (mlp: SGD and Adam, "
+                    "gpipe and 1f1b; transformer: SGD, 1f1b): max weight diff " + ", ".join(
                         f"{m} {d:.1e}" for m, d in worst.items()))
     assert math.isfinite(three_d[None][-1]["final_loss"])

@@ -39,6 +39,10 @@ Patches:
   given as a function in Keras's own `LossFunctionWrapper` (private; it matches the ranks
   of labels and predictions as `compile` does for Keras's models); `function_loss` is the
   one caller, and the check compares the wrapper's signature.
+- `dtensor_started`: not a replacement but a read. A mesh pipeline must turn DTensor's
+  all-reduce combining off before DTensor starts (`tfpar.layout.pipeline`); whether it has
+  started is DTensor's private `api._dtensor_singleton`. `dtensor_started` is the one
+  reader; the check looks for the singleton in DTensor's source.
 
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
@@ -58,6 +62,7 @@ from keras.src.ops import function as _keras_function
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective
 from tensorflow.python.framework import auto_control_deps as _auto_control_deps
+from tensorflow.dtensor.python import api as _dtensor_api
 from tensorflow.python.framework import ops as _tf_ops
 
 from tfpar.errors import TfparError
@@ -94,7 +99,10 @@ REGISTRY = {
                        "tfpar.pipeline.partition"),
     "function_loss": ("keras.src.losses.losses.LossFunctionWrapper (called, not replaced)",
                       "tfpar.pipeline.model.PipelineModel.compile"),
+    "dtensor_started": ("tensorflow.dtensor.python.api._dtensor_singleton (read, not replaced)",
+                        "tfpar.layout.pipeline.make_meshes"),
 }
+_EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
 _EXPECTED_FUNCTION_NODES = "self._nodes_by_depth = nodes_by_depth"
 _EXPECTED_FUNCTION_LOSS = "(self, fn, reduction='sum_over_batch_size', name=None, dtype=None, **kwargs)"
@@ -163,6 +171,11 @@ def check_targets(names=None):
         problems.append(f"keras {keras.__version__} changed LossFunctionWrapper; "
                         "PipelineModel.compile was written for keras "
                         f"{WRITTEN_FOR['keras']}")
+    if "dtensor_started" in names and _EXPECTED_DTENSOR_SINGLETON not in inspect.getsource(
+            _dtensor_api):
+        problems.append(f"tensorflow {tf.__version__} changed dtensor's api._dtensor_singleton; "
+                        "tfpar.layout.pipeline was written for tensorflow "
+                        f"{WRITTEN_FOR['tensorflow']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's refusal "
@@ -206,6 +219,11 @@ def function_loss(fn):
     """A `keras.losses.Loss` computing `fn(y_true, y_pred)` as Keras's `compile` wraps a
     function. Registry entry `function_loss`."""
     return LossFunctionWrapper(fn)
+
+
+def dtensor_started():
+    """Whether DTensor has started in this process. Registry entry `dtensor_started`."""
+    return getattr(_dtensor_api, "_dtensor_singleton", None) is not None
 
 
 def _keras_distribute_tensor():

@@ -36,10 +36,9 @@ import types
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.dtensor.python import api as dtensor_api
 from tensorflow.experimental import dtensor
 
-from tfpar import models
+from tfpar import models, patches
 from tfpar.errors import ConfigError
 from tfpar.layout import presets, values, variables
 from tfpar.layout.mesh import BATCH, axis_size, make_mesh
@@ -65,7 +64,7 @@ def _no_all_reduce_combining():
     """
     if os.environ.get(_COMBINE_ALL_REDUCES) == "0":
         return
-    if getattr(dtensor_api, "_dtensor_singleton", None) is not None:
+    if patches.dtensor_started():
         raise ConfigError(
             "pipeline_stages", "a mesh pipeline after other DTensor work",
             f"create the meshes (make_meshes) before any other DTensor use in the process, "
