@@ -24,10 +24,19 @@ the same steps run. Presumably it merges that stage's collectives over `batch`, 
 forward gather of its output with the backward sum of its weight gradients, which
 waits on the next mesh, which waits on the gather. `make_meshes` turns it off. (An
 explicit copy from a later mesh back to an earlier one also hung before this was found;
-it was not tried again.) So an activation crosses forwards only, inside the
+with combining off, the interleaved schedule's copy from the last mesh to the first,
+chunk 0 to chunk 1, runs.) So an activation crosses forwards only, inside the
 receiving stage's tape: gathered on its mesh, copied replicated, split again on the
 `batch` axis of the next mesh; its gradient crosses back through the copy's own gradient
 (`CopyToMeshGrad`), which runs.
+
+With the interleaved schedule the model is cut into K·V stage models, model v on mesh
+v % K. With ZB-H1 a B action takes the input gradient from the stage's tape and the W
+action the weights' gradient from the same (persistent) tape; it differentiates the
+stage again rather than reusing B's intermediate gradients, so it is exact, not cheaper.
+Ops within the step run in data-dependency order: the schedule fixes the trace order,
+not the execution order. With `grad_accum_steps` = k the schedule runs k times on k
+groups of M micro-batches before the one update.
 """
 
 import os
