@@ -31,6 +31,27 @@ def test_bad_values_name_the_setting(changes, setting, hint):
     assert repr(changes.get(setting, err.value.value)) in str(err.value)
 
 
+MESH_3D = {"cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2, "pipeline_stages": 2,
+           "microbatches": 4}
+
+
+def test_dp_tp_pp_takes_every_schedule_accumulation_and_bf16_and_refuses_the_rest():
+    # tests/test_layout_pipeline.py trains the accepted ones against one device.
+    for changes in ({"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zb_h1"},
+                    {"schedule": "gpipe", "grad_accum_steps": 2},
+                    {"mixed_precision": "bf16"}):
+        ParallelConfig(**MESH_3D, **changes)
+    for changes, setting in (({"mixed_precision": "fp16"}, "mixed_precision"),
+                             ({"recompute": "blocks"}, "recompute"),
+                             ({"checkpoint_dir": "ckpt"}, "checkpoint_dir"),
+                             ({"compression": "fp16"}, "compression")):
+        with pytest.raises(ConfigError) as err:
+            ParallelConfig(**MESH_3D, **changes)
+        assert err.value.setting == setting
+        assert "\n" not in str(err.value)
+        assert "--pipeline_stages" in str(err.value)
+
+
 def test_batch_must_split_over_replicas():
     cfg = ParallelConfig(global_batch_size=30)
     assert cfg.per_replica_batch(3) == 10

@@ -94,10 +94,9 @@ def _mesh_pipeline(c):
 
 
 COMBINATIONS = (
-    # dp × tp × pp (`tfpar.layout.pipeline`): what it runs so far.
-    ("schedule", ("gpipe", "1f1b"), _mesh_pipeline, _MESH_PIPELINE),
-    ("grad_accum_steps", (1,), _mesh_pipeline, _MESH_PIPELINE),
-    ("mixed_precision", ("none",), _mesh_pipeline, _MESH_PIPELINE),
+    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation and bf16 run.
+    ("mixed_precision", ("none", "bf16"), _mesh_pipeline,
+     "fp16 loss scaling is " + _MESH_PIPELINE + "; use bf16"),
     ("recompute", ("none",), _mesh_pipeline, _MESH_PIPELINE),
     ("checkpoint_dir", ("",), _mesh_pipeline, _MESH_PIPELINE),
     ("compression", ("none",),

@@ -37,6 +37,10 @@ class DTensorBackend(Backend):
     def build_runtime(self, config, environ=None, runtime=None):
         """A runtime over the mesh (`runtime.strategy` is the mesh); `runtime`, if given,
         must come from an earlier call of this backend."""
+        # Every run sets the policy, also on a runtime handed in (one mesh per process,
+        # several configs): float32 without mixed precision.
+        keras.mixed_precision.set_global_policy(
+            optimizers.MIXED_PRECISION_POLICIES.get(config.mixed_precision, "float32"))
         if runtime is not None:
             if not hasattr(runtime, "mesh"):
                 raise TfparError("train(runtime=...): a tf.distribute runtime cannot run "
@@ -53,9 +57,6 @@ class DTensorBackend(Backend):
             cluster = multi_client.initialize(config.cpu_devices, environ)
         else:
             devices.split_cpu(config.cpu_devices)
-        if config.mixed_precision != "none":
-            keras.mixed_precision.set_global_policy(
-                optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
         meshes = None
         if workers > 1 and config.pipeline_stages > 1:
             raise ConfigError("pipeline_stages", config.pipeline_stages,
@@ -122,12 +123,13 @@ class DTensorBackend(Backend):
         stages = getattr(model, "stages", None) or [model]
         stage_optimizers = getattr(self.trainer, "stage_optimizers", None) or [
             self.trainer.optimizer]
-        per_mesh = len(mesh_devices) // len(stages)  # a pipeline: one mesh per stage
+        K = len(runtime.meshes)  # a pipeline: stage model v on mesh v % K
+        per_mesh = len(mesh_devices) // K
 
-        def per_device(variable_lists):  # each stage's shards on its own mesh's devices
-            return [b for s, variables in enumerate(variable_lists)
-                    for b in memory.shard_bytes_per_device(
-                        variables, mesh_devices[s * per_mesh:(s + 1) * per_mesh])]
+        def per_device(variable_lists):  # each mesh's shards on its own devices
+            return [b for s in range(K) for b in memory.shard_bytes_per_device(
+                [v for variables in variable_lists[s::K] for v in variables],
+                mesh_devices[s * per_mesh:(s + 1) * per_mesh])]
         result["memory"].update(memory.memory_block(
             model, getattr(self, "_memory_start", None), mesh_devices,
             param_bytes=per_device([stage.weights for stage in stages]),
@@ -138,7 +140,8 @@ class DTensorBackend(Backend):
         if len(runtime.meshes) > 1:
             result["mesh"]["pipeline_stages"] = len(runtime.meshes)
             result["pipeline"] = schedule.pipeline_metrics(
-                config.schedule, config.pipeline_stages, config.microbatches)
+                config.schedule, config.pipeline_stages, config.microbatches,
+                config.virtual_stages if config.schedule == "interleaved" else 1)
         return result
 
 
@@ -149,8 +152,10 @@ def _mesh_devices(runtime):
 
 
 def _shard_sizes(runtime, model):
-    """Parameters each device holds: per stage's mesh, that stage's shards."""
+    """Parameters each device holds: per stage's mesh, the shards of its stage models."""
     stages = getattr(model, "stages", None)
     if len(runtime.meshes) == 1 or stages is None:
         return values.shard_sizes(model.weights)
-    return [n for stage in stages for n in values.shard_sizes(stage.weights)]
+    return [n for s in range(len(runtime.meshes))
+            for n in values.shard_sizes([w for stage in model.on_mesh(s)
+                                         for w in stage.weights])]

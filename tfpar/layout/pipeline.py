@@ -24,10 +24,19 @@ the same steps run. Presumably it merges that stage's collectives over `batch`, 
 forward gather of its output with the backward sum of its weight gradients, which
 waits on the next mesh, which waits on the gather. `make_meshes` turns it off. (An
 explicit copy from a later mesh back to an earlier one also hung before this was found;
-it was not tried again.) So an activation crosses forwards only, inside the
+with combining off, the interleaved schedule's copy from the last mesh to the first,
+chunk 0 to chunk 1, runs.) So an activation crosses forwards only, inside the
 receiving stage's tape: gathered on its mesh, copied replicated, split again on the
 `batch` axis of the next mesh; its gradient crosses back through the copy's own gradient
 (`CopyToMeshGrad`), which runs.
+
+With the interleaved schedule the model is cut into K·V stage models, model v on mesh
+v % K. With ZB-H1 a B action takes the input gradient from the stage's tape and the W
+action the weights' gradient from the same (persistent) tape; it differentiates the
+stage again rather than reusing B's intermediate gradients, so it is exact, not cheaper.
+Ops within the step run in data-dependency order: the schedule fixes the trace order,
+not the execution order. With `grad_accum_steps` = k the schedule runs k times on k
+groups of M micro-batches before the one update.
 """
 
 import os
@@ -47,7 +56,7 @@ from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.step import _layouts, _read, _write
 from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
-from tfpar.pipeline.schedule import has_weight_passes, make_schedule, simulate
+from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
 
 # DTensor's pass that merges all-reduces over the same devices, read once when DTensor
 # starts; see the module docstring for why a mesh pipeline turns it off.
@@ -96,12 +105,19 @@ def make_meshes(data_parallel, tensor_parallel, stages, devices):
 
 class StagedModel(keras.Model):
     """The stage models of a mesh pipeline, in order; `weights` lists them stage by stage,
-    in the whole model's order. Not callable: `MeshPipelineTrainer` runs it."""
+    in the whole model's order. Stage model v (virtual stage v = chunk·K + s) lives on
+    mesh v % K: with the interleaved schedule a mesh holds V of them. Not callable:
+    `MeshPipelineTrainer` runs it."""
 
-    def __init__(self, stages, **kwargs):
+    def __init__(self, stages, num_meshes=None, **kwargs):
         super().__init__(**kwargs)
         self.stages = list(stages)
+        self.num_meshes = num_meshes or len(self.stages)
         self.built = True
+
+    def on_mesh(self, index):
+        """The stage models on mesh `index`."""
+        return self.stages[index::self.num_meshes]
 
     def call(self, x, training=False):
         raise TypeError("a mesh pipeline runs through its MeshPipelineTrainer")
@@ -123,9 +139,7 @@ def build(config, task, meshes, build_optimizer):
             not cut into K stages.
     """
     for setting, value, honoured in (
-            ("schedule", config.schedule, ("gpipe", "1f1b")),
-            ("grad_accum_steps", config.grad_accum_steps, (1,)),
-            ("mixed_precision", config.mixed_precision, ("none",)),
+            ("mixed_precision", config.mixed_precision, ("none", "bf16")),
             ("recompute", config.recompute, ("none",)),
             ("checkpoint_dir", config.checkpoint_dir, ("",))):
         if value not in honoured:
@@ -135,21 +149,25 @@ def build(config, task, meshes, build_optimizer):
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
                          width=config.model_width, depth=config.model_depth)
+    K = len(meshes)
+    V = config.virtual_stages if config.schedule == "interleaved" else 1
     stages, optimizers = [], []
-    for s, (nodes, src, out) in enumerate(_cut(whole, len(meshes))):
+    # Piece v (virtual stage v = chunk·K + s) lives on mesh v % K.
+    for v, (nodes, src, out) in enumerate(_cut(whole, K * V)):
         distribution = keras.distribution.ModelParallel(
-            layout_map=presets.layout_map(meshes[s], rules), batch_dim_name=BATCH)
+            layout_map=presets.layout_map(meshes[v % K], rules), batch_dim_name=BATCH)
         with variables.variable_scope(distribution):
-            stage = _rebuild(nodes, src, out, s)
+            stage = _rebuild(nodes, src, out, v)
             optimizer = stateless_optimizer(build_optimizer())
             optimizer.build(stage.trainable_variables)
         _refuse_keras_loops(stage)
         stages.append(stage)
         optimizers.append(optimizer)
-    model = StagedModel(stages, name=f"{whole.name}_mesh_pipeline")
-    schedule = make_schedule(config.schedule, len(meshes), config.microbatches)
+    model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
+    schedule = make_schedule(config.schedule, K, config.microbatches, V)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss)
+    return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss,
+                                      grad_accum_steps=config.grad_accum_steps)
 
 
 def _cut(model, num_stages):
@@ -202,27 +220,40 @@ def _move(h, source, mesh):
 
 
 class MeshPipelineTrainer(MeshTrainer):
-    """`MeshTrainer` for K stage models on K meshes, trained by a pipeline schedule.
+    """`MeshTrainer` for K·V stage models on K meshes, trained by a pipeline schedule.
 
     Args:
         meshes: one `keras.distribution.DeviceMesh` per stage.
-        model: the `StagedModel`.
-        optimizers: one built stateless optimizer per stage, on its mesh.
-        schedule: K action lists (`tfpar.pipeline.schedule`, no virtual stages).
+        model: the `StagedModel` (K·V stage models, model v on mesh v % K).
+        optimizers: one built stateless optimizer per stage model, on its mesh.
+        schedule: K action lists (`tfpar.pipeline.schedule`: any schedule; with V model
+            chunks per stage for the interleaved one; with W passes for zero-bubble).
         loss: a mean-reducing `keras.losses.Loss`.
+        grad_accum_steps: k > 1 runs the schedule k times in the step, on k consecutive
+            groups of M micro-batches, and applies the mean gradient of all k·M in one
+            update (the batch must split into k·M micro-batches divisible by
+            data_parallel).
     """
 
-    def __init__(self, meshes, model, optimizers, schedule, loss, accuracy="accuracy"):
-        if has_weight_passes(schedule) or any(a.chunk for row in schedule for a in row):
-            raise ConfigError("schedule", "zb_h1/interleaved",
-                              "with --tensor_parallel>1 use gpipe or 1f1b")
+    def __init__(self, meshes, model, optimizers, schedule, loss, accuracy="accuracy",
+                 grad_accum_steps=1):
         self.meshes, self.mesh, self.model, self.loss = meshes, meshes[0], model, loss
         self.stage_optimizers = optimizers
         self.optimizer = types.SimpleNamespace(
             variables=[v for o in optimizers for v in o.variables])
-        self.grad_accum_steps, self.accuracy, self.reduction = 1, accuracy, None
-        self.K, self.M = len(schedule), 1 + max(a.microbatch for a in schedule[0])
-        sim = simulate(schedule, self.K, self.M)
+        if int(grad_accum_steps) < 1:
+            raise ConfigError("grad_accum_steps", grad_accum_steps, "must be an integer >= 1")
+        self.grad_accum_steps, self.accuracy, self.reduction = int(grad_accum_steps), \
+            accuracy, None
+        self.K, self.V = len(schedule), chunks_of(schedule)
+        self.M = 1 + max(a.microbatch for a in schedule[0])
+        if len(model.stages) != self.K * self.V or len(meshes) != self.K:
+            raise ConfigError("pipeline_stages", len(meshes),
+                              f"the schedule has {self.K} stages × {self.V} chunks for "
+                              f"{len(model.stages)} stage models on {len(meshes)} meshes")
+        # Zero-bubble schedules split each backward: B the input gradient, W the weights'.
+        self.split = has_weight_passes(schedule)
+        sim = simulate(schedule, self.K, self.M, self.V)
         self._order = sorted(((start, s, a) for s in range(self.K)
                               for a, start, _ in sim.timeline[s]), key=lambda t: t[:2])
         for stage, optimizer in zip(model.stages, optimizers):
@@ -246,17 +277,22 @@ class MeshPipelineTrainer(MeshTrainer):
                               "a mesh pipeline takes (x, y) or (x, y, sample_weight) batches")
         x = np.asarray(batch[0])
         parts = axis_size(self.mesh, BATCH)
-        if len(x) % (self.M * parts):
+        count = self.M * (self.grad_accum_steps if training else 1)
+        if len(x) % (count * parts):
             raise ConfigError("microbatches", self.M,
-                              f"the batch of {len(x)} must split into {self.M} micro-batches "
-                              f"divisible by data_parallel={parts}")
-        xs = values.micro_batches_to_mesh((x,), self.meshes[0], self.M)[0]
-        # Labels and weights go where the loss is: the last stage's mesh.
-        ys = values.micro_batches_to_mesh(batch[1:], self.meshes[-1], self.M)
+                              f"the batch of {len(x)} must split into {count} micro-batches "
+                              f"(microbatches × grad_accum_steps) divisible by "
+                              f"data_parallel={parts}")
+        xs = values.micro_batches_to_mesh((x,), self.meshes[0], count)[0]
+        # Labels and weights go where the loss is: the last stage model's mesh.
+        ys = values.micro_batches_to_mesh(batch[1:], self.meshes[-1], count)
         return xs, ys
 
-    def _stage_forward(self, s, tv, ntv, h):
-        stage = self.model.stages[s]
+    def _mesh_of(self, v):
+        return self.meshes[v % self.K]
+
+    def _stage_forward(self, v, tv, ntv, h):
+        stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
         with keras.StatelessScope(state_mapping=mapping):
@@ -264,45 +300,66 @@ class MeshPipelineTrainer(MeshTrainer):
 
     def _train_step(self, xs, ys):
         K, stages = self.K, self.model.stages
+        last = len(stages) - 1
         tv = [_read(st.trainable_variables) for st in stages]
         ntv = [_read(st.non_trainable_variables) for st in stages]
         ov = [_read(o.variables) for o in self.stage_optimizers]
-        outs, tapes, in_grads, acc = {}, {}, {}, [None] * K
+        acc = [None] * len(stages)
         losses, metrics = [], []
-        for _, s, a in self._order:
-            m = a.microbatch
-            if a.kind == "F":
-                with tf.GradientTape() as tape:
-                    tape.watch(tv[s])
-                    h = xs[m] if s == 0 else outs.pop((s - 1, m))
-                    if s > 0:
-                        tape.watch(h)
-                        h_in = _move(h, self.meshes[s - 1], self.meshes[s])
-                    else:
-                        h_in = h
-                    out = self._stage_forward(s, tv[s], ntv[s], h_in)
-                    if s == K - 1:
-                        loss = self._loss(out, ys, m)
-                        losses.append(loss)
-                        metrics.append(_correct(out, ys, m))
-                        out = loss
-                tapes[(s, m)] = (tape, h, out)
-                if s < K - 1:
-                    outs[(s, m)] = out
-            else:
-                tape, h, out = tapes.pop((s, m))
-                upstream = None if s == K - 1 else in_grads.pop((s + 1, m))
-                sources = list(tv[s]) + ([h] if s > 0 else [])
-                grads = [tf.convert_to_tensor(g) for g in tape.gradient(
-                    out, sources, output_gradients=upstream, unconnected_gradients="zero")]
-                if s > 0:
-                    in_grads[(s, m)] = grads.pop()
-                acc[s] = grads if acc[s] is None else [a + b for a, b in zip(acc[s], grads)]
-        for s, (stage, optimizer) in enumerate(zip(stages, self.stage_optimizers)):
-            new_tv, new_ov = optimizer.stateless_apply(ov[s], acc[s], tv[s])
-            _write(stage.trainable_variables, _layouts(stage.trainable_variables), tv[s],
+
+        def add(v, grads):
+            grads = [tf.convert_to_tensor(g) for g in grads]
+            acc[v] = grads if acc[v] is None else [a + b for a, b in zip(acc[v], grads)]
+
+        for r in range(self.grad_accum_steps):  # the schedule once per group of M
+            outs, tapes, in_grads, upstreams = {}, {}, {}, {}
+            for _, s, a in self._order:
+                v, m = a.chunk * K + s, r * self.M + a.microbatch
+                if a.kind == "F":
+                    with tf.GradientTape(persistent=self.split) as tape:
+                        tape.watch(tv[v])
+                        h = xs[m] if v == 0 else outs.pop((v - 1, m))
+                        if v > 0:
+                            tape.watch(h)
+                            h_in = _move(h, self._mesh_of(v - 1), self._mesh_of(v))
+                        else:
+                            h_in = h
+                        out = self._stage_forward(v, tv[v], ntv[v], h_in)
+                        if v == last:
+                            loss = self._loss(out, ys, m)
+                            losses.append(loss)
+                            metrics.append(_correct(out, ys, m))
+                            out = loss
+                    tapes[(v, m)] = (tape, h, out)
+                    if v < last:
+                        outs[(v, m)] = out
+                    continue
+                upstream = (None if v == last else in_grads.pop((v + 1, m))) \
+                    if a.kind != "W" else upstreams.pop((v, m))
+                if a.kind == "B" and self.split:  # the input gradient only
+                    tape, h, out = tapes[(v, m)]
+                    if v > 0:
+                        in_grads[(v, m)] = tf.convert_to_tensor(tape.gradient(
+                            out, h, output_gradients=upstream))
+                    upstreams[(v, m)] = upstream
+                elif a.kind == "W":  # the weights' gradient, from the same tape
+                    tape, h, out = tapes.pop((v, m))
+                    add(v, tape.gradient(out, tv[v], output_gradients=upstream,
+                                         unconnected_gradients="zero"))
+                else:
+                    tape, h, out = tapes.pop((v, m))
+                    sources = list(tv[v]) + ([h] if v > 0 else [])
+                    grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+                        out, sources, output_gradients=upstream,
+                        unconnected_gradients="zero")]
+                    if v > 0:
+                        in_grads[(v, m)] = grads.pop()
+                    add(v, grads)
+        for v, (stage, optimizer) in enumerate(zip(stages, self.stage_optimizers)):
+            new_tv, new_ov = optimizer.stateless_apply(ov[v], acc[v], tv[v])
+            _write(stage.trainable_variables, _layouts(stage.trainable_variables), tv[v],
                    new_tv)
-            _write(optimizer.variables, _layouts(optimizer.variables), ov[s], new_ov)
+            _write(optimizer.variables, _layouts(optimizer.variables), ov[v], new_ov)
         return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
                 "weight": tf.add_n([w for _, w in metrics])}
 
@@ -313,19 +370,20 @@ class MeshPipelineTrainer(MeshTrainer):
         ntv = [_read(st.non_trainable_variables) for st in stages]
         for m in range(self.M):
             h = xs[m]
-            for s in range(self.K):
-                h = self._stage_forward(s, tv[s], ntv[s], h if s == 0 else
-                                        _move(h, self.meshes[s - 1], self.meshes[s]))
-            losses.append(self._loss(h, ys, m))
+            for v in range(len(stages)):
+                h = self._stage_forward(v, tv[v], ntv[v], h if v == 0 else
+                                        _move(h, self._mesh_of(v - 1), self._mesh_of(v)))
+            losses.append(self._loss(h, ys, m, 1))
             metrics.append(_correct(h, ys, m))
         return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
                 "weight": tf.add_n([w for _, w in metrics])}
 
-    def _loss(self, logits, ys, m):
+    def _loss(self, logits, ys, m, groups=None):
         """Micro-batch m's share of the batch's mean loss (equal micro-batches: the mean of
-        their means)."""
+        their means), over `groups` groups of M (default: grad_accum_steps)."""
         weight = ys[1][m] if len(ys) > 1 else None
-        return self.loss(ys[0][m], logits, weight) / self.M
+        groups = self.grad_accum_steps if groups is None else groups
+        return self.loss(ys[0][m], logits, weight) / (self.M * groups)
 
     def predict(self, x, batch_size=None):
         raise ConfigError("predict", "mesh pipeline", "not built for a mesh pipeline yet")
