@@ -67,6 +67,25 @@ def test_distributed_optimizer_is_a_new_object_and_leaves_the_callers_alone():
     assert float(wrapped.learning_rate) == pytest.approx(0.01)
 
 
+def test_mixed_precision_policy_is_reset_only_when_a_run_set_it():
+    """A process training several configs gets float32 back after a bf16 run; a policy
+    the user set themselves is not touched by a run without --mixed_precision."""
+    import keras
+
+    from tfpar import optimizers
+    mp = keras.mixed_precision
+    try:
+        optimizers.set_policy("bf16")
+        assert mp.global_policy().name == "mixed_bfloat16"
+        optimizers.set_policy("none")
+        assert mp.global_policy().name == "float32"
+        mp.set_global_policy("mixed_float16")  # the user's own
+        optimizers.set_policy("none")
+        assert mp.global_policy().name == "mixed_float16"
+    finally:
+        mp.set_global_policy("float32")
+
+
 def test_tensorboard_event_files_hold_tfpar_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util

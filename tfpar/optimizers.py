@@ -14,6 +14,22 @@ from tfpar import nan_guard
 MIXED_PRECISION_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
+def set_policy(mixed_precision, keras_module=keras):
+    """Sets `keras_module`'s global dtype policy for `--mixed_precision` (Keras 3 or
+    tf_keras). With "none" it puts back float32 only when the policy in place is one an
+    earlier run set (a process that trains several configs must not keep an earlier run's
+    bf16/fp16); a policy the user set themselves is left alone."""
+    mp = keras_module.mixed_precision
+    if mixed_precision != "none":
+        mp.set_global_policy(MIXED_PRECISION_POLICIES[mixed_precision])
+        _SET_BY_TFPAR[keras_module.__name__] = mp.global_policy().name
+    elif _SET_BY_TFPAR.pop(keras_module.__name__, None) == mp.global_policy().name:
+        mp.set_global_policy("float32")
+
+
+_SET_BY_TFPAR = {}  # keras module name -> the policy name tfpar last set on it
+
+
 @keras.saving.register_keras_serializable(package="tfpar")
 class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
     """`peak * min(1, (step + 1) / warmup_steps)`."""

@@ -26,10 +26,7 @@ class DistributeBackend(Backend):
     def build_runtime(self, config, environ=None, runtime=None):
         devices.split_cpu(config.cpu_devices)
         keras.utils.set_random_seed(config.seed)
-        # Every run sets the policy (float32 without mixed precision): a process that
-        # trains several configs must not keep an earlier run's bf16/fp16.
-        keras.mixed_precision.set_global_policy(
-            optimizers.MIXED_PRECISION_POLICIES.get(config.mixed_precision, "float32"))
+        optimizers.set_policy(config.mixed_precision)
         cluster = tf_config.load(os.environ if environ is None else environ)
         if runtime is None and remote.spans_workers(config, cluster):
             # One stage per worker process, worker 0 the client; the others serve and exit.

@@ -17,7 +17,6 @@ import os
 import sys
 import types
 
-import keras
 import tensorflow as tf
 from absl import logging
 
@@ -37,10 +36,7 @@ class DTensorBackend(Backend):
     def build_runtime(self, config, environ=None, runtime=None):
         """A runtime over the mesh (`runtime.strategy` is the mesh); `runtime`, if given,
         must come from an earlier call of this backend."""
-        # Every run sets the policy, also on a runtime handed in (one mesh per process,
-        # several configs): float32 without mixed precision.
-        keras.mixed_precision.set_global_policy(
-            optimizers.MIXED_PRECISION_POLICIES.get(config.mixed_precision, "float32"))
+        optimizers.set_policy(config.mixed_precision)  # also on a runtime handed in
         if runtime is not None:
             if not hasattr(runtime, "mesh"):
                 raise TfparError("train(runtime=...): a tf.distribute runtime cannot run "

@@ -24,9 +24,7 @@ class TfKerasBackend(DistributeBackend):
         if runtime is None:
             devices.split_cpu(config.cpu_devices)
             runtime = strategy.make_runtime(config, environ)
-        if config.mixed_precision != "none":
-            tf_keras.mixed_precision.set_global_policy(
-                optimizers.MIXED_PRECISION_POLICIES[config.mixed_precision])
+        optimizers.set_policy(config.mixed_precision, tf_keras)
         config.per_replica_batch(runtime.replicas)
         tf_keras.utils.set_random_seed(config.seed)
         logging.info(devices.topology(runtime.strategy, runtime.workers))
