@@ -55,6 +55,7 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
             and config.compression in ADAM_STEP_AGGREGATORS):
         # Keras's Adam defaults; `wrap_optimizer` copies the optimizer's own values in.
         common["adam"] = (0.9, 0.999, 1e-7)
+        common["adam_warmup_steps"] = config.adam_warmup_steps
     kind = config.compression
     if kind == "none":
         return NoneAggregator(**common)
