@@ -173,8 +173,8 @@ def test_bytes_on_wire_from_shapes(results):
     assert raw == 4 * (64 * 48 + 48 + 3 * 3 * 4 * 8)
     assert results["none"]["stats"]["bytes_on_wire_per_step"] == raw
     assert results["fp16"]["stats"]["compression_ratio"] == 2.0
-    # One bucket of 3408 entries: 852 int32 words of codes + 1 word of scale.
-    assert results["int8"]["stats"]["bytes_on_wire_per_step"] == 4 * (852 + 1)
+    # One bucket of 3408 entries: 852 int32 words of codes + 14 scales (one per 256 entries).
+    assert results["int8"]["stats"]["bytes_on_wire_per_step"] == 4 * (852 + 14)
     assert results["topk_full"]["stats"]["compression_ratio"] == 0.5  # value + index each
 
 

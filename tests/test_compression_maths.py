@@ -45,6 +45,26 @@ def test_int8_all_zero_buffer():
     assert np.all(codecs.dequantize_int8(codes, scale).numpy() == 0)
 
 
+def test_int8_blocks_keep_each_block_own_resolution():
+    # A small-gradient layer (1e-4) next to a large one (1.0) in one buffer: one scale for
+    # the buffer rounds the small one to zero, a scale per block keeps it within 1/254.
+    small, large = 1e-4 * _rand(300, seed=1), _rand(700, seed=2)
+    x = tf.concat([small, large], 0)
+    codes, scale = codecs.quantize_int8(x)
+    assert np.all(codecs.dequantize_int8(codes, scale)[:256].numpy() == 0)
+    codes, scales = codecs.quantize_int8_blocks(x, 256)
+    assert codes.shape == [1000] and scales.shape == [codecs.int8_blocks(1000, 256)] == [4]
+    y = codecs.dequantize_int8_blocks(codes, scales, 256, 1000).numpy()
+    blocks = np.split(np.pad(x.numpy(), [0, 24]), 4)
+    bound = np.repeat([np.max(np.abs(b)) / 254 for b in blocks], 256)[:1000]
+    assert np.all(np.abs(y - x.numpy()) <= bound + 1e-9)
+    assert np.max(np.abs(y[:256] - x.numpy()[:256])) <= 1e-4 * 5 / 254
+    # Rows of several replicas decode row by row.
+    rows = codecs.dequantize_int8_blocks(tf.stack([codes, codes]), tf.stack([scales, scales]),
+                                         256, 1000)
+    np.testing.assert_array_equal(rows[1], y)
+
+
 @pytest.mark.parametrize("n", [1, 4, 5, 1023])
 def test_int8_pack_into_int32_roundtrip(n):
     codes = tf.constant(np.random.default_rng(n).integers(-127, 128, n).astype(np.int8))
@@ -126,6 +146,14 @@ def test_topk_warmup_from_the_config():
         ParallelConfig(compression="topk", topk_warmup_steps=-3)
     agg = make_aggregator(ParallelConfig(compression="topk", topk_warmup_steps=7))
     assert agg.warmup_steps == 7 and agg.get_config()["warmup_steps"] == 7
+
+
+def test_adam_warmup_from_the_config():
+    with pytest.raises(ConfigError, match="adam_warmup_steps=-1"):
+        ParallelConfig(compression="powersgd", adam_warmup_steps=-1)
+    config = ParallelConfig(compression="powersgd", optimizer="adam", adam_warmup_steps=7)
+    assert make_aggregator(config).adam_warmup_steps == 7
+    assert make_aggregator(config.replace(optimizer="sgd")).adam is None
 
 
 def test_threshold_and_sparse_packing():

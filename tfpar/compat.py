@@ -76,6 +76,10 @@ TABLE = {
                             "stages 1 and 2 run on tf.distribute (--tensor_parallel=1)"),
         "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
+    "adam_warmup_steps": {
+        "tf_keras": ((50,), "tf_keras optimizers keep Adam behind the aggregator (no "
+                            "frozen-variance Adam in front of it)"),
+    },
     "measure_comm": {
         "pipeline": ((False,), "the communication share is measured on a data-parallel step "
                                "only; a pipeline reports its bubble instead"),

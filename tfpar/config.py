@@ -129,6 +129,7 @@ class ParallelConfig:
     powersgd_rank: int = 4
     powersgd_start_step: int = 0
     compress_adam_step: bool = True
+    adam_warmup_steps: int = 50
     auto_budget_ms: float = 20.0
     auto_link_mbps: float = 0.0
     auto_link_latency_ms: float = 1.0
@@ -183,6 +184,7 @@ class ParallelConfig:
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError("topk_ratio", self.topk_ratio, "must be in (0, 1], e.g. 0.01 for 1 %")
         _at_least("topk_warmup_steps", self.topk_warmup_steps, 0)
+        _at_least("adam_warmup_steps", self.adam_warmup_steps, 0)
         if not self.threshold > 0:
             raise ConfigError("threshold", self.threshold, "must be > 0")
         if not self.auto_budget_ms > 0:

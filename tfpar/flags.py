@@ -63,10 +63,14 @@ _HELP = {
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
     "compress_adam_step": "With --optimizer=adam, top-k and PowerSGD run Adam in front of "
-                          "the compression: 50 exact Adam steps on all-reduced gradients, then "
+                          "the compression: --adam_warmup_steps exact Adam steps on all-reduced "
+                          "gradients, then "
                           "the second moment frozen; top-k compresses each replica's Adam "
                           "step, PowerSGD the gradient scaled by the frozen denominator. Off = "
                           "compress gradients that Adam then normalises.",
+    "adam_warmup_steps": "With --compress_adam_step: exact Adam steps (fp32 all-reduce, one "
+                         "Adam on the sum) before the second moment freezes and compression "
+                         "starts; 0 = no warm-up, each replica keeps its own Adam moments.",
     "auto_budget_ms": "--compression=auto: wall time per step the gradient exchange may take "
                       "on the link (measured at start); sets the high and low ranks.",
     "auto_link_mbps": "--compression=auto: act as on a link of this many Mbit/s instead of "

@@ -55,6 +55,7 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
             and config.compression in ADAM_STEP_AGGREGATORS):
         # Keras's Adam defaults; `wrap_optimizer` copies the optimizer's own values in.
         common["adam"] = (0.9, 0.999, 1e-7)
+        common["adam_warmup_steps"] = config.adam_warmup_steps
     kind = config.compression
     if kind == "none":
         return NoneAggregator(**common)
@@ -66,7 +67,8 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         if config.optimizer == "adam" and config.topk_ratio < 0.5:
             # tools/bench_compression_quality.py: with Adam, a default-length run of the
             # convnet ended at 36× fp32's loss (ratio 0.01); with frozen-variance Adam in
-            # front (the default) still +27 % / +580 % (seeds 0 / 1; README).
+            # front (the default) still +20 % / +580 % (seeds 0 / 1), and +475 % at ratio 0.1
+            # (seed 1; README).
             logging.warning("compression=topk with optimizer=adam can end far above fp32's "
                             "loss on short runs (README, Gradient aggregators); int8 or "
                             "powersgd hold there")

@@ -30,6 +30,10 @@ def quantize_int8(x, seed=None):
     """
     x = tf.cast(x, tf.float32)
     amax = tf.reduce_max(tf.abs(x))
+    return _quantize(x, amax, seed)
+
+
+def _quantize(x, amax, seed):
     # An all-zero buffer still needs a finite scale; any positive value decodes to zeros.
     scale = tf.where(amax > 0, amax / INT8_MAX, tf.ones_like(amax))
     y = x / scale
@@ -38,6 +42,34 @@ def quantize_int8(x, seed=None):
     else:
         y = tf.floor(y + tf.random.stateless_uniform(tf.shape(y), seed))
     return tf.cast(tf.clip_by_value(y, -INT8_MAX, INT8_MAX), tf.int8), scale
+
+
+def int8_blocks(n, block):
+    """How many scales `quantize_int8_blocks` sends for `n` entries in blocks of `block`."""
+    return -(-n // block)
+
+
+def quantize_int8_blocks(x, block, seed=None):
+    """Symmetric int8 quantisation of 1-D `x` with one scale per `block` consecutive entries
+    (the last block may be shorter), so a small-gradient layer sharing a bucket with a large
+    one keeps its own resolution instead of rounding to zero.
+
+    Returns:
+        `(codes, scales)`: int8 `[n]` and float32 `[int8_blocks(n, block)]`;
+        `|x - dequantize_int8_blocks(codes, scales, block)| <= scale of its block / 2` when
+        rounding to nearest.
+    """
+    x = tf.cast(x, tf.float32)
+    n = int(x.shape[0])
+    rows = tf.reshape(tf.pad(x, [[0, (-n) % block]]), [-1, block])
+    codes, scales = _quantize(rows, tf.reduce_max(tf.abs(rows), axis=1, keepdims=True), seed)
+    return tf.reshape(codes, [-1])[:n], tf.reshape(scales, [-1])
+
+
+def dequantize_int8_blocks(codes, scales, block, n):
+    """Inverse of `quantize_int8_blocks` for `[..., n]` codes and `[..., blocks]` scales."""
+    per_entry = tf.repeat(scales, block, axis=-1)[..., :n]
+    return tf.cast(codes, tf.float32) * per_entry
 
 
 def dequantize_int8(codes, scale):
