@@ -39,8 +39,9 @@ Patches:
   given as a function in Keras's own `LossFunctionWrapper` (private; it matches the ranks
   of labels and predictions as `compile` does for Keras's models); `function_loss` is the
   one caller, and the check compares the wrapper's signature.
-- `dtensor_started`: not a replacement but a read. A mesh pipeline must turn DTensor's
-  all-reduce combining off before DTensor starts (`tfpar.layout.pipeline`); whether it has
+- `dtensor_started`: not a replacement but a read. A mesh pipeline and ZeRO-3 must turn
+  DTensor's all-reduce combining off before DTensor starts (`tfpar.layout.mesh.
+  no_all_reduce_combining`); whether it has
   started is DTensor's private `api._dtensor_singleton`. `dtensor_started` is the one
   reader; the check looks for the singleton in DTensor's source.
 
@@ -100,7 +101,7 @@ REGISTRY = {
     "function_loss": ("keras.src.losses.losses.LossFunctionWrapper (called, not replaced)",
                       "tfpar.pipeline.model.PipelineModel.compile"),
     "dtensor_started": ("tensorflow.dtensor.python.api._dtensor_singleton (read, not replaced)",
-                        "tfpar.layout.pipeline.make_meshes"),
+                        "tfpar.layout.mesh.no_all_reduce_combining"),
 }
 _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.

@@ -25,7 +25,7 @@ from tfpar.backends import Backend
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import multi_client, pipeline, run, values
 from tfpar.pipeline import schedule
-from tfpar.layout.mesh import describe, mesh_for_config
+from tfpar.layout.mesh import describe, mesh_for_config, no_all_reduce_combining
 
 
 class DTensorBackend(Backend):
@@ -44,6 +44,9 @@ class DTensorBackend(Backend):
             return runtime
         cluster = tf_config.load(os.environ if environ is None else environ)
         workers = cluster.num_workers if cluster is not None else 1
+        if config.zero_stage == 3:  # before DTensor starts (tfpar.layout.mesh)
+            no_all_reduce_combining("zero_stage", 3, "ZeRO-3 would keep every layer's whole "
+                                    "gradient until one merged reduction")
         if config.strategy == "multi_worker" and workers < 2:
             strategy.choose_kind(config, cluster)  # names what is missing (TF_CONFIG)
         if workers > 1:

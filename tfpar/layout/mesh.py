@@ -7,15 +7,46 @@ accelerator system even for logical CPUs. Here the DTensor mesh is built with
 works unchanged.
 """
 
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import devices as devices_lib
+from tfpar import patches
 from tfpar.errors import ConfigError
 
 BATCH, MODEL = "batch", "model"
+
+# DTensor's pass that merges independent all-reduces over the same devices into one (on by
+# default), read once when DTensor starts. A mesh pipeline turns it off because it hangs
+# (`tfpar.layout.pipeline`), ZeRO-3 because it keeps every layer's whole gradient alive
+# until one merged reduction at the end of the backward pass (`tfpar.layout.fsdp`).
+COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+
+
+def no_all_reduce_combining(setting, value, why):
+    """Turns DTensor's all-reduce combining off for this process, before DTensor starts.
+
+    Args:
+        setting, value: the setting that needs it, for the error.
+        why: what combining would do to that setting's runs, for the error.
+
+    Raises:
+        ConfigError: DTensor already started in this process with combining on (it reads
+            the setting once).
+    """
+    if os.environ.get(COMBINE_ALL_REDUCES) == "0":
+        return
+    if patches.dtensor_started():
+        raise ConfigError(
+            setting, value,
+            f"DTensor already started in this process with its all-reduce combining on "
+            f"({why}); build this run before any other DTensor use in the process, or "
+            f"start the process with {COMBINE_ALL_REDUCES}=0")
+    os.environ[COMBINE_ALL_REDUCES] = "0"
 
 
 def make_mesh(data_parallel, tensor_parallel, devices=None):

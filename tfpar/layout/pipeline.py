@@ -39,7 +39,6 @@ not the execution order. With `grad_accum_steps` = k the schedule runs k times o
 groups of M micro-batches before the one update.
 """
 
-import os
 import types
 
 import keras
@@ -47,8 +46,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import models, patches
+from tfpar import models
 from tfpar.errors import ConfigError
+from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import presets, values, variables
 from tfpar.layout.mesh import BATCH, axis_size, make_mesh
 from tfpar.layout.newaxis import traced_with_expand_dims
@@ -57,29 +57,6 @@ from tfpar.layout.step import _layouts, _read, _write
 from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
 from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
-
-# DTensor's pass that merges all-reduces over the same devices, read once when DTensor
-# starts; see the module docstring for why a mesh pipeline turns it off.
-_COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
-
-
-def _no_all_reduce_combining():
-    """Turns DTensor's all-reduce combining off for this process (see the module
-    docstring).
-
-    Raises:
-        ConfigError: DTensor already started in this process with combining on (it reads
-            the setting once), so a pipeline step could hang.
-    """
-    if os.environ.get(_COMBINE_ALL_REDUCES) == "0":
-        return
-    if patches.dtensor_started():
-        raise ConfigError(
-            "pipeline_stages", "a mesh pipeline after other DTensor work",
-            f"create the meshes (make_meshes) before any other DTensor use in the process, "
-            f"or start it with {_COMBINE_ALL_REDUCES}=0")
-    os.environ[_COMBINE_ALL_REDUCES] = "0"
-
 
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
     """`stages` meshes of `data_parallel` × `tensor_parallel`, over consecutive groups of
@@ -91,7 +68,8 @@ def make_meshes(data_parallel, tensor_parallel, stages, devices):
             DTensor already started with all-reduce combining on.
     """
     per_stage = data_parallel * tensor_parallel
-    _no_all_reduce_combining()
+    mesh_lib.no_all_reduce_combining("pipeline_stages", stages,
+                                      "a mesh pipeline's step could hang")
     if per_stage * stages != len(devices):
         raise ConfigError(
             "pipeline_stages", stages,
