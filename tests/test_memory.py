@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import subproc
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, run
 from tfpar import ParallelConfig, doctor, oom
 from tfpar.errors import ConfigError
 
