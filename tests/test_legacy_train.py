@@ -1,7 +1,8 @@
 """Legacy Keras (`tf_keras`) through tfpar's data-parallel path, with tfmot pruning and QAT.
 
 Each child process trains several configs on one strategy (one per process for
-multi-worker) and reports them as one JSON line; weights go to `.npz` files.
+multi-worker) and reports them as one JSON line; weights go to `.npz` files. The children
+(and the CLI run) run two at a time.
 
 What is asserted (seed 0; the measured values of each run are shown in pytest's
 "measured" summary, under `-q` too):
@@ -27,7 +28,7 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import last_json_line, run, run_module
+from subproc import last_json_line, outcome, run, run_concurrently, run_module
 
 CHILD = r'''
 import json, os, sys
@@ -116,10 +117,8 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
+def _mirrored(tmp):
     """One device, then MirroredStrategy over 4 logical CPUs, in one process."""
-    tmp = tmp_path_factory.mktemp("mirrored")
     mirrored = {**BASE, "strategy": "mirrored", "cpu_devices": 4}
     runs = [
         ["one", {**BASE, "strategy": "one_device"}],
@@ -133,14 +132,42 @@ def mirrored(tmp_path_factory):
     return child(tmp, runs, cpus=4)
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def _two_workers(tmp):
     """MultiWorkerMirroredStrategy: 2 workers x 2 logical CPUs = 4 replicas."""
-    tmp = tmp_path_factory.mktemp("workers")
     mw = {**BASE, "strategy": "multi_worker", "cpu_devices": 2}
     runs = [["none", mw], ["int8", {**mw, "compression": "int8"}],
             ["pruned", {**mw, **PRUNE, "export_dir": str(tmp / "pruned")}]]
     return child(tmp, runs, cpus=2, workers=2)
+
+
+def _cli(tmp):
+    """`python -m tfpar.train --keras=2` with an aggregator: its metrics JSON."""
+    path = tmp / "m.json"
+    run_module("tfpar.train", "--keras=2", "--cpu_devices=2", "--compression=int8",
+               "--steps=30", "--verbose=0", f"--metrics_json={path}", timeout=180)
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """The three children of this file, two at a time (`run_concurrently`; none checks
+    timing); a failed child fails only the tests that read it."""
+    jobs = {name: job for name, job in (("mirrored", _mirrored), ("workers", _two_workers),
+                                        ("cli", _cli))}
+    results = run_concurrently(
+        [lambda job=job, name=name: job(tmp_path_factory.mktemp(name))
+         for name, job in jobs.items()], keep_failures=True)
+    return dict(zip(jobs, results))
+
+
+@pytest.fixture(scope="module")
+def mirrored(children):
+    return outcome(children["mirrored"])
+
+
+@pytest.fixture(scope="module")
+def two_workers(children):
+    return outcome(children["workers"])
 
 
 def test_mirrored_tf_keras_equals_one_device(mirrored, report_measured):
@@ -255,11 +282,8 @@ def test_qat_under_mirrored_exports_int8_close_to_float(mirrored, report_measure
 
 
 
-def test_cli_trains_a_tf_keras_model_with_an_aggregator(tmp_path):
-    path = tmp_path / "m.json"
-    run_module("tfpar.train", "--keras=2", "--cpu_devices=2", "--compression=int8",
-               "--steps=30", "--verbose=0", f"--metrics_json={path}", timeout=180)
-    metrics = json.loads(path.read_text())
+def test_cli_trains_a_tf_keras_model_with_an_aggregator(children):
+    metrics = outcome(children["cli"])
     assert metrics["keras"] == 2 and metrics["replicas"] == 2
     assert metrics["comm"]["compression_ratio"] > 3.5
     assert metrics["final_loss"] < metrics["loss_history"][0]
