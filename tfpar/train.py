@@ -8,6 +8,8 @@ Every run goes through `train(config)`, which drives the backend `tfpar.compat` 
 the config (`tfpar.backends`: tf.distribute with or without a pipeline, a DTensor mesh for
 `tensor_parallel > 1`, tf_keras for `keras=2`) through the same four calls. Importing this
 module defines no flag: `run()` (the `tfpar-train` console script, and `python -m`) does.
+It imports no TensorFlow either: `run()` checks the flags, the config and `TF_CONFIG`
+first (`check_inputs`), so a bad command line ends in its one line before TensorFlow loads.
 """
 
 import os
