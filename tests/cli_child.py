@@ -15,7 +15,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# What `tfpar.train` loads once a command line passed `check_inputs` (it imports TensorFlow
+# only then), loaded here once for every fork, as importing `tfpar.train` used to.
+import tensorflow  # noqa: E402,F401
 import tfpar.train  # noqa: E402
+from tfpar import backends, checkpoint, data, memory, metrics, oom, optimizers  # noqa: E402,F401
 from forking import run_forked  # noqa: E402
 
 

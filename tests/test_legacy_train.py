@@ -1,7 +1,8 @@
 """Legacy Keras (`tf_keras`) through tfpar's data-parallel path, with tfmot pruning and QAT.
 
 Each child process trains several configs on one strategy (one per process for
-multi-worker) and reports them as one JSON line; weights go to `.npz` files.
+multi-worker) and reports them as one JSON line; weights go to `.npz` files. The two
+children run at once; the CLI run is forked from the mirrored one (one TensorFlow import).
 
 What is asserted (seed 0; the measured values of each run are shown in pytest's
 "measured" summary, under `-q` too):
@@ -27,7 +28,7 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import last_json_line, run, run_module
+from subproc import last_json_line, outcome, run, run_concurrently, run_module
 
 CHILD = r'''
 import json, os, sys
@@ -38,10 +39,11 @@ from tfpar.legacy import options
 Config = ParallelConfig
 
 runs, prefix, cpus = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-devices.split_cpu(cpus)
+cli = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
 import numpy as np
 import tensorflow as tf
 import tf_keras
+import tfpar.train
 from tfpar import compression, strategy
 from tfpar.train import train
 
@@ -55,34 +57,54 @@ worker = os.environ.get("TFPAR_WORKER_INDEX")
 suffix = f".worker{worker}" if worker is not None else ""
 runtimes, out = {}, {}
 make_aggregator = compression.make_aggregator
-for name, settings in runs:
-    config = Config(**{"keras": 2, **settings})
-    if config.strategy not in runtimes:
-        runtimes[config.strategy] = strategy.make_runtime(config)
-    zeros = Zeros() if name == "zeros" else None
-    compression.make_aggregator = (lambda c, **kw: zeros) if zeros else make_aggregator
-    result, model = train(config, runtime=runtimes[config.strategy])
-    agg = getattr(model.optimizer, "tfpar_aggregator", None)
-    report = {k: result[k] for k in ("replicas", "workers", "strategy", "steps", "final_loss",
-                                     "loss_history", "comm", "pruning", "qat") if k in result}
-    report["traced"] = agg.trace_count if agg is not None else 0
-    # Largest difference between the replicas' copies of any variable (masks, ranges, ...).
-    report["replica_spread"] = max(
-        float(np.max(np.abs(np.asarray(c) - np.asarray(copies[0])), initial=0.0))
-        for w in model.weights
-        for copies in [runtimes[config.strategy].strategy.experimental_local_results(w)]
-        for c in copies)
-    # Only the chief exports; only it reads the export (another worker would race its write).
-    export = config.export_dir if worker in (None, "0") else None
-    if config.prune_sparsity and export:
-        saved = tf_keras.models.load_model(os.path.join(export, "model.keras"))
-        report["exported_zeros"] = {w.name: float(np.mean(w.numpy() == 0))
-                                    for w in saved.weights if "kernel" in w.name}
-    if config.qat and export:
-        report["exported_files"] = sorted(os.listdir(export))
-    np.savez(f"{prefix}_{name}{suffix}.npz", *[np.asarray(v) for v in model.trainable_weights])
-    out[name] = report
-print(json.dumps(out), flush=True)
+
+
+def train_runs():
+    devices.split_cpu(cpus)
+    for name, settings in runs:
+        config = Config(**{"keras": 2, **settings})
+        if config.strategy not in runtimes:
+            runtimes[config.strategy] = strategy.make_runtime(config)
+        zeros = Zeros() if name == "zeros" else None
+        compression.make_aggregator = (lambda c, **kw: zeros) if zeros else make_aggregator
+        result, model = train(config, runtime=runtimes[config.strategy])
+        agg = getattr(model.optimizer, "tfpar_aggregator", None)
+        report = {k: result[k] for k in ("replicas", "workers", "strategy", "steps", "final_loss",
+                                         "loss_history", "comm", "pruning", "qat") if k in result}
+        report["traced"] = agg.trace_count if agg is not None else 0
+        # Largest difference between the replicas' copies of any variable (masks, ranges, ...).
+        report["replica_spread"] = max(
+            float(np.max(np.abs(np.asarray(c) - np.asarray(copies[0])), initial=0.0))
+            for w in model.weights
+            for copies in [runtimes[config.strategy].strategy.experimental_local_results(w)]
+            for c in copies)
+        # Only the chief exports; only it reads the export (another worker would race its write).
+        export = config.export_dir if worker in (None, "0") else None
+        if config.prune_sparsity and export:
+            saved = tf_keras.models.load_model(os.path.join(export, "model.keras"))
+            report["exported_zeros"] = {w.name: float(np.mean(w.numpy() == 0))
+                                        for w in saved.weights if "kernel" in w.name}
+        if config.qat and export:
+            report["exported_files"] = sorted(os.listdir(export))
+        np.savez(f"{prefix}_{name}{suffix}.npz", *[np.asarray(v) for v in model.trainable_weights])
+        out[name] = report
+    print(json.dumps(out), flush=True)
+
+
+def command_line():
+    sys.argv = [tfpar.train.__file__, *cli]
+    tfpar.train.run()
+
+
+if cli is None:
+    train_runs()
+else:
+    # `python -m tfpar.train CLI...` forked from this process alongside the runs (tests/
+    # forking.py): both start their own runtime after one import of TensorFlow.
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+    from forking import run_forked
+    runs_done, cli_done = run_forked([train_runs, command_line], os.path.dirname(prefix))
+    print(json.dumps({"runs": runs_done, "cli": cli_done}), flush=True)
 '''
 
 BASE = {"model": "mlp", "steps": 5, "steps_per_epoch": 5, "global_batch_size": 32,
@@ -91,11 +113,19 @@ LONG = {"steps": 60, "steps_per_epoch": 20, "optimizer": "momentum", "learning_r
 PRUNE = {**LONG, "prune_sparsity": 0.75, "prune_frequency": 10, "prune_end_step": 30}
 
 
-def child(tmp_path, runs, cpus, workers=0):
+def child(tmp_path, runs, cpus, workers=0, cli=None):
+    """The child's reports (a list per worker under `workers`) and the weights' prefix;
+    with `cli` (argv of `python -m tfpar.train`) also that command's
+    `{"returncode", "stdout", "stderr"}`, run in a process forked from the child."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     prefix = str(tmp_path / "w")
     cmd = [sys.executable, str(script), json.dumps(runs), prefix, str(cpus)]
+    if cli:
+        both = last_json_line(run([*cmd, json.dumps(cli)], timeout=240).stdout)
+        runs_done = both["runs"]
+        assert runs_done["returncode"] == 0, runs_done["stderr"][-3000:]
+        return last_json_line(runs_done["stdout"]), prefix, both["cli"]
     if workers:
         out = run_module("tfpar.launch", f"--workers={workers}", "--timeout=200", "--", *cmd,
                          timeout=240)
@@ -116,10 +146,8 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
+def _mirrored(tmp):
     """One device, then MirroredStrategy over 4 logical CPUs, in one process."""
-    tmp = tmp_path_factory.mktemp("mirrored")
     mirrored = {**BASE, "strategy": "mirrored", "cpu_devices": 4}
     runs = [
         ["one", {**BASE, "strategy": "one_device"}],
@@ -130,17 +158,41 @@ def mirrored(tmp_path_factory):
         ["pruned", {**mirrored, **PRUNE, "export_dir": str(tmp / "pruned")}],
         ["qat", {**mirrored, **LONG, "qat": True, "export_dir": str(tmp / "qat")}],
     ]
-    return child(tmp, runs, cpus=4)
+    # The CLI run: `python -m tfpar.train --keras=2` with an aggregator, forked from the
+    # child after its one TensorFlow import.
+    cli = ["--keras=2", "--cpu_devices=2", "--compression=int8", "--steps=30", "--verbose=0",
+           f"--metrics_json={tmp / 'cli.json'}"]
+    out, prefix, cli_done = child(tmp, runs, cpus=4, cli=cli)
+    return out, prefix, cli_done, tmp / "cli.json"
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def _two_workers(tmp):
     """MultiWorkerMirroredStrategy: 2 workers x 2 logical CPUs = 4 replicas."""
-    tmp = tmp_path_factory.mktemp("workers")
     mw = {**BASE, "strategy": "multi_worker", "cpu_devices": 2}
     runs = [["none", mw], ["int8", {**mw, "compression": "int8"}],
             ["pruned", {**mw, **PRUNE, "export_dir": str(tmp / "pruned")}]]
     return child(tmp, runs, cpus=2, workers=2)
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """The two children of this file at once (`run_concurrently`; neither checks timing); a
+    failed child fails only the tests that read it."""
+    mirrored, workers = run_concurrently(
+        [lambda: _mirrored(tmp_path_factory.mktemp("mirrored")),
+         lambda: _two_workers(tmp_path_factory.mktemp("workers"))], keep_failures=True)
+    return {"mirrored": mirrored, "workers": workers}
+
+
+@pytest.fixture(scope="module")
+def mirrored(children):
+    """(reports, weights prefix) of the one-device and mirrored runs."""
+    return outcome(children["mirrored"])[:2]
+
+
+@pytest.fixture(scope="module")
+def two_workers(children):
+    return outcome(children["workers"])
 
 
 def test_mirrored_tf_keras_equals_one_device(mirrored, report_measured):
@@ -255,10 +307,9 @@ def test_qat_under_mirrored_exports_int8_close_to_float(mirrored, report_measure
 
 
 
-def test_cli_trains_a_tf_keras_model_with_an_aggregator(tmp_path):
-    path = tmp_path / "m.json"
-    run_module("tfpar.train", "--keras=2", "--cpu_devices=2", "--compression=int8",
-               "--steps=30", "--verbose=0", f"--metrics_json={path}", timeout=180)
+def test_cli_trains_a_tf_keras_model_with_an_aggregator(children):
+    _, _, out, path = outcome(children["mirrored"])
+    assert out["returncode"] == 0, out["stderr"][-3000:]
     metrics = json.loads(path.read_text())
     assert metrics["keras"] == 2 and metrics["replicas"] == 2
     assert metrics["comm"]["compression_ratio"] > 3.5

@@ -288,6 +288,26 @@ def cli_errors(tmp_path_factory, on_4_cpus):
             "incompatible_before": before}
 
 
+def test_a_bad_command_line_ends_before_tensorflow_loads():
+    # `tfpar.train` checks flags, the config, TF_CONFIG and the strategy it contradicts
+    # before importing TensorFlow (~5 CPU seconds): the error line comes at once.
+    two_workers = json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                              "task": {"type": "worker", "index": 0}})
+    out = subproc.run_python("""
+        import json, sys
+        import tfpar.train
+        sys.argv = ["tfpar.train", "--steps=1", "--strategy=one_device"]
+        try:
+            tfpar.train.run()
+        except SystemExit as exit_:
+            print(json.dumps({"code": exit_.code, "tensorflow": "tensorflow" in sys.modules}))
+    """, env={"TF_CONFIG": two_workers}, timeout=60)
+    assert last_json_line(out.stdout) == {"code": 2, "tensorflow": False}
+    assert out.stderr.strip().splitlines()[-1] == (
+        "tfpar: error: strategy='one_device' is invalid: TF_CONFIG names 2 workers; use "
+        "--strategy=multi_worker or auto, or unset TF_CONFIG")
+
+
 @pytest.mark.parametrize("tf_config,field", BAD_TF_CONFIGS)
 def test_bad_tf_config_is_one_clear_error(cli_errors, tf_config, field):
     line = error_line(cli_errors[tf_config])

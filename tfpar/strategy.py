@@ -43,23 +43,12 @@ class Runtime:
 
 def choose_kind(config, cluster):
     """The strategy kind for `config.strategy` given the parsed `TF_CONFIG` (or None)."""
-    local = devices.local_device_count(config.cpu_devices)
     if config.strategy == "auto":
         if cluster is not None and cluster.num_workers > 1:
             return "multi_worker"
+        local = devices.local_device_count(config.cpu_devices)
         return "mirrored" if local > 1 else "one_device"
-    if config.strategy == "multi_worker" and cluster is None:
-        raise ConfigError(
-            "strategy", "multi_worker",
-            "TF_CONFIG is not set; start the workers with "
-            "`python -m tfpar.launch --workers=N -- python -m tfpar.train ...` or set "
-            "TF_CONFIG for each worker")
-    if config.strategy in ("one_device", "mirrored") and cluster is not None \
-            and cluster.num_workers > 1:
-        raise ConfigError(
-            "strategy", config.strategy,
-            f"TF_CONFIG names {cluster.num_workers} workers; use --strategy=multi_worker "
-            "or auto, or unset TF_CONFIG")
+    tf_config_lib.check_strategy(config.strategy, cluster)
     return config.strategy
 
 

@@ -106,6 +106,27 @@ def parse(raw):
     return ClusterInfo(cluster, task_type, task_index)
 
 
+def check_strategy(strategy, cluster):
+    """Refuses a `--strategy` the parsed `TF_CONFIG` (`cluster`, or None) contradicts:
+    `multi_worker` without a cluster, `one_device` or `mirrored` with several workers.
+
+    Raises:
+        ConfigError: naming `strategy` and what would work.
+    """
+    if strategy == "multi_worker" and cluster is None:
+        raise ConfigError(
+            "strategy", "multi_worker",
+            "TF_CONFIG is not set; start the workers with "
+            "`python -m tfpar.launch --workers=N -- python -m tfpar.train ...` or set "
+            "TF_CONFIG for each worker")
+    if strategy in ("one_device", "mirrored") and cluster is not None \
+            and cluster.num_workers > 1:
+        raise ConfigError(
+            "strategy", strategy,
+            f"TF_CONFIG names {cluster.num_workers} workers; use --strategy=multi_worker "
+            "or auto, or unset TF_CONFIG")
+
+
 def make(addresses, index):
     """The `TF_CONFIG` JSON for worker `index` of a worker-only cluster.
 

@@ -8,6 +8,8 @@ Every run goes through `train(config)`, which drives the backend `tfpar.compat` 
 the config (`tfpar.backends`: tf.distribute with or without a pipeline, a DTensor mesh for
 `tensor_parallel > 1`, tf_keras for `keras=2`) through the same four calls. Importing this
 module defines no flag: `run()` (the `tfpar-train` console script, and `python -m`) does.
+It imports no TensorFlow either: `run()` checks the flags, the config and `TF_CONFIG`
+first (`check_inputs`), so a bad command line ends in its one line before TensorFlow loads.
 """
 
 import os
@@ -18,15 +20,40 @@ import sys
 # tensorflow get it; a user's own setting wins. (It changes no result, only the allocator.)
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-import tensorflow as tf  # noqa: E402
-from absl import app
+from absl import app  # noqa: E402
 
-from tfpar import backends, data, memory, metrics
-from tfpar import flags as tfpar_flags
-from tfpar.checkpoint import fit_segments  # noqa: F401  (re-exported: resume arithmetic)
-from tfpar.errors import TfparError
-from tfpar.oom import OutOfMemoryError
-from tfpar.optimizers import LinearWarmup, learning_rate, make_optimizer  # noqa: F401
+from tfpar import compat, tf_config  # noqa: E402
+from tfpar import flags as tfpar_flags  # noqa: E402
+from tfpar.errors import TfparError  # noqa: E402
+
+# TensorFlow (~5 CPU seconds to import) loads only once the command line, the config and
+# TF_CONFIG have passed `check_inputs`: a bad command line ends in its one line at once.
+# The names below, re-exported for callers, load it on first access (PEP 562).
+_LAZY = {"fit_segments": "tfpar.checkpoint",  # resume arithmetic
+         "LinearWarmup": "tfpar.optimizers", "learning_rate": "tfpar.optimizers",
+         "make_optimizer": "tfpar.optimizers"}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+def check_inputs(config, environ=None):
+    """What `train(config)` would refuse first that needs no TensorFlow: `TF_CONFIG` (from
+    `environ`, default `os.environ`) and the `--strategy` it contradicts, in the order the
+    backends check them, with the same errors. (`config` itself was checked when built.)
+
+    Raises:
+        ConfigError: naming the setting, its value and what would work.
+    """
+    cluster = tf_config.load(os.environ if environ is None else environ)
+    if compat.backend_of(config) == "pipeline" and cluster is not None \
+            and cluster.num_workers > 1:
+        return  # one stage per worker (tfpar.pipeline.remote): no strategy to choose
+    tf_config.check_strategy(config.strategy, cluster)
 
 
 def train(config, environ=None, callbacks=(), runtime=None):
@@ -57,6 +84,10 @@ def train(config, environ=None, callbacks=(), runtime=None):
         TfparError: the run cannot proceed (peers missing, loss not finite, ...);
             `tfpar.oom.OutOfMemoryError` when a device ran out of memory.
     """
+    import tensorflow as tf
+
+    from tfpar import backends, data, memory, metrics
+
     backend = backends.for_config(config)
     runtime = backend.build_runtime(config, environ, runtime)
     task = data.make_task(config)
@@ -89,22 +120,37 @@ def _cause(err):
     return lines[0][:300] if lines else type(err).__name__
 
 
+def _exit_on(err):
+    """Ends the process with `err`'s one line (exit status 2)."""
+    print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    tf.get_logger().setLevel("WARNING")
     try:
         config = tfpar_flags.config_from_flags()
+        check_inputs(config)
+    except TfparError as err:
+        _exit_on(err)
+    import tensorflow as tf
+
+    from tfpar import metrics
+    from tfpar.oom import OutOfMemoryError
+
+    tf.get_logger().setLevel("WARNING")
+    try:
         result, _ = train(config)
     except TfparError as err:
-        print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
         if isinstance(err, OutOfMemoryError):
+            print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
             # On a mesh the devices that did not run out wait in cancelled collectives,
             # and TensorFlow's shutdown waits for them: the process would hang after the
             # line. Nothing is left to save (checkpoints are written before a step runs).
             sys.stdout.flush()
             os._exit(2)
-        sys.exit(2)
+        _exit_on(err)
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError, tf.errors.AbortedError) as err:
         # A dead, stalled or missing peer: say so in one line instead of a C++ stack.
