@@ -178,9 +178,13 @@ def _two_workers(tmp):
 def children(tmp_path_factory):
     """The two children of this file at once (`run_concurrently`; neither checks timing); a
     failed child fails only the tests that read it."""
+    # Folders first: a fresh xdist worker's first mktemp recreates its base folder, so
+    # mktemp must not run in the threads (two first calls at once delete each other's).
+    mirrored_dir, workers_dir = (tmp_path_factory.mktemp("mirrored"),
+                                 tmp_path_factory.mktemp("workers"))
     mirrored, workers = run_concurrently(
-        [lambda: _mirrored(tmp_path_factory.mktemp("mirrored")),
-         lambda: _two_workers(tmp_path_factory.mktemp("workers"))], keep_failures=True)
+        [lambda: _mirrored(mirrored_dir), lambda: _two_workers(workers_dir)],
+        keep_failures=True)
     return {"mirrored": mirrored, "workers": workers}
 
 
