@@ -145,7 +145,7 @@ OTHER_VALUE = {"mixed_precision": "bf16", "compression": "topk", "grad_accum_ste
                "pipeline_stages": 2, "tensor_parallel": 2, "strategy": "multi_worker",
                "model": "transformer", "checkpoint_dir": "/tmp/ckpt", "on_nan": "skip_step",
                "tensorboard_dir": "/tmp/tb", "measure_comm": True, "recompute": "full",
-               "zero_stage": 1, "sequence_parallel": True}
+               "zero_stage": 1, "sequence_parallel": True, "adam_warmup_steps": 10}
 REFUSALS = [(setting, backend) for setting, rules in compat.TABLE.items() for backend in rules]
 
 
