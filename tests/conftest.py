@@ -27,7 +27,8 @@ LONGEST_FIRST = [
     "test_layout_keras.py", "test_layout_fit.py", "test_elastic_launch.py",
     "test_compression_integration.py", "test_layout_exact.py", "test_pipeline_training.py",
     "test_api.py", "test_user_script.py", "test_elastic.py", "test_legacy_train.py",
-    "test_zero.py", "test_pipeline_executor.py", "test_layout_compose.py",
+    "test_zero.py", "test_layout_pipeline.py", "test_pipeline_executor.py",
+    "test_layout_compose.py",
     "test_pipeline_remote.py", "test_compression_timing.py", "test_fuzz.py",
     "test_validation.py", "test_compression_wire.py", "test_packaging.py",
 ]
