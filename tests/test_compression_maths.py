@@ -65,6 +65,13 @@ def test_int8_blocks_keep_each_block_own_resolution():
     np.testing.assert_array_equal(rows[1], y)
 
 
+@pytest.mark.parametrize("block", [0, -1, 2.5, "256"])
+def test_int8_block_must_be_a_positive_integer(block):
+    from tfpar.compression.dense import Int8Aggregator
+    with pytest.raises(ValueError, match=f"block={block!r} is invalid"):
+        Int8Aggregator(block=block)
+
+
 @pytest.mark.parametrize("n", [1, 4, 5, 1023])
 def test_int8_pack_into_int32_roundtrip(n):
     codes = tf.constant(np.random.default_rng(n).integers(-127, 128, n).astype(np.int8))

@@ -131,7 +131,7 @@ def test_memory_keys_on_tf_keras(tmp_path):
     pytest.param(("--model_width=256", "--model_depth=4", "--zero_stage=3",
                   "--cpu_devices=4", "--optimizer=adam"), None,
                  marks=pytest.mark.xfail(run=False, reason=(
-                     "open: 1 of 2 runs ended in SIGSEGV (exit 139) in dtensor.unpack, reading "
+                     "open: 4 of 4 runs ended in SIGSEGV (exit 139) in dtensor.unpack, reading "
                      "the failed step's outputs (tfpar.layout.trainer._host), not the line"))),
 ], ids=["one_device", "zero3_mesh"])
 def test_out_of_memory_ends_in_one_line(flags, device):

@@ -5,10 +5,14 @@ The behaviour the patches enable (plain `fit` under MultiWorkerMirroredStrategy,
 logical CPUs per worker) is tested end to end in test_train.py.
 """
 
+import os
+
 import keras
+import pytest
 import tensorflow as tf
 
 from tfpar import patches
+from tfpar.errors import ConfigError
 
 
 def test_pinned_versions_are_installed():
@@ -71,3 +75,30 @@ def test_layout_enable_changes_only_what_the_registry_lists():
     listed = " ".join(target for target, _ in patches.REGISTRY.values())
     assert changed and all(k.split(".")[-1] in listed for k in changed), changed
     assert snapshot() == before
+
+
+def test_all_reduce_combining_is_turned_off_or_refused_once_dtensor_started(monkeypatch):
+    """DTensor reads its combining setting once, when it starts: before that the setting is
+    turned off; after it, with combining on, the run is refused in one line (a mesh
+    pipeline could hang, ZeRO-3 would hold every gradient)."""
+    from tfpar.layout import mesh
+    monkeypatch.setenv(mesh.COMBINE_ALL_REDUCES, "1")  # restored after the test
+    monkeypatch.setattr(patches, "dtensor_started", lambda: True)
+    with pytest.raises(ConfigError) as err:
+        mesh.no_all_reduce_combining("zero_stage", 3, "why")
+    assert err.value.setting == "zero_stage" and "\n" not in str(err.value)
+    assert f"{mesh.COMBINE_ALL_REDUCES}=0" in str(err.value)
+    monkeypatch.setattr(patches, "dtensor_started", lambda: False)
+    mesh.no_all_reduce_combining("zero_stage", 3, "why")
+    assert os.environ[mesh.COMBINE_ALL_REDUCES] == "0"
+    monkeypatch.setattr(patches, "dtensor_started", lambda: True)
+    mesh.no_all_reduce_combining("pipeline_stages", 2, "why")  # already off: nothing to refuse
+
+
+def test_mesh_pipeline_refuses_stage_models_that_do_not_match_the_schedule():
+    from tfpar.layout.pipeline import MeshPipelineTrainer, StagedModel
+    from tfpar.pipeline.schedule import make_schedule
+    model = StagedModel([keras.layers.Identity()] * 3, num_meshes=2)
+    with pytest.raises(ConfigError) as err:
+        MeshPipelineTrainer([None, None], model, [], make_schedule("1f1b", 2, 4), None)
+    assert "2 stages × 1 chunks for 3 stage models on 2 meshes" in str(err.value)

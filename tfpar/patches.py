@@ -40,10 +40,10 @@ Patches:
   of labels and predictions as `compile` does for Keras's models); `function_loss` is the
   one caller, and the check compares the wrapper's signature.
 - `dtensor_started`: not a replacement but a read. A mesh pipeline and ZeRO-3 must turn
-  DTensor's all-reduce combining off before DTensor starts (`tfpar.layout.mesh.
-  no_all_reduce_combining`); whether it has
-  started is DTensor's private `api._dtensor_singleton`. `dtensor_started` is the one
-  reader; the check looks for the singleton in DTensor's source.
+  DTensor's all-reduce combining off before DTensor starts
+  (`tfpar.layout.mesh.no_all_reduce_combining`); whether it has started is DTensor's
+  private `api._dtensor_singleton`. `dtensor_started` is the one reader; the check looks
+  for the singleton in DTensor's source.
 
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
@@ -175,7 +175,7 @@ def check_targets(names=None):
     if "dtensor_started" in names and _EXPECTED_DTENSOR_SINGLETON not in inspect.getsource(
             _dtensor_api):
         problems.append(f"tensorflow {tf.__version__} changed dtensor's api._dtensor_singleton; "
-                        "tfpar.layout.pipeline was written for tensorflow "
+                        "tfpar.layout.mesh was written for tensorflow "
                         f"{WRITTEN_FOR['tensorflow']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "

@@ -58,6 +58,7 @@ from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
 from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
 
+
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
     """`stages` meshes of `data_parallel` × `tensor_parallel`, over consecutive groups of
     `devices`. Call it before any other DTensor use in the process: it turns off DTensor's
@@ -219,10 +220,8 @@ class MeshPipelineTrainer(MeshTrainer):
         self.stage_optimizers = optimizers
         self.optimizer = types.SimpleNamespace(
             variables=[v for o in optimizers for v in o.variables])
-        if int(grad_accum_steps) < 1:
-            raise ConfigError("grad_accum_steps", grad_accum_steps, "must be an integer >= 1")
-        self.grad_accum_steps, self.accuracy, self.reduction = int(grad_accum_steps), \
-            accuracy, None
+        # grad_accum_steps >= 1 is checked by ParallelConfig, which `build` reads it from.
+        self.grad_accum_steps, self.accuracy, self.reduction = grad_accum_steps, accuracy, None
         self.K, self.V = len(schedule), chunks_of(schedule)
         self.M = 1 + max(a.microbatch for a in schedule[0])
         if len(model.stages) != self.K * self.V or len(meshes) != self.K:
