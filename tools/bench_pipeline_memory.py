@@ -10,15 +10,18 @@ size is fixed (`--microbatch_size`), so the global batch is M times it: a schedu
 stashes every micro-batch (GPipe) then needs memory growing with M, one that stashes at
 most K (1F1B, ZB-H1) does not.
 
-Per schedule and M, after two warm-up steps: `peak` = the allocator's peak during one step
-minus what was allocated just before it (variables, optimizer slots, the input batch),
-i.e. what the step itself needed on top: stashed activations, gradients, temporaries.
+Per schedule and M, after two warm-up steps: a step's peak = the allocator's peak during
+that step minus what was allocated just before it (variables, optimizer slots, the input
+batch), i.e. what the step itself needed on top: stashed activations, gradients,
+temporaries. `peak` is the median over `--measured_steps` steps (each step's in
+`step_peaks_mb`): one step's peak moves with how the two processes happen to be scheduled
+(tensors sent to a descheduled receiver wait in its memory), the median much less.
 One micro-batch's activations (`per_microbatch_mb`) is the slope of GPipe's peak over M
 (least squares; GPipe stashes all M by construction), and `stash` = (peak - intercept) /
 slope: the micro-batches stage 0 held at its peak, measured from memory. The schedule
 simulator's peak (`stash_sim`) is printed next to it.
 
-With --live_at_peak=N the measured step runs under the TensorFlow profiler (which records
+With --live_at_peak=N the last measured step runs under the TensorFlow profiler (which records
 every allocation and free of the BFC allocator with the op that made it); the tool replays
 them and prints what was alive at the peak, grouped by op name.
 
@@ -53,7 +56,9 @@ flags.DEFINE_string("json", "", "write the results here")
 flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time in the "
                   "schedule's order (PipelineExecutor's one_op_at_a_time): the stash then "
                   "depends on the schedule alone, not on how fast the other process runs")
-flags.DEFINE_integer("live_at_peak", 0, "also profile the measured step and print, per run, "
+flags.DEFINE_integer("measured_steps", 3, "steps measured per schedule and M; `peak` is "
+                     "the median of their peaks", lower_bound=1)
+flags.DEFINE_integer("live_at_peak", 0, "also profile the last measured step and print, per run, "
                      "the N largest groups of tensors alive at stage 0's peak (by the op "
                      "that made them, digits folded)")
 
@@ -171,17 +176,22 @@ def measure(address, schedules, Ms):
                 y = tf.constant(rng.normal(size=(n, FLAGS.width)).astype("float32"))
             for _ in range(2):  # trace, warm up
                 step(x, y)[0].numpy()
-            resting = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            logdir = tempfile.mkdtemp(prefix="tfpar_mem_") if FLAGS.live_at_peak else None
-            if logdir:
-                tf.profiler.experimental.start(logdir)
-            step(x, y)[0].numpy()
-            if logdir:
-                tf.profiler.experimental.stop()
-            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            step_peaks = []
+            for i in range(FLAGS.measured_steps):
+                resting = tf.config.experimental.get_memory_info("CPU:0")["current"]
+                tf.config.experimental.reset_memory_stats("CPU:0")
+                profile = FLAGS.live_at_peak and i == FLAGS.measured_steps - 1
+                logdir = tempfile.mkdtemp(prefix="tfpar_mem_") if profile else None
+                if logdir:
+                    tf.profiler.experimental.start(logdir)
+                step(x, y)[0].numpy()
+                if logdir:
+                    tf.profiler.experimental.stop()
+                peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                step_peaks.append((peak - resting) / 2**20)
             rows.append({"schedule": name, "microbatches": M, "batch": n,
-                         "peak_mb": (peak - resting) / 2**20,
+                         "peak_mb": float(np.median(step_peaks)),
+                         "step_peaks_mb": step_peaks,
                          "stash_sim": simulate(sched, K, M).peak_stash[0]})
             print(f"  {name} M={M}: {rows[-1]['peak_mb']:.1f} MB", file=sys.stderr, flush=True)
             if logdir:
