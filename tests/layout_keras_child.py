@@ -163,6 +163,20 @@ def keras_api():
                             **sizes(model, model.optimizer)}
     keras.distribution.set_distribution(None)
 
+    # Keras's key for a layer's output: the output relaid out inside the mesh step (the
+    # relayouts counted as they are traced), the weights as without it.
+    relaid, relayout_value = [], layout.activations.relayout_value
+    layout.activations.relayout_value = lambda value, to: (
+        relaid.append(list(to.sharding_specs)) or relayout_value(value, to))
+    keras.distribution.set_distribution(user_distribution(
+        "mlp", 2, 2, {**USER_LAYOUTS["mlp"], "user_mlp/up/output": ("batch", "model")}))
+    model = seeded(build)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss=LOSS)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    out["output_layout"] = {"diffs": diffs(model, ref), "relaid": relaid}
+    layout.activations.relayout_value = relayout_value
+    keras.distribution.set_distribution(None)
+
     # What is refused, each with one line.
     def error(label, fn):
         try:
@@ -185,9 +199,9 @@ def keras_api():
         model.compile(optimizer="sgd", loss=LOSS)
         model.fit(x, y, batch_size=8, verbose=0)
 
-    def output_layout():
+    def output_layout():  # a layer's output, but of a rank the output does not have
         keras.distribution.set_distribution(user_distribution(
-            "mlp", 2, 2, {**USER_LAYOUTS["mlp"], "user_mlp/up/output": ("batch", "model")}))
+            "mlp", 2, 2, {**USER_LAYOUTS["mlp"], "user_mlp/up/output": ("batch", None, "model")}))
         model = seeded(build)
         model.compile(optimizer="sgd", loss=LOSS)
         model.fit(x, y, batch_size=8, verbose=0)

@@ -90,12 +90,21 @@ def test_data_parallel_is_honoured(keras_api):
     assert set(run["history"]) == {"loss"}
 
 
+def test_a_layout_for_a_layer_output_is_honoured_and_exact(keras_api):
+    run = keras_api["output_layout"]
+    assert max(run["diffs"].values()) <= EXACT
+    # traced once for the train step: batch split over `batch`, width over `model`
+    assert run["relaid"] == [["batch", "model"]], run["relaid"]
+
+
 def test_what_cannot_be_honoured_is_refused_in_one_line(keras_api):
     errors = keras_api["errors"]
     assert "layout_map='user_mlp/dwn/kernel'" in errors["typo"]
     assert "matches none of the model's weight paths" in errors["typo"]
     assert "plain variables on one device" in errors["built_before"]
-    assert "layer output" in errors["output_layout"]
+    assert "nor a layer output (<layer path>/output, e.g." in errors["typo"]
+    assert "shape (8, 64); give one axis entry per dimension" in errors["output_layout"]
+    assert errors["output_layout"].startswith("ConfigError: layout_map=")
     assert "metrics='mae'" in errors["other_metric"]
     assert all("\n" not in e for e in errors.values())
 

@@ -23,7 +23,12 @@ Patches:
   weights live on a mesh run through `MeshTrainer` (the code is in
   `tfpar/layout/keras_distribution.py`; checked here: the arguments each loop takes).
 - `mesh_output_layouts`: `enable()` adds `distribution_lib.distribute_tensor` to Keras's
-  TensorFlow backend (it has none) so a layout for a layer output is refused with one line.
+  TensorFlow backend (it has none), which Keras calls on a layer's output when the layout
+  map has a key `<layer path>/output`: tfpar's relays the output out on the mesh.
+- `layer_tree`: not a replacement but a call. To check that every `…/output` key of a
+  layout map names one of the model's layers (nested ones too), `sublayers` walks them with
+  Keras's private `Layer._flatten_layers` (Keras has no public recursive accessor); the check
+  compares its signature.
 - `graph_control_input`: not a replacement but a call of a private method.
   `PipelineExecutor(one_op_at_a_time=True)` adds a control edge between two ops that already
   exist (each op of a stage waits for the one created before it) with TensorFlow's
@@ -93,6 +98,8 @@ REGISTRY = {
         "tfpar.layout.enable"),
     "mesh_output_layouts": ("keras.src.backend.tensorflow.distribution_lib.distribute_tensor",
                             "tfpar.layout.enable"),
+    "layer_tree": ("keras.src.layers.layer.Layer._flatten_layers (called, not replaced)",
+                   "tfpar.layout.keras_distribution.check_layout_map"),
     "graph_control_input": ("tensorflow.python.framework.ops.Operation._add_control_input "
                             "(called, not replaced)",
                             "tfpar.pipeline.executor (one_op_at_a_time)"),
@@ -104,6 +111,7 @@ REGISTRY = {
                         "tfpar.layout.mesh.no_all_reduce_combining"),
 }
 _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
+_EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
 _EXPECTED_FUNCTION_NODES = "self._nodes_by_depth = nodes_by_depth"
 _EXPECTED_FUNCTION_LOSS = "(self, fn, reduction='sum_over_batch_size', name=None, dtype=None, **kwargs)"
@@ -177,9 +185,14 @@ def check_targets(names=None):
         problems.append(f"tensorflow {tf.__version__} changed dtensor's api._dtensor_singleton; "
                         "tfpar.layout.mesh was written for tensorflow "
                         f"{WRITTEN_FOR['tensorflow']}")
+    if "layer_tree" in names and str(inspect.signature(
+            keras.layers.Layer._flatten_layers)) != _EXPECTED_FLATTEN_LAYERS:
+        problems.append(f"keras {keras.__version__} changed Layer._flatten_layers; "
+                        "tfpar.layout's layout-map check was written for keras "
+                        f"{WRITTEN_FOR['keras']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
-                        "distribution_lib.distribute_tensor; tfpar.layout.enable's refusal "
+                        "distribution_lib.distribute_tensor; tfpar.layout.enable's "
                         "would replace it")
     return problems
 
@@ -222,14 +235,20 @@ def function_loss(fn):
     return LossFunctionWrapper(fn)
 
 
+def sublayers(model):
+    """Every layer inside `model`, nested ones too (not `model` itself). Registry entry
+    `layer_tree`."""
+    return model._flatten_layers(include_self=False, recursive=True)
+
+
 def dtensor_started():
     """Whether DTensor has started in this process. Registry entry `dtensor_started`."""
     return getattr(_dtensor_api, "_dtensor_singleton", None) is not None
 
 
 def _keras_distribute_tensor():
-    """Keras's own `distribute_tensor` on TensorFlow (None in keras 3.15.1), not the
-    refusal `tfpar.layout.enable` puts there."""
+    """Keras's own `distribute_tensor` on TensorFlow (None in keras 3.15.1), not the one
+    `tfpar.layout.enable` puts there."""
     fn = getattr(tf_distribution_lib, "distribute_tensor", None)
     if fn is None or getattr(fn, "__module__", "").startswith("tfpar."):
         return None

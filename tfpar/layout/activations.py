@@ -2,10 +2,11 @@
 
 Keras names a layer's output in a `LayoutMap` by the layer's path plus `/output`
 (`Layer.__call__` looks that key up and hands the output to `distribute_tensor`, which
-Keras's TensorFlow backend does not have). tfpar honours such rules from outside the
-model, and rules for a layer's tensor inputs (`path + "/input"`) as well: `apply`
-replaces, on the instance, the `call` of every layer a rule matches, so that inside the
-mesh step its inputs and its output are `dtensor.relayout` to the rules' layouts. DTensor
+Keras's TensorFlow backend does not have; `tfpar.layout.enable` gives it one that calls
+`relayout_value`). tfpar's own entry points honour such rules from outside the model,
+and rules for a layer's tensor inputs (`path + "/input"`) as well: `apply` replaces, on
+the instance, the `call` of every layer a rule matches, so that inside the mesh step its
+inputs and its output are `dtensor.relayout` to the rules' layouts. DTensor
 inserts the collectives each change needs (an all-gather where a split dimension becomes
 whole, a reduce-scatter where a sum over the `model` axis lands on a split dimension)
 and nothing else changes: the same ops run on the same values, so a run with activation
@@ -29,6 +30,7 @@ import re
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import patches
 from tfpar.errors import ConfigError
 from tfpar.layout.mesh import BATCH
 
@@ -73,8 +75,8 @@ def apply(model, mesh, rules):
             raise ConfigError("layout rule", f"{regex}/{kind}: {axes}",
                               f"axes must be None or one of the mesh's {tuple(names)}")
     used, laid_out = set(), {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        path = _path(layer)
+    for layer in patches.sublayers(model):
+        path = layer_path(layer)
         chosen = {}
         for index, (regex, kind, axes) in enumerate(active):
             if kind not in chosen and re.fullmatch(regex, path):
@@ -85,8 +87,8 @@ def apply(model, mesh, rules):
             laid_out[path] = chosen
     for index, (regex, kind, _) in enumerate(active):
         if index not in used:
-            paths = [_path(layer) for layer in
-                     model._flatten_layers(include_self=False, recursive=True)]
+            paths = [layer_path(layer) for layer in
+                     patches.sublayers(model)]
             raise ConfigError("layout rule", f"{regex}/{kind}",
                               "matches no layer of the model (full match of the layer's "
                               f"path, e.g. {', '.join(paths[:4])})")
@@ -95,12 +97,13 @@ def apply(model, mesh, rules):
 
 def laid_out(model):
     """`{layer path: {"input"/"output": axes}}` of the layers `apply` laid out."""
-    return {_path(layer): layer._tfpar_activation_axes
-            for layer in model._flatten_layers(include_self=False, recursive=True)
+    return {layer_path(layer): layer._tfpar_activation_axes
+            for layer in patches.sublayers(model)
             if getattr(layer, "_tfpar_activation_axes", None)}
 
 
-def _path(layer):
+def layer_path(layer):
+    """The path `LayoutMap` keys name a layer by (its name if it has none)."""
     return getattr(layer, "path", None) or layer.name
 
 
@@ -121,7 +124,7 @@ def _relayout(layer, path, chosen, mesh):
                                   f"the shape {tuple(value.shape)} does not split {parts} "
                                   f"ways along the {axis!r} axis; use a size divisible "
                                   f"by {parts}")
-        return _relayout_value(value, layouts[kind])
+        return relayout_value(value, layouts[kind])
 
     @functools.wraps(call)
     def relaid_call(*args, **kwargs):
@@ -142,7 +145,7 @@ def _relayout(layer, path, chosen, mesh):
     object.__setattr__(layer, "_tfpar_activation_axes", dict(chosen))
 
 
-def _relayout_value(value, layout):
+def relayout_value(value, layout):
     """`value` relaid out to `layout` through the layout with every `model` split removed.
 
     Measured on TF 2.21: one `dtensor.relayout` straight from a sum over `model` not yet

@@ -21,7 +21,11 @@ user code trains on the mesh through tfpar's exact step (`MeshTrainer`):
 
 Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name="batch"))` and
 `distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`,
-as Keras defines them; every key must match a weight), `DataParallel` (every weight
+as Keras defines them; every key must match a weight), layouts of layer outputs (keys
+`<layer path>/output`, e.g. `user_mlp/up/output`: inside the mesh step the layer's output is
+relaid out to that layout, through `tfpar.layout.activations.relayout_value`, by the
+`distribute_tensor` Keras's TensorFlow backend lacks; values unchanged, so the step stays
+exact), `DataParallel` (every weight
 whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
 up to two axes over `keras.distribution.list_devices()`; `compile(optimizer, loss,
 metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
@@ -32,8 +36,8 @@ validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
 generators), returning a `History`; `evaluate`, `predict`, `train_on_batch`,
 `test_on_batch`, `predict_on_batch`.
 
-Refused with one line: a layout-map key matching no weight; a layout for a layer output
-(`…/output` keys: TensorFlow's Keras has no `distribute_tensor`); a batch axis not named
+Refused with one line: a layout-map key matching no weight and no layer output; an output
+layout whose rank or split does not fit the output; a batch axis not named
 "batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
 weights were created before `enable()` and `set_distribution`; callbacks in
 `evaluate`/`predict`; Keras's `gradient_accumulation_steps` (use `MeshTrainer`'s
@@ -55,11 +59,12 @@ from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters import array_slicing
+from tensorflow.experimental import dtensor
 
 from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import values, variables
+from tfpar.layout import activations, values, variables
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
 
@@ -99,7 +104,7 @@ def enable():
     tf_core.Variable._initialize = _initialize
     for name in _LOOPS:
         setattr(_Trainer, name, _routed(name))
-    tf_distribution_lib.distribute_tensor = _refuse_output_layout
+    tf_distribution_lib.distribute_tensor = distribute_tensor
     _enabled = True
 
 
@@ -109,7 +114,7 @@ def disable():
     tf_core.Variable._initialize = variables._original_initialize
     for name, fn in _ORIGINAL.items():
         setattr(_Trainer, name, fn)
-    if getattr(tf_distribution_lib, "distribute_tensor", None) is _refuse_output_layout:
+    if getattr(tf_distribution_lib, "distribute_tensor", None) is distribute_tensor:
         del tf_distribution_lib.distribute_tensor
     _enabled = False
 
@@ -141,24 +146,53 @@ def check_distribution(distribution):
     mesh_lib.attach_backend_mesh(mesh)
 
 
-def _refuse_output_layout(tensor, layout):
-    raise ConfigError("layout_map", "a key for a layer output ('…/output')",
-                      "layouts of layer outputs are not supported on TensorFlow (Keras's "
-                      "TensorFlow backend has no distribute_tensor); keep only weight paths")
+def distribute_tensor(tensor, layout):
+    """Keras's `distribute_tensor` for its TensorFlow backend (Keras calls it on a layer's
+    output when the distribution has a layout for `<layer path>/output`): inside tfpar's
+    mesh step, the output relaid out to `layout` (`activations.relayout_value`); a tensor
+    not on a mesh (a plain eager tensor) is returned as it is.
+
+    Raises:
+        ConfigError: the layer has several outputs, or the layout does not fit the output
+            (rank, or a dimension that does not split over its mesh axis).
+    """
+    if not isinstance(tensor, (tf.Tensor, tf.Variable)):
+        raise ConfigError("layout_map", f"an output layout {tuple(layout.axes)}",
+                          "tfpar relays out layers with one output tensor; give the "
+                          f"layout to a layer with one output (got {type(tensor).__name__})")
+    if tf.executing_eagerly() and not dtensor.is_dtensor(tensor):
+        return tensor
+    shape = tensor.shape
+    if shape.rank != len(layout.axes):
+        raise ConfigError("layout_map", f"an output layout {tuple(layout.axes)}",
+                          f"the layer's output has shape {tuple(shape)}; give one axis "
+                          "entry per dimension")
+    mesh = layout.device_mesh
+    for dim, axis in zip(shape, layout.axes):
+        if axis is not None and dim is not None and dim % mesh_lib.axis_size(mesh, axis):
+            raise ConfigError("layout_map", f"an output layout {tuple(layout.axes)}",
+                              f"dimension {dim} of the output {tuple(shape)} does not split "
+                              f"over {axis}={mesh_lib.axis_size(mesh, axis)}")
+    axes = [dtensor.UNSHARDED if axis is None else axis for axis in layout.axes]
+    return activations.relayout_value(
+        tensor, dtensor.Layout(axes, mesh_lib.attach_backend_mesh(mesh)))
 
 
 def check_layout_map(distribution, model):
     """Raises `ConfigError` naming a `LayoutMap` key that matches none of `model`'s weight
-    paths (a typo there would leave the weight whole without a word)."""
+    paths nor any of its layers' `<path>/output` (a typo there would leave the weight whole,
+    or the output as it is, without a word)."""
     layout_map = getattr(distribution, "_layout_map", None)
     paths = [v.path for v in model.weights]
+    outputs = [activations.layer_path(layer) + "/output"
+               for layer in patches.sublayers(model)]
     for key in layout_map or ():
-        if key not in paths and not any(re.fullmatch(key, p) for p in paths):
-            if key.endswith("output"):
-                _refuse_output_layout(None, None)
-            raise ConfigError("layout_map", key,
-                              "matches none of the model's weight paths (full match of "
-                              f"variable.path, e.g. {', '.join(paths[:3])})")
+        if any(key == p or re.fullmatch(key, p) for p in paths + outputs):
+            continue
+        raise ConfigError("layout_map", key,
+                          "matches none of the model's weight paths (full match of "
+                          f"variable.path, e.g. {', '.join(paths[:3])}) nor a layer output "
+                          f"(<layer path>/output, e.g. {', '.join(outputs[:2])})")
 
 
 def _on_mesh(model):

@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar.errors import TfparError
 from tfpar.layout import fsdp
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
@@ -183,6 +184,21 @@ def predict_step(mesh, model):
     return _checked(mesh, step, "the predict step")
 
 
+def _trace(fn, args):
+    """`fn.get_concrete_function(*args)`; a `TfparError` raised while tracing (a layout
+    that does not fit, found when the shapes are known) is re-raised as itself, not as
+    the RuntimeError autograph makes of exceptions it cannot rebuild from a message."""
+    try:
+        return fn.get_concrete_function(*args)
+    except RuntimeError as err:
+        cause = err.__context__
+        while cause is not None and not isinstance(cause, TfparError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise cause.with_traceback(None) from None
+
+
 def _checked(mesh, step, what):
     """Compiles `step`; each new trace is checked for plain variables before it runs.
 
@@ -194,7 +210,7 @@ def _checked(mesh, step, what):
 
     def call(*args):
         with dtensor.default_mesh(mesh.backend_mesh):
-            concrete = fn.get_concrete_function(*args)
+            concrete = _trace(fn, args)
             if id(concrete) not in checked:
                 check_dvariables(concrete.graph.variables, what)
                 checked.add(id(concrete))
