@@ -157,8 +157,13 @@ def _check(result, tolerance=1e-5, zero_gradient=()):
                            for a, b in zip(slot, weight)), (slot, weight)
 
 
-MLP_RUNS = [(opt, dp, tp, False) for opt in ("sgd", "momentum", "adam")
-            for dp, tp in MESHES] + [("adam", 2, 2, True)]
+# Adam (two slots per weight) on every mesh; SGD and momentum on two meshes each, together
+# covering both axes alone and both at once (the step is the same stateless step for every
+# optimizer, the slots follow their weight's layout: checked per run by _check). The first
+# run splits weights (test_mlp_every_mesh_and_optimizer_matches_single_device reads it).
+MLP_RUNS = ([("sgd", 1, 2, False), ("sgd", 2, 2, False), ("momentum", 2, 1, False),
+             ("momentum", 1, 4, False)] + [("adam", dp, tp, False) for dp, tp in MESHES]
+            + [("adam", 2, 2, True)])
 TRANSFORMER_RUNS = ([("adam", dp, tp, False) for dp, tp in MESHES]
                     + [("sgd", 2, 2, False), ("momentum", 1, 4, False), ("adam", 2, 2, True)])
 
