@@ -31,7 +31,10 @@ OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1),
 def task_for(name):
     if name == "transformer":
         task = data.reverse_task(0, vocab=19)  # 20 classes: the vocabulary splits over 4
-        return task, lambda: models.transformer(task.input_shape, task.num_classes, width=32)
+        # One block: every layer kind and every rule of USER_LAYOUTS["transformer"] (the
+        # block rules match block_0); a second block would trace the same layouts again.
+        return task, lambda: models.transformer(task.input_shape, task.num_classes, width=32,
+                                                depth=1)
     task = data.teacher_task(0)
     return task, lambda: user_mlp(task.input_shape, task.num_classes)
 

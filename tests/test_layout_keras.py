@@ -131,10 +131,17 @@ def bf16(cases):
     return _case(cases, "bf16")
 
 
-def test_bf16_stays_within_the_measured_distance_of_single_device_bf16(bf16):
-    # Measured (5 steps, SGD lr 0.1 / Adam lr 1e-3): at most 5.1e-3 on a weight (7.0e-3 on
-    # Adam's key bias); the mesh sums partial products and gradients in bfloat16 (row
-    # splits, batch splits) where one device rounds once. Per-step losses within 0.2 %.
+def test_bf16_stays_within_the_measured_distance_of_single_device_bf16(bf16, report_measured):
+    # Measured (5 steps, SGD lr 0.1 / Adam lr 1e-3, the one-block transformer): at most
+    # 7.8e-3 on a weight, per-step losses within 0.1 % (two blocks: 5.1e-3, 7.0e-3 on
+    # Adam's key bias, losses within 0.2 %); the mesh sums partial products and gradients
+    # in bfloat16 (row splits, batch splits) where one device rounds once. The test prints
+    # both figures (report_measured).
+    worst = max(max(run["diffs"].values()) for run in bf16["runs"])
+    worst_loss = max(abs(m / r - 1) for run in bf16["runs"]
+                     for m, r in zip(run["losses"], run["ref_losses"]))
+    report_measured(f"layout bf16 vs single-device bf16, 5 steps: max |dw| {worst:.1e}, "
+                    f"max loss rel. diff {worst_loss:.1e} ({len(bf16['runs'])} runs)")
     for run in bf16["runs"]:
         label = f"{run['model']} {run['optimizer']} on {run['mesh']}"
         assert run["compute_dtype"] == "bfloat16" and run["variable_dtype"] == "float32"
