@@ -27,7 +27,9 @@ MODEL = "%(model)s"
 RUNS = %(runs)s
 if MODEL == "transformer":
     task = data.reverse_task(0, vocab=19)   # 20 classes: the vocabulary splits over 4
-    build_model = lambda: models.transformer(task.input_shape, task.num_classes, width=32)
+    # one block: every layer kind and preset rule (a second block repeats the same layouts)
+    build_model = lambda: models.transformer(task.input_shape, task.num_classes, width=32,
+                                             depth=1)
 else:
     task = data.teacher_task(0)
     build_model = lambda: models.mlp(task.input_shape, task.num_classes, width=64)
