@@ -1,8 +1,9 @@
 """`fit` / `evaluate` / `predict` on a mesh, checkpoints across meshes, the train entry.
 
-One child process (4 logical CPUs): a transformer trained on a 2×2 mesh is saved,
-restored onto 1×4 and onto a plain single-device model (exactly), and training continues
-on 1×4 as it would have on 2×2. The same child then runs the `python -m tfpar.train`
+One child process (4 logical CPUs): a transformer (one block: every layer kind and layout
+rule; a second block repeats them) trained on a 2×2 mesh is saved, restored onto 1×4 and
+onto a plain single-device model (exactly), and training continues on 1×4 as it would have
+on 2×2. The same child then runs the `python -m tfpar.train`
 command line (`tfpar.train.run()`, in-process: one TensorFlow start for everything) and
 resumes a run of the train entry from its checkpoint.
 """
@@ -30,7 +31,7 @@ out = {}
 def build(seed, mesh):
     def model():
         keras.utils.set_random_seed(seed)
-        return models.transformer(task.input_shape, task.num_classes, width=32)
+        return models.transformer(task.input_shape, task.num_classes, width=32, depth=1)
     return layout.build_on_mesh(mesh, layout.preset_rules(layout.model_presets("transformer")),
                                 model, lambda: keras.optimizers.Adam(3e-3), loss)
 
@@ -75,7 +76,7 @@ out["restore_1x4"] = max_diff(saved, state(model14, trainer14.optimizer))
 
 # restore onto a plain single-device model and stock optimizer
 keras.utils.set_random_seed(2)
-plain = models.transformer(task.input_shape, task.num_classes, width=32)
+plain = models.transformer(task.input_shape, task.num_classes, width=32, depth=1)
 plain_opt = keras.optimizers.Adam(3e-3)
 plain_opt.build(plain.trainable_variables)
 tf.train.Checkpoint(model=plain, optimizer=plain_opt).restore(path).assert_existing_objects_matched()
@@ -106,9 +107,9 @@ out["weights_1x4_to_2x2"] = max_diff({v.path: layout.to_host(v.value) for v in m
 # the python -m tfpar.train command line (what tfpar-train runs), in this process: flags ->
 # ParallelConfig -> train -> the summary line on stdout and the metrics JSON
 import tfpar.train
-sys.argv = [tfpar.train.__file__, "--model=transformer", "--tensor_parallel=2",
-            "--data_parallel=2", "--cpu_devices=4", "--steps=24", "--steps_per_epoch=8",
-            "--global_batch_size=16", "--verbose=0",
+sys.argv = [tfpar.train.__file__, "--model=transformer", "--model_depth=1",
+            "--tensor_parallel=2", "--data_parallel=2", "--cpu_devices=4", "--steps=24",
+            "--steps_per_epoch=8", "--global_batch_size=16", "--verbose=0",
             "--metrics_json=" + os.path.join(sys.argv[1], "metrics.json")]
 try:
     tfpar.train.run()
@@ -119,8 +120,8 @@ with open(os.path.join(sys.argv[1], "metrics.json")) as f:
 out["train"] = {k: result[k] for k in ("steps", "final_loss", "loss_history", "memory",
                                        "strategy", "mesh")}
 run_config = ParallelConfig(
-    model="transformer", tensor_parallel=2, data_parallel=2, cpu_devices=4, steps=24,
-    steps_per_epoch=8, global_batch_size=16, verbose=0)
+    model="transformer", model_depth=1, tensor_parallel=2, data_parallel=2, cpu_devices=4,
+    steps=24, steps_per_epoch=8, global_batch_size=16, verbose=0)
 # stopped at step 12 with checkpoints, then resumed to 24: the same losses from step 12
 resumable = run_config.replace(checkpoint_dir=os.path.join(sys.argv[1], "run"),
                                checkpoint_every=4, metrics_json="")
