@@ -3,7 +3,9 @@
 gradient accumulation on 4 logical CPUs, next to the single-device run, and prints one
 JSON line of weight differences, histories, errors and per-device sizes.
 
-Usage: python tests/layout_keras_child.py CASE   (CASE: keras_api, bf16, fp16, accum)
+Usage: python tests/layout_keras_child.py CASE[,CASE...] [FP16_SCALE_EXPONENT]
+(CASE: keras_api, bf16, fp16, accum; the cases run in turn in this process and the JSON line
+maps each to its result)
 """
 
 import json
@@ -29,7 +31,10 @@ OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1),
 def task_for(name):
     if name == "transformer":
         task = data.reverse_task(0, vocab=19)  # 20 classes: the vocabulary splits over 4
-        return task, lambda: models.transformer(task.input_shape, task.num_classes, width=32)
+        # One block: every layer kind and every rule of USER_LAYOUTS["transformer"] (the
+        # block rules match block_0); a second block would trace the same layouts again.
+        return task, lambda: models.transformer(task.input_shape, task.num_classes, width=32,
+                                                depth=1)
     task = data.teacher_task(0)
     return task, lambda: user_mlp(task.input_shape, task.num_classes)
 
@@ -291,5 +296,24 @@ def accum():
 CASES = {"keras_api": keras_api, "bf16": lambda: precision("mixed_bfloat16"),
          "fp16": lambda: precision("mixed_float16"), "accum": accum}
 
+
+def run_cases(names):
+    """Each case in turn in this process (a DTensor mesh can be rebuilt; one TensorFlow start
+    for all): {case: its JSON, or {"error": the traceback} when it raised}, so that one
+    failing case fails only its own tests. `keras_api` switches `layout.enable()` on for
+    the rest of the process: put it last."""
+    import traceback
+    out = {}
+    for name in names:
+        try:
+            out[name] = CASES[name]()
+        except Exception:  # noqa: BLE001 - reported to the test that reads this case
+            out[name] = {"error": traceback.format_exc()[-5000:]}
+        finally:
+            keras.distribution.set_distribution(None)
+            keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(CASES[sys.argv[1]]()))
+    print(json.dumps(run_cases(sys.argv[1].split(","))))

@@ -27,7 +27,9 @@ MODEL = "%(model)s"
 RUNS = %(runs)s
 if MODEL == "transformer":
     task = data.reverse_task(0, vocab=19)   # 20 classes: the vocabulary splits over 4
-    build_model = lambda: models.transformer(task.input_shape, task.num_classes, width=32)
+    # one block: every layer kind and preset rule (a second block repeats the same layouts)
+    build_model = lambda: models.transformer(task.input_shape, task.num_classes, width=32,
+                                             depth=1)
 else:
     task = data.teacher_task(0)
     build_model = lambda: models.mlp(task.input_shape, task.num_classes, width=64)
@@ -157,8 +159,13 @@ def _check(result, tolerance=1e-5, zero_gradient=()):
                            for a, b in zip(slot, weight)), (slot, weight)
 
 
-MLP_RUNS = [(opt, dp, tp, False) for opt in ("sgd", "momentum", "adam")
-            for dp, tp in MESHES] + [("adam", 2, 2, True)]
+# Adam (two slots per weight) on every mesh; SGD and momentum on two meshes each, together
+# covering both axes alone and both at once (the step is the same stateless step for every
+# optimizer, the slots follow their weight's layout: checked per run by _check). The first
+# run splits weights (test_mlp_every_mesh_and_optimizer_matches_single_device reads it).
+MLP_RUNS = ([("sgd", 1, 2, False), ("sgd", 2, 2, False), ("momentum", 2, 1, False),
+             ("momentum", 1, 4, False)] + [("adam", dp, tp, False) for dp, tp in MESHES]
+            + [("adam", 2, 2, True)])
 TRANSFORMER_RUNS = ([("adam", dp, tp, False) for dp, tp in MESHES]
                     + [("sgd", 2, 2, False), ("momentum", 1, 4, False), ("adam", 2, 2, True)])
 

@@ -37,20 +37,22 @@ def max_diff(a, b):
 def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measured):
     where = {**BASE, "strategy": "mirrored", "cpu_devices": 4}
     ckpt = str(tmp_path / "ckpt")
+    # Adam's ZeRO update on dense weights is checked on the transformer (its dense layers,
+    # and the embedding's gradient slices besides); the mlp with Adam is the plain run
+    # stage 3 is compared with. Momentum on the mlp at every stage.
     cases = [{"name": f"{model}-{opt_name}-{stage}", **where, "model": model,
               **(MOMENTUM if opt_name == "momentum" else ADAM), "zero_stage": stage,
               **({"model_depth": 2} if model == "transformer" else {})}
              for model, opt_name, stages in (("mlp", "momentum", (0, 1, 2)),
-                                             ("mlp", "adam", (0, 1, 2)),
+                                             ("mlp", "adam", (0,)),
                                              ("transformer", "momentum", (0,)),
                                              ("transformer", "adam", (0, 1, 2)))
              for stage in stages]
-    # Resume: 5 steps saved, then on to 10, against 10 uninterrupted steps.
+    # Resume: mlp-momentum-1's 5 steps saved, then on to 10, against 10 uninterrupted steps.
+    cases[1]["checkpoint_dir"] = ckpt
     long = {**where, "model": "mlp", **MOMENTUM, "zero_stage": 1, "steps": 10,
             "steps_per_epoch": 5}
-    cases += [{"name": "whole", **long},
-              {"name": "first", **long, "steps": 5, "checkpoint_dir": ckpt},
-              {"name": "resumed", **long, "checkpoint_dir": ckpt}]
+    cases += [{"name": "whole", **long}, {"name": "resumed", **long, "checkpoint_dir": ckpt}]
     # Stage 3 runs on a DTensor mesh (one backend per process): a second child, at once.
     # Not the transformer with Adam: there plain tf.distribute Adam adds each embedding
     # gradient slice's square into v (Keras's sparse path, see tfpar.zero._adam) while the
@@ -66,7 +68,8 @@ def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measur
     results = {**last_json_line(out.stdout), **last_json_line(mesh_out.stdout)}
     cases = mesh_cases + cases
 
-    for case in cases[:-3]:
+    assert cases[3]["name"] == "mlp-momentum-1" and "checkpoint_dir" in cases[3]
+    for case in cases[:-2]:
         name, stage = case["name"], case["zero_stage"]
         if stage == 0:
             continue
