@@ -71,6 +71,52 @@ def initialize(cpu_devices=1, environ=None):
     return cluster
 
 
+def stage_meshes(data_parallel, tensor_parallel, stages):
+    """One `batch` × `model` Keras `DeviceMesh` per pipeline stage, each spanning every
+    client (`data_parallel=0`: all devices the model and stage axes leave).
+
+    Every client gives each stage mesh n = data_parallel·tensor_parallel / clients of its
+    devices, consecutive ones (stage s on this process's CPU:s·n … (s+1)·n − 1), and holds
+    row-major mesh positions c·n … (c+1)·n − 1: with n a multiple of `tensor_parallel`, a
+    model replica stays inside one process and `batch` runs across processes (see
+    the module docstring for why a stage does not live on one process alone). Call
+    `tfpar.layout.mesh.no_all_reduce_combining` before `initialize`.
+
+    Raises:
+        ConfigError: the degrees do not multiply to the devices of all clients, or a stage
+            does not split evenly over the clients.
+    """
+    local = len(dtensor.local_devices("CPU"))
+    clients = dtensor.num_clients()
+    total = local * clients
+    if not data_parallel and tensor_parallel and total % (tensor_parallel * stages) == 0:
+        data_parallel = total // (tensor_parallel * stages)
+    per_stage = data_parallel * tensor_parallel
+    if per_stage * stages != total:
+        raise ConfigError("pipeline_stages", stages,
+                          f"data_parallel × tensor_parallel × pipeline_stages = "
+                          f"{data_parallel}×{tensor_parallel}×{stages} must equal the "
+                          f"{total} devices of {clients} processes × {local}")
+    if per_stage % clients:
+        raise ConfigError("data_parallel", data_parallel,
+                          f"each stage's mesh spans all {clients} processes, so "
+                          f"data_parallel × tensor_parallel = {per_stage} must be a multiple "
+                          f"of {clients}")
+    n = per_stage // clients
+    meshes = []
+    for s in range(stages):
+        backend = dtensor.create_distributed_mesh(
+            [(BATCH, data_parallel), (MODEL, tensor_parallel)], mesh_name=f"stage{s}",
+            local_devices=[f"CPU:{s * n + i}" for i in range(n)], device_type="CPU")
+        names = [f"/job:worker/replica:0/task:{i // n}/device:CPU:{s * n + i % n}"
+                 for i in range(per_stage)]
+        mesh = keras.distribution.DeviceMesh((data_parallel, tensor_parallel),
+                                             (BATCH, MODEL), devices=names)
+        mesh._backend_mesh = backend
+        meshes.append(mesh)
+    return meshes
+
+
 def distributed_mesh(data_parallel, tensor_parallel):
     """A `batch` × `model` Keras `DeviceMesh` over every client's devices
     (`data_parallel=0`: all devices the model axis leaves).
