@@ -12,7 +12,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
   compression and checkpoints),
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` and for `zero_stage=3`
-  (under a `TF_CONFIG` of several workers the mesh spans them),
+  (under a `TF_CONFIG` of several workers the mesh, and with `pipeline_stages > 1` each
+  stage's mesh, spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes (ZeRO with compression or fp16;

@@ -9,7 +9,10 @@ python -m tfpar.train --tensor_parallel=2 --data_parallel=2 --cpu_devices=2`), e
 is a DTensor client (`tfpar.layout.multi_client` sets `DTENSOR_*` from `TF_CONFIG`) and the
 mesh spans all of them, row-major: the model axis inside a process, the batch axis across.
 Every process reads the same global batches and packs only its own devices' shards; the
-chief alone writes the metrics JSON.
+chief alone writes the metrics JSON. With `--pipeline_stages>1` there (`--cpu_devices=4
+--data_parallel=2 --tensor_parallel=2 --pipeline_stages=2` on 2 workers) each stage's mesh
+spans every process too (`multi_client.stage_meshes`: stage s on each process's s-th group
+of devices), and `layout.pipeline` runs on those meshes unchanged.
 """
 
 import math
@@ -22,7 +25,7 @@ from absl import logging
 
 from tfpar import checkpoint, data, devices, memory, metrics, optimizers, strategy, tf_config
 from tfpar.backends import Backend
-from tfpar.errors import ConfigError, TfparError
+from tfpar.errors import TfparError
 from tfpar.layout import multi_client, pipeline, run, values
 from tfpar.pipeline import schedule
 from tfpar.layout.mesh import describe, mesh_for_config, no_all_reduce_combining
@@ -52,16 +55,19 @@ class DTensorBackend(Backend):
         if workers > 1:
             if config.strategy in ("one_device", "mirrored"):
                 strategy.choose_kind(config, cluster)  # refuses, naming the workers
+            if config.pipeline_stages > 1:  # before DTensor starts (tfpar.layout.pipeline)
+                no_all_reduce_combining("pipeline_stages", config.pipeline_stages,
+                                        "a mesh pipeline's step could hang")
             # Every training process of TF_CONFIG is a DTensor client; the mesh spans them.
             cluster = multi_client.initialize(config.cpu_devices, environ)
         else:
             devices.split_cpu(config.cpu_devices)
         meshes = None
-        if workers > 1 and config.pipeline_stages > 1:
-            raise ConfigError("pipeline_stages", config.pipeline_stages,
-                              "with --tensor_parallel>1 pipelines run in one process so far; "
-                              "use --pipeline_stages=1 across workers")
-        if workers > 1:
+        if workers > 1 and config.pipeline_stages > 1:  # every stage's mesh spans them all
+            meshes = multi_client.stage_meshes(config.data_parallel, config.tensor_parallel,
+                                               config.pipeline_stages)
+            mesh, index, chief = meshes[0], cluster.worker_index, cluster.is_chief
+        elif workers > 1:
             mesh = multi_client.distributed_mesh(config.data_parallel, config.tensor_parallel)
             index, chief = cluster.worker_index, cluster.is_chief
         elif config.pipeline_stages > 1:  # dp × tp × pp: a mesh per stage

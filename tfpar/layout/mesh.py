@@ -140,10 +140,17 @@ def batch_sharded(mesh, rank):
 
 
 def describe(mesh):
-    """One line: `mesh batch=2 × model=2 over /device:CPU:0..3`."""
-    flat = np.asarray(mesh.devices).ravel()
-    return (f"mesh {BATCH}={mesh.shape[0]} × {MODEL}={mesh.shape[1]} over "
-            f"{flat[0]}..{str(flat[-1]).rsplit(':', 1)[-1]}")
+    """One line: `mesh batch=2 × model=2 over /device:CPU:0..3`; a mesh across processes
+    (`tfpar.layout.multi_client`): `... over CPU:2..3 of each of 2 processes`."""
+    flat = [str(d) for d in np.asarray(mesh.devices).ravel()]
+    head = f"mesh {BATCH}={mesh.shape[0]} × {MODEL}={mesh.shape[1]} over "
+    specs = [tf.DeviceSpec.from_string(d) for d in flat]
+    tasks = sorted({spec.task for spec in specs})
+    if len(tasks) > 1:
+        indices = [spec.device_index for spec in specs]
+        return (f"{head}{specs[0].device_type}:{min(indices)}..{max(indices)} of each of "
+                f"{len(tasks)} processes")
+    return f"{head}{flat[0]}..{flat[-1].rsplit(':', 1)[-1]}"
 
 
 def _divisors(n):
