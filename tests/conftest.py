@@ -28,7 +28,7 @@ LONGEST_FIRST = [
     "test_compression_integration.py", "test_layout_exact.py", "test_pipeline_training.py",
     "test_api.py", "test_user_script.py", "test_elastic.py", "test_legacy_train.py",
     "test_zero.py", "test_layout_pipeline.py", "test_pipeline_executor.py",
-    "test_layout_compose.py",
+    "test_layout_compose.py", "test_layout_pipeline_workers.py",
     "test_pipeline_remote.py", "test_compression_timing.py", "test_fuzz.py",
     "test_validation.py", "test_compression_wire.py", "test_packaging.py",
 ]
