@@ -16,7 +16,7 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes (ZeRO with compression or fp16;
-on a mesh, compression with accumulation, pipelines or fp16).
+on a mesh, compression with fp16 or unpipelined accumulation).
 
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
@@ -98,16 +98,15 @@ def _mesh_pipeline(c):
 
 
 COMBINATIONS = (
-    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation and bf16 run.
-    ("mixed_precision", ("none", "bf16"), _mesh_pipeline,
-     "fp16 loss scaling is " + _MESH_PIPELINE + "; use bf16"),
+    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16
+    # and the batch-axis codecs run.
     ("recompute", ("none",), _mesh_pipeline, _MESH_PIPELINE),
     ("checkpoint_dir", ("",), _mesh_pipeline, _MESH_PIPELINE),
     ("compression", ("none",),
-     lambda c: c.tensor_parallel > 1 and (c.grad_accum_steps > 1 or c.pipeline_stages > 1
-                                          or c.mixed_precision == "fp16"),
+     lambda c: c.tensor_parallel > 1 and (c.mixed_precision == "fp16" or (
+         c.grad_accum_steps > 1 and c.pipeline_stages == 1)),
      "on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis reduction runs "
-     "without --grad_accum_steps, --pipeline_stages and fp16 loss scaling"),
+     "without fp16 loss scaling, and without --grad_accum_steps unless pipelined"),
     ("compression", ("none",), lambda c: c.zero_stage > 0,
      "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
      "reduce-scatter is not built (use --zero_stage=0)"),
