@@ -3,7 +3,7 @@
 against the single-device run of the same config (same seed, same data): SGD and Adam on
 the mlp and the transformer; GPipe, 1F1B, interleaved (V=2) and ZB-H1; gradient
 accumulation (k=2), bf16, fp16 (one loss scale: an infinite gradient on one stage skips
-every stage's update) and compression on each stage's batch-axis reduction. All 3D runs share one child (one set of meshes per process),
+every stage's update), compression on each stage's batch-axis reduction and recompute. All 3D runs share one child (one set of meshes per process),
 the references another.
 """
 
@@ -36,9 +36,11 @@ RUNS = [({"model": "mlp", **SGD, "schedule": "gpipe"}, 1e-5),
          1e-5),
         # Each replica's gradient summed over `batch` in fp16 (tfpar.layout.reduction):
         # measured 1.6e-5; one device has no reduction to round.
-        ({"model": "mlp", **SGD, "schedule": "1f1b", "compression": "fp16"}, 1e-4),
+        ({"model": "mlp", **SGD, "schedule": "1f1b", "compression": "fp16",
+          "grad_accum_steps": 2}, 1e-4),
         # fp16: the tolerance of the tp=2 fp16 case (tests/test_layout_compose.py).
-        ({"model": "mlp", **SGD, "schedule": "1f1b", "mixed_precision": "fp16"}, 1e-2)]
+        ({"model": "mlp", **SGD, "schedule": "1f1b", "mixed_precision": "fp16"}, 1e-2),
+        ({"model": "transformer", **SGD, "schedule": "gpipe", "recompute": "full"}, 1e-5)]
 # 3D only, after RUNS in the same child: stage model 0 sends back an infinite gradient
 # every step (tests/train_configs_child.py); the uncompressed and int8 runs of
 # tests/test_layout_mesh.py's codec test (40 Adam steps).
@@ -52,7 +54,8 @@ MESH3D = {"cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2, "pipeline_
 
 def _case(run):
     """A short name for the measured line."""
-    extra = [k for k in ("grad_accum_steps", "mixed_precision", "compression") if k in run]
+    extra = [k for k in ("grad_accum_steps", "mixed_precision", "compression", "recompute")
+             if k in run]
     return "/".join([run["model"], run["optimizer"], run["schedule"]]
                     + [f"{k}={run[k]}" for k in extra])
 

@@ -90,18 +90,13 @@ TABLE = {
 
 # Settings that a value of another setting excludes, on every backend:
 # (setting, the values it may take then, when, why).
-_MESH_PIPELINE = "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (tfpar.layout.pipeline)"
-
-
-def _mesh_pipeline(c):
-    return c.tensor_parallel > 1 and c.pipeline_stages > 1
-
-
 COMBINATIONS = (
-    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16
-    # and the batch-axis codecs run.
-    ("recompute", ("none",), _mesh_pipeline, _MESH_PIPELINE),
-    ("checkpoint_dir", ("",), _mesh_pipeline, _MESH_PIPELINE),
+    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16,
+    # the batch-axis codecs and recompute run; checkpoints do not (one checkpoint cannot
+    # hold several meshes' variables).
+    ("checkpoint_dir", ("",), lambda c: c.tensor_parallel > 1 and c.pipeline_stages > 1,
+     "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one checkpoint "
+     "cannot hold several meshes' variables)"),
     ("compression", ("none",),
      lambda c: c.tensor_parallel > 1 and (c.mixed_precision == "fp16" or (
          c.grad_accum_steps > 1 and c.pipeline_stages == 1)),

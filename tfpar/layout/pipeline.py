@@ -37,6 +37,21 @@ stage again rather than reusing B's intermediate gradients, so it is exact, not 
 Ops within the step run in data-dependency order: the schedule fixes the trace order,
 not the execution order. With `grad_accum_steps` = k the schedule runs k times on k
 groups of M micro-batches before the one update.
+
+With `--compression` (a codec of `tfpar.layout.reduction`) each stage's gradient
+reduction over its mesh's `batch` axis goes through that codec, as on one mesh: micro-batches
+are shaped `[data_parallel, m, ...]`, a stage's forward runs vectorized over the replicas,
+and its backward runs the forward again inside `tf.vectorized_map` with the tape there, so
+each replica's weight gradient comes out `[data_parallel, *shape]` with no sum over `batch`
+(the `model` axis's collectives unchanged); they are summed over the micro-batches and
+averaged through each stage's `BatchAxisReduction` (error feedback sharded like the
+gradient). The extra forward per stage and micro-batch is the price.
+
+With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled by the
+last stage model's scale, and one decision is taken for all: each stage's all-finite flag
+is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
+so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
+the stage models' layers (`tfpar.recompute`). Checkpoints are refused (`CHECKPOINTS`).
 """
 
 import types
@@ -46,7 +61,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import models
+from tfpar import models, recompute
 from tfpar.errors import ConfigError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import presets, reduction, values, variables
@@ -57,6 +72,14 @@ from tfpar.layout.step import _layouts, _read, _write
 from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
 from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
+
+
+# Measured on TF 2.21: TensorFlow's checkpoint saver writes every DVariable of one
+# `tf.train.Checkpoint` from one save function, whose mesh propagation fails ("All inputs
+# to `tf_device.Cluster` must have same mesh configuration") when they live on several
+# meshes.
+CHECKPOINTS = ("not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
+               "checkpoint cannot hold several meshes' variables); omit it")
 
 
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
@@ -117,12 +140,8 @@ def build(config, task, meshes, build_optimizer):
         ConfigError: a setting this composition does not run (named), or the model does
             not cut into K stages.
     """
-    for setting, value, honoured in (
-            ("recompute", config.recompute, ("none",)),
-            ("checkpoint_dir", config.checkpoint_dir, ("",))):
-        if value not in honoured:
-            raise ConfigError(setting, value, "not built yet for --tensor_parallel>1 with "
-                              f"--pipeline_stages>1; use {' or '.join(map(repr, honoured))}")
+    if config.checkpoint_dir:  # see CHECKPOINTS
+        raise ConfigError("checkpoint_dir", config.checkpoint_dir, CHECKPOINTS)
     rules = presets.preset_rules(presets.model_presets(config.model))
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
@@ -140,6 +159,13 @@ def build(config, task, meshes, build_optimizer):
             layout_map=presets.layout_map(meshes[v % K], rules), batch_dim_name=BATCH)
         with variables.variable_scope(distribution):
             stage = _rebuild(nodes, src, out, v)
+            # `blocks`: the zoo's block names among the stage's layers; `full`: every
+            # layer of the stage with weights (not one input per stage, as on
+            # `tfpar.pipeline`: here each layer keeps its own input).
+            for layer in recompute.recomputed_layers(stage, config.recompute,
+                                                     recompute.block_names(
+                                                         config.model, config.model_depth)):
+                recompute.rematerialize(layer)
             optimizer = stateless_optimizer(build_optimizer())
             optimizer.build(stage.trainable_variables)
         _refuse_keras_loops(stage)
