@@ -34,10 +34,11 @@ RUNS = [({"model": "mlp", **SGD, "schedule": "gpipe"}, 1e-5),
         # tests/test_layout_exact.py).
         ({"model": "transformer", **ADAM, "schedule": "gpipe", "dense_gradients": True},
          1e-5),
-        # Each replica's gradient summed over `batch` in fp16 (tfpar.layout.reduction):
-        # measured 1.6e-5; one device has no reduction to round.
+        # Each replica's gradient summed over `batch` in fp16 (tfpar.layout.reduction),
+        # which one device does not round: 2^-11 of a gradient of up to ~2, × lr 0.1 ×
+        # 5 steps ≈ 5e-4 at most (measured 9.6e-5; 1.6e-5 without accumulation).
         ({"model": "mlp", **SGD, "schedule": "1f1b", "compression": "fp16",
-          "grad_accum_steps": 2}, 1e-4),
+          "grad_accum_steps": 2}, 5e-4),
         # fp16: the tolerance of the tp=2 fp16 case (tests/test_layout_compose.py).
         ({"model": "mlp", **SGD, "schedule": "1f1b", "mixed_precision": "fp16"}, 1e-2),
         ({"model": "transformer", **SGD, "schedule": "gpipe", "recompute": "full"}, 1e-5)]
