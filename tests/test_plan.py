@@ -247,15 +247,17 @@ def test_runnable_mirrors_the_trainers_refusals():
     one = planner.hardware_from(8, 16, 10, 100, 10)
     two = planner.hardware_from(16, 16, 10, 100, 10, devices_per_machine=8)
     req = planner.Request()
-    # dp × tp × pp runs the mlp and the transformer (tfpar.layout.pipeline), with bf16;
-    # fp16 loss scaling is refused there so far.
+    # dp × tp × pp runs the mlp and the transformer (tfpar.layout.pipeline), with bf16,
+    # fp16 and the batch-axis codecs; a codec with fp16 loss scaling is refused.
     assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one, req) is None
     assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one,
                              dataclasses.replace(req, model="transformer")) is None
-    assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one,
-                             dataclasses.replace(req, mixed_precision="bf16")) is None
-    assert "mixed_precision='fp16'" in commands.runnable(
-        cost.Candidate(2, 2, 2, 2, "none"), one, dataclasses.replace(req, mixed_precision="fp16"))
+    for precision in ("bf16", "fp16"):
+        assert commands.runnable(cost.Candidate(2, 2, 2, 2, "none"), one,
+                                 dataclasses.replace(req, mixed_precision=precision)) is None
+    assert commands.runnable(cost.Candidate(2, 2, 2, 2, "int8"), one, req) is None
+    assert "compression='int8'" in commands.runnable(
+        cost.Candidate(2, 2, 2, 2, "int8"), one, dataclasses.replace(req, mixed_precision="fp16"))
     # The mesh compresses its batch-axis reduction with fp16/bf16/int8, not top-k.
     assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req) is None
     assert "compression='topk'" in commands.runnable(cost.Candidate(4, 2, 1, 1, "topk"),

@@ -10,6 +10,11 @@ A config may carry `"dense_gradients": true` (not a `ParallelConfig` field): its
 is then handed every `IndexedSlices` gradient (an embedding's) as a dense tensor, the
 reference a DTensor mesh's dense gradients are compared with (Keras's Adam squares an
 `IndexedSlices` gradient slice by slice, before duplicate rows are summed).
+
+A mesh pipeline's config (dp × tp × pp) may carry `"nonfinite_stage": v`: stage model v
+then passes an infinite gradient back (to its weights and earlier stages) on every step.
+Its result gets the initial weights (`OUT_PREFIX.<i>.initial.npz`); every fp16 mesh
+pipeline's result gets each stage optimizer's `loss_scales` and `iterations`.
 """
 
 import contextlib
@@ -25,6 +30,7 @@ from tfpar import ParallelConfig, backends, optimizers  # noqa: E402
 from tfpar.train import train  # noqa: E402
 
 DENSE = "dense_gradients"
+NONFINITE = "nonfinite_stage"
 
 
 @contextlib.contextmanager
@@ -53,15 +59,65 @@ def dense_gradients(on):
         optimizers.make_optimizer = make
 
 
+@contextlib.contextmanager
+def mesh_pipeline_probe(nonfinite_stage):
+    """Yields a list that gets the `MeshPipelineTrainer`s built meanwhile (their initial
+    weights as `trainer.initial`); with `nonfinite_stage` set, that stage model's output
+    passes back an infinite gradient."""
+    import tensorflow as tf
+    from tfpar.layout import pipeline
+    from tfpar.layout.values import to_host
+    cls = pipeline.MeshPipelineTrainer
+    init, forward = cls.__init__, cls._stage_forward
+    built = []
+
+    @tf.custom_gradient
+    def infinite_gradient(x):
+        return tf.identity(x), lambda dy: dy * float("inf")
+
+    def probed_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.initial = [to_host(v.value) for v in self.model.weights]
+        built.append(self)
+
+    def poisoned_forward(self, v, *args):
+        out = forward(self, v, *args)
+        return infinite_gradient(out) if v == nonfinite_stage else out
+
+    cls.__init__ = probed_init
+    if nonfinite_stage is not None:
+        cls._stage_forward = poisoned_forward
+    try:
+        yield built
+    finally:
+        cls.__init__, cls._stage_forward = init, forward
+
+
+def _loss_scaling(trainer):
+    from tfpar.layout.values import to_host
+    optimizers = trainer.stage_optimizers
+    if not all(hasattr(o, "inner_optimizer") for o in optimizers):
+        return {}
+    return {"loss_scales": [float(to_host(o.dynamic_scale.value)) for o in optimizers],
+            "iterations": [int(to_host(o.iterations.value)) for o in optimizers]}
+
+
 def main():
     raw = json.loads(sys.argv[1])
-    configs = [ParallelConfig(**{k: v for k, v in c.items() if k != DENSE}) for c in raw]
+    configs = [ParallelConfig(**{k: v for k, v in c.items() if k not in (DENSE, NONFINITE)})
+               for c in raw]
     runtime = backends.for_config(configs[0]).build_runtime(configs[0])
     worker = os.environ.get("TFPAR_WORKER_INDEX")
     out = []
     for i, config in enumerate(configs):
-        with dense_gradients(raw[i].get(DENSE, False)):
+        probe = (mesh_pipeline_probe(raw[i].get(NONFINITE))
+                 if config.tensor_parallel > 1 and config.pipeline_stages > 1
+                 else contextlib.nullcontext([]))
+        with dense_gradients(raw[i].get(DENSE, False)), probe as trainers:
             result, model = train(config, runtime=runtime)
+        extra = _loss_scaling(trainers[-1]) if trainers else {}
+        if NONFINITE in raw[i]:
+            np.savez(f"{sys.argv[2]}.{i}.initial.npz", *trainers[-1].initial)
         if result.get("strategy") == "DTensorMesh":  # sharded on a mesh: gather
             from tfpar.layout.values import to_host
             arrays = [to_host(v.value) for v in model.weights]
@@ -71,7 +127,7 @@ def main():
         np.savez(f"{sys.argv[2]}.{i}{suffix}.npz", *arrays)
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
                 "strategy", "mesh", "memory")
-        out.append({k: result[k] for k in keys if k in result})
+        out.append({**{k: result[k] for k in keys if k in result}, **extra})
     print(json.dumps(out), flush=True)
 
 

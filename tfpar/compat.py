@@ -17,7 +17,7 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes (ZeRO with compression or fp16;
-on a mesh, compression with accumulation, pipelines or fp16).
+on a mesh, compression with fp16 or unpipelined accumulation).
 
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
@@ -91,24 +91,18 @@ TABLE = {
 
 # Settings that a value of another setting excludes, on every backend:
 # (setting, the values it may take then, when, why).
-_MESH_PIPELINE = "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (tfpar.layout.pipeline)"
-
-
-def _mesh_pipeline(c):
-    return c.tensor_parallel > 1 and c.pipeline_stages > 1
-
-
 COMBINATIONS = (
-    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation and bf16 run.
-    ("mixed_precision", ("none", "bf16"), _mesh_pipeline,
-     "fp16 loss scaling is " + _MESH_PIPELINE + "; use bf16"),
-    ("recompute", ("none",), _mesh_pipeline, _MESH_PIPELINE),
-    ("checkpoint_dir", ("",), _mesh_pipeline, _MESH_PIPELINE),
+    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16,
+    # the batch-axis codecs and recompute run; checkpoints do not (one checkpoint cannot
+    # hold several meshes' variables).
+    ("checkpoint_dir", ("",), lambda c: c.tensor_parallel > 1 and c.pipeline_stages > 1,
+     "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one checkpoint "
+     "cannot hold several meshes' variables)"),
     ("compression", ("none",),
-     lambda c: c.tensor_parallel > 1 and (c.grad_accum_steps > 1 or c.pipeline_stages > 1
-                                          or c.mixed_precision == "fp16"),
+     lambda c: c.tensor_parallel > 1 and (c.mixed_precision == "fp16" or (
+         c.grad_accum_steps > 1 and c.pipeline_stages == 1)),
      "on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis reduction runs "
-     "without --grad_accum_steps, --pipeline_stages and fp16 loss scaling"),
+     "without fp16 loss scaling, and without --grad_accum_steps unless pipelined"),
     ("compression", ("none",), lambda c: c.zero_stage > 0,
      "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
      "reduce-scatter is not built (use --zero_stage=0)"),

@@ -37,6 +37,21 @@ stage again rather than reusing B's intermediate gradients, so it is exact, not 
 Ops within the step run in data-dependency order: the schedule fixes the trace order,
 not the execution order. With `grad_accum_steps` = k the schedule runs k times on k
 groups of M micro-batches before the one update.
+
+With `--compression` (a codec of `tfpar.layout.reduction`) each stage's gradient
+reduction over its mesh's `batch` axis goes through that codec, as on one mesh: micro-batches
+are shaped `[data_parallel, m, ...]`, a stage's forward runs vectorized over the replicas,
+and its backward runs the forward again inside `tf.vectorized_map` with the tape there, so
+each replica's weight gradient comes out `[data_parallel, *shape]` with no sum over `batch`
+(the `model` axis's collectives unchanged); they are summed over the micro-batches and
+averaged through each stage's `BatchAxisReduction` (error feedback sharded like the
+gradient). The extra forward per stage and micro-batch is the price.
+
+With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled by the
+last stage model's scale, and one decision is taken for all: each stage's all-finite flag
+is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
+so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
+the stage models' layers (`tfpar.recompute`). Checkpoints are refused (`CHECKPOINTS`).
 """
 
 import types
@@ -46,10 +61,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import models
+from tfpar import models, recompute
 from tfpar.errors import ConfigError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import presets, values, variables
+from tfpar.layout import presets, reduction, values, variables
 from tfpar.layout.mesh import BATCH, axis_size, make_mesh
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.optimizer import stateless_optimizer
@@ -57,6 +72,14 @@ from tfpar.layout.step import _layouts, _read, _write
 from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
 from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
+
+
+# Measured on TF 2.21: TensorFlow's checkpoint saver writes every DVariable of one
+# `tf.train.Checkpoint` from one save function, whose mesh propagation fails ("All inputs
+# to `tf_device.Cluster` must have same mesh configuration") when they live on several
+# meshes.
+CHECKPOINTS = ("not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
+               "checkpoint cannot hold several meshes' variables); omit it")
 
 
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
@@ -117,36 +140,45 @@ def build(config, task, meshes, build_optimizer):
         ConfigError: a setting this composition does not run (named), or the model does
             not cut into K stages.
     """
-    for setting, value, honoured in (
-            ("mixed_precision", config.mixed_precision, ("none", "bf16")),
-            ("recompute", config.recompute, ("none",)),
-            ("checkpoint_dir", config.checkpoint_dir, ("",))):
-        if value not in honoured:
-            raise ConfigError(setting, value, "not built yet for --tensor_parallel>1 with "
-                              f"--pipeline_stages>1; use {' or '.join(map(repr, honoured))}")
+    if config.checkpoint_dir:  # see CHECKPOINTS
+        raise ConfigError("checkpoint_dir", config.checkpoint_dir, CHECKPOINTS)
     rules = presets.preset_rules(presets.model_presets(config.model))
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
                          width=config.model_width, depth=config.model_depth)
     K = len(meshes)
     V = config.virtual_stages if config.schedule == "interleaved" else 1
-    stages, optimizers = [], []
+    # As on one mesh (`trainer.build_on_mesh`): with one replica on `batch` there is no
+    # data-parallel reduction to compress.
+    codec = (config.compression if config.compression != "none"
+             and axis_size(meshes[0], BATCH) > 1 else None)
+    stages, optimizers, reductions = [], [], []
     # Piece v (virtual stage v = chunk·K + s) lives on mesh v % K.
     for v, (nodes, src, out) in enumerate(_cut(whole, K * V)):
         distribution = keras.distribution.ModelParallel(
             layout_map=presets.layout_map(meshes[v % K], rules), batch_dim_name=BATCH)
         with variables.variable_scope(distribution):
             stage = _rebuild(nodes, src, out, v)
+            # `blocks`: the zoo's block names among the stage's layers; `full`: every
+            # layer of the stage with weights (not one input per stage, as on
+            # `tfpar.pipeline`: here each layer keeps its own input).
+            for layer in recompute.recomputed_layers(stage, config.recompute,
+                                                     recompute.block_names(
+                                                         config.model, config.model_depth)):
+                recompute.rematerialize(layer)
             optimizer = stateless_optimizer(build_optimizer())
             optimizer.build(stage.trainable_variables)
         _refuse_keras_loops(stage)
         stages.append(stage)
         optimizers.append(optimizer)
+        reductions.append(None if codec is None else reduction.BatchAxisReduction(
+            meshes[v % K], stage.trainable_variables, codec, config.error_feedback))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
     schedule = make_schedule(config.schedule, K, config.microbatches, V)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss,
-                                      grad_accum_steps=config.grad_accum_steps)
+                                      grad_accum_steps=config.grad_accum_steps,
+                                      reductions=reductions if codec else None)
 
 
 def _cut(model, num_stages):
@@ -204,7 +236,10 @@ class MeshPipelineTrainer(MeshTrainer):
     Args:
         meshes: one `keras.distribution.DeviceMesh` per stage.
         model: the `StagedModel` (K·V stage models, model v on mesh v % K).
-        optimizers: one built stateless optimizer per stage model, on its mesh.
+        optimizers: one built stateless optimizer per stage model, on its mesh. If they
+            are `keras.optimizers.LossScaleOptimizer`s (fp16), the loss is scaled by the
+            last stage model's scale and every stage takes one decision: when any stage's
+            gradient is not finite, every stage skips its update and halves its scale.
         schedule: K action lists (`tfpar.pipeline.schedule`: any schedule; with V model
             chunks per stage for the interleaved one; with W passes for zero-bubble).
         loss: a mean-reducing `keras.losses.Loss`.
@@ -212,12 +247,19 @@ class MeshPipelineTrainer(MeshTrainer):
             groups of M micro-batches, and applies the mean gradient of all k·M in one
             update (the batch must split into k·M micro-batches divisible by
             data_parallel).
+        reductions: None (DTensor's own sum over `batch`), or one
+            `tfpar.layout.reduction.BatchAxisReduction` per stage model, on its mesh: each
+            data-parallel replica's gradient is then formed on its own (micro-batches
+            shaped `[data_parallel, m, ...]`, the stage's backward vectorized over the
+            replicas and recomputing its forward) and averaged over `batch` through the
+            codec; the `model` axis's collectives stay exact.
     """
 
     def __init__(self, meshes, model, optimizers, schedule, loss, accuracy="accuracy",
-                 grad_accum_steps=1):
+                 grad_accum_steps=1, reductions=None):
         self.meshes, self.mesh, self.model, self.loss = meshes, meshes[0], model, loss
         self.stage_optimizers = optimizers
+        self.reductions = reductions
         self.optimizer = types.SimpleNamespace(
             variables=[v for o in optimizers for v in o.variables])
         # grad_accum_steps >= 1 is checked by ParallelConfig, which `build` reads it from.
@@ -228,6 +270,11 @@ class MeshPipelineTrainer(MeshTrainer):
             raise ConfigError("pipeline_stages", len(meshes),
                               f"the schedule has {self.K} stages × {self.V} chunks for "
                               f"{len(model.stages)} stage models on {len(meshes)} meshes")
+        # fp16: where each stage optimizer keeps its scale among its variables.
+        self.scale_index = None
+        if all(hasattr(o, "inner_optimizer") for o in optimizers):
+            self.scale_index = [[id(v) for v in o.variables].index(id(o.dynamic_scale))
+                                for o in optimizers]
         # Zero-bubble schedules split each backward: B the input gradient, W the weights'.
         self.split = has_weight_passes(schedule)
         sim = simulate(schedule, self.K, self.M, self.V)
@@ -260,6 +307,13 @@ class MeshPipelineTrainer(MeshTrainer):
                               f"the batch of {len(x)} must split into {count} micro-batches "
                               f"(microbatches × grad_accum_steps) divisible by "
                               f"data_parallel={parts}")
+        if training and self.reductions:  # each micro-batch as [data_parallel, m, ...]
+            micro = [np.split(np.asarray(b), count) for b in batch]
+            xs = tuple(values.replica_batches_to_mesh((p,), self.meshes[0])[0]
+                       for p in micro[0])
+            ys = tuple(tuple(values.replica_batches_to_mesh((p,), self.meshes[-1])[0]
+                             for p in parts_) for parts_ in micro[1:])
+            return xs, ys
         xs = values.micro_batches_to_mesh((x,), self.meshes[0], count)[0]
         # Labels and weights go where the loss is: the last stage model's mesh.
         ys = values.micro_batches_to_mesh(batch[1:], self.meshes[-1], count)
@@ -275,12 +329,42 @@ class MeshPipelineTrainer(MeshTrainer):
         with keras.StatelessScope(state_mapping=mapping):
             return stage(h, training=True)
 
+    def _replica_forward(self, v, tv, ntv, h):
+        """Stage model v on `h` `[data_parallel, m, ...]`, one replica at a time (the
+        layouts of the replica gradients' backward, `_replica_grads`)."""
+        return tf.vectorized_map(lambda x: self._stage_forward(v, tv, ntv, x), h)
+
+    def _replica_grads(self, v, tv, ntv, h, upstream, target, weights, inputs):
+        """Each replica's gradients of stage model v: `[data_parallel, *shape]` per
+        weight (if `weights`), then the input's (if `inputs`). The forward runs again
+        inside the replica map: a gradient formed there has no sum over `batch` in it.
+        `target(out, replica_args)` gives the last stage model's scaled loss."""
+        elems = (h,) + (tuple(target[1]) if upstream is None else (upstream,))
+
+        def one(args):
+            h_r = args[0]
+            with tf.GradientTape() as tape:
+                tape.watch(tv)
+                tape.watch(h_r)
+                out = self._stage_forward(v, tv, ntv, h_r)
+                if upstream is None:
+                    out = target[0](out, args[1:])
+            sources = (list(tv) if weights else []) + ([h_r] if inputs else [])
+            return [tf.convert_to_tensor(g) for g in tape.gradient(
+                out, sources, output_gradients=None if upstream is None else args[1],
+                unconnected_gradients="zero")]
+        return tf.vectorized_map(one, elems)
+
     def _train_step(self, xs, ys):
         K, stages = self.K, self.model.stages
         last = len(stages) - 1
         tv = [_read(st.trainable_variables) for st in stages]
         ntv = [_read(st.non_trainable_variables) for st in stages]
         ov = [_read(o.variables) for o in self.stage_optimizers]
+        per_replica = self.reductions is not None
+        residuals = [r.read() for r in self.reductions] if per_replica else []
+        # fp16: one scale for the whole pipeline, the last stage model's (on its mesh).
+        scale = None if self.scale_index is None else ov[last][self.scale_index[last]]
         acc = [None] * len(stages)
         losses, metrics = [], []
 
@@ -288,10 +372,37 @@ class MeshPipelineTrainer(MeshTrainer):
             grads = [tf.convert_to_tensor(g) for g in grads]
             acc[v] = grads if acc[v] is None else [a + b for a, b in zip(acc[v], grads)]
 
+        def scaled(loss):
+            return loss if scale is None else loss * tf.cast(scale, loss.dtype)
+
+        def replica_loss(m):  # (target, its per-replica arguments) of micro-batch m
+            def target(logits, args):
+                weight = args[1] if len(args) > 1 else None
+                return scaled(self.loss(args[0], logits, weight) / (
+                    self.M * self.grad_accum_steps))
+            return target, tuple(y[m] for y in ys)
+
         for r in range(self.grad_accum_steps):  # the schedule once per group of M
             outs, tapes, in_grads, upstreams = {}, {}, {}, {}
             for _, s, a in self._order:
                 v, m = a.chunk * K + s, r * self.M + a.microbatch
+                if a.kind == "F" and per_replica:
+                    # The tape holds the copy from the previous mesh only: the weights'
+                    # gradients come from _replica_grads.
+                    tape, h = None, xs[m] if v == 0 else outs.pop((v - 1, m))
+                    h_in = h
+                    if v > 0:
+                        with tf.GradientTape() as tape:
+                            tape.watch(h)
+                            h_in = _move(h, self._mesh_of(v - 1), self._mesh_of(v))
+                    out = self._replica_forward(v, tv[v], ntv[v], h_in)
+                    if v == last:
+                        losses.append(self._loss(out, ys, m))
+                        metrics.append(_correct(out, ys, m))
+                    tapes[(v, m)] = (tape, h, None, h_in)
+                    if v < last:
+                        outs[(v, m)] = out
+                    continue
                 if a.kind == "F":
                     with tf.GradientTape(persistent=self.split) as tape:
                         tape.watch(tv[v])
@@ -306,25 +417,28 @@ class MeshPipelineTrainer(MeshTrainer):
                             loss = self._loss(out, ys, m)
                             losses.append(loss)
                             metrics.append(_correct(out, ys, m))
-                            out = loss
-                    tapes[(v, m)] = (tape, h, out)
+                            out = scaled(loss)
+                    tapes[(v, m)] = (tape, h, out, h_in)
                     if v < last:
                         outs[(v, m)] = out
                     continue
                 upstream = (None if v == last else in_grads.pop((v + 1, m))) \
                     if a.kind != "W" else upstreams.pop((v, m))
-                if a.kind == "B" and self.split:  # the input gradient only
-                    tape, h, out = tapes[(v, m)]
+                if per_replica:
+                    self._replica_backward(a.kind, v, m, tv, ntv, tapes, upstream,
+                                           replica_loss(m), in_grads, upstreams, add)
+                elif a.kind == "B" and self.split:  # the input gradient only
+                    tape, h, out, _ = tapes[(v, m)]
                     if v > 0:
                         in_grads[(v, m)] = tf.convert_to_tensor(tape.gradient(
                             out, h, output_gradients=upstream))
                     upstreams[(v, m)] = upstream
                 elif a.kind == "W":  # the weights' gradient, from the same tape
-                    tape, h, out = tapes.pop((v, m))
+                    tape, h, out, _ = tapes.pop((v, m))
                     add(v, tape.gradient(out, tv[v], output_gradients=upstream,
                                          unconnected_gradients="zero"))
                 else:
-                    tape, h, out = tapes.pop((v, m))
+                    tape, h, out, _ = tapes.pop((v, m))
                     sources = list(tv[v]) + ([h] if v > 0 else [])
                     grads = [tf.convert_to_tensor(g) for g in tape.gradient(
                         out, sources, output_gradients=upstream,
@@ -332,6 +446,13 @@ class MeshPipelineTrainer(MeshTrainer):
                     if v > 0:
                         in_grads[(v, m)] = grads.pop()
                     add(v, grads)
+        if per_replica:
+            for v, reducer in enumerate(self.reductions):
+                acc[v], kept = reducer.mean(acc[v], residuals[v])
+                for residual, value in zip(reducer.variables, kept):
+                    residual.assign(dtensor.relayout(value, residual.layout))
+        if scale is not None:
+            self._agree_on_finite(acc)
         for v, (stage, optimizer) in enumerate(zip(stages, self.stage_optimizers)):
             new_tv, new_ov = optimizer.stateless_apply(ov[v], acc[v], tv[v])
             _write(stage.trainable_variables, _layouts(stage.trainable_variables), tv[v],
@@ -339,6 +460,42 @@ class MeshPipelineTrainer(MeshTrainer):
             _write(optimizer.variables, _layouts(optimizer.variables), ov[v], new_ov)
         return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
                 "weight": tf.add_n([w for _, w in metrics])}
+
+    def _replica_backward(self, kind, v, m, tv, ntv, tapes, upstream, target, in_grads,
+                          upstreams, add):
+        """A B, W or full backward action of stage model v on micro-batch m with each
+        replica's weight gradients (`_replica_grads`). The input's gradient goes back to
+        the previous mesh through the forward's own copy (`_move` on its tape)."""
+        inputs = v > 0 and kind != "W"
+        weights = kind == "W" or not self.split
+        tape, h, _, h_in = tapes[(v, m)] if kind == "B" and self.split \
+            else tapes.pop((v, m))
+        if not (inputs or weights):  # ZB-H1's B on the first stage: nothing to send
+            upstreams[(v, m)] = upstream
+            return
+        grads = self._replica_grads(v, tv[v], ntv[v], h_in, upstream, target, weights,
+                                    inputs)
+        if inputs:
+            in_grads[(v, m)] = tf.convert_to_tensor(tape.gradient(
+                h_in, h, output_gradients=grads.pop()))
+        if kind == "B" and self.split:
+            upstreams[(v, m)] = upstream
+        if weights:
+            add(v, grads)
+
+    def _agree_on_finite(self, grads):
+        """fp16: every stage's `LossScaleOptimizer` takes one decision. Each stage's
+        all-finite flag is copied (a replicated scalar) to every mesh; where any stage's
+        is false, the stage's first gradient is divided by 0 so its optimizer too skips
+        the update and halves its scale (the same scale on every stage, as all start equal)."""
+        flags = [tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gs]),
+                         tf.float32) for gs in grads]
+        for v, gs in enumerate(grads):
+            mesh = self._mesh_of(v).backend_mesh
+            here = [f if u % self.K == v % self.K else dtensor.copy_to_mesh(
+                f, dtensor.Layout.replicated(mesh, 0)) for u, f in enumerate(flags)]
+            # Divided by 1 (all finite): unchanged; by 0: not finite.
+            gs[0] = gs[0] / tf.cast(tf.reduce_min(tf.stack(here)), gs[0].dtype)
 
     def _eval_step(self, xs, ys):
         losses, metrics = [], []
