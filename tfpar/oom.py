@@ -107,7 +107,8 @@ def estimate(config, replicas):
                              config.schedule)
 
 
-def explain(err, config, replicas, devices, in_use=None, available=None, where=""):
+def explain(err, config, replicas, devices, in_use=None, available=None, where="",
+            device=None):
     """The one line for out-of-memory error `err` of a run of `config`.
 
     Args:
@@ -116,9 +117,12 @@ def explain(err, config, replicas, devices, in_use=None, available=None, where="
             devices: the local devices it runs on.
         in_use: bytes the allocator held on the device when it failed (None: unknown).
         available: the device's memory in bytes (None: unknown), and `where` it comes from.
+        device: the device(s) to name when the message names none (on a mesh the step
+            reports a cancelled collective, not the allocation that failed).
     """
     message = getattr(err, "message", None) or str(err)
-    device, size = parse(message)
+    named, size = parse(message)
+    device = named or device
     line = f"out of memory on {device or 'a device'}"
     facts = []
     if size:

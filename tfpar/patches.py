@@ -49,6 +49,16 @@ Patches:
   (`tfpar.layout.mesh.no_all_reduce_combining`); whether it has started is DTensor's
   private `api._dtensor_singleton`. `dtensor_started` is the one reader; the check looks
   for the singleton in DTensor's source.
+- `function_constant_folding`: not a replacement but a setting TensorFlow has no public
+  call for. ZeRO-3 turns off the constant folding TensorFlow's function runtime does when
+  a function first runs on a device (`OptimizerOptions.opt_level=L0` in the eager
+  context's config, before TensorFlow starts; Grappler still folds constants when the
+  function is built). On a DTensor mesh each device's thread builds its part of the step
+  while the other devices already run theirs; when they have filled the CPU allocator's
+  cap, the folding's copy gets no memory and TensorFlow 2.21 copies into the null buffer
+  (`tensor::DeepCopy` from `GraphRunner::Run` in `ConstantFold`): a SIGSEGV instead of the
+  out-of-memory error. `no_function_constant_folding` is the one writer; the check looks
+  for the eager context's `config` starting from its private `_config`.
 
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
@@ -70,6 +80,8 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as _coll
 from tensorflow.python.framework import auto_control_deps as _auto_control_deps
 from tensorflow.dtensor.python import api as _dtensor_api
 from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.core.protobuf import config_pb2 as _config_pb2
+from tensorflow.python.eager import context as _eager_context
 
 from tfpar.errors import TfparError
 
@@ -109,7 +121,12 @@ REGISTRY = {
                       "tfpar.pipeline.model.PipelineModel.compile"),
     "dtensor_started": ("tensorflow.dtensor.python.api._dtensor_singleton (read, not replaced)",
                         "tfpar.layout.mesh.no_all_reduce_combining"),
+    "function_constant_folding": ("tensorflow.python.eager.context.Context._config "
+                                  "(written before TensorFlow starts, not replaced)",
+                                  "tfpar.backends.dtensor (zero_stage=3)"),
 }
+# `function_constant_folding`: the eager context builds its ConfigProto from `_config`.
+_EXPECTED_CONTEXT_CONFIG = "config.CopyFrom(self._config)"
 _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
 _EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
@@ -190,6 +207,13 @@ def check_targets(names=None):
         problems.append(f"keras {keras.__version__} changed Layer._flatten_layers; "
                         "tfpar.layout's layout-map check was written for keras "
                         f"{WRITTEN_FOR['keras']}")
+    if "function_constant_folding" in names and (
+            _EXPECTED_CONTEXT_CONFIG not in inspect.getsource(_eager_context.Context.config.fget)
+            or "self._initialized = False" not in inspect.getsource(
+                _eager_context.Context.__init__)):
+        problems.append(f"tensorflow {tf.__version__} changed the eager Context's _config; "
+                        "tfpar.patches.no_function_constant_folding was written for "
+                        f"tensorflow {WRITTEN_FOR['tensorflow']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's "
@@ -244,6 +268,26 @@ def sublayers(model):
 def dtensor_started():
     """Whether DTensor has started in this process. Registry entry `dtensor_started`."""
     return getattr(_dtensor_api, "_dtensor_singleton", None) is not None
+
+
+def no_function_constant_folding():
+    """Turns off the constant folding of TensorFlow's function runtime for this process
+    (see the module docstring). Registry entry `function_constant_folding`.
+
+    Returns:
+        Whether it is off: False when TensorFlow already started in this process (its
+        config is read once), which changes nothing but the out-of-memory path.
+    """
+    ctx = _eager_context.context()
+    if ctx._initialized:
+        return ctx._config is not None and (ctx._config.graph_options.optimizer_options
+                                            .opt_level == _config_pb2.OptimizerOptions.L0)
+    config = _config_pb2.ConfigProto()
+    if ctx._config is not None:
+        config.CopyFrom(ctx._config)
+    config.graph_options.optimizer_options.opt_level = _config_pb2.OptimizerOptions.L0
+    ctx._config = config
+    return True
 
 
 def _keras_distribute_tensor():

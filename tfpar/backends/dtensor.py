@@ -23,7 +23,8 @@ import types
 import tensorflow as tf
 from absl import logging
 
-from tfpar import checkpoint, data, devices, memory, metrics, optimizers, strategy, tf_config
+from tfpar import (checkpoint, data, devices, memory, metrics, optimizers, patches, strategy,
+                   tf_config)
 from tfpar.backends import Backend
 from tfpar.errors import TfparError
 from tfpar.layout import multi_client, pipeline, run, values
@@ -50,6 +51,7 @@ class DTensorBackend(Backend):
         if config.zero_stage == 3:  # before DTensor starts (tfpar.layout.mesh)
             no_all_reduce_combining("zero_stage", 3, "ZeRO-3 would keep every layer's whole "
                                     "gradient until one merged reduction")
+            patches.no_function_constant_folding()  # else an OOM may end in SIGSEGV
         if config.strategy == "multi_worker" and workers < 2:
             strategy.choose_kind(config, cluster)  # names what is missing (TF_CONFIG)
         if workers > 1:
