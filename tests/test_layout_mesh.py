@@ -7,7 +7,6 @@
 - `--sequence_parallel` (`presets.sequence_parallel`) equals the single-device run.
 """
 
-import json
 import os
 import sys
 
