@@ -3,8 +3,8 @@
 against the single-device run of the same config (same seed, same data): SGD and Adam on
 the mlp and the transformer; GPipe, 1F1B, interleaved (V=2) and ZB-H1; gradient
 accumulation (k=2), bf16, fp16 (one loss scale: an infinite gradient on one stage skips
-every stage's update), compression on each stage's batch-axis reduction and recompute. All 3D runs share one child (one set of meshes per process),
-the references another.
+every stage's update), compression on each stage's batch-axis reduction and recompute.
+All 3D runs share one child (one set of meshes per process), the references another.
 """
 
 import math

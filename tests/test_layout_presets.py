@@ -119,3 +119,35 @@ def test_stateless_optimizer_keeps_name_and_config_and_refuses_built():
     built.build([keras.Variable(np.zeros(2))])
     with pytest.raises(TfparError, match="already built"):
         layout.stateless_optimizer(built)
+
+
+def test_an_output_layout_that_does_not_fit_the_output_is_refused_in_one_line():
+    """Keras's `distribute_tensor` as `tfpar.layout.enable` gives it (a layout-map key
+    `<layer path>/output`): checked on the traced output before any relayout."""
+    from tfpar.layout.keras_distribution import distribute_tensor
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"],
+                                         devices=[f"/device:CPU:{i}" for i in range(8)])
+    errors = {}
+
+    @tf.function
+    def traced(x, axes):
+        try:
+            distribute_tensor(x, keras.distribution.TensorLayout(axes, mesh))
+        except ConfigError as err:
+            errors[axes] = str(err)
+        try:
+            distribute_tensor((x, x), keras.distribution.TensorLayout(axes, mesh))
+        except ConfigError as err:
+            errors["several"] = str(err)
+        return x
+
+    traced(tf.zeros([8, 6]), ("batch", "model"))  # 6 does not split over model=4
+    traced(tf.zeros([8, 6]), ("batch", None, "model"))  # rank 3 for a rank-2 output
+    assert "dimension 6 of the output (8, 6) does not split over model=4" in errors[
+        ("batch", "model")]
+    assert "give one axis entry per dimension" in errors[("batch", None, "model")]
+    assert "with one output tensor" in errors["several"] and "tuple" in errors["several"]
+    assert all(e.startswith("layout_map=") and "\n" not in e for e in errors.values())
+    # An eager tensor on no mesh passes through untouched.
+    x = tf.ones([8, 8])
+    assert distribute_tensor(x, keras.distribution.TensorLayout(("batch", "model"), mesh)) is x

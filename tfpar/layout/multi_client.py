@@ -105,10 +105,13 @@ def stage_meshes(data_parallel, tensor_parallel, stages):
         data_parallel = total // (tensor_parallel * stages)
     per_stage = data_parallel * tensor_parallel
     if per_stage * stages != total:
-        raise ConfigError("pipeline_stages", stages,
-                          f"data_parallel × tensor_parallel × pipeline_stages = "
-                          f"{data_parallel}×{tensor_parallel}×{stages} must equal the "
-                          f"{total} devices of {clients} processes × {local}")
+        setting, value, degrees = (
+            ("pipeline_stages", stages, f"data_parallel × tensor_parallel × pipeline_stages "
+             f"= {data_parallel}×{tensor_parallel}×{stages}") if stages > 1 else
+            ("data_parallel", data_parallel,
+             f"data_parallel × tensor_parallel = {data_parallel}×{tensor_parallel}"))
+        raise ConfigError(setting, value, f"{degrees} must equal the {total} devices of "
+                          f"{clients} processes × {local}")
     if per_stage % clients:
         raise ConfigError("data_parallel", data_parallel,
                           f"each stage's mesh spans all {clients} processes, so "
@@ -118,7 +121,8 @@ def stage_meshes(data_parallel, tensor_parallel, stages):
     meshes = []
     for s in range(stages):
         backend = dtensor.create_distributed_mesh(
-            [(BATCH, data_parallel), (MODEL, tensor_parallel)], mesh_name=f"stage{s}",
+            [(BATCH, data_parallel), (MODEL, tensor_parallel)],
+            mesh_name=f"stage{s}" if stages > 1 else "",
             local_devices=[f"CPU:{s * n + i}" for i in range(n)], device_type="CPU")
         names = [f"/job:worker/replica:0/task:{i // n}/device:CPU:{s * n + i % n}"
                  for i in range(per_stage)]
@@ -131,25 +135,9 @@ def stage_meshes(data_parallel, tensor_parallel, stages):
 
 def distributed_mesh(data_parallel, tensor_parallel):
     """A `batch` × `model` Keras `DeviceMesh` over every client's devices
-    (`data_parallel=0`: all devices the model axis leaves).
+    (`data_parallel=0`: all devices the model axis leaves): `stage_meshes` with one stage.
 
     Raises:
         ConfigError: the degrees do not multiply to the devices of all clients.
     """
-    local = len(dtensor.local_devices("CPU"))
-    total = local * dtensor.num_clients()
-    if not data_parallel and tensor_parallel and total % tensor_parallel == 0:
-        data_parallel = total // tensor_parallel  # 0: every device tensor parallelism leaves
-    if data_parallel * tensor_parallel != total:
-        raise ConfigError("data_parallel", data_parallel,
-                          f"data_parallel × tensor_parallel = {data_parallel}×"
-                          f"{tensor_parallel} must equal the {total} devices of "
-                          f"{dtensor.num_clients()} processes × {local}")
-    backend = dtensor.create_distributed_mesh(
-        [(BATCH, data_parallel), (MODEL, tensor_parallel)], device_type="CPU")
-    names = [f"/job:worker/replica:0/task:{i // local}/device:CPU:{i % local}"
-             for i in range(total)]
-    mesh = keras.distribution.DeviceMesh((data_parallel, tensor_parallel), (BATCH, MODEL),
-                                         devices=names)
-    mesh._backend_mesh = backend
-    return mesh
+    return stage_meshes(data_parallel, tensor_parallel, 1)[0]
