@@ -67,3 +67,16 @@ def topology(strategy=None, workers=1):
         parts.append(f"strategy: {type(strategy).__name__}")
         parts.append(f"replicas: {strategy.num_replicas_in_sync}")
     return " | ".join(parts)
+
+
+def span(devices):
+    """Device names as one name: `/job:…/device:CPU:0..3` for consecutive logical devices."""
+    if len(devices) == 1:
+        return devices[0]
+    prefix = devices[0].rstrip("0123456789")
+    ids = [d[len(prefix):] for d in devices]
+    if all(d.startswith(prefix) for d in devices) and ids == [str(i) for i in range(
+            int(ids[0] or 0), int(ids[0] or 0) + len(ids))]:
+        return f"{prefix}{ids[0]}..{ids[-1]}"
+    return ", ".join(devices)
+

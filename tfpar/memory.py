@@ -21,6 +21,8 @@ import re
 
 import tensorflow as tf
 
+from tfpar.devices import span
+
 ALLOCATOR_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
 # The CPU BFC allocator's cap for the whole process, read by TensorFlow when it starts
 # (its default: 64 GiB). Logical CPUs share that one allocator and its cap.
@@ -270,16 +272,4 @@ def out_of_memory_error(err, config, replicas, devices=None):
         where += f", shared by {len(devices)} logical CPUs"
     return oom.OutOfMemoryError(oom.explain(err, config, replicas, len(devices),
                                             in_use=in_use, available=available,
-                                            where=where, device=_span(devices)))
-
-
-def _span(devices):
-    """`devices` as one name: `/job:…/device:CPU:0..3` for consecutive logical devices."""
-    if len(devices) == 1:
-        return devices[0]
-    prefix = devices[0].rstrip("0123456789")
-    ids = [d[len(prefix):] for d in devices]
-    if all(d.startswith(prefix) for d in devices) and ids == [str(i) for i in range(
-            int(ids[0] or 0), int(ids[0] or 0) + len(ids))]:
-        return f"{prefix}{ids[0]}..{ids[-1]}"
-    return ", ".join(devices)
+                                            where=where, device=span(devices)))

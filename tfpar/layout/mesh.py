@@ -150,7 +150,7 @@ def describe(mesh):
         indices = [spec.device_index for spec in specs]
         return (f"{head}{specs[0].device_type}:{min(indices)}..{max(indices)} of each of "
                 f"{len(tasks)} processes")
-    return f"{head}{flat[0]}..{flat[-1].rsplit(':', 1)[-1]}"
+    return head + devices_lib.span(flat)
 
 
 def _divisors(n):
