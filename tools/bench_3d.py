@@ -26,12 +26,11 @@ Output: a table, and JSON under runs/ (or --json): {"benchmark": "3d", "rows": [
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 from absl import app, flags
+
+import train_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,26 +65,11 @@ def layout_flags(layout):
 
 def run(layout):
     """Trains `layout` in a child; its metrics JSON, or {"error": the last tfpar line}."""
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TF_CONFIG", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "m.json")
-        cmd = [sys.executable, "-m", "tfpar.train", "--model=transformer",
-               f"--global_batch_size={FLAGS.batch}", f"--steps={FLAGS.steps}",
-               f"--steps_per_epoch={FLAGS.steps}", f"--optimizer={FLAGS.optimizer}",
-               "--verbose=0", f"--metrics_json={path}", *layout_flags(layout)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
-                                  timeout=FLAGS.timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {FLAGS.timeout} s"}
-        if proc.returncode != 0 or not os.path.exists(path):
-            lines = [l for l in proc.stderr.splitlines() if l.startswith("tfpar")]
-            return {"error": (lines or proc.stderr.splitlines()[-1:]
-                              or [f"exit {proc.returncode}"])[-1][:300]}
-        with open(path) as f:
-            return json.load(f)
+    metrics, error, _ = train_run.train(
+        ["--model=transformer", f"--global_batch_size={FLAGS.batch}", f"--steps={FLAGS.steps}",
+         f"--steps_per_epoch={FLAGS.steps}", f"--optimizer={FLAGS.optimizer}",
+         *layout_flags(layout)], FLAGS.timeout)
+    return metrics if error is None else {"error": error}
 
 
 def row(layout, metrics_rounds, model_params):

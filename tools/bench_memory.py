@@ -40,10 +40,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from absl import app, flags
+
+import train_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -108,33 +109,15 @@ def probe(flag_list, width, depth, capped=True):
     """Trains one size in a child; returns a dict with `fits` and what was measured."""
     devices = FLAGS.devices
     cap = {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(devices * FLAGS.cap_mb)} if capped else {}
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", **cap,
-               TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TF_CONFIG", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "m.json")
-        cmd = [sys.executable, "-m", "tfpar.train", "--model=transformer",
-               f"--model_width={width}", f"--model_depth={depth}",
-               f"--cpu_devices={devices}", f"--global_batch_size={FLAGS.batch}",
-               f"--steps={FLAGS.steps}", f"--steps_per_epoch={FLAGS.steps}",
-               f"--optimizer={FLAGS.optimizer}", "--verbose=0", f"--metrics_json={path}",
-               *flag_list]
-        began = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
-                                  timeout=FLAGS.timeout)
-        except subprocess.TimeoutExpired:
-            return {"width": width, "depth": depth, "fits": False, "error": "timed out"}
-        out = {"width": width, "depth": depth, "seconds": round(time.time() - began, 1)}
-        if proc.returncode != 0 or not os.path.exists(path):
-            lines = [l for l in proc.stderr.splitlines() if l.startswith("tfpar")]
-            out.update(fits=False, error=(lines or proc.stderr.splitlines()[-1:] or
-                                          ["exit %d" % proc.returncode])[-1][:400])
-            out["oom"] = "out of memory" in out["error"]
-            return out
-        with open(path) as f:
-            metrics = json.load(f)
+    metrics, error, seconds = train_run.train(
+        ["--model=transformer", f"--model_width={width}", f"--model_depth={depth}",
+         f"--cpu_devices={devices}", f"--global_batch_size={FLAGS.batch}",
+         f"--steps={FLAGS.steps}", f"--steps_per_epoch={FLAGS.steps}",
+         f"--optimizer={FLAGS.optimizer}", *flag_list], FLAGS.timeout, cap)
+    out = {"width": width, "depth": depth, "seconds": round(seconds, 1)}
+    if error is not None:
+        out.update(fits=False, error=error, oom="out of memory" in error)
+        return out
     memory = metrics["memory"]
     peaks = memory.get("peak_bytes_per_device") or [0]
     peak = max(peaks) / (len(peaks) if memory.get("peak_bytes_scope") == "process" else 1)
