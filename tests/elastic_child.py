@@ -1,9 +1,14 @@
-"""Child process for tests: `python tests/elastic_child.py CONFIG_JSON OUT.npz`.
+"""Child process for tests: `python tests/elastic_child.py CONFIG_JSON OUT.npz [TRAIN_JSON]`.
 
 Builds the run of `ParallelConfig(**CONFIG_JSON)` (model, optimizer, aggregator), restores
 its checkpoint and saves, for each error-feedback residual, the rows the checkpoint holds
 (`saved_<k>`, one per replica that wrote it) and the rows every local replica now holds
 (`restored_<k>`), without training a step.
+
+With TRAIN_JSON, it then trains `ParallelConfig(**TRAIN_JSON)` on the same runtime
+(`tfpar.train.train(runtime=...)`: one TensorFlow start for both), after a line
+`elastic_child: training` on stderr (what the training printed follows it), and reports
+that run's summary under "train".
 """
 
 import json
@@ -35,8 +40,13 @@ def main():
         matching = [k for k in saved_keys if f"residual_slots/{key}/" in k]
         arrays[f"saved_{key}"] = reader.get_tensor(matching[0])
     np.savez(sys.argv[2], **arrays)
-    print(json.dumps({"step": step, "replicas": runtime.replicas, "elastic":
-                      checkpointer.elastic}), flush=True)
+    out = {"step": step, "replicas": runtime.replicas, "elastic": checkpointer.elastic}
+    if len(sys.argv) > 3:
+        from tfpar.train import train
+        print("elastic_child: training", file=sys.stderr, flush=True)
+        result, _ = train(ParallelConfig(**json.loads(sys.argv[3])), runtime=runtime)
+        out["train"] = {k: result[k] for k in ("steps", "loss_history", "resumed_from_step")}
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,15 @@ PUBLIC = ["tfpar.make_strategy", "tfpar.DistributedOptimizer", "tfpar.PipelineMo
 @pytest.fixture(scope="module")
 def docstring_runs(tmp_path_factory):
     """Each public name's docstring examples in a process of its own (they build
-    strategies), all forked from one child (tests/doc_child.py), which first checks what
-    `import tfpar` loads: {"names": {name: its result}, "import_check": two lines}."""
+    strategies), and tests/tensorboard_child.py's run, all forked from one child
+    (tests/doc_child.py), which first checks what `import tfpar` loads: {"names": {name: its
+    result}, "import_check": two lines, "tensorboard": its result, "log_root": where it
+    wrote}."""
+    log_root = tmp_path_factory.mktemp("tensorboard")
     out = subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests", "doc_child.py"),
-                       str(tmp_path_factory.mktemp("doc")), *PUBLIC], timeout=600)
-    return subproc.last_json_line(out.stdout)
+                       str(tmp_path_factory.mktemp("doc")), f"--tensorboard={log_root}",
+                       *PUBLIC], timeout=600)
+    return {**subproc.last_json_line(out.stdout), "log_root": log_root}
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -86,12 +90,13 @@ def test_mixed_precision_policy_is_reset_only_when_a_run_set_it():
         mp.set_global_policy("float32")
 
 
-def test_tensorboard_event_files_hold_tfpar_scalars(tmp_path):
+def test_tensorboard_event_files_hold_tfpar_scalars(docstring_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
-    out = subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests", "tensorboard_child.py"),
-                       str(tmp_path)], timeout=400)
-    facts = subproc.last_json_line(out.stdout)
+    board = docstring_runs["tensorboard"]
+    assert board["returncode"] == 0, board["stderr"][-3000:]
+    facts = subproc.last_json_line(board["stdout"])
+    tmp_path = docstring_runs["log_root"]
 
     def scalars(run):
         events = EventAccumulator(str(tmp_path / run / "train"), size_guidance={"tensors": 0})

@@ -13,42 +13,69 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import ROOT, in_background, last_json_line, run
+from subproc import ROOT, last_json_line, outcome, run, run_concurrently
 
-TRAIN = f"{ROOT}/tests/train_child.py"
+RUNS = f"{ROOT}/tests/train_runs_child.py"
 RESTORE = f"{ROOT}/tests/elastic_child.py"
 BASE = {"compression": "int8", "error_feedback": True, "strategy": "mirrored",
         "global_batch_size": 64, "steps_per_epoch": 4, "optimizer": "momentum",
         "learning_rate": 0.05, "verbose": 0}
+CASES = [(4, 2), (2, 4)]
 
 
-def _train(tmp_path, name, **settings):
-    config = {**BASE, **settings}
-    out = run([sys.executable, TRAIN, json.dumps(config), str(tmp_path / name)], timeout=240)
-    return last_json_line(out.stdout), out.stderr
+def _first_and_whole(folder, before):
+    """One child on `before` replicas: 6 steps saved to `folder/ckpt`, then the
+    uninterrupted 12 steps (tests/train_runs_child.py)."""
+    runs = [["first", {**BASE, "cpu_devices": before, "steps": 6,
+                       "checkpoint_dir": str(folder / "ckpt"), "checkpoint_every": 6}],
+            ["whole", {**BASE, "cpu_devices": before, "steps": 12}]]
+    out = run([sys.executable, RUNS, json.dumps(runs), str(folder / "run")], timeout=300)
+    return last_json_line(out.stdout)
 
 
-@pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
-def test_resume_on_another_replica_count(tmp_path, before, after, report_measured):
-    # The uninterrupted run needs nothing of the others: it trains while they do.
-    whole_run = in_background(lambda: _train(tmp_path, "whole", cpu_devices=before, steps=12))
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = _train(tmp_path, "first", cpu_devices=before, steps=6, checkpoint_dir=ckpt,
-                      checkpoint_every=6)
+def _restore_and_resume(folder, after):
+    """One child on `after` replicas: the residuals as restored from `folder/ckpt`, before
+    any step (tests/elastic_child.py), then the run resumed from a copy made first
+    (restoring records the change of world size in the directory it restores from)."""
+    shutil.copytree(folder / "ckpt", folder / "ckpt_train")
+    config = {**BASE, "cpu_devices": after, "steps": 12, "checkpoint_dir": str(folder / "ckpt"),
+              "checkpoint_every": 6}
+    resume = {**config, "checkpoint_dir": str(folder / "ckpt_train"),
+              "metrics_json": str(folder / "resumed.json")}
+    out = run([sys.executable, RESTORE, json.dumps(config), str(folder / "res.npz"),
+               json.dumps(resume)], timeout=300)
+    return last_json_line(out.stdout), out.stderr.split("elastic_child: training\n", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Both cases at once, in two rounds of two children (4 TensorFlow starts in all):
+    {(before, after): (folder, first and whole, restore report, resumed run's stderr)},
+    each value the AssertionError its child failed with if one failed. The folders are
+    made before the threads start (two first `mktemp`s at once can delete each other's)."""
+    folders = [tmp_path_factory.mktemp(f"elastic_{b}_to_{a}") for b, a in CASES]
+    trained = run_concurrently([lambda f=f, b=b: _first_and_whole(f, b)
+                                for f, (b, _) in zip(folders, CASES)], keep_failures=True)
+    ok = [not isinstance(t, AssertionError) for t in trained]
+    restored = run_concurrently([lambda f=f, a=a: _restore_and_resume(f, a)
+                                 for f, (_, a), good in zip(folders, CASES, ok) if good],
+                                keep_failures=True)
+    restored = iter(restored)
+    return {case: (f, t, next(restored)) if good else t
+            for case, f, t, good in zip(CASES, folders, trained, ok)}
+
+
+@pytest.mark.parametrize("before,after", CASES)
+def test_resume_on_another_replica_count(resumed, before, after, report_measured):
+    folder, trained, restore_run = outcome(resumed[(before, after)])
+    first, whole = trained["first"], trained["whole"]
     assert first["replicas"] == before and first["steps"] == 6
-    # A copy for the training run (restoring records the change of world size in the
-    # directory it restores from).
-    shutil.copytree(ckpt, tmp_path / "ckpt_train")
 
     # The residuals as restored on `after` replicas, before any step.
-    config = {**BASE, "cpu_devices": after, "steps": 12, "checkpoint_dir": ckpt,
-              "checkpoint_every": 6}
-    out = run([sys.executable, RESTORE, json.dumps(config), str(tmp_path / "res.npz")],
-              timeout=240)
-    info = last_json_line(out.stdout)
+    info, err = outcome(restore_run)
     assert info["step"] == 6 and info["replicas"] == after
     assert info["elastic"] == [{"step": 6, "workers": 1, "replicas": after}]
-    res = np.load(tmp_path / "res.npz")
+    res = np.load(folder / "res.npz")
     keys = sorted(k[len("saved_"):] for k in res if k.startswith("saved_"))
     assert keys, "no error-feedback residual in the checkpoint"
     owed = 0.0
@@ -63,15 +90,13 @@ def test_resume_on_another_replica_count(tmp_path, before, after, report_measure
         owed += float(np.abs(saved.sum(0)).sum())
     assert owed > 0, "the residuals were all zero: the test would not see a lost sum"
 
-    resumed, err = _train(tmp_path, "resumed", cpu_devices=after, steps=12,
-                          checkpoint_dir=str(tmp_path / "ckpt_train"), checkpoint_every=6,
-                          metrics_json=str(tmp_path / "resumed.json"))
-    whole, _ = whole_run.result()
-    assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 6
+    resumed_run = info["train"]
+    assert resumed_run["resumed_from_step"] == 6 and resumed_run["steps"] == 6
     assert "world size changed at step 6" in err
-    with open(tmp_path / "resumed.json") as f:
+    with open(folder / "resumed.json") as f:
         assert json.load(f)["elastic"] == [{"step": 6, "workers": 1, "replicas": after}]
-    losses, reference = np.array(resumed["loss_history"]), np.array(whole["loss_history"][6:])
+    losses = np.array(resumed_run["loss_history"])
+    reference = np.array(whole["loss_history"][6:])
     jump = abs(losses[0] - reference[0]) / reference[0]
     worst = float(np.max(np.abs(losses - reference) / reference))
     report_measured(f"resume {before} -> {after} replicas (int8): loss at the resume step "

@@ -14,29 +14,34 @@ import numpy as np
 import psutil
 import pytest
 
-from subproc import ROOT, child_env, run_cli_cases, run_module
-from test_train import BASE, CHILD, max_diff, train_child, train_runs, weights
+from subproc import ROOT, child_env, in_background, run_cli_cases, run_module
+from test_train import BASE, CHILD, max_diff, train_runs, weights
 
 
 # Two workers, Adam, a checkpoint every 20 steps. Long enough (in steps) that a kill at a
 # random time up to 0.5 s after the first checkpoint lands while both still train: a step
-# of the two workers took 16-33 ms here (measured alone and under load), so ~35 of the 280
-# steps left run before the kill; a step would have to take under 2 ms to end training
+# of the two workers took 16-33 ms here (measured alone and under load), so ~35 of the 140
+# steps left run before the kill; a step would have to take under 4 ms to end training
 # first, and then `saved < steps` fails the test rather than passing it unkilled.
 KILL_CFG = {**BASE, "model": "mlp", "optimizer": "adam", "strategy": "multi_worker",
-            "steps": 300, "steps_per_epoch": 100, "checkpoint_every": 20,
+            "steps": 160, "steps_per_epoch": 80, "checkpoint_every": 20,
             "collective_timeout_s": 60}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Worker 0's weights after the same 2-worker job with nothing killed."""
+    """A future of worker 0's weights after the same 2-worker job with nothing killed: it
+    trains while the first killed job runs (`.result()` waits; nothing here checks how
+    long a step takes, and a slower step only makes a kill land earlier in the run)."""
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     prefix = str(tmp_path / "mw")
     cfg = {**KILL_CFG, "checkpoint_dir": str(tmp_path / "ckpt")}
-    run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable, CHILD,
-               json.dumps(cfg), prefix, timeout=240)
-    return weights(prefix + ".worker0")
+
+    def train():
+        run_module("tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable,
+                   CHILD, json.dumps(cfg), prefix, timeout=240)
+        return weights(prefix + ".worker0")
+    return in_background(train)
 
 
 class Job:
@@ -156,7 +161,7 @@ def test_worker_sigkilled_from_outside_inside_a_collective(tmp_path, uninterrupt
     assert all(r["steps"] == KILL_CFG["steps"] - saved for r in results)
     w0, w1 = weights(job.prefix + ".worker0"), weights(job.prefix + ".worker1")
     assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, uninterrupted) == 0.0, context  # bit-equal: same world size
+    assert max_diff(w0, uninterrupted.result()) == 0.0, context  # bit-equal: same world size
     assert not job.orphans()
 
 
@@ -192,7 +197,7 @@ def test_worker_sigkilled_inside_a_checkpoint_write(tmp_path, uninterrupted):
     assert user_file.read_text() == "the user's own file, next to the checkpoints"
     w0, w1 = weights(job.prefix + ".worker0"), weights(job.prefix + ".worker1")
     assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, uninterrupted) == 0.0  # bit-equal: same world size
+    assert max_diff(w0, uninterrupted.result()) == 0.0  # bit-equal: same world size
     assert not job.orphans()
 
 
@@ -307,10 +312,32 @@ def test_nan_step_is_skipped_and_training_goes_on(nan_runs):
     assert np.mean(losses[-5:]) < 0.7 * losses[0]
 
 
-def test_killed_pipeline_run_restarts_and_ends_equal(tmp_path):
-    cfg = {**BASE, "model": "mlp", "optimizer": "adam", "steps": 12, "steps_per_epoch": 6,
-           "checkpoint_every": 5, "cpu_devices": 2, "pipeline_stages": 2, "microbatches": 4}
-    _, reference = train_child(tmp_path, "ref", **cfg)
+# The two restarted runs below each end equal to the same run with nothing killed, on 2
+# logical CPUs: both references train in one child (one TensorFlow start), in the background
+# while the first restarted job runs. `strategy="mirrored"` is what the jobs' `auto` picks on
+# 2 CPUs (tests/train_runs_child.py takes only an explicit strategy).
+PIPELINE_CFG = {**BASE, "model": "mlp", "optimizer": "adam", "steps": 12, "steps_per_epoch": 6,
+                "checkpoint_every": 5, "cpu_devices": 2, "pipeline_stages": 2,
+                "microbatches": 4}
+INT8_CFG = {**BASE, "model": "mlp", "optimizer": "momentum", "learning_rate": 0.05,
+            "steps": 16, "steps_per_epoch": 8, "checkpoint_every": 5, "compression": "int8"}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """A future of the references' weight-file prefixes: {"pipeline": ..., "int8": ...}."""
+    folder = tmp_path_factory.mktemp("references")
+
+    def train():
+        _, prefix = train_runs(folder, [
+            ["pipeline", {**PIPELINE_CFG, "strategy": "mirrored"}],
+            ["int8", {**INT8_CFG, "strategy": "mirrored", "cpu_devices": 2}]])
+        return {name: f"{prefix}_{name}" for name in ("pipeline", "int8")}
+    return in_background(train)
+
+
+def test_killed_pipeline_run_restarts_and_ends_equal(tmp_path, references):
+    cfg = PIPELINE_CFG
     prefix = str(tmp_path / "pp")
     out = run_module("tfpar.launch", "--workers=1", "--max_restarts=1", "--grace=2",
                      "--timeout=200", "--", sys.executable, CHILD,
@@ -320,7 +347,8 @@ def test_killed_pipeline_run_restarts_and_ends_equal(tmp_path):
     result = json.loads([line for line in out.stdout.splitlines() if "] {" in line][-1]
                         .split("] ", 1)[1])
     assert result["resumed_from_step"] == 5 and result["steps"] == 7
-    assert max_diff(weights(prefix + ".worker0"), weights(reference)) < 1e-6
+    assert max_diff(weights(prefix + ".worker0"), weights(references.result()["pipeline"])) \
+        < 1e-6
 
 
 def test_fp16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
@@ -336,13 +364,10 @@ def test_fp16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
     assert max_diff(w0, w1) == 0.0 and all(np.all(np.isfinite(w)) for w in w0)
 
 
-def test_killed_worker_with_error_feedback_state_resumes_exactly(tmp_path):
+def test_killed_worker_with_error_feedback_state_resumes_exactly(tmp_path, references):
     # int8 keeps a per-replica residual: a resume that lost it (or gave every replica the
-    # mean) would drift from the uninterrupted run.
-    cfg = {**BASE, "model": "mlp", "optimizer": "momentum", "learning_rate": 0.05,
-           "steps": 16, "steps_per_epoch": 8, "checkpoint_every": 5, "compression": "int8"}
-    _, reference = train_child(tmp_path, "ref", **{**cfg, "strategy": "mirrored",
-                                                    "cpu_devices": 2})
+    # mean) would drift from the uninterrupted run (2 replicas of one process).
+    cfg = INT8_CFG
     prefix = str(tmp_path / "mw")
     run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
     out = run_module("tfpar.launch", "--workers=2", "--max_restarts=1", "--grace=2",
@@ -354,4 +379,4 @@ def test_killed_worker_with_error_feedback_state_resumes_exactly(tmp_path):
     assert [r["resumed_from_step"] for r in results] == [10, 10]
     w0, w1 = weights(prefix + ".worker0"), weights(prefix + ".worker1")
     assert max_diff(w0, w1) == 0.0
-    assert max_diff(w0, weights(reference)) < 1e-6
+    assert max_diff(w0, weights(references.result()["int8"])) < 1e-6

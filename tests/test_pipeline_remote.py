@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from subproc import ROOT, child_env, last_json_line, run, run_module, run_python
+from subproc import ROOT, child_env, in_background, last_json_line, run, run_module, run_python
 from test_train import BASE, CHILD, max_diff, train_child, weights
 
 CLIENT = """
@@ -110,10 +110,13 @@ def _launched(tmp_path, name, **config):
 
 
 def test_trainer_pipeline_across_workers_matches_single_device(tmp_path):
+    # The single-device reference trains meanwhile (neither checks timing).
+    ref = in_background(lambda: train_child(
+        tmp_path, "ref", strategy="one_device",
+        **{k: v for k, v in TRAINER.items() if k not in BASE}))
     out, prefix = _launched(tmp_path, "pp", pipeline_stages=2, microbatches=4,
                             schedule="1f1b")
-    ref_out, ref_prefix = train_child(tmp_path, "ref", strategy="one_device",
-                                      **{k: v for k, v in TRAINER.items() if k not in BASE})
+    ref_out, ref_prefix = ref.result()
     assert out["workers"] == 2 and out["replicas"] == 1
     assert out["steps"] == ref_out["steps"] == 5
     assert max_diff(weights(prefix), weights(ref_prefix)) < 1e-5

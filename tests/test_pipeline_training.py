@@ -1,55 +1,74 @@
 """The pipeline under the trainer: `tfpar.train` with --pipeline_stages, alone and with
 data-parallel replicas, against the single-device run.
 
-Each run is a child process (one strategy per process) that trains a `ParallelConfig`
-and prints one JSON line: losses, final weights, where the stage variables and optimizer
-slots live, and the pipeline metrics block.
+Two children at once (tests/pipeline_runs_child.py) train every config here, one after the
+other on one runtime per strategy (`tfpar.train.train(runtime=...)`, as
+tests/train_runs_child.py does: a run on a runtime repeats a fresh process's run bit for
+bit), and report per config losses, final weights, where the stage variables and optimizer
+slots live, and the pipeline metrics block. The second child also forks the command-line
+run (one TensorFlow import for both) and checks the settings that do not combine.
 """
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import os
+import sys
 
 import numpy as np
 import pytest
 
-from subproc import last_json_line, run_python
+from subproc import ROOT, last_json_line, outcome, run, run_concurrently
 
-TRAIN = """
-import json
-import numpy as np
-from tfpar import ParallelConfig
-from tfpar import train as T
-result, model = T.train(ParallelConfig(**CONFIG))
-out = {"loss": result["loss_history"], "replicas": result["replicas"],
-       "weights": [np.asarray(w).ravel().tolist() for w in model.weights]}
-if hasattr(model, "stages"):
-    parts = lambda v: getattr(v.value, "values", [v.value])
-    devices = lambda vs: sorted({p.device.split("device:")[-1] for v in vs for p in parts(v)})
-    out["stage_devices"] = [devices(s.weights) for s in model.stages]
-    out["slot_devices"] = [devices(o.variables) for o in model.stage_optimizers]
-    out["pipeline"] = model.pipeline_metrics()
-    out["params_per_stage"] = model.params_per_stage()
-    aggregators = [getattr(o, "tfpar_aggregator", None) for o in model.stage_optimizers]
-    if all(aggregators):
-        # tf.Variables (per-replica residuals, Q), not Keras variables.
-        out["aggregator_devices"] = [sorted({p.device.split("device:")[-1] for v in a.variables
-                                             for p in getattr(v, "values", [v])})
-                                     for a in aggregators]
-    # Largest difference between the copies of a mirrored variable (replicas in sync: 0).
-    out["replica_spread"] = max(
-        [float(np.abs(v.value.values[0].numpy() - v.value.values[r].numpy()).max())
-         for v in model.weights if hasattr(v.value, "values")
-         for r in range(1, len(v.value.values))] or [0.0])
-out["comm"] = result.get("comm")
-print(json.dumps(out))
-"""
+CHILD = os.path.join(ROOT, "tests", "pipeline_runs_child.py")
 
 SGD = dict(optimizer="sgd", learning_rate=0.1, steps=3, verbose=0, global_batch_size=16)
+PIPELINES = [("mlp", "1f1b", 1), ("transformer", "interleaved", 2), ("mlp", "zb_h1", 1)]
+AGGREGATOR = dict(model="mlp", pipeline_stages=2, microbatches=4, cpu_devices=4,
+                  data_parallel=2, **{**SGD, "steps": 12})
 
 
-def _train(**config):
-    code = f"CONFIG = {config!r}\n" + TRAIN
-    return last_json_line(run_python(code, timeout=180).stdout)
+def _children(folder, metrics):
+    """Child 1: the single-device runs (one per model) and the pipeline × 2 replicas runs;
+    child 2: the aggregator's two runs and the refused combinations, with the CLI run
+    forked beside them. Returns (child 1's runs, child 2's runs, the CLI's fork result),
+    each the AssertionError its child failed with if it failed."""
+    one = [(f"ref_{model}", dict(model=model, strategy="one_device", **SGD))
+           for model in sorted({m for m, _, _ in PIPELINES})]
+    pipes = [(f"pp_{model}_{schedule}", dict(model=model, pipeline_stages=2, microbatches=4,
+                                              schedule=schedule, virtual_stages=V,
+                                              cpu_devices=4, data_parallel=2, **SGD))
+             for model, schedule, V in PIPELINES]
+    aggregator = [("plain", AGGREGATOR), ("low", dict(compression="powersgd", **AGGREGATOR))]
+    cli = ["--pipeline_stages=2", "--microbatches=4", "--schedule=1f1b", "--cpu_devices=2",
+           "--model=mlp", "--steps=40", "--steps_per_epoch=20",
+           "--learning_rate=3e-3", "--verbose=0", f"--metrics_json={metrics}"]
+
+    def child(configs, errors, cli):
+        return last_json_line(run([sys.executable, CHILD, json.dumps(configs), str(int(errors)),
+                                   json.dumps(cli), str(folder)], timeout=400).stdout)
+    return run_concurrently([lambda: child(one + pipes, False, None),
+                             lambda: child(aggregator, True, cli)], keep_failures=True)
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipeline_training")
+    return _children(folder, folder / "metrics.json") + [folder / "metrics.json"]
+
+
+@pytest.fixture(scope="module")
+def runs(children):
+    return outcome(children[0])
+
+
+@pytest.fixture(scope="module")
+def forked(children):
+    """Child 2's forks: {"runs": the aggregator runs and "errors", "cli": the CLI fork's
+    result, "metrics": its metrics file}."""
+    out = outcome(children[1])
+    runs_fork = out["runs"]
+    assert runs_fork["returncode"] == 0, runs_fork["stderr"][-3000:]
+    return {"runs": last_json_line(runs_fork["stdout"]), "cli": out["cli"],
+            "metrics": children[2]}
 
 
 def _max_diff(a, b):
@@ -58,16 +77,9 @@ def _max_diff(a, b):
                for x, y in zip(a["weights"], b["weights"]))
 
 
-@pytest.mark.parametrize("model,schedule,V", [("mlp", "1f1b", 1),
-                                              ("transformer", "interleaved", 2),
-                                              ("mlp", "zb_h1", 1)])
-def test_pipeline_times_two_replicas_equals_single_device(model, schedule, V):
-    with ThreadPoolExecutor(2) as pool:  # two children at once
-        ref = pool.submit(_train, model=model, strategy="one_device", **SGD)
-        pp = pool.submit(_train, model=model, pipeline_stages=2, microbatches=4,
-                         schedule=schedule, virtual_stages=V, cpu_devices=4,
-                         data_parallel=2, **SGD)
-        ref, pp = ref.result(), pp.result()
+@pytest.mark.parametrize("model,schedule,V", PIPELINES)
+def test_pipeline_times_two_replicas_equals_single_device(runs, model, schedule, V):
+    ref, pp = runs[f"ref_{model}"], runs[f"pp_{model}_{schedule}"]
     assert pp["replicas"] == 2
     # Replica r runs stage s on its own device; each stage's variables and optimizer
     # variables are mirrored over its two devices.
@@ -87,16 +99,11 @@ def test_pipeline_times_two_replicas_equals_single_device(model, schedule, V):
         == [want, want]
 
 
-def test_aggregator_composes_with_pipeline_and_replicas():
+def test_aggregator_composes_with_pipeline_and_replicas(forked):
     # Each stage aggregates its own gradients across the 2 replicas (PowerSGD: lossy, with
     # error feedback and a warm-started Q per stage); both replicas must apply the same
     # update to their copies, and training must follow the plain all-reduce closely.
-    common = dict(model="mlp", pipeline_stages=2, microbatches=4, cpu_devices=4,
-                  data_parallel=2, **{**SGD, "steps": 12})
-    with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(_train, **common)
-        low = pool.submit(_train, compression="powersgd", **common)
-        plain, low = plain.result(), low.result()
+    plain, low = forked["runs"]["plain"], forked["runs"]["low"]
     assert low["replica_spread"] == 0.0
     assert low["aggregator_devices"] == [["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]]
     assert low["comm"]["compression_ratio"] > 5 * plain["comm"]["compression_ratio"]
@@ -105,59 +112,19 @@ def test_aggregator_composes_with_pipeline_and_replicas():
     assert abs(np.mean(low["loss"][-4:]) / np.mean(plain["loss"][-4:]) - 1) < 0.05
 
 
-CLI = """
-import sys
-from tfpar import train as T
-sys.argv = ["tfpar.train"] + FLAGS
-try:
-    T.run()
-except SystemExit as exit:
-    assert not exit.code, exit.code
-"""
-
-
-def test_trainer_cli_runs_the_pipeline(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    flags = ["--pipeline_stages=2", "--microbatches=4", "--schedule=1f1b", "--cpu_devices=2",
-             "--model=mlp", "--steps=40", "--steps_per_epoch=20",
-             "--learning_rate=3e-3", "--verbose=0", f"--metrics_json={metrics}"]
-    out = run_python(f"FLAGS = {flags!r}\n" + CLI, timeout=180).stdout
+def test_trainer_cli_runs_the_pipeline(forked):
+    cli = forked["cli"]
+    assert cli["returncode"] == 0, cli["stderr"][-3000:]
+    out = cli["stdout"]
     summary = [line for line in out.splitlines() if line.startswith("tfpar: ")][-1]
-    result = json.loads(metrics.read_text())
+    result = json.loads(forked["metrics"].read_text())
     assert result["steps"] == 40 and result["replicas"] == 1
     losses = result["loss_history"]
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), summary
 
 
-ERRORS = """
-import json
-from tfpar import models
-import tfpar.pipeline
-from tfpar import ParallelConfig, devices, strategy
-from tfpar.errors import TfparError
-devices.split_cpu(4)
-base = ParallelConfig(model="mlp", pipeline_stages=2, microbatches=4, cpu_devices=4,
-                      data_parallel=2, global_batch_size=16)
-runtime = strategy.make_runtime(base)
-out = {}
-def error(**changes):
-    config = base.replace(**changes)
-    with runtime.strategy.scope():
-        try:
-            tfpar.pipeline.for_training(models.build("mlp", (32,), 10), config, runtime)
-        except TfparError as err:
-            return f"{type(err).__name__}: {err}"
-    return "no error"
-out["accum"] = error(grad_accum_steps=2)
-out["per_replica"] = error(microbatches=16)
-out["devices"] = error(pipeline_stages=3, microbatches=2)
-out["fp16"] = error(mixed_precision="fp16")
-print(json.dumps(out))
-"""
-
-
-def test_settings_that_do_not_combine_give_clear_errors():
-    out = last_json_line(run_python(ERRORS, timeout=120).stdout)
+def test_settings_that_do_not_combine_give_clear_errors(forked):
+    out = forked["runs"]["errors"]
     assert out["accum"].startswith("ConfigError: grad_accum_steps=2 is invalid")
     assert "already accumulates" in out["accum"]
     assert out["per_replica"].startswith("ConfigError: microbatches=16 is invalid")

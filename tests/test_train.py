@@ -159,9 +159,9 @@ def test_resume_continues_at_the_saved_step(tmp_path, on_4_cpus):
     np.testing.assert_allclose(rest["loss_history"], full["loss_history"][6:], rtol=1e-5)
 
 
-def test_no_flag_default_run_learns(tmp_path):
-    path = tmp_path / "m.json"
-    out = run_module("tfpar.train", f"--metrics_json={path}", "--verbose=0", timeout=300)
+def test_no_flag_default_run_learns(cli_runs):
+    out, path = cli_runs["default"], cli_runs["default_metrics"]
+    assert out.returncode == 0, out.stderr[-3000:]
     assert "tfpar: strategy=" in out.stdout
     metrics = json.loads(path.read_text())
     losses = metrics["loss_history"]
@@ -172,12 +172,9 @@ def test_no_flag_default_run_learns(tmp_path):
         assert key in metrics
 
 
-def test_user_dataset_its_held_out_batches_and_tensorboard(tmp_path):
-    path, logs = tmp_path / "m.json", tmp_path / "tb"
-    run_module("tfpar.train", "--dataset=user_data:sign_of_sum", "--num_classes=2",
-               "--cpu_devices=2", "--steps=60", "--steps_per_epoch=30", "--learning_rate=0.01",
-               "--validation_steps=2", f"--metrics_json={path}", f"--tensorboard_dir={logs}",
-               "--verbose=0", env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=240)
+def test_user_dataset_its_held_out_batches_and_tensorboard(cli_runs):
+    out, path, logs = cli_runs["user"], cli_runs["user_metrics"], cli_runs["user_logs"]
+    assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads(path.read_text())
     assert metrics["replicas"] == 2
     # The module's own `sign_of_sum_validation` batches, evaluated at both epochs' ends (a
@@ -260,32 +257,44 @@ def _unused_ports(count):
 
 
 @pytest.fixture(scope="module")
-def cli_errors(tmp_path_factory, on_4_cpus):
-    """Every CLI run below that must fail, through one child (`subproc.run_cli_cases`: one
-    TensorFlow import, a process forked per run): {key: its CompletedProcess}, and what
-    the tests check around them.
+def cli_runs(tmp_path_factory, on_4_cpus):
+    """Every CLI run of this file, through one child (`subproc.run_cli_cases`: one
+    TensorFlow import, a process forked per run, two at a time): {key: its
+    CompletedProcess}, and what the tests check around them.
 
-    Keys: each bad TF_CONFIG and bad setting; "foreign" (a checkpoint_dir holding a user's
-    file); "peer" (worker 0 of a 2-worker cluster whose worker 1 never starts);
-    "incompatible" (the checkpoint of `--checkpoint_dir=DIR --steps=2`, trained in
-    on_4_cpus, resumed with another model width and optimizer)."""
+    Keys: "default" (no flag but --metrics_json) and "user" (a user's dataset module with
+    held-out batches, TensorBoard logs), which must train; each bad TF_CONFIG and bad
+    setting; "foreign" (a checkpoint_dir holding a user's file); "peer" (worker 0 of a
+    2-worker cluster whose worker 1 never starts); "incompatible" (the checkpoint of
+    `--checkpoint_dir=DIR --steps=2`, trained in on_4_cpus, resumed with another model
+    width and optimizer), which must fail. The child has tests/ on its path (the user's
+    dataset module, tests/user_data.py)."""
+    folder = tmp_path_factory.mktemp("cli")
     foreign = tmp_path_factory.mktemp("foreign")
     (foreign / "precious.txt").write_text("mine")
     incompatible = os.path.join(os.path.dirname(on_4_cpus[1]), "incompatible_ckpt")
     lonely = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in _unused_ports(2)]},
                          "task": {"type": "worker", "index": 0}})
-    cases = ([(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
-              for tf_config, _ in BAD_TF_CONFIGS]
+    cases = ([("default", (f"--metrics_json={folder / 'default.json'}", "--verbose=0"), None),
+              ("user", ("--dataset=user_data:sign_of_sum", "--num_classes=2",
+                        "--cpu_devices=2", "--steps=60", "--steps_per_epoch=30",
+                        "--learning_rate=0.01", "--validation_steps=2",
+                        f"--metrics_json={folder / 'user.json'}",
+                        f"--tensorboard_dir={folder / 'tb'}", "--verbose=0"), None)]
+             + [(tf_config, ("--steps=1",), {"TF_CONFIG": tf_config})
+                for tf_config, _ in BAD_TF_CONFIGS]
              + [(args, args, None) for args in BAD_SETTINGS]
              + [("foreign", (f"--checkpoint_dir={foreign}", "--steps=2"), None),
                 ("peer", ("--startup_timeout_s=8", "--steps=1"), {"TF_CONFIG": lonely}),
                 ("incompatible", (f"--checkpoint_dir={incompatible}", "--steps=4",
                                   "--model_width=32", "--optimizer=sgd"), None)])
     before = sorted(os.listdir(incompatible))
-    outs = subproc.run_cli_cases([(args, env) for _, args, env in cases], timeout=300)
+    outs = subproc.run_cli_cases([(args, env) for _, args, env in cases], timeout=400,
+                                 env={"PYTHONPATH": os.path.join(ROOT, "tests")})
     return {**{key: out for (key, _, _), out in zip(cases, outs)},
-            "foreign_dir": foreign, "incompatible_dir": incompatible,
-            "incompatible_before": before}
+            "default_metrics": folder / "default.json", "user_metrics": folder / "user.json",
+            "user_logs": folder / "tb", "foreign_dir": foreign,
+            "incompatible_dir": incompatible, "incompatible_before": before}
 
 
 def test_a_bad_command_line_ends_before_tensorflow_loads():
@@ -309,41 +318,41 @@ def test_a_bad_command_line_ends_before_tensorflow_loads():
 
 
 @pytest.mark.parametrize("tf_config,field", BAD_TF_CONFIGS)
-def test_bad_tf_config_is_one_clear_error(cli_errors, tf_config, field):
-    line = error_line(cli_errors[tf_config])
+def test_bad_tf_config_is_one_clear_error(cli_runs, tf_config, field):
+    line = error_line(cli_runs[tf_config])
     assert field in line
 
 
-def test_bad_settings_are_one_clear_error(cli_errors):
-    line = error_line(cli_errors[BAD_SETTINGS[0]])
+def test_bad_settings_are_one_clear_error(cli_runs):
+    line = error_line(cli_runs[BAD_SETTINGS[0]])
     assert "global_batch_size=30" in line and "4 replicas" in line
-    line = error_line(cli_errors[BAD_SETTINGS[1]])
+    line = error_line(cli_runs[BAD_SETTINGS[1]])
     assert "collective='nccl'" in line and "ring" in line
-    line = error_line(cli_errors[BAD_SETTINGS[2]])
+    line = error_line(cli_runs[BAD_SETTINGS[2]])
     assert "--steps=0" in line and ">= 1" in line
 
 
-def test_foreign_checkpoint_dir_is_refused_and_kept(cli_errors):
-    folder = cli_errors["foreign_dir"]
-    line = error_line(cli_errors["foreign"])
+def test_foreign_checkpoint_dir_is_refused_and_kept(cli_runs):
+    folder = cli_runs["foreign_dir"]
+    line = error_line(cli_runs["foreign"])
     assert "checkpoint_dir" in line and "precious.txt" in line
     assert (folder / "precious.txt").read_text() == "mine"
     assert sorted(os.listdir(folder)) == ["precious.txt"]
 
 
-def test_a_peer_that_never_starts_fails_within_the_bound(cli_errors):
-    out = cli_errors["peer"]
+def test_a_peer_that_never_starts_fails_within_the_bound(cli_runs):
+    out = cli_runs["peer"]
     line = error_line(out)
     assert out.seconds < 60
     assert "startup_timeout_s=8" in line
 
 
-def test_checkpoint_of_an_incompatible_run_is_refused_with_what_differs(cli_errors):
-    line = error_line(cli_errors["incompatible"])
+def test_checkpoint_of_an_incompatible_run_is_refused_with_what_differs(cli_runs):
+    line = error_line(cli_runs["incompatible"])
     assert "model_width: saved 0, now 32" in line and "optimizer: saved 'adam', now 'sgd'" in line
     # nothing written over
-    assert sorted(os.listdir(cli_errors["incompatible_dir"])) == \
-        cli_errors["incompatible_before"]
+    assert sorted(os.listdir(cli_runs["incompatible_dir"])) == \
+        cli_runs["incompatible_before"]
 
 
 def test_two_runs_in_one_process_share_the_strategy_and_repeat_exactly(on_2_cpus,

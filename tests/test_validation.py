@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from subproc import ROOT, last_json_line, outcome, run, run_concurrently, run_module
+from subproc import ROOT, last_json_line, outcome, run
 
 BASE = {"steps": 40, "steps_per_epoch": 10, "validation_steps": 3, "verbose": 0,
         "global_batch_size": 32, "learning_rate": 3e-3}
@@ -20,17 +20,31 @@ RUNS = {
 }
 
 
+# A user dataset module without `<function>_validation`, asked for validation_steps.
+REFUSED = ["--dataset=user_data:sign_of_sum_nan_at_step_3", "--num_classes=2",
+           "--validation_steps=2"]
+
+
+def _fork_result(case):
+    """A fork's JSON line, or the AssertionError its failure gives."""
+    if case["returncode"] != 0:
+        return AssertionError(f"exit {case['returncode']}\n--- stdout\n"
+                              f"{case['stdout'][-3000:]}\n--- stderr\n{case['stderr'][-5000:]}")
+    return last_json_line(case["stdout"])
+
+
 @pytest.fixture(scope="module")
-def trained():
-    """Each backend's child (tests/validation_child.py), two at a time: {backend: its JSON,
-    or the AssertionError of its failed child}."""
-    def child(backend):
-        return last_json_line(run([sys.executable, os.path.join(ROOT, "tests",
-                                                                "validation_child.py"),
-                                   json.dumps({**BASE, **RUNS[backend]})],
-                                  timeout=300).stdout)
-    return dict(zip(RUNS, run_concurrently([lambda b=b: child(b) for b in RUNS],
-                                           keep_failures=True)))
+def trained(tmp_path_factory):
+    """Each backend's run and the refused command line, forked from one child
+    (tests/validation_child.py: one TensorFlow import), two at a time: {backend: its JSON,
+    or the AssertionError of its failed fork; "refused": that fork's result}."""
+    folder = tmp_path_factory.mktemp("validation")
+    cases = [{"config": {**BASE, **RUNS[b]}} for b in RUNS] + [{"argv": REFUSED}]
+    out = run([sys.executable, os.path.join(ROOT, "tests", "validation_child.py"),
+               json.dumps(cases), str(folder)],
+              env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=400)
+    results = last_json_line(out.stdout)["cases"]
+    return {**{b: _fork_result(r) for b, r in zip(RUNS, results)}, "refused": results[-1]}
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
@@ -52,15 +66,12 @@ def test_validation_loss_falls_and_reaches_callbacks(trained, backend):
         assert out["evaluate_again"] == pytest.approx(validation["loss"], rel=1e-5)
 
 
-def test_a_user_dataset_without_held_out_batches_is_refused_naming_what_to_define():
+def test_a_user_dataset_without_held_out_batches_is_refused_naming_what_to_define(trained):
     # (A module with `<function>_validation` gives its own held-out batches:
     # tests/test_train.py's user-dataset run, which trains with --validation_steps=2.)
     # A module without `<function>_validation` is refused with what to define.
-    tests = {"PYTHONPATH": os.path.join(ROOT, "tests")}
-    out = run_module("tfpar.train", "--dataset=user_data:sign_of_sum_nan_at_step_3",
-                     "--num_classes=2", "--validation_steps=2", env=tests, check=False,
-                     timeout=120)
-    assert out.returncode == 2
-    error = out.stderr.strip().splitlines()[-1]
+    out = trained["refused"]
+    assert out["returncode"] == 2, out
+    error = out["stderr"].strip().splitlines()[-1]
     assert error.startswith("tfpar: error: validation_steps=2 is invalid")
     assert "user_data.sign_of_sum_nan_at_step_3_validation(input_context, config)" in error

@@ -1,0 +1,117 @@
+"""Child process for tests/test_pipeline_training.py:
+`python tests/pipeline_runs_child.py CONFIGS_JSON ERRORS CLI_JSON OUT_DIR`.
+
+Trains each `[name, config]` of CONFIGS_JSON one after the other on one runtime per strategy
+(`tfpar.train.train(runtime=...)`, as tests/train_runs_child.py does) in 4 logical CPUs, and
+prints one JSON line `{name: report}`: losses, final weights, where the stage variables and
+optimizer slots live, the pipeline metrics block. With ERRORS = 1 it then also reports,
+under "errors", what building the pipeline with settings that do not combine raises.
+
+With CLI_JSON not `null` (the argv of `python -m tfpar.train`), the runs and that command
+line each run in a process forked from this one after its one TensorFlow import
+(tests/forking.py), and the line printed is `{"runs": ..., "cli": ...}`, each
+`{"returncode", "stdout", "stderr", "seconds"}`.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import tensorflow  # noqa: E402,F401  (imported once, for both forks)
+
+from tfpar import ParallelConfig, devices, strategy  # noqa: E402
+from tfpar import train as T  # noqa: E402
+
+def report(result, model):
+    """What the tests check of one run."""
+    out = {"loss": result["loss_history"], "replicas": result["replicas"],
+           "weights": [np.asarray(w).ravel().tolist() for w in model.weights]}
+    if hasattr(model, "stages"):
+        parts = lambda v: getattr(v.value, "values", [v.value])
+        where = lambda vs: sorted({p.device.split("device:")[-1] for v in vs for p in parts(v)})
+        out["stage_devices"] = [where(s.weights) for s in model.stages]
+        out["slot_devices"] = [where(o.variables) for o in model.stage_optimizers]
+        out["pipeline"] = model.pipeline_metrics()
+        out["params_per_stage"] = model.params_per_stage()
+        aggregators = [getattr(o, "tfpar_aggregator", None) for o in model.stage_optimizers]
+        if all(aggregators):
+            # tf.Variables (per-replica residuals, Q), not Keras variables.
+            out["aggregator_devices"] = [sorted({p.device.split("device:")[-1]
+                                                 for v in a.variables
+                                                 for p in getattr(v, "values", [v])})
+                                         for a in aggregators]
+        # Largest difference between the copies of a mirrored variable (replicas in sync: 0).
+        out["replica_spread"] = max(
+            [float(np.abs(v.value.values[0].numpy() - v.value.values[r].numpy()).max())
+             for v in model.weights if hasattr(v.value, "values")
+             for r in range(1, len(v.value.values))] or [0.0])
+    out["comm"] = result.get("comm")
+    return out
+
+
+runtimes = {}
+
+
+def runtime_for(config):
+    key = (config.strategy, config.data_parallel, config.pipeline_stages, config.collective)
+    if key not in runtimes:
+        runtimes[key] = strategy.make_runtime(config)
+    return runtimes[key]
+
+
+def train_runs(configs, errors):
+    devices.split_cpu(4)
+    out = {}
+    for name, settings in configs:
+        print(f"run {name}: {settings}", file=sys.stderr, flush=True)
+        config = ParallelConfig(**settings)
+        out[name] = report(*T.train(config, runtime=runtime_for(config)))
+    if errors:
+        out["errors"] = refusals()
+    print(json.dumps(out), flush=True)
+
+
+def refusals():
+    from tfpar import models
+    import tfpar.pipeline
+    from tfpar.errors import TfparError
+    base = ParallelConfig(model="mlp", pipeline_stages=2, microbatches=4, cpu_devices=4,
+                          data_parallel=2, global_batch_size=16)
+    runtime = runtime_for(base)
+
+    def error(**changes):
+        config = base.replace(**changes)
+        with runtime.strategy.scope():
+            try:
+                tfpar.pipeline.for_training(models.build("mlp", (32,), 10), config, runtime)
+            except TfparError as err:
+                return f"{type(err).__name__}: {err}"
+        return "no error"
+    return {"accum": error(grad_accum_steps=2), "per_replica": error(microbatches=16),
+            "devices": error(pipeline_stages=3, microbatches=2),
+            "fp16": error(mixed_precision="fp16")}
+
+
+def command_line(argv):
+    sys.argv = ["tfpar.train"] + argv
+    T.run()
+
+
+def main():
+    configs, errors = json.loads(sys.argv[1]), sys.argv[2] == "1"
+    cli, folder = json.loads(sys.argv[3]), sys.argv[4]
+    if cli is None:
+        train_runs(configs, errors)
+        return
+    # Each fork splits the CPU its own way and starts its own runtime.
+    from forking import run_forked
+    runs_done, cli_done = run_forked([lambda: train_runs(configs, errors),
+                                      lambda: command_line(cli)], folder)
+    print(json.dumps({"runs": runs_done, "cli": cli_done}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
