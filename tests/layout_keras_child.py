@@ -236,14 +236,12 @@ def on_mesh(name, make_optimizer, batches, dp=2, tp=2, grad_accum_steps=1):
     return model, trainer, losses
 
 
-# bf16: both models with both optimizers on 2×2, and 1×4 (the distance to one device
-# depends on the model, the optimizer and where the mesh splits the sums).
-BF16_RUNS = [("mlp", "sgd", 2, 2), ("mlp", "adam", 2, 2), ("transformer", "sgd", 2, 2),
-             ("transformer", "adam", 2, 2), ("mlp", "sgd", 1, 4), ("transformer", "adam", 1, 4)]
-# fp16: the loss scale's skip decision, one for the whole mesh: each model, each optimizer
-# and both meshes once (the decision reduces over every shard whatever the model).
-FP16_RUNS = [("mlp", "adam", 2, 2), ("transformer", "sgd", 2, 2), ("mlp", "sgd", 1, 4),
-             ("transformer", "adam", 1, 4)]
+# Each model, each optimizer and both meshes (2×2: batch and model splits; 1×4: model
+# splits only) once. bf16: the distance to one device depends on the model, the optimizer
+# and where the mesh splits the sums; fp16: the loss scale's skip decision, one for the
+# whole mesh (it reduces over every shard whatever the model).
+BF16_RUNS = FP16_RUNS = [("mlp", "adam", 2, 2), ("transformer", "sgd", 2, 2),
+                         ("mlp", "sgd", 1, 4), ("transformer", "adam", 1, 4)]
 
 
 def precision(policy, runs):
