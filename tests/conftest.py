@@ -25,7 +25,8 @@ def pytest_configure(config):
 LONGEST_FIRST = [
     "test_faults.py", "test_train.py", "test_memory.py", "test_multihost_netns.py",
     "test_layout_keras.py", "test_layout_fit.py", "test_compression_integration.py",
-    "test_elastic_launch.py", "test_layout_exact.py", "test_compression_wire.py",
+    "test_elastic_launch.py", "test_layout_exact.py", "test_layout_mesh.py",
+    "test_compression_wire.py",
     "test_legacy_train.py", "test_pipeline_executor.py", "test_user_script.py",
     "test_elastic.py", "test_zero.py", "test_layout_pipeline.py", "test_pipeline_training.py",
     "test_layout_compose.py", "test_layout_pipeline_workers.py", "test_api.py",

@@ -1,6 +1,7 @@
 """Child process for tests/test_layout_mesh.py, on 4 logical CPUs; prints one JSON line.
 
-Usage: python tests/layout_mesh_child.py CASE
+Usage: python tests/layout_mesh_child.py CASE[,CASE...] (the cases in turn; the JSON line
+maps each to its result)
 - `reduction`: the transformer on a 2×2 mesh, 5 steps (SGD, Adam), with the batch-axis
   reduction of `tfpar.layout.reduction` at `compression="none"` against DTensor's implicit
   sum; and tensor_parallel=2 × data_parallel=1 with int8 against no codec.
@@ -82,6 +83,19 @@ def sequence():
     return out
 
 
+def run_cases(names):
+    """Each case in turn in this process (one TensorFlow start; a DTensor mesh can be
+    rebuilt): {case: its JSON, or {"error": the traceback} when it raised}, so that a
+    failing case fails only its own tests."""
+    import traceback
+    out = {}
+    for name in names:
+        try:
+            out[name] = {"reduction": reduction, "sequence": sequence}[name]()
+        except Exception:  # noqa: BLE001 - reported to the test that reads this case
+            out[name] = {"error": traceback.format_exc()[-5000:]}
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"reduction": reduction, "sequence": sequence}[sys.argv[1]]()),
-          flush=True)
+    print(json.dumps(run_cases(sys.argv[1].split(","))), flush=True)

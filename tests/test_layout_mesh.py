@@ -24,21 +24,30 @@ CODEC_STEPS = {"model": "mlp", "steps": 40, "steps_per_epoch": 40, "verbose": 0,
 CODECS = ("none", "fp16", "bf16", "int8")
 
 
-def _child(case):
-    return last_json_line(run([sys.executable, CHILD, case], timeout=400).stdout)
+def _child(cases):
+    return last_json_line(run([sys.executable, CHILD, ",".join(cases)], timeout=400).stdout)
 
 
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
+    """The reduction and sequence-parallel cases in one child, the codec runs in another,
+    the two at once."""
     prefix = str(tmp_path_factory.mktemp("codecs") / "codec")
-    reduction, codecs = subproc.run_concurrently([
-        lambda: _child("reduction"),
+    cases, codecs = subproc.run_concurrently([
+        lambda: _child(["reduction", "sequence"]),
         lambda: train_configs(prefix, [{**CODEC_STEPS, "compression": c} for c in CODECS])])
-    return {"reduction": reduction, "codecs": dict(zip(CODECS, codecs[None]))}
+    return {**cases, "codecs": dict(zip(CODECS, codecs[None]))}
+
+
+def _case(children, name):
+    if "error" in children[name]:
+        raise AssertionError(f"layout_mesh_child.py case {name} raised:\n"
+                             f"{children[name]['error']}")
+    return children[name]
 
 
 def test_uncompressed_reduction_equals_the_implicit_sum(children, report_measured):
-    out = children["reduction"]
+    out = _case(children, "reduction")
     for optimizer in ("sgd", "adam"):
         assert out[optimizer]["reduction"]
         assert out[optimizer]["diff"] < 1e-5, (optimizer, out[optimizer])
@@ -49,7 +58,7 @@ def test_uncompressed_reduction_equals_the_implicit_sum(children, report_measure
 
 
 def test_one_replica_on_batch_compresses_nothing(children):
-    out = children["reduction"]["tp2_dp1_int8"]
+    out = _case(children, "reduction")["tp2_dp1_int8"]
     assert not out["reduction"]
     assert out["diff"] == 0.0
 
@@ -68,8 +77,8 @@ def test_each_codec_ends_near_the_uncompressed_loss(children, report_measured):
                     + ", ".join(f"{c} {g:+.2%}" for c, g in gaps.items()))
 
 
-def test_sequence_parallel_equals_one_device(report_measured):
-    out = _child("sequence")
+def test_sequence_parallel_equals_one_device(children, report_measured):
+    out = _case(children, "sequence")
     worst = 0.0
     for run_name, result in out.items():
         assert result["diff"] < 1e-5, (run_name, result["diff"])

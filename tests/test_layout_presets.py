@@ -74,6 +74,23 @@ def test_mesh_degrees_must_match_the_devices():
     assert mesh.shape == (1, 1) and tuple(mesh.axis_names) == ("batch", "model")
 
 
+def test_mesh_degrees_are_checked_against_cpu_devices_before_tensorflow_starts():
+    # `tfpar.train.check_inputs` (the command line, test_layout_fit.py) calls this before
+    # TensorFlow loads: one process's --cpu_devices logical CPUs.
+    from tfpar import ParallelConfig, compat
+    mesh3d = ParallelConfig(tensor_parallel=2, data_parallel=2, pipeline_stages=2,
+                            microbatches=4, cpu_devices=4)
+    with pytest.raises(ConfigError, match=r"2×2×2 = 8 must equal the 4 logical CPUs.*"
+                                          r"--cpu_devices=8, or --data_parallel=1$"):
+        compat.check_devices(mesh3d)
+    compat.check_devices(mesh3d.replace(cpu_devices=8))
+    compat.check_devices(mesh3d, processes=2)  # across processes: checked once TF lists them
+    with pytest.raises(ConfigError, match="tensor_parallel=3 .*must divide the 4 logical"):
+        compat.check_devices(ParallelConfig(tensor_parallel=3, cpu_devices=4))
+    compat.check_devices(ParallelConfig(tensor_parallel=2, cpu_devices=4))  # dp=0: all
+    compat.check_devices(ParallelConfig(data_parallel=3, cpu_devices=4))  # not a mesh
+
+
 def test_layout_falls_back_to_whole_when_a_dimension_does_not_split():
     mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=CPU0 * 2)
     lm = keras.distribution.LayoutMap(mesh)

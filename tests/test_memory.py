@@ -1,6 +1,7 @@
 """Memory per device and activation recomputation (`tfpar.memory`, `tfpar.recompute`).
 
-Every run is a child process (tests/train_child.py) writing the metrics JSON. Recomputation
+Every run is in a child process (tests/train_child.py, or several runs of one test in
+tests/train_configs_child.py) reporting the metrics JSON. Recomputation
 runs the same ops on the same inputs, so weights after 5 steps must equal the run without
 it within 1e-6 (SGD, momentum) / 1e-5 (Adam); the training peak above what was resident
 when training began (activations, gradients, temporaries) must drop.
@@ -35,6 +36,19 @@ def train_child(tmp_path, name, **config):
     return result, weights
 
 
+def runs_in_one_child(tmp_path, cfg, modes):
+    """`cfg` with each of `modes` as `--recompute`, then without, in one child
+    (tests/train_configs_child.py, one runtime): (results, weights), in that order. Each
+    run's training peak is its own (the backends reset the allocator's peak when training
+    starts and count from what is resident then); the run without recomputation is last,
+    so one-time allocations of the process's first run count against recomputation."""
+    from test_layout_compose import train_configs
+    from test_train import weights
+    runs = [{**BASE, **cfg, "recompute": mode} for mode in modes] + [{**BASE, **cfg}]
+    results = train_configs(str(tmp_path / "run"), runs)[None]
+    return results, [weights(str(tmp_path / f"run.{i}")) for i in range(len(runs))]
+
+
 def max_diff(a, b):
     assert len(a) == len(b)
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
@@ -66,11 +80,12 @@ def test_recompute_is_exact_and_lowers_the_activation_peak(tmp_path, optimizer, 
                                                            tolerance, modes):
     cfg = {"model": "transformer", "optimizer": optimizer, "learning_rate": lr,
            "strategy": "one_device", "global_batch_size": 64, "model_depth": 4}
-    plain, w_plain = train_child(tmp_path, "none", **cfg)
+    results, w = runs_in_one_child(tmp_path, cfg, modes)
+    plain, w_plain = results[-1], w[-1]
     peak_plain = plain["memory"]["peak_bytes_above_start_per_device"][0]
-    for mode in modes:
-        result, w = train_child(tmp_path, mode, recompute=mode, **cfg)
-        assert max_diff(w_plain, w) <= tolerance, mode
+    for i, mode in enumerate(modes):
+        result = results[i]
+        assert max_diff(w_plain, w[i]) <= tolerance, mode
         peak = result["memory"]["peak_bytes_above_start_per_device"][0]
         print(f"{optimizer} recompute={mode}: training peak {peak} B vs {peak_plain} B "
               f"without ({peak_plain / peak:.2f}x lower)")
@@ -78,12 +93,16 @@ def test_recompute_is_exact_and_lowers_the_activation_peak(tmp_path, optimizer, 
 
 
 def test_recompute_on_a_pipeline_is_exact(tmp_path):
-    cfg = {"model": "mlp", "model_depth": 4, "optimizer": "momentum", "learning_rate": 0.05,
-           "pipeline_stages": 2, "microbatches": 4, "cpu_devices": 2}
-    _, w_plain = train_child(tmp_path, "none", **cfg)
-    for mode in ("blocks", "full"):
-        _, w = train_child(tmp_path, mode, recompute=mode, **cfg)
-        assert max_diff(w_plain, w) <= 1e-6, mode
+    # Weights only (no allocator peak): the three runs share one child and its strategy.
+    from test_layout_compose import train_configs
+    from test_train import weights
+    cfg = {**BASE, "model": "mlp", "model_depth": 4, "optimizer": "momentum",
+           "learning_rate": 0.05, "pipeline_stages": 2, "microbatches": 4, "cpu_devices": 2}
+    modes = ("none", "blocks", "full")
+    train_configs(str(tmp_path / "w"), [{**cfg, "recompute": mode} for mode in modes])
+    w_plain = weights(str(tmp_path / "w.0"))
+    for i, mode in enumerate(modes[1:], 1):
+        assert max_diff(w_plain, weights(str(tmp_path / f"w.{i}"))) <= 1e-6, mode
 
 
 def test_recompute_on_the_mesh_is_exact_and_memory_is_per_shard(tmp_path):
@@ -92,7 +111,7 @@ def test_recompute_on_the_mesh_is_exact_and_memory_is_per_shard(tmp_path):
     cfg = {"model": "transformer", "optimizer": "momentum", "learning_rate": 0.05,
            "tensor_parallel": 2, "cpu_devices": 2, "global_batch_size": 64,
            "model_depth": 4}
-    plain, w_plain = train_child(tmp_path, "none", **cfg)
+    (result, plain), (w, w_plain) = runs_in_one_child(tmp_path, cfg, ("blocks",))
     memory = plain["memory"]
     param_bytes = sum(w.size * w.itemsize for w in w_plain)
     per_device = memory["param_bytes_per_device"]
@@ -104,7 +123,6 @@ def test_recompute_on_the_mesh_is_exact_and_memory_is_per_shard(tmp_path):
         assert params <= slots <= params + 64  # one momentum slot per shard + counters
     assert memory["peak_bytes_scope"] == "process" and memory["peak_bytes_per_device"][0] > 0
     peak_plain = memory["peak_bytes_above_start_per_device"][0]
-    result, w = train_child(tmp_path, "blocks", recompute="blocks", **cfg)
     assert max_diff(w_plain, w) <= 1e-6
     peak = result["memory"]["peak_bytes_above_start_per_device"][0]
     print(f"mesh 1x2 recompute=blocks: training peak {peak} B vs {peak_plain} B without "

@@ -153,3 +153,40 @@ def check(config):
     for setting, honoured, when, why in COMBINATIONS:
         if when(config) and getattr(config, setting) not in honoured:
             raise ConfigError(setting, getattr(config, setting), f"not supported: {why}")
+
+
+def check_devices(config, processes=1):
+    """Before TensorFlow: a DTensor mesh's degrees against the logical CPUs of one process
+    (`cpu_devices > 1`). `data_parallel × tensor_parallel × pipeline_stages` must equal
+    them (`data_parallel=0`: what the other two leave, which they must divide). Across
+    several processes (`processes > 1`) or on real devices (`cpu_devices` 0 or 1) the
+    count is known only once TensorFlow lists the devices: `tfpar.layout` checks it then.
+    (GPUs, when present, are the mesh's devices: `--cpu_devices` is for CPU-only hosts.)
+
+    Raises:
+        ConfigError: naming the degree that does not fit, and the settings that would.
+    """
+    if backend_of(config) != "dtensor":
+        return
+    devices = config.cpu_devices
+    if processes > 1 or devices < 2:
+        return
+    tp, stages, dp = config.tensor_parallel, config.pipeline_stages, config.data_parallel
+    if not dp:
+        if devices % (tp * stages):
+            degrees = (f"tensor_parallel × pipeline_stages = {tp}×{stages} "
+                       if stages > 1 else "")
+            raise ConfigError("tensor_parallel", tp,
+                              f"{degrees}must divide the {devices} logical CPUs of "
+                              f"--cpu_devices={devices}; use --cpu_devices=<multiple of "
+                              f"{tp * stages}>")
+        return
+    if dp * tp * stages != devices:
+        degrees = (f"data_parallel × tensor_parallel × pipeline_stages = {dp}×{tp}×{stages}"
+                   if stages > 1 else f"data_parallel × tensor_parallel = {dp}×{tp}")
+        fits = devices // (tp * stages)
+        instead = f", or --data_parallel={fits}" if fits and devices % (tp * stages) == 0 else ""
+        raise ConfigError("data_parallel", dp,
+                          f"{degrees} = {dp * tp * stages} must equal the {devices} logical "
+                          f"CPUs of --cpu_devices={devices}; use "
+                          f"--cpu_devices={dp * tp * stages}{instead}")
