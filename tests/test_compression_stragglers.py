@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, run
 
 AGGREGATORS = [
     # 12 KiB buckets: the MLP's plain all-reduce (steps < 4) goes in several collectives.

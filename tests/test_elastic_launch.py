@@ -12,7 +12,6 @@ job goes on with 2 workers from there (1 -> 2). It must end where the uninterrup
 ends (the same training on 2 replicas in one process).
 """
 
-import contextlib
 import json
 import os
 import random
@@ -20,7 +19,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 

@@ -276,7 +276,7 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     safe = config.replace(global_batch_size=_splittable(config, runtime.replicas))
     task = data.make_task(safe)
     model = DistributeBackend().build_model(safe, runtime, task)
-    start = memory.reset_peaks()
+    memory.reset_peaks()
     model.fit(data.distributed_dataset(runtime.strategy, safe, task), epochs=1,
               steps_per_epoch=1, verbose=0)
     peaks = memory.peak_bytes()
