@@ -33,7 +33,8 @@ Top-k and PowerSGD (with Adam, `--compress_adam_step`) do two things fp32 does n
 freeze Adam's second moment after `--adam_warmup_steps`, and they compress. `frozen-v` is
 the first alone: the exact fp32 aggregator with Adam in front and `v` frozen at the same
 step, nothing dropped (what top-k at ratio 1.0 computes, without its top-k pass). It runs
-once per task and seed when an Adam-in-front aggregator is in the list (`--frozen_reference`),
+once per task and seed when an Adam-in-front aggregator is in the list (`--frozen_reference`)
+and `v` freezes within the run (more steps than `--adam_warmup_steps`),
 with the lossy runs' `--set` overrides, and those runs print their gap to it beside the
 judged gap (`vs frozen`): compression's own cost. The verdict stays against fp32.
 
@@ -247,7 +248,8 @@ def main(argv=None):
                       f"{ref['val_accuracy'] - keras_ref['val_accuracy']:+6.3f}  reference; "
                       f"vs fp32 ({ref['seconds']:.0f} s)", flush=True)
             frozen = None
-            if frozen_on:
+            probe = ParallelConfig(**{**{k: v for k, v in base.items() if k != "task"}, **extra})
+            if frozen_on and probe.steps > probe.adam_warmup_steps:  # else v never freezes
                 frozen = run_one(base, FROZEN, extra, runtime, args.smooth)
                 frozen.update(task=task, seed=seed, reference="frozen", fails=[],
                               loss_gap=frozen["final_loss"] / ref["final_loss"] - 1,

@@ -81,6 +81,7 @@ class TopKAggregator(Aggregator):
     """
 
     lossy = True
+    adam_sync_momentum = True  # see `Aggregator.adam_sync_momentum`
 
     def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, warmup_steps=0,
                  warmup_start=0.25, **kwargs):
