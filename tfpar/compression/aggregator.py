@@ -132,7 +132,8 @@ class Aggregator(tf.Module):
     # 1-bit Adam sets its momentum to the compressed all-reduce's result. Without it each
     # replica's own momentum kept pushing entries whose pending step the gradient had not
     # seen yet (it waits in the residual), which overshoots: top-k 10 % ended the convnet at
-    # +327 % of fp32's loss, +3.7 % with it (tools/bench_compression_quality.py, seed 0).
+    # +327 % of fp32's loss, +3.8 % with it (tools/bench_compression_quality.py, seed 0).
+    # Top-k turns it on at ratio >= 1 − β₁ (`TopKAggregator.adam_sync_momentum`).
     adam_sync_momentum = False
 
     def __init__(self, bucket_mb=4.0, error_feedback=True, timeout_s=None, adam=None,
@@ -266,7 +267,7 @@ class Aggregator(tf.Module):
         replica that step is linear in the gradient, so the summed steps are exactly Adam's
         (with `v` frozen) on the global gradient, only delayed by what error feedback holds
         back — where per-replica moments normalise by each replica's noisier gradient
-        (batch / replicas) and move slower. With `adam_sync_momentum` (top-k) every replica
+        (batch / replicas) and move slower. With `adam_sync_momentum` (top-k at 10 %+) every replica
         then sets its momentum to the one the summed step applied (`Σ sent · c1 · s`), so
         an entry still waiting in a residual has no momentum pushing it further meanwhile.
         """
