@@ -22,6 +22,7 @@ from tfpar.compression import NoneAggregator, TopKAggregator, wrap_optimizer
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 N, LR, WARM, STEPS = 200, 1e-2, 3, 12
+ADAM = (0.9, 0.999, 1e-7)  # Adam in front (wrap_optimizer copies the optimizer's values in)
 rng = np.random.default_rng(0)
 # Per replica, per step: different gradients (a quadratic pull plus replica-own noise).
 target = tf.constant(rng.normal(size=N).astype("float32"))
@@ -47,7 +48,7 @@ def run(agg):
     return w, before, agg
 
 out = {}
-w, before, agg = run(TopKAggregator(0.2, adam_warmup_steps=WARM))
+w, before, agg = run(TopKAggregator(0.2, adam=ADAM, adam_warmup_steps=WARM))
 m = [v.numpy() for v in strategy.experimental_local_results(agg.moments["m_0"])]
 v = strategy.experimental_local_results(agg.moments["v_0"])[0].numpy()
 beta_1, beta_2, eps = agg.adam
@@ -60,8 +61,8 @@ out["m_vs_applied"] = float(np.max(np.abs(m[0] - applied * c1 * s)))
 out["m_where_unsent"] = float(np.max(np.abs(m[0][applied == 0])))
 out["m_scale"] = float(np.max(np.abs(m[0])))
 out["sent_share"] = float(np.mean(applied != 0))
-full, _, _ = run(TopKAggregator(1.0, adam_warmup_steps=WARM))
-exact, _, _ = run(NoneAggregator(adam=(0.9, 0.999, 1e-7), adam_warmup_steps=WARM))
+full, _, _ = run(TopKAggregator(1.0, adam=ADAM, adam_warmup_steps=WARM))
+exact, _, _ = run(NoneAggregator(adam=ADAM, adam_warmup_steps=WARM))
 out["full_vs_exact"] = float(np.max(np.abs(full.numpy() - exact.numpy())))
 out["moved"] = float(np.max(np.abs(exact.numpy())))
 print(json.dumps(out))
