@@ -125,8 +125,8 @@ class ParallelConfig:
     compression: str = "none"
     topk_ratio: float = 0.01
     topk_warmup_steps: int = 0
-    threshold: float = 1e-3
-    powersgd_rank: int = 4
+    threshold: float = 1e-4
+    powersgd_rank: int = 8
     powersgd_start_step: int = 0
     compress_adam_step: bool = True
     adam_warmup_steps: int = 50

@@ -29,6 +29,15 @@ embedding's gradient as `IndexedSlices` and its Adam adds the squares of every s
 densely first (the square of the sum). Lossy runs are judged against `fp32-exact`
 (`--reference=keras`: against the trainer's fp32), so a gap is what compression costs.
 
+Top-k and PowerSGD (with Adam, `--compress_adam_step`) do two things fp32 does not: they
+freeze Adam's second moment after `--adam_warmup_steps`, and they compress. `frozen-v` is
+the first alone: the exact fp32 aggregator with Adam in front and `v` frozen at the same
+step, nothing dropped (what top-k at ratio 1.0 computes, without its top-k pass). It runs
+once per task and seed when an Adam-in-front aggregator is in the list (`--frozen_reference`)
+and `v` freezes within the run (more steps than `--adam_warmup_steps`),
+with the lossy runs' `--set` overrides, and those runs print their gap to it beside the
+judged gap (`vs frozen`): compression's own cost. The verdict stays against fp32.
+
 Per run: the final loss (mean of the last `--smooth` batch losses; every run sees the same
 batches, so the means compare like for like), its relative gap to fp32's, and held-out loss
 and accuracy (`--validation_steps` batches of examples the training stream never reaches,
@@ -50,6 +59,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tests"))  # user_data.py: the user-style pipeline
 
 EXACT = "fp32-exact"  # the reference: fp32 through the exact aggregator
+FROZEN = "frozen-v"  # diagnostic: Adam in front, v frozen, nothing dropped (module docstring)
 LOSSY = ("fp16", "bf16", "int8", "topk", "threshold", "powersgd", "auto")
 TASKS = {"mlp": {"model": "mlp"}, "convnet": {"model": "convnet"},
          "transformer": {"model": "transformer", "task": "lookup"},
@@ -83,6 +93,9 @@ def parse_args(argv=None):
                    help="what the lossy runs are judged against: fp32 through the exact "
                    "aggregator (the same path as theirs; default) or the trainer's fp32 "
                    "(Keras's all-reduce); both fp32 runs are printed with exact")
+    p.add_argument("--frozen_reference", choices=("auto", "on", "off"), default="auto",
+                   help="run the frozen-v diagnostic (auto: when an aggregator in the list "
+                   "takes Adam in front of compression)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ParallelConfig field for the lossy runs (repeatable)")
     p.add_argument("--out", default="runs/compression_quality.json")
@@ -119,8 +132,8 @@ def final_loss(history, smooth):
 def run_one(base, spec, extra, runtime, smooth):
     from tfpar import ParallelConfig, data
     from tfpar.train import train
-    compression, *pairs = spec.split(":") if spec != EXACT else ("none",)
-    settings = {**extra, **overrides(pairs)} if compression != "none" else {}
+    compression, *pairs = spec.split(":") if spec not in (EXACT, FROZEN) else ("none",)
+    settings = {**extra, **overrides(pairs)} if compression != "none" or spec == FROZEN else {}
     base = dict(base)
     task = base.pop("task", None)
     config = ParallelConfig(**{**base, **settings, "compression": compression})
@@ -132,13 +145,20 @@ def run_one(base, spec, extra, runtime, smooth):
     default_task, make_optimizer = data.DEFAULT_TASKS[config.model], optimizers.make_optimizer
     if task == "lookup":  # the suite's transformer task (module docstring)
         data.DEFAULT_TASKS[config.model] = data.lookup_task
-    if spec == EXACT:  # fp32 through the exact aggregator (module docstring)
+    from tfpar import compression as comp
+    make_aggregator = comp.make_aggregator
+    if spec in (EXACT, FROZEN):  # fp32 through the exact aggregator (module docstring)
         optimizers.make_optimizer = lambda c: make_optimizer(c, bucketed=True)
+    if spec == FROZEN:  # ... with Adam in front, v frozen after adam_warmup_steps
+        comp.make_aggregator = lambda c, **kw: comp.NoneAggregator(
+            bucket_mb=c.bucket_mb, adam=(0.9, 0.999, 1e-7),
+            adam_warmup_steps=c.adam_warmup_steps)
     try:
         result, _ = train(config, runtime=runtime[0])
     finally:
         data.DEFAULT_TASKS[config.model] = default_task
         optimizers.make_optimizer = make_optimizer
+        comp.make_aggregator = make_aggregator
     val = result.get("validation", {})
     finite = all(math.isfinite(v) for v in result["loss_history"])
     return {"compression": compression, "run": spec,
@@ -154,8 +174,19 @@ def run_one(base, spec, extra, runtime, smooth):
                 "global_batch_size", "optimizer", "learning_rate")}}
 
 
-def judge(row, ref, args):
+def adam_in_front(row):
+    """Whether the run took Adam in front of compression (so `frozen-v` applies to it)."""
+    from tfpar.compression import ADAM_STEP_AGGREGATORS
+    c = row["config"]
+    return (row["compression"] in ADAM_STEP_AGGREGATORS and c["compress_adam_step"]
+            and c["optimizer"] == "adam" and c["adam_warmup_steps"] > 0)
+
+
+def judge(row, ref, args, frozen=None):
     row["loss_gap"] = row["final_loss"] / ref["final_loss"] - 1
+    if (frozen is not None and adam_in_front(row) and row["config"]["adam_warmup_steps"]
+            == frozen["config"]["adam_warmup_steps"]):
+        row["loss_gap_vs_frozen"] = row["final_loss"] / frozen["final_loss"] - 1
     row["acc_drop"] = ref["val_accuracy"] - row["val_accuracy"]
     bad = []
     if not row["finite"]:
@@ -189,8 +220,12 @@ def main(argv=None):
     runtime = [None]
     rows = []
     width = max([len(EXACT), *(len(a) for a in aggregators)])
+    frozen_on = args.frozen_reference == "on" or (
+        args.frozen_reference == "auto" and any(
+            a.split(":")[0] in ("topk", "powersgd") for a in aggregators))
+    width = max(width, len(FROZEN))
     print(f"{'task':12} {'seed':>4} {'aggregator':{width}} {'final loss':>10} {'vs ref':>8} "
-          f"{'val acc':>7} {'Δacc':>6}  verdict", flush=True)
+          f"{'vs frozen':>9} {'val acc':>7} {'Δacc':>6}  verdict", flush=True)
     for seed in seeds:  # seed-major: a cut-short run still has every task once
         for task in tasks:
             base = {**common, **TASKS[task], "seed": seed}
@@ -199,7 +234,7 @@ def main(argv=None):
                              reference="keras")
             rows.append(keras_ref)
             print(f"{task:12} {seed:4d} {'fp32':{width}} {keras_ref['final_loss']:10.4f} "
-                  f"{'—':>8} {keras_ref['val_accuracy']:7.3f} {'—':>6}  "
+                  f"{'—':>8} {'':>9} {keras_ref['val_accuracy']:7.3f} {'—':>6}  "
                   f"({keras_ref['seconds']:.0f} s)", flush=True)
             ref = keras_ref
             if args.reference == "exact":
@@ -209,20 +244,35 @@ def main(argv=None):
                 ref["loss_gap"], ref["acc_drop"] = 0.0, 0.0
                 rows.append(ref)
                 print(f"{task:12} {seed:4d} {EXACT:{width}} {ref['final_loss']:10.4f} "
-                      f"{ref['loss_gap_vs_keras']:+8.1%} {ref['val_accuracy']:7.3f} "
+                      f"{ref['loss_gap_vs_keras']:+8.1%} {'':>9} {ref['val_accuracy']:7.3f} "
                       f"{ref['val_accuracy'] - keras_ref['val_accuracy']:+6.3f}  reference; "
                       f"vs fp32 ({ref['seconds']:.0f} s)", flush=True)
+            frozen = None
+            probe = ParallelConfig(**{**{k: v for k, v in base.items() if k != "task"}, **extra})
+            if frozen_on and probe.steps > probe.adam_warmup_steps:  # else v never freezes
+                frozen = run_one(base, FROZEN, extra, runtime, args.smooth)
+                frozen.update(task=task, seed=seed, reference="frozen", fails=[],
+                              loss_gap=frozen["final_loss"] / ref["final_loss"] - 1,
+                              acc_drop=ref["val_accuracy"] - frozen["val_accuracy"])
+                rows.append(frozen)
+                print(f"{task:12} {seed:4d} {FROZEN:{width}} {frozen['final_loss']:10.4f} "
+                      f"{frozen['loss_gap']:+8.1%} {'':>9} {frozen['val_accuracy']:7.3f} "
+                      f"{-frozen['acc_drop']:+6.3f}  diagnostic, not judged "
+                      f"({frozen['seconds']:.0f} s)", flush=True)
             for agg in aggregators:
                 try:
-                    row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args)
+                    row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args,
+                                frozen)
                 except Exception as err:  # noqa: BLE001 — one broken run must not end the suite
                     row = {"compression": agg.split(":")[0], "run": agg, "final_loss": math.nan,
                            "val_accuracy": math.nan, "loss_gap": math.nan, "acc_drop": math.nan,
                            "seconds": 0.0, "fails": [f"error: {type(err).__name__}: {err}"[:300]]}
                 row.update(task=task, seed=seed)
                 rows.append(row)
+                vs_frozen = row.get("loss_gap_vs_frozen")
+                vs_frozen = "" if vs_frozen is None else f"{vs_frozen:+.1%}"
                 print(f"{task:12} {seed:4d} {agg:{width}} {row['final_loss']:10.4f} "
-                      f"{row['loss_gap']:+8.1%} {row['val_accuracy']:7.3f} "
+                      f"{row['loss_gap']:+8.1%} {vs_frozen:>9} {row['val_accuracy']:7.3f} "
                       f"{-row['acc_drop']:+6.3f}  {'; '.join(row['fails']) or 'ok'} "
                       f"({row['seconds']:.0f} s)", flush=True)
                 save(args, extra, rows, {}, None)  # so far, in case the run is cut short
