@@ -188,8 +188,14 @@ def crosses_machines(hw, size, stride):
     return size > 1 and size * stride > hw.per_machine
 
 
-def compression_ratio(name, profile, topk_ratio=0.01, rank=4):
-    """fp32 bytes / bytes on the wire for aggregator `name` on `profile`'s gradients."""
+def compression_ratio(name, profile, topk_ratio=None, rank=None):
+    """fp32 bytes / bytes on the wire for aggregator `name` on `profile`'s gradients; top-k's
+    ratio and PowerSGD's rank default to `ParallelConfig`'s (what `--compression=X` alone
+    runs)."""
+    from tfpar.config import ParallelConfig
+    defaults = ParallelConfig.__dataclass_fields__
+    topk_ratio = defaults["topk_ratio"].default if topk_ratio is None else topk_ratio
+    rank = defaults["powersgd_rank"].default if rank is None else rank
     if name in COMPRESSION_RATIO:
         return COMPRESSION_RATIO[name]
     if name == "topk":
