@@ -90,13 +90,16 @@ def worker(config_json, out_path):
     result, model = train(config, callbacks=[clock])
     # Communication share of a step: compute-only vs full steps on a scratch aggregator
     # (every worker takes part: the collectives are collective).
-    strategy = model.distribute_strategy
-    share, times = measure_comm_fraction(
-        strategy, model, data.distributed_dataset(strategy, config, data.make_task(config)),
-        steps=3)
-    result.setdefault("comm", {}).update(
-        comm_time_fraction=share, overlap_fraction=times.get("overlap_fraction"),
-        comm_timing_ms={k: v for k, v in times.items() if k.endswith("_ms")})
+    comm_steps = int(os.environ.get("TFPAR_BENCH_COMM_STEPS", "3"))
+    if comm_steps:
+        strategy = model.distribute_strategy
+        share, times = measure_comm_fraction(
+            strategy, model,
+            data.distributed_dataset(strategy, config, data.make_task(config)),
+            steps=comm_steps)
+        result.setdefault("comm", {}).update(
+            comm_time_fraction=share, overlap_fraction=times.get("overlap_fraction"),
+            comm_timing_ms={k: v for k, v in times.items() if k.endswith("_ms")})
     if os.environ.get("TFPAR_WORKER_INDEX") == "0":
         result["wall_clock_s"] = clock.ends
         # After the first two steps (tracing, first collectives' set-up).
@@ -225,9 +228,10 @@ def plot(runs, window, path):
 
 
 # ---- the driver ----------------------------------------------------------------------
-def run_one(link, name, settings, out_dir, timeout, extra):
+def run_one(link, name, settings, out_dir, timeout, extra, comm_steps=3):
     """Trains with aggregator `name` (or a `VARIANTS` run) on the two sides of `link`;
-    returns its metrics."""
+    returns its metrics. `comm_steps`: timed steps of the communication share measured
+    after training (0: not measured, for runs that only want steps/s)."""
     compression, changes = VARIANTS.get(name, (name, {}))
     config = dict(settings, compression=compression, strategy="multi_worker", verbose=0,
                   **changes)
@@ -242,6 +246,7 @@ def run_one(link, name, settings, out_dir, timeout, extra):
         env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                    TFPAR_WORKER_INDEX=str(i), TFPAR_NUM_WORKERS="2",
                    TFPAR_BENCH_DEVICE=link.devices[i],
+                   TFPAR_BENCH_COMM_STEPS=str(comm_steps),
                    TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
                                          "task": {"type": "worker", "index": i}}))
         log = open(os.path.join(out_dir, f"{name}.worker{i}.log"), "w")

@@ -1,15 +1,21 @@
-"""tfpar's aggregators against PyTorch DDP's comm hooks, back to back on the same shaped link.
+"""tfpar's aggregators against PyTorch DDP's comm hooks, interleaved on the same shaped link.
 
-For each global batch in `--batches` (default 32 and 256): `tools/bench_compression.py`
-(two tfpar workers in network namespaces joined by a `tc tbf` veth pair) with fp32, fp16 and
-PowerSGD rank 4, then the PyTorch peer (`run_ddp_shaped.sh` from `--peer_dir`: two gloo
-ranks in their own namespaces, the same rate) with the same modes, the same model size (MLP of
-~6.3 M parameters), batch, optimizer (momentum SGD, lr 0.01) and steps. Prints steps/s of
-each and the ratio tfpar / PyTorch, with the load average before and after each side; writes
-`--out` (JSON). Needs root, iproute2 and the peer's own Python (`--torch_py`).
+For each round (`--rounds`), global batch (`--batches`, default 32 and 256) and mode
+(`--modes`: fp32, fp16, PowerSGD rank 4): `tools/bench_compression.py`'s worker pair (two
+tfpar workers in network namespaces joined by a `tc tbf` veth pair, the one mode alone) and
+the PyTorch peer (`run_ddp_shaped.sh` from `--peer_dir`: two gloo ranks in their own
+namespaces, the same rate, the same mode), back to back, which side goes first alternating
+from round to round, so both sides see the same machine hour. Same model size (MLP of ~6.3 M
+parameters), batch, optimizer (momentum SGD, lr 0.01) and steps. Prints per side the median
+steps/s over rounds with its min–max, and the ratio of the medians tfpar / PyTorch with the
+min–max of the per-round ratios (each round's two sides ran minutes apart); the load average
+at every side change goes to `--out` (JSON). Needs root, iproute2 and the peer's own Python
+(`--torch_py`).
 
     python tools/bench_compression_vs_torch.py --peer_dir=../shared/peers \
-        --torch_py=$HOME/.venvs/torch-peer/bin/python
+        --torch_py=$HOME/.venvs/torch-peer/bin/python --rounds=3
+    # a reduced run: PowerSGD only, 2 rounds, 16 steps
+    python tools/bench_compression_vs_torch.py ... --rounds=2 --modes=powersgd --steps=16
 
 Take the CPU lock yourself (one command): both sides must run in one sitting.
 """
@@ -17,11 +23,14 @@ Take the CPU lock yourself (one command): both sides must run in one sitting.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 MODES = {"none": "fp32", "fp16": "fp16", "powersgd": "powersgd"}  # tfpar name -> peer's
+PEER_NAMES = {v: k for k, v in MODES.items()}
 
 
 def loadavg():
@@ -29,70 +38,138 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
-def run_tfpar(batch, steps, rate, out, timeout):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_compression.py"),
-           f"--aggregators={','.join(MODES)}", f"--global_batch_size={batch}",
-           "--optimizer=momentum", "--learning_rate=0.01", f"--steps={steps}", "--extra=0",
-           f"--rate={rate}", f"--out={out}", f"--png={os.path.splitext(out)[0]}.png"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench_compression.py failed ({proc.returncode}): "
-                           f"{proc.stderr[-2000:]}")
-    with open(out) as f:
-        runs = json.load(f)["runs"]
-    return {MODES[k]: 1000 / runs[k]["step_time_ms"]["median"] for k in MODES}
+def run_tfpar(mode, batch, steps, rate, out_dir, timeout):
+    """steps/s of tfpar's `mode` (a tfpar aggregator name): the median step of `fit`."""
+    import bench_compression
+    from shaped_link import ShapedLink
+
+    settings = {"model": "mlp", "model_width": 1024, "model_depth": 7,
+                "global_batch_size": batch, "optimizer": "momentum", "learning_rate": 0.01,
+                "steps": steps, "steps_per_epoch": steps, "seed": 0}
+    os.makedirs(out_dir, exist_ok=True)
+    with ShapedLink(rate=rate) as link:
+        run = bench_compression.run_one(link, mode, settings, out_dir, timeout, extra=0,
+                                        comm_steps=0)
+    return 1000 / run["step_time_ms"]["median"]
 
 
-def run_peer(peer_dir, torch_py, batch, steps, rate, log_dir, timeout):
+def run_peer(peer_dir, torch_py, mode, batch, steps, rate, log_dir, timeout):
+    """steps/s of the peer's `mode` (a peer name): the slower rank's rate."""
+    tag = f"b{batch}_{mode}"
     env = {**os.environ, "TORCH_PY": torch_py, "STEPS": str(steps), "UNSHAPED": "0",
-           "MODES": " ".join(MODES.values()), "EXTRA": f"--global_batch {batch}",
-           "TAG": f"b{batch}", "LOGDIR": log_dir}
+           "MODES": mode, "EXTRA": f"--global_batch {batch}", "TAG": tag, "LOGDIR": log_dir}
+    path = os.path.join(log_dir, f"{tag}_shaped_{rate}.jsonl")
+    if os.path.exists(path):
+        os.remove(path)
     proc = subprocess.run(["bash", os.path.join(peer_dir, "run_ddp_shaped.sh"), rate], env=env,
                           capture_output=True, text=True, timeout=timeout)
-    path = os.path.join(log_dir, f"b{batch}_shaped_{rate}.jsonl")
     if not os.path.exists(path):
         raise RuntimeError(f"peer wrote no results ({proc.returncode}): {proc.stderr[-2000:]}")
-    rates = {}
+    rate_of = float("nan")
     with open(path) as f:
         for line in f:
             d = json.loads(line)
-            if "error" in d:
-                rates[d["label"]] = float("nan")
-            else:  # the slower rank sets the pace
-                rates[d["label"]] = min(rates.get(d["label"], 1e9), d["steps_per_s"])
-    return rates
+            if d.get("label") != mode or "error" in d:
+                continue
+            # The slower rank sets the pace.
+            rate_of = d["steps_per_s"] if rate_of != rate_of else min(rate_of, d["steps_per_s"])
+    return rate_of
+
+
+def spread(values):
+    """`{"median", "min", "max"}` of the finite `values` (NaN when there are none)."""
+    values = [v for v in values if v == v]
+    if not values:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(rounds, modes):
+    """Per mode over `rounds` (`[{"tfpar": {mode: sps}, "torch": {mode: sps}}, ...]`): each
+    side's spread, the ratio of the medians and the per-round ratios' spread."""
+    out = {}
+    for m in modes:
+        t = spread([r["tfpar"].get(m, float("nan")) for r in rounds])
+        p = spread([r["torch"].get(m, float("nan")) for r in rounds])
+        per_round = [r["tfpar"][m] / r["torch"][m] for r in rounds
+                     if r["tfpar"].get(m) and r["torch"].get(m)]
+        out[m] = {"tfpar": t, "torch": p, "ratio_of_medians": t["median"] / p["median"],
+                  "ratio_per_round": per_round, "ratio_range": spread(per_round)}
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peer_dir", required=True, help="directory holding run_ddp_shaped.sh")
     p.add_argument("--torch_py", required=True, help="the peer's Python (with torch)")
-    p.add_argument("--batches", default="32,256")
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--batches", default="32,256", help="comma-separated global batch sizes")
+    p.add_argument("--modes", default="fp32,fp16,powersgd",
+                   help="comma-separated subset of fp32,fp16,powersgd (tfpar's names none, "
+                        "fp16, powersgd are accepted too)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleaved rounds; each runs every batch and mode on both sides")
+    p.add_argument("--steps", type=int, default=32,
+                   help="steps per run (the peer times those after its 12 untimed ones)")
     p.add_argument("--rate", default="100mbit")
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "compression_vs_torch.json"))
     args = p.parse_args()
+    modes = [PEER_NAMES.get(m, m) for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(PEER_NAMES)}")
+    modes = [MODES[m] for m in modes]  # the peer's names from here on
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds}: must be >= 1")
+    if args.steps <= 12:
+        p.error(f"--steps={args.steps}: must be > 12 (the peer's untimed steps)")
     work = os.path.splitext(args.out)[0]
     os.makedirs(work, exist_ok=True)
+    peer_dir = os.path.abspath(args.peer_dir)
+    per_batch = {b: [] for b in batches}
+    for i in range(args.rounds):
+        for batch in batches:
+            row = {"tfpar": {}, "torch": {}, "loads": [loadavg()]}
+            for mode in modes:
+                sides = ["tfpar", "torch"] if i % 2 == 0 else ["torch", "tfpar"]
+                for side in sides:
+                    if side == "tfpar":
+                        row["tfpar"][mode] = run_tfpar(
+                            PEER_NAMES[mode], batch, args.steps, args.rate,
+                            os.path.join(work, f"tfpar_b{batch}"), args.timeout)
+                    else:
+                        row["torch"][mode] = run_peer(peer_dir, args.torch_py, mode, batch,
+                                                      args.steps, args.rate, work, args.timeout)
+                    row["loads"].append(loadavg())
+                print(f"round {i + 1}/{args.rounds} batch {batch} {mode:8}: tfpar "
+                      f"{row['tfpar'][mode]:.3f}, torch {row['torch'][mode]:.3f} steps/s "
+                      f"({' then '.join(sides)}; load {row['loads'][-1]})", flush=True)
+            per_batch[batch].append(row)
     report = {"args": vars(args), "batches": {}}
-    for batch in [int(b) for b in args.batches.split(",") if b]:
-        row = {"load_before": loadavg()}
-        row["tfpar"] = run_tfpar(batch, args.steps, args.rate,
-                                 os.path.join(work, f"tfpar_b{batch}.json"), args.timeout)
-        row["load_between"] = loadavg()
-        row["torch"] = run_peer(os.path.abspath(args.peer_dir), args.torch_py, batch,
-                                args.steps, args.rate, work, args.timeout)
-        row["load_after"] = loadavg()
-        row["ratio"] = {m: row["tfpar"][m] / row["torch"][m] for m in MODES.values()
-                        if row["torch"].get(m)}
-        report["batches"][batch] = row
-        print(f"batch {batch} (load {row['load_before']} / {row['load_between']} / "
-              f"{row['load_after']}):")
-        print(f"  {'mode':9} {'tfpar steps/s':>13} {'torch steps/s':>13} {'tfpar/torch':>11}")
-        for m in MODES.values():
-            print(f"  {m:9} {row['tfpar'][m]:13.3f} {row['torch'].get(m, float('nan')):13.3f} "
-                  f"{row['ratio'].get(m, float('nan')):11.2f}", flush=True)
+    print(f"\n{args.rounds} interleaved round(s), {args.steps} steps, {args.rate}; "
+          "steps/s median [min–max over rounds]")
+    for batch in batches:
+        rounds = per_batch[batch]
+        stats = summarize(rounds, modes)
+        report["batches"][batch] = {
+            # The keys of the one-round tool: medians over rounds, the first round's loads.
+            "load_before": rounds[0]["loads"][0], "load_between": rounds[0]["loads"][1],
+            "load_after": rounds[-1]["loads"][-1],
+            "tfpar": {m: stats[m]["tfpar"]["median"] for m in modes},
+            "torch": {m: stats[m]["torch"]["median"] for m in modes},
+            "ratio": {m: stats[m]["ratio_of_medians"] for m in modes},
+            "rounds": rounds, "stats": stats}
+        print(f"batch {batch}:")
+        print(f"  {'mode':9} {'tfpar steps/s':>24} {'torch steps/s':>24} "
+              f"{'tfpar/torch (per round)':>26}")
+        for m in modes:
+            s = stats[m]
+            cell = {k: f"{s[k]['median']:.3f} [{s[k]['min']:.3f}–{s[k]['max']:.3f}]"
+                    for k in ("tfpar", "torch")}
+            r = s["ratio_range"]
+            print(f"  {m:9} {cell['tfpar']:>24} {cell['torch']:>24} "
+                  f"{s['ratio_of_medians']:>10.2f} [{r['min']:.2f}–{r['max']:.2f}]", flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")

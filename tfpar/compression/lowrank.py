@@ -82,21 +82,40 @@ class PowerSGDAggregator(NoneAggregator):
         qs = [self.qs[str(positions[j])] for j in mat]
         # Two collectives per step in total: all Ps together with the uncompressed vectors
         # (exact, so nothing for error feedback), then all Qs.
-        sums, p_bytes = self._sum_flat([powersgd.compress_p(m, q) for m, q in zip(ms, qs)] +
-                                       [xs[j] for j in rest])
+        sums, p_bytes = self._sum_flat(self._encode_p(ms, qs) + [xs[j] for j in rest])
         for j, s in zip(rest, sums[len(mat):]):
             summed[j] = s
-        p_hats = [powersgd.orthogonalize(p) for p in sums[:len(mat)]]
-        q_locals = [powersgd.compress_q(m, p) for m, p in zip(ms, p_hats)]
+        p_hats = self._orthogonalize(sums[:len(mat)])
+        q_locals = self._encode_q(ms, p_hats)
         q_sums, q_bytes = self._sum_flat(q_locals)
-        for j, m, p_hat, q_loc, q_sum, q_var in zip(mat, ms, p_hats, q_locals, q_sums, qs):
-            shape = xs[j].shape
-            summed[j] = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
-            local[j] = tf.reshape(powersgd.decompress(p_hat, q_loc), shape)
+        for j, p_hat, q_loc, q_sum, q_var in zip(mat, p_hats, q_locals, q_sums, qs):
+            summed[j], local[j] = self._decode(p_hat, q_sum, q_loc, xs[j].shape)
             # Warm start from the summed Q; an all-zero gradient would leave Q at zero
             # forever, so keep the previous Q then.
             q_var.assign(tf.where(tf.reduce_any(q_sum != 0), q_sum, q_var))
         return summed, local, p_bytes + q_bytes
+
+    @staticmethod
+    def _encode_p(ms, qs):
+        """Every matrix's first factor `M Q`, before the sum over replicas."""
+        return [powersgd.compress_p(m, q) for m, q in zip(ms, qs)]
+
+    @staticmethod
+    def _orthogonalize(ps):
+        """`P̂` of every summed `P`."""
+        return [powersgd.orthogonalize(p) for p in ps]
+
+    @staticmethod
+    def _encode_q(ms, p_hats):
+        """Every matrix's second factor `Mᵀ P̂`, before the sum over replicas."""
+        return [powersgd.compress_q(m, p) for m, p in zip(ms, p_hats)]
+
+    @staticmethod
+    def _decode(p_hat, q_sum, q_local, shape):
+        """`(summed, local)`: the summed gradient `P̂ Q_sumᵀ` and what this replica's own
+        message decodes to, `P̂ Q_localᵀ` (for error feedback), in the gradient's shape."""
+        return (tf.reshape(powersgd.decompress(p_hat, q_sum), shape),
+                tf.reshape(powersgd.decompress(p_hat, q_local), shape))
 
     def _sum_flat(self, tensors):
         """All `tensors` summed over replicas in one fp32 all-reduce."""

@@ -66,8 +66,11 @@ def compress_p(matrix, q):
 
 
 def compress_q(matrix, p_hat):
-    """Second factor, before the sum over replicas: `Mᵀ P̂`."""
-    return tf.matmul(matrix, p_hat, transpose_a=True)
+    """Second factor, before the sum over replicas: `Mᵀ P̂`, computed as `(P̂ᵀ M)ᵀ`: the
+    same products (equal up to rounding), where TensorFlow's CPU kernel for `Mᵀ P̂` walked
+    `M` column-wise (2.6 ms against 2.0 ms for a 6.3 M-parameter MLP's matrices at rank 4,
+    one process)."""
+    return tf.transpose(tf.matmul(p_hat, matrix, transpose_a=True))
 
 
 def decompress(p_hat, q):

@@ -1,0 +1,79 @@
+"""PowerSGD's packing: every matrix's P and the uncompressed tensors in one all-reduce, every
+Q in a second, whatever the number of tensors; unpacked back to the right tensors.
+
+One replica (the default strategy): the sums are the replica's own factors, so the result
+must be PowerSGD's single-replica round trip per matrix and the uncompressed tensors
+unchanged, bit for bit.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar.compression import collectives, powersgd
+from tfpar.compression.lowrank import PowerSGDAggregator
+
+# Matrices of several shapes (a conv kernel and a 3-D kernel among them), vectors, a scalar
+# and a matrix too small to compress (its factors would be larger than itself).
+SHAPES = [(24, 16), (16,), (3, 3, 4, 8), (8,), (8, 6, 5), (2, 3), (), (40, 40), (40,)]
+RANK = 2
+
+
+@pytest.fixture(scope="module")
+def run():
+    rng = np.random.RandomState(0)
+    variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    grads = [tf.constant(np.asarray(rng.randn(*s), "float32")) for s in SHAPES]
+    agg = PowerSGDAggregator(rank=RANK, error_feedback=False)
+    agg.build(variables)
+    q0 = {k: tf.identity(v) for k, v in agg.qs.items()}
+    calls = []
+    real = collectives.sum_all
+
+    def recording(flat, opts):
+        calls.append(int(flat.shape[0]))
+        return real(flat, opts)
+
+    collectives.sum_all = recording
+    try:
+        out = tf.function(lambda g: agg.all_reduce_sum(g, variables))(grads)
+    finally:
+        collectives.sum_all = real
+    return {"agg": agg, "grads": grads, "out": out, "calls": calls, "q0": q0}
+
+
+def test_two_all_reduces_sized_p_plus_uncompressed_then_q(run):
+    matrices = run["agg"]._matrices()
+    assert matrices == [0, 2, 4, 7]  # (2, 3) is not worth compressing
+    n_p = n_q = 0
+    for i in matrices:
+        n, m = powersgd.matrix_shape(SHAPES[i])
+        r = powersgd.effective_rank(SHAPES[i], RANK)
+        n_p, n_q = n_p + n * r, n_q + m * r
+    rest = sum(int(np.prod(s)) for i, s in enumerate(SHAPES) if i not in matrices)
+    assert run["calls"] == [n_p + rest, n_q]
+    assert run["agg"].comm_stats()["bytes_on_wire_per_step"] == 4 * (n_p + rest + n_q)
+
+
+def test_unpacked_into_the_right_tensors(run):
+    matrices = run["agg"]._matrices()
+    for i, (g, out) in enumerate(zip(run["grads"], run["out"])):
+        assert tuple(out.shape) == SHAPES[i]
+        if i not in matrices:  # sent uncompressed: unchanged
+            np.testing.assert_array_equal(out.numpy(), g.numpy())
+            continue
+        m = tf.reshape(g, powersgd.matrix_shape(SHAPES[i]))
+        approx, new_q = powersgd.approximate(m, run["q0"][str(i)])
+        np.testing.assert_allclose(out.numpy(), tf.reshape(approx, SHAPES[i]).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+        # The warm start for the next step is the summed (here: own) Q.
+        np.testing.assert_allclose(run["agg"].qs[str(i)].numpy(), new_q.numpy(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_compress_q_is_m_transposed_p():
+    rng = np.random.RandomState(1)
+    m = rng.randn(50, 30).astype("float32")
+    p_hat = powersgd.orthogonalize(tf.constant(rng.randn(50, 4).astype("float32")))
+    np.testing.assert_allclose(powersgd.compress_q(tf.constant(m), p_hat).numpy(),
+                               m.T @ p_hat.numpy(), rtol=1e-5, atol=1e-5)
