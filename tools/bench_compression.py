@@ -39,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-AGGREGATORS = ("none", "fp16", "bf16", "int8", "topk", "topk_nowarmup", "threshold",
+AGGREGATORS = ("none", "fp16", "bf16", "int8", "topk", "topk_nowarmup", "threshold", "auto",
                "powersgd")
 QUICK = ("none", "fp16", "topk", "powersgd")
 # Runs that only show what one setting does; the goals are not checked on them.
@@ -289,6 +289,12 @@ def main():
     parser.add_argument("--topk_warmup_steps", type=int, default=10,
                         help="top-k's density warm-up (DGC): 25 %% of the entries at the "
                              "first step, decaying to 1 %% at this step; 0 = off")
+    parser.add_argument("--powersgd_rank", type=int, default=4,
+                        help="PowerSGD's rank: 4, as the README's table and PyTorch's peer "
+                             "(the trainer's default is 8, chosen for quality)")
+    parser.add_argument("--threshold", type=float, default=1e-3,
+                        help="the threshold aggregator's threshold: 1e-3, as the README's "
+                             "table (the trainer's default is 1e-4)")
     parser.add_argument("--steps", type=int, default=0, help="fp32's steps; default 150 "
                         "(quick: 12)")
     parser.add_argument("--extra", type=float, default=0.25,
@@ -327,7 +333,8 @@ def main():
                 "model_depth": args.model_depth, "global_batch_size": args.global_batch_size,
                 "optimizer": args.optimizer, "learning_rate": args.learning_rate,
                 "steps": steps, "steps_per_epoch": steps, "seed": 0,
-                "topk_warmup_steps": args.topk_warmup_steps}
+                "topk_warmup_steps": args.topk_warmup_steps,
+                "powersgd_rank": args.powersgd_rank, "threshold": args.threshold}
     out_dir = os.path.splitext(args.out)[0] + "_runs"
     os.makedirs(out_dir, exist_ok=True)
     load_before = machine_load()

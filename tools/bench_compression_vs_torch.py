@@ -45,7 +45,8 @@ def run_tfpar(mode, batch, steps, rate, out_dir, timeout):
 
     settings = {"model": "mlp", "model_width": 1024, "model_depth": 7,
                 "global_batch_size": batch, "optimizer": "momentum", "learning_rate": 0.01,
-                "steps": steps, "steps_per_epoch": steps, "seed": 0}
+                "steps": steps, "steps_per_epoch": steps, "seed": 0,
+                "powersgd_rank": 4}  # the peer's rank (the trainer's default is 8)
     os.makedirs(out_dir, exist_ok=True)
     with ShapedLink(rate=rate) as link:
         run = bench_compression.run_one(link, mode, settings, out_dir, timeout, extra=0,
