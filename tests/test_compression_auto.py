@@ -44,6 +44,10 @@ def digest(model):
     return hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.trainable_variables)).hexdigest()
 
 out = {}
+# 0. The link as auto measures it when given none: the same figures on both workers.
+from tfpar.compression.auto import measure_link
+out["link"] = [float(v) for v in measure_link(strategy)]
+
 # 1. auto on a planted link (1 MB/s, no latency) with a 5 ms budget: 5,000 bytes a step, so
 # r_hi = 4 and r_lo = 1 for this model; eta = 10 calls every window after the first settled;
 # a loss-guard boost at step 12 sends r_hi again for 3 steps. Each worker its own data.
@@ -124,6 +128,9 @@ def test_auto_workers_agree_and_adam_step_matches_keras():
     for key in ("hash", "losses", "wire", "ranks", "plan"):
         assert a["auto"][key] == b["auto"][key], f"auto: workers differ in {key}"
     assert a["auto"]["residual"] != b["auto"]["residual"]  # each keeps its own error
+    assert a["link"] == b["link"], "the workers measured different links"
+    bytes_per_s, latency = a["link"]
+    assert 1e5 < bytes_per_s < 1e12 and 0 < latency < 1, a["link"]
     assert a["auto"]["plan"] == [4, 1]
     wire, ranks = a["auto"]["wire"], a["auto"]["ranks"]
     # Exact steps before start_step, then r_hi for the first window, r_lo after, r_hi again

@@ -68,10 +68,11 @@ def measure_link(strategy, sizes=(256, 262144), repeats=3):
     (n0, n1), (t0, t1) = sizes, seconds
     per_byte = max((t1 - t0) / (4 * (n1 - n0)), 1e-12)
     latency = max(t0 - 4 * n0 * per_byte, 1e-6)
-    # All replicas must decide alike: take the slowest replica's figures.
+    # All replicas must decide alike: take the slowest replica's figures. tf.distribute has
+    # no MAX reduction (`ReduceOp` is SUM or MEAN): gather every replica's, then the max.
     agreed = tf.function(lambda: strategy.run(
-        lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.MAX, tf.constant([per_byte, latency], tf.float64))))()
+        lambda: tf.reduce_max(tf.distribute.get_replica_context().all_gather(
+            tf.constant([[per_byte, latency]], tf.float32), axis=0, options=opts), axis=0)))()
     per_byte, latency = strategy.experimental_local_results(agreed)[0].numpy()
     return 1.0 / float(per_byte), float(latency)
 
