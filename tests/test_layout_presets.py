@@ -81,7 +81,7 @@ def test_mesh_degrees_are_checked_against_cpu_devices_before_tensorflow_starts()
     mesh3d = ParallelConfig(tensor_parallel=2, data_parallel=2, pipeline_stages=2,
                             microbatches=4, cpu_devices=4)
     with pytest.raises(ConfigError, match=r"2×2×2 = 8 must equal the 4 logical CPUs.*"
-                                          r"--cpu_devices=8, or --data_parallel=1$"):
+                                          r"--cpu_devices=8 on CPU, or --data_parallel=1$"):
         compat.check_devices(mesh3d)
     compat.check_devices(mesh3d.replace(cpu_devices=8))
     compat.check_devices(mesh3d, processes=2)  # across processes: checked once TF lists them
@@ -89,6 +89,24 @@ def test_mesh_degrees_are_checked_against_cpu_devices_before_tensorflow_starts()
         compat.check_devices(ParallelConfig(tensor_parallel=3, cpu_devices=4))
     compat.check_devices(ParallelConfig(tensor_parallel=2, cpu_devices=4))  # dp=0: all
     compat.check_devices(ParallelConfig(data_parallel=3, cpu_devices=4))  # not a mesh
+
+
+def test_one_rule_gives_the_meshes_batch_size_before_and_after_tensorflow():
+    from tfpar.compat import mesh_degrees
+    # data_parallel=0: what tensor_parallel × pipeline_stages leave (a pipeline of meshes too)
+    assert mesh_degrees(0, 2, 2, 8, "local devices") == 2
+    assert mesh_degrees(0, 4, 1, 8, "local devices") == 2
+    assert mesh_degrees(2, 2, 2, 8, "local devices") == 2
+    with pytest.raises(ConfigError, match=r"^pipeline_stages=2 .*2×2×2 = 8 must equal the 6 "
+                                          r"local devices; use --cpu_devices=8 on CPU$"):
+        mesh_degrees(2, 2, 2, 6, "local devices")
+    # Across processes --cpu_devices is not the count: no hint naming it.
+    with pytest.raises(ConfigError, match=r"2×2 = 4 must equal the 8 devices of 2 processes "
+                                          r"× 4; use --data_parallel=4$"):
+        mesh_degrees(2, 2, 1, 8, "devices of 2 processes × 4", cpu_hint=False)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel=2 .*tensor_parallel × "
+                                          r"pipeline_stages = 2×3 must divide the 8 "):
+        mesh_degrees(0, 2, 3, 8, "local devices")
 
 
 def test_layout_falls_back_to_whole_when_a_dimension_does_not_split():

@@ -155,38 +155,53 @@ def check(config):
             raise ConfigError(setting, getattr(config, setting), f"not supported: {why}")
 
 
-def check_devices(config, processes=1):
-    """Before TensorFlow: a DTensor mesh's degrees against the logical CPUs of one process
-    (`cpu_devices > 1`). `data_parallel × tensor_parallel × pipeline_stages` must equal
-    them (`data_parallel=0`: what the other two leave, which they must divide). Across
-    several processes (`processes > 1`) or on real devices (`cpu_devices` 0 or 1) the
-    count is known only once TensorFlow lists the devices: `tfpar.layout` checks it then.
-    (GPUs, when present, are the mesh's devices: `--cpu_devices` is for CPU-only hosts.)
+def mesh_degrees(data_parallel, tensor_parallel, stages, devices, where, cpu_hint=True):
+    """The `batch` size of each stage's `data_parallel` × `tensor_parallel` mesh when
+    `stages` such meshes fill `devices` devices (`data_parallel=0`: what the other two
+    leave). One rule for the check before TensorFlow (`check_devices`) and the meshes built
+    after it (`tfpar.layout`); `where` names the devices in the message ("local devices",
+    "logical CPUs of --cpu_devices=4", ...); `cpu_hint=False` where `--cpu_devices` is not
+    the count (devices of several processes).
 
     Raises:
         ConfigError: naming the degree that does not fit, and the settings that would.
     """
-    if backend_of(config) != "dtensor":
-        return
-    devices = config.cpu_devices
-    if processes > 1 or devices < 2:
-        return
-    tp, stages, dp = config.tensor_parallel, config.pipeline_stages, config.data_parallel
-    if not dp:
-        if devices % (tp * stages):
-            degrees = (f"tensor_parallel × pipeline_stages = {tp}×{stages} "
+    per = tensor_parallel * stages
+    if not data_parallel:
+        if devices % per:
+            degrees = (f"tensor_parallel × pipeline_stages = {tensor_parallel}×{stages} "
                        if stages > 1 else "")
-            raise ConfigError("tensor_parallel", tp,
-                              f"{degrees}must divide the {devices} logical CPUs of "
-                              f"--cpu_devices={devices}; use --cpu_devices=<multiple of "
-                              f"{tp * stages}>")
+            fits = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+            raise ConfigError("tensor_parallel", tensor_parallel,
+                              f"{degrees}must divide the {devices} {where} ({fits} do)" +
+                              (f"; or use --cpu_devices=<multiple of {per}>" if cpu_hint
+                               else ""))
+        return devices // per
+    if data_parallel * per != devices:
+        setting, degrees = (
+            ("pipeline_stages", f"data_parallel × tensor_parallel × pipeline_stages = "
+             f"{data_parallel}×{tensor_parallel}×{stages}") if stages > 1 else
+            ("data_parallel", f"data_parallel × tensor_parallel = "
+             f"{data_parallel}×{tensor_parallel}"))
+        fixes = ([f"--cpu_devices={data_parallel * per} on CPU"] if cpu_hint else []) + (
+            [f"--data_parallel={devices // per}"] if devices % per == 0 else [])
+        raise ConfigError(setting, stages if stages > 1 else data_parallel,
+                          f"{degrees} = {data_parallel * per} must equal the {devices} "
+                          f"{where}" + (f"; use {', or '.join(fixes)}" if fixes else ""))
+    return data_parallel
+
+
+def check_devices(config, processes=1):
+    """Before TensorFlow: a DTensor mesh's degrees against the logical CPUs of one process
+    (`cpu_devices > 1`), by `mesh_degrees`. Across several processes (`processes > 1`) or
+    on real devices (`cpu_devices` 0 or 1) the count is known only once TensorFlow lists
+    the devices: `tfpar.layout` checks it then. (GPUs, when present, are the mesh's
+    devices: `--cpu_devices` is for CPU-only hosts.)
+
+    Raises:
+        ConfigError: naming the degree that does not fit, and the settings that would.
+    """
+    if backend_of(config) != "dtensor" or processes > 1 or config.cpu_devices < 2:
         return
-    if dp * tp * stages != devices:
-        degrees = (f"data_parallel × tensor_parallel × pipeline_stages = {dp}×{tp}×{stages}"
-                   if stages > 1 else f"data_parallel × tensor_parallel = {dp}×{tp}")
-        fits = devices // (tp * stages)
-        instead = f", or --data_parallel={fits}" if fits and devices % (tp * stages) == 0 else ""
-        raise ConfigError("data_parallel", dp,
-                          f"{degrees} = {dp * tp * stages} must equal the {devices} logical "
-                          f"CPUs of --cpu_devices={devices}; use "
-                          f"--cpu_devices={dp * tp * stages}{instead}")
+    mesh_degrees(config.data_parallel, config.tensor_parallel, config.pipeline_stages,
+                 config.cpu_devices, f"logical CPUs of --cpu_devices={config.cpu_devices}")

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import compat
 from tfpar import devices as devices_lib
 from tfpar import patches
 from tfpar.errors import ConfigError
@@ -76,20 +77,8 @@ def make_mesh(data_parallel, tensor_parallel, devices=None):
     devices = list(devices or devices_lib.compute_devices())
     if tensor_parallel < 1:
         raise ConfigError("tensor_parallel", tensor_parallel, "must be an integer >= 1")
-    if not data_parallel:
-        if len(devices) % tensor_parallel:
-            raise ConfigError(
-                "tensor_parallel", tensor_parallel,
-                f"must divide the {len(devices)} local devices; try "
-                f"{_divisors(len(devices))} or --cpu_devices=<multiple of {tensor_parallel}>")
-        data_parallel = len(devices) // tensor_parallel
-    if data_parallel * tensor_parallel != len(devices):
-        raise ConfigError(
-            "data_parallel", data_parallel,
-            f"data_parallel × tensor_parallel = {data_parallel}×{tensor_parallel} = "
-            f"{data_parallel * tensor_parallel} must equal the {len(devices)} local devices; "
-            f"use --cpu_devices={data_parallel * tensor_parallel} on CPU, or "
-            f"--data_parallel={max(1, len(devices) // tensor_parallel)}")
+    data_parallel = compat.mesh_degrees(data_parallel, tensor_parallel, 1, len(devices),
+                                        "local devices")
     shape = (data_parallel, tensor_parallel)
     mesh = keras.distribution.DeviceMesh(shape, (BATCH, MODEL), devices=devices)
     mesh._backend_mesh = dtensor.create_mesh(list(zip((BATCH, MODEL), shape)),
@@ -151,7 +140,3 @@ def describe(mesh):
         return (f"{head}{specs[0].device_type}:{min(indices)}..{max(indices)} of each of "
                 f"{len(tasks)} processes")
     return head + devices_lib.span(flat)
-
-
-def _divisors(n):
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

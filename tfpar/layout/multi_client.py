@@ -34,7 +34,7 @@ import os
 import keras
 from tensorflow.experimental import dtensor
 
-from tfpar import tf_config
+from tfpar import compat, tf_config
 from tfpar.errors import ConfigError
 from tfpar.layout.mesh import BATCH, MODEL
 
@@ -101,17 +101,10 @@ def stage_meshes(data_parallel, tensor_parallel, stages):
     local = len(dtensor.local_devices("CPU"))
     clients = dtensor.num_clients()
     total = local * clients
-    if not data_parallel and tensor_parallel and total % (tensor_parallel * stages) == 0:
-        data_parallel = total // (tensor_parallel * stages)
+    data_parallel = compat.mesh_degrees(data_parallel, tensor_parallel, stages, total,
+                                        f"devices of {clients} processes × {local}",
+                                        cpu_hint=False)
     per_stage = data_parallel * tensor_parallel
-    if per_stage * stages != total:
-        setting, value, degrees = (
-            ("pipeline_stages", stages, f"data_parallel × tensor_parallel × pipeline_stages "
-             f"= {data_parallel}×{tensor_parallel}×{stages}") if stages > 1 else
-            ("data_parallel", data_parallel,
-             f"data_parallel × tensor_parallel = {data_parallel}×{tensor_parallel}"))
-        raise ConfigError(setting, value, f"{degrees} must equal the {total} devices of "
-                          f"{clients} processes × {local}")
     if per_stage % clients:
         raise ConfigError("data_parallel", data_parallel,
                           f"each stage's mesh spans all {clients} processes, so "

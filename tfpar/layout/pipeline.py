@@ -61,7 +61,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import models, recompute
+from tfpar import compat, models, recompute
 from tfpar.errors import ConfigError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import presets, reduction, values, variables
@@ -91,15 +91,11 @@ def make_meshes(data_parallel, tensor_parallel, stages, devices):
         ConfigError: the three degrees do not multiply to the number of devices, or
             DTensor already started with all-reduce combining on.
     """
-    per_stage = data_parallel * tensor_parallel
     mesh_lib.no_all_reduce_combining("pipeline_stages", stages,
                                       "a mesh pipeline's step could hang")
-    if per_stage * stages != len(devices):
-        raise ConfigError(
-            "pipeline_stages", stages,
-            f"data_parallel × tensor_parallel × pipeline_stages = {data_parallel}×"
-            f"{tensor_parallel}×{stages} = {per_stage * stages} must equal the "
-            f"{len(devices)} local devices; use --cpu_devices={per_stage * stages} on CPU")
+    data_parallel = compat.mesh_degrees(data_parallel, tensor_parallel, stages, len(devices),
+                                        "local devices")
+    per_stage = data_parallel * tensor_parallel
     return [make_mesh(data_parallel, tensor_parallel, devices[s * per_stage:
                                                               (s + 1) * per_stage])
             for s in range(stages)]
