@@ -143,13 +143,16 @@ def test_memory_keys_on_tf_keras(tmp_path):
 
 @pytest.mark.parametrize("flags,device", [
     # One device: Adam's state alone (~50 MB) is over the 48 MB cap.
-    (("--model_width=256", "--model_depth=16", "--strategy=one_device"), "CPU:0"),
+    (("--model_width=256", "--model_depth=16", "--strategy=one_device"), r"CPU:0\b"),
     # ZeRO-3 on a 4-device DTensor mesh: the split state (~38 MB) fits and the step does
     # not; the devices that did not run out report a cancelled collective and TensorFlow's
     # shutdown would wait on them (the process must still exit at once). Before
     # tfpar.patches.no_function_constant_folding this ended in SIGSEGV (5 of 5 runs).
+    # Which allocation fails first varies with timing: the line names the mesh's devices
+    # when TensorFlow's message names none, else the one device TensorFlow named (one CI
+    # run failed on CPU:0 alone).
     (("--model_width=256", "--model_depth=4", "--zero_stage=3", "--cpu_devices=4",
-      "--optimizer=adam"), "/device:CPU:0..3"),
+      "--optimizer=adam"), r"/device:CPU:(0\.\.3|[0-3])\b"),
 ], ids=["one_device", "zero3_mesh"])
 def test_out_of_memory_ends_in_one_line(tmp_path, flags, device):
     """The process's CPU allocator capped at 48 MB: a transformer too large for it fails
@@ -167,7 +170,7 @@ def test_out_of_memory_ends_in_one_line(tmp_path, flags, device):
     assert "Traceback" not in out.stderr and "Fatal Python error" not in out.stderr
     line = lines[-1]
     assert line.startswith("tfpar: error: out of memory on "), line
-    assert device in line, line
+    assert re.search(device, line), line
     assert re.search(r"[\d.]+ MB available", line), line
     assert "TF_CPU_BFC_MEM_LIMIT_IN_MB=48" in line, line
     # Settings that would fit, or (nothing does on one device) what to change instead.

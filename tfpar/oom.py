@@ -50,6 +50,8 @@ def parse(message):
 
 
 def _mb(n):
+    if n < 0.1 * 2 ** 20:  # "0.0 MB more" says nothing
+        return f"{n / 2 ** 10:.1f} kB"
     return f"{n / 2 ** 20:.1f} MB"
 
 
