@@ -14,7 +14,7 @@ medians are printed in milliseconds:
     encode_p      P = M Q for every matrix
     orthogonalize P̂ from the summed P's
     encode_q      Q = Mᵀ P̂ for every matrix
-    decode        P̂ Qᵀ (summed and this replica's own) and the new residuals
+    decode        P̂ Q_sumᵀ and the new residuals (in place: minus this replica's share)
     allreduce_p   one fp32 all-reduce of the P round's size (P's + uncompressed tensors)
     allreduce_q   one fp32 all-reduce of the Q round's size
     allreduce_1   one fp32 all-reduce of one float (a collective round's latency)
@@ -42,7 +42,7 @@ def worker(settings_json, out_path):
     import numpy as np
     import tensorflow as tf
 
-    from tfpar.compression import collectives, powersgd
+    from tfpar.compression import collectives, error_feedback, powersgd
     from tfpar.compression.lowrank import PowerSGDAggregator
     from tfpar.models import build
 
@@ -96,10 +96,12 @@ def worker(settings_json, out_path):
 
     def decode(a):
         out = []
+        share = 1.0 / strategy.num_replicas_in_sync
         for k, i in enumerate(matrices):
-            summed, local = agg._decode(a["p_hats"][k], a["q_locals"][k], a["q_locals"][k],
-                                        variables[i].shape)
-            out += [summed, a["g"][i] - local]  # the residual as error feedback forms it
+            summed = agg._decode_sum(a["p_hats"][k], a["q_locals"][k], variables[i].shape)
+            # The residual as the aggregator forms it: in place, minus this replica's share.
+            error_feedback.subtract_scaled(agg.residuals[str(i)], summed, share)
+            out += [summed]
         return out
 
     def inputs(fn):
@@ -110,7 +112,7 @@ def worker(settings_json, out_path):
         "step": lambda a: checksum(agg.all_reduce_sum(gradients(), variables)),
         "aggregate": inputs(lambda a: checksum(agg.all_reduce_sum(a["g"], variables))),
         "error_fb": inputs(lambda a: checksum(
-            [a["g"][i] + agg.residuals[str(i)] for i in matrices])),
+            [error_feedback.accumulate(agg.residuals[str(i)], a["g"][i]) for i in matrices])),
         "encode_p": inputs(lambda a: checksum(agg._encode_p(mats(a["g"]), qs()))),
         "orthogonalize": inputs(lambda a: checksum(agg._orthogonalize(a["ps"]))),
         "encode_q": inputs(lambda a: checksum(agg._encode_q(mats(a["g"]), a["p_hats"]))),

@@ -4,7 +4,13 @@ With residual `r`, a replica sends `C(g + r)` and keeps `r' = (g + r) - D(C(g + 
 sum of everything transmitted plus the final residual equals the sum of the gradients: no
 gradient information is lost, only delayed. That is what lets top-k and PowerSGD reach the
 loss of uncompressed training.
+
+`accumulate` and `subtract_scaled` are the same two steps done in place on the residual
+variable (one pass each, no new buffers), for an aggregator that forms the residual from
+what it decodes anyway (PowerSGD: against the summed approximation, as PyTorch's hook does).
 """
+
+import tensorflow as tf
 
 
 def corrected(grad, residual):
@@ -15,6 +21,30 @@ def corrected(grad, residual):
 def next_residual(corrected_grad, transmitted):
     """What compression dropped: `corrected_grad - transmitted` (the decoded message)."""
     return corrected_grad - transmitted
+
+
+def accumulate(residual, grad):
+    """In place: the residual variable becomes `grad + residual`, the gradient to compress
+    this step, which is returned.
+
+    Args:
+        residual: the residual's variable (this replica's, in replica context).
+        grad: this step's gradient (same shape).
+    """
+    residual.assign_add(grad)
+    return residual.read_value()
+
+
+def subtract_scaled(residual, value, scale):
+    """In place and in one pass: `residual -= scale * value`.
+
+    After `accumulate`, with `value` what the replicas' messages decode to together and
+    `scale` this replica's share of it, the residual becomes what this replica's correction
+    kept back. TensorFlow copies the buffer first if the value `accumulate` returned is
+    still in use, so the order of reads and this update never changes the result.
+    """
+    tf.raw_ops.ResourceApplyGradientDescent(
+        var=residual.handle, alpha=tf.constant(scale, residual.dtype), delta=value)
 
 
 def compress_with_feedback(grad, residual, roundtrip):

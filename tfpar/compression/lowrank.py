@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tfpar.compression import collectives, powersgd
+from tfpar.compression import collectives, error_feedback, powersgd
 from tfpar.compression.aggregator import Aggregator, per_replica_variable
 from tfpar.compression.dense import NoneAggregator
 
@@ -15,6 +15,14 @@ class PowerSGDAggregator(NoneAggregator):
     `Q = Mᵀ P̂` in a second all-reduce: two collectives per step, however many tensors.
     Before `start_step` everything is all-reduced uncompressed (the early gradients change
     fastest and PowerSGD's warm start has not settled).
+
+    Error feedback as PyTorch's hook: each replica's residual is its corrected gradient
+    minus its share (`1 / replicas`) of the summed approximation `P̂ Q_sumᵀ`, which is decoded
+    anyway, instead of minus its own message `P̂ Q_localᵀ` (a second decode per matrix). The
+    residuals' sum over replicas, the debt error feedback carries, is the same either way.
+    The residual variables are updated in place (`error_feedback.accumulate`,
+    `error_feedback.subtract_scaled`): one pass over each matrix for `g + r`, one for the
+    new residual.
 
     Args:
         rank: rank of the approximation.
@@ -59,12 +67,31 @@ class PowerSGDAggregator(NoneAggregator):
         rest = [p for p in positions if p not in matrices]
         return factors + (super().static_wire_bytes(rest) if rest else 0)
 
+    def _residuals_in_place(self):
+        # Subclasses with their own exchange (auto) form their residuals the base class's way.
+        return self.error_feedback and type(self)._exchange is PowerSGDAggregator._exchange
+
+    def _compress_and_exchange(self, inputs, positions):
+        if not self._residuals_in_place():
+            return super()._compress_and_exchange(inputs, positions)
+        inputs = self._before_compress(inputs, positions)
+        xs = [error_feedback.accumulate(self.residuals[str(p)], x)
+              if str(p) in self.residuals else x for x, p in zip(inputs, positions)]
+        summed, _, nbytes = self._exchange(xs, positions)
+        return summed, nbytes
+
     def _exchange(self, xs, positions):
         if self.start_step <= 0:
             return self._compressed(xs, positions)
 
         def plain(xs):
-            return _as_tensors(Aggregator._exchange(self, xs, positions))
+            summed, local, nbytes = Aggregator._exchange(self, xs, positions)
+            if self._residuals_in_place():  # sent exactly: nothing kept back
+                for p in positions:
+                    if str(p) in self.residuals:
+                        self.residuals[str(p)].assign(tf.zeros_like(self.residuals[str(p)]))
+                local = summed  # (unused; not the residuals' buffers, see `_compressed`)
+            return _as_tensors((summed, local, nbytes))
 
         def compressed(xs):
             return _as_tensors(self._compressed(xs, positions))
@@ -88,11 +115,22 @@ class PowerSGDAggregator(NoneAggregator):
         p_hats = self._orthogonalize(sums[:len(mat)])
         q_locals = self._encode_q(ms, p_hats)
         q_sums, q_bytes = self._sum_flat(q_locals)
+        in_place = self._residuals_in_place()
+        share = 1.0 / collectives.replica_context().num_replicas_in_sync
         for j, p_hat, q_loc, q_sum, q_var in zip(mat, p_hats, q_locals, q_sums, qs):
-            summed[j], local[j] = self._decode(p_hat, q_sum, q_loc, xs[j].shape)
+            if in_place:
+                summed[j] = self._decode_sum(p_hat, q_sum, xs[j].shape)
+                error_feedback.subtract_scaled(self.residuals[str(positions[j])], summed[j],
+                                               share)
+            else:
+                summed[j], local[j] = self._decode(p_hat, q_sum, q_loc, xs[j].shape)
             # Warm start from the summed Q; an all-zero gradient would leave Q at zero
             # forever, so keep the previous Q then.
             q_var.assign(tf.where(tf.reduce_any(q_sum != 0), q_sum, q_var))
+        if in_place:
+            # Unused; returning `xs` would keep the residuals' buffers referenced (through a
+            # cond's outputs) and make the in-place update copy them.
+            local = list(summed)
         return summed, local, p_bytes + q_bytes
 
     @staticmethod
@@ -109,6 +147,11 @@ class PowerSGDAggregator(NoneAggregator):
     def _encode_q(ms, p_hats):
         """Every matrix's second factor `Mᵀ P̂`, before the sum over replicas."""
         return [powersgd.compress_q(m, p) for m, p in zip(ms, p_hats)]
+
+    @staticmethod
+    def _decode_sum(p_hat, q_sum, shape):
+        """The summed gradient `P̂ Q_sumᵀ`, in the gradient's shape."""
+        return tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
 
     @staticmethod
     def _decode(p_hat, q_sum, q_local, shape):
