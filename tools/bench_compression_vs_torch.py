@@ -38,9 +38,23 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
-def run_tfpar(mode, batch, steps, rate, out_dir, timeout):
+def bench_module(root):
+    """`tools/bench_compression.py` of the checkout at `root` (None: this one); its workers run
+    that checkout's tfpar."""
+    if root is None:
+        import bench_compression
+        return bench_compression
+    import importlib.util
+    path = os.path.join(os.path.abspath(root), "tools", "bench_compression.py")
+    spec = importlib.util.spec_from_file_location(f"bench_compression_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tfpar(mode, batch, steps, rate, out_dir, timeout, root=None):
     """steps/s of tfpar's `mode` (a tfpar aggregator name): the median step of `fit`."""
-    import bench_compression
+    bench_compression = bench_module(root)
     from shaped_link import ShapedLink
 
     settings = {"model": "mlp", "model_width": 1024, "model_depth": 7,
@@ -85,17 +99,24 @@ def spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(rounds, modes):
-    """Per mode over `rounds` (`[{"tfpar": {mode: sps}, "torch": {mode: sps}}, ...]`): each
-    side's spread, the ratio of the medians and the per-round ratios' spread."""
+def summarize(rounds, modes, sides=("tfpar", "torch")):
+    """Per mode over `rounds` (`[{"tfpar": {mode: sps}, "torch": {mode: sps}}, ...]`, plus
+    "base" with `--base_root`): each side's spread, the ratio of the medians and the
+    per-round ratios' spread, tfpar / torch (and base / torch, tfpar / base)."""
     out = {}
     for m in modes:
-        t = spread([r["tfpar"].get(m, float("nan")) for r in rounds])
-        p = spread([r["torch"].get(m, float("nan")) for r in rounds])
-        per_round = [r["tfpar"][m] / r["torch"][m] for r in rounds
-                     if r["tfpar"].get(m) and r["torch"].get(m)]
-        out[m] = {"tfpar": t, "torch": p, "ratio_of_medians": t["median"] / p["median"],
-                  "ratio_per_round": per_round, "ratio_range": spread(per_round)}
+        out[m] = {side: spread([r[side].get(m, float("nan")) for r in rounds])
+                  for side in sides}
+        for num, den, key in (("tfpar", "torch", ""), ("base", "torch", "base_"),
+                              ("tfpar", "base", "vs_base_")):
+            if num not in sides or den not in sides:
+                continue
+            per_round = [r[num][m] / r[den][m] for r in rounds
+                         if r[num].get(m) and r[den].get(m)]
+            out[m][f"{key}ratio_of_medians"] = (out[m][num]["median"] /
+                                                out[m][den]["median"])
+            out[m][f"{key}ratio_per_round"] = per_round
+            out[m][f"{key}ratio_range"] = spread(per_round)
     return out
 
 
@@ -114,6 +135,9 @@ def main():
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "compression_vs_torch.json"))
+    p.add_argument("--base_root", default=None,
+                   help="another checkout of tfpar run as a third side in every round "
+                        "(\"base\": before/after a change, in one sitting)")
     args = p.parse_args()
     modes = [PEER_NAMES.get(m, m) for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -129,22 +153,26 @@ def main():
     os.makedirs(work, exist_ok=True)
     peer_dir = os.path.abspath(args.peer_dir)
     per_batch = {b: [] for b in batches}
+    # Which side goes first alternates from round to round.
+    all_sides = ["tfpar", "torch"] if args.base_root is None else ["tfpar", "torch", "base"]
     for i in range(args.rounds):
         for batch in batches:
-            row = {"tfpar": {}, "torch": {}, "loads": [loadavg()]}
+            row = {side: {} for side in all_sides}
+            row["loads"] = [loadavg()]
             for mode in modes:
-                sides = ["tfpar", "torch"] if i % 2 == 0 else ["torch", "tfpar"]
+                sides = all_sides if i % 2 == 0 else all_sides[::-1]
                 for side in sides:
-                    if side == "tfpar":
-                        row["tfpar"][mode] = run_tfpar(
-                            PEER_NAMES[mode], batch, args.steps, args.rate,
-                            os.path.join(work, f"tfpar_b{batch}"), args.timeout)
-                    else:
+                    if side == "torch":
                         row["torch"][mode] = run_peer(peer_dir, args.torch_py, mode, batch,
                                                       args.steps, args.rate, work, args.timeout)
+                    else:
+                        row[side][mode] = run_tfpar(
+                            PEER_NAMES[mode], batch, args.steps, args.rate,
+                            os.path.join(work, f"{side}_b{batch}"), args.timeout,
+                            root=args.base_root if side == "base" else None)
                     row["loads"].append(loadavg())
-                print(f"round {i + 1}/{args.rounds} batch {batch} {mode:8}: tfpar "
-                      f"{row['tfpar'][mode]:.3f}, torch {row['torch'][mode]:.3f} steps/s "
+                got = ", ".join(f"{side} {row[side][mode]:.3f}" for side in all_sides)
+                print(f"round {i + 1}/{args.rounds} batch {batch} {mode:8}: {got} steps/s "
                       f"({' then '.join(sides)}; load {row['loads'][-1]})", flush=True)
             per_batch[batch].append(row)
     report = {"args": vars(args), "batches": {}}
@@ -152,7 +180,7 @@ def main():
           "steps/s median [min–max over rounds]")
     for batch in batches:
         rounds = per_batch[batch]
-        stats = summarize(rounds, modes)
+        stats = summarize(rounds, modes, all_sides)
         report["batches"][batch] = {
             # The keys of the one-round tool: medians over rounds, the first round's loads.
             "load_before": rounds[0]["loads"][0], "load_between": rounds[0]["loads"][1],
@@ -171,6 +199,13 @@ def main():
             r = s["ratio_range"]
             print(f"  {m:9} {cell['tfpar']:>24} {cell['torch']:>24} "
                   f"{s['ratio_of_medians']:>10.2f} [{r['min']:.2f}–{r['max']:.2f}]", flush=True)
+            if "base" in s:
+                b, rb, rv = (s["base"], s["base_ratio_range"], s["vs_base_ratio_range"])
+                print(f"  {'  base':9} {b['median']:.3f} [{b['min']:.3f}–{b['max']:.3f}]"
+                      f"{'':>1} base/torch {s['base_ratio_of_medians']:.2f} "
+                      f"[{rb['min']:.2f}–{rb['max']:.2f}], tfpar/base "
+                      f"{s['vs_base_ratio_of_medians']:.2f} [{rv['min']:.2f}–{rv['max']:.2f}]",
+                      flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")
