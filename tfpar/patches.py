@@ -336,10 +336,32 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
 def _reduce_per_replica(values, strategy, reduction):
     if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
             strategy) and not isinstance(strategy, tf.distribute.TPUStrategy):
-        # Element-wise mean across replicas, as the single-worker path computes it.
+        # Element-wise mean across replicas, as the single-worker path computes it, in one
+        # collective for all the scalar float logs (loss, metrics): one all-reduce each cost
+        # a cross-worker round trip each per step (~5 ms on a 100 Mbit/s link).
+        leaves = tree.flatten(values)
+        if len(leaves) > 1 and all(_float_scalar(v) for v in leaves):
+            stacked = strategy.run(
+                lambda *vs: tf.stack([tf.cast(tf.reshape(v, []), tf.float32) for v in vs]),
+                args=tuple(leaves))
+            means = tf.unstack(strategy.reduce("MEAN", stacked, axis=None), num=len(leaves))
+            return tree.pack_sequence_as(values, [
+                tf.cast(m, _local(v).dtype) for m, v in zip(means, leaves)])
         return tree.map_structure(
             lambda v: strategy.reduce("MEAN", v, axis=None), values)
     return _original_reduce_per_replica(values, strategy, reduction)
+
+
+def _local(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.values[0]
+    return value
+
+
+def _float_scalar(value):
+    v = _local(value)
+    return (isinstance(v, tf.Tensor) and v.shape.rank == 0 and v.dtype.is_floating
+            and v.dtype.size <= 4)
 
 
 def _initialize_local_devices(self, cluster_resolver, worker_device):
