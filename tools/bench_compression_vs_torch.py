@@ -16,6 +16,8 @@ at every side change goes to `--out` (JSON). Needs root, iproute2 and the peer's
         --torch_py=$HOME/.venvs/torch-peer/bin/python --rounds=3
     # a reduced run: PowerSGD only, 2 rounds, 16 steps
     python tools/bench_compression_vs_torch.py ... --rounds=2 --modes=powersgd --steps=16
+    # before/after a change: another checkout's tfpar as a third side in every round
+    python tools/bench_compression_vs_torch.py ... --base_root=../tfpar-before
 
 Take the CPU lock yourself (one command): both sides must run in one sitting.
 """
