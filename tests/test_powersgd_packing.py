@@ -14,8 +14,10 @@ from tfpar.compression import collectives, powersgd
 from tfpar.compression.lowrank import PowerSGDAggregator
 
 # Matrices of several shapes (a conv kernel and a 3-D kernel among them), vectors, a scalar
-# and a matrix too small to compress (its factors would be larger than itself).
-SHAPES = [(24, 16), (16,), (3, 3, 4, 8), (8,), (8, 6, 5), (2, 3), (), (40, 40), (40,)]
+# and a matrix too small to compress (its factors would be larger than itself); two of the
+# same shape (their P's are orthogonalised in one batched QR).
+SHAPES = [(24, 16), (16,), (3, 3, 4, 8), (8,), (8, 6, 5), (2, 3), (), (40, 40), (40,),
+          (24, 16)]
 RANK = 2
 
 
@@ -44,7 +46,7 @@ def run():
 
 def test_two_all_reduces_sized_p_plus_uncompressed_then_q(run):
     matrices = run["agg"]._matrices()
-    assert matrices == [0, 2, 4, 7]  # (2, 3) is not worth compressing
+    assert matrices == [0, 2, 4, 7, 9]  # (2, 3) is not worth compressing
     n_p = n_q = 0
     for i in matrices:
         n, m = powersgd.matrix_shape(SHAPES[i])

@@ -140,8 +140,19 @@ class PowerSGDAggregator(NoneAggregator):
 
     @staticmethod
     def _orthogonalize(ps):
-        """`P̂` of every summed `P`."""
-        return [powersgd.orthogonalize(p) for p in ps]
+        """`P̂` of every summed `P`: one batched QR per distinct shape (a transformer's or
+        an MLP's many same-shape kernels), not one op per matrix."""
+        out = [None] * len(ps)
+        by_shape = {}
+        for k, p in enumerate(ps):
+            by_shape.setdefault(tuple(p.shape), []).append(k)
+        for ks in by_shape.values():
+            if len(ks) == 1:
+                out[ks[0]] = powersgd.orthogonalize(ps[ks[0]])
+                continue
+            for k, q in zip(ks, tf.unstack(powersgd.orthogonalize(tf.stack([ps[k] for k in ks])))):
+                out[k] = q
+        return out
 
     @staticmethod
     def _encode_q(ms, p_hats):
