@@ -151,7 +151,7 @@ def main():
         p.error(f"--rounds={args.rounds}: must be >= 1")
     if args.steps <= 12:
         p.error(f"--steps={args.steps}: must be > 12 (the peer's untimed steps)")
-    work = os.path.splitext(args.out)[0]
+    work = os.path.abspath(os.path.splitext(args.out)[0])  # base workers run in base_root
     os.makedirs(work, exist_ok=True)
     peer_dir = os.path.abspath(args.peer_dir)
     per_batch = {b: [] for b in batches}
