@@ -209,6 +209,8 @@ def test_topk_defaults_are_the_suites_and_bad_settings_are_refused():
     assert agg.k(1024) == 1024 and agg.k(1025) == 103
     with pytest.raises(ConfigError, match="topk_dense_below"):
         ParallelConfig(compression="topk", topk_dense_below=-1)
+    with pytest.raises(ConfigError, match="topk_momentum_carry"):
+        ParallelConfig(compression="topk", topk_momentum_carry=1.5)
     for kwargs in ({"dense_below": -1}, {"dense_below": 1.5}, {"adam_momentum_carry": 2.0}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             TopKAggregator(0.1, **kwargs)

@@ -64,6 +64,9 @@ _HELP = {
     "topk_union": "Top-k: every replica sends its own values at the union of all "
                   "replicas' indices (indices all-gathered first, then the values "
                   "all-reduced), so every sent entry is the exact sum.",
+    "topk_momentum_carry": "Top-k with Adam in front (momentum synced): the share of the "
+                           "synced momentum's continuation applied whether or not its entry "
+                           "is sent (0 = only where sent, 1 = the momentum of the sum).",
     "threshold": "Magnitude above which threshold sparsification sends an entry.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",

@@ -77,7 +77,7 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         return TopKAggregator(config.topk_ratio, momentum=dgc_momentum,
                               warmup_steps=config.topk_warmup_steps,
                               dense_below=config.topk_dense_below, union=config.topk_union,
-                              **common)
+                              adam_momentum_carry=config.topk_momentum_carry, **common)
     if kind == "threshold":
         return ThresholdAggregator(config.threshold, **common)
     if kind == "auto":
