@@ -78,8 +78,9 @@ xb = rng.normal(size=(2 * BATCH, 64)).astype("float32")
 yb = rng.integers(0, 10, size=(2 * BATCH,))
 res["bytes"] = {}
 for name in ["fp16", "bf16", "int8", "topk", "powersgd"]:
-    agg = make_aggregator(ParallelConfig(compression=name, topk_ratio=0.01, powersgd_rank=4,
-                                         optimizer="sgd"))
+    # plain top-k 1 % (one all-gather); the union's values grow with the replicas
+    agg = make_aggregator(ParallelConfig(compression=name, topk_ratio=0.01, topk_union=False,
+                                         topk_dense_below=0, powersgd_rank=4, optimizer="sgd"))
     with strategy.scope():
         m = mlp(64, 512, 10)
         m.compile(optimizer=wrap_optimizer(keras.optimizers.SGD(0.01), agg),

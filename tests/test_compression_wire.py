@@ -81,7 +81,8 @@ for name in ["overhead", "none", "fp16", "int8", "topk", "powersgd"]:
         optimizer = keras.optimizers.SGD(0.01)
         if name not in ("overhead", "none"):  # fp32 is Keras's own all-reduce
             optimizer = wrap_optimizer(optimizer, make_aggregator(ParallelConfig(
-                compression=name, topk_ratio=0.01, powersgd_rank=4, optimizer="sgd")))
+                compression=name, topk_ratio=0.01, topk_union=False, topk_dense_below=0,
+                powersgd_rank=4, optimizer="sgd")))  # plain top-k: one all-gather
         model.compile(optimizer=optimizer, jit_compile=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     counter = WireCounter()

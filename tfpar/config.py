@@ -123,8 +123,11 @@ class ParallelConfig:
     zero_stage: int = 0
     # Gradient aggregation.
     compression: str = "none"
-    topk_ratio: float = 0.01
+    topk_ratio: float = 0.1
     topk_warmup_steps: int = 0
+    topk_dense_below: int = 1024
+    topk_union: bool = True
+    topk_momentum_carry: float = 0.5
     threshold: float = 1e-4
     powersgd_rank: int = 8
     powersgd_start_step: int = 0
@@ -184,6 +187,10 @@ class ParallelConfig:
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError("topk_ratio", self.topk_ratio, "must be in (0, 1], e.g. 0.01 for 1 %")
         _at_least("topk_warmup_steps", self.topk_warmup_steps, 0)
+        _at_least("topk_dense_below", self.topk_dense_below, 0)
+        if not 0 <= self.topk_momentum_carry <= 1:
+            raise ConfigError("topk_momentum_carry", self.topk_momentum_carry,
+                              "must be in [0, 1], e.g. 0.5")
         _at_least("adam_warmup_steps", self.adam_warmup_steps, 0)
         if not self.threshold > 0:
             raise ConfigError("threshold", self.threshold, "must be > 0")

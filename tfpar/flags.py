@@ -59,6 +59,14 @@ _HELP = {
     "topk_ratio": "Fraction of gradient entries top-k sends.",
     "topk_warmup_steps": "Top-k's density warm-up (DGC): the fraction sent decays "
                          "exponentially from 25 % to --topk_ratio over this many steps; 0 = off.",
+    "topk_dense_below": "Top-k sends tensors of at most this many entries whole (biases, "
+                        "norms: few bytes); 0 = every tensor sparse.",
+    "topk_union": "Top-k: every replica sends its own values at the union of all "
+                  "replicas' indices (indices all-gathered first, then the values "
+                  "all-reduced), so every sent entry is the exact sum.",
+    "topk_momentum_carry": "Top-k with Adam in front (momentum synced): the share of the "
+                           "synced momentum's continuation applied whether or not its entry "
+                           "is sent (0 = only where sent, 1 = the momentum of the sum).",
     "threshold": "Magnitude above which threshold sparsification sends an entry.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",

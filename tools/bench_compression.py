@@ -334,6 +334,9 @@ def main():
                 "optimizer": args.optimizer, "learning_rate": args.learning_rate,
                 "steps": steps, "steps_per_epoch": steps, "seed": 0,
                 "topk_warmup_steps": args.topk_warmup_steps,
+                # top-k as measured here (README): 1 %, one all-gather of every replica's own
+                # pairs (the trainer's default is 10 % over the union since the quality suite)
+                "topk_ratio": 0.01, "topk_union": False, "topk_dense_below": 0,
                 "powersgd_rank": args.powersgd_rank, "threshold": args.threshold}
     out_dir = os.path.splitext(args.out)[0] + "_runs"
     os.makedirs(out_dir, exist_ok=True)

@@ -135,6 +135,9 @@ class Aggregator(tf.Module):
     # +327 % of fp32's loss, +3.8 % with it (tools/bench_compression_quality.py, seed 0).
     # Top-k turns it on at ratio >= 1 − β₁ (`TopKAggregator.adam_sync_momentum`).
     adam_sync_momentum = False
+    # With "step" and `adam_sync_momentum`: the share of the synced momentum's continuation
+    # (β₁ · m, identical on every replica) applied outside the compression.
+    adam_momentum_carry = 0.0
 
     def __init__(self, bucket_mb=4.0, error_feedback=True, timeout_s=None, adam=None,
                  adam_warmup_steps=ADAM_WARMUP_STEPS, name=None):
@@ -301,14 +304,22 @@ class Aggregator(tf.Module):
             scales = [(tf.sqrt(self.moments[f"v_{p}"]) + eps * math.sqrt(c2)) / math.sqrt(c2)
                       for p in positions]
             if self.adam_compresses == "step":
-                steps = []
+                carry = self.adam_momentum_carry if self.adam_sync_momentum else 0.0
+                steps, kept = [], []
                 for g, s, p in zip(gs, scales, positions):
                     m = self.moments[f"m_{p}"]
+                    m_old = m.read_value()
                     # This replica's own gradient is g · replicas; its share of the sum is g.
-                    m_new = m + (g * replicas - m) * (1 - beta_1)
+                    m_new = m_old + (g * replicas - m_old) * (1 - beta_1)
                     m.assign(m_new)
-                    steps.append(m_new / c1 / s / replicas)
+                    # The synced momentum's own continuation (the same on every replica) is
+                    # applied whether or not its entry is sent; only the rest is compressed.
+                    k = carry * beta_1 * m_old / c1 / s
+                    kept.append(k)
+                    steps.append(m_new / c1 / s / replicas - k / replicas)
                 summed, nbytes = self._compress_and_exchange(steps, positions)
+                if carry:
+                    summed = [u + k for u, k in zip(summed, kept)]
                 if self.adam_sync_momentum:
                     # Exact when nothing is dropped: Σ sent = mean of the replicas' m / c1 / s.
                     for u, s, p in zip(summed, scales, positions):
