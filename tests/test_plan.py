@@ -71,7 +71,11 @@ def test_uneven_stages_cost_the_largest():
 
 def test_compression_ratios():
     assert cost.compression_ratio("fp16", PROFILE) == 2.0
-    assert cost.compression_ratio("topk", PROFILE) == pytest.approx(50.0)
+    assert cost.compression_ratio("topk", PROFILE, topk_ratio=0.01,
+                                  union=False) == pytest.approx(50.0)
+    # the default: 10 % with the union, whose values grow with the replicas
+    assert cost.compression_ratio("topk", PROFILE, replicas=2) == pytest.approx(10 / 3)
+    assert cost.compression_ratio("topk", PROFILE, replicas=8) == pytest.approx(10 / 9)
     # rank 4 on a 1000x1000 matrix sends 8000 numbers; the other 0 params go raw
     assert cost.compression_ratio("powersgd", PROFILE, rank=4) == pytest.approx(1e6 / 8000)
     # without a rank: the trainer's default (8), not a rank of the cost model's own
@@ -130,8 +134,9 @@ def test_step_time_fixed_costs_and_encode_per_aggregator():
     seconds, parts = cost.step_seconds(PROFILE, hw, c, 64)
     # 10 ms per step + 1 ns for each of the 1e6 parameters the device updates
     assert parts["overhead"] == pytest.approx(0.011)
-    # top-k: 1e6 * 4 B / 50 on the wire, ring over 4 at 1 GB/s, + 10 ns per parameter
-    assert parts["data_parallel"] == pytest.approx(1.5 * 8e4 / 1e9 + 0.01)
+    # top-k at its default 10 % with the union over 4 replicas: 1e6 * 4 B / (1 / (0.1 * 5))
+    # on the wire, ring over 4 at 1 GB/s, + 10 ns per parameter
+    assert parts["data_parallel"] == pytest.approx(1.5 * 2e6 / 1e9 + 0.01)
     assert seconds == pytest.approx(sum(parts.values()))
     fp16 = dataclasses.replace(c, compression="fp16")
     assert cost.step_seconds(PROFILE, hw, fp16, 64)[1]["data_parallel"] == pytest.approx(

@@ -188,17 +188,22 @@ def crosses_machines(hw, size, stride):
     return size > 1 and size * stride > hw.per_machine
 
 
-def compression_ratio(name, profile, topk_ratio=None, rank=None):
+def compression_ratio(name, profile, topk_ratio=None, rank=None, replicas=2, union=None):
     """fp32 bytes / bytes on the wire for aggregator `name` on `profile`'s gradients; top-k's
-    ratio and PowerSGD's rank default to `ParallelConfig`'s (what `--compression=X` alone
-    runs)."""
+    ratio and union and PowerSGD's rank default to `ParallelConfig`'s (what
+    `--compression=X` alone runs). Top-k with the union (`--topk_union`, the default) sends
+    its indices and then values at every replica's indices: its bytes grow with `replicas`
+    (it sends more than fp32 once `topk_ratio × (1 + replicas) > 1`)."""
     from tfpar.config import ParallelConfig
     defaults = ParallelConfig.__dataclass_fields__
     topk_ratio = defaults["topk_ratio"].default if topk_ratio is None else topk_ratio
+    union = defaults["topk_union"].default if union is None else union
     rank = defaults["powersgd_rank"].default if rank is None else rank
     if name in COMPRESSION_RATIO:
         return COMPRESSION_RATIO[name]
     if name == "topk":
+        if union:  # an int32 index per kept entry, then a value per replica's kept entry
+            return 1 / (topk_ratio * (1 + max(1, replicas)))
         return 1 / (2 * topk_ratio)  # a value and an int32 index per kept entry
     if name == "powersgd":
         matrix = sum(n * m for n, m in profile.matrix_shapes)
@@ -313,7 +318,7 @@ def step_seconds(profile, hw, c, global_batch):
     shard = stage_params(profile, c)
     overhead = hw.step_overhead + hw.update_seconds_per_param * shard + \
         c.microbatches * actions
-    ratio = compression_ratio(c.compression, profile)
+    ratio = compression_ratio(c.compression, profile, replicas=c.data)
     grad_bytes = GRAD_BYTES * shard
     buckets = max(1, math.ceil(grad_bytes / ratio / BUCKET_BYTES))
     dp = ring_allreduce_seconds(grad_bytes / ratio, c.data, group_bandwidth(hw, c.data, T),
