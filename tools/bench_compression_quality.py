@@ -111,12 +111,20 @@ def _value(text):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def overrides(pairs):
+# Aggregator options that are not ParallelConfig fields, set on the aggregator a variant
+# builds (`powersgd:adam_variance=live:adam_refresh_every=25`; `Aggregator.set_adam_variance`).
+AGGREGATOR_OPTIONS = ("adam_variance", "adam_refresh_every")
+
+
+def overrides(pairs, aggregator_options=None):
     from tfpar import ParallelConfig
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     out = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
+        if aggregator_options is not None and name in AGGREGATOR_OPTIONS and _:
+            aggregator_options[name] = _value(value)
+            continue
         if name not in fields or not _:
             sys.exit(f"bench_compression_quality: error: --set={pair!r} is invalid: "
                      f"use FIELD=VALUE with a ParallelConfig field, e.g. topk_ratio=0.05")
@@ -133,7 +141,9 @@ def run_one(base, spec, extra, runtime, smooth):
     from tfpar import ParallelConfig, data
     from tfpar.train import train
     compression, *pairs = spec.split(":") if spec not in (EXACT, FROZEN) else ("none",)
-    settings = {**extra, **overrides(pairs)} if compression != "none" or spec == FROZEN else {}
+    options = {}
+    settings = ({**extra, **overrides(pairs, options)} if compression != "none" or spec == FROZEN
+                else {})
     base = dict(base)
     task = base.pop("task", None)
     config = ParallelConfig(**{**base, **settings, "compression": compression})
@@ -153,6 +163,13 @@ def run_one(base, spec, extra, runtime, smooth):
         comp.make_aggregator = lambda c, **kw: comp.NoneAggregator(
             bucket_mb=c.bucket_mb, adam=(0.9, 0.999, 1e-7),
             adam_warmup_steps=c.adam_warmup_steps)
+    elif options:
+        def with_options(c, **kw):
+            agg = make_aggregator(c, **kw)
+            agg.set_adam_variance(options.get("adam_variance", agg.adam_variance),
+                                  options.get("adam_refresh_every", agg.adam_refresh_every))
+            return agg
+        comp.make_aggregator = with_options
     try:
         result, _ = train(config, runtime=runtime[0])
     finally:
@@ -173,7 +190,7 @@ def run_one(base, spec, extra, runtime, smooth):
                 "topk_ratio", "topk_warmup_steps", "topk_dense_below", "topk_union", "topk_momentum_carry", "threshold", "powersgd_rank",
                 "powersgd_start_step", "compress_adam_step", "adam_warmup_steps", "auto_budget_ms",
                 "auto_link_mbps", "error_feedback", "bucket_mb", "steps",
-                "global_batch_size", "optimizer", "learning_rate")}}
+                "global_batch_size", "optimizer", "learning_rate")}, "options": options}
 
 
 def adam_in_front(row):

@@ -25,6 +25,9 @@ from tfpar.compression import buckets, collectives, error_feedback
 _ON_READ = tf.VariableSynchronization.ON_READ
 # Steps of exact Adam before its second moment freezes (`Aggregator(adam_warmup_steps=)`).
 ADAM_WARMUP_STEPS = 50
+# After the warm-up, Adam's second moment `v`: "frozen" (1-bit Adam) or "live" (updated every
+# step from the summed gradient as compression delivered it; `adam_compresses="gradient"`).
+ADAM_VARIANCE = ("frozen", "live")
 
 
 def per_replica_variable(initial_value, name, aggregation):
@@ -140,7 +143,8 @@ class Aggregator(tf.Module):
     adam_momentum_carry = 0.0
 
     def __init__(self, bucket_mb=4.0, error_feedback=True, timeout_s=None, adam=None,
-                 adam_warmup_steps=ADAM_WARMUP_STEPS, name=None):
+                 adam_warmup_steps=ADAM_WARMUP_STEPS, adam_variance="frozen",
+                 adam_refresh_every=0, name=None):
         super().__init__(name=name or type(self).__name__)
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self.error_feedback = bool(error_feedback) and self.lossy
@@ -156,8 +160,37 @@ class Aggregator(tf.Module):
                              "integer >= 0 (0 = per-replica second moments, no warm-up)")
         self.adam = adam
         self.adam_warmup_steps = adam_warmup_steps
+        self.set_adam_variance(adam_variance, adam_refresh_every)
         self.built = False
         self.trace_count = 0  # Python-side: how many times the collective part was traced
+
+    def set_adam_variance(self, variance="frozen", refresh_every=0):
+        """How Adam's second moment `v` moves after the exact warm-up (Adam in front with
+        `adam_warmup_steps` > 0; call before the first step).
+
+        Args:
+            variance: "frozen" (1-bit Adam: `v` and its bias correction stay as the warm-up
+                left them) or "live" (`v` takes the square of the summed gradient compression
+                delivered, every step; only where the gradient is compressed,
+                `adam_compresses == "gradient"`).
+            refresh_every: every this many steps after the warm-up one step is all-reduced
+                exactly (fp32) and `v` takes the exact summed gradient, as 0/1 Adam's
+                variance updates (Lu et al. 2022); a frozen `v` weighs it as the `K` steps
+                since the last update (`v ← β₂ᴷ v + (1 − β₂ᴷ) g²`). 0 = never.
+        """
+        if variance not in ADAM_VARIANCE:
+            raise ValueError(f"adam_variance={variance!r} is invalid: choose from "
+                             f"{', '.join(ADAM_VARIANCE)}")
+        if variance == "live" and self.adam_compresses != "gradient":
+            raise ValueError(f"adam_variance='live' is invalid for {type(self).__name__}: it "
+                             "compresses each replica's Adam step, not the gradient; use "
+                             "'frozen' (optionally with adam_refresh_every)")
+        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) \
+                or refresh_every < 0:
+            raise ValueError(f"adam_refresh_every={refresh_every!r} is invalid: must be an "
+                             "integer >= 0 (0 = no exact refresh steps)")
+        self.adam_variance = variance
+        self.adam_refresh_every = refresh_every
 
     # ---- state -------------------------------------------------------------------------
     def build(self, variables):
@@ -276,8 +309,24 @@ class Aggregator(tf.Module):
         """
         beta_1, beta_2, eps = self.adam
         replicas = collectives.replica_context().num_replicas_in_sync
+        warm, every = self.adam_warmup_steps, self.adam_refresh_every
+        live = self.adam_variance == "live"
+        rescale = self.adam_compresses == "gradient" and bool(live or every)
         t = tf.cast(self.step + 1, tf.float32)
         c1 = 1 - tf.pow(beta_1, t)
+        # Steps `v` stood for before this step: every step while it moves, else the warm-up
+        # plus the refreshes so far (a refresh is step warm + j·every − 1, 0-based).
+        if live:
+            t_v = t - 1
+        elif every:
+            t_v = tf.where(self.step < warm, t - 1, tf.cast(
+                warm + every * ((tf.maximum(self.step, warm) - warm) // every), tf.float32))
+        else:
+            t_v = tf.constant(float(warm))
+
+        def scale(v, c2):
+            # Adam's denominator √v̂ + ε, with v̂ = v / c2: step = (m / c1) / scale.
+            return (tf.sqrt(v) + eps * tf.sqrt(c2)) / tf.sqrt(c2)
 
         def exact(gs):
             plan = buckets.plan_buckets([g.shape for g in gs], self.bucket_bytes)
@@ -288,21 +337,29 @@ class Aggregator(tf.Module):
                     sums[j] = part
                 nbytes += b
             c2 = 1 - tf.pow(beta_2, t)
+            # A refresh after a frozen stretch weighs the exact gradient as the steps since
+            # `v` last moved; in the warm-up (and with a live `v`) that is one step.
+            if every and not live:
+                log_decay = (t - t_v) * math.log(beta_2)
+                gain = -tf.math.expm1(log_decay)  # 1 − β₂ᴷ without cancellation
+            else:
+                gain = 1 - beta_2
+            c2_before = 1 - tf.pow(beta_2, tf.maximum(t_v, 1.0))
             out = []
             for g, p in zip(sums, positions):
                 m, v = self.moments[f"m_{p}"], self.moments[f"v_{p}"]
                 m_new = m + (g - m) * (1 - beta_1)
-                v_new = v + (tf.square(g) - v) * (1 - beta_2)
+                v_new = v + (tf.square(g) - v) * gain
+                if rescale and str(p) in self.residuals:
+                    self._rescale_residual(p, scale(v, c2_before), scale(v_new, c2))
                 m.assign(m_new)
                 v.assign(v_new)
                 out.append(m_new * (tf.sqrt(c2) / c1) / (tf.sqrt(v_new) + eps))
             return out, tf.cast(nbytes, tf.int64)
 
         def compressed(gs):
-            c2 = 1 - beta_2 ** self.adam_warmup_steps  # v's correction when it froze
-            # Adam's frozen denominator: step = (m / c1) / scale.
-            scales = [(tf.sqrt(self.moments[f"v_{p}"]) + eps * math.sqrt(c2)) / math.sqrt(c2)
-                      for p in positions]
+            c2 = 1 - tf.pow(beta_2, t_v)  # v's bias correction when it last moved
+            scales = [scale(self.moments[f"v_{p}"], c2) for p in positions]
             if self.adam_compresses == "step":
                 carry = self.adam_momentum_carry if self.adam_sync_momentum else 0.0
                 steps, kept = [], []
@@ -325,21 +382,40 @@ class Aggregator(tf.Module):
                     for u, s, p in zip(summed, scales, positions):
                         self.moments[f"m_{p}"].assign(u * c1 * s)
                 return list(summed), tf.cast(nbytes, tf.int64)
-            # "gradient": the gradient scaled by the frozen denominator is compressed and
-            # summed, and the momentum is taken of the sum (identical on every replica).
+            # "gradient": the gradient scaled by Adam's denominator is compressed and summed,
+            # and the momentum (and a live `v`) taken of the sum, identical on every replica.
             summed, nbytes = self._compress_and_exchange(
                 [g / s for g, s in zip(gs, scales)], positions)
+            c2_now = 1 - tf.pow(beta_2, t) if live else c2
             out = []
             for u, s, p in zip(summed, scales, positions):
                 m = self.moments[f"m_{p}"]
-                m_new = m + (u * s - m) * (1 - beta_1)
+                g_sum = u * s
+                m_new = m + (g_sum - m) * (1 - beta_1)
                 m.assign(m_new)
+                if live:
+                    v = self.moments[f"v_{p}"]
+                    v_new = v + (tf.square(g_sum) - v) * (1 - beta_2)
+                    v.assign(v_new)
+                    s_new = scale(v_new, c2_now)
+                    if str(p) in self.residuals:
+                        self._rescale_residual(p, s, s_new)
+                    s = s_new
                 out.append(m_new / c1 / s)
             return out, tf.cast(nbytes, tf.int64)
 
         gs = [tf.convert_to_tensor(g) for g in grads]  # embeddings' IndexedSlices dense
-        return collectives.replica_cond(self.step < self.adam_warmup_steps, exact, compressed,
-                                        (gs,))
+        is_exact = self.step < warm
+        if every:
+            is_exact = tf.logical_or(
+                is_exact, tf.equal((self.step - warm + 1) % every, 0))
+        return collectives.replica_cond(is_exact, exact, compressed, (gs,))
+
+    def _rescale_residual(self, position, old_scale, new_scale):
+        """Error feedback holds `gradient / scale`: when Adam's denominator moves, the
+        gradient still owed stays the same (`r · old / new`)."""
+        r = self.residuals[str(position)]
+        r.assign(r * (old_scale / new_scale))
 
     def _adam_updates(self, grads, positions):
         """Adam moved in front of compression: each replica keeps Adam's moments of its own
@@ -440,7 +516,9 @@ class Aggregator(tf.Module):
         """The constructor arguments (for logs and the metrics JSON)."""
         return {"bucket_mb": self.bucket_bytes / 2 ** 20, "error_feedback": self.error_feedback,
                 "timeout_s": self.timeout_s, "adam": self.adam,
-                "adam_warmup_steps": self.adam_warmup_steps}
+                "adam_warmup_steps": self.adam_warmup_steps,
+                "adam_variance": self.adam_variance,
+                "adam_refresh_every": self.adam_refresh_every}
 
     @property
     def _opts(self):
