@@ -108,3 +108,18 @@ def test_live_and_refreshed_adam_variance():
     # Residuals were held (rank 1 of rank-2 gradients) and rescaled with the denominator.
     assert out["residual_held"] > 1e-3, out
     assert out["residual"] < 1e-5, out
+
+
+def test_bad_variance_settings_are_refused_in_one_line():
+    import pytest
+    from tfpar.compression import PowerSGDAggregator, TopKAggregator
+    for kwargs, match in (({"adam_variance": "warm"}, "adam_variance='warm' is invalid"),
+                          ({"adam_refresh_every": -1}, "adam_refresh_every=-1 is invalid"),
+                          ({"adam_refresh_every": 2.5}, "adam_refresh_every=2.5 is invalid"),
+                          ({"adam_warmup_steps": True}, "adam_warmup_steps=True is invalid")):
+        with pytest.raises(ValueError, match=match):
+            PowerSGDAggregator(4, adam=(0.9, 0.999, 1e-7), **kwargs)
+    # A live v needs the gradient compressed; top-k compresses each replica's Adam step.
+    with pytest.raises(ValueError, match="'live' is invalid for TopKAggregator"):
+        TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance="live")
+    assert PowerSGDAggregator(4, adam_variance="live").adam_variance == "live"

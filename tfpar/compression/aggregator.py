@@ -30,6 +30,12 @@ ADAM_WARMUP_STEPS = 50
 ADAM_VARIANCE = ("frozen", "live")
 
 
+def check_count(name, value, zero_means):
+    """Raises the one-line `ValueError` for an aggregator argument that must be an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 0 ({zero_means})")
+
+
 def per_replica_variable(initial_value, name, aggregation):
     """A variable every replica keeps its own copy of (`ON_READ`), updated locally without
     communication. Reading it in cross-replica context aggregates with `aggregation`:
@@ -154,10 +160,8 @@ class Aggregator(tf.Module):
             if len(adam) != 3 or not (0 <= adam[0] < 1 and 0 <= adam[1] < 1 and adam[2] > 0):
                 raise ValueError(f"adam={adam!r} is invalid: need (beta_1, beta_2, epsilon) "
                                  "with betas in [0, 1) and epsilon > 0")
-        if isinstance(adam_warmup_steps, bool) or not isinstance(adam_warmup_steps, int) \
-                or adam_warmup_steps < 0:
-            raise ValueError(f"adam_warmup_steps={adam_warmup_steps!r} is invalid: must be an "
-                             "integer >= 0 (0 = per-replica second moments, no warm-up)")
+        check_count("adam_warmup_steps", adam_warmup_steps,
+                    "0 = per-replica second moments, no warm-up")
         self.adam = adam
         self.adam_warmup_steps = adam_warmup_steps
         self.set_adam_variance(adam_variance, adam_refresh_every)
@@ -185,10 +189,7 @@ class Aggregator(tf.Module):
             raise ValueError(f"adam_variance='live' is invalid for {type(self).__name__}: it "
                              "compresses each replica's Adam step, not the gradient; use "
                              "'frozen' (optionally with adam_refresh_every)")
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) \
-                or refresh_every < 0:
-            raise ValueError(f"adam_refresh_every={refresh_every!r} is invalid: must be an "
-                             "integer >= 0 (0 = no exact refresh steps)")
+        check_count("adam_refresh_every", refresh_every, "0 = no exact refresh steps")
         self.adam_variance = variance
         self.adam_refresh_every = refresh_every
 

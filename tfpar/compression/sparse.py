@@ -12,7 +12,8 @@ import tensorflow as tf
 from tensorflow.python.trackable import data_structures
 
 from tfpar.compression import codecs, collectives
-from tfpar.compression.aggregator import Aggregator, PerReplicaSlot, per_replica_variable
+from tfpar.compression.aggregator import (Aggregator, PerReplicaSlot, check_count,
+                                         per_replica_variable)
 
 
 def warmup_density(step, ratio, warmup_steps, start=0.25):
@@ -155,10 +156,7 @@ class TopKAggregator(Aggregator):
         if not 0 < warmup_start <= 1:
             raise ValueError(f"warmup_start={warmup_start!r} is invalid: must be in (0, 1], "
                              "e.g. 0.25 for 25 %")
-        if isinstance(dense_below, bool) or not isinstance(dense_below, int) \
-                or dense_below < 0:
-            raise ValueError(f"dense_below={dense_below!r} is invalid: must be an integer "
-                             ">= 0 (0 = every tensor sparse)")
+        check_count("dense_below", dense_below, "0 = every tensor sparse")
         if not 0 <= adam_momentum_carry <= 1:
             raise ValueError(f"adam_momentum_carry={adam_momentum_carry!r} is invalid: must be "
                              "in [0, 1] (0 = the synced momentum only where sent)")
