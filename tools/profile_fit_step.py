@@ -24,7 +24,6 @@ Needs root and iproute2.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -115,23 +114,11 @@ def main():
     if os.path.exists(out):
         os.remove(out)
     with ShapedLink(rate=args.rate) as link:
-        cluster = [f"{link.address(i)}:{PORT}" for i in range(2)]
-        procs = []
-        for i in range(2):
-            env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                       TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
-                                             "task": {"type": "worker", "index": i}}))
-            procs.append(link.popen(i, [sys.executable, os.path.abspath(__file__), "--worker",
-                                        json.dumps(settings), out], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    cwd=ROOT))
-        deadline = time.monotonic() + args.timeout
-        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if any(proc.returncode != 0 for proc in procs):
-            log = procs[0].stdout.read().decode()[-3000:] if procs[0].poll() is not None else ""
-            print(f"profile_fit_step: workers exited {[q.returncode for q in procs]}\n{log}",
-                  file=sys.stderr)
+        codes, log = link.run_workers(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(settings),
+             out], PORT, args.timeout, env={"PYTHONPATH": ROOT})
+        if any(codes):
+            print(f"profile_fit_step: workers exited {codes}\n{log}", file=sys.stderr)
             return 1
     with open(out) as f:
         result = json.load(f)

@@ -15,11 +15,14 @@ removed on the next start.
 tests, whose link `set_link(i, up=False)` cuts.
 """
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
+import time
 
 PREFIX = "tfpar-bench-"
 SUBNET = "10.200.0"
@@ -105,6 +108,37 @@ class ShapedLink:
                                 start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
+
+    def run_workers(self, cmd, port, timeout, env=None):
+        """Runs `cmd` on both sides as a 2-worker `TF_CONFIG` cluster over this link and waits
+        (at most `timeout` seconds; a worker that fails ends the wait).
+
+        Returns:
+            `(exit codes, the last 3000 characters of the first failed worker's output or "")`.
+        """
+        cluster = [f"{self.address(i)}:{port}" for i in range(2)]
+        logs, procs = [], []
+        for i in range(2):
+            worker_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}),
+                              TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
+                                                    "task": {"type": "worker", "index": i}}))
+            logs.append(tempfile.TemporaryFile())  # a pipe could fill and stall the worker
+            procs.append(self.popen(i, cmd, env=worker_env, stdout=logs[i],
+                                    stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while (any(p.poll() is None for p in procs) and not any(p.poll() for p in procs)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        self.kill_all()
+        codes = [p.returncode for p in procs]
+        failed = [i for i, c in enumerate(codes) if c != 0]
+        output = ""
+        if failed:
+            logs[failed[0]].seek(0)
+            output = logs[failed[0]].read().decode(errors="replace")[-3000:]
+        for log in logs:
+            log.close()
+        return codes, output
 
     def set_link(self, i, up=True):
         """Brings side `i`'s veth end up or down (down: that side's link is cut)."""
