@@ -372,9 +372,12 @@ class Aggregator(tf.Module):
                     m.assign(m_new)
                     # The synced momentum's own continuation (the same on every replica) is
                     # applied whether or not its entry is sent; only the rest is compressed.
-                    k = carry * beta_1 * m_old / c1 / s
-                    kept.append(k)
-                    steps.append(m_new / c1 / s / replicas - k / replicas)
+                    step = m_new / c1 / s / replicas
+                    if carry:  # no extra pass over the tensor when nothing is carried
+                        k = carry * beta_1 * m_old / c1 / s
+                        kept.append(k)
+                        step -= k / replicas
+                    steps.append(step)
                 summed, nbytes = self._compress_and_exchange(steps, positions)
                 if carry:
                     summed = [u + k for u, k in zip(summed, kept)]
