@@ -1,0 +1,238 @@
+"""Child process for tests/test_compression_adam_front.py: `python tests/adam_front_child.py`.
+
+Aggregators with Adam in front on one `MirroredStrategy` of two logical CPUs whose
+replicas see different gradients (one strategy per process: the three probes share it,
+and TensorFlow is imported once for all). Prints one JSON line
+`{"topk_momentum": {...}, "topk_union": {...}, "powersgd_variance": {...}}`; what each
+figure means is asserted, and said, in the test file.
+"""
+
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from tfpar.devices import split_cpu  # noqa: E402
+
+import tensorflow as tf  # noqa: E402
+
+split_cpu(2)
+
+import keras  # noqa: E402
+
+from tfpar.compression import (NoneAggregator, PowerSGDAggregator, TopKAggregator,  # noqa: E402
+                               wrap_optimizer)
+
+ADAM = (0.9, 0.999, 1e-7)  # Adam in front (wrap_optimizer copies the optimizer's values in)
+STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def local(value, replica=0):
+    return STRATEGY.experimental_local_results(value)[replica].numpy()
+
+
+def train(agg, shape, lr, steps, replica_loss, record=None, at=()):
+    """`steps` steps of `replica_loss(w, i, replica)` through `agg` with Adam in front;
+    returns `(w, seen)`: the weights and `{i: record(w, agg)}` after each step `i` in `at`."""
+    with STRATEGY.scope():
+        w = tf.Variable(tf.zeros(shape))
+        opt = wrap_optimizer(keras.optimizers.Adam(lr), agg)
+        opt.build([w])
+
+    @tf.function
+    def step(i):
+        def replica_fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            with tf.GradientTape() as tape:
+                loss = replica_loss(w, i, r)
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+        STRATEGY.run(replica_fn)
+
+    seen = {}
+    for i in range(steps):
+        step(tf.constant(i))
+        if i in at:
+            seen[i] = record(w, agg)
+    return w.numpy(), seen
+
+
+def topk_momentum():
+    """Top-k at ratio >= 1 − β₁ syncs every replica's momentum to the summed step's; ratio
+    1 equals frozen-`v` Adam through the exact aggregator; the momentum carry."""
+    n, lr, warm, steps = 200, 1e-2, 3, 12
+    rng = np.random.default_rng(0)
+    # Per replica, per step: different gradients (a quadratic pull plus replica-own noise).
+    target = tf.constant(rng.normal(size=n).astype("float32"))
+    noise = tf.constant(rng.normal(size=(steps, 2, n)).astype("float32"))
+
+    def loss(w, i, r):
+        return 0.5 * tf.reduce_sum((w - target) ** 2 + w * noise[i, r]) / 2
+
+    def before_last(w, agg):  # after the last-but-one step: the state the last step met
+        return {"w": w.numpy().copy(), "m": local(agg.moments["m_0"])}
+
+    def run(agg):
+        w, seen = train(agg, [n], lr, steps, loss, before_last, at=(steps - 2,))
+        return w, seen[steps - 2], agg
+
+    out = {}
+    w, last, agg = run(TopKAggregator(0.2, adam=ADAM, adam_warmup_steps=warm,
+                                      adam_momentum_carry=0.0))
+    m = [local(agg.moments["m_0"], r) for r in (0, 1)]
+    v = local(agg.moments["v_0"])
+    beta_1, beta_2, eps = agg.adam
+    c1 = 1 - beta_1 ** steps
+    c2 = 1 - beta_2 ** warm
+    s = (np.sqrt(v) + eps * math.sqrt(c2)) / math.sqrt(c2)
+    applied = (last["w"] - w) / lr  # the summed step of the last step
+    out["m_replicas_diff"] = float(np.max(np.abs(m[0] - m[1])))
+    out["m_vs_applied"] = float(np.max(np.abs(m[0] - applied * c1 * s)))
+    out["m_where_unsent"] = float(np.max(np.abs(m[0][applied == 0])))
+    out["m_scale"] = float(np.max(np.abs(m[0])))
+    out["sent_share"] = float(np.mean(applied != 0))
+    full, _, _ = run(TopKAggregator(1.0, adam=ADAM, adam_warmup_steps=warm,
+                                    adam_momentum_carry=0.0))
+    exact, _, _ = run(NoneAggregator(adam=ADAM, adam_warmup_steps=warm))
+    out["full_vs_exact"] = float(np.max(np.abs(full - exact)))
+    # Momentum carry: β₁ · α of the synced momentum is applied whether or not its entry is sent.
+    carried, _, _ = run(TopKAggregator(1.0, adam=ADAM, adam_warmup_steps=warm,
+                                       adam_momentum_carry=0.5))
+    out["carry_full_vs_exact"] = float(np.max(np.abs(carried - exact)))
+    w, last, agg = run(TopKAggregator(0.2, adam=ADAM, adam_warmup_steps=warm, union=True,
+                                      adam_momentum_carry=0.5))
+    m = local(agg.moments["m_0"])
+    res = local(agg.residuals["0"])
+    applied = (last["w"] - w) / lr
+    unsent = res != 0  # the union: every replica's residual is emptied at the same entries
+    out["carry_unsent_share"] = float(np.mean(unsent))
+    out["carry_unsent_err"] = float(np.max(np.abs(
+        applied[unsent] - 0.5 * beta_1 * last["m"][unsent] / c1 / s[unsent])))
+    out["carry_unsent_scale"] = float(np.max(np.abs(applied[unsent])))
+    out["carry_m_vs_applied"] = float(np.max(np.abs(m - applied * c1 * s)))
+    out["carry_m_scale"] = float(np.max(np.abs(m)))
+    out["moved"] = float(np.max(np.abs(exact)))
+    return out
+
+
+def topk_union():
+    """One exchange per step, union vs each replica's own top-k, with a small tensor."""
+    replicas, steps = 2, 3
+    rng = np.random.default_rng(1)
+    shapes = [(40, 10), (8,)]  # one large tensor (sparse) and one small one (sent whole)
+    with STRATEGY.scope():
+        variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+    # Per step and replica: a shared signal plus replica-own noise, so own top-k picks differ.
+    grads = [[[(rng.normal(size=s) * 0.1 + rng.normal(size=s) * (1 + r)).astype("float32")
+               for s in shapes] for r in range(replicas)] for _ in range(steps)]
+
+    def exchange(agg):
+        table = [tf.constant(np.stack([np.stack([grads[t][r][j] for r in range(replicas)])
+                                       for t in range(steps)])) for j in range(len(shapes))]
+
+        @tf.function
+        def step(t):
+            def fn():
+                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return agg.all_reduce_sum([x[t, rid] for x in table], variables)
+            return STRATEGY.run(fn)
+
+        def residuals():
+            return [[local(agg.residuals[str(j)], r) for r in range(replicas)]
+                    for j in range(len(shapes))]
+
+        rows = []
+        for t in range(steps):
+            before = residuals() if agg.built else None
+            out = step(tf.constant(t))
+            outs = [[local(x, r) for r in range(replicas)] for x in out]
+            res = residuals()
+            corrected = [sum(grads[t][r][j] + (before[j][r] if before else 0)
+                             for r in range(replicas)) for j in range(len(shapes))]
+            rows.append({
+                "same_out": all(np.array_equal(o[0], o[1]) for o in outs),
+                "small_err": float(np.max(np.abs(outs[1][0] - corrected[1]))),
+                "small_residual": float(np.max(np.abs(res[1][0]))),
+                # error feedback keeps everything: sum + residuals = corrected gradients
+                "conserved": float(max(np.max(np.abs(outs[j][0] + res[j][0] + res[j][1]
+                                                     - corrected[j])) for j in range(2))),
+                "emptied_same": bool(np.array_equal(res[0][0] == 0, res[0][1] == 0)),
+                # where sent, the exact sum of both replicas' corrected values
+                "sent_err": float(np.max(np.abs((outs[0][0] - corrected[0])[res[0][0] == 0]))),
+                "sent": int(np.sum(res[0][0] == 0))})
+        return rows
+
+    return {"union": exchange(TopKAggregator(0.05, dense_below=8, union=True)),
+            "own": exchange(TopKAggregator(0.05))}
+
+
+def powersgd_variance():
+    """PowerSGD with a live `v` and with exact refresh steps of `v`."""
+    n, m_cols, lr, warm, every, steps = 24, 16, 1e-2, 3, 4, 9
+    rng = np.random.default_rng(0)
+    # Per step, per replica: a gradient zero outside rows 0 and 1 (rank 2 whatever scales
+    # its entries; constant in w, so known in advance), growing over the steps so that the
+    # frozen v is visibly not Adam's.
+    g = np.zeros((steps, 2, n, m_cols), "float32")
+    g[:, :, :2] = rng.normal(size=(steps, 2, 2, m_cols)) * (1 + np.arange(steps))[:, None, None,
+                                                                                    None]
+    g_t = tf.constant(g)
+    summed = g.sum(1) / 2  # what the replicas' gradients (each loss / 2) sum to
+
+    def loss(w, i, r):
+        return tf.reduce_sum(w * g_t[i, r]) / 2
+
+    def v_and_residuals(w, agg):
+        return {"v": local(agg.moments["v_0"]),
+                "r": [local(agg.residuals["0"], r) for r in (0, 1)]}
+
+    def run(agg, probe=()):
+        w, seen = train(agg, [n, m_cols], lr, steps, loss, v_and_residuals, at=probe)
+        return w, local(agg.moments["v_0"]), seen
+
+    # NumPy Adam on the summed gradient.
+    beta_1, beta_2, eps = ADAM
+    m = v = w = 0
+    for t, grad in enumerate(summed, 1):
+        m = beta_1 * m + (1 - beta_1) * grad
+        v = beta_2 * v + (1 - beta_2) * grad * grad
+        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    out = {"moved": float(np.abs(w).max())}
+    live_w, live_v, _ = run(PowerSGDAggregator(2, adam=ADAM, adam_warmup_steps=warm,
+                                               adam_variance="live"))
+    out["live_w"] = float(np.abs(live_w - w).max())
+    out["live_v"] = float(np.abs(live_v - v).max() / np.abs(v).max())
+    frozen_w, _, _ = run(PowerSGDAggregator(2, adam=ADAM, adam_warmup_steps=warm))
+    out["frozen_w"] = float(np.abs(frozen_w - w).max())
+
+    refresh = warm + every - 1  # the first exact step after the warm-up (0-based)
+    _, _, seen = run(PowerSGDAggregator(1, adam=ADAM, adam_warmup_steps=warm,
+                                        adam_refresh_every=every),
+                     probe=(warm - 1, refresh - 1, refresh))
+    before, after = seen[refresh - 1], seen[refresh]
+    out["frozen_between"] = float(np.abs(before["v"] - seen[warm - 1]["v"]).max())
+    decay = beta_2 ** every
+    want = decay * before["v"] + (1 - decay) * summed[refresh] ** 2
+    out["refresh_v"] = float(np.abs(after["v"] - want).max() / np.abs(want).max())
+    out["refresh_v_moved"] = float(np.abs(after["v"] - before["v"]).max() / np.abs(want).max())
+
+    def scale(v, t):
+        c2 = 1 - beta_2 ** t
+        return (np.sqrt(v) + eps * math.sqrt(c2)) / math.sqrt(c2)
+    ratio = scale(before["v"], warm) / scale(after["v"], warm + every)
+    out["residual"] = float(max(np.abs(b * ratio - a).max() / np.abs(b).max()
+                                for b, a in zip(before["r"], after["r"])))
+    out["residual_held"] = float(min(np.abs(b).max() for b in before["r"]))
+    return out
+
+
+def main():
+    print(json.dumps({"topk_momentum": topk_momentum(), "topk_union": topk_union(),
+                      "powersgd_variance": powersgd_variance()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Aggregators with Adam in front, on two replicas that see different gradients (one child,
+`tests/adam_front_child.py`, imports TensorFlow once and runs the three probes on one
+`MirroredStrategy`).
+
+Top-k (frozen `v`): at ratio >= 1 − β₁, after each compressed step every replica's momentum
+is the momentum the summed step applied (DeepSpeed 1-bit Adam's synced momentum). Without it
+each replica kept the momentum of its own gradient, which went on pushing the entries still
+waiting in its residual: top-k 10 % ended the convnet 4.3× above fp32's loss
+(docs/compression.md). The checks: the replicas' momenta are equal and are the step the
+weights last moved by (× c1 · s); at ratio 1 (nothing dropped) the weights still equal
+frozen-`v` Adam through the exact aggregator; the momentum carry; the union of indices.
+
+PowerSGD with `v` not frozen (`Aggregator.set_adam_variance`):
+
+- `adam_variance="live"`: `v` takes the square of the summed gradient compression delivered,
+  every step. With nothing lost (every gradient is zero outside two rows, so rank 2 is
+  exact, also after Adam's elementwise scaling) that is Adam on the summed gradient: `v` and
+  the weights equal a NumPy Adam's; the frozen `v` (the default) does not.
+- `adam_refresh_every=K` (0/1 Adam's exact variance steps): at rank 1 (lossy, residuals
+  held), the refresh step's `v` is `β₂ᴷ v + (1 − β₂ᴷ) g²` of the exact summed gradient, `v`
+  stays put between refreshes, and each replica's residual (held as gradient / Adam's
+  denominator) is rescaled so the gradient still owed is unchanged.
+"""
+
+import os
+import sys
+
+import pytest
+
+from subproc import ROOT, last_json_line, run
+
+CHILD = os.path.join(ROOT, "tests", "adam_front_child.py")
+
+
+@pytest.fixture(scope="module")
+def probes():
+    return last_json_line(run([sys.executable, CHILD], timeout=300).stdout)
+
+
+def test_topk_adam_momentum_is_synced_and_exact_when_nothing_dropped(probes):
+    out = probes["topk_momentum"]
+    # Compression ran and dropped entries on the last step (each replica sends 40 of 200).
+    assert 0 < out["sent_share"] < 0.5, out
+    # One momentum on every replica (before: each replica's own, ~the noise apart) ...
+    assert out["m_replicas_diff"] == 0.0, out
+    # ... and it is what was applied: zero where nothing was sent.
+    assert out["m_where_unsent"] == 0.0, out
+    assert out["m_vs_applied"] < 1e-4 * out["m_scale"], out
+    # Nothing dropped: still frozen-v Adam on the summed gradient.
+    assert out["moved"] > 0.05, out
+    assert out["full_vs_exact"] < 1e-6, out
+    # The momentum carry keeps it exact when nothing is dropped ...
+    assert out["carry_full_vs_exact"] < 1e-6, out
+    # ... and where no replica sent an entry it still moves, by α · β₁ · m / (c1 · s) (with
+    # carry 0 it stays put: m_where_unsent above); the momentum is still what was applied.
+    assert 0.3 < out["carry_unsent_share"] < 1, out
+    assert out["carry_unsent_scale"] > 0.01, out
+    assert out["carry_unsent_err"] < 1e-4 * out["carry_unsent_scale"], out
+    assert out["carry_m_vs_applied"] < 1e-4 * out["carry_m_scale"], out
+
+
+def test_topk_syncs_momentum_only_when_entries_wait_less_than_its_time_constant():
+    from tfpar.compression import TopKAggregator
+    assert not TopKAggregator(1.0).adam_sync_momentum  # no Adam in front
+    for ratio, synced in ((0.01, False), (0.05, False), (0.1, True), (0.3, True)):
+        agg = TopKAggregator(ratio)
+        agg.adam = (0.9, 0.999, 1e-7)
+        assert agg.adam_sync_momentum is synced, ratio
+
+
+def test_topk_union_sends_the_same_entries_everywhere_and_small_tensors_whole(probes):
+    out = probes["topk_union"]
+    k = 20  # 5 % of 400
+    for row in out["union"]:
+        assert row["same_out"], row
+        # dense_below=8: the (8,) tensor is exact and leaves nothing behind.
+        assert row["small_err"] < 1e-5 and row["small_residual"] == 0.0, row
+        assert row["conserved"] < 1e-5, row
+        # Every replica empties its residual at the same entries (the union of both top-k's),
+        # and there the sum is exact: the replicas' noise cancels as uncompressed.
+        assert row["emptied_same"] and k <= row["sent"] <= 2 * k, row
+        assert row["sent_err"] < 1e-5, row
+    # Without the union each replica empties its own top-k (the check above can fail) and
+    # a small tensor sends one entry.
+    assert not all(row["emptied_same"] for row in out["own"]), out["own"]
+    assert all(row["small_residual"] > 0 for row in out["own"]), out["own"]
+
+
+def test_topk_defaults_are_the_suites_and_bad_settings_are_refused():
+    import pytest
+    from tfpar import ParallelConfig
+    from tfpar.compression import TopKAggregator, make_aggregator
+    from tfpar.errors import ConfigError
+    agg = make_aggregator(ParallelConfig(compression="topk", optimizer="adam"))
+    assert (agg.ratio, agg.union, agg.dense_below, agg.adam_momentum_carry) == (
+        0.1, True, 1024, 0.5)
+    assert agg.adam_sync_momentum and TopKAggregator(**agg.get_config()).union
+    assert agg.k(1024) == 1024 and agg.k(1025) == 103
+    with pytest.raises(ConfigError, match="topk_dense_below"):
+        ParallelConfig(compression="topk", topk_dense_below=-1)
+    with pytest.raises(ConfigError, match="topk_momentum_carry"):
+        ParallelConfig(compression="topk", topk_momentum_carry=1.5)
+    for kwargs in ({"dense_below": -1}, {"dense_below": 1.5}, {"adam_momentum_carry": 2.0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            TopKAggregator(0.1, **kwargs)
+
+
+def test_live_and_refreshed_adam_variance(probes):
+    out = probes["powersgd_variance"]
+    assert out["moved"] > 0.05, out
+    # Live v with nothing lost is Adam on the summed gradient; the frozen v is not.
+    assert out["live_v"] < 1e-5, out
+    assert out["live_w"] < 1e-4 * out["moved"], out  # float32 rounding of the sums
+    assert out["frozen_w"] > 1e-3 * out["moved"], out
+    # Frozen between refreshes; the refresh takes the exact summed gradient, weighted as
+    # the EVERY steps since v last moved.
+    assert out["frozen_between"] == 0.0, out
+    assert out["refresh_v_moved"] > 1e-3, out
+    assert out["refresh_v"] < 1e-4, out  # float32: 1 − β₂ᴷ is ~4e-3
+    # Residuals were held (rank 1 of rank-2 gradients) and rescaled with the denominator.
+    assert out["residual_held"] > 1e-3, out
+    assert out["residual"] < 1e-5, out
+
+
+def test_bad_variance_settings_are_refused_in_one_line():
+    from tfpar.compression import PowerSGDAggregator, TopKAggregator
+    for kwargs, match in (({"adam_variance": "warm"}, "adam_variance='warm' is invalid"),
+                          ({"adam_refresh_every": -1}, "adam_refresh_every=-1 is invalid"),
+                          ({"adam_refresh_every": 2.5}, "adam_refresh_every=2.5 is invalid"),
+                          ({"adam_warmup_steps": True}, "adam_warmup_steps=True is invalid")):
+        with pytest.raises(ValueError, match=match):
+            PowerSGDAggregator(4, adam=(0.9, 0.999, 1e-7), **kwargs)
+    # A live v needs the gradient compressed; top-k compresses each replica's Adam step.
+    with pytest.raises(ValueError, match="'live' is invalid for TopKAggregator"):
+        TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance="live")
+    assert PowerSGDAggregator(4, adam_variance="live").adam_variance == "live"
