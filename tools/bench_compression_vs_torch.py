@@ -14,6 +14,8 @@ at every side change goes to `--out` (JSON). Needs root, iproute2 and the peer's
 
     python tools/bench_compression_vs_torch.py --peer_dir=../shared/peers \
         --torch_py=$HOME/.venvs/torch-peer/bin/python --rounds=3
+    # round 2 alone (the side that went second in round 1 goes first)
+    python tools/bench_compression_vs_torch.py ... --rounds=1 --first_round=2
     # a reduced run: PowerSGD only, 2 rounds, 16 steps
     python tools/bench_compression_vs_torch.py ... --rounds=2 --modes=powersgd --steps=16
     # before/after a change: another checkout's tfpar as a third side in every round
@@ -137,6 +139,10 @@ def main():
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "compression_vs_torch.json"))
+    p.add_argument("--first_round", type=int, default=1,
+                   help="number of the first round: who goes first alternates with it, so "
+                        "rounds split over several invocations (each under the CPU lock's "
+                        "10 minutes) keep alternating")
     p.add_argument("--base_root", default=None,
                    help="another checkout of tfpar run as a third side in every round "
                         "(\"base\": before/after a change, in one sitting)")
@@ -157,7 +163,7 @@ def main():
     per_batch = {b: [] for b in batches}
     # Which side goes first alternates from round to round.
     all_sides = ["tfpar", "torch"] if args.base_root is None else ["tfpar", "torch", "base"]
-    for i in range(args.rounds):
+    for i in range(args.first_round - 1, args.first_round - 1 + args.rounds):
         for batch in batches:
             row = {side: {} for side in all_sides}
             row["loads"] = [loadavg()]
@@ -174,7 +180,7 @@ def main():
                             root=args.base_root if side == "base" else None)
                     row["loads"].append(loadavg())
                 got = ", ".join(f"{side} {row[side][mode]:.3f}" for side in all_sides)
-                print(f"round {i + 1}/{args.rounds} batch {batch} {mode:8}: {got} steps/s "
+                print(f"round {i + 1} batch {batch} {mode:8}: {got} steps/s "
                       f"({' then '.join(sides)}; load {row['loads'][-1]})", flush=True)
             per_batch[batch].append(row)
     report = {"args": vars(args), "batches": {}}
