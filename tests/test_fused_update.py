@@ -67,9 +67,10 @@ def test_make_optimizer_fuses_momentum_sgd_only():
     def fused(**settings):
         return isinstance(optimizers.make_optimizer(ParallelConfig(**settings)),
                           optimizers.FusedMomentumMixin)
-    assert fused(optimizer="momentum")
-    assert not fused(optimizer="momentum", fused_update=False)
-    assert not fused(optimizer="sgd") and not fused(optimizer="adam")
+    assert fused(optimizer="momentum", fused_update=True)
+    assert not fused(optimizer="momentum")  # off by default
+    assert not fused(optimizer="sgd", fused_update=True)
+    assert not fused(optimizer="adam", fused_update=True)
 
 
 def test_checkpoint_of_keras_update_restores_into_fused(tmp_path):
