@@ -11,7 +11,9 @@ do not belong here (one strategy per process).
 
 Saves each run's final weights to `OUT_PREFIX_<name>.npz` and prints one JSON line
 `{name: summary}` with train_child.py's keys and `strategy_object` (the `id` of the
-model's strategy: equal for runs on one runtime, the runtimes being kept alive). The name of the run in progress goes to
+model's strategy: equal for runs on one runtime, the runtimes being kept alive) and
+`fused_updates` (how many variable updates the fused momentum kernel was traced for,
+`tfpar.optimizers.FusedMomentumMixin`). The name of the run in progress goes to
 stderr first, so a failure's tail says which run failed.
 """
 
@@ -54,6 +56,8 @@ def main():
         out[name] = {k: result[k] for k in KEYS if k in result}
         # Which strategy object the model was built under: runs on one runtime share it.
         out[name]["strategy_object"] = id(model.distribute_strategy)
+        optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        out[name]["fused_updates"] = getattr(optimizer, "tfpar_fused_traced", 0)
     print(json.dumps(out), flush=True)
 
 

@@ -47,6 +47,9 @@ class ParallelConfig:
             `base_batch_size` examples; with `scale_lr` the rate is multiplied by
             effective batch / `base_batch_size` (the linear scaling rule) and ramped up
             linearly over `warmup_steps`.
+        fused_update: momentum SGD's update through TensorFlow's fused kernel where it
+            applies (`tfpar.optimizers.FusedMomentumMixin`); off (Keras's own ops) by
+            default until a benchmark shows it no slower in every round.
         grad_accum_steps: micro-steps whose gradients are averaged into one update;
             the effective batch is `global_batch_size * grad_accum_steps`.
         mixed_precision: `"none"`, `"bf16"` or `"fp16"` (fp16 adds dynamic loss scaling).
@@ -103,6 +106,7 @@ class ParallelConfig:
     mixed_precision: str = "none"
     seed: int = 0
     on_nan: str = "stop"
+    fused_update: bool = False
     # Where it runs.
     strategy: str = "auto"
     collective: str = "auto"

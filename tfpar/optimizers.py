@@ -1,5 +1,16 @@
 """The Keras 3 optimizer of a run: learning-rate rule (linear scaling, warm-up), ZeRO
-sharding, the gradient aggregator, fp16 loss scaling. Shared by the trainer's backends and the doctor.
+sharding, the gradient aggregator, fp16 loss scaling, the fused momentum update. Shared by
+the trainer's backends and the doctor.
+
+With `--fused_update` (off by default: see docs/compression.md), momentum SGD's update runs as TensorFlow's one fused
+kernel `ResourceApplyKerasMomentum` (`m = m*momentum - lr*g; w += m`, Keras's own formula
+for `nesterov=False`, in one pass over `w`, `m` and `g`) instead of Keras's four element-wise
+ops and two assignments. `FusedMomentumMixin.update_step` falls back to Keras's
+`update_step` wherever the kernel does not apply: a sparse (`IndexedSlices`) gradient,
+nesterov, momentum 0 (plain SGD, DGC's momentum in the aggregator), a non-float32 weight,
+a DTensor `DVariable` or a stateless (DTensor mesh) update. ZeRO-1/2 update their flat
+pieces with their own copy of the formula (`tfpar.zero`). Slots, their names and
+checkpoints are Keras's.
 
 >>> from tfpar import ParallelConfig
 >>> make_optimizer(ParallelConfig(optimizer="momentum", learning_rate=0.1)).momentum
@@ -7,8 +18,10 @@ sharding, the gradient aggregator, fp16 loss scaling. Shared by the trainer's ba
 """
 
 import keras
+import tensorflow as tf
+from absl import logging
 
-from tfpar import nan_guard
+from tfpar import nan_guard, patches
 
 # `--mixed_precision` value -> the Keras dtype policy it sets (Keras 3 and tf_keras alike).
 MIXED_PRECISION_POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
@@ -67,6 +80,8 @@ def make_optimizer(config, bucketed=False):
     else:
         optimizer = keras.optimizers.SGD(
             momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
+        if config.fused_update and config.optimizer == "momentum" and not config.zero_stage:
+            fuse_momentum(optimizer)
     if config.zero_stage:
         from tfpar import zero
         optimizer = zero.wrap_optimizer(optimizer, config.zero_stage,
@@ -77,3 +92,52 @@ def make_optimizer(config, bucketed=False):
     if config.mixed_precision == "fp16":
         optimizer = nan_guard.ConsistentLossScaleOptimizer(optimizer)
     return optimizer
+
+
+class FusedMomentumMixin:
+    """Mixin for `keras.optimizers.SGD` (TensorFlow backend): `update_step` through
+    TensorFlow's fused `ResourceApplyKerasMomentum` where it applies (see the module
+    docstring), Keras's own `update_step` everywhere else."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        slot = self._tfpar_fused_slot(gradient, variable)
+        if slot is None:
+            return super().update_step(gradient, variable, learning_rate)
+        # Counted while tracing: tests see that the kernel was used, not Keras's update.
+        self.tfpar_fused_traced = getattr(self, "tfpar_fused_traced", 0) + 1
+        dtype = variable.dtype
+        # Inside `Strategy.extended.update` the mirrored slot's handle is this replica's
+        # component, on the same device as `variable`.
+        return tf.raw_ops.ResourceApplyKerasMomentum(
+            var=variable.handle, accum=slot.handle, lr=tf.cast(learning_rate, dtype),
+            grad=tf.cast(gradient, dtype), momentum=tf.cast(self.momentum, dtype),
+            use_locking=False, use_nesterov=False)
+
+    def _tfpar_fused_slot(self, gradient, variable):
+        """The momentum slot's `tf.Variable` when the fused kernel computes exactly
+        Keras's update for this variable, else None."""
+        if (not self.momentum or self.nesterov or not isinstance(gradient, tf.Tensor)
+                or isinstance(variable, (keras.Variable, tf.experimental.dtensor.DVariable))
+                or not isinstance(variable, tf.Variable) or variable.dtype != tf.float32):
+            return None
+        slot = self.momentums[self._get_variable_index(variable)].value
+        if slot.dtype != variable.dtype or isinstance(slot, tf.experimental.dtensor.DVariable):
+            return None
+        return slot
+
+
+def fuse_momentum(optimizer):
+    """Makes a `keras.optimizers.SGD` update through `FusedMomentumMixin`, in place; the
+    class keeps its name, config and slots (`patches.mix_in`). Left as it is, with a
+    warning, if Keras's `SGD.update_step` is no longer the formula the kernel computes
+    (registry entry `fused_momentum`).
+
+    >>> opt = fuse_momentum(keras.optimizers.SGD(0.1, momentum=0.9))
+    >>> isinstance(opt, FusedMomentumMixin), type(opt).__name__
+    (True, 'SGD')
+    """
+    problems = patches.check_targets(["fused_momentum"])
+    if problems:
+        logging.warning("momentum SGD keeps Keras's update: %s", "; ".join(problems))
+        return optimizer
+    return patches.mix_in(optimizer, FusedMomentumMixin)

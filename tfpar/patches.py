@@ -60,6 +60,13 @@ Patches:
   out-of-memory error. `no_function_constant_folding` is the one writer; the check looks
   for the eager context's `config` starting from its private `_config`.
 
+- `fused_momentum`: not a replacement but a re-implementation behind a public override.
+  `tfpar.optimizers.FusedMomentumMixin.update_step` computes `keras.optimizers.SGD`'s
+  momentum update (nesterov=False) with TensorFlow's `ResourceApplyKerasMomentum`
+  (`m = m*momentum - lr*g; w += m`) on the slot Keras finds with its private
+  `_get_variable_index`; the check looks for that formula and that lookup in
+  `SGD.update_step`, and for the kernel in `tf.raw_ops`.
+
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
 """
@@ -121,10 +128,20 @@ REGISTRY = {
                       "tfpar.pipeline.model.PipelineModel.compile"),
     "dtensor_started": ("tensorflow.dtensor.python.api._dtensor_singleton (read, not replaced)",
                         "tfpar.layout.mesh.no_all_reduce_combining"),
+    "fused_momentum": ("keras.optimizers.SGD.update_step (overridden, its formula "
+                       "re-implemented by ResourceApplyKerasMomentum)",
+                       "tfpar.optimizers.fuse_momentum"),
     "function_constant_folding": ("tensorflow.python.eager.context.Context._config "
                                   "(written before TensorFlow starts, not replaced)",
                                   "tfpar.backends.dtensor (zero_stage=3)"),
 }
+# `fused_momentum`: Keras 3.15.1's SGD.update_step, the lines the fused kernel computes.
+_EXPECTED_SGD_UPDATE = (
+    "m = self.momentums[self._get_variable_index(variable)]",
+    "ops.multiply(m, momentum),\n                    ops.multiply(gradient, learning_rate),",
+    "ops.subtract(",
+    "self.assign_add(variable, m)",
+)
 # `function_constant_folding`: the eager context builds its ConfigProto from `_config`.
 _EXPECTED_CONTEXT_CONFIG = "config.CopyFrom(self._config)"
 _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
@@ -214,6 +231,14 @@ def check_targets(names=None):
         problems.append(f"tensorflow {tf.__version__} changed the eager Context's _config; "
                         "tfpar.patches.no_function_constant_folding was written for "
                         f"tensorflow {WRITTEN_FOR['tensorflow']}")
+    if "fused_momentum" in names:
+        source = inspect.getsource(keras.optimizers.SGD.update_step)
+        if (not all(f in source for f in _EXPECTED_SGD_UPDATE)
+                or not hasattr(tf.raw_ops, "ResourceApplyKerasMomentum")):
+            problems.append(f"keras {keras.__version__} changed SGD.update_step (or "
+                            f"tensorflow {tf.__version__} lost ResourceApplyKerasMomentum); "
+                            "tfpar.optimizers.FusedMomentumMixin was written for keras "
+                            f"{WRITTEN_FOR['keras']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's "

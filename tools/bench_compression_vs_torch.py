@@ -14,6 +14,11 @@ at every side change goes to `--out` (JSON). Needs root, iproute2 and the peer's
 
     python tools/bench_compression_vs_torch.py --peer_dir=../shared/peers \
         --torch_py=$HOME/.venvs/torch-peer/bin/python --rounds=3
+    # this checkout with a setting changed against --base_root's defaults
+    python tools/bench_compression_vs_torch.py ... --base_root=. \
+        --tfpar_settings='{"fused_update": true}'
+    # round 2 alone (the side that went second in round 1 goes first)
+    python tools/bench_compression_vs_torch.py ... --rounds=1 --first_round=2
     # a reduced run: PowerSGD only, 2 rounds, 16 steps
     python tools/bench_compression_vs_torch.py ... --rounds=2 --modes=powersgd --steps=16
     # before/after a change: another checkout's tfpar as a third side in every round
@@ -54,15 +59,17 @@ def bench_module(root):
     return module
 
 
-def run_tfpar(mode, batch, steps, rate, out_dir, timeout, root=None):
-    """steps/s of tfpar's `mode` (a tfpar aggregator name): the median step of `fit`."""
+def run_tfpar(mode, batch, steps, rate, out_dir, timeout, root=None, extra_settings=None):
+    """steps/s of tfpar's `mode` (a tfpar aggregator name): the median step of `fit`;
+    `extra_settings`: more `ParallelConfig` settings for the workers."""
     bench_compression = bench_module(root)
     from shaped_link import ShapedLink
 
     settings = {"model": "mlp", "model_width": 1024, "model_depth": 7,
                 "global_batch_size": batch, "optimizer": "momentum", "learning_rate": 0.01,
                 "steps": steps, "steps_per_epoch": steps, "seed": 0,
-                "powersgd_rank": 4}  # the peer's rank (the trainer's default is 8)
+                "powersgd_rank": 4,  # the peer's rank (the trainer's default is 8)
+                **(extra_settings or {})}
     os.makedirs(out_dir, exist_ok=True)
     with ShapedLink(rate=rate) as link:
         run = bench_compression.run_one(link, mode, settings, out_dir, timeout, extra=0,
@@ -137,6 +144,13 @@ def main():
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "compression_vs_torch.json"))
+    p.add_argument("--tfpar_settings", type=json.loads, default={},
+                   help="JSON of more ParallelConfig settings for this checkout's side only "
+                        "(not --base_root's), e.g. '{\"fused_update\": true}'")
+    p.add_argument("--first_round", type=int, default=1,
+                   help="number of the first round: who goes first alternates with it, so "
+                        "rounds split over several invocations (each under the CPU lock's "
+                        "10 minutes) keep alternating")
     p.add_argument("--base_root", default=None,
                    help="another checkout of tfpar run as a third side in every round "
                         "(\"base\": before/after a change, in one sitting)")
@@ -157,7 +171,7 @@ def main():
     per_batch = {b: [] for b in batches}
     # Which side goes first alternates from round to round.
     all_sides = ["tfpar", "torch"] if args.base_root is None else ["tfpar", "torch", "base"]
-    for i in range(args.rounds):
+    for i in range(args.first_round - 1, args.first_round - 1 + args.rounds):
         for batch in batches:
             row = {side: {} for side in all_sides}
             row["loads"] = [loadavg()]
@@ -171,10 +185,11 @@ def main():
                         row[side][mode] = run_tfpar(
                             PEER_NAMES[mode], batch, args.steps, args.rate,
                             os.path.join(work, f"{side}_b{batch}"), args.timeout,
-                            root=args.base_root if side == "base" else None)
+                            root=args.base_root if side == "base" else None,
+                            extra_settings=None if side == "base" else args.tfpar_settings)
                     row["loads"].append(loadavg())
                 got = ", ".join(f"{side} {row[side][mode]:.3f}" for side in all_sides)
-                print(f"round {i + 1}/{args.rounds} batch {batch} {mode:8}: {got} steps/s "
+                print(f"round {i + 1} batch {batch} {mode:8}: {got} steps/s "
                       f"({' then '.join(sides)}; load {row['loads'][-1]})", flush=True)
             per_batch[batch].append(row)
     report = {"args": vars(args), "batches": {}}

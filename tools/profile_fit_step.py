@@ -91,6 +91,8 @@ def main():
     p.add_argument("--global_batch_size", type=int, default=32)
     p.add_argument("--compression", default="powersgd")
     p.add_argument("--powersgd_rank", type=int, default=4)
+    p.add_argument("--fused_update", action="store_true",
+                   help="momentum SGD through the fused kernel (tfpar's --fused_update)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--calls", type=int, default=12)
     p.add_argument("--rate", default="100mbit")
@@ -108,6 +110,7 @@ def main():
                 "learning_rate": 0.01, "steps": args.steps, "steps_per_epoch": args.steps,
                 "seed": 0, "powersgd_rank": args.powersgd_rank,
                 "compression": args.compression, "strategy": "multi_worker", "verbose": 0,
+                "fused_update": args.fused_update,
                 "calls": args.calls}
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -122,7 +125,8 @@ def main():
             return 1
     with open(out) as f:
         result = json.load(f)
-    print(f"{args.compression}, batch {args.global_batch_size}, {args.rate}, median of "
+    print(f"{args.compression}, batch {args.global_batch_size}, {args.rate}, fused_update "
+          f"{args.fused_update}, median of "
           f"{args.calls} calls (ms)")
     for k, v in result.items():
         print(f"  {k:26} {v:8.2f}")

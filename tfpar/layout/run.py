@@ -59,7 +59,8 @@ def _optimizer(config):
     over its `batch` axis itself, `tfpar.layout.reduction`); with fp16 Keras's own `LossScaleOptimizer`, whose skip decision the mesh step
     makes once for the whole mesh (the tf.distribute variant all-reduces it over replicas)."""
     optimizer = optimizers.make_optimizer(
-        config.replace(mixed_precision="none", compression="none", zero_stage=0))
+        config.replace(mixed_precision="none", compression="none", zero_stage=0,
+                       fused_update=False))  # the stateless step updates with Keras's ops
     if config.mixed_precision == "fp16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
