@@ -33,10 +33,11 @@ def train_child(tmp_path, name, env=None, **config):
 
 def train_runs(tmp_path, runs):
     """Several runs in one child (tests/train_runs_child.py): {name: summary}, and
-    `prefix_<name>` for `weights`."""
+    `prefix_<name>` for `weights`. A run is `[name, config]` or `[name, config, options]`
+    (the child's options, e.g. `{"graft": [step, checkpoint]}`)."""
     prefix = str(tmp_path / "run")
-    out = run([sys.executable, RUNS_CHILD, json.dumps([[n, {**BASE, **c}] for n, c in runs]),
-               prefix], timeout=400)
+    runs = [[n, {**BASE, **c}, *options] for n, c, *options in runs]
+    out = run([sys.executable, RUNS_CHILD, json.dumps(runs), prefix], timeout=400)
     return last_json_line(out.stdout), prefix
 
 
