@@ -291,6 +291,35 @@ def first_divergence(losses, reference, first_step=0, tolerance=3e-4):
                  if abs(a - b) > tolerance), None)
 
 
+def test_sigterm_right_after_start_up_still_saves_and_stops(tmp_path):
+    # Building MultiWorkerMirroredStrategy installs TensorFlow's own SIGTERM handler, which
+    # keeps the process alive and tells no one: a SIGTERM between a worker's TFPAR_READY
+    # (the strategy built) and its PreemptionGuard (the model built) was lost, and the job
+    # trained on. Now it is recorded (`preemption.hold_sigterm`) and the guard stops both
+    # workers at the first agreed step, 5, whatever the timing.
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=20", "--timeout=150",
+           "--", sys.executable, "-m", "tfpar.train", "--strategy=multi_worker", "--verbose=0",
+           "--steps=100000", f"--checkpoint_dir={ckpt}", "--checkpoint_every=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # both strategies built: signal at once
+            lines.append(line)
+            if sum("TFPAR_READY" in seen for seen in lines) == 2:
+                proc.send_signal(signal.SIGTERM)
+                break
+        output = "".join(lines) + proc.communicate(timeout=170)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for worker in (0, 1):
+        assert f"[worker {worker}] tfpar: stopping at step 5 on SIGTERM" in output, output[-3000:]
+    saved = [name for name in os.listdir(ckpt) if name.endswith(".index")]
+    assert saved == ["ckpt-5.index"], (saved, output[-2000:])
+
+
 def test_a_stalled_peer_ends_the_job_with_a_clear_error(tmp_path):
     import signal
     import subprocess

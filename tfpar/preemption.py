@@ -15,6 +15,24 @@ import numpy as np
 import tensorflow as tf
 
 
+# A SIGTERM that came before the run's PreemptionGuard existed (`hold_sigterm`).
+_EARLY = threading.Event()
+
+
+def hold_sigterm(hold):
+    """What SIGTERM does from now on in a worker, until a `PreemptionGuard` takes over.
+
+    Building `MultiWorkerMirroredStrategy` installs a SIGTERM handler of TensorFlow's own
+    (its preemption notifier) that keeps the process alive and tells no one, so a SIGTERM
+    between the strategy and the run's guard was lost. With `hold` (the run saves
+    checkpoints), the signal is recorded and the guard built later saves and stops at the
+    first agreed step; otherwise SIGTERM ends the process, as it does without TensorFlow's
+    handler. Main thread only (elsewhere nothing changes)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM,
+                      (lambda *_: _EARLY.set()) if hold else signal.SIG_DFL)
+
+
 class PreemptionGuard(keras.callbacks.Callback):
     """Saves a checkpoint and stops training after SIGTERM (handled from construction on;
     `restore_handler` puts the previous handler back).
@@ -37,6 +55,8 @@ class PreemptionGuard(keras.callbacks.Callback):
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, lambda *_: self._signalled.set())
+        if _EARLY.is_set():  # signalled while the run was being built (`hold_sigterm`)
+            self._signalled.set()
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1

@@ -18,7 +18,7 @@ from absl import logging
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.eager import context
 
-from tfpar import devices, patches
+from tfpar import devices, patches, preemption
 from tfpar import tf_config as tf_config_lib
 from tfpar.errors import ConfigError
 
@@ -122,6 +122,9 @@ def _multi_worker(config, cluster, collective):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
             communication_options=options)
+    # The constructor installed TensorFlow's own SIGTERM handler: from here on a SIGTERM
+    # saves and stops (with checkpoints) or ends the worker.
+    preemption.hold_sigterm(bool(config.checkpoint_dir))
     return strategy
 
 
@@ -138,14 +141,18 @@ if not select.select([ready], [], [], timeout)[0]:
 def _watchdog(timeout, message):
     """Kills this process with `message` unless the block finishes within `timeout` s."""
     read_end, write_end = os.pipe()
+    # In a session of its own: a launcher stopping this worker's process group must not
+    # kill the watchdog first (the worker then failed writing to it); it exits on its own
+    # once this process is gone (its pipe reads end-of-file).
     watchdog = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(read_end), str(os.getpid()), str(timeout),
-         message], pass_fds=(read_end,))
+         message], pass_fds=(read_end,), start_new_session=True)
     os.close(read_end)
     try:
         yield
     finally:
-        os.write(write_end, b"x")
+        with contextlib.suppress(BrokenPipeError):  # the watchdog was killed from outside
+            os.write(write_end, b"x")
         os.close(write_end)
         watchdog.wait()
 
