@@ -49,23 +49,30 @@ from tfpar.compression.auto import measure_link
 out["link"] = [float(v) for v in measure_link(strategy)]
 
 # 1. auto on a planted link (1 MB/s, no latency) with a 5 ms budget: 5,000 bytes a step, so
-# r_hi = 4 and r_lo = 1 for this model; eta = 10 calls every window after the first settled;
-# a loss-guard boost at step 12 sends r_hi again for 3 steps. Each worker its own data.
+# the budget's rank is 4 for this model, where both matrices start (start_rank=1 is below
+# it). up_share=0: any spectrum doubles, so at each window's end every matrix's rank doubles up
+# to its largest (8 for 16x64, 16 for 64x64). A loss-guard raise before step 3 doubles the
+# floors at once. Each worker its own data.
 rng = np.random.default_rng(task)
 x = rng.normal(size=(24, 32, 16)).astype("float32")
 y = (x @ np.linspace(-1, 1, 16).reshape(16, 1)).astype("float32")
-agg = AutoAggregator(budget_ms=5.0, link=(1e6, 0.0), window=3, eta=10.0, start_step=2)
+agg = AutoAggregator(budget_ms=5.0, link=(1e6, 0.0), window=3, eta=10.0, start_step=2,
+                     up_share=0.0, down_share=0.0, start_rank=1)
 model, step = build(agg)
-losses, wire, ranks = [], [], []
+losses, wire, ranks, errors = [], [], [], []
 for i in range(len(x)):
-    if i == 12:
-        agg.set_boost(3)
+    if i == 3:
+        raised = agg.raise_ranks()
     losses.append(float(step(tf.constant(x[i]), tf.constant(y[i]))))
     wire.append(agg.comm_stats()["bytes_on_wire_per_step"])
     ranks.append(sorted(agg.decisions()["ranks"].items()))
+    errors.append([[p, agg.error_of(p), agg.top_share_of(p)] for p in (0, 2)])
 residual = next(iter(agg.residuals.values()))
 out["auto"] = {"hash": digest(model), "losses": losses, "wire": wire, "ranks": ranks,
-               "plan": [agg.r_hi, agg.r_lo],
+               "errors": errors, "plan": agg.r_budget, "raised": raised,
+               "r_max": sorted(agg.r_max.items()),
+               "layers": agg.decisions()["layers"],
+               "mean_bytes": agg.decisions()["mean_bytes_per_step"],
                "residual": hashlib.sha256(strategy.experimental_local_results(
                    residual)[0].numpy().tobytes()).hexdigest()}
 
@@ -125,19 +132,36 @@ print(json.dumps(out))
 
 def test_auto_workers_agree_and_adam_step_matches_keras():
     a, b = _run_workers(WORKER, timeout=240)
-    for key in ("hash", "losses", "wire", "ranks", "plan"):
+    for key in ("hash", "losses", "wire", "ranks", "plan", "layers"):
         assert a["auto"][key] == b["auto"][key], f"auto: workers differ in {key}"
     assert a["auto"]["residual"] != b["auto"]["residual"]  # each keeps its own error
     assert a["link"] == b["link"], "the workers measured different links"
     bytes_per_s, latency = a["link"]
     assert 1e5 < bytes_per_s < 1e12 and 0 < latency < 1, a["link"]
-    assert a["auto"]["plan"] == [4, 1]
     wire, ranks = a["auto"]["wire"], a["auto"]["ranks"]
-    # Exact steps before start_step, then r_hi for the first window, r_lo after, r_hi again
-    # while boosted: three sizes of message, the largest first.
-    assert wire[0] == wire[1] > wire[2] and len(set(wire)) == 3, wire
-    assert wire[12] == wire[2] > wire[10], wire  # the boost (and r_lo before it)
-    assert {r for _, r in ranks[-1]} == {1}, ranks[-1]
+    assert a["auto"]["plan"] == 4 and a["auto"]["r_max"] == [[0, 8], [2, 16]], a["auto"]
+    assert a["auto"]["raised"] is True
+    # Bytes of a compressed step: both matrices' factors (16x64 and 64x64), the four vectors
+    # and the 64x1 kernel in fp32, and 1 + largest-rank floats a matrix for the errors.
+    def factored(r0, r2):
+        return 4 * (80 * r0 + 128 * r2) + 4 * (64 + 64 + 64 + 1) + 4 * (9 + 17)
+    # Steps 0-1 exact; 2 at the budget's rank; from step 3 the guard's raised floor (8, 8);
+    # window ends at steps 4, 7, 10 double the ranks up to 8 and 16.
+    assert wire[0] == wire[1] == 4 * (16 * 64 + 64 + 64 * 64 + 64 + 64 + 1), wire
+    assert wire[2] == factored(4, 4), wire
+    assert wire[3] == wire[4] == factored(8, 8), wire
+    assert wire[5] == factored(8, 16) and wire[-1] == factored(8, 16), wire
+    assert ranks[-1] == [["0", 8], ["2", 16]], ranks[-1]
+    # Each worker's own share held back (summed over both) and the summed gradient's share
+    # in the top half of the columns: none before the first window ends, then in (0, 1),
+    # the same on both workers.
+    assert a["auto"]["errors"][3] == [[0, None, None], [2, None, None]], a["auto"]["errors"]
+    for row in a["auto"]["errors"][4:]:
+        assert all(0 < e < 1 and 0 < top < 1 for _, e, top in row), row
+    assert a["auto"]["errors"] == b["auto"]["errors"]
+    layers = a["auto"]["layers"]
+    assert layers["2"]["sends"] == "rank 16" and layers["1"]["sends"] == "fp32", layers
+    assert sum(wire) / len(wire) == a["auto"]["mean_bytes"], (wire, a["auto"]["mean_bytes"])
     assert a["auto"]["losses"][-1] < 0.5 * a["auto"]["losses"][0], a["auto"]["losses"]
     assert a["adam_step_max_diff"] < 1e-6, a["adam_step_max_diff"]
     # Share of Keras Adam's distance each weight moved in 300 steps of a constant gradient:
@@ -149,3 +173,40 @@ def test_auto_workers_agree_and_adam_step_matches_keras():
     frozen = a["frozen"]
     assert frozen["step"] == 40, frozen  # 5 exact steps, then 35 with v frozen
     assert abs(frozen["topk"] / frozen["keras"] - 1) < 1e-5, frozen
+
+
+def test_auto_error_is_the_share_held_back_and_ranks_follow_the_spectrum():
+    """One replica, no strategy, window 1: the error auto reports is `||M − P̂ P̂ᵀ M|| / ||M||`
+    of the matrix it compressed (the first step's gradient, rank 1 from the seeded Q); the
+    rank doubles while the top half of the columns carries >= up_share of what is sent
+    (singular values 3 and 2: the second column carries 4/13), and drops back once the
+    columns beyond rank 2 carry only the noise."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfpar.compression import AutoAggregator, powersgd
+
+    rng = np.random.RandomState(0)
+    u, _ = np.linalg.qr(rng.randn(64, 2))
+    v_, _ = np.linalg.qr(rng.randn(32, 2))
+    g = (u @ np.diag([3.0, 2.0]) @ v_.T + 1e-3 * rng.randn(64, 32)).astype("float32")
+    v = tf.Variable(tf.zeros([64, 32]))
+    agg = AutoAggregator(budget_ms=1.0, link=(1e3, 0.0), window=1, eta=10.0, start_step=0,
+                         start_rank=1)
+    agg.build([v])
+    assert agg.r_budget == 1 and agg.r_max == {0: 16}  # 1 byte of budget: rank 1
+    agg.all_reduce_sum([tf.constant(g)], [v])
+    q = powersgd.initial_q(32, 16, 0).numpy()[:, :1]
+    p = g @ q
+    p /= np.linalg.norm(p)
+    expected = np.linalg.norm(g - p @ (p.T @ g)) / np.linalg.norm(g)
+    error = agg.error_of(0)
+    assert 0.1 < expected < 0.9 and abs(error - expected) < 1e-4 * expected, (error, expected)
+    ranks = [agg.rank_of(0)]  # at rank 1 the top half is the whole message: doubles
+    for _ in range(2):
+        agg.all_reduce_sum([tf.constant(g)], [v])
+        ranks.append(agg.rank_of(0))
+    assert ranks == [2, 4, 2], ranks
+    assert agg.top_share_of(0) < 0.01, agg.top_share_of(0)  # columns 3-4 at rank 4: noise
+    agg.all_reduce_sum([tf.constant(g)], [v])
+    assert int(agg.wire_bytes.numpy()) == 4 * (64 + 32) * 2 + 4 * 17  # rank-2 factors, errors

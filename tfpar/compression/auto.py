@@ -1,33 +1,51 @@
-"""`AutoAggregator` (`--compression=auto`): how much to send, decided from the link and the
-gradients, per layer, step by step.
+"""`AutoAggregator` (`--compression=auto`): how much to send, decided from the link, the
+approximation error and the loss, per layer, step by step.
 
-Three decisions, each made from values that are identical on every replica, so all
-replicas always send messages of one length and apply the same sums (no worker can
-diverge):
+Every decision is made from values that are identical on every replica, so all replicas
+always send messages of one length and apply the same sums (no worker can diverge):
 
 1. **Budget from the link.** At build, two fp32 all-reduces (1 KiB and 1 MiB, the median
    of 3 timed calls each) give the link's latency `L` and bytes/s `B`; the slowest
    replica's figures are all-reduced (max) so every replica holds the same pair. A step may
    put `B · max(budget − 2L, budget / 4)` bytes on the wire (PowerSGD's two rounds pay `2L`
    whatever they carry). If the whole model fits in fp32, it is sent exactly (a fast link:
-   compressing only costs accuracy); otherwise `r_hi` is the largest power-of-two rank
-   (≤ 64) whose factors fit, and `r_lo = max(1, r_hi / 4)`.
-2. **Per layer, Accordion's rule** (Agarwal et al., 2021): every `window` steps each
-   matrix compares the mean norm of its summed gradient over the window with the previous
-   window's; a relative change of at least `eta` (a "critical regime": gradients changing
-   fast) sends it at `r_hi` for the next window, otherwise at `r_lo`. The summed gradient
-   is what every replica received, so every replica computes the same norms. The first
-   window after `start_step` is at `r_hi`.
+   compressing only costs accuracy); otherwise the budget's rank `r_budget` is the largest
+   power-of-two rank (≤ 64) whose factors fit. It is each layer's floor: the budget only
+   lowers ranks as far as the error allows, never raises the error above what it measured.
+2. **Per layer, the spectrum of the summed gradient.** Each matrix's rank runs from its
+   floor to its largest rank whose factors are smaller than the matrix (`r_max`, ≤ 64),
+   starting at `r_max` (the first compressed steps after the exact start cost most when
+   under-sent: on the convnet rank 4 → 8 → 16 over the first windows ended +3.9 % above
+   fp32, rank 8 throughout −0.1 %). Every step gives the summed gradient's energy along
+   each column of P̂, `||Q_sum[:, c]||²` (the same on every replica), and so the share of
+   what rank r sends that the columns beyond each lower power of two carry. At each
+   window's end (`window` steps): if the top half of the columns carried at least
+   `up_share` (0.25) of it on average, the spectrum is still flat at this rank and the rank
+   doubles; otherwise it drops to the smallest rank (not below the floor) whose columns
+   beyond carried at most `down_share` (0.1), unless the layer is in a critical regime
+   (Accordion, Agarwal et al. 2021: its summed gradient's mean norm moved by at least
+   `eta` since the previous window), which keeps the rank. The sum, not each replica's
+   own matrix: error feedback only ever sends sums, so the residuals' differences between
+   replicas grow unsent, and each replica's own share held back, `||M − P̂ P̂ᵀ M|| / ||M||`
+   (also measured: `||M||²` and Q's column energies, 1 + `r_max` floats a matrix summed with
+   the Q's; `comm.auto`'s `error`), rose to ~0.9 at every rank late in a convnet run: a rule
+   on it cut the convnet to rank 2 there and ended +2.7 % above fp32.
 3. **Loss guard.** `LossGuard` (a Keras callback, which the trainer adds) compares the mean
-   batch loss of the last `window` steps with the window before; when it went up by more
-   than `tolerance` (the loss drifting from its falling trend), every matrix is sent at
-   `r_hi` for the next `window` steps. Keras's logged loss is already averaged over
-   replicas, so every worker sets the same boost at the same step.
+   batch loss of each compressed window with the window before; when it rose by more than
+   `tolerance` and more than two standard errors of the difference (the batch losses' own
+   noise), every matrix's floor doubles for the rest of the run. Keras's logged loss is
+   already averaged over replicas, so every worker raises at the same step. The guard also
+   records each window's ranks and errors (`comm.auto.history` of the metrics JSON).
+
+With Adam in front (the trainer's `--compression=auto`), `v` freezes after the warm-up as
+for PowerSGD (`adam_variance="frozen"`): live, the user task passed (−0.1 % against +3.9 %
+frozen, seed 0) but the convnet ended +8.7 % (−1.2 % frozen).
 
 Before `start_step` gradients are all-reduced exactly. A rank is a per-layer `int32`
-variable; the factors are cut from a `[m, rank_max]` Q to the current rank inside the traced
+variable; the factors are cut from a `[m, r_max]` Q to the current rank inside the traced
 step (dynamic shapes: nothing retraces when a rank changes), and the columns beyond it keep
-their last values for when the rank grows again.
+their last values for when the rank grows again. `decisions()` states per layer what it
+sends (rank r factors or fp32) and the mean bytes per step of the run.
 """
 
 import math
@@ -78,7 +96,7 @@ def measure_link(strategy, sizes=(256, 262144), repeats=3):
 
 
 class AutoAggregator(PowerSGDAggregator):
-    """PowerSGD whose rank per layer follows the link, the gradients and the loss.
+    """PowerSGD whose rank per layer follows the link, the approximation error and the loss.
 
     Args:
         budget_ms: wall time per step the exchange may take on the measured link.
@@ -86,7 +104,15 @@ class AutoAggregator(PowerSGDAggregator):
             slower link than the one at hand); None = measure at build.
         window: steps between rank decisions (and the loss guard's window).
         eta: relative change of a layer's gradient norm between windows that counts as a
-            critical regime (sent at `r_hi`).
+            critical regime (Accordion): the layer's rank is not lowered at that window.
+        up_share: the rank doubles when the top half of a layer's columns carried at least
+            this share of the energy it sent of the summed gradient (the window's mean):
+            the spectrum is still flat at this rank, so more columns would carry more.
+        down_share: otherwise the rank drops to the smallest (not below the budget's) whose
+            columns beyond it carried at most this share.
+        start_rank: each layer's rank in the first compressed window (None: its largest,
+            since the first compressed steps after the exact start cost most when
+            under-sent); never below the budget's rank.
         start_step: steps of exact all-reduce before compressing.
         seed: seed of the initial Q.
         **kwargs: see `Aggregator`.
@@ -98,13 +124,19 @@ class AutoAggregator(PowerSGDAggregator):
     """
 
     lossy = True
-
-    def __init__(self, budget_ms=20.0, link=None, window=10, eta=0.3, start_step=10, seed=0,
-                 **kwargs):
+    def __init__(self, budget_ms=20.0, link=None, window=10, eta=0.3, up_share=0.25,
+                 down_share=0.1, start_rank=None, start_step=10, seed=0, **kwargs):
         if not budget_ms > 0:
             raise ValueError(f"budget_ms={budget_ms!r} is invalid: must be > 0, e.g. 20")
         if window < 1:
             raise ValueError(f"window={window!r} is invalid: must be an integer >= 1")
+        if not 0 <= down_share <= up_share <= 1:
+            raise ValueError(f"up_share={up_share!r}, down_share={down_share!r} are invalid: "
+                             "need 0 <= down_share <= up_share <= 1, e.g. 0.25 and 0.1")
+        if start_rank is not None and (isinstance(start_rank, bool) or
+                                       not isinstance(start_rank, int) or start_rank < 1):
+            raise ValueError(f"start_rank={start_rank!r} is invalid: must be None (each "
+                             "layer's largest) or an integer >= 1")
         # With Adam in front: per-replica moments (no frozen variance). Frozen after a warm-up
         # as short as auto's exact start (2 steps in tests/test_compression_auto.py), `v` was
         # too small for the later gradients and the run diverged.
@@ -114,7 +146,10 @@ class AutoAggregator(PowerSGDAggregator):
         self.link = None if link is None else (float(link[0]), float(link[1]))
         self.window = int(window)
         self.eta = float(eta)
-        self.r_hi = self.r_lo = None  # None after build: everything exact
+        self.up_share, self.down_share = float(up_share), float(down_share)
+        self.start_rank = start_rank
+        self.r_budget = None  # None after build: everything exact
+        self.history = []  # one entry per window, appended by `record` (LossGuard calls it)
 
     def budget_bytes(self):
         """Bytes a step may put on the wire on `self.link`."""
@@ -140,67 +175,148 @@ class AutoAggregator(PowerSGDAggregator):
             with tf.init_scope():
                 self.link = (measure_link(strategy) if strategy.num_replicas_in_sync > 1
                              else (float("inf"), 0.0))
-        self.r_hi, self.r_lo = self.plan([tuple(int(d) for d in v.shape) for v in variables])
-        if self.r_hi is None:
+        shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        self.names = [_name(v) for v in variables]
+        self.r_budget = self.plan(shapes)
+        start_rank = self.start_rank
+        if self.r_budget is None:
             # Everything fits the budget exactly: nothing to compress, nothing to adapt, and
             # Adam stays in the optimizer.
             self.adam = None
         else:
-            self.rank = self.r_hi
+            self.rank = self.r_budget
+            # Per matrix: the largest rank whose factors are smaller than the matrix, and the
+            # budget's rank (the floor: spending the budget costs no time).
+            self.r_max = {i: max(r for r in RANKS if powersgd.compressible(s, r))
+                          for i, s in enumerate(shapes) if powersgd.compressible(s, 1)}
+            self.r_floor = {i: min(self.r_budget, r) for i, r in self.r_max.items()}
+            self.r_start = {i: r if start_rank is None else
+                            min(r, max(self.r_floor[i], _power_of_two(start_rank)))
+                            for i, r in self.r_max.items()}
         super().build(variables)
 
     def plan(self, shapes):
-        """`(r_hi, r_lo)` for variables of `shapes` on `self.link`; `(None, None)` when
-        fp32 fits the budget."""
+        """The budget's rank (the largest power of two ≤ 64 whose factors fit) for variables
+        of `shapes` on `self.link`; None when fp32 fits the budget."""
         budget = self.budget_bytes()
         if sum(4 * math.prod(s) for s in shapes) <= budget:
-            return None, None
+            return None
         fits = [r for r in RANKS if self._factor_bytes(shapes, r) <= budget]
-        r_hi = max(fits) if fits else 1
-        return r_hi, max(1, r_hi // 4)
+        return max(fits) if fits else 1
 
     def _matrices(self):
-        if self.r_hi is None:
+        if self.r_budget is None:
             return []
-        return [i for i, s in enumerate(self._layout.shapes)
-                if powersgd.compressible(s, self.r_hi)]
+        return sorted(self.r_max)
 
     def _build_state(self):
-        if self.r_hi is None:
+        if self.r_budget is None:
             self.qs = {}
             return
-        super()._build_state()
         mats = self._matrices()
-        self.ranks = {str(i): per_replica_variable(tf.constant(self._cap(i, self.r_hi)),
-                                                   f"auto_rank_{i}", _FIRST) for i in mats}
-        self.norm_sum = {str(i): per_replica_variable(tf.constant(0.0), f"auto_norm_{i}",
-                                                      _FIRST) for i in mats}
-        self.norm_prev = {str(i): per_replica_variable(tf.constant(-1.0),
-                                                       f"auto_norm_prev_{i}", _FIRST)
-                          for i in mats}
-        self.boost = per_replica_variable(tf.constant(0, tf.int32), "auto_boost", _FIRST)
+        shapes = self._layout.shapes
+        # Q holds a layer's largest rank; the columns beyond the current rank keep their last
+        # values for when the rank grows again.
+        self.qs = {str(i): per_replica_variable(
+            powersgd.initial_q(powersgd.matrix_shape(shapes[i])[1], self.r_max[i],
+                               self.seed + i), f"powersgd_q_{i}", _FIRST) for i in mats}
 
-    def _cap(self, position, rank):
-        return int(min(rank, *powersgd.matrix_shape(self._layout.shapes[position])))
+        def state(value, name):
+            return {str(i): per_replica_variable(tf.constant(value() if callable(value)
+                                                             else value),
+                                                 f"auto_{name}_{i}", _FIRST) for i in mats}
+
+        self.ranks = {str(i): per_replica_variable(tf.constant(self.r_start[i]),
+                                                   f"auto_rank_{i}", _FIRST) for i in mats}
+        self.norm_sum = state(0.0, "norm")
+        self.norm_prev = state(-1.0, "norm_prev")
+        # The share held back at each rank 0, 1, 2, 4, ... up to the layer's largest
+        # (`_levels`): the window's sum, and the last window's mean (-1: none yet).
+        self.error_sum = {str(i): per_replica_variable(tf.zeros([len(self._levels(i))]),
+                                                       f"auto_error_{i}", _FIRST)
+                          for i in mats}
+        self.error_last = {str(i): per_replica_variable(-tf.ones([len(self._levels(i))]),
+                                                        f"auto_error_last_{i}", _FIRST)
+                           for i in mats}
+        # Loss guard: each raise doubles every layer's floor (`raise_ranks`).
+        self.beyond_sum = {str(i): per_replica_variable(tf.zeros([len(self._levels(i))]),
+                                                        f"auto_beyond_{i}", _FIRST)
+                           for i in mats}
+        self.beyond_last = {str(i): per_replica_variable(-tf.ones([len(self._levels(i))]),
+                                                         f"auto_beyond_last_{i}", _FIRST)
+                            for i in mats}
+        self.window_rank = {str(i): per_replica_variable(tf.constant(self.r_start[i]),
+                                                         f"auto_window_rank_{i}", _FIRST)
+                            for i in mats}  # the rank the last window's errors were taken at
+        self.raised = per_replica_variable(tf.constant(0, tf.int32), "auto_raised", _FIRST)
+        self.bytes_total = per_replica_variable(tf.constant(0, tf.int64), "auto_bytes_total",
+                                                _FIRST)
+
+    def _levels(self, position):
+        """The ranks layer `position` can take, with 0 first (nothing sent)."""
+        return [0] + [r for r in RANKS if r <= self.r_max[position]]
+
+    def top_share_of(self, position):
+        """The last window's mean share of the summed gradient's sent energy carried by the
+        top half of layer `position`'s columns (None before a window ended)."""
+        beyond = self.beyond_last[str(position)].numpy()
+        if beyond[0] < 0:
+            return None
+        rank = int(self.window_rank[str(position)].numpy())
+        at = self._levels(position).index(rank)
+        return round(float(beyond[at - 1]), 4)
+
+    def error_of(self, position):
+        """The last window's mean share of layer `position`'s corrected gradient held back
+        at its rank then (None before a window ended)."""
+        errors = self.error_last[str(position)].numpy()
+        if errors[0] < 0:
+            return None
+        rank = int(self.window_rank[str(position)].numpy())
+        return float(errors[self._levels(position).index(rank)])
 
     def rank_of(self, position):
         """The current rank of variable `position` (0 = sent exactly)."""
         var = getattr(self, "ranks", {}).get(str(position))
-        return 0 if var is None else int(var.numpy())
+        return 0 if var is None else max(int(var.numpy()), self._floor_now(position))
 
-    def set_boost(self, steps):
-        """Send every matrix at `r_hi` for the next `steps` steps (call in cross-replica
-        context with the same value on every worker: `LossGuard` does)."""
-        if self.r_hi is not None:
-            self.boost.assign(int(steps))
+    def _floor_now(self, position):
+        level = int(self.raised.numpy())
+        return min(self.r_floor[position] << level, self.r_max[position])
+
+    def _floor(self, position):
+        return tf.minimum(tf.bitwise.left_shift(tf.constant(self.r_floor[position]),
+                                                self.raised), self.r_max[position])
+
+    def raise_ranks(self):
+        """Doubles every matrix's floor rank for the rest of the run (up to its largest);
+        the next step sends at least that (call in cross-replica context on every worker
+        alike: `LossGuard` does). Returns whether anything could still grow."""
+        if self.r_budget is None:
+            return False
+        if all(self._floor_now(p) >= self.r_max[p] for p in self.r_max):
+            return False
+        self.raised.assign(int(self.raised.numpy()) + 1)
+        return True
 
     def static_wire_bytes(self, positions):
-        if self.r_hi is None or not hasattr(self, "qs"):
+        if self.r_budget is None or not hasattr(self, "r_floor"):
             return Aggregator.static_wire_bytes(self, positions)
-        return super().static_wire_bytes(positions)
+        positions = list(positions)
+        factors = sum(4 * sum(powersgd.matrix_shape(self._layout.shapes[p])) *
+                      self.r_start[p] + 4 * (self.r_max[p] + 1)
+                      for p in positions if p in self.r_floor)
+        rest = [p for p in positions if p not in self.r_floor]
+        return factors + (Aggregator.static_wire_bytes(self, rest) if rest else 0)
+
+    def all_reduce_sum(self, grads, variables):
+        out = super().all_reduce_sum(grads, variables)
+        if self.r_budget is not None:
+            self.bytes_total.assign_add(self.wire_bytes)
+        return out
 
     def _exchange(self, xs, positions):
-        if self.r_hi is None:
+        if self.r_budget is None:
             return Aggregator._exchange(self, xs, positions)
         if self.start_step <= 0:
             return self._adaptive(xs, positions)
@@ -219,12 +335,8 @@ class AutoAggregator(PowerSGDAggregator):
         rest = [j for j, p in enumerate(positions) if p not in matrices]
         if not mat:
             return Aggregator._exchange(self, xs, positions)
-        boosted = self.boost > 0
-        ranks = []
-        for j in mat:
-            p = positions[j]
-            hi = tf.constant(self._cap(p, self.r_hi))
-            ranks.append(tf.where(boosted, hi, tf.identity(self.ranks[str(p)])))
+        ranks = [tf.maximum(self.ranks[str(positions[j])], self._floor(positions[j]))
+                 for j in mat]
         summed, local = list(xs), list(xs)
         ms = [tf.reshape(xs[j], powersgd.matrix_shape(xs[j].shape)) for j in mat]
         qs_full = [self.qs[str(positions[j])] for j in mat]
@@ -236,10 +348,19 @@ class AutoAggregator(PowerSGDAggregator):
         p_hats = [powersgd.orthogonalize(tf.reshape(s, [m.shape[0], -1]))
                   for s, m in zip(sums[:len(mat)], ms)]
         q_locals = [powersgd.compress_q(m, p) for m, p in zip(ms, p_hats)]
-        q_sums, q_bytes = _sum_dynamic(q_locals, self._opts)
+        # The share each replica holds back, at this rank and every lower one: P̂ is
+        # orthonormal and its first k columns span P's first k (QR), so ||M − P̂ₖ P̂ₖᵀ M||² =
+        # ||M||² − (the energy of Q_local's first k columns). ||M||² and each column's
+        # energy (zeros up to the layer's largest rank) are summed over replicas with the Q's.
+        tops = [self.r_max[positions[j]] for j in mat]
+        stats = tf.concat([tf.concat([[tf.reduce_sum(tf.square(m))], tf.pad(
+            tf.reduce_sum(tf.square(q), 0), [[0, top - tf.shape(q)[1]]])], 0)
+            for m, q, top in zip(ms, q_locals, tops)], 0)
+        q_sums, q_bytes = _sum_dynamic(q_locals + [stats], self._opts)
+        stats = tf.split(q_sums[-1], [top + 1 for top in tops])
         window_end = tf.equal((self.step - self.start_step + 1) % self.window, 0)
-        for j, m, p_hat, q_loc, q_sum, q_var, r in zip(mat, ms, p_hats, q_locals, q_sums,
-                                                      qs_full, ranks):
+        for k, (j, m, p_hat, q_loc, q_sum, q_var, r) in enumerate(zip(
+                mat, ms, p_hats, q_locals, q_sums, qs_full, ranks)):
             p = positions[j]
             q_sum = tf.reshape(q_sum, [m.shape[1], -1])
             shape = xs[j].shape
@@ -248,37 +369,123 @@ class AutoAggregator(PowerSGDAggregator):
             new_q = tf.concat([q_sum, q_var[:, r:]], 1)
             q_var.assign(tf.ensure_shape(tf.where(tf.reduce_any(q_sum != 0), new_q, q_var),
                                          q_var.shape))
-            self._decide(p, summed[j], window_end)
-        self.boost.assign(tf.maximum(self.boost - 1, 0))
+            total_sq, captured = stats[k][0], tf.cumsum(stats[k][1:])
+            kept = tf.gather(captured, [lv - 1 for lv in self._levels(p)[1:]])
+            errors = tf.sqrt(tf.maximum(total_sq - kept, 0.0) / tf.maximum(total_sq, 1e-30))
+            errors = tf.where(total_sq > 0, tf.concat([[1.0], errors], 0), 0.0)
+            # The summed gradient's energy along each column of P̂ (`||Q_sum[:, c]||²`, the
+            # same on every replica): the share of what rank r sends that the columns from
+            # each lower rank on carry. Taken from the sum, where each replica's own noise
+            # and the residuals' differences between replicas (which error feedback never
+            # sends: only sums go out) cancel, unlike the local shares above, which reached
+            # ~0.9 at every rank late in a convnet run.
+            sum_e = tf.cumsum(tf.pad(tf.reduce_sum(tf.square(q_sum), 0),
+                                     [[0, self.r_max[p] - tf.shape(q_sum)[1]]]))
+            sent = sum_e[r - 1]
+            beyond = tf.concat([[1.0], 1.0 - tf.gather(sum_e, [lv - 1 for lv in
+                                                           self._levels(p)[1:]]) /
+                                tf.maximum(sent, 1e-30)], 0)
+            beyond = tf.where(sent > 0, tf.maximum(beyond, 0.0), 0.0)
+            self._decide(p, summed[j], errors, beyond, r, window_end)
         return summed, local, p_bytes + q_bytes
 
-    def _decide(self, p, summed, window_end):
-        """Accordion's rule for variable `p` from its summed gradient (the same on every
-        replica): at a window's end, `r_hi` if the window's mean norm moved by >= eta."""
+    def _decide(self, p, summed, errors, beyond, rank_now, window_end):
+        """At a window's end, layer `p`'s rank for the next window, from values the same on
+        every replica (`beyond`: the share of the summed gradient's sent energy carried by
+        the columns beyond each of `_levels(p)`; `errors`: each replica's own share held
+        back there, recorded only): doubled when the top half of its columns carried at
+        least `up_share` on the window's mean; else the smallest rank (not below the
+        floor) whose columns beyond carried at most `down_share`, unless the layer is in a
+        critical regime (Accordion: its summed gradient's mean norm moved by >= `eta` since
+        the previous window), which keeps the rank."""
         total = self.norm_sum[str(p)].assign_add(tf.norm(summed))
-        mean = total / self.window
+        sums = self.error_sum[str(p)].assign_add(errors)
+        beyond_sums = self.beyond_sum[str(p)].assign_add(beyond)
+        mean, mean_errors = total / self.window, sums / self.window
+        mean_beyond = beyond_sums / self.window
         prev = self.norm_prev[str(p)]
         critical = tf.logical_or(prev <= 0, tf.abs(mean - prev) >= self.eta * prev)
-        hi, lo = self._cap(p, self.r_hi), self._cap(p, self.r_lo)
+        levels = tf.constant(self._levels(p))
+        at = tf.argmax(tf.cast(tf.equal(levels, rank_now), tf.int32), output_type=tf.int32)
+        floor, top = self._floor(p), self.r_max[p]
+        up = tf.logical_and(mean_beyond[at - 1] >= self.up_share, rank_now < top)
+        enough = (levels >= floor) & (levels <= rank_now) & (mean_beyond <= self.down_share)
+        lowest = tf.reduce_min(tf.where(enough, levels, rank_now))
+        new = tf.where(up, tf.minimum(2 * rank_now, top),
+                       tf.where(critical, rank_now, lowest))
         rank = self.ranks[str(p)]
-        rank.assign(tf.where(window_end, tf.where(critical, hi, lo), rank))
+        rank.assign(tf.where(window_end, new, rank))
+        self.window_rank[str(p)].assign(tf.where(window_end, rank_now,
+                                                 self.window_rank[str(p)]))
         prev.assign(tf.where(window_end, mean, prev))
+        self.error_last[str(p)].assign(tf.where(window_end, mean_errors,
+                                                self.error_last[str(p)]))
         self.norm_sum[str(p)].assign(tf.where(window_end, 0.0, total))
+        self.error_sum[str(p)].assign(tf.where(window_end, tf.zeros_like(sums), sums))
+        self.beyond_last[str(p)].assign(tf.where(window_end, mean_beyond,
+                                                 self.beyond_last[str(p)]))
+        self.beyond_sum[str(p)].assign(tf.where(window_end, tf.zeros_like(beyond_sums),
+                                                beyond_sums))
 
     def get_config(self):
         config = {**Aggregator.get_config(self), "budget_ms": self.budget_ms,
                   "link": self.link, "window": self.window, "eta": self.eta,
+                  "up_share": self.up_share, "down_share": self.down_share,
+                  "start_rank": self.start_rank,
                   "start_step": self.start_step, "seed": self.seed}
         return config
 
-    def decisions(self):
-        """`{"link": ..., "r_hi", "r_lo", "ranks": {position: rank}, "boost"}` now."""
-        out = {"bytes_per_s": self.link[0], "latency_s": self.link[1], "r_hi": self.r_hi,
-               "r_lo": self.r_lo, "budget_bytes": self.budget_bytes()}
-        if self.r_hi is not None:
-            out["ranks"] = {p: int(v.numpy()) for p, v in self.ranks.items()}
-            out["boost"] = int(self.boost.numpy())
+    def layers(self):
+        """What each variable is sent as now: `{position: {"name", "shape", "sends",
+        "bytes", "error"}}`; `sends` is "rank r" (PowerSGD factors, `error` the last
+        window's mean share held back) or "fp32" (exact)."""
+        out = {}
+        for p, shape in enumerate(self._layout.shapes):
+            entry = {"name": self.names[p], "shape": list(shape)}
+            rank = self.rank_of(p)
+            if rank:
+                entry.update(sends=f"rank {rank}",
+                             bytes=4 * sum(powersgd.matrix_shape(shape)) * rank,
+                             error=self.error_of(p))
+            else:
+                entry.update(sends="fp32", bytes=4 * math.prod(shape))
+            out[str(p)] = entry
         return out
+
+    def record(self, loss=None, raised=False):
+        """Appends this window's decisions to `history` (ranks, errors, the guard)."""
+        if self.r_budget is None:
+            return
+        self.history.append({
+            "step": int(self.step.numpy()), "loss": loss, "raised": bool(raised),
+            "floor_level": int(self.raised.numpy()),
+            "ranks": {p: self.rank_of(int(p)) for p in self.ranks},
+            "errors": {p: self.error_of(int(p)) for p in self.ranks},
+            "window_ranks": {p: int(v.numpy()) for p, v in self.window_rank.items()},
+            "top_half_share": {p: self.top_share_of(int(p)) for p in self.ranks}})
+
+    def decisions(self):
+        """`{"link": ..., "r_budget", "layers": {position: what it sends}, "history"}`."""
+        out = {"bytes_per_s": self.link[0], "latency_s": self.link[1],
+               "r_budget": self.r_budget, "budget_bytes": self.budget_bytes(),
+               "up_share": self.up_share, "down_share": self.down_share}
+        if self.r_budget is not None:
+            steps = int(self.step.numpy())
+            out["ranks"] = {p: self.rank_of(int(p)) for p in self.ranks}
+            out["floor_level"] = int(self.raised.numpy())
+            out["layers"] = self.layers()
+            out["mean_bytes_per_step"] = (int(self.bytes_total.numpy()) / steps
+                                          if steps else 0.0)
+            out["history"] = self.history
+        return out
+
+
+def _power_of_two(n):
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _name(variable):
+    return str(getattr(variable, "path", None) or getattr(variable, "name", ""))
 
 
 def _sum_dynamic(tensors, opts):
@@ -291,13 +498,16 @@ def _sum_dynamic(tensors, opts):
 
 
 class LossGuard(keras.callbacks.Callback):
-    """Sends more when the loss drifts up: after each `window` steps, if the mean batch loss
-    of the window exceeds the previous window's by more than `tolerance` (relative), the
-    aggregator sends every matrix at its high rank for the next `window` steps.
+    """Sends more when the loss drifts up: after each compressed window of `window` steps,
+    if its mean batch loss exceeds the previous window's by more than `tolerance`
+    (relative) and by more than two standard errors of the two means' difference (the
+    batch losses' own noise), every matrix's floor rank doubles for the rest of the run
+    (`AutoAggregator.raise_ranks`). Also records each window's decisions in the
+    aggregator's `history` (the metrics JSON's `comm.auto.history`).
 
     Args:
         aggregator: an `AutoAggregator`.
-        tolerance: relative rise of the window's mean loss that triggers the boost.
+        tolerance: relative rise of the window's mean loss that raises the ranks.
     """
 
     def __init__(self, aggregator, tolerance=0.02):
@@ -305,7 +515,7 @@ class LossGuard(keras.callbacks.Callback):
         self.aggregator = aggregator
         self.tolerance = float(tolerance)
         self.losses, self._k, self._mean = [], 0, 0.0
-        self.boosts = []  # steps after which the guard boosted
+        self.raises = []  # steps after which the guard raised the ranks
 
     def on_epoch_begin(self, epoch, logs=None):
         self._k, self._mean = 0, 0.0
@@ -316,10 +526,23 @@ class LossGuard(keras.callbacks.Callback):
         self._k += 1
         self.losses.append(self._k * mean - (self._k - 1) * self._mean)
         self._mean = mean
-        w = self.aggregator.window
-        if len(self.losses) % w or len(self.losses) < 2 * w:
+        agg, w = self.aggregator, self.aggregator.window
+        if agg.r_budget is None or len(self.losses) % w:
             return
-        now, before = np.mean(self.losses[-w:]), np.mean(self.losses[-2 * w:-w])
-        if now > before * (1 + self.tolerance):
-            self.aggregator.set_boost(w)
-            self.boosts.append(len(self.losses))
+        # Compressed for the whole window: after auto's exact start and Adam's warm-up.
+        first = max(agg.start_step, agg._compression_start())
+        now = float(np.mean(self.losses[-w:]))
+        raised = False
+        if len(self.losses) - w >= first and len(self.losses) >= 2 * w:
+            window, previous = self.losses[-w:], self.losses[-2 * w:-w]
+            before = float(np.mean(previous))
+            # A rise counts when above `tolerance` and above two standard errors of the
+            # difference of the two means (batch losses are noisy: on the mlp, rises of
+            # 5-9 % between windows of a run that ends at fp32's loss).
+            noise = 2 * math.sqrt((np.var(window) + np.var(previous)) / w)
+            if now - before > max(before * self.tolerance, noise):
+                raised = agg.raise_ranks()
+                if raised:
+                    self.raises.append(len(self.losses))
+        if len(self.losses) > first:
+            agg.record(loss=round(now, 6), raised=raised)
