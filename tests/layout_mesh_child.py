@@ -76,8 +76,13 @@ def sequence():
             ref, ref_losses, _ = reference_once(("transformer", optimizer, 8), build,
                                                 OPTIMIZERS[optimizer], batches)
             model, trainer, losses = train(mesh, names, build, optimizer, batches)
+            per_path = diffs(model, ref)
+            # The attention key bias apart: its true gradient is zero (softmax ignores a
+            # constant shift of the scores), so its computed gradient is rounding noise,
+            # which Adam normalises to steps of up to ~lr (tests/test_layout_exact.py).
             out[f"{dp}x{tp} {optimizer}"] = {
-                "diff": max(diffs(model, ref).values()),
+                "diff": max(v for k, v in per_path.items() if not k.endswith("key/bias")),
+                "key_bias_diff": max(v for k, v in per_path.items() if k.endswith("key/bias")),
                 "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "laid_out": sorted(activations.laid_out(model))}
     return out

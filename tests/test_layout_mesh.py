@@ -83,12 +83,19 @@ def test_sequence_parallel_equals_one_device(children, report_measured):
     for run_name, result in out.items():
         assert result["diff"] < 1e-5, (run_name, result["diff"])
         assert result["loss_diff"] < 1e-5, (run_name, result["loss_diff"])
+        # The attention key bias's true gradient is zero: its rounding noise is what Adam
+        # normalises (1.1e-5 on the 1x4 mesh here), held to 1e-3 as in test_layout_exact.
+        bound = 1e-3 if run_name.endswith("adam") else 1e-5
+        assert result["key_bias_diff"] < bound, (run_name, result["key_bias_diff"])
         worst = max(worst, result["diff"])
         # The block's norms, attention and MLP (9 layers; the child's transformer has one
         # block, layout_keras_child.task_for), the embedding, final norm and head.
         assert len(result["laid_out"]) == 9 + 3, result["laid_out"]
     report_measured("--sequence_parallel transformer on 2x2 and 1x4 meshes vs one device, "
-                    f"5 steps SGD and Adam: max weight diff {worst:.1e}")
+                    f"5 steps SGD and Adam: max weight diff {worst:.1e} (the attention key "
+                    "bias apart: Adam " + ", ".join(f"{k} {v['key_bias_diff']:.1e}"
+                                                    for k, v in out.items() if "adam" in k)
+                    + ")")
 
 
 def test_sequence_parallel_is_refused_in_one_line_where_it_does_not_apply():
