@@ -230,21 +230,16 @@ class AutoAggregator(PowerSGDAggregator):
                                                    f"auto_rank_{i}", _FIRST) for i in mats}
         self.norm_sum = state(0.0, "norm")
         self.norm_prev = state(-1.0, "norm_prev")
-        # The share held back at each rank 0, 1, 2, 4, ... up to the layer's largest
-        # (`_levels`): the window's sum, and the last window's mean (-1: none yet).
-        self.error_sum = {str(i): per_replica_variable(tf.zeros([len(self._levels(i))]),
-                                                       f"auto_error_{i}", _FIRST)
-                          for i in mats}
-        self.error_last = {str(i): per_replica_variable(-tf.ones([len(self._levels(i))]),
-                                                        f"auto_error_last_{i}", _FIRST)
-                           for i in mats}
-        # Loss guard: each raise doubles every layer's floor (`raise_ranks`).
-        self.beyond_sum = {str(i): per_replica_variable(tf.zeros([len(self._levels(i))]),
-                                                        f"auto_beyond_{i}", _FIRST)
-                           for i in mats}
-        self.beyond_last = {str(i): per_replica_variable(-tf.ones([len(self._levels(i))]),
-                                                         f"auto_beyond_last_{i}", _FIRST)
-                            for i in mats}
+        def per_level(fill, name):  # one entry per rank 0, 1, 2, 4, ... (`_levels`)
+            return {str(i): per_replica_variable(
+                tf.fill([len(self._levels(i))], fill), f"auto_{name}_{i}", _FIRST)
+                for i in mats}
+
+        # Per level, the window's sum and the last window's mean (-1: none yet): the share
+        # each replica held back, and the summed gradient's energy beyond the level.
+        self.error_sum, self.error_last = per_level(0.0, "error"), per_level(-1.0, "error_last")
+        self.beyond_sum = per_level(0.0, "beyond")
+        self.beyond_last = per_level(-1.0, "beyond_last")
         self.window_rank = {str(i): per_replica_variable(tf.constant(self.r_start[i]),
                                                          f"auto_window_rank_{i}", _FIRST)
                             for i in mats}  # the rank the last window's errors were taken at
