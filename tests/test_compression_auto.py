@@ -210,3 +210,17 @@ def test_auto_error_is_the_share_held_back_and_ranks_follow_the_spectrum():
     assert agg.top_share_of(0) < 0.01, agg.top_share_of(0)  # columns 3-4 at rank 4: noise
     agg.all_reduce_sum([tf.constant(g)], [v])
     assert int(agg.wire_bytes.numpy()) == 4 * (64 + 32) * 2 + 4 * 17  # rank-2 factors, errors
+
+
+def test_bad_auto_settings_are_refused_in_one_line():
+    import pytest
+    from tfpar.compression import AutoAggregator
+    for kwargs, match in (({"up_share": 0.1, "down_share": 0.5}, "up_share=0.1, down_share=0.5"),
+                          ({"up_share": 1.5}, "up_share=1.5"),
+                          ({"down_share": -0.1}, "down_share=-0.1"),
+                          ({"start_rank": 0}, "start_rank=0 is invalid"),
+                          ({"start_rank": True}, "start_rank=True is invalid"),
+                          ({"window": 0}, "window=0 is invalid")):
+        with pytest.raises(ValueError, match=match):
+            AutoAggregator(link=(12.5e6, 1e-3), **kwargs)
+    assert AutoAggregator(link=(12.5e6, 1e-3), start_rank=4).start_rank == 4
