@@ -34,11 +34,41 @@ class AggregatingOptimizerMixin:
             # Nothing to communicate; compressing would only add error.
             return super()._all_reduce_sum_gradients(grads_and_vars)
         grads, variables = zip(*grads_and_vars)
-        summed = self.tfpar_aggregator.all_reduce_sum(list(grads), list(variables))
+        if getattr(self, "tfpar_skip_nonfinite", False):
+            summed = self._skip_nonfinite_sum(ctx, list(grads), list(variables))
+        else:
+            summed = self.tfpar_aggregator.all_reduce_sum(list(grads), list(variables))
         # With Adam moved into the aggregator, what comes back are Adam's steps, applied
         # linearly by `update_step` below (set while tracing, before the updates are traced).
         self._tfpar_linear = getattr(self.tfpar_aggregator, "adam", None) is not None
         return list(zip(summed, variables))
+
+    def _skip_nonfinite_sum(self, ctx, grads, variables):
+        """`--on_nan=skip_step`: the aggregator runs only when every replica's gradients are
+        finite. Its state (error-feedback residuals, PowerSGD's Q, Adam's moments in front)
+        is written inside the step, before the optimizer's guard sees the sums, so a NaN
+        let through once would sit in a residual and make every later step non-finite (every
+        step after the bad one was skipped). One float all-reduced decides on every replica
+        alike; a skipped step hands back NaN, which the guard counts and skips
+        (`tfpar.nan_guard`), and leaves the aggregator's state as it was."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        dense = [tf.convert_to_tensor(grads[i]) for i in present]
+        local_ok = tf.math.is_finite(tf.add_n(
+            [tf.reduce_sum(tf.cast(g, tf.float32)) for g in dense]))
+        bad = ctx.all_reduce("SUM", 1.0 - tf.cast(local_ok, tf.float32))
+        subset = [variables[i] for i in present]
+
+        def aggregate(*gs):
+            return self.tfpar_aggregator.all_reduce_sum(list(gs), subset)
+
+        def skip(*gs):
+            return [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in gs]
+
+        out = collectives.replica_cond(tf.equal(bad, 0.0), aggregate, skip, tuple(dense))
+        summed = list(grads)
+        for i, s in zip(present, out):
+            summed[i] = s
+        return summed
 
     def update_step(self, gradient, variable, learning_rate):
         if not getattr(self, "_tfpar_linear", False):
