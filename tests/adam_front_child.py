@@ -1,9 +1,9 @@
 """Child process for tests/test_compression_adam_front.py: `python tests/adam_front_child.py`.
 
 Aggregators with Adam in front on one `MirroredStrategy` of two logical CPUs whose
-replicas see different gradients (one strategy per process: the three probes share it,
-and TensorFlow is imported once for all). Prints one JSON line
-`{"topk_momentum": {...}, "topk_union": {...}, "powersgd_variance": {...}}`; what each
+replicas see different gradients (one strategy per process: the four probes share it,
+and TensorFlow is imported once for all). Prints one JSON line `{"topk_momentum": {...},
+"topk_union": {...}, "powersgd_variance": {...}, "powersgd_local": {...}}`; what each
 figure means is asserted, and said, in the test file.
 """
 
@@ -229,9 +229,119 @@ def powersgd_variance():
     return out
 
 
+def powersgd_local_variance():
+    """PowerSGD with `adam_variance="local"` / `"local_debiased"`, nothing lost (rank-2
+    gradients at rank 2), replicas seeing different gradients: against a NumPy model of the
+    method, and with one gradient for both replicas against NumPy Adam."""
+    n, m_cols, lr, warm, steps = 24, 16, 1e-2, 3, 9
+    rng = np.random.default_rng(2)
+    g = np.zeros((steps, 2, n, m_cols), "float32")
+    # A shared signal plus replica-own noise in rows 0 and 1 (rank 2 after any elementwise
+    # scaling), so each replica's own v differs from the summed gradient's.
+    g[:, :, :2] = (rng.normal(size=(steps, 1, 2, m_cols)) +
+                   rng.normal(size=(steps, 2, 2, m_cols)) * 2)
+    beta_1, beta_2, eps = ADAM
+
+    def reference(grads, variance):
+        """The method in NumPy: exact Adam on the sum for `warm` steps, then per replica."""
+        m = w = 0.0
+        v = [0.0, 0.0]
+        for t in range(1, steps + 1):
+            share = grads[t - 1] / 2  # each replica's loss is halved
+            c1, c2, c2_old = 1 - beta_1 ** t, 1 - beta_2 ** t, 1 - beta_2 ** (t - 1)
+            if t <= warm:
+                summed = share.sum(0)
+                m = beta_1 * m + (1 - beta_1) * summed
+                v = [beta_2 * v[0] + (1 - beta_2) * summed ** 2] * 2
+                w = w - lr * m * (math.sqrt(c2) / c1) / (np.sqrt(v[0]) + eps)
+                continue
+            first = t == warm + 1  # m still in the gradient's units, v the same on both
+            s_old = [np.sqrt(v[r] / c2_old) + eps for r in (0, 1)]
+            u = 0.0
+            for r in (0, 1):
+                if variance == "local":
+                    square = (2 * share[r]) ** 2
+                else:  # the summed gradient's estimate from the momentum
+                    g_hat = (m if first else m * s_old[r]) / (1 - beta_1 ** (t - 1))
+                    square = 2 * share[r] ** 2 + 0.5 * g_hat ** 2
+                v[r] = beta_2 * v[r] + (1 - beta_2) * square
+                u = u + share[r] / (np.sqrt(v[r] / c2) + eps)
+            if first:
+                m = m / s_old[0]  # into the scaled units
+            m = beta_1 * m + (1 - beta_1) * u
+            w = w - lr * m / c1
+        return w, v
+
+    def run(grads, variance):
+        g_t = tf.constant(grads)
+
+        def loss(w, i, r):
+            return tf.reduce_sum(w * g_t[i, r]) / 2
+
+        agg = PowerSGDAggregator(2, adam=ADAM, adam_warmup_steps=warm, adam_variance=variance)
+        with STRATEGY.scope():
+            w = tf.Variable(tf.zeros([n, m_cols]))
+            opt = wrap_optimizer(keras.optimizers.Adam(lr), agg)
+            opt.build([w])
+
+        @tf.function
+        def step(i):
+            def replica_fn():
+                r = tf.distribute.get_replica_context().replica_id_in_sync_group
+                with tf.GradientTape() as tape:
+                    value = loss(w, i, r)
+                opt.apply_gradients([(tape.gradient(value, w), w)])
+            STRATEGY.run(replica_fn)
+
+        for i in range(steps):
+            step(tf.constant(i))
+        return ([x.numpy() for x in STRATEGY.experimental_local_results(w)],
+                [local(agg.moments["m_0"], r) for r in (0, 1)],
+                [local(agg.moments["v_0"], r) for r in (0, 1)])
+
+    out = {}
+    for variance in ("local", "local_debiased"):
+        ws, ms, vs = run(g, variance)
+        w_ref, v_ref = reference(g, variance)
+        moved = float(np.abs(w_ref).max())
+        out[variance] = {
+            "moved": moved,
+            "w": float(np.abs(ws[0] - w_ref).max() / moved),
+            "v": float(max(np.abs(vs[r] - v_ref[r]).max() / np.abs(v_ref[r]).max()
+                           for r in (0, 1))),
+            "w_replicas_diff": float(np.abs(ws[0] - ws[1]).max()),
+            "m_replicas_diff": float(np.abs(ms[0] - ms[1]).max()),
+            "v_replicas_apart": float(np.abs(vs[0] - vs[1]).max() / np.abs(vs[0]).max())}
+    # One gradient for both replicas, each entry of one magnitude on every step (random
+    # signs): each replica's v is the summed gradient's and Adam's denominator stays put, so
+    # the momentum of scaled gradients is Adam's scaled momentum: the method is Adam.
+    signs = np.sign(rng.normal(size=(steps, 1, 2, m_cols)))
+    same = np.zeros_like(g)
+    same[:, :, :2] = signs * np.abs(rng.normal(size=(1, 1, 2, m_cols)))
+    same = same.astype("float32")
+    ws, _, _ = run(same, "local")
+    m = v = w = 0
+    for t, grad in enumerate(same[:, 0], 1):
+        m = beta_1 * m + (1 - beta_1) * grad
+        v = beta_2 * v + (1 - beta_2) * grad * grad
+        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    out["same_data_vs_adam"] = float(np.abs(ws[0] - w).max() / np.abs(w).max())
+    # With different data it is not Adam on the sum (so the comparison with the NumPy model
+    # above could fail): each replica's v holds its own noise.
+    summed = g.sum(1) / 2
+    m = v = w = 0
+    for t, grad in enumerate(summed, 1):
+        m = beta_1 * m + (1 - beta_1) * grad
+        v = beta_2 * v + (1 - beta_2) * grad * grad
+        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    out["local_vs_adam"] = float(np.abs(reference(g, "local")[0] - w).max() / np.abs(w).max())
+    return out
+
+
 def main():
     print(json.dumps({"topk_momentum": topk_momentum(), "topk_union": topk_union(),
-                      "powersgd_variance": powersgd_variance()}), flush=True)
+                      "powersgd_variance": powersgd_variance(),
+                      "powersgd_local": powersgd_local_variance()}), flush=True)
 
 
 if __name__ == "__main__":

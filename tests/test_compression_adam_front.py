@@ -20,6 +20,12 @@ PowerSGD with `v` not frozen (`Aggregator.set_adam_variance`):
   held), the refresh step's `v` is `β₂ᴷ v + (1 − β₂ᴷ) g²` of the exact summed gradient, `v`
   stays put between refreshes, and each replica's residual (held as gradient / Adam's
   denominator) is rescaled so the gradient still owed is unchanged.
+- `adam_variance="local"` / `"local_debiased"`: each replica moves its own `v` with its own
+  exact gradient and sends its gradient over its own denominator; the momentum is of the
+  summed scaled gradients. With nothing lost and different gradients per replica: the
+  weights equal a NumPy model of the method and are the same on both replicas, the
+  momentum too, while the replicas' `v` differ; with one gradient for both (of constant
+  magnitude, so Adam's denominator stays put) it is Adam.
 """
 
 import os
@@ -122,6 +128,22 @@ def test_live_and_refreshed_adam_variance(probes):
     assert out["residual"] < 1e-5, out
 
 
+def test_local_adam_variance(probes):
+    out = probes["powersgd_local"]
+    for variance in ("local", "local_debiased"):
+        row = out[variance]
+        assert row["moved"] > 0.05, row
+        # The method as specified (each replica's own v; the momentum in scaled units) ...
+        assert row["v"] < 1e-5 and row["w"] < 1e-4, row  # float32 rounding
+        # ... keeps every replica's weights and momentum the same, with v each its own.
+        assert row["w_replicas_diff"] == 0.0 and row["m_replicas_diff"] == 0.0, row
+        assert row["v_replicas_apart"] > 0.1, row
+    # One gradient for both replicas and a steady denominator: Adam. With different
+    # gradients the NumPy model is not Adam (so the check above could fail).
+    assert out["same_data_vs_adam"] < 1e-4, out
+    assert out["local_vs_adam"] > 0.01, out
+
+
 def test_bad_variance_settings_are_refused_in_one_line():
     from tfpar.compression import PowerSGDAggregator, TopKAggregator
     for kwargs, match in (({"adam_variance": "warm"}, "adam_variance='warm' is invalid"),
@@ -131,6 +153,11 @@ def test_bad_variance_settings_are_refused_in_one_line():
         with pytest.raises(ValueError, match=match):
             PowerSGDAggregator(4, adam=(0.9, 0.999, 1e-7), **kwargs)
     # A live v needs the gradient compressed; top-k compresses each replica's Adam step.
-    with pytest.raises(ValueError, match="'live' is invalid for TopKAggregator"):
-        TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance="live")
+    for variance in ("live", "local", "local_debiased"):
+        with pytest.raises(ValueError, match=f"'{variance}' is invalid for TopKAggregator"):
+            TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance=variance)
+    # A local v moves every step: no exact refresh steps beside it.
+    with pytest.raises(ValueError, match="adam_refresh_every=10 is invalid with "
+                       "adam_variance='local'"):
+        PowerSGDAggregator(4, adam_variance="local", adam_refresh_every=10)
     assert PowerSGDAggregator(4, adam_variance="live").adam_variance == "live"

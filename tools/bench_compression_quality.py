@@ -112,7 +112,8 @@ def _value(text):
 
 
 # Aggregator options that are not ParallelConfig fields, set on the aggregator a variant
-# builds (`powersgd:adam_variance=live:adam_refresh_every=25`; `Aggregator.set_adam_variance`).
+# builds (`powersgd:adam_variance=live:adam_refresh_every=25`, `auto:adam_variance=local`;
+# the values are `Aggregator.set_adam_variance`'s: frozen, live, local, local_debiased).
 AGGREGATOR_OPTIONS = ("adam_variance", "adam_refresh_every")
 
 

@@ -25,9 +25,14 @@ from tfpar.compression import buckets, collectives, error_feedback
 _ON_READ = tf.VariableSynchronization.ON_READ
 # Steps of exact Adam before its second moment freezes (`Aggregator(adam_warmup_steps=)`).
 ADAM_WARMUP_STEPS = 50
-# After the warm-up, Adam's second moment `v`: "frozen" (1-bit Adam) or "live" (updated every
-# step from the summed gradient as compression delivered it; `adam_compresses="gradient"`).
-ADAM_VARIANCE = ("frozen", "live")
+# After the warm-up, Adam's second moment `v`: "frozen" (1-bit Adam), "live" (updated every
+# step from the summed gradient as compression delivered it) or "local" (each replica's own `v`
+# moved by its own exact gradient; both `adam_compresses="gradient"`).
+# "local_debiased": the same, but a replica's squared gradient carries `replicas` × the summed
+# gradient's noise; it moves `v` by `replicas · g² + (1 − 1/replicas) · ĝ²` instead, with ĝ the
+# momentum's estimate of the summed gradient (so pure noise counts once, a pure signal once).
+ADAM_VARIANCE = ("frozen", "live", "local", "local_debiased")
+_LOCAL = ("local", "local_debiased")
 
 
 def check_count(name, value, zero_means):
@@ -174,9 +179,13 @@ class Aggregator(tf.Module):
 
         Args:
             variance: "frozen" (1-bit Adam: `v` and its bias correction stay as the warm-up
-                left them) or "live" (`v` takes the square of the summed gradient compression
-                delivered, every step; only where the gradient is compressed,
-                `adam_compresses == "gradient"`).
+                left them), "live" (`v` takes the square of the summed gradient compression
+                delivered, every step) or "local" (each replica moves its own `v` with its
+                own exact gradient, `replicas` × its share, and compresses its gradient over
+                its own denominator; the momentum is kept of the summed scaled gradients, so
+                it and the weights stay the same on every replica; no extra bytes). "live"
+                and "local" only where the gradient is compressed,
+                `adam_compresses == "gradient"`.
             refresh_every: every this many steps after the warm-up one step is all-reduced
                 exactly (fp32) and `v` takes the exact summed gradient, as 0/1 Adam's
                 variance updates (Lu et al. 2022); a frozen `v` weighs it as the `K` steps
@@ -185,11 +194,18 @@ class Aggregator(tf.Module):
         if variance not in ADAM_VARIANCE:
             raise ValueError(f"adam_variance={variance!r} is invalid: choose from "
                              f"{', '.join(ADAM_VARIANCE)}")
-        if variance == "live" and self.adam_compresses != "gradient":
-            raise ValueError(f"adam_variance='live' is invalid for {type(self).__name__}: it "
-                             "compresses each replica's Adam step, not the gradient; use "
-                             "'frozen' (optionally with adam_refresh_every)")
+        if variance in ("live",) + _LOCAL and self.adam_compresses != "gradient":
+            raise ValueError(f"adam_variance={variance!r} is invalid for "
+                             f"{type(self).__name__}: it compresses each replica's Adam step, "
+                             "not the gradient; use 'frozen' (optionally with "
+                             "adam_refresh_every)")
         check_count("adam_refresh_every", refresh_every, "0 = no exact refresh steps")
+        if variance in _LOCAL and refresh_every:
+            # A refresh would need the momentum back in the gradient's units, which
+            # differ per replica once each divides by its own denominator.
+            raise ValueError(f"adam_refresh_every={refresh_every!r} is invalid with "
+                             "adam_variance='local' (each replica's v already moves with its "
+                             "exact gradient): use 0, or adam_variance='frozen'")
         self.adam_variance = variance
         self.adam_refresh_every = refresh_every
 
@@ -312,12 +328,14 @@ class Aggregator(tf.Module):
         replicas = collectives.replica_context().num_replicas_in_sync
         warm, every = self.adam_warmup_steps, self.adam_refresh_every
         live = self.adam_variance == "live"
+        own = self.adam_variance in _LOCAL
+        debias = self.adam_variance == "local_debiased"
         rescale = self.adam_compresses == "gradient" and bool(live or every)
         t = tf.cast(self.step + 1, tf.float32)
         c1 = 1 - tf.pow(beta_1, t)
         # Steps `v` stood for before this step: every step while it moves, else the warm-up
         # plus the refreshes so far (a refresh is step warm + j·every − 1, 0-based).
-        if live:
+        if live or own:
             t_v = t - 1
         elif every:
             t_v = tf.where(self.step < warm, t - 1, tf.cast(
@@ -386,6 +404,8 @@ class Aggregator(tf.Module):
                     for u, s, p in zip(summed, scales, positions):
                         self.moments[f"m_{p}"].assign(u * c1 * s)
                 return list(summed), tf.cast(nbytes, tf.int64)
+            if own:
+                return local_variance(gs)
             # "gradient": the gradient scaled by Adam's denominator is compressed and summed,
             # and the momentum (and a live `v`) taken of the sum, identical on every replica.
             summed, nbytes = self._compress_and_exchange(
@@ -406,6 +426,47 @@ class Aggregator(tf.Module):
                         self._rescale_residual(p, s, s_new)
                     s = s_new
                 out.append(m_new / c1 / s)
+            return out, tf.cast(nbytes, tf.int64)
+
+        def local_variance(gs):
+            # Each replica moves its own v with its own gradient (g · replicas, exact) and
+            # sends g / s_i; the momentum is of the sum Σ_i g_i / s_i, the same everywhere.
+            c2 = 1 - tf.pow(beta_2, t_v)  # v last moved on the previous step
+            c2_now = 1 - tf.pow(beta_2, t)
+            first = tf.equal(self.step, warm)  # m still holds the exact sum's momentum
+            c1_before = 1 - tf.pow(beta_1, t - 1)
+            xs, olds = [], []
+            for g, p in zip(gs, positions):
+                v = self.moments[f"v_{p}"]
+                s_old = scale(v, c2)
+                if debias:
+                    m = self.moments[f"m_{p}"]
+                    # The summed gradient's estimate in its own units: m / c1 · s_i.
+                    g_hat = tf.where(first, m, m * s_old) / c1_before
+                    square = (tf.square(g) * replicas +
+                              (1 - 1 / replicas) * tf.square(g_hat))
+                else:
+                    square = tf.square(g * replicas)
+                v_new = v + (square - v) * (1 - beta_2)
+                v.assign(v_new)
+                # The residuals are not rescaled: only their sum over replicas is ever sent
+                # (PowerSGD is linear in the summed matrix), and each also holds its
+                # replica's deviation from the replicas' mean (DDP's residual), which cancels
+                # in that sum. Rescaled by each replica's own s_old / s_new they no longer
+                # cancel: with nothing lost the weights ended 10 % off the method's in 9
+                # steps (tests/adam_front_child.py's `powersgd_local_variance`). Unrescaled,
+                # the debt is kept exactly in the units the momentum sums.
+                xs.append(g / scale(v_new, c2_now))
+                olds.append(s_old)
+            summed, nbytes = self._compress_and_exchange(xs, positions)
+            out = []
+            for u, s_old, p in zip(summed, olds, positions):
+                m = self.moments[f"m_{p}"]
+                # Into the scaled units once, by the warm-up's v (still the same everywhere).
+                m_old = tf.where(first, m / s_old, m)
+                m_new = m_old + (u - m_old) * (1 - beta_1)
+                m.assign(m_new)
+                out.append(m_new / c1)
             return out, tf.cast(nbytes, tf.int64)
 
         gs = [tf.convert_to_tensor(g) for g in grads]  # embeddings' IndexedSlices dense
