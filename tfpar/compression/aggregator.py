@@ -183,9 +183,12 @@ class Aggregator(tf.Module):
                 delivered, every step) or "local" (each replica moves its own `v` with its
                 own exact gradient, `replicas` × its share, and compresses its gradient over
                 its own denominator; the momentum is kept of the summed scaled gradients, so
-                it and the weights stay the same on every replica; no extra bytes). "live"
-                and "local" only where the gradient is compressed,
-                `adam_compresses == "gradient"`.
+                it and the weights stay the same on every replica; no extra bytes), or
+                "local_debiased" (as "local", but `v` moves by `replicas · g² + (1 − 1 /
+                replicas) · ĝ²`, ĝ the momentum's estimate of the summed gradient: a
+                replica's own gradient carries `replicas` × the summed one's noise; the
+                trainer's `--compression=auto` with Adam). "live" and the local ones only
+                where the gradient is compressed, `adam_compresses == "gradient"`.
             refresh_every: every this many steps after the warm-up one step is all-reduced
                 exactly (fp32) and `v` takes the exact summed gradient, as 0/1 Adam's
                 variance updates (Lu et al. 2022); a frozen `v` weighs it as the `K` steps
