@@ -59,9 +59,21 @@ def bench_module(root):
     return module
 
 
-def run_tfpar(mode, batch, steps, rate, out_dir, timeout, root=None, extra_settings=None):
+def run_tfpar(mode, batch, steps, rate, out_dir, timeout, root=None, extra_settings=None,
+              env=None):
     """steps/s of tfpar's `mode` (a tfpar aggregator name): the median step of `fit`;
-    `extra_settings`: more `ParallelConfig` settings for the workers."""
+    `extra_settings`: more `ParallelConfig` settings for the workers; `env`: more
+    environment variables for them."""
+    saved = dict(os.environ)
+    os.environ.update(env or {})  # the workers' environment is read from os.environ
+    try:
+        return _run_tfpar(mode, batch, steps, rate, out_dir, timeout, root, extra_settings)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run_tfpar(mode, batch, steps, rate, out_dir, timeout, root, extra_settings):
     bench_compression = bench_module(root)
     from shaped_link import ShapedLink
 
@@ -147,6 +159,9 @@ def main():
     p.add_argument("--tfpar_settings", type=json.loads, default={},
                    help="JSON of more ParallelConfig settings for this checkout's side only "
                         "(not --base_root's), e.g. '{\"fused_update\": true}'")
+    p.add_argument("--tfpar_env", type=json.loads, default={},
+                   help="JSON of environment variables for this checkout's workers only, "
+                        "e.g. '{\"TF_ENABLE_ONEDNN_OPTS\": \"1\"}'")
     p.add_argument("--first_round", type=int, default=1,
                    help="number of the first round: who goes first alternates with it, so "
                         "rounds split over several invocations (each under the CPU lock's "
@@ -186,7 +201,8 @@ def main():
                             PEER_NAMES[mode], batch, args.steps, args.rate,
                             os.path.join(work, f"{side}_b{batch}"), args.timeout,
                             root=args.base_root if side == "base" else None,
-                            extra_settings=None if side == "base" else args.tfpar_settings)
+                            extra_settings=None if side == "base" else args.tfpar_settings,
+                            env=None if side == "base" else args.tfpar_env)
                     row["loads"].append(loadavg())
                 got = ", ".join(f"{side} {row[side][mode]:.3f}" for side in all_sides)
                 print(f"round {i + 1} batch {batch} {mode:8}: {got} steps/s "
