@@ -60,6 +60,18 @@ def train(agg, shape, lr, steps, replica_loss, record=None, at=()):
     return w.numpy(), seen
 
 
+def numpy_adam(grads, lr):
+    """Keras's Adam (ADAM's betas and epsilon) in NumPy on `grads` (one per step), from zero
+    weights: `(w, v)` after the last step."""
+    beta_1, beta_2, eps = ADAM
+    m = v = w = 0
+    for t, grad in enumerate(grads, 1):
+        m = beta_1 * m + (1 - beta_1) * grad
+        v = beta_2 * v + (1 - beta_2) * grad * grad
+        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    return w, v
+
+
 def topk_momentum():
     """Top-k at ratio >= 1 − β₁ syncs every replica's momentum to the summed step's; ratio
     1 equals frozen-`v` Adam through the exact aggregator; the momentum carry."""
@@ -193,13 +205,8 @@ def powersgd_variance():
         w, seen = train(agg, [n, m_cols], lr, steps, loss, v_and_residuals, at=probe)
         return w, local(agg.moments["v_0"]), seen
 
-    # NumPy Adam on the summed gradient.
     beta_1, beta_2, eps = ADAM
-    m = v = w = 0
-    for t, grad in enumerate(summed, 1):
-        m = beta_1 * m + (1 - beta_1) * grad
-        v = beta_2 * v + (1 - beta_2) * grad * grad
-        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    w, v = numpy_adam(summed, lr)
     out = {"moved": float(np.abs(w).max())}
     live_w, live_v, _ = run(PowerSGDAggregator(2, adam=ADAM, adam_warmup_steps=warm,
                                                adam_variance="live"))
@@ -278,26 +285,13 @@ def powersgd_local_variance():
         def loss(w, i, r):
             return tf.reduce_sum(w * g_t[i, r]) / 2
 
+        def per_replica(w, agg):
+            return [[local(x, r) for r in (0, 1)]
+                    for x in (w, agg.moments["m_0"], agg.moments["v_0"])]
+
         agg = PowerSGDAggregator(2, adam=ADAM, adam_warmup_steps=warm, adam_variance=variance)
-        with STRATEGY.scope():
-            w = tf.Variable(tf.zeros([n, m_cols]))
-            opt = wrap_optimizer(keras.optimizers.Adam(lr), agg)
-            opt.build([w])
-
-        @tf.function
-        def step(i):
-            def replica_fn():
-                r = tf.distribute.get_replica_context().replica_id_in_sync_group
-                with tf.GradientTape() as tape:
-                    value = loss(w, i, r)
-                opt.apply_gradients([(tape.gradient(value, w), w)])
-            STRATEGY.run(replica_fn)
-
-        for i in range(steps):
-            step(tf.constant(i))
-        return ([x.numpy() for x in STRATEGY.experimental_local_results(w)],
-                [local(agg.moments["m_0"], r) for r in (0, 1)],
-                [local(agg.moments["v_0"], r) for r in (0, 1)])
+        _, seen = train(agg, [n, m_cols], lr, steps, loss, per_replica, at=(steps - 1,))
+        return seen[steps - 1]  # [ws, ms, vs], each per replica
 
     out = {}
     for variance in ("local", "local_debiased"):
@@ -320,20 +314,11 @@ def powersgd_local_variance():
     same[:, :, :2] = signs * np.abs(rng.normal(size=(1, 1, 2, m_cols)))
     same = same.astype("float32")
     ws, _, _ = run(same, "local")
-    m = v = w = 0
-    for t, grad in enumerate(same[:, 0], 1):
-        m = beta_1 * m + (1 - beta_1) * grad
-        v = beta_2 * v + (1 - beta_2) * grad * grad
-        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    w, _ = numpy_adam(same[:, 0], lr)
     out["same_data_vs_adam"] = float(np.abs(ws[0] - w).max() / np.abs(w).max())
     # With different data it is not Adam on the sum (so the comparison with the NumPy model
     # above could fail): each replica's v holds its own noise.
-    summed = g.sum(1) / 2
-    m = v = w = 0
-    for t, grad in enumerate(summed, 1):
-        m = beta_1 * m + (1 - beta_1) * grad
-        v = beta_2 * v + (1 - beta_2) * grad * grad
-        w = w - lr * (m / (1 - beta_1 ** t)) / (np.sqrt(v / (1 - beta_2 ** t)) + eps)
+    w, _ = numpy_adam(g.sum(1) / 2, lr)
     out["local_vs_adam"] = float(np.abs(reference(g, "local")[0] - w).max() / np.abs(w).max())
     return out
 

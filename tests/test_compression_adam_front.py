@@ -157,7 +157,8 @@ def test_bad_variance_settings_are_refused_in_one_line():
         with pytest.raises(ValueError, match=f"'{variance}' is invalid for TopKAggregator"):
             TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance=variance)
     # A local v moves every step: no exact refresh steps beside it.
-    with pytest.raises(ValueError, match="adam_refresh_every=10 is invalid with "
-                       "adam_variance='local'"):
-        PowerSGDAggregator(4, adam_variance="local", adam_refresh_every=10)
+    for variance in ("local", "local_debiased"):
+        with pytest.raises(ValueError, match="adam_refresh_every=10 is invalid with "
+                           f"adam_variance='{variance}'"):
+            PowerSGDAggregator(4, adam_variance=variance, adam_refresh_every=10)
     assert PowerSGDAggregator(4, adam_variance="live").adam_variance == "live"

@@ -207,8 +207,8 @@ class Aggregator(tf.Module):
             # A refresh would need the momentum back in the gradient's units, which
             # differ per replica once each divides by its own denominator.
             raise ValueError(f"adam_refresh_every={refresh_every!r} is invalid with "
-                             "adam_variance='local' (each replica's v already moves with its "
-                             "exact gradient): use 0, or adam_variance='frozen'")
+                             f"adam_variance={variance!r} (each replica's v already moves "
+                             "with its exact gradient): use 0, or adam_variance='frozen'")
         self.adam_variance = variance
         self.adam_refresh_every = refresh_every
 
@@ -444,8 +444,10 @@ class Aggregator(tf.Module):
                 s_old = scale(v, c2)
                 if debias:
                     m = self.moments[f"m_{p}"]
-                    # The summed gradient's estimate in its own units: m / c1 · s_i.
-                    g_hat = tf.where(first, m, m * s_old) / c1_before
+                    # The summed gradient's estimate in its own units: m / c1 · s_i (a
+                    # cond, not a `where`: no extra pass over m on every later step).
+                    g_hat = tf.cond(first, lambda: m.read_value(),
+                                    lambda: m * s_old) / c1_before
                     square = (tf.square(g) * replicas +
                               (1 - 1 / replicas) * tf.square(g_hat))
                 else:
@@ -466,7 +468,7 @@ class Aggregator(tf.Module):
             for u, s_old, p in zip(summed, olds, positions):
                 m = self.moments[f"m_{p}"]
                 # Into the scaled units once, by the warm-up's v (still the same everywhere).
-                m_old = tf.where(first, m / s_old, m)
+                m_old = tf.cond(first, lambda: m / s_old, lambda: m.read_value())
                 m_new = m_old + (u - m_old) * (1 - beta_1)
                 m.assign(m_new)
                 out.append(m_new / c1)
