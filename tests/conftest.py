@@ -7,6 +7,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The trainer's default kernels (`--cpu_kernels=auto`: oneDNN) for every child, whatever
+# TensorFlow's own rule for this processor: children that import TensorFlow before calling
+# `tfpar.train.train` would otherwise run the processor's default. Yours wins if set.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
 def pytest_configure(config):
     # Measured figures go to files in one directory that the controlling process reads at
     # the end: under pytest-xdist the tests run in worker processes (which inherit this

@@ -35,7 +35,8 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
                                      "mesh_variables", "mesh_loops", "mesh_output_layouts",
                                      "graph_control_input", "function_nodes",
                                      "function_loss", "dtensor_started", "layer_tree",
-                                     "function_constant_folding", "fused_momentum"}
+                                     "function_constant_folding", "fused_momentum",
+                                     "onednn_enabled"}
     assert patches.check_targets(list(patches.REGISTRY)) == []
     monkeypatch.setitem(patches.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
     monkeypatch.setattr(patches, "_EXPECTED_INITIALIZE", "not Keras's code")
@@ -47,11 +48,13 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
     monkeypatch.setattr(patches, "_EXPECTED_FLATTEN_LAYERS", "(self)")
     monkeypatch.setattr(patches, "_EXPECTED_CONTEXT_CONFIG", "not TensorFlow's code")
     monkeypatch.setattr(patches, "_EXPECTED_SGD_UPDATE", ("not Keras's code",))
+    monkeypatch.setattr(patches, "_ONEDNN_READER", "IsOneDnnOn")
     problems = patches.check_targets(["mesh_loops", "mesh_variables", "graph_control_input",
                                       "function_nodes", "function_loss", "dtensor_started",
                                       "layer_tree", "function_constant_folding",
-                                      "fused_momentum"])
-    assert len(problems) == 9, problems
+                                      "fused_momentum", "onednn_enabled"])
+    assert len(problems) == 10, problems
+    assert any("IsOneDnnOn" in p for p in problems), problems
     assert any("SGD.update_step" in p for p in problems), problems
     assert any("_flatten_layers" in p for p in problems), problems
     assert any("Context's _config" in p for p in problems), problems

@@ -19,6 +19,7 @@ PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
+CPU_KERNELS = ("auto", "onednn", "eigen")  # tfpar.cpu_kernels.CHOICES
 RECOMPUTE = ("none", "blocks", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
@@ -50,6 +51,9 @@ class ParallelConfig:
         fused_update: momentum SGD's update through TensorFlow's fused kernel where it
             applies (`tfpar.optimizers.FusedMomentumMixin`); off (Keras's own ops) by
             default until a benchmark shows it no slower in every round.
+        cpu_kernels: TensorFlow's CPU kernels, chosen before it starts (`tfpar.cpu_kernels`):
+            `"auto"` = oneDNN unless `TF_ENABLE_ONEDNN_OPTS` is already set, `"onednn"`,
+            `"eigen"`; TensorFlow's own default depends on the processor.
         grad_accum_steps: micro-steps whose gradients are averaged into one update;
             the effective batch is `global_batch_size * grad_accum_steps`.
         mixed_precision: `"none"`, `"bf16"` or `"fp16"` (fp16 adds dynamic loss scaling).
@@ -107,6 +111,7 @@ class ParallelConfig:
     seed: int = 0
     on_nan: str = "stop"
     fused_update: bool = False
+    cpu_kernels: str = "auto"
     # Where it runs.
     strategy: str = "auto"
     collective: str = "auto"
@@ -169,6 +174,7 @@ class ParallelConfig:
         _one_of("compression", self.compression, COMPRESSIONS)
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("on_nan", self.on_nan, ON_NAN)
+        _one_of("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
         _one_of("recompute", self.recompute, RECOMPUTE)
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError("zero_stage", self.zero_stage, "choose one of 0, 1, 2, 3")

@@ -45,6 +45,9 @@ _HELP = {
                     "elsewhere (sparse gradients, ZeRO, DTensor meshes). Off by default: "
                     "the update alone takes 0.4x the CPU time, but whole steps were not "
                     "faster in every interleaved round.",
+    "cpu_kernels": "TensorFlow's CPU kernels, set before it starts: auto = oneDNN unless "
+                   "TF_ENABLE_ONEDNN_OPTS is already set; onednn; eigen (TensorFlow's own "
+                   "default depends on the processor).",
     "strategy": "Distribution strategy; auto picks multi_worker under a TF_CONFIG cluster, "
                 "mirrored over several local devices, else one_device.",
     "collective": "Collective implementation: auto = NCCL on GPUs, ring on CPUs.",

@@ -6,6 +6,7 @@ outside checks read; keys that do not apply to a run are omitted:
     {"config": {...every ParallelConfig setting...}, "strategy": str, "replicas": int,
      "workers": int, "steps": int, "final_loss": float, "loss_history": [float, ...],
      "examples_per_sec": float, "step_time_ms": {"median": float, "p90": float},
+     "cpu_kernels": "onednn" | "eigen",
      "comm": {"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
               "compression_ratio": float, "comm_time_fraction": float,
               "overlap_fraction": float},
@@ -21,6 +22,9 @@ outside checks read; keys that do not apply to a run are omitted:
 
 `memory`'s per-device lists follow `memory.devices` (`tfpar.memory` says what each figure
 means; on CPU logical devices share one allocator, so `peak_bytes_scope` is "process").
+
+`cpu_kernels` is what TensorFlow ran (`tfpar.cpu_kernels.active`), whatever `--cpu_kernels`
+asked for. (Added by `tfpar.train.train`, after `summarize`.)
 
 `comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
 (`tfpar.compression.timing`). Benchmarks may add keys of their own inside these blocks

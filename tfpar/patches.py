@@ -66,6 +66,11 @@ Patches:
   (`m = m*momentum - lr*g; w += m`) on the slot Keras finds with its private
   `_get_variable_index`; the check looks for that formula and that lookup in
   `SGD.update_step`, and for the kernel in `tf.raw_ops`.
+- `onednn_enabled`: not a replacement but a read. Whether TensorFlow runs oneDNN's CPU
+  kernels (`tfpar.cpu_kernels.active`, the metrics JSON's `cpu_kernels`) has no public
+  accessor; TensorFlow's own tests ask the private binding
+  `_pywrap_util_port.IsMklEnabled`. `onednn_enabled` is the one reader; the check calls
+  the binding and expects a bool.
 
 `REGISTRY` lists them all, with the target and who applies it; `check_targets()` checks
 every one (`tests/test_patches.py`).
@@ -89,6 +94,7 @@ from tensorflow.dtensor.python import api as _dtensor_api
 from tensorflow.python.framework import ops as _tf_ops
 from tensorflow.core.protobuf import config_pb2 as _config_pb2
 from tensorflow.python.eager import context as _eager_context
+from tensorflow.python.util import _pywrap_util_port
 
 from tfpar.errors import TfparError
 
@@ -134,6 +140,8 @@ REGISTRY = {
     "function_constant_folding": ("tensorflow.python.eager.context.Context._config "
                                   "(written before TensorFlow starts, not replaced)",
                                   "tfpar.backends.dtensor (zero_stage=3)"),
+    "onednn_enabled": ("tensorflow.python.util._pywrap_util_port.IsMklEnabled (called, not "
+                       "replaced)", "tfpar.cpu_kernels.active"),
 }
 # `fused_momentum`: Keras 3.15.1's SGD.update_step, the lines the fused kernel computes.
 _EXPECTED_SGD_UPDATE = (
@@ -145,6 +153,7 @@ _EXPECTED_SGD_UPDATE = (
 # `function_constant_folding`: the eager context builds its ConfigProto from `_config`.
 _EXPECTED_CONTEXT_CONFIG = "config.CopyFrom(self._config)"
 _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
+_ONEDNN_READER = "IsMklEnabled"  # `onednn_enabled`: the binding TensorFlow's tests ask
 _EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
 _EXPECTED_FUNCTION_NODES = "self._nodes_by_depth = nodes_by_depth"
@@ -239,6 +248,11 @@ def check_targets(names=None):
                             f"tensorflow {tf.__version__} lost ResourceApplyKerasMomentum); "
                             "tfpar.optimizers.FusedMomentumMixin was written for keras "
                             f"{WRITTEN_FOR['keras']}")
+    if "onednn_enabled" in names and not isinstance(
+            getattr(_pywrap_util_port, _ONEDNN_READER, lambda: None)(), bool):
+        problems.append(f"tensorflow {tf.__version__} changed _pywrap_util_port."
+                        f"{_ONEDNN_READER}; tfpar.cpu_kernels was written for tensorflow "
+                        f"{WRITTEN_FOR['tensorflow']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's "
@@ -293,6 +307,12 @@ def sublayers(model):
 def dtensor_started():
     """Whether DTensor has started in this process. Registry entry `dtensor_started`."""
     return getattr(_dtensor_api, "_dtensor_singleton", None) is not None
+
+
+def onednn_enabled():
+    """Whether this process's TensorFlow runs oneDNN's CPU kernels. Registry entry
+    `onednn_enabled`."""
+    return bool(getattr(_pywrap_util_port, _ONEDNN_READER)())
 
 
 def no_function_constant_folding():

@@ -22,7 +22,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from absl import app  # noqa: E402
 
-from tfpar import compat, tf_config  # noqa: E402
+from tfpar import compat, cpu_kernels, tf_config  # noqa: E402
 from tfpar import flags as tfpar_flags  # noqa: E402
 from tfpar.errors import TfparError  # noqa: E402
 
@@ -86,6 +86,8 @@ def train(config, environ=None, callbacks=(), runtime=None):
         TfparError: the run cannot proceed (peers missing, loss not finite, ...);
             `tfpar.oom.OutOfMemoryError` when a device ran out of memory.
     """
+    # Before TensorFlow starts if it has not (else: a check that it runs the kernels asked for).
+    cpu_kernels.apply(config.cpu_kernels)
     import tensorflow as tf
 
     from tfpar import backends, data, memory, metrics
@@ -105,6 +107,7 @@ def train(config, environ=None, callbacks=(), runtime=None):
             raise
         raise memory.out_of_memory_error(err, config, runtime.replicas) from err
     result.update(added)
+    result["cpu_kernels"] = cpu_kernels.active()
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)
     return result, model
@@ -136,6 +139,7 @@ def main(argv):
         check_inputs(config)
     except TfparError as err:
         _exit_on(err)
+    cpu_kernels.select(config.cpu_kernels)  # TensorFlow reads it once, when it starts
     import tensorflow as tf
 
     from tfpar import metrics

@@ -56,9 +56,13 @@ def worker(config_json, out_path):
     """Runs inside a namespace: `train(config)` with a wall-clock recorder; the chief writes
     the metrics (the `tfpar.metrics` shape) plus `wall_clock_s` (end of each step, from the
     start of training) to `out_path`."""
+    from tfpar import ParallelConfig, cpu_kernels
+
+    config = ParallelConfig(**json.loads(config_json))
+    cpu_kernels.select(config.cpu_kernels)  # before TensorFlow starts, as tfpar.train's CLI
     import keras
 
-    from tfpar import ParallelConfig, data
+    from tfpar import data
     from tfpar.compression.timing import measure_comm_fraction
     from tfpar.train import train
 
@@ -86,7 +90,6 @@ def worker(config_json, out_path):
             self.veth.append(veth_bytes())
 
     clock = WallClock()
-    config = ParallelConfig(**json.loads(config_json))
     result, model = train(config, callbacks=[clock])
     # Communication share of a step: compute-only vs full steps on a scratch aggregator
     # (every worker takes part: the collectives are collective).

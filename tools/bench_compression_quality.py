@@ -230,7 +230,9 @@ def main(argv=None):
                      f"choose from {', '.join(TASKS)}")
     aggregators = [a for a in args.aggregators.split(",") if a and a != "none"]
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    from tfpar import ParallelConfig  # after argparse: --help stays fast
+    from tfpar import ParallelConfig, cpu_kernels  # after argparse: --help stays fast
+    # Before TensorFlow starts in this process, as `python -m tfpar.train` does.
+    cpu_kernels.select(extra.get("cpu_kernels", "auto"))
     common = {"cpu_devices": args.cpu_devices, "validation_steps": args.validation_steps,
               "verbose": 0}
     if args.steps:

@@ -38,6 +38,10 @@ PORT = 23476
 
 
 def worker(settings_json, out_path):
+    from tfpar import cpu_kernels
+    # The trainer's kernels (oneDNN unless TF_ENABLE_ONEDNN_OPTS says otherwise), chosen
+    # before TensorFlow starts, as `python -m tfpar.train` does.
+    cpu_kernels.select(json.loads(settings_json).get("cpu_kernels", "auto"))
     import numpy as np
     import tensorflow as tf
 

@@ -1,0 +1,93 @@
+"""`--cpu_kernels`: the trainer picks TensorFlow's CPU kernels before TensorFlow starts, so a
+command runs the same kernels on every processor (TensorFlow's own default depends on it).
+
+Each run is a fresh `python -m tfpar.train` (TensorFlow reads the choice once, when it is
+imported): the metrics JSON's `cpu_kernels` is what TensorFlow itself reports running, so
+a choice that did not reach it fails here.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+from subproc import run_concurrently, run_module
+
+from tfpar import cpu_kernels
+from tfpar.errors import ConfigError
+
+ARGS = ("--verbose=0", "--steps=6", "--cpu_devices=2", "--global_batch_size=32")
+
+
+def _train(tmp_path, name, flag, env_value):
+    out = tmp_path / f"{name}.json"
+    env = {} if env_value is None else {cpu_kernels.ENV: env_value}
+    argv = [*ARGS, f"--metrics_json={out}"] + ([f"--cpu_kernels={flag}"] if flag else [])
+    if env_value is None:  # the variable unset: the trainer's default decides
+        saved = os.environ.pop(cpu_kernels.ENV, None)
+        try:
+            run_module("tfpar.train", *argv, timeout=180)
+        finally:
+            if saved is not None:
+                os.environ[cpu_kernels.ENV] = saved
+    else:
+        run_module("tfpar.train", *argv, timeout=180, env=env)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kernels")
+    cases = {  # name -> (--cpu_kernels, TF_ENABLE_ONEDNN_OPTS in the environment)
+        "default_unset": (None, None),  # oneDNN whatever TensorFlow's rule for this CPU
+        "auto_env_off": ("auto", "0"),  # the user's variable wins under auto
+        "onednn_env_off": ("onednn", "0"),  # an explicit choice wins over it
+        "eigen": ("eigen", None),
+    }
+    # One job at a time pops the variable from this process's environment: run the
+    # unset case alone, the others two at a time.
+    first = _train(tmp, "default_unset", *cases["default_unset"])
+    rest = run_concurrently([lambda n=n: _train(tmp, n, *cases[n]) for n in list(cases)[1:]])
+    return {"default_unset": first, **dict(zip(list(cases)[1:], rest))}
+
+
+def test_the_trainer_runs_the_kernels_asked_for(runs):
+    assert runs["default_unset"]["cpu_kernels"] == "onednn"
+    assert runs["auto_env_off"]["cpu_kernels"] == "eigen"
+    assert runs["onednn_env_off"]["cpu_kernels"] == "onednn"
+    assert runs["eigen"]["cpu_kernels"] == "eigen"
+    assert runs["eigen"]["config"]["cpu_kernels"] == "eigen"
+
+
+def test_both_kernel_sets_train_the_same_run(runs, report_measured):
+    """Same seed and batches: oneDNN and Eigen round differently, nothing more (6 Adam
+    steps, 2 replicas: losses within 1e-3 relative at every step)."""
+    a, b = runs["default_unset"]["loss_history"], runs["eigen"]["loss_history"]
+    assert len(a) == len(b) == 6
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    report_measured(f"cpu_kernels: oneDNN vs Eigen, 6 steps: worst relative loss gap "
+                    f"{worst:.2e}")
+    assert worst < 1e-3, (a, b)
+
+
+def test_an_explicit_choice_tensorflow_cannot_honour_is_one_line(monkeypatch):
+    """TensorFlow already imported with other kernels: `train` cannot switch them."""
+    monkeypatch.setitem(sys.modules, "tensorflow", sys.modules.get("tensorflow", object()))
+    monkeypatch.setattr(cpu_kernels, "active", lambda: "eigen")
+    with pytest.raises(ConfigError) as err:
+        cpu_kernels.apply("onednn")
+    message = str(err.value)
+    assert "cpu_kernels" in message and "onednn" in message
+    assert "TF_ENABLE_ONEDNN_OPTS=1" in message and "\n" not in message
+    assert cpu_kernels.apply("auto") == "eigen"
+    assert cpu_kernels.apply("eigen") == "eigen"
+
+
+def test_select_sets_the_variable_tensorflow_reads():
+    env = {cpu_kernels.ENV: "false"}
+    assert cpu_kernels.select("auto", env) == "eigen" and env[cpu_kernels.ENV] == "0"
+    assert cpu_kernels.select("onednn", env) == "onednn" and env[cpu_kernels.ENV] == "1"
+    with pytest.raises(ConfigError, match="cpu_kernels"):
+        from tfpar import ParallelConfig
+        ParallelConfig(cpu_kernels="mkl")

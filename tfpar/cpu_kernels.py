@@ -1,0 +1,80 @@
+"""`--cpu_kernels`: TensorFlow's CPU kernels (oneDNN's or Eigen's), chosen by the run, not
+by the CPU it lands on.
+
+TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported. Unset, its own rule
+depends on the processor: this TensorFlow 2.21 build turned oneDNN on for one x86 machine
+of ours (an AMD EPYC with AVX-512 VNNI and bf16) and left it off on another, where
+its default Eigen matmuls made a dense layer's forward and backward ~1.6x slower (the
+README's speed section). So the same command ran different kernels, with different
+rounding and speed, from one machine to the next. tfpar decides instead:
+
+- `auto` (default): oneDNN, unless `TF_ENABLE_ONEDNN_OPTS` is already set (yours wins);
+- `onednn` / `eigen`: that one, whatever the environment says.
+
+Nothing here imports TensorFlow: `select` must run before it starts (`python -m
+tfpar.train` does so once the command line has passed its checks; a Python caller of
+`tfpar.train.train` that has not imported TensorFlow yet gets it from `train`).
+`active()` reads, once TensorFlow runs, which kernels it really uses (the metrics JSON's
+`cpu_kernels`).
+"""
+
+import os
+import sys
+
+from tfpar.errors import ConfigError
+
+CHOICES = ("auto", "onednn", "eigen")
+ENV = "TF_ENABLE_ONEDNN_OPTS"
+
+
+def wanted(choice, environ=None):
+    """The kernels `choice` asks for under `environ` (default `os.environ`): "onednn" or
+    "eigen"."""
+    environ = os.environ if environ is None else environ
+    if choice == "auto":
+        choice = "eigen" if environ.get(ENV, "1").strip().lower() in ("0", "false", "off") \
+            else "onednn"
+    return choice
+
+
+def select(choice, environ=None):
+    """Sets `TF_ENABLE_ONEDNN_OPTS` in `environ` (default `os.environ`) for `choice`; call
+    before TensorFlow is imported. Returns the kernels asked for.
+
+    >>> env = {}
+    >>> select("auto", env), env
+    ('onednn', {'TF_ENABLE_ONEDNN_OPTS': '1'})
+    >>> select("auto", {"TF_ENABLE_ONEDNN_OPTS": "0"})
+    'eigen'
+    """
+    environ = os.environ if environ is None else environ
+    kernels = wanted(choice, environ)
+    environ[ENV] = "1" if kernels == "onednn" else "0"
+    return kernels
+
+
+def apply(choice, environ=None):
+    """`select` if TensorFlow has not started in this process; otherwise checks that the
+    kernels it runs are the ones an explicit `choice` asks for (`auto` takes what runs).
+
+    Raises:
+        ConfigError: `cpu_kernels` asked for kernels TensorFlow, imported earlier with
+            another `TF_ENABLE_ONEDNN_OPTS`, does not run.
+    """
+    if "tensorflow" not in sys.modules:
+        return select(choice, environ)
+    running = active()
+    if choice != "auto" and running != choice:
+        raise ConfigError(
+            "cpu_kernels", choice,
+            f"TensorFlow was imported before tfpar with {running} kernels: set "
+            f"{ENV}={'1' if choice == 'onednn' else '0'} before importing tensorflow, or "
+            f"pass cpu_kernels='auto' (or '{running}')")
+    return running
+
+
+def active():
+    """Which CPU kernels the TensorFlow of this process runs: "onednn" or "eigen"
+    (imports TensorFlow; registry entry `onednn_enabled`)."""
+    from tfpar import patches
+    return "onednn" if patches.onednn_enabled() else "eigen"
