@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 from tfpar import ParallelConfig
-from tfpar.compression import (TopKAggregator, buckets, codecs, error_feedback,
-                               make_aggregator, powersgd, sparse)
+from tfpar.compression import (PowerSGDAggregator, TopKAggregator, buckets, codecs,
+                               error_feedback, make_aggregator, powersgd, sparse)
 from tfpar.errors import ConfigError
 
 
@@ -159,7 +159,11 @@ def test_adam_warmup_from_the_config():
     with pytest.raises(ConfigError, match="adam_warmup_steps=-1"):
         ParallelConfig(compression="powersgd", adam_warmup_steps=-1)
     config = ParallelConfig(compression="powersgd", optimizer="adam", adam_warmup_steps=7)
-    assert make_aggregator(config).adam_warmup_steps == 7
+    agg = make_aggregator(config)
+    assert agg.adam_warmup_steps == 7
+    # The quality suite's defaults: rank 16, each replica's own `v` (README).
+    assert (agg.rank, agg.adam_variance) == (16, "local_debiased")
+    assert PowerSGDAggregator(**agg.get_config()).adam_variance == "local_debiased"
     assert make_aggregator(config.replace(optimizer="sgd")).adam is None
 
 

@@ -78,8 +78,8 @@ def test_compression_ratios():
     assert cost.compression_ratio("topk", PROFILE, replicas=8) == pytest.approx(10 / 9)
     # rank 4 on a 1000x1000 matrix sends 8000 numbers; the other 0 params go raw
     assert cost.compression_ratio("powersgd", PROFILE, rank=4) == pytest.approx(1e6 / 8000)
-    # without a rank: the trainer's default (8), not a rank of the cost model's own
-    assert cost.compression_ratio("powersgd", PROFILE) == pytest.approx(1e6 / 16000)
+    # without a rank: the trainer's default (16), not a rank of the cost model's own
+    assert cost.compression_ratio("powersgd", PROFILE) == pytest.approx(1e6 / 32000)
 
 
 def test_candidates_pair_aggregators_with_replicas_only():

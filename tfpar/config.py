@@ -138,7 +138,7 @@ class ParallelConfig:
     topk_union: bool = True
     topk_momentum_carry: float = 0.5
     threshold: float = 1e-4
-    powersgd_rank: int = 8
+    powersgd_rank: int = 16
     powersgd_start_step: int = 0
     compress_adam_step: bool = True
     adam_warmup_steps: int = 50
