@@ -302,11 +302,15 @@ def main(argv=None):
     worst = {}
     for r in rows:
         if r.get("reference") is None:
-            w = worst.setdefault(r["run"], {"loss_gap": -1e9, "acc_drop": -1e9})
-            w["loss_gap"] = max(w["loss_gap"], r["loss_gap"])
-            w["acc_drop"] = max(w["acc_drop"], r["acc_drop"])
+            # A run that failed to train (NaN: an error row) is the worst there is.
+            w = worst.setdefault(r["run"], {"loss_gap": -math.inf, "acc_drop": -math.inf})
+            for key in ("loss_gap", "acc_drop"):
+                w[key] = r[key] if math.isnan(r[key]) or math.isnan(w[key]) \
+                    else max(w[key], r[key])
     print("worst over tasks and seeds: " + ", ".join(
-        f"{k} loss {v['loss_gap']:+.1%} acc −{v['acc_drop']:.3f}" for k, v in worst.items()))
+        f"{k} " + ("did not train" if math.isnan(v["loss_gap"]) else
+                   f"loss {v['loss_gap']:+.1%} acc −{v['acc_drop']:.3f}")
+        for k, v in worst.items()))
     lossy = sum(1 for r in rows if r.get("reference") is None)
     print(f"{len(failed)} of {lossy} lossy runs fail "
           f"(loss gap > {args.max_loss_gap:.0%} or accuracy drop > {args.max_acc_drop})")
