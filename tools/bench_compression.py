@@ -294,7 +294,7 @@ def main():
                              "first step, decaying to 1 %% at this step; 0 = off")
     parser.add_argument("--powersgd_rank", type=int, default=4,
                         help="PowerSGD's rank: 4, as the README's table and PyTorch's peer "
-                             "(the trainer's default is 8, chosen for quality)")
+                             "(the trainer's default is 16, chosen for quality)")
     parser.add_argument("--threshold", type=float, default=1e-3,
                         help="the threshold aggregator's threshold: 1e-3, as the README's "
                              "table (the trainer's default is 1e-4)")
