@@ -76,18 +76,26 @@ def test_an_explicit_choice_tensorflow_cannot_honour_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow", sys.modules.get("tensorflow", object()))
     monkeypatch.setattr(cpu_kernels, "active", lambda: "eigen")
     with pytest.raises(ConfigError) as err:
-        cpu_kernels.apply("onednn")
+        cpu_kernels.apply("onednn", {cpu_kernels.ENV: "0"})
     message = str(err.value)
-    assert "cpu_kernels" in message and "onednn" in message
+    assert "cpu_kernels" in message and "onednn" in message and "imported before" in message
     assert "TF_ENABLE_ONEDNN_OPTS=1" in message and "\n" not in message
-    assert cpu_kernels.apply("auto") == "eigen"
-    assert cpu_kernels.apply("eigen") == "eigen"
+    # The variable was right, TensorFlow still runs Eigen: not "imported before".
+    with pytest.raises(ConfigError, match="runs eigen kernels although"):
+        cpu_kernels.apply("onednn", {cpu_kernels.ENV: "true"})
+    assert cpu_kernels.apply("auto", {}) == "eigen"
+    assert cpu_kernels.apply("eigen", {}) == "eigen"
 
 
 def test_select_sets_the_variable_tensorflow_reads():
     env = {cpu_kernels.ENV: "false"}
     assert cpu_kernels.select("auto", env) == "eigen" and env[cpu_kernels.ENV] == "0"
     assert cpu_kernels.select("onednn", env) == "onednn" and env[cpu_kernels.ENV] == "1"
-    with pytest.raises(ConfigError, match="cpu_kernels"):
-        from tfpar import ParallelConfig
-        ParallelConfig(cpu_kernels="mkl")
+    # What TensorFlow does not read is refused, not guessed (it would ignore it).
+    with pytest.raises(ConfigError, match="TF_ENABLE_ONEDNN_OPTS='off'"):
+        cpu_kernels.select("auto", {cpu_kernels.ENV: "off"})
+    assert cpu_kernels.select("eigen", {cpu_kernels.ENV: "off"}) == "eigen"
+    for bad in (lambda: cpu_kernels.select("mkl", {}),
+                lambda: __import__("tfpar").ParallelConfig(cpu_kernels="mkl")):
+        with pytest.raises(ConfigError, match="cpu_kernels='mkl'"):
+            bad()

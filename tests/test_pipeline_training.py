@@ -37,7 +37,7 @@ def _children(folder, metrics):
                                               schedule=schedule, virtual_stages=V,
                                               cpu_devices=4, data_parallel=2, **SGD))
              for model, schedule, V in PIPELINES]
-    aggregator = [("plain", AGGREGATOR), ("low", dict(compression="powersgd", **AGGREGATOR))]
+    aggregator = [("plain", AGGREGATOR), ("low", dict(compression="powersgd", powersgd_rank=8, **AGGREGATOR))]
     cli = ["--pipeline_stages=2", "--microbatches=4", "--schedule=1f1b", "--cpu_devices=2",
            "--model=mlp", "--steps=40", "--steps_per_epoch=20",
            "--learning_rate=3e-3", "--verbose=0", f"--metrics_json={metrics}"]

@@ -48,6 +48,17 @@ WORLD = "world.json"
 _STATE_SETTINGS = ("model", "model_width", "model_depth", "dataset", "num_classes",
                    "optimizer", "grad_accum_steps", "mixed_precision", "compression",
                    "powersgd_rank", "error_feedback", "global_batch_size", "seed")
+# Settings that mean something only with one compression: compared (and written) only then,
+# so a default that changed for PowerSGD does not refuse every other run's checkpoint.
+_ONLY_WITH = {"powersgd_rank": "powersgd"}
+
+
+def _state_settings(settings):
+    """The `_STATE_SETTINGS` of `settings` (a dict), `None` where they do not apply."""
+    return {k: (settings.get(k) if _ONLY_WITH.get(k, settings.get("compression"))
+                == settings.get("compression") else None) for k in _STATE_SETTINGS}
+
+
 # What a save writes: ckpt-S.index, ckpt-S.data-K-of-N, and TensorFlow's ckpt-S_temp* while
 # it writes them.
 _CHECKPOINT_FILE = re.compile(r"^(ckpt-\d+)(\.index|\.data-\d+-of-\d+|_temp.*)$")
@@ -187,8 +198,10 @@ def check_directory(config):
     if os.path.exists(marker):
         with open(marker) as f:
             saved = json.load(f)
-        differ = [f"{k}: saved {saved.get(k)!r}, now {getattr(config, k)!r}"
-                  for k in _STATE_SETTINGS if saved.get(k) != getattr(config, k)]
+        saved = _state_settings(saved)
+        now = _state_settings({k: getattr(config, k) for k in _STATE_SETTINGS})
+        differ = [f"{k}: saved {saved[k]!r}, now {now[k]!r}"
+                  for k in _STATE_SETTINGS if saved[k] != now[k]]
         if differ:
             raise ConfigError("checkpoint_dir", directory,
                               "holds a checkpoint of an incompatible run (" + "; ".join(differ)
@@ -226,7 +239,8 @@ def write_marker(config):
     os.makedirs(config.checkpoint_dir, exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({k: getattr(config, k) for k in _STATE_SETTINGS}, f, indent=1)
+        json.dump(_state_settings({k: getattr(config, k) for k in _STATE_SETTINGS}), f,
+                  indent=1)
     os.replace(tmp, path)
 
 

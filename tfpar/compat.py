@@ -79,7 +79,7 @@ TABLE = {
     },
     "adam_warmup_steps": {
         "tf_keras": ((50,), "tf_keras optimizers keep Adam behind the aggregator (no "
-                            "frozen-variance Adam in front of it)"),
+                            "Adam in front of it)"),
     },
     "measure_comm": {
         "pipeline": ((False,), "the communication share is measured on a data-parallel step "

@@ -29,12 +29,27 @@ ENV = "TF_ENABLE_ONEDNN_OPTS"
 
 def wanted(choice, environ=None):
     """The kernels `choice` asks for under `environ` (default `os.environ`): "onednn" or
-    "eigen"."""
+    "eigen".
+
+    Raises:
+        ConfigError: `choice` is not one of `CHOICES`, or (with `auto`)
+            `TF_ENABLE_ONEDNN_OPTS` holds a value TensorFlow does not read (it takes 0, 1,
+            false, true in any case and ignores anything else).
+    """
     environ = os.environ if environ is None else environ
-    if choice == "auto":
-        choice = "eigen" if environ.get(ENV, "1").strip().lower() in ("0", "false", "off") \
-            else "onednn"
-    return choice
+    if choice not in CHOICES:
+        raise ConfigError("cpu_kernels", choice, f"choose one of {', '.join(CHOICES)}")
+    if choice != "auto":
+        return choice
+    value = environ.get(ENV)
+    if value is None:
+        return "onednn"
+    if value.lower() in ("0", "false"):
+        return "eigen"
+    if value.lower() in ("1", "true"):
+        return "onednn"
+    raise ConfigError(ENV, value, "use 1 or true (oneDNN), 0 or false (Eigen), or unset it "
+                      "(TensorFlow ignores other values)")
 
 
 def select(choice, environ=None):
@@ -54,22 +69,33 @@ def select(choice, environ=None):
 
 
 def apply(choice, environ=None):
-    """`select` if TensorFlow has not started in this process; otherwise checks that the
-    kernels it runs are the ones an explicit `choice` asks for (`auto` takes what runs).
+    """`select` if TensorFlow has not started in this process; then checks that the kernels
+    it runs are the ones an explicit `choice` asks for (`auto` takes what runs). Returns the
+    kernels TensorFlow runs (imports TensorFlow).
 
     Raises:
-        ConfigError: `cpu_kernels` asked for kernels TensorFlow, imported earlier with
-            another `TF_ENABLE_ONEDNN_OPTS`, does not run.
+        ConfigError: `cpu_kernels` asked for kernels TensorFlow does not run: it was
+            imported before tfpar with another `TF_ENABLE_ONEDNN_OPTS`, or this build of
+            TensorFlow has no oneDNN for this processor.
     """
+    environ = os.environ if environ is None else environ
     if "tensorflow" not in sys.modules:
-        return select(choice, environ)
+        select(choice, environ)
+    else:
+        wanted(choice, environ)  # a bad choice or variable is refused either way
     running = active()
-    if choice != "auto" and running != choice:
+    if choice not in ("auto", running):
+        needed = "1" if choice == "onednn" else "0"
+        if environ.get(ENV, "").lower() in ((needed, "true") if needed == "1" else
+                                            (needed, "false")):
+            raise ConfigError("cpu_kernels", choice,
+                              f"this TensorFlow runs {running} kernels although {ENV}="
+                              f"{environ[ENV]}: pass cpu_kernels='auto' (or '{running}')")
         raise ConfigError(
             "cpu_kernels", choice,
             f"TensorFlow was imported before tfpar with {running} kernels: set "
-            f"{ENV}={'1' if choice == 'onednn' else '0'} before importing tensorflow, or "
-            f"pass cpu_kernels='auto' (or '{running}')")
+            f"{ENV}={needed} before importing tensorflow, or pass cpu_kernels='auto' "
+            f"(or '{running}')")
     return running
 
 

@@ -81,13 +81,13 @@ _HELP = {
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
     "compress_adam_step": "With --optimizer=adam, top-k and PowerSGD run Adam in front of "
                           "the compression: --adam_warmup_steps exact Adam steps on all-reduced "
-                          "gradients, then "
-                          "the second moment frozen; top-k compresses each replica's Adam "
-                          "step, PowerSGD the gradient scaled by the frozen denominator. Off = "
-                          "compress gradients that Adam then normalises.",
+                          "gradients, then top-k compresses each replica's Adam step (the "
+                          "second moment frozen), PowerSGD and auto the gradient over each "
+                          "replica's own denominator (its second moment moved by its own exact "
+                          "gradient). Off = compress gradients that Adam then normalises.",
     "adam_warmup_steps": "With --compress_adam_step: exact Adam steps (fp32 all-reduce, one "
-                         "Adam on the sum) before the second moment freezes and compression "
-                         "starts; 0 = no warm-up, each replica keeps its own Adam moments.",
+                         "Adam on the sum) before compression starts (and top-k's second moment "
+                         "freezes); 0 = no warm-up, each replica keeps its own Adam moments.",
     "auto_budget_ms": "--compression=auto: wall time per step the gradient exchange may take "
                       "on the link (measured at start); sets the high and low ranks.",
     "auto_link_mbps": "--compression=auto: act as on a link of this many Mbit/s instead of "
@@ -124,7 +124,7 @@ _CHOICES = {
     "strategy": config_lib.STRATEGIES, "collective": config_lib.COLLECTIVES,
     "mixed_precision": config_lib.PRECISIONS, "compression": config_lib.COMPRESSIONS,
     "schedule": config_lib.SCHEDULES, "on_nan": config_lib.ON_NAN,
-    "recompute": config_lib.RECOMPUTE,
+    "recompute": config_lib.RECOMPUTE, "cpu_kernels": config_lib.CPU_KERNELS,
 }
 
 

@@ -345,7 +345,8 @@ def local_runner(host, cmd, env, **popen_kwargs):
     return subprocess.Popen(cmd, env=env, **popen_kwargs)
 
 
-_FORWARDED = ("TF_CONFIG", "TFPAR_", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+_FORWARDED = ("TF_CONFIG", "TFPAR_", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL",
+              "TF_ENABLE_ONEDNN_OPTS")  # --cpu_kernels=auto: yours wins on every host
 
 
 def ssh_command(host, cmd, env, cwd=None, options=()):

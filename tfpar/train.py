@@ -86,8 +86,8 @@ def train(config, environ=None, callbacks=(), runtime=None):
         TfparError: the run cannot proceed (peers missing, loss not finite, ...);
             `tfpar.oom.OutOfMemoryError` when a device ran out of memory.
     """
-    # Before TensorFlow starts if it has not (else: a check that it runs the kernels asked for).
-    cpu_kernels.apply(config.cpu_kernels)
+    # Set before TensorFlow starts if it has not; then checked against what it runs.
+    kernels = cpu_kernels.apply(config.cpu_kernels)
     import tensorflow as tf
 
     from tfpar import backends, data, memory, metrics
@@ -107,7 +107,7 @@ def train(config, environ=None, callbacks=(), runtime=None):
             raise
         raise memory.out_of_memory_error(err, config, runtime.replicas) from err
     result.update(added)
-    result["cpu_kernels"] = cpu_kernels.active()
+    result["cpu_kernels"] = kernels
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)
     return result, model
@@ -137,9 +137,9 @@ def main(argv):
     try:
         config = tfpar_flags.config_from_flags()
         check_inputs(config)
+        cpu_kernels.select(config.cpu_kernels)  # TensorFlow reads it once, when it starts
     except TfparError as err:
         _exit_on(err)
-    cpu_kernels.select(config.cpu_kernels)  # TensorFlow reads it once, when it starts
     import tensorflow as tf
 
     from tfpar import metrics

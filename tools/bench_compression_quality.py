@@ -167,7 +167,11 @@ def run_one(base, spec, extra, runtime, smooth):
     elif options:
         def with_options(c, **kw):
             agg = make_aggregator(c, **kw)
-            agg.set_adam_variance(options.get("adam_variance", agg.adam_variance),
+            # A refresh alone means 0/1 Adam's frozen `v` (the default `v` of PowerSGD and
+            # auto is per replica, which a refresh does not apply to).
+            variance = options.get("adam_variance", "frozen" if "adam_refresh_every" in options
+                                   else agg.adam_variance)
+            agg.set_adam_variance(variance,
                                   options.get("adam_refresh_every", agg.adam_refresh_every))
             return agg
         comp.make_aggregator = with_options
@@ -305,7 +309,7 @@ def main(argv=None):
             # A run that failed to train (NaN: an error row) is the worst there is.
             w = worst.setdefault(r["run"], {"loss_gap": -math.inf, "acc_drop": -math.inf})
             for key in ("loss_gap", "acc_drop"):
-                w[key] = r[key] if math.isnan(r[key]) or math.isnan(w[key]) \
+                w[key] = math.nan if math.isnan(r[key]) or math.isnan(w[key]) \
                     else max(w[key], r[key])
     print("worst over tasks and seeds: " + ", ".join(
         f"{k} " + ("did not train" if math.isnan(v["loss_gap"]) else

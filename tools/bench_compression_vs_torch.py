@@ -80,7 +80,7 @@ def _run_tfpar(mode, batch, steps, rate, out_dir, timeout, root, extra_settings)
     settings = {"model": "mlp", "model_width": 1024, "model_depth": 7,
                 "global_batch_size": batch, "optimizer": "momentum", "learning_rate": 0.01,
                 "steps": steps, "steps_per_epoch": steps, "seed": 0,
-                "powersgd_rank": 4,  # the peer's rank (the trainer's default is 8)
+                "powersgd_rank": 4,  # the peer's rank (the trainer's default is 16)
                 **(extra_settings or {})}
     os.makedirs(out_dir, exist_ok=True)
     with ShapedLink(rate=rate) as link:
