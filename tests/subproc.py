@@ -20,7 +20,11 @@ def child_env(extra=None):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.pop("TF_CONFIG", None)
-    env.update(extra or {})
+    for name, value in (extra or {}).items():  # None: the child runs without it
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 

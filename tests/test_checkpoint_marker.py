@@ -10,17 +10,13 @@ import json
 import pytest
 
 from tfpar import ParallelConfig
-from tfpar.checkpoint import MARKER, check_directory
+from tfpar.checkpoint import _STATE_SETTINGS, MARKER, check_directory
 from tfpar.errors import ConfigError
 
 
 def _old_marker(folder, **settings):
     """The marker as a run of before the change wrote it: every key, rank 8."""
-    base = ParallelConfig()
-    saved = {k: getattr(base, k) for k in (
-        "model", "model_width", "model_depth", "dataset", "num_classes", "optimizer",
-        "grad_accum_steps", "mixed_precision", "compression", "error_feedback",
-        "global_batch_size", "seed")}
+    saved = {k: getattr(ParallelConfig(), k) for k in _STATE_SETTINGS}
     saved.update(powersgd_rank=8, **settings)
     (folder / MARKER).write_text(json.dumps(saved))
 

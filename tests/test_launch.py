@@ -324,7 +324,7 @@ def test_sigterm_to_a_multi_host_launcher_ends_every_worker(tmp_path):
 
 def test_ssh_command_carries_the_workers_environment():
     env = {"TF_CONFIG": '{"a": 1}', "TFPAR_WORKER_INDEX": "1", "HOME": "/secret/home",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "TF_ENABLE_ONEDNN_OPTS": "0"}
     cmd = tfpar_launch.ssh_command("node2", ["python", "-m", "tfpar.train", "--x=a b"], env,
                                    cwd="/srv/job dir")
     assert cmd[:5] == ["ssh", "-tt", "-o", "BatchMode=yes", "node2"]
@@ -332,4 +332,5 @@ def test_ssh_command_carries_the_workers_environment():
     assert remote.startswith("cd '/srv/job dir' && exec env ")
     assert """TF_CONFIG='{"a": 1}'""" in remote and "TFPAR_WORKER_INDEX=1" in remote
     assert "HOME" not in remote  # only the launcher's variables travel
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in remote  # --cpu_kernels=auto: the user's choice
     assert remote.endswith("python -m tfpar.train '--x=a b'")

@@ -55,8 +55,11 @@ _ONLY_WITH = {"powersgd_rank": "powersgd"}
 
 def _state_settings(settings):
     """The `_STATE_SETTINGS` of `settings` (a dict), `None` where they do not apply."""
-    return {k: (settings.get(k) if _ONLY_WITH.get(k, settings.get("compression"))
-                == settings.get("compression") else None) for k in _STATE_SETTINGS}
+    out = {k: settings.get(k) for k in _STATE_SETTINGS}
+    for k, compression in _ONLY_WITH.items():
+        if out["compression"] != compression:
+            out[k] = None
+    return out
 
 
 # What a save writes: ckpt-S.index, ckpt-S.data-K-of-N, and TensorFlow's ckpt-S_temp* while

@@ -9,6 +9,7 @@ import dataclasses
 import re
 
 from tfpar import compat
+from tfpar.cpu_kernels import CHOICES as CPU_KERNELS
 from tfpar.errors import ConfigError
 
 MODELS = ("mlp", "convnet", "transformer")
@@ -19,7 +20,6 @@ PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
-CPU_KERNELS = ("auto", "onednn", "eigen")  # tfpar.cpu_kernels.CHOICES
 RECOMPUTE = ("none", "blocks", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")

@@ -25,6 +25,14 @@ from tfpar.errors import ConfigError
 
 CHOICES = ("auto", "onednn", "eigen")
 ENV = "TF_ENABLE_ONEDNN_OPTS"
+_READS = {"0": "eigen", "false": "eigen", "1": "onednn", "true": "onednn"}  # TensorFlow's
+
+
+def _from_env(environ):
+    """What `TF_ENABLE_ONEDNN_OPTS` in `environ` asks for: "onednn", "eigen", None (unset)
+    or "unreadable" (a value TensorFlow ignores)."""
+    value = environ.get(ENV)
+    return None if value is None else _READS.get(value.lower(), "unreadable")
 
 
 def wanted(choice, environ=None):
@@ -41,15 +49,11 @@ def wanted(choice, environ=None):
         raise ConfigError("cpu_kernels", choice, f"choose one of {', '.join(CHOICES)}")
     if choice != "auto":
         return choice
-    value = environ.get(ENV)
-    if value is None:
-        return "onednn"
-    if value.lower() in ("0", "false"):
-        return "eigen"
-    if value.lower() in ("1", "true"):
-        return "onednn"
-    raise ConfigError(ENV, value, "use 1 or true (oneDNN), 0 or false (Eigen), or unset it "
-                      "(TensorFlow ignores other values)")
+    asked = _from_env(environ)
+    if asked == "unreadable":
+        raise ConfigError(ENV, environ[ENV], "use 1 or true (oneDNN), 0 or false (Eigen), or "
+                          "unset it (TensorFlow ignores other values)")
+    return asked or "onednn"
 
 
 def select(choice, environ=None):
@@ -85,16 +89,14 @@ def apply(choice, environ=None):
         wanted(choice, environ)  # a bad choice or variable is refused either way
     running = active()
     if choice not in ("auto", running):
-        needed = "1" if choice == "onednn" else "0"
-        if environ.get(ENV, "").lower() in ((needed, "true") if needed == "1" else
-                                            (needed, "false")):
+        if _from_env(environ) == choice:
             raise ConfigError("cpu_kernels", choice,
                               f"this TensorFlow runs {running} kernels although {ENV}="
                               f"{environ[ENV]}: pass cpu_kernels='auto' (or '{running}')")
         raise ConfigError(
             "cpu_kernels", choice,
             f"TensorFlow was imported before tfpar with {running} kernels: set "
-            f"{ENV}={needed} before importing tensorflow, or pass cpu_kernels='auto' "
+            f"{ENV}={'1' if choice == 'onednn' else '0'} before importing tensorflow, or pass cpu_kernels='auto' "
             f"(or '{running}')")
     return running
 
