@@ -138,6 +138,15 @@ def test_local_adam_variance(probes):
         # ... keeps every replica's weights and momentum the same, with v each its own.
         assert row["w_replicas_diff"] == 0.0 and row["m_replicas_diff"] == 0.0, row
         assert row["v_replicas_apart"] > 0.1, row
+    # Top-k's step over each replica's own v, nothing dropped: the same method; at 10 %
+    # (what waits in the residuals differs) the replicas' weights and momenta still agree.
+    row = out["topk_1.0"]
+    assert row["v"] < 1e-5 and row["w"] < 1e-4, row
+    assert row["w_replicas_diff"] == 0.0 and row["m_replicas_diff"] == 0.0, row
+    row = out["topk_0.1"]
+    assert row["w"] > 1e-3, row  # entries were held back, so it is not the model's
+    assert row["w_replicas_diff"] == 0.0 and row["m_replicas_diff"] == 0.0, row
+    assert row["v_replicas_apart"] > 0.1, row
     # One gradient for both replicas and a steady denominator: Adam. With different
     # gradients the NumPy model is not Adam (so the check above could fail).
     assert out["same_data_vs_adam"] < 1e-4, out
@@ -153,9 +162,15 @@ def test_bad_variance_settings_are_refused_in_one_line():
         with pytest.raises(ValueError, match=match):
             PowerSGDAggregator(4, adam=(0.9, 0.999, 1e-7), **kwargs)
     # A live v needs the gradient compressed; top-k compresses each replica's Adam step.
-    for variance in ("live", "local", "local_debiased"):
-        with pytest.raises(ValueError, match=f"'{variance}' is invalid for TopKAggregator"):
-            TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance=variance)
+    with pytest.raises(ValueError, match="'live' is invalid for TopKAggregator"):
+        TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7), adam_variance="live")
+    # Each replica's own v needs the momentum synced (ratio >= 1 − β₁).
+    for variance in ("local", "local_debiased"):
+        with pytest.raises(ValueError, match=f"'{variance}' is invalid for TopKAggregator "
+                           "here: .* synced"):
+            TopKAggregator(0.05, adam=(0.9, 0.999, 1e-7), adam_variance=variance)
+        assert TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7),
+                              adam_variance=variance).adam_variance == variance
     # A local v moves every step: no exact refresh steps beside it.
     for variance in ("local", "local_debiased"):
         with pytest.raises(ValueError, match="adam_refresh_every=10 is invalid with "

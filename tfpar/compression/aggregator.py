@@ -197,11 +197,16 @@ class Aggregator(tf.Module):
         if variance not in ADAM_VARIANCE:
             raise ValueError(f"adam_variance={variance!r} is invalid: choose from "
                              f"{', '.join(ADAM_VARIANCE)}")
-        if variance in ("live",) + _LOCAL and self.adam_compresses != "gradient":
+        if variance == "live" and self.adam_compresses != "gradient":
             raise ValueError(f"adam_variance={variance!r} is invalid for "
                              f"{type(self).__name__}: it compresses each replica's Adam step, "
                              "not the gradient; use 'frozen' (optionally with "
-                             "adam_refresh_every)")
+                             "adam_refresh_every), 'local' or 'local_debiased'")
+        if variance in _LOCAL and not self._takes_local_variance():
+            raise ValueError(f"adam_variance={variance!r} is invalid for "
+                             f"{type(self).__name__} here: each replica's step over its own "
+                             "v needs the momentum synced after every step (top-k at ratio "
+                             ">= 1 - beta_1); use 'frozen'")
         check_count("adam_refresh_every", refresh_every, "0 = no exact refresh steps")
         if variance in _LOCAL and refresh_every:
             # A refresh would need the momentum back in the gradient's units, which
@@ -211,6 +216,12 @@ class Aggregator(tf.Module):
                              "with its exact gradient): use 0, or adam_variance='frozen'")
         self.adam_variance = variance
         self.adam_refresh_every = refresh_every
+
+    def _takes_local_variance(self):
+        """Whether each replica can move its own `v` ("local", "local_debiased"): where the
+        gradient is compressed, or the step with the momentum synced (kept in the scaled
+        units, `m / s`, the same on every replica while their `s` differ)."""
+        return self.adam_compresses == "gradient" or self.adam_sync_momentum
 
     # ---- state -------------------------------------------------------------------------
     def build(self, variables):
@@ -381,6 +392,8 @@ class Aggregator(tf.Module):
 
         def compressed(gs):
             c2 = 1 - tf.pow(beta_2, t_v)  # v's bias correction when it last moved
+            if own and self.adam_compresses == "step":
+                return local_variance_step(gs)
             scales = [scale(self.moments[f"v_{p}"], c2) for p in positions]
             if self.adam_compresses == "step":
                 carry = self.adam_momentum_carry if self.adam_sync_momentum else 0.0
@@ -431,29 +444,65 @@ class Aggregator(tf.Module):
                 out.append(m_new / c1 / s)
             return out, tf.cast(nbytes, tf.int64)
 
+        first = tf.equal(self.step, warm)  # m still holds the exact sum's momentum
+
+        def move_local_v(g, p):
+            # This replica's own v moved by its own gradient (g · replicas, exact): returns
+            # the denominators before and after.
+            c2 = 1 - tf.pow(beta_2, t_v)  # v last moved on the previous step
+            c2_now = 1 - tf.pow(beta_2, t)
+            c1_before = 1 - tf.pow(beta_1, t - 1)
+            v = self.moments[f"v_{p}"]
+            s_old = scale(v, c2)
+            if debias:
+                m = self.moments[f"m_{p}"]
+                # The summed gradient's estimate in its own units: m / c1 · s_i (a
+                # cond, not a `where`: no extra pass over m on every later step).
+                g_hat = tf.cond(first, lambda: m.read_value(),
+                                lambda: m * s_old) / c1_before
+                square = (tf.square(g) * replicas +
+                          (1 - 1 / replicas) * tf.square(g_hat))
+            else:
+                square = tf.square(g * replicas)
+            v_new = v + (square - v) * (1 - beta_2)
+            v.assign(v_new)
+            return s_old, scale(v_new, c2_now)
+
+        def scaled_momentum(p, s_old):
+            # The momentum in the scaled units (m / s, the same on every replica); converted
+            # once, by the warm-up's v (still the same everywhere).
+            m = self.moments[f"m_{p}"]
+            return tf.cond(first, lambda: m / s_old, lambda: m.read_value())
+
+        def local_variance_step(gs):
+            # Top-k with each replica's own v: the synced momentum is kept in the scaled
+            # units (μ, the same everywhere) and a replica's step is
+            # (β₁ μ / replicas + (1 − β₁) g / s_i) / c1, so the steps sum to the momentum of
+            # Σ_i g_i / s_i over c1, as `local_variance`; each replica compresses its own.
+            carry = self.adam_momentum_carry
+            steps, kept = [], []
+            for g, p in zip(gs, positions):
+                s_old, s_new = move_local_v(g, p)
+                mu = scaled_momentum(p, s_old)
+                step = (mu * beta_1 / replicas + g / s_new * (1 - beta_1)) / c1
+                if carry:
+                    k = carry * beta_1 * mu / c1
+                    kept.append(k)
+                    step -= k / replicas
+                steps.append(step)
+            summed, nbytes = self._compress_and_exchange(steps, positions)
+            if carry:
+                summed = [u + k for u, k in zip(summed, kept)]
+            for u, p in zip(summed, positions):
+                self.moments[f"m_{p}"].assign(u * c1)
+            return list(summed), tf.cast(nbytes, tf.int64)
+
         def local_variance(gs):
             # Each replica moves its own v with its own gradient (g · replicas, exact) and
             # sends g / s_i; the momentum is of the sum Σ_i g_i / s_i, the same everywhere.
-            c2 = 1 - tf.pow(beta_2, t_v)  # v last moved on the previous step
-            c2_now = 1 - tf.pow(beta_2, t)
-            first = tf.equal(self.step, warm)  # m still holds the exact sum's momentum
-            c1_before = 1 - tf.pow(beta_1, t - 1)
             xs, olds = [], []
             for g, p in zip(gs, positions):
-                v = self.moments[f"v_{p}"]
-                s_old = scale(v, c2)
-                if debias:
-                    m = self.moments[f"m_{p}"]
-                    # The summed gradient's estimate in its own units: m / c1 · s_i (a
-                    # cond, not a `where`: no extra pass over m on every later step).
-                    g_hat = tf.cond(first, lambda: m.read_value(),
-                                    lambda: m * s_old) / c1_before
-                    square = (tf.square(g) * replicas +
-                              (1 - 1 / replicas) * tf.square(g_hat))
-                else:
-                    square = tf.square(g * replicas)
-                v_new = v + (square - v) * (1 - beta_2)
-                v.assign(v_new)
+                s_old, s_new = move_local_v(g, p)
                 # The residuals are not rescaled: only their sum over replicas is ever sent
                 # (PowerSGD is linear in the summed matrix), and each also holds its
                 # replica's deviation from the replicas' mean (DDP's residual), which cancels
@@ -461,16 +510,14 @@ class Aggregator(tf.Module):
                 # cancel: with nothing lost the weights ended 10 % off the method's in 9
                 # steps (tests/adam_front_child.py's `powersgd_local_variance`). Unrescaled,
                 # the debt is kept exactly in the units the momentum sums.
-                xs.append(g / scale(v_new, c2_now))
+                xs.append(g / s_new)
                 olds.append(s_old)
             summed, nbytes = self._compress_and_exchange(xs, positions)
             out = []
             for u, s_old, p in zip(summed, olds, positions):
-                m = self.moments[f"m_{p}"]
-                # Into the scaled units once, by the warm-up's v (still the same everywhere).
-                m_old = tf.cond(first, lambda: m / s_old, lambda: m.read_value())
+                m_old = scaled_momentum(p, s_old)
                 m_new = m_old + (u - m_old) * (1 - beta_1)
-                m.assign(m_new)
+                self.moments[f"m_{p}"].assign(m_new)
                 out.append(m_new / c1)
             return out, tf.cast(nbytes, tf.int64)
 

@@ -172,6 +172,12 @@ class TopKAggregator(Aggregator):
         self.dense_below = dense_below
         self.union = bool(union)
         self.adam_momentum_carry = float(adam_momentum_carry)
+        # Checked again now that the ratio is known (`_takes_local_variance`).
+        self.set_adam_variance(self.adam_variance, self.adam_refresh_every)
+
+    def _takes_local_variance(self):
+        # Called first from `Aggregator.__init__`, before the ratio is set; checked again.
+        return not hasattr(self, "ratio") or super()._takes_local_variance()
 
     def _build_state(self):
         velocities = {}
