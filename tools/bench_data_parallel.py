@@ -225,4 +225,8 @@ def main():
 
 
 if __name__ == "__main__":
+    # The trainer's default kernels (oneDNN unless TF_ENABLE_ONEDNN_OPTS is set), not the
+    # processor's, before TensorFlow starts here or in any child (they inherit it).
+    from tfpar import cpu_kernels
+    cpu_kernels.select("auto")
     main()
