@@ -187,8 +187,9 @@ class Aggregator(tf.Module):
                 "local_debiased" (as "local", but `v` moves by `replicas · g² + (1 − 1 /
                 replicas) · ĝ²`, ĝ the momentum's estimate of the summed gradient: a
                 replica's own gradient carries `replicas` × the summed one's noise; the
-                trainer's `--compression=auto` with Adam). "live" and the local ones only
-                where the gradient is compressed, `adam_compresses == "gradient"`.
+                trainer's `--compression=auto` with Adam). "live" only where the gradient is
+                compressed (`adam_compresses == "gradient"`); the local ones there and for
+                top-k when its momentum is synced after every step (ratio >= 1 - beta_1).
             refresh_every: every this many steps after the warm-up one step is all-reduced
                 exactly (fp32) and `v` takes the exact summed gradient, as 0/1 Adam's
                 variance updates (Lu et al. 2022); a frozen `v` weighs it as the `K` steps
