@@ -45,8 +45,12 @@ QUICK = ("none", "fp16", "topk", "powersgd")
 # Runs that only show what one setting does; the goals are not checked on them.
 # topk_buckets: one bucket per layer instead of one for the whole model, so the last
 # layers' all-gathers could start while backward still computes the first layers' gradients.
+# none_buckets: fp32 through the exact aggregator in --bucket_mb buckets, last layers first
+# (`optimizers.make_optimizer(config, bucketed=True)`), against Keras's one all-reduce.
 VARIANTS = {"topk_nowarmup": ("topk", {"topk_warmup_steps": 0}),
-            "topk_buckets": ("topk", {"bucket_mb": 4.1})}
+            "topk_buckets": ("topk", {"bucket_mb": 4.1}),
+            "none_buckets": ("none", {})}
+BUCKETED = ("none_buckets",)
 GOALS = {"powersgd": 15.0, "topk": 8.0, "fp16": 1.9}  # steps/s vs fp32
 PORT = 23456
 
@@ -89,6 +93,10 @@ def worker(config_json, out_path):
             self.ends.append(time.perf_counter() - self.start)
             self.veth.append(veth_bytes())
 
+    if os.environ.get("TFPAR_BENCH_BUCKETED") == "1":
+        from tfpar import optimizers
+        make_optimizer = optimizers.make_optimizer
+        optimizers.make_optimizer = lambda c: make_optimizer(c, bucketed=True)
     clock = WallClock()
     result, model = train(config, callbacks=[clock])
     # Communication share of a step: compute-only vs full steps on a scratch aggregator
@@ -250,6 +258,7 @@ def run_one(link, name, settings, out_dir, timeout, extra, comm_steps=3):
                    TFPAR_WORKER_INDEX=str(i), TFPAR_NUM_WORKERS="2",
                    TFPAR_BENCH_DEVICE=link.devices[i],
                    TFPAR_BENCH_COMM_STEPS=str(comm_steps),
+                   TFPAR_BENCH_BUCKETED="1" if name in BUCKETED else "0",
                    TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
                                          "task": {"type": "worker", "index": i}}))
         log = open(os.path.join(out_dir, f"{name}.worker{i}.log"), "w")
@@ -371,7 +380,7 @@ def main():
           f"load before {load_before['loadavg_1_5_15']}, after "
           f"{machine_load()['loadavg_1_5_15']} on {os.cpu_count()} CPUs\n")
     labels = {"none": "none (fp32)", "topk_nowarmup": "topk, no wu",
-              "topk_buckets": "topk, 4MB bkt"}
+              "topk_buckets": "topk, 4MB bkt", "none_buckets": "fp32, 4MB bkt"}
     if args.topk_warmup_steps:
         labels["topk"] = f"topk, wu {args.topk_warmup_steps}"
         print(f"topk: 1 % of the entries, density warm-up 25 % -> 1 % over the first "
