@@ -141,9 +141,11 @@ def test_memory_keys_on_tf_keras(tmp_path):
     assert memory["peak_bytes_per_device"][0] > 4 * param_bytes
 
 
-@pytest.mark.parametrize("flags,device", [
+# (flags, the device the line must name) per out-of-memory run, by id.
+OUT_OF_MEMORY = {
     # One device: Adam's state alone (~50 MB) is over the 48 MB cap.
-    (("--model_width=256", "--model_depth=16", "--strategy=one_device"), r"CPU:0\b"),
+    "one_device": (("--model_width=256", "--model_depth=16", "--strategy=one_device"),
+                   r"CPU:0\b"),
     # ZeRO-3 on a 4-device DTensor mesh: the split state (~38 MB) fits and the step does
     # not; the devices that did not run out report a cancelled collective and TensorFlow's
     # shutdown would wait on them (the process must still exit at once). Before
@@ -151,20 +153,36 @@ def test_memory_keys_on_tf_keras(tmp_path):
     # Which allocation fails first varies with timing: the line names the mesh's devices
     # when TensorFlow's message names none, else the one device TensorFlow named (one CI
     # run failed on CPU:0 alone).
-    (("--model_width=256", "--model_depth=4", "--zero_stage=3", "--cpu_devices=4",
-      "--optimizer=adam"), r"/device:CPU:(0\.\.3|[0-3])\b"),
-], ids=["one_device", "zero3_mesh"])
-def test_out_of_memory_ends_in_one_line(tmp_path, flags, device):
+    "zero3_mesh": (("--model_width=256", "--model_depth=4", "--zero_stage=3",
+                    "--cpu_devices=4", "--optimizer=adam"), r"/device:CPU:(0\.\.3|[0-3])\b"),
+}
+
+
+@pytest.fixture(scope="module")
+def out_of_memory(tmp_path_factory):
+    """Both out-of-memory command lines through one child (`subproc.run_cli_cases`: one
+    TensorFlow import, a process forked per run), the whole child's CPU allocator capped
+    at 48 MB: {id: (its CompletedProcess, its metrics path, written before the run)}."""
+    folder = tmp_path_factory.mktemp("oom")
+    saved = {key: folder / f"{key}.json" for key in OUT_OF_MEMORY}
+    for path in saved.values():
+        path.write_text('{"kept": true}')
+    outs = subproc.run_cli_cases(
+        [(("--model=transformer", *flags, "--global_batch_size=64", "--steps=2",
+           "--verbose=0", f"--metrics_json={saved[key]}"), None)
+         for key, (flags, _) in OUT_OF_MEMORY.items()],
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "48"},
+        timeout=300)
+    return {key: (out, saved[key]) for key, out in zip(OUT_OF_MEMORY, outs)}
+
+
+@pytest.mark.parametrize("key", list(OUT_OF_MEMORY))
+def test_out_of_memory_ends_in_one_line(out_of_memory, key):
     """The process's CPU allocator capped at 48 MB: a transformer too large for it fails
     with one line naming the device, the bytes and settings to try, and exit status 2;
     the metrics file the user already has is left as it was."""
-    saved = tmp_path / "metrics.json"
-    saved.write_text('{"kept": true}')
-    out = subproc.run_module(
-        "tfpar.train", "--model=transformer", *flags, "--global_batch_size=64",
-        "--steps=2", "--verbose=0", f"--metrics_json={saved}",
-        env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "48"},
-        timeout=240, check=False)
+    flags, device = OUT_OF_MEMORY[key]
+    out, saved = out_of_memory[key]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "Fatal Python error" not in out.stderr
