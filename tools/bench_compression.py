@@ -46,11 +46,11 @@ QUICK = ("none", "fp16", "topk", "powersgd")
 # topk_buckets: one bucket per layer instead of one for the whole model, so the last
 # layers' all-gathers could start while backward still computes the first layers' gradients.
 # none_buckets: fp32 through the exact aggregator in --bucket_mb buckets, last layers first
-# (`optimizers.make_optimizer(config, bucketed=True)`), against Keras's one all-reduce.
+# (`optimizers.make_optimizer(config, bucketed=True)`), against Keras's one all-reduce;
+# `bucketed` is the worker's, not a ParallelConfig field.
 VARIANTS = {"topk_nowarmup": ("topk", {"topk_warmup_steps": 0}),
             "topk_buckets": ("topk", {"bucket_mb": 4.1}),
-            "none_buckets": ("none", {})}
-BUCKETED = ("none_buckets",)
+            "none_buckets": ("none", {"bucketed": True})}
 GOALS = {"powersgd": 15.0, "topk": 8.0, "fp16": 1.9}  # steps/s vs fp32
 PORT = 23456
 
@@ -62,7 +62,9 @@ def worker(config_json, out_path):
     start of training) to `out_path`."""
     from tfpar import ParallelConfig, cpu_kernels
 
-    config = ParallelConfig(**json.loads(config_json))
+    settings = json.loads(config_json)
+    bucketed = settings.pop("bucketed", False)
+    config = ParallelConfig(**settings)
     cpu_kernels.select(config.cpu_kernels)  # before TensorFlow starts, as tfpar.train's CLI
     import keras
 
@@ -93,7 +95,7 @@ def worker(config_json, out_path):
             self.ends.append(time.perf_counter() - self.start)
             self.veth.append(veth_bytes())
 
-    if os.environ.get("TFPAR_BENCH_BUCKETED") == "1":
+    if bucketed:
         from tfpar import optimizers
         make_optimizer = optimizers.make_optimizer
         optimizers.make_optimizer = lambda c: make_optimizer(c, bucketed=True)
@@ -258,7 +260,6 @@ def run_one(link, name, settings, out_dir, timeout, extra, comm_steps=3):
                    TFPAR_WORKER_INDEX=str(i), TFPAR_NUM_WORKERS="2",
                    TFPAR_BENCH_DEVICE=link.devices[i],
                    TFPAR_BENCH_COMM_STEPS=str(comm_steps),
-                   TFPAR_BENCH_BUCKETED="1" if name in BUCKETED else "0",
                    TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
                                          "task": {"type": "worker", "index": i}}))
         log = open(os.path.join(out_dir, f"{name}.worker{i}.log"), "w")
