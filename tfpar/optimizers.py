@@ -17,6 +17,8 @@ checkpoints are Keras's.
 0.9
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 from absl import logging
@@ -66,14 +68,33 @@ def learning_rate(config):
     return LinearWarmup(peak, config.warmup_steps)
 
 
-def make_optimizer(config, bucketed=False):
+_BUCKETED = [False]  # what `make_optimizer(config)` takes for `bucketed` (`always_bucketed`)
+
+
+@contextlib.contextmanager
+def always_bucketed():
+    """While open, `make_optimizer` builds every run's optimizer with `bucketed=True`: the
+    benchmarks' fp32-in-buckets runs (`tools/bench_compression.py`'s `none_buckets`,
+    `tools/bench_compression_quality.py`'s `fp32-exact`) go through `tfpar.train` unchanged.
+    """
+    before, _BUCKETED[0] = _BUCKETED[0], True
+    try:
+        yield
+    finally:
+        _BUCKETED[0] = before
+
+
+def make_optimizer(config, bucketed=None):
     """The Keras optimizer for `config`: learning-rate rule, ZeRO sharding (`tfpar.zero`),
     aggregator, fp16 loss scaling. Call under the strategy's scope.
 
     With `bucketed`, `--compression=none` also goes through an aggregator (the exact fp32
     all-reduce in `--bucket_mb` buckets, last layers first), so the first buckets' sums
     start while backward still runs, where Keras's one all-reduce waits for all of it.
+    `None` (the default): off, unless inside `always_bucketed()`.
     """
+    if bucketed is None:
+        bucketed = _BUCKETED[0]
     kwargs = {"learning_rate": learning_rate(config)}
     if config.optimizer == "adam":
         optimizer = keras.optimizers.Adam(**kwargs)

@@ -29,6 +29,7 @@ last step can still show when it reaches fp32's final loss.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,7 +47,7 @@ QUICK = ("none", "fp16", "topk", "powersgd")
 # topk_buckets: one bucket per layer instead of one for the whole model, so the last
 # layers' all-gathers could start while backward still computes the first layers' gradients.
 # none_buckets: fp32 through the exact aggregator in --bucket_mb buckets, last layers first
-# (`optimizers.make_optimizer(config, bucketed=True)`), against Keras's one all-reduce;
+# (`optimizers.always_bucketed()`), against Keras's one all-reduce;
 # `bucketed` is the worker's, not a ParallelConfig field.
 VARIANTS = {"topk_nowarmup": ("topk", {"topk_warmup_steps": 0}),
             "topk_buckets": ("topk", {"bucket_mb": 4.1}),
@@ -95,12 +96,10 @@ def worker(config_json, out_path):
             self.ends.append(time.perf_counter() - self.start)
             self.veth.append(veth_bytes())
 
-    if bucketed:
-        from tfpar import optimizers
-        make_optimizer = optimizers.make_optimizer
-        optimizers.make_optimizer = lambda c: make_optimizer(c, bucketed=True)
+    from tfpar import optimizers
     clock = WallClock()
-    result, model = train(config, callbacks=[clock])
+    with optimizers.always_bucketed() if bucketed else contextlib.nullcontext():
+        result, model = train(config, callbacks=[clock])
     # Communication share of a step: compute-only vs full steps on a scratch aggregator
     # (every worker takes part: the collectives are collective).
     comm_steps = int(os.environ.get("TFPAR_BENCH_COMM_STEPS", "3"))

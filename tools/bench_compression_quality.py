@@ -21,7 +21,7 @@ shows as a higher final loss.
 
 The reference is fp32 twice: the trainer's `--compression=none` (Keras's own all-reduce) and
 `fp32-exact`, the same sums through the exact fp32 aggregator (`NoneAggregator`, what every
-lossy aggregator is built on; `tfpar.optimizers.make_optimizer(config, bucketed=True)`). With
+lossy aggregator is built on; `tfpar.optimizers.always_bucketed()`). With
 2 replicas the fp32 sum `a + b` does not depend on the order, so the two agree wherever the
 paths agree (mlp, convnet, user); on the transformer they differ: Keras all-reduces the token
 embedding's gradient as `IndexedSlices` and its Adam adds the squares of every slice to `v`
@@ -47,6 +47,7 @@ fp32's or its held-out accuracy more than `--max_acc_drop` below. Prints a table
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -153,13 +154,11 @@ def run_one(base, spec, extra, runtime, smooth):
         runtime[0] = backends.for_config(config).build_runtime(config, None, None)
     start = time.perf_counter()
     from tfpar import optimizers
-    default_task, make_optimizer = data.DEFAULT_TASKS[config.model], optimizers.make_optimizer
+    default_task = data.DEFAULT_TASKS[config.model]
     if task == "lookup":  # the suite's transformer task (module docstring)
         data.DEFAULT_TASKS[config.model] = data.lookup_task
     from tfpar import compression as comp
     make_aggregator = comp.make_aggregator
-    if spec in (EXACT, FROZEN):  # fp32 through the exact aggregator (module docstring)
-        optimizers.make_optimizer = lambda c: make_optimizer(c, bucketed=True)
     if spec == FROZEN:  # ... with Adam in front, v frozen after adam_warmup_steps
         comp.make_aggregator = lambda c, **kw: comp.NoneAggregator(
             bucket_mb=c.bucket_mb, adam=(0.9, 0.999, 1e-7),
@@ -175,11 +174,13 @@ def run_one(base, spec, extra, runtime, smooth):
                                   options.get("adam_refresh_every", agg.adam_refresh_every))
             return agg
         comp.make_aggregator = with_options
+    # fp32 through the exact aggregator (module docstring) for the exact and frozen runs.
+    bucketed = optimizers.always_bucketed() if spec in (EXACT, FROZEN) else contextlib.nullcontext()
     try:
-        result, _ = train(config, runtime=runtime[0])
+        with bucketed:
+            result, _ = train(config, runtime=runtime[0])
     finally:
         data.DEFAULT_TASKS[config.model] = default_task
-        optimizers.make_optimizer = make_optimizer
         comp.make_aggregator = make_aggregator
     val = result.get("validation", {})
     finite = all(math.isfinite(v) for v in result["loss_history"])
