@@ -174,10 +174,18 @@ def topk_union():
                 "emptied_same": bool(np.array_equal(res[0][0] == 0, res[0][1] == 0)),
                 # where sent, the exact sum of both replicas' corrected values
                 "sent_err": float(np.max(np.abs((outs[0][0] - corrected[0])[res[0][0] == 0]))),
-                "sent": int(np.sum(res[0][0] == 0))})
+                "sent": int(np.sum(res[0][0] == 0)),
+                "bytes": agg.comm_stats()["bytes_on_wire_per_step"],
+                "expected_bytes": agg.wire_bytes_at(t)})
         return rows
 
+    # bucket_mb=1e-6: each tensor in a bucket of its own, so the small one's bucket is
+    # sent whole alone (no index all-gather).
     return {"union": exchange(TopKAggregator(0.05, dense_below=8, union=True)),
+            "union_alone": exchange(TopKAggregator(0.05, dense_below=8, union=True,
+                                                   bucket_mb=1e-6)),
+            "own_whole": exchange(TopKAggregator(0.05, dense_below=8)),
+            "own_whole_alone": exchange(TopKAggregator(0.05, dense_below=8, bucket_mb=1e-6)),
             "own": exchange(TopKAggregator(0.05))}
 
 

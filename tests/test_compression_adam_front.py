@@ -92,6 +92,26 @@ def test_topk_union_sends_the_same_entries_everywhere_and_small_tensors_whole(pr
     assert all(row["small_residual"] > 0 for row in out["own"]), out["own"]
 
 
+def test_topk_sends_small_tensors_as_values_only(probes):
+    out = probes["topk_union"]
+    k, replicas, small = 20, 2, 8
+    # Bytes handed to the collectives, per replica: the (8,) tensor's 8 values, no indices
+    # (12 B per entry through the sparse path at 2 replicas with the union, 8 B without).
+    expected = {"union": 4 * k + 4 * k * replicas + 4 * small,
+                "union_alone": 4 * k + 4 * k * replicas + 4 * small,
+                "own_whole": 8 * k + 4 * small, "own_whole_alone": 8 * k + 4 * small,
+                "own": 8 * (k + 1)}
+    for name, nbytes in expected.items():
+        for row in out[name]:
+            assert row["bytes"] == row["expected_bytes"] == nbytes, (name, row)
+    for name in ("union_alone", "own_whole", "own_whole_alone"):
+        for row in out[name]:
+            assert row["same_out"] and row["conserved"] < 1e-5, (name, row)
+            assert row["small_err"] < 1e-5 and row["small_residual"] == 0.0, (name, row)
+    # The same entries sent whether or not the small tensor shares the large one's bucket.
+    assert [r["sent"] for r in out["union"]] == [r["sent"] for r in out["union_alone"]]
+
+
 def test_topk_defaults_are_the_suites_and_bad_settings_are_refused():
     import pytest
     from tfpar import ParallelConfig

@@ -236,6 +236,7 @@ class Aggregator(tf.Module):
             return
         # A plain object, so tf.Module's tracking does not wrap (and try to save) the dict.
         self._layout = _Layout(variables)
+        self._replicas = tf.distribute.get_strategy().num_replicas_in_sync  # for byte counts
         with tf.init_scope():
             self.step = per_replica_variable(
                 tf.constant(0, tf.int64), "step", tf.VariableAggregation.ONLY_FIRST_REPLICA)

@@ -46,30 +46,61 @@ def _sum_gathered(rows, n):
     return tf.add_n([codecs.densify(values[r], indices[r], n) for r in range(replicas)])
 
 
-def union_sum(flat, gathered_indices, sum_all):
+def union_sum(flat, gathered_indices, sum_all, whole=None):
     """Every replica's entries of 1-D `flat` at the union of all replicas' indices, summed.
 
     `gathered_indices` (`[replicas, k]`, the same on every replica) is sorted and each
     index after its first occurrence sends 0.0, so every replica sends its own values at
     the same `replicas × k` positions and `sum_all` (an all-reduce) adds them; duplicates
-    add zeros when densified.
+    add zeros when densified. `whole` (`(values, indices)` of entries sent whole, or None)
+    rides in the same all-reduce, after the union's values.
 
     Returns:
         `(summed, local, wire_bytes)`: dense sums, this replica's own sent values (dense;
-        zero off the union), and the bytes handed to `sum_all`.
+        zero off the union and `whole`), and the bytes handed to `sum_all`.
     """
     n = int(flat.shape[0])
     order = tf.sort(tf.reshape(gathered_indices, [-1]))
     first = tf.concat([[True], order[1:] != order[:-1]], 0)
     mine = tf.where(first, tf.gather(flat, order), tf.zeros([], flat.dtype))
+    if whole is not None:
+        mine, order = tf.concat([mine, whole[0]], 0), tf.concat([order, whole[1]], 0)
     total, nbytes = sum_all(mine)
     return codecs.densify(total, order, n), codecs.densify(mine, order, n), nbytes
 
 
-def _union_exchange(flat, indices, opts):
+def _union_exchange(flat, indices, whole, opts):
+    def sum_all(x):
+        return collectives.sum_all(x, opts)
+
+    if indices is None:  # every tensor of the bucket sent whole: one exact sum
+        total, nbytes = sum_all(whole[0])
+        n = int(flat.shape[0])
+        return codecs.densify(total, whole[1], n), codecs.densify(whole[0], whole[1], n), nbytes
     rows, index_bytes = collectives.gather_rows(indices, opts)
-    summed, local, nbytes = union_sum(flat, rows, lambda x: collectives.sum_all(x, opts))
+    summed, local, nbytes = union_sum(flat, rows, sum_all, whole)
     return summed, local, index_bytes + nbytes
+
+
+def _gather_exchange(flat, values, indices, whole, opts):
+    """Plain top-k: every replica's `(value, index)` pairs all-gathered in one int32 buffer,
+    the values of `whole` (no indices: the same entries on every replica) after them."""
+    n = int(flat.shape[0])
+    words = [] if values is None else [codecs.pack_sparse(values, indices)]
+    if whole is not None:
+        words.append(tf.bitcast(whole[0], tf.int32))
+    rows, nbytes = collectives.gather_rows(tf.concat(words, 0), opts)
+    summed, local = tf.zeros([n]), tf.zeros([n])
+    if whole is not None:
+        w = int(whole[0].shape[0])
+        rows, whole_rows = rows[:, :-w], tf.bitcast(rows[:, -w:], tf.float32)
+        # In replica order, as `_sum_gathered`, so every replica gets the same bits.
+        summed = codecs.densify(tf.add_n(tf.unstack(whole_rows)), whole[1], n)
+        local = codecs.densify(whole[0], whole[1], n)
+    if values is not None:
+        summed += _sum_gathered(rows, n)
+        local += codecs.densify(values, indices, n)
+    return summed, local, nbytes
 
 
 class TopKAggregator(Aggregator):
@@ -102,7 +133,8 @@ class TopKAggregator(Aggregator):
     values per replica (against `8k`): 1.5× plain top-k's bytes at 2 replicas, and it grows
     with the replicas. `dense_below` sends tensors of at most that many entries whole
     (biases, norms: a per-tensor top-k would move each of their entries once in 1/ratio
-    steps, for bytes that barely count).
+    steps, for bytes that barely count): their values only, 4 B per entry, at the end of
+    the union's all-reduce (or of the all-gather's buffer without the union).
 
     With Adam in front and the momentum synced (`adam_sync_momentum`), an entry nobody sent
     loses its momentum: what it would have added over the next steps waits in no residual.
@@ -215,8 +247,9 @@ class TopKAggregator(Aggregator):
         return min(size, max(1, math.ceil(density * size)))
 
     def wire_bytes_at(self, step):
-        """Bytes this replica hands to the all-gathers at `step` (call after `build`)."""
-        return sum(8 * self.k(math.prod(shape), step) for shape in self._layout.shapes)
+        """Bytes this replica hands to the collectives at `step` (call after `build`)."""
+        return sum(self._tensor_wire_bytes(math.prod(shape), step)
+                   for shape in self._layout.shapes)
 
     def _k_now(self, size):
         if not self.warmup_steps:
@@ -228,26 +261,36 @@ class TopKAggregator(Aggregator):
         return tf.gather(table, tf.clip_by_value(step, 0, self.warmup_steps))
 
     def _exchange_bucket(self, flat, bucket):
-        n = flat.shape[0]
-        values, indices, offset = [], [], 0
+        values, indices, whole, whole_at, offset = [], [], [], [], 0
         step = tf.cast(self.step, tf.int32)
         for part, size in zip(tf.split(flat, list(bucket.sizes)), bucket.sizes):
-            # Large tensors: exact top-k through a sampled threshold (~4× faster on a CPU).
-            v, i = codecs.topk_sampled(part, self._k_now(size), tf.stack([step, offset]))
-            values.append(v)
-            indices.append(i + offset)
+            if size <= self.dense_below:  # sent whole: no top-k, no indices on the wire
+                whole.append(part)
+                whole_at.append(tf.range(offset, offset + size))
+            else:
+                # Large tensors: exact top-k through a sampled threshold (~4× faster on a CPU).
+                v, i = codecs.topk_sampled(part, self._k_now(size), tf.stack([step, offset]))
+                values.append(v)
+                indices.append(i + offset)
             offset += size
-        values, indices = tf.concat(values, 0), tf.concat(indices, 0)
+        whole = (tf.concat(whole, 0), tf.concat(whole_at, 0)) if whole else None
+        values = tf.concat(values, 0) if values else None
+        indices = tf.concat(indices, 0) if indices else None
         if self.union:
-            return _union_exchange(flat, indices, self._opts)
-        rows, nbytes = collectives.gather_rows(codecs.pack_sparse(values, indices), self._opts)
-        return _sum_gathered(rows, n), codecs.densify(values, indices, n), nbytes
+            return _union_exchange(flat, indices, whole, self._opts)
+        return _gather_exchange(flat, values, indices, whole, self._opts)
+
+    def _tensor_wire_bytes(self, size, step=None):
+        """Bytes one tensor of `size` entries adds to its bucket's collectives."""
+        if size <= self.dense_below:  # its values only, in the all-reduce or the all-gather
+            return 4 * size
+        k = self.k(size, step)
+        if self.union:  # the indices, then the values on every replica's indices
+            return 4 * k + 4 * k * self._replicas
+        return 8 * k
 
     def _bucket_wire_bytes(self, bucket):
-        k = sum(self.k(size) for size in bucket.sizes)
-        if self.union:  # the indices, then the values on every replica's indices
-            return 4 * k + 4 * k * tf.distribute.get_strategy().num_replicas_in_sync
-        return 8 * k
+        return sum(self._tensor_wire_bytes(size) for size in bucket.sizes)
 
     def get_config(self):
         return {**super().get_config(), "ratio": self.ratio, "momentum": self.momentum,
