@@ -76,6 +76,13 @@ def test_compression_ratios():
     # the default: 10 % with the union, whose values grow with the replicas
     assert cost.compression_ratio("topk", PROFILE, replicas=2) == pytest.approx(10 / 3)
     assert cost.compression_ratio("topk", PROFILE, replicas=8) == pytest.approx(10 / 9)
+    # a 30x30 matrix (<= --topk_dense_below) and 9,100 vector entries go whole: 10,000 values
+    small = dataclasses.replace(PROFILE, params=1_010_000,
+                                matrix_shapes=((1000, 1000), (30, 30)))
+    assert cost.compression_ratio("topk", small, replicas=2) == pytest.approx(
+        1_010_000 / (0.3 * 1e6 + 10_000))
+    assert cost.compression_ratio("topk", small, replicas=2, dense_below=0) == pytest.approx(
+        10 / 3)
     # rank 4 on a 1000x1000 matrix sends 8000 numbers; the other 0 params go raw
     assert cost.compression_ratio("powersgd", PROFILE, rank=4) == pytest.approx(1e6 / 8000)
     # without a rank: the trainer's default (16), not a rank of the cost model's own

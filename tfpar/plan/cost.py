@@ -188,23 +188,33 @@ def crosses_machines(hw, size, stride):
     return size > 1 and size * stride > hw.per_machine
 
 
-def compression_ratio(name, profile, topk_ratio=None, rank=None, replicas=2, union=None):
+def compression_ratio(name, profile, topk_ratio=None, rank=None, replicas=2, union=None,
+                      dense_below=None):
     """fp32 bytes / bytes on the wire for aggregator `name` on `profile`'s gradients; top-k's
     ratio and union and PowerSGD's rank default to `ParallelConfig`'s (what
     `--compression=X` alone runs). Top-k with the union (`--topk_union`, the default) sends
     its indices and then values at every replica's indices: its bytes grow with `replicas`
-    (it sends more than fp32 once `topk_ratio × (1 + replicas) > 1`)."""
+    (it sends more than fp32 once `topk_ratio × (1 + replicas) > 1`). Weight matrices of at
+    most `dense_below` entries (`--topk_dense_below`) and every parameter outside
+    `profile.matrix_shapes` (taken as biases and norms below it) go whole, a value per
+    entry; with `dense_below=0`, or a profile that lists no matrices, every entry counts as
+    sparse."""
     from tfpar.config import ParallelConfig
     defaults = ParallelConfig.__dataclass_fields__
     topk_ratio = defaults["topk_ratio"].default if topk_ratio is None else topk_ratio
     union = defaults["topk_union"].default if union is None else union
+    dense_below = defaults["topk_dense_below"].default if dense_below is None else dense_below
     rank = defaults["powersgd_rank"].default if rank is None else rank
     if name in COMPRESSION_RATIO:
         return COMPRESSION_RATIO[name]
     if name == "topk":
+        sparse = profile.params if not (dense_below and profile.matrix_shapes) else sum(
+            n * m for n, m in profile.matrix_shapes if n * m > dense_below)
         if union:  # an int32 index per kept entry, then a value per replica's kept entry
-            return 1 / (topk_ratio * (1 + max(1, replicas)))
-        return 1 / (2 * topk_ratio)  # a value and an int32 index per kept entry
+            per_entry = topk_ratio * (1 + max(1, replicas))
+        else:  # a value and an int32 index per kept entry
+            per_entry = 2 * topk_ratio
+        return profile.params / max(1, per_entry * sparse + profile.params - sparse)
     if name == "powersgd":
         matrix = sum(n * m for n, m in profile.matrix_shapes)
         sent = sum(rank * (n + m) for n, m in profile.matrix_shapes)
