@@ -32,3 +32,4 @@ worker = getattr(strategy.cluster_resolver, "task_id", 0) or 0
 digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()[:16]
 print(f"worker {worker}: loss {history[0]:.4f} -> {history[-1]:.4f}, weights {digest}, "
       f"models from {models.__file__}")
+tfpar.wait_for_workers()  # worker 0 hosts the coordination service: nobody leaves first

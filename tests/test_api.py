@@ -10,7 +10,8 @@ import pytest
 from tests import subproc
 
 PUBLIC = ["tfpar.make_strategy", "tfpar.DistributedOptimizer", "tfpar.PipelineModel",
-          "tfpar.callbacks.BackupAndRestore", "tfpar.callbacks.TensorBoard"]
+          "tfpar.wait_for_workers", "tfpar.callbacks.BackupAndRestore",
+          "tfpar.callbacks.TensorBoard"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -129,16 +128,6 @@ def main():
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
                 "strategy", "mesh", "memory")
         out.append({**{k: result[k] for k in keys if k in result}, **extra})
-    if worker is not None:
-        # Worker 0 hosts the coordination service: leaving before the others finish their
-        # last gather aborted it there (one CI run, test_layout_pipeline_workers).
-        open(f"{sys.argv[2]}.done.worker{worker}", "w").close()
-        if worker == "0":
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not all(
-                    os.path.exists(f"{sys.argv[2]}.done.worker{w}")
-                    for w in range(int(os.environ["TFPAR_NUM_WORKERS"]))):
-                time.sleep(0.1)
     print(json.dumps(out), flush=True)
 
 

@@ -24,12 +24,13 @@ from tfpar.errors import ConfigError, TfparError  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["ParallelConfig", "ConfigError", "TfparError", "make_strategy",
-           "DistributedOptimizer", "PipelineModel", "callbacks"]
+           "DistributedOptimizer", "PipelineModel", "wait_for_workers", "callbacks"]
 
 # Public names that need TensorFlow, imported on first access (PEP 562).
 _LAZY = {"make_strategy": ("tfpar.api", "make_strategy"),
          "DistributedOptimizer": ("tfpar.api", "DistributedOptimizer"),
-         "PipelineModel": ("tfpar.pipeline.model", "PipelineModel")}
+         "PipelineModel": ("tfpar.pipeline.model", "PipelineModel"),
+         "wait_for_workers": ("tfpar.strategy", "wait_for_workers")}
 _SUBMODULES = ("callbacks", "compression", "recompute")
 
 

@@ -142,6 +142,9 @@ REGISTRY = {
                                   "tfpar.backends.dtensor (zero_stage=3)"),
     "onednn_enabled": ("tensorflow.python.util._pywrap_util_port.IsMklEnabled (called, not "
                        "replaced)", "tfpar.cpu_kernels.active"),
+    "coordination_barrier": ("tensorflow.python.eager.context.Context.wait_at_barrier and "
+                             ".coordination_service (called, not replaced)",
+                             "tfpar.strategy.wait_for_workers"),
 }
 # `fused_momentum`: Keras 3.15.1's SGD.update_step, the lines the fused kernel computes.
 _EXPECTED_SGD_UPDATE = (
@@ -153,6 +156,10 @@ _EXPECTED_SGD_UPDATE = (
 # `function_constant_folding`: the eager context builds its ConfigProto from `_config`.
 _EXPECTED_CONTEXT_CONFIG = "config.CopyFrom(self._config)"
 _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
+# `coordination_barrier`: the eager context's barrier, called as DTensor's own
+# `mesh_util.barrier` calls it (tensorflow 2.21.0).
+_EXPECTED_BARRIER = {"wait_at_barrier": "pywrap_tfe.TFE_WaitAtBarrier(",
+                     "coordination_service": "return self._coordination_service_config"}
 _ONEDNN_READER = "IsMklEnabled"  # `onednn_enabled`: the binding TensorFlow's tests ask
 _EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
@@ -253,6 +260,15 @@ def check_targets(names=None):
         problems.append(f"tensorflow {tf.__version__} changed _pywrap_util_port."
                         f"{_ONEDNN_READER}; tfpar.cpu_kernels was written for tensorflow "
                         f"{WRITTEN_FOR['tensorflow']}")
+    if "coordination_barrier" in names and not (
+            callable(getattr(_eager_context, "async_wait", None)) and all(
+                fragment in inspect.getsource(getattr(
+                    _eager_context.Context, attr).fget if attr == "coordination_service"
+                    else getattr(_eager_context.Context, attr))
+                for attr, fragment in _EXPECTED_BARRIER.items())):
+        problems.append(f"tensorflow {tf.__version__} changed Context.wait_at_barrier or "
+                        ".coordination_service; tfpar.strategy.wait_for_workers was written "
+                        f"for tensorflow {WRITTEN_FOR['tensorflow']}")
     if "mesh_output_layouts" in names and _keras_distribute_tensor() is not None:
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's "
@@ -313,6 +329,25 @@ def onednn_enabled():
     """Whether this process's TensorFlow runs oneDNN's CPU kernels. Registry entry
     `onednn_enabled`."""
     return bool(getattr(_pywrap_util_port, _ONEDNN_READER)())
+
+
+def wait_at_barrier(barrier_id, timeout_s):
+    """Blocks until every task of this process's coordination service (multi-worker
+    `tf.distribute`, DTensor across processes) reaches `barrier_id`, after this process's
+    pending ops finish. Registry entry `coordination_barrier`.
+
+    Returns:
+        False at once when no coordination service runs (a single process), else True.
+
+    Raises:
+        tf.errors.OpError: the barrier timed out or a task failed.
+    """
+    ctx = _eager_context.context()
+    if not ctx.coordination_service:
+        return False
+    _eager_context.async_wait()
+    ctx.wait_at_barrier(barrier_id, int(timeout_s * 1000))
+    return True
 
 
 def no_function_constant_folding():

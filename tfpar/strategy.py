@@ -20,7 +20,7 @@ from tensorflow.python.eager import context
 
 from tfpar import devices, patches, preemption
 from tfpar import tf_config as tf_config_lib
-from tfpar.errors import ConfigError
+from tfpar.errors import ConfigError, TfparError
 
 READY_LINE = "TFPAR_READY"  # printed once the strategy is built; tfpar.launch waits for it
 
@@ -174,3 +174,51 @@ def _configure_coordination(config, cluster):
     except Exception as err:  # a TF change here must not stop training, only weaken bounds
         logging.warning("coordination service not configured (%s); peers' failures may "
                         "take longer to surface", err)
+
+
+_BARRIER_CALLS = {}  # name -> calls so far: each call is a barrier of its own
+
+
+def wait_for_workers(name="exit", timeout_s=300.0):
+    """Blocks until every worker of this multi-worker job has called
+    `wait_for_workers(name)` as many times as this one has.
+
+    Worker 0 hosts TensorFlow's coordination service: when it exits while another worker
+    still runs its last collective, that worker's collective aborts. Call this at the end
+    of your own multi-worker script (every worker, after its last collective) so that no
+    worker leaves before the others are done; `tfpar.train.train` ends with it. In a
+    single process (no coordination service) it returns at once.
+
+    Args:
+        name: the barrier's name; every worker must use the same names in the same order.
+        timeout_s: how long to wait for the others, in seconds.
+
+    Returns:
+        True if it waited for other workers, False in a single process.
+
+    Raises:
+        ConfigError: a bad `name` or `timeout_s`.
+        TfparError: the others did not all arrive within `timeout_s` (one line).
+
+    Example:
+    >>> import tfpar
+    >>> tfpar.wait_for_workers()  # one process: nothing to wait for
+    False
+    """
+    if not isinstance(name, str) or not name:
+        raise ConfigError("name", name, "a non-empty string, the same on every worker")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not timeout_s > 0:
+        raise ConfigError("timeout_s", timeout_s, "seconds > 0, e.g. 300")
+    calls = _BARRIER_CALLS.get(name, 0)
+    _BARRIER_CALLS[name] = calls + 1
+    try:
+        return patches.wait_at_barrier(f"tfpar/{name}:{calls}", timeout_s)
+    except tf.errors.OpError as err:
+        cause = (err.message or str(err)).strip().splitlines()
+        raise TfparError(
+            f"workers did not all reach barrier {name!r} (call {calls + 1}) within "
+            f"timeout_s={timeout_s:g} ({type(err).__name__}: "
+            f"{cause[0][:200] if cause else ''}): a worker failed, died or lags; if one is "
+            f"only slow, raise the timeout (tfpar.train: --collective_timeout_s)") from err
+

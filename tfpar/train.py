@@ -91,6 +91,8 @@ def train(config, environ=None, callbacks=(), runtime=None):
     import tensorflow as tf
 
     from tfpar import backends, data, memory, metrics
+    from tfpar import strategy as strategy_lib
+    from tfpar.pipeline import remote
 
     backend = backends.for_config(config)
     runtime = backend.build_runtime(config, environ, runtime)
@@ -110,6 +112,12 @@ def train(config, environ=None, callbacks=(), runtime=None):
     result["cpu_kernels"] = kernels
     if config.metrics_json and runtime.is_chief:
         metrics.write_json(config.metrics_json, result)
+    if runtime.workers > 1 and getattr(runtime, "kind", None) != remote.KIND \
+            and not result.get("preempted"):
+        # Worker 0 hosts the coordination service: leaving before the others finish their
+        # last collective aborted it there (test_layout_pipeline_workers, one CI run).
+        # The cross-worker pipeline's other workers never get here (they serve the chief).
+        strategy_lib.wait_for_workers("tfpar.train", config.collective_timeout_s)
     return result, model
 
 
