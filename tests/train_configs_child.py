@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from tfpar import ParallelConfig, backends, optimizers  # noqa: E402
+from tfpar import ParallelConfig, backends, optimizers, wait_for_workers  # noqa: E402
 from tfpar.train import train  # noqa: E402
 
 DENSE = "dense_gradients"
@@ -128,6 +128,9 @@ def main():
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
                 "strategy", "mesh", "memory")
         out.append({**{k: result[k] for k in keys if k in result}, **extra})
+    # The gathers above (`to_host`) are collectives after train()'s own barrier: worker 0,
+    # which hosts the coordination service, must not leave before the others finish them.
+    wait_for_workers("gathered", timeout_s=120)
     print(json.dumps(out), flush=True)
 
 

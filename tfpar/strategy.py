@@ -199,6 +199,7 @@ def wait_for_workers(name="exit", timeout_s=300.0):
     Raises:
         ConfigError: a bad `name` or `timeout_s`.
         TfparError: the others did not all arrive within `timeout_s` (one line).
+        tf.errors.OpError: the coordination service reported a failed peer.
 
     Example:
     >>> import tfpar
@@ -214,7 +215,9 @@ def wait_for_workers(name="exit", timeout_s=300.0):
     _BARRIER_CALLS[name] = calls + 1
     try:
         return patches.wait_at_barrier(f"tfpar/{name}:{calls}", timeout_s)
-    except tf.errors.OpError as err:
+    except tf.errors.DeadlineExceededError as err:
+        # Other errors (a peer that died: Unavailable, Aborted) pass through as the
+        # collective failures they are (`tfpar.train` prints its collective-failure line).
         cause = (err.message or str(err)).strip().splitlines()
         raise TfparError(
             f"workers did not all reach barrier {name!r} (call {calls + 1}) within "
