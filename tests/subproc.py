@@ -3,14 +3,22 @@
 TensorFlow allows one distribution strategy per process, and a hung collective must fail a
 test rather than hang it, so every test that needs a strategy or several workers goes
 through `run_python` / `run_module`, which kill the child's whole process group on timeout.
+Children are forked from a server that imported TensorFlow once (tests/zygote.py) unless
+their environment or `fresh=True` asks for a new interpreter.
 """
 
+import atexit
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,14 +36,20 @@ def child_env(extra=None):
     return env
 
 
-def run(cmd, timeout=240, env=None, cwd=None, check=True):
+def run(cmd, timeout=240, env=None, cwd=None, check=True, fresh=False):
     """Runs `cmd` in its own process group; kills the group on timeout.
 
     Returns the CompletedProcess (stdout and stderr as text). With `check`, a non-zero exit
-    raises AssertionError carrying the tail of both streams.
+    raises AssertionError carrying the tail of both streams. `python ...` commands whose
+    environment TensorFlow's import does not read differently are forked from this pytest
+    process's fork server (tests/zygote.py), which imported TensorFlow once; `fresh` (or
+    TFPAR_TEST_FORK=0) execs a new interpreter, for tests of what one imports.
     """
+    full_env = child_env(env)
+    if not fresh and _zygote_accepts(cmd, full_env):
+        return _run_forked(cmd, timeout, full_env, cwd or ROOT, check)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(env), cwd=cwd or ROOT, start_new_session=True)
+                            env=full_env, cwd=cwd or ROOT, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -48,21 +62,104 @@ def run(cmd, timeout=240, env=None, cwd=None, check=True):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {cmd}\n--- stdout\n{out[-3000:]}\n"
+    return _completed(cmd, proc.returncode, out, err, check)
+
+
+def _completed(cmd, returncode, out, err, check):
+    result = subprocess.CompletedProcess(cmd, returncode, out, err)
+    if check and returncode != 0:
+        raise AssertionError(f"exit {returncode}: {cmd}\n--- stdout\n{out[-3000:]}\n"
                              f"--- stderr\n{err[-5000:]}")
     return result
 
 
-def run_python(code, timeout=240, env=None, check=True):
-    """Runs a dedented Python snippet in a fresh interpreter."""
+_ZYGOTE = {}
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote_accepts(cmd, env):
+    if os.environ.get("TFPAR_TEST_FORK", "1") == "0" or not cmd or cmd[0] != sys.executable:
+        return False
+    import zygote
+    return zygote.accepts(zygote.loaded_environment(child_env()), list(cmd[1:]), env)
+
+
+def _zygote_path():
+    """The socket of this process's fork server, started on first use (it imports
+    TensorFlow: ~7 s) and ended with this process (it exits when its parent does)."""
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE.get("pid") != os.getpid():
+            folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
+            path = os.path.join(folder, "socket")
+            log = open(os.path.join(folder, "log"), "w+b")
+            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"),
+                                     path], env=child_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, start_new_session=True)
+            end = time.monotonic() + 180
+            while not os.path.exists(path):
+                if proc.poll() is not None or time.monotonic() > end:
+                    proc.kill()
+                    log.seek(0)
+                    raise AssertionError("the fork server did not start:\n"
+                                         + log.read().decode(errors="replace")[-3000:])
+                time.sleep(0.05)
+            _ZYGOTE.update(pid=os.getpid(), path=path, proc=proc)
+            atexit.register(_end_zygote, proc, folder)
+        return _ZYGOTE["path"]
+
+
+def _end_zygote(proc, folder):
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_forked(cmd, timeout, env, cwd, check):
+    """`run` through the fork server: the same process group, timeout and result."""
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(_zygote_path())
+        socket.send_fds(conn, [b"x"], [out_file.fileno(), err_file.fileno()])
+        conn.sendall(json.dumps({"argv": list(cmd[1:]), "env": env,
+                                 "cwd": os.path.abspath(cwd)}).encode() + b"\n")
+        reader = conn.makefile("r")
+        pid = json.loads(reader.readline())["pid"]
+        conn.settimeout(timeout)
+        timed_out = False
+        try:
+            line = reader.readline()
+        except (TimeoutError, socket.timeout):
+            timed_out, line = True, ""
+        finally:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # what it left running
+            except (ProcessLookupError, PermissionError):
+                pass
+        if timed_out:
+            conn.settimeout(30)
+            reader = conn.makefile("r")
+            reader.readline()
+        returncode = json.loads(line)["returncode"] if line else -signal.SIGKILL
+        texts = []
+        for handle in (out_file, err_file):
+            handle.seek(0)
+            texts.append(handle.read().decode(errors="replace"))
+    out, err = texts
+    if timed_out:
+        raise AssertionError(f"timed out after {timeout}s: {cmd}\n--- stdout\n{out[-3000:]}\n"
+                             f"--- stderr\n{err[-3000:]}")
+    return _completed(cmd, returncode, out, err, check)
+
+
+def run_python(code, timeout=240, env=None, check=True, fresh=False):
+    """Runs a dedented Python snippet in a child interpreter (see `run` for `fresh`)."""
     return run([sys.executable, "-c", textwrap.dedent(code)], timeout=timeout, env=env,
-               check=check)
+               check=check, fresh=fresh)
 
 
-def run_module(module, *args, timeout=240, env=None, check=True):
-    return run([sys.executable, "-m", module, *args], timeout=timeout, env=env, check=check)
+def run_module(module, *args, timeout=240, env=None, check=True, fresh=False):
+    return run([sys.executable, "-m", module, *args], timeout=timeout, env=env, check=check,
+               fresh=fresh)
 
 
 def run_cli_cases(cases, timeout=240, env=None):

@@ -24,7 +24,7 @@ def docstring_runs(tmp_path_factory):
     log_root = tmp_path_factory.mktemp("tensorboard")
     out = subproc.run([sys.executable, os.path.join(subproc.ROOT, "tests", "doc_child.py"),
                        str(tmp_path_factory.mktemp("doc")), f"--tensorboard={log_root}",
-                       *PUBLIC], timeout=600)
+                       *PUBLIC], timeout=600, fresh=True)  # it checks what import tfpar loads
     return {**subproc.last_json_line(out.stdout), "log_root": log_root}
 
 

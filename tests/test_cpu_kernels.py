@@ -23,7 +23,8 @@ def _train(tmp_path, name, flag, env_value):
     """One run; `env_value` None: the child runs without the variable (not the suite's)."""
     out = tmp_path / f"{name}.json"
     argv = [*ARGS, f"--metrics_json={out}"] + ([f"--cpu_kernels={flag}"] if flag else [])
-    run_module("tfpar.train", *argv, timeout=180, env={cpu_kernels.ENV: env_value})
+    run_module("tfpar.train", *argv, timeout=180, env={cpu_kernels.ENV: env_value},
+               fresh=True)  # a new interpreter: the variable is read at import
     return json.loads(out.read_text())
 
 

@@ -23,7 +23,9 @@ def worker(code):
 
 
 def launch(*args, timeout=30):
-    return run_module("tfpar.launch", *args, timeout=timeout, check=False)
+    # A new interpreter: the launcher never imports TensorFlow, and its error lines are
+    # checked whole (a fork of the TensorFlow-importing server may log CUDA's absence).
+    return run_module("tfpar.launch", *args, timeout=timeout, check=False, fresh=True)
 
 
 def reports(stdout, index):

@@ -129,5 +129,5 @@ def test_make_round_trips(ports, data):
 
 def test_does_not_import_tensorflow():
     out = run_python("import sys, tfpar.tf_config, tfpar.launch; "
-                     "print('tensorflow' in sys.modules)", timeout=60)
+                     "print('tensorflow' in sys.modules)", timeout=60, fresh=True)
     assert out.stdout.strip() == "False"

@@ -314,7 +314,7 @@ def test_a_bad_command_line_ends_before_tensorflow_loads():
             tfpar.train.run()
         except SystemExit as exit_:
             print(json.dumps({"code": exit_.code, "tensorflow": "tensorflow" in sys.modules}))
-    """, env={"TF_CONFIG": two_workers}, timeout=60)
+    """, env={"TF_CONFIG": two_workers}, timeout=60, fresh=True)
     assert last_json_line(out.stdout) == {"code": 2, "tensorflow": False}
     assert out.stderr.strip().splitlines()[-1] == (
         "tfpar: error: strategy='one_device' is invalid: TF_CONFIG names 2 workers; use "
