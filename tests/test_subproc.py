@@ -1,0 +1,77 @@
+"""The test children's fork server (tests/zygote.py through `subproc.run`): a forked child
+must see what an exec'd one sees (argv, environment, working directory, sys.path, exit
+status, output) and be bounded the same way."""
+
+import os
+import sys
+import time
+
+import pytest
+
+import subproc
+import zygote
+
+REPORT = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "mine": os.environ.get("MINE"),
+                  "unset": "HOME" in os.environ, "path0": sys.path[0],
+                  "extra": os.environ["PYTHONPATH"].split(os.pathsep)[0] in sys.path,
+                  "main": __name__, "tensorflow": "tensorflow" in sys.modules}))
+sys.stderr.write("to stderr\\n")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_forked_child_sees_what_an_execd_one_sees(tmp_path, fresh):
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    out = subproc.run([sys.executable, str(script), "3", "x"], cwd=str(tmp_path), check=False,
+                      env={"MINE": "yes", "HOME": None,
+                           "PYTHONPATH": f"{extra}{os.pathsep}{subproc.ROOT}"}, fresh=fresh)
+    assert out.returncode == 3 and out.stderr.endswith("to stderr\n"), out
+    seen = subproc.last_json_line(out.stdout)
+    assert seen == {"argv": ["3", "x"], "cwd": str(tmp_path), "mine": "yes", "unset": False,
+                    "path0": str(tmp_path), "extra": True, "main": "__main__",
+                    "tensorflow": not fresh}
+
+
+def test_module_and_code_children_and_a_crash():
+    out = subproc.run_module("json.tool", "--help")
+    assert "usage:" in out.stdout
+    out = subproc.run_python("raise ValueError('planted')", check=False)
+    assert out.returncode == 1 and out.stderr.rstrip().endswith("ValueError: planted")
+    out = subproc.run_python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                             check=False)
+    assert out.returncode == -9
+
+
+def test_a_timeout_kills_the_child_and_what_it_started(tmp_path):
+    marker = tmp_path / "grandchild.pid"
+    code = f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open({str(marker)!r}, "w").write(str(p.pid))
+        time.sleep(60)
+    """
+    with pytest.raises(AssertionError, match="timed out after 3s"):
+        subproc.run_python(code, timeout=3)
+    pid = int(marker.read_text())
+    for _ in range(50):  # SIGKILL to the group; the grandchild's parent reaps it
+        if not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {pid} survived the timeout")
+
+
+def test_import_time_variables_send_the_child_to_a_new_interpreter():
+    loaded = zygote.loaded_environment(subproc.child_env())
+    assert zygote.accepts(loaded, ["-c", "pass"], dict(loaded))
+    assert not zygote.accepts(loaded, ["-c", "pass"], {**loaded, "TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert not zygote.accepts(loaded, ["-u", "x.py"], dict(loaded))
+    out = subproc.run_python("import sys; print('tensorflow' in sys.modules)",
+                             env={"TF_CPP_MIN_LOG_LEVEL": "1"})
+    assert out.stdout.strip() == "False"
