@@ -12,27 +12,32 @@ import time
 import traceback
 
 
+def exit_status(call):
+    """Calls `call()` and returns the exit status the interpreter would give its script: 0,
+    `sys.exit`'s number, or 1 (`sys.exit("message")` prints the message; an uncaught
+    exception prints its traceback)."""
+    try:
+        call()
+        return 0
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: B036 - what the interpreter does with an uncaught one
+        traceback.print_exc()
+        return 1
+
+
 def _in_fork(call, out_path, err_path):
     """In the forked process: `call()` with stdout and stderr in files, then `os._exit`
-    with its exit status (an uncaught exception prints its traceback, status 1, as the
-    interpreter would)."""
+    with its exit status (`exit_status`)."""
     code = 1
     try:
         with open(out_path, "w") as out, open(err_path, "w") as err:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
-        try:
-            call()
-            code = 0
-        except SystemExit as exit_:
-            if exit_.code is None or isinstance(exit_.code, int):
-                code = exit_.code or 0
-            else:  # sys.exit("message"): printed, status 1
-                print(exit_.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
+        code = exit_status(call)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

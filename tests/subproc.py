@@ -77,23 +77,34 @@ _ZYGOTE = {}
 _ZYGOTE_LOCK = threading.Lock()
 
 
+def _server_env():
+    """The environment this process's fork server imports TensorFlow with, fixed when first
+    asked (a later change to os.environ reaches the children, not the server)."""
+    import zygote
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE.get("env_pid") != os.getpid():
+            _ZYGOTE.update(env_pid=os.getpid(), env=zygote.loaded_environment(child_env()))
+        return _ZYGOTE["env"]
+
+
 def _zygote_accepts(cmd, env):
     if os.environ.get("TFPAR_TEST_FORK", "1") == "0" or not cmd or cmd[0] != sys.executable:
         return False
     import zygote
-    return zygote.accepts(zygote.loaded_environment(child_env()), list(cmd[1:]), env)
+    return zygote.accepts(_server_env(), list(cmd[1:]), env)
 
 
 def _zygote_path():
     """The socket of this process's fork server, started on first use (it imports
     TensorFlow: ~7 s) and ended with this process (it exits when its parent does)."""
+    env = _server_env()
     with _ZYGOTE_LOCK:
         if _ZYGOTE.get("pid") != os.getpid():
             folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
             path = os.path.join(folder, "socket")
             log = open(os.path.join(folder, "log"), "w+b")
             proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"),
-                                     path], env=child_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     path], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=log, start_new_session=True)
             end = time.monotonic() + 180
             while not os.path.exists(path):
@@ -135,10 +146,6 @@ def _run_forked(cmd, timeout, env, cwd, check):
                 os.killpg(pid, signal.SIGKILL)  # what it left running
             except (ProcessLookupError, PermissionError):
                 pass
-        if timed_out:
-            conn.settimeout(30)
-            reader = conn.makefile("r")
-            reader.readline()
         returncode = json.loads(line)["returncode"] if line else -signal.SIGKILL
         texts = []
         for handle in (out_file, err_file):

@@ -22,6 +22,9 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+FORKING = os.environ.get("TFPAR_TEST_FORK", "1") != "0"
+
+
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_forked_child_sees_what_an_execd_one_sees(tmp_path, fresh):
     extra = tmp_path / "extra"
@@ -35,7 +38,7 @@ def test_a_forked_child_sees_what_an_execd_one_sees(tmp_path, fresh):
     seen = subproc.last_json_line(out.stdout)
     assert seen == {"argv": ["3", "x"], "cwd": str(tmp_path), "mine": "yes", "unset": False,
                     "path0": str(tmp_path), "extra": True, "main": "__main__",
-                    "tensorflow": not fresh}
+                    "tensorflow": FORKING and not fresh}  # forked: TensorFlow is loaded
 
 
 def test_module_and_code_children_and_a_crash():
@@ -56,8 +59,8 @@ def test_a_timeout_kills_the_child_and_what_it_started(tmp_path):
         open({str(marker)!r}, "w").write(str(p.pid))
         time.sleep(60)
     """
-    with pytest.raises(AssertionError, match="timed out after 3s"):
-        subproc.run_python(code, timeout=3)
+    with pytest.raises(AssertionError, match="timed out after 8s"):
+        subproc.run_python(code, timeout=8)  # time enough to start the grandchild
     pid = int(marker.read_text())
     for _ in range(50):  # SIGKILL to the group; the grandchild's parent reaps it
         if not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]:
@@ -74,4 +77,13 @@ def test_import_time_variables_send_the_child_to_a_new_interpreter():
     assert not zygote.accepts(loaded, ["-u", "x.py"], dict(loaded))
     out = subproc.run_python("import sys; print('tensorflow' in sys.modules)",
                              env={"TF_CPP_MIN_LOG_LEVEL": "1"})
+    assert out.stdout.strip() == "False"
+
+
+def test_a_variable_changed_after_the_server_started_sends_the_child_to_exec(monkeypatch):
+    """The server loaded TensorFlow with the environment it started with: a later change to
+    an import-time variable in this process must not reach a fork of the old one."""
+    subproc.run_python("pass")  # the server runs (when forking is on)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
+    out = subproc.run_python("import sys; print('tensorflow' in sys.modules)")
     assert out.stdout.strip() == "False"
