@@ -65,6 +65,36 @@ def run(cmd, timeout=240, env=None, cwd=None, check=True, fresh=False):
     return _completed(cmd, proc.returncode, out, err, check)
 
 
+def popen(cmd, env=None, cwd=None, fresh=False, **kwargs):
+    """`subprocess.Popen(cmd, ...)` in a session of its own, for a test that reads a child's
+    output as it comes or signals it: forked from the fork server as `run`'s children are
+    (unless `fresh`, TFPAR_TEST_FORK=0 or an import-time variable says otherwise), with the
+    same Popen interface (pid, pipes, poll, wait, send_signal). A forked child's parent is
+    the fork server: find its processes by command line or environment, not by parent."""
+    full_env = child_env(env)
+    kind = subprocess.Popen
+    if not fresh and _zygote_accepts(cmd, full_env):
+        import zygote
+        kind = zygote.popen_class(_zygote_path(), _server_env())
+    return kind(cmd, env=full_env, cwd=cwd or ROOT, start_new_session=True, **kwargs)
+
+
+def processes_with(name, value):
+    """`(psutil.Process, its environment)` of every live process (zombies left out) whose
+    environment has `name=value`: a job's workers, whatever their parent (a forked child's
+    is the fork server), by a variable the test gave the job."""
+    import psutil
+    found = []
+    for process in psutil.process_iter():
+        try:
+            env = process.environ()
+            if env.get(name) == value and process.status() != psutil.STATUS_ZOMBIE:
+                found.append((process, env))
+        except psutil.Error:
+            continue
+    return found
+
+
 def _completed(cmd, returncode, out, err, check):
     result = subprocess.CompletedProcess(cmd, returncode, out, err)
     if check and returncode != 0:
@@ -103,9 +133,11 @@ def _zygote_path():
             folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
             path = os.path.join(folder, "socket")
             log = open(os.path.join(folder, "log"), "w+b")
-            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"),
-                                     path], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, start_new_session=True)
+            import zygote
+            proc = subprocess.Popen([sys.executable, *zygote.server_command(path)],
+                                    env=zygote.server_environment(env), cwd=ROOT,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True)
             end = time.monotonic() + 180
             while not os.path.exists(path):
                 if proc.poll() is not None or time.monotonic() > end:

@@ -4,6 +4,7 @@ status, output) and be bounded the same way."""
 
 import os
 import sys
+import textwrap
 import time
 
 import pytest
@@ -87,3 +88,68 @@ def test_a_variable_changed_after_the_server_started_sends_the_child_to_exec(mon
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
     out = subproc.run_python("import sys; print('tensorflow' in sys.modules)")
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_psutil_reads_the_requested_command_line_and_environment(tmp_path, fresh):
+    """What tests find workers and orphans by (`psutil`'s cmdline and environ, read from
+    /proc) says the request's argv and environment in a forked child too."""
+    code = """
+        import json, os, psutil
+        me = psutil.Process()
+        cmdline, env = me.cmdline(), me.environ()
+        while cmdline and cmdline[-1] == "":  # a forked child's unused room
+            cmdline.pop()
+        print(json.dumps({"cmdline": cmdline, "mine": env.get("MINE"), "home": "HOME" in env,
+                          "same": env == dict(os.environ)}))
+    """
+    out = subproc.run_python(code, env={"MINE": f"{tmp_path} two words", "HOME": None},
+                             fresh=fresh)
+    seen = subproc.last_json_line(out.stdout)
+    assert seen == {"cmdline": [sys.executable, "-c", textwrap.dedent(code)],
+                    "mine": f"{tmp_path} two words", "home": False, "same": True}
+
+
+GRANDCHILDREN = """
+import json, os, subprocess, sys, psutil
+me = os.getpid()
+p = subprocess.Popen(
+    [sys.executable, "-c", "import sys, time; print('tensorflow' in sys.modules, flush=True); "
+     "sys.stdout.write('x'); time.sleep(60)"],
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+loaded = p.stdout.readline().strip()
+unflushed = p.stdout.read(1)  # arrives only when the grandchild's stdout is unbuffered
+parent = psutil.Process(p.pid).ppid()
+try:
+    p.wait(timeout=0.3)
+    timed_out = False
+except subprocess.TimeoutExpired:
+    timed_out = True
+polled = p.poll()
+p.kill()
+killed = p.wait()
+exited = subprocess.run([sys.executable, "-c", "import sys; sys.exit(7)"],
+                        start_new_session=True).returncode
+upper = subprocess.run([sys.executable, "-c", "import sys; print(sys.stdin.read().upper())"],
+                       input="abc", capture_output=True, text=True,
+                       start_new_session=True).stdout.strip()
+same_session = subprocess.run([sys.executable, "-c", "import os; print(os.getppid())"],
+                              capture_output=True, text=True).stdout.strip()
+print(json.dumps({"loaded": loaded, "unflushed": unflushed, "routed": parent != me,
+                  "timed_out": timed_out, "polled": polled, "killed": killed,
+                  "exited": exited, "upper": upper, "same_session": same_session == str(me)}))
+"""
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_forked_childs_python_children_are_forked_as_popen_sees_them(fresh):
+    """`tfpar.launch`'s way of starting workers (`Popen([sys.executable, ...],
+    start_new_session=True)`, pipes, poll, wait with a timeout, kill) from a forked child
+    goes to the fork server and behaves as an exec'd grandchild; a child in the caller's
+    own session is exec'd (a timeout's killpg must reach it)."""
+    seen = subproc.last_json_line(subproc.run_python(GRANDCHILDREN, fresh=fresh).stdout)
+    routed = FORKING and not fresh
+    assert seen == {"loaded": str(routed), "unflushed": "x", "routed": routed,
+                    "timed_out": True, "polled": None, "killed": -9, "exited": 7,
+                    "upper": "ABC", "same_session": True}

@@ -14,10 +14,18 @@ environment matches, in every variable read while TensorFlow loads (`IMPORT_TIME
 it imported TensorFlow with; the rest (and tests that check what a fresh interpreter has
 imported, `run(..., fresh=True)`) are exec'd as before.
 
+A forked child's `subprocess.Popen` of `[sys.executable, ...]` in a new session (what
+`tfpar.launch` starts its workers with) goes to the same server when the environment allows
+(`route_python_children`): the launched workers of a test skip the import too. Its
+`/proc/PID/cmdline` and `/proc/PID/environ` (what `psutil` reads, and the tests' checks for
+workers and orphans by command line and `TFPAR_WORKER_INDEX`) are rewritten to the
+request's, in room the server was started with (`ROOM_ARG`, `ROOM_ENV`).
+
 Protocol, one connection per child: the client sends one byte with two file descriptors
-(stdout, stderr) attached, then one JSON line `{"argv", "env", "cwd"}`; the server answers
-`{"pid": P}` and, when P has ended, `{"returncode": R}` (negative: killed by signal -R).
-The server ends when its parent does.
+(stdout, stderr) or three (stdin, stdout, stderr; with two, stdin is /dev/null) attached,
+then one JSON line `{"argv", "env", "cwd"}`; the server answers `{"pid": P}` and, when P
+has ended, `{"returncode": R, "status": S}` (R negative: killed by signal -R; S the raw
+wait status). The server ends when its parent does.
 """
 
 import json
@@ -35,8 +43,27 @@ IMPORT_TIME = ("TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG
                "TF_CPP_VMODULE", "TF_USE_LEGACY_KERAS", "KERAS_BACKEND", "KERAS_HOME",
                "CUDA_VISIBLE_DEVICES", "TF_XLA_FLAGS", "LD_PRELOAD", "LD_LIBRARY_PATH",
                "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTEROP_THREADS",
-               "TF_NUM_INTRAOP_THREADS", "PYTHONHASHSEED", "PYTHONUNBUFFERED",
-               "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH", "PYTHONHOME")
+               "TF_NUM_INTRAOP_THREADS", "PYTHONHASHSEED", "PYTHONWARNINGS",
+               "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH", "PYTHONHOME")
+
+
+# PYTHONUNBUFFERED is not among them: it sets how sys.stdout and sys.stderr buffer, which a
+# child sets up again (`_stdio`). `tfpar.launch` sets it for every worker.
+
+# Room for a child's command line and environment in /proc (`_retitle`): the server is
+# started with an argument and a variable this long, which its children's own overwrite.
+ROOM_ARG, ROOM_ENV = 16 << 10, 96 << 10
+ROOM_NAME = "TFPAR_ZYGOTE_ROOM"
+
+
+def server_command(path):
+    """The server's argv after the interpreter, with room for its children's argv."""
+    return [os.path.abspath(__file__), path, "-" * ROOM_ARG]
+
+
+def server_environment(env):
+    """`env` with room for its children's environments."""
+    return {**env, ROOM_NAME: "-" * ROOM_ENV}
 
 
 def loaded_environment(environ):
@@ -72,7 +99,178 @@ def _child_path(argv, env, cwd, base):
     return [first, *extra, *base]
 
 
-def _run_child(request, base):
+def _proc_areas():
+    """This process's argv and environment areas, as /proc/self/stat gives them (fields
+    48-51: arg_start, arg_end, env_start, env_end)."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return [int(fields[n - 3]) for n in (48, 49, 50, 51)]
+
+
+def _overwrite(start, end, items):
+    """Writes NUL-terminated `items` into [start, end), as many whole items as fit, the rest
+    NULs (/proc/PID/environ ends at the first empty item; /proc/PID/cmdline shows the
+    trailing NULs as empty arguments). Returns how many items fit."""
+    import ctypes
+    blob, fitted = b"", 0
+    for item in items:
+        encoded = os.fsencode(item) + b"\0"
+        if len(blob) + len(encoded) > end - start:
+            break
+        blob, fitted = blob + encoded, fitted + 1
+    blob += b"\0" * (end - start - len(blob))
+    ctypes.memmove(start, blob, len(blob))
+    return fitted
+
+
+def _retitle(argv, env):
+    """Makes /proc/self/cmdline and /proc/self/environ say `argv` and `env`, as they would
+    for an exec'd child (libc's environment no longer points into the area: os.environ was
+    cleared before). Only inside the room the server was started with."""
+    arg_start, arg_end, env_start, env_end = _proc_areas()
+    _overwrite(arg_start, arg_end, argv)
+    _overwrite(env_start, env_end, [f"{k}={v}" for k, v in env.items()])
+
+
+def _stdio(unbuffered):
+    """sys.stdout and sys.stderr as an interpreter started with (or without)
+    PYTHONUNBUFFERED makes them on these file descriptors."""
+    import io
+    if bool(sys.stdout.write_through) == unbuffered:
+        return
+    streams = []
+    for fd, old in ((1, sys.stdout), (2, sys.stderr)):
+        raw = io.FileIO(fd, "w", closefd=False)
+        buffer = raw if unbuffered else io.BufferedWriter(raw)
+        streams.append(io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors,
+                                        newline="\n", line_buffering=fd == 2 and not unbuffered,
+                                        write_through=unbuffered))
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__ = streams
+
+
+def route_python_children(path, server_env):
+    """In a forked child: its `subprocess.Popen([sys.executable, ...],
+    start_new_session=True)` children are forked by the server at `path` too (`_routed`'s
+    conditions); the rest are exec'd."""
+    import subprocess
+    popen = subprocess.Popen
+    for name, method in _routed(path, server_env, popen).items():
+        setattr(popen, name, method)
+
+
+def popen_class(path, server_env):
+    """A `subprocess.Popen` whose `[sys.executable, ...]` children in a new session are
+    forked by the server at `path` (`_routed`'s conditions); the rest are exec'd."""
+    import subprocess
+    return type("ForkServerPopen", (subprocess.Popen,),
+                _routed(path, server_env, subprocess.Popen))
+
+
+def _routed(path, server_env, base):
+    """Popen's methods that start, poll and wait for a child, sending `[sys.executable, ...]`
+    in a new session to the fork server when `accepts` its environment and nothing else
+    asks for exec's own work (no preexec_fn, pass_fds, user, group, umask, process group;
+    the executable this interpreter's own path). The Popen object is the caller's as ever:
+    its pid the forked child's, its exit status read from the server (the child's parent)
+    instead of waitpid. Written for CPython 3.11's POSIX Popen (`_execute_child`,
+    `_internal_poll`, `_try_wait`, `_close_pipe_fds`, `_waitpid_lock`,
+    `_handle_exitstatus`); test_subproc checks the behaviour."""
+    execute, poll, try_wait = base._execute_child, base._internal_poll, base._try_wait
+
+    def routable(args, executable, preexec_fn, pass_fds, shell, env, gid, gids, uid, umask,
+                 start_new_session, process_group):
+        if (shell or executable is not None or preexec_fn is not None or pass_fds
+                or gid is not None or gids is not None or uid is not None or umask >= 0
+                or not start_new_session or process_group not in (None, -1)
+                or not isinstance(args, (list, tuple)) or len(args) < 2):
+            return None
+        try:
+            argv = [os.fsdecode(os.fspath(a)) for a in args]
+            full_env = {os.fsdecode(k): os.fsdecode(v)
+                        for k, v in (os.environ if env is None else env).items()}
+        except TypeError:
+            return None
+        if (argv[0] != sys.executable or full_env.get("TFPAR_TEST_FORK") == "0"
+                or not accepts(server_env, argv[1:], full_env)):
+            return None
+        return argv[1:], full_env
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                       startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                       c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                       start_new_session, process_group):
+        route = routable(args, executable, preexec_fn, pass_fds, shell, env, gid, gids, uid,
+                         umask, start_new_session, process_group)
+        if route is None:
+            return execute(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                           c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
+                           umask, start_new_session, process_group)
+        argv, full_env = route
+        fds = [fd if fd != -1 else default
+               for fd, default in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            socket.send_fds(conn, [b"x"], fds)
+            conn.sendall(json.dumps({"argv": argv, "env": full_env, "cwd": os.path.abspath(
+                os.fspath(cwd) if cwd is not None else os.getcwd())}).encode() + b"\n")
+            self._zygote, self._zygote_data = conn, b""
+            started = _next_message(self, block=True)
+            if "pid" not in started:
+                raise OSError(f"the fork server did not start {argv!r}")
+            self.pid, self._child_created = started["pid"], True
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _try_wait(self, wait_flags):
+        if getattr(self, "_zygote", None) is None:
+            return try_wait(self, wait_flags)
+        message = _next_message(self, block=not wait_flags & os.WNOHANG)
+        if message is None:
+            return 0, 0
+        return self.pid, message["status"]
+
+    def _internal_poll(self, _deadstate=None, **kwargs):
+        if getattr(self, "_zygote", None) is None:
+            return poll(self, _deadstate, **kwargs)
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, status = _try_wait(self, os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(status)
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+    return {"_execute_child": _execute_child, "_try_wait": _try_wait,
+            "_internal_poll": _internal_poll}
+
+
+def _next_message(proc, block):
+    """The server's next JSON line about `proc`'s child, or None (not `block`ing and none
+    has arrived). The server gone without a word: reported as a SIGKILL (it kills its
+    children when it ends)."""
+    while b"\n" not in proc._zygote_data:
+        if not block and not select.select([proc._zygote], [], [], 0)[0]:
+            return None
+        chunk = proc._zygote.recv(1 << 12)
+        if not chunk:
+            proc._zygote.close()
+            return {"status": signal.SIGKILL}
+        proc._zygote_data += chunk
+    line, _, proc._zygote_data = proc._zygote_data.partition(b"\n")
+    message = json.loads(line)
+    if "status" in message:
+        proc._zygote.close()
+    return message
+
+
+def _run_child(request, base, path, server_env):
     """In the forked process: becomes the requested interpreter run; never returns."""
     import atexit
     import importlib
@@ -85,9 +283,12 @@ def _run_child(request, base):
     argv, env, cwd = request["argv"], request["env"], request["cwd"]
     os.environ.clear()
     os.environ.update(env)
+    _retitle([sys.executable, *argv], env)
+    _stdio(bool(env.get("PYTHONUNBUFFERED")))
     os.chdir(cwd)
     sys.path[:] = _child_path(argv, env, cwd, base)
     importlib.invalidate_caches()
+    route_python_children(path, server_env)
     main = types.ModuleType("__main__")  # not this server's
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
@@ -116,15 +317,19 @@ def _run_child(request, base):
         os._exit(code & 0xFF)
 
 
-def _spawn(conn, base, open_conns, listener):
-    msg, fds, _, _ = socket.recv_fds(conn, 1, 2)
-    if not msg or len(fds) != 2:
+def _spawn(conn, base, open_conns, listener, path, server_env):
+    msg, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    if not msg or len(fds) not in (2, 3):
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return None
     data = b""
     while not data.endswith(b"\n"):
         chunk = conn.recv(1 << 16)
         if not chunk:
+            for fd in fds:
+                os.close(fd)
             conn.close()
             return None
         data += chunk
@@ -138,15 +343,15 @@ def _spawn(conn, base, open_conns, listener):
             conn.close()
             os.setsid()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(fds[0], 1)
-            os.dup2(fds[1], 2)
-            for fd in (null, *fds):
+            # The passed descriptors are 3 or above: the server's own 0, 1, 2 are open.
+            stdin = fds[0] if len(fds) == 3 else os.open(os.devnull, os.O_RDONLY)
+            for fd, target in zip((stdin, *fds[-2:]), (0, 1, 2)):
+                os.dup2(fd, target)
+            for fd in {stdin, *fds}:
                 os.close(fd)
         except BaseException:  # noqa: B036
             os._exit(70)
-        _run_child(request, base)
+        _run_child(request, base, path, server_env)
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -155,6 +360,7 @@ def _spawn(conn, base, open_conns, listener):
 
 def serve(path):
     parent = os.getppid()
+    server_env = {k: v for k, v in os.environ.items() if k != ROOM_NAME}
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in own]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -167,7 +373,7 @@ def serve(path):
         if ready:
             conn, _ = listener.accept()
             try:
-                pid = _spawn(conn, base, children, listener)
+                pid = _spawn(conn, base, children, listener, path, server_env)
             except OSError:
                 conn.close()
                 pid = None
@@ -184,7 +390,8 @@ def serve(path):
             if conn is not None:
                 try:
                     conn.sendall(json.dumps(
-                        {"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                        {"returncode": os.waitstatus_to_exitcode(status), "status": status}
+                    ).encode() + b"\n")
                 except OSError:
                     pass
                 conn.close()
