@@ -22,7 +22,7 @@ import threading
 
 import psutil
 
-from subproc import ROOT, child_env, in_background, last_json_line, run
+from subproc import in_background, last_json_line, popen, run
 from test_train import CHILD
 
 CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 60,
@@ -58,10 +58,9 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
            "--max_restarts=2", "--lost_after=1", "--grace=30", "--timeout=400",
            f"--discovery=cat {offers}", "--discovery_interval=0.5", "--",
            sys.executable, CHILD, json.dumps(cfg), str(tmp_path / "elastic")]
-    env = child_env({"TFPAR_INJECT_FAULTS": f"1:{kill_step}",
-                     "TFPAR_INJECT_SAVE_PAUSE": f"0:0,{GROW_STEP}:{PAUSE_S}"})
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = popen(cmd, env={"TFPAR_INJECT_FAULTS": f"1:{kill_step}",
+                           "TFPAR_INJECT_SAVE_PAUSE": f"0:0,{GROW_STEP}:{PAUSE_S}"},
+                 text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
 
     def read():

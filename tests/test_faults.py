@@ -14,7 +14,8 @@ import numpy as np
 import psutil
 import pytest
 
-from subproc import ROOT, child_env, in_background, run_cli_cases, run_module
+from subproc import (ROOT, in_background, popen, processes_with, run_cli_cases,
+                     run_module)
 from test_train import BASE, CHILD, max_diff, train_runs, weights
 
 
@@ -55,9 +56,10 @@ class Job:
         cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2",
                f"--max_restarts={max_restarts}", "--grace=2", "--timeout=240", "--",
                sys.executable, CHILD, json.dumps(cfg), self.prefix]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        # The marker finds the workers: forked from the fork server, they are not the
+        # launcher's children.
+        self.proc = popen(cmd, env={**(env or {}), "TFPAR_TEST_JOB": str(tmp_path)},
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines, self._new_line = [], threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -84,10 +86,9 @@ class Job:
 
     def worker(self, index):
         """The running worker process with `TFPAR_WORKER_INDEX=index` (the newest attempt)."""
-        for child in psutil.Process(self.proc.pid).children():
-            with contextlib.suppress(psutil.Error):
-                if child.environ().get("TFPAR_WORKER_INDEX") == str(index):
-                    return child
+        for process, env in processes_with("TFPAR_TEST_JOB", str(self.tmp_path)):
+            if env.get("TFPAR_WORKER_INDEX") == str(index):
+                return process
         raise AssertionError(f"no worker {index} running:\n{self.output[-3000:]}")
 
     def published_step(self):
@@ -207,7 +208,6 @@ def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):
     import subprocess
     import time
 
-    from subproc import child_env
     # The rerun is compared with the uninterrupted one-device run *given the same weights at
     # the saved step S*, not with that run's own weights at S: those differ from the two
     # workers' by rounding (the gradient summed in another order), and on this ReLU model
@@ -227,8 +227,7 @@ def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):
     run_cfg = {**cfg, "strategy": "multi_worker", "checkpoint_dir": str(tmp_path / "ckpt")}
     cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=20", "--timeout=200",
            "--", sys.executable, CHILD, json.dumps(run_cfg), prefix]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:  # wait until both workers train, then preempt the job
             if "TFPAR_READY" in line:
@@ -301,8 +300,7 @@ def test_sigterm_right_after_start_up_still_saves_and_stops(tmp_path):
     cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=20", "--timeout=150",
            "--", sys.executable, "-m", "tfpar.train", "--strategy=multi_worker", "--verbose=0",
            "--steps=100000", f"--checkpoint_dir={ckpt}", "--checkpoint_every=100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in proc.stdout:  # both strategies built: signal at once
@@ -327,12 +325,11 @@ def test_a_stalled_peer_ends_the_job_with_a_clear_error(tmp_path):
 
     import psutil
 
-    from subproc import child_env
     cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=2", "--timeout=150",
            "--", sys.executable, "-m", "tfpar.train", "--strategy=multi_worker", "--verbose=0",
            "--steps=100000", "--heartbeat_timeout_s=5", "--collective_timeout_s=10"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = popen(cmd, env={"TFPAR_TEST_JOB": str(tmp_path)}, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True)
     workers = []
     try:
         ready = 0
@@ -341,8 +338,8 @@ def test_a_stalled_peer_ends_the_job_with_a_clear_error(tmp_path):
             if ready == 2:
                 break
         time.sleep(3)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "tfpar.train" in " ".join(p.cmdline())]
+        workers = [p for p, env in processes_with("TFPAR_TEST_JOB", str(tmp_path))
+                   if "TFPAR_WORKER_INDEX" in env]
         stalled = next(p for p in workers if p.environ().get("TFPAR_WORKER_INDEX") == "1")
         stalled.send_signal(signal.SIGSTOP)  # alive but silent, as a hung peer would be
         began = time.monotonic()
