@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from subproc import child_env, last_json_line
+from subproc import last_json_line, popen
 
 WORKER = r"""
 import hashlib, json, os
@@ -87,11 +87,10 @@ def _run_workers(code, n=2, timeout=180):
     hosts = [f"localhost:{p}" for p in _free_ports(n)]
     procs = []
     for i in range(n):
-        env = child_env({"TF_CONFIG": json.dumps(
-            {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})})
-        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
+        env = {"TF_CONFIG": json.dumps(
+            {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})}
+        procs.append(popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for p in procs:

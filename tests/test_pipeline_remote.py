@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from subproc import ROOT, child_env, in_background, last_json_line, run, run_module, run_python
+from subproc import ROOT, in_background, last_json_line, popen, run, run_module, run_python
 from test_train import BASE, CHILD, max_diff, train_child, weights
 
 CLIENT = """
@@ -64,10 +64,10 @@ def _free_ports(n):
 @pytest.fixture
 def workers():
     addresses = [f"localhost:{p}" for p in _free_ports(2)]
-    procs = [subprocess.Popen(
+    procs = [popen(
         [sys.executable, "-m", "tfpar.pipeline.remote", "--workers", ",".join(addresses),
-         "--task", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=ROOT, env=child_env(), start_new_session=True) for i in range(2)]
+         "--task", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
     try:
         deadline = time.monotonic() + 90
         for p in procs:  # each prints one line once its server is up
