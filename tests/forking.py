@@ -7,6 +7,7 @@ starts its own runtime, strategies included (one per process, as TensorFlow requ
 """
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -14,8 +15,9 @@ import traceback
 
 def exit_status(call):
     """Calls `call()` and returns the exit status the interpreter would give its script: 0,
-    `sys.exit`'s number, or 1 (`sys.exit("message")` prints the message; an uncaught
-    exception prints its traceback)."""
+    `sys.exit`'s number, 1 (`sys.exit("message")` prints the message; an uncaught exception
+    prints its traceback), or -SIGINT for an uncaught KeyboardInterrupt (the interpreter
+    then ends by that signal; `exit_with` does)."""
     try:
         call()
         return 0
@@ -24,9 +26,22 @@ def exit_status(call):
             return exit_.code or 0
         print(exit_.code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -signal.SIGINT
     except BaseException:  # noqa: B036 - what the interpreter does with an uncaught one
         traceback.print_exc()
         return 1
+
+
+def exit_with(code):
+    """Ends this process as the interpreter would with `exit_status`'s `code`: a negative
+    one by that signal (its default action), else `os._exit(code & 0xFF)`."""
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 1  # not reached for a signal whose default ends the process
+    os._exit(code & 0xFF)
 
 
 def _in_fork(call, out_path, err_path):
@@ -41,7 +56,7 @@ def _in_fork(call, out_path, err_path):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        exit_with(code)
 
 
 def run_forked(calls, folder, at_once=2):

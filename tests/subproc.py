@@ -152,8 +152,12 @@ def _zygote_path():
 
 
 def _end_zygote(proc, folder):
-    proc.kill()
-    proc.wait()
+    proc.terminate()  # the server SIGKILLs what it forked, then ends
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     shutil.rmtree(folder, ignore_errors=True)
 
 

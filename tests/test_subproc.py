@@ -17,7 +17,9 @@ import json, os, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "mine": os.environ.get("MINE"),
                   "unset": "HOME" in os.environ, "path0": sys.path[0],
                   "extra": os.environ["PYTHONPATH"].split(os.pathsep)[0] in sys.path,
-                  "main": __name__, "tensorflow": "tensorflow" in sys.modules}))
+                  "main": __name__, "tensorflow": "tensorflow" in sys.modules,
+                  "streams": [[s.name, s.write_through, s.line_buffering]
+                              for s in (sys.stdout, sys.stderr)]}))
 sys.stderr.write("to stderr\\n")
 sys.exit(int(sys.argv[1]))
 """
@@ -33,13 +35,14 @@ def test_a_forked_child_sees_what_an_execd_one_sees(tmp_path, fresh):
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     out = subproc.run([sys.executable, str(script), "3", "x"], cwd=str(tmp_path), check=False,
-                      env={"MINE": "yes", "HOME": None,
+                      env={"MINE": "yes", "HOME": None, "PYTHONUNBUFFERED": "0",  # buffered
                            "PYTHONPATH": f"{extra}{os.pathsep}{subproc.ROOT}"}, fresh=fresh)
     assert out.returncode == 3 and out.stderr.endswith("to stderr\n"), out
     seen = subproc.last_json_line(out.stdout)
     assert seen == {"argv": ["3", "x"], "cwd": str(tmp_path), "mine": "yes", "unset": False,
                     "path0": str(tmp_path), "extra": True, "main": "__main__",
-                    "tensorflow": FORKING and not fresh}  # forked: TensorFlow is loaded
+                    "tensorflow": FORKING and not fresh,  # forked: TensorFlow is loaded
+                    "streams": [["<stdout>", False, False], ["<stderr>", False, True]]}
 
 
 def test_module_and_code_children_and_a_crash():
@@ -50,6 +53,8 @@ def test_module_and_code_children_and_a_crash():
     out = subproc.run_python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
                              check=False)
     assert out.returncode == -9
+    out = subproc.run_python("raise KeyboardInterrupt", check=False)
+    assert out.returncode == -2 and "KeyboardInterrupt" in out.stderr  # as the interpreter
 
 
 def test_a_timeout_kills_the_child_and_what_it_started(tmp_path):
@@ -111,7 +116,7 @@ def test_psutil_reads_the_requested_command_line_and_environment(tmp_path, fresh
 
 
 GRANDCHILDREN = """
-import json, os, subprocess, sys, psutil
+import json, os, subprocess, sys, time, psutil
 me = os.getpid()
 p = subprocess.Popen(
     [sys.executable, "-c", "import sys, time; print('tensorflow' in sys.modules, flush=True); "
@@ -129,8 +134,17 @@ except subprocess.TimeoutExpired:
 polled = p.poll()
 p.kill()
 killed = p.wait()
-exited = subprocess.run([sys.executable, "-c", "import sys; sys.exit(7)"],
-                        start_new_session=True).returncode
+ended = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"],
+                         start_new_session=True)
+time.sleep(1)  # it has ended; until waited for, it is a zombie: its pid is not reused
+zombie = psutil.Process(ended.pid).status() == psutil.STATUS_ZOMBIE
+exited = ended.wait()
+try:
+    subprocess.Popen([sys.executable, "-c", "pass"], cwd="/nonexistent/dir",
+                     start_new_session=True)
+    missing_cwd = None
+except FileNotFoundError as e:
+    missing_cwd = e.filename
 upper = subprocess.run([sys.executable, "-c", "import sys; print(sys.stdin.read().upper())"],
                        input="abc", capture_output=True, text=True,
                        start_new_session=True).stdout.strip()
@@ -138,7 +152,8 @@ same_session = subprocess.run([sys.executable, "-c", "import os; print(os.getppi
                               capture_output=True, text=True).stdout.strip()
 print(json.dumps({"loaded": loaded, "unflushed": unflushed, "routed": parent != me,
                   "timed_out": timed_out, "polled": polled, "killed": killed,
-                  "exited": exited, "upper": upper, "same_session": same_session == str(me)}))
+                  "exited": exited, "zombie": zombie, "missing_cwd": missing_cwd,
+                  "upper": upper, "same_session": same_session == str(me)}))
 """
 
 
@@ -152,4 +167,5 @@ def test_a_forked_childs_python_children_are_forked_as_popen_sees_them(fresh):
     routed = FORKING and not fresh
     assert seen == {"loaded": str(routed), "unflushed": "x", "routed": routed,
                     "timed_out": True, "polled": None, "killed": -9, "exited": 7,
-                    "upper": "ABC", "same_session": True}
+                    "zombie": True, "missing_cwd": "/nonexistent/dir", "upper": "ABC",
+                    "same_session": True}

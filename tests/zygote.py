@@ -44,7 +44,9 @@ IMPORT_TIME = ("TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG
                "CUDA_VISIBLE_DEVICES", "TF_XLA_FLAGS", "LD_PRELOAD", "LD_LIBRARY_PATH",
                "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTEROP_THREADS",
                "TF_NUM_INTRAOP_THREADS", "PYTHONHASHSEED", "PYTHONWARNINGS",
-               "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH", "PYTHONHOME")
+               "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH", "PYTHONHOME",
+               # the standard streams' encoding, which a child keeps from the server
+               "PYTHONIOENCODING", "PYTHONUTF8", "LANG", "LC_ALL", "LC_CTYPE")
 
 
 # PYTHONUNBUFFERED is not among them: it sets how sys.stdout and sys.stderr buffer, which a
@@ -52,7 +54,7 @@ IMPORT_TIME = ("TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG
 
 # Room for a child's command line and environment in /proc (`_retitle`): the server is
 # started with an argument and a variable this long, which its children's own overwrite.
-ROOM_ARG, ROOM_ENV = 16 << 10, 96 << 10
+ROOM_ARG, ROOM_ENV = 64 << 10, 96 << 10
 ROOM_NAME = "TFPAR_ZYGOTE_ROOM"
 
 
@@ -128,22 +130,41 @@ def _retitle(argv, env):
     for an exec'd child (libc's environment no longer points into the area: os.environ was
     cleared before). Only inside the room the server was started with."""
     arg_start, arg_end, env_start, env_end = _proc_areas()
-    _overwrite(arg_start, arg_end, argv)
-    _overwrite(env_start, env_end, [f"{k}={v}" for k, v in env.items()])
+    items = [f"{k}={v}" for k, v in env.items()]
+    shown = (_overwrite(arg_start, arg_end, argv), _overwrite(env_start, env_end, items))
+    if shown != (len(argv), len(items)):  # a check by command line would miss this child
+        sys.stderr.write(f"zygote: /proc shows {shown[0]} of {len(argv)} arguments and "
+                         f"{shown[1]} of {len(items)} variables of process {os.getpid()}\n")
+    sys.orig_argv = list(argv)
 
 
-def _stdio(unbuffered):
-    """sys.stdout and sys.stderr as an interpreter started with (or without)
-    PYTHONUNBUFFERED makes them on these file descriptors."""
+def _env_flag(value):
+    """CPython's reading of a flag variable such as PYTHONUNBUFFERED: unset or empty 0, a
+    non-negative integer itself, anything else 1."""
+    if not value:
+        return 0
+    try:
+        number = int(value)
+    except ValueError:
+        return 1
+    return number if number >= 0 else 1
+
+
+def _stdio(env):
+    """sys.stdout and sys.stderr made again on file descriptors 1 and 2 as CPython's
+    `create_stdio` makes them for `env` (PYTHONUNBUFFERED: unbuffered, write-through;
+    otherwise buffered, line-buffered on a terminal and for stderr), with the server's
+    encodings (the variables that choose them are in IMPORT_TIME)."""
     import io
-    if bool(sys.stdout.write_through) == unbuffered:
-        return
+    unbuffered = _env_flag(env.get("PYTHONUNBUFFERED")) > 0
     streams = []
-    for fd, old in ((1, sys.stdout), (2, sys.stderr)):
+    for fd, old, name in ((1, sys.stdout, "<stdout>"), (2, sys.stderr, "<stderr>")):
         raw = io.FileIO(fd, "w", closefd=False)
+        raw.name = name
         buffer = raw if unbuffered else io.BufferedWriter(raw)
+        line = not unbuffered and (fd == 2 or os.isatty(fd))
         streams.append(io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors,
-                                        newline="\n", line_buffering=fd == 2 and not unbuffered,
+                                        newline="\n", line_buffering=line,
                                         write_through=unbuffered))
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__ = streams
 
@@ -212,11 +233,20 @@ def _routed(path, server_env, base):
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(path)
+        except OSError:  # no server: exec, as without one
+            conn.close()
+            return execute(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                           c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
+                           umask, start_new_session, process_group)
+        try:
             socket.send_fds(conn, [b"x"], fds)
             conn.sendall(json.dumps({"argv": argv, "env": full_env, "cwd": os.path.abspath(
                 os.fspath(cwd) if cwd is not None else os.getcwd())}).encode() + b"\n")
             self._zygote, self._zygote_data = conn, b""
             started = _next_message(self, block=True)
+            if "error" in started:  # what exec's child reports: e.g. no such cwd
+                raise OSError(*started["error"])
             if "pid" not in started:
                 raise OSError(f"the fork server did not start {argv!r}")
             self.pid, self._child_created = started["pid"], True
@@ -243,6 +273,9 @@ def _routed(path, server_env, base):
                     pid, status = _try_wait(self, os.WNOHANG)
                     if pid == self.pid:
                         self._handle_exitstatus(status)
+            except OSError:
+                if _deadstate is not None:
+                    self.returncode = _deadstate
             finally:
                 self._waitpid_lock.release()
         return self.returncode
@@ -254,7 +287,7 @@ def _routed(path, server_env, base):
 def _next_message(proc, block):
     """The server's next JSON line about `proc`'s child, or None (not `block`ing and none
     has arrived). The server gone without a word: reported as a SIGKILL (it kills its
-    children when it ends)."""
+    children when it ends on SIGTERM, as `subproc` ends it)."""
     while b"\n" not in proc._zygote_data:
         if not block and not select.select([proc._zygote], [], [], 0)[0]:
             return None
@@ -278,13 +311,13 @@ def _run_child(request, base, path, server_env):
     import threading
     import types
 
-    from forking import exit_status
+    from forking import exit_status, exit_with
 
     argv, env, cwd = request["argv"], request["env"], request["cwd"]
     os.environ.clear()
     os.environ.update(env)
     _retitle([sys.executable, *argv], env)
-    _stdio(bool(env.get("PYTHONUNBUFFERED")))
+    _stdio(env)
     os.chdir(cwd)
     sys.path[:] = _child_path(argv, env, cwd, base)
     importlib.invalidate_caches()
@@ -314,51 +347,75 @@ def _run_child(request, base, path, server_env):
                 stream.flush()
             except Exception:  # noqa: BLE001 - closed by the script
                 pass
-        os._exit(code & 0xFF)
+        exit_with(code)
 
 
 def _spawn(conn, base, open_conns, listener, path, server_env):
+    """Reads one request from `conn` and forks its child; returns the pid, or None (a bad
+    request, or a working directory that does not exist: answered as exec's child would
+    fail, with its errno)."""
     msg, fds, _, _ = socket.recv_fds(conn, 1, 3)
-    if not msg or len(fds) not in (2, 3):
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-        return None
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(1 << 16)
-        if not chunk:
-            for fd in fds:
-                os.close(fd)
+    try:
+        if not msg or len(fds) not in (2, 3):
             conn.close()
             return None
-        data += chunk
-    request = json.loads(data)
-    pid = os.fork()
-    if pid == 0:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                conn.close()
+                return None
+            data += chunk
+        request = json.loads(data)
         try:
-            listener.close()
-            for other in open_conns.values():
-                other.close()
+            os.stat(request["cwd"])
+        except OSError as e:
+            conn.sendall(json.dumps({"error": [e.errno, e.strerror, request["cwd"]]}).encode()
+                         + b"\n")
             conn.close()
-            os.setsid()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            # The passed descriptors are 3 or above: the server's own 0, 1, 2 are open.
-            stdin = fds[0] if len(fds) == 3 else os.open(os.devnull, os.O_RDONLY)
-            for fd, target in zip((stdin, *fds[-2:]), (0, 1, 2)):
-                os.dup2(fd, target)
-            for fd in {stdin, *fds}:
-                os.close(fd)
-        except BaseException:  # noqa: B036
-            os._exit(70)
-        _run_child(request, base, path, server_env)
-    for fd in fds:
-        os.close(fd)
+            return None
+        pid = os.fork()
+        if pid == 0:
+            try:
+                listener.close()
+                for other in open_conns.values():
+                    other.close()
+                conn.close()
+                os.setsid()
+                for sig in (signal.SIGCHLD, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+                # The passed descriptors are 3 or above: the server's own 0, 1, 2 are open.
+                stdin = fds[0] if len(fds) == 3 else os.open(os.devnull, os.O_RDONLY)
+                for fd, target in zip((stdin, *fds[-2:]), (0, 1, 2)):
+                    os.dup2(fd, target)
+                for fd in {stdin, *fds}:
+                    os.close(fd)
+                _run_child(request, base, path, server_env)  # never returns
+            except BaseException:  # noqa: B036 - never back into the server's loop
+                try:
+                    import traceback
+                    traceback.print_exc()
+                finally:
+                    os._exit(70)
+    finally:
+        for fd in fds:
+            os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     return pid
 
 
+def _exit_status(info):
+    """The wait status `os.waitid`'s result stands for."""
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status << 8
+    return info.si_status | (0x80 if info.si_code == os.CLD_DUMPED else 0)
+
+
 def serve(path):
+    """Answers requests until its parent ends or SIGTERM, then SIGKILLs its children's
+    groups. A child that ended stays a zombie, as an exec'd one does until its parent waits,
+    until the client closes its connection after reading the status: its pid (and group) is
+    not reused while the client may still signal it."""
     parent = os.getppid()
     server_env = {k: v for k, v in os.environ.items() if k != ROOM_NAME}
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -367,39 +424,45 @@ def serve(path):
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the client waits for this name: ready
-    children = {}
-    while os.getppid() == parent:
-        ready, _, _ = select.select([listener], [], [], 0.05)
-        if ready:
-            conn, _ = listener.accept()
-            try:
-                pid = _spawn(conn, base, children, listener, path, server_env)
-            except OSError:
-                conn.close()
-                pid = None
-            if pid is not None:
-                children[pid] = conn
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = children.pop(pid, None)
-            if conn is not None:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    children, ended = {}, {}  # pid -> connection: running; ended, status sent
+    try:
+        while os.getppid() == parent:
+            ready, _, _ = select.select([listener, *ended.values()], [], [], 0.05)
+            for conn in ready:
+                if conn is listener:
+                    accepted, _ = listener.accept()
+                    try:
+                        pid = _spawn(accepted, base, {**children, **ended}, listener, path,
+                                     server_env)
+                    except Exception:  # noqa: BLE001 - one bad request, not the server
+                        accepted.close()
+                        pid = None
+                    if pid is not None:
+                        children[pid] = accepted
+                else:  # the client closed (or wrote): reap the zombie now
+                    pid = next(p for p, c in ended.items() if c is conn)
+                    del ended[pid]
+                    conn.close()
+                    os.waitpid(pid, 0)
+            for pid in list(children):
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is None:
+                    continue
+                conn = ended[pid] = children.pop(pid)
+                status = _exit_status(info)
                 try:
                     conn.sendall(json.dumps(
                         {"returncode": os.waitstatus_to_exitcode(status), "status": status}
                     ).encode() + b"\n")
                 except OSError:
-                    pass
-                conn.close()
-    for pid in children:  # the tests are gone: so are their children
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
+                    pass  # the client is gone: its connection reads as closed next round
+    finally:
+        for pid in [*children, *ended]:  # the tests are gone: so are their children
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
