@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,11 +44,8 @@ def run(cmd, timeout=240, env=None, cwd=None, check=True, fresh=False):
     process's fork server (tests/zygote.py), which imported TensorFlow once; `fresh` (or
     TFPAR_TEST_FORK=0) execs a new interpreter, for tests of what one imports.
     """
-    full_env = child_env(env)
-    if not fresh and _zygote_accepts(cmd, full_env):
-        return _run_forked(cmd, timeout, full_env, cwd or ROOT, check)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, cwd=cwd or ROOT, start_new_session=True)
+    proc = popen(cmd, env=env, cwd=cwd, fresh=fresh, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -73,9 +69,10 @@ def popen(cmd, env=None, cwd=None, fresh=False, **kwargs):
     the fork server: find its processes by command line or environment, not by parent."""
     full_env = child_env(env)
     kind = subprocess.Popen
-    if not fresh and _zygote_accepts(cmd, full_env):
+    if not fresh and os.environ.get("TFPAR_TEST_FORK", "1") != "0":
         import zygote
-        kind = zygote.popen_class(_zygote_path(), _server_env())
+        if zygote.accepts(_server_env(), list(cmd), full_env):
+            kind = zygote.popen_class(_zygote_path(), _server_env())
     return kind(cmd, env=full_env, cwd=cwd or ROOT, start_new_session=True, **kwargs)
 
 
@@ -117,13 +114,6 @@ def _server_env():
         return _ZYGOTE["env"]
 
 
-def _zygote_accepts(cmd, env):
-    if os.environ.get("TFPAR_TEST_FORK", "1") == "0" or not cmd or cmd[0] != sys.executable:
-        return False
-    import zygote
-    return zygote.accepts(_server_env(), list(cmd[1:]), env)
-
-
 def _zygote_path():
     """The socket of this process's fork server, started on first use (it imports
     TensorFlow: ~7 s) and ended with this process (it exits when its parent does)."""
@@ -159,39 +149,6 @@ def _end_zygote(proc, folder):
         proc.kill()
         proc.wait()
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def _run_forked(cmd, timeout, env, cwd, check):
-    """`run` through the fork server: the same process group, timeout and result."""
-    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(_zygote_path())
-        socket.send_fds(conn, [b"x"], [out_file.fileno(), err_file.fileno()])
-        conn.sendall(json.dumps({"argv": list(cmd[1:]), "env": env,
-                                 "cwd": os.path.abspath(cwd)}).encode() + b"\n")
-        reader = conn.makefile("r")
-        pid = json.loads(reader.readline())["pid"]
-        conn.settimeout(timeout)
-        timed_out = False
-        try:
-            line = reader.readline()
-        except (TimeoutError, socket.timeout):
-            timed_out, line = True, ""
-        finally:
-            try:
-                os.killpg(pid, signal.SIGKILL)  # what it left running
-            except (ProcessLookupError, PermissionError):
-                pass
-        returncode = json.loads(line)["returncode"] if line else -signal.SIGKILL
-        texts = []
-        for handle in (out_file, err_file):
-            handle.seek(0)
-            texts.append(handle.read().decode(errors="replace"))
-    out, err = texts
-    if timed_out:
-        raise AssertionError(f"timed out after {timeout}s: {cmd}\n--- stdout\n{out[-3000:]}\n"
-                             f"--- stderr\n{err[-3000:]}")
-    return _completed(cmd, returncode, out, err, check)
 
 
 def run_python(code, timeout=240, env=None, check=True, fresh=False):

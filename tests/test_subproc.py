@@ -77,10 +77,14 @@ def test_a_timeout_kills_the_child_and_what_it_started(tmp_path):
 
 
 def test_import_time_variables_send_the_child_to_a_new_interpreter():
-    loaded = zygote.loaded_environment(subproc.child_env())
-    assert zygote.accepts(loaded, ["-c", "pass"], dict(loaded))
-    assert not zygote.accepts(loaded, ["-c", "pass"], {**loaded, "TF_CPP_MIN_LOG_LEVEL": "0"})
-    assert not zygote.accepts(loaded, ["-u", "x.py"], dict(loaded))
+    loaded = zygote.loaded_environment(subproc.child_env({"TFPAR_TEST_FORK": None}))
+    python = sys.executable
+    assert zygote.accepts(loaded, [python, "-c", "pass"], dict(loaded))
+    assert not zygote.accepts(loaded, [python, "-c", "pass"],
+                              {**loaded, "TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert not zygote.accepts(loaded, [python, "-u", "x.py"], dict(loaded))
+    assert not zygote.accepts(loaded, ["/usr/bin/python3-other", "x.py"], dict(loaded))
+    assert not zygote.accepts(loaded, [python, "x.py"], {**loaded, "TFPAR_TEST_FORK": "0"})
     out = subproc.run_python("import sys; print('tensorflow' in sys.modules)",
                              env={"TF_CPP_MIN_LOG_LEVEL": "1"})
     assert out.stdout.strip() == "False"
@@ -116,15 +120,29 @@ def test_psutil_reads_the_requested_command_line_and_environment(tmp_path, fresh
 
 
 GRANDCHILDREN = """
-import json, os, subprocess, sys, time, psutil
+import json, os, select, subprocess, sys, time, psutil
 me = os.getpid()
+
+
+def line_and_more(fd, seconds):  # a line and what follows it, as far as `seconds` allow
+    data, end = b"", time.monotonic() + seconds
+    while not data.partition(b"\\n")[2]:
+        if not select.select([fd], [], [], max(0, end - time.monotonic()))[0]:
+            break
+        chunk = os.read(fd, 100)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
+
+
 p = subprocess.Popen(
     [sys.executable, "-c", "import sys, time; print('tensorflow' in sys.modules, flush=True); "
      "sys.stdout.write('x'); time.sleep(60)"],
-    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-loaded = p.stdout.readline().strip()
-unflushed = p.stdout.read(1)  # arrives only when the grandchild's stdout is unbuffered
+# The 'x' is never flushed: it arrives before the 60 s sleep ends only when unbuffered.
+loaded, _, unflushed = line_and_more(p.stdout.fileno(), 20).partition("\\n")
 parent = psutil.Process(p.pid).ppid()
 try:
     p.wait(timeout=0.3)
@@ -136,8 +154,14 @@ p.kill()
 killed = p.wait()
 ended = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"],
                          start_new_session=True)
-time.sleep(1)  # it has ended; until waited for, it is a zombie: its pid is not reused
-zombie = psutil.Process(ended.pid).status() == psutil.STATUS_ZOMBIE
+# Once it has ended, and until it is waited for, it is a zombie (its pid is not reused).
+zombie, end = False, time.monotonic() + 30
+while not zombie and time.monotonic() < end:
+    try:
+        zombie = psutil.Process(ended.pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # reaped before the wait
+        break
+    time.sleep(0.05)
 exited = ended.wait()
 try:
     subprocess.Popen([sys.executable, "-c", "pass"], cwd="/nonexistent/dir",

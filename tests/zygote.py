@@ -9,8 +9,8 @@ ARGS` as a fresh interpreter would, with the request's environment, working dire
 children), its stdout and stderr on the file descriptors the request passed. It is a
 separate process as an exec'd child is: one TensorFlow runtime, one strategy per process.
 
-`tests/subproc.py` starts one per pytest process and sends it only requests whose
-environment matches, in every variable read while TensorFlow loads (`IMPORT_TIME`), the one
+`tests/subproc.py` starts one per pytest process (`subproc.run` and `subproc.popen` go
+through `popen_class`) and sends it only requests whose environment matches, in every variable read while TensorFlow loads (`IMPORT_TIME`), the one
 it imported TensorFlow with; the rest (and tests that check what a fresh interpreter has
 imported, `run(..., fresh=True)`) are exec'd as before.
 
@@ -21,11 +21,12 @@ A forked child's `subprocess.Popen` of `[sys.executable, ...]` in a new session 
 workers and orphans by command line and `TFPAR_WORKER_INDEX`) are rewritten to the
 request's, in room the server was started with (`ROOM_ARG`, `ROOM_ENV`).
 
-Protocol, one connection per child: the client sends one byte with two file descriptors
-(stdout, stderr) or three (stdin, stdout, stderr; with two, stdin is /dev/null) attached,
-then one JSON line `{"argv", "env", "cwd"}`; the server answers `{"pid": P}` and, when P
-has ended, `{"returncode": R, "status": S}` (R negative: killed by signal -R; S the raw
-wait status). The server ends when its parent does.
+Protocol, one connection per child (the client is `popen_class`'s Popen): the client
+sends one byte with three file descriptors (stdin, stdout, stderr) attached, then one JSON
+line `{"argv", "env", "cwd"}`; the server answers `{"pid": P}` (or `{"error": [errno,
+message, cwd]}` for a working directory that does not exist) and, when P has ended,
+`{"returncode": R, "status": S}` (R negative: killed by signal -R; S the raw wait status),
+then reaps P once the client closes. The server ends when its parent does, or on SIGTERM.
 """
 
 import json
@@ -76,10 +77,12 @@ def loaded_environment(environ):
     return env
 
 
-def accepts(server_env, argv, env):
-    """Whether a child of `argv` (after the interpreter) with `env` runs in a fork as it
-    would in a fresh interpreter."""
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-c", "-m")):
+def accepts(server_env, cmd, env):
+    """Whether `cmd` (`[sys.executable, ...]`) with `env` runs in a fork as it would in a
+    fresh interpreter (and TFPAR_TEST_FORK=0 does not turn forking off)."""
+    if len(cmd) < 2 or cmd[0] != sys.executable or env.get("TFPAR_TEST_FORK") == "0":
+        return False
+    if cmd[1].startswith("-") and cmd[1] not in ("-c", "-m"):
         return False  # interpreter options (-u, -X, ...) are not replayed
     for name in IMPORT_TIME:
         want = env.get(name)
@@ -203,7 +206,7 @@ def _routed(path, server_env, base):
         if (shell or executable is not None or preexec_fn is not None or pass_fds
                 or gid is not None or gids is not None or uid is not None or umask >= 0
                 or not start_new_session or process_group not in (None, -1)
-                or not isinstance(args, (list, tuple)) or len(args) < 2):
+                or not isinstance(args, (list, tuple))):
             return None
         try:
             argv = [os.fsdecode(os.fspath(a)) for a in args]
@@ -211,10 +214,7 @@ def _routed(path, server_env, base):
                         for k, v in (os.environ if env is None else env).items()}
         except TypeError:
             return None
-        if (argv[0] != sys.executable or full_env.get("TFPAR_TEST_FORK") == "0"
-                or not accepts(server_env, argv[1:], full_env)):
-            return None
-        return argv[1:], full_env
+        return (argv[1:], full_env) if accepts(server_env, argv, full_env) else None
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                        startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
@@ -222,7 +222,8 @@ def _routed(path, server_env, base):
                        start_new_session, process_group):
         route = routable(args, executable, preexec_fn, pass_fds, shell, env, gid, gids, uid,
                          umask, start_new_session, process_group)
-        if route is None:
+        conn = _connect(path) if route is not None else None
+        if conn is None:  # not for the server, or no server: exec, as without one
             return execute(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                            startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                            c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
@@ -230,15 +231,6 @@ def _routed(path, server_env, base):
         argv, full_env = route
         fds = [fd if fd != -1 else default
                for fd, default in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(path)
-        except OSError:  # no server: exec, as without one
-            conn.close()
-            return execute(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
-                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
-                           c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
-                           umask, start_new_session, process_group)
         try:
             socket.send_fds(conn, [b"x"], fds)
             conn.sendall(json.dumps({"argv": argv, "env": full_env, "cwd": os.path.abspath(
@@ -282,6 +274,17 @@ def _routed(path, server_env, base):
 
     return {"_execute_child": _execute_child, "_try_wait": _try_wait,
             "_internal_poll": _internal_poll}
+
+
+def _connect(path):
+    """A connection to the server at `path`, or None when it does not answer."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        return conn
+    except OSError:
+        conn.close()
+        return None
 
 
 def _next_message(proc, block):
@@ -356,7 +359,7 @@ def _spawn(conn, base, open_conns, listener, path, server_env):
     fail, with its errno)."""
     msg, fds, _, _ = socket.recv_fds(conn, 1, 3)
     try:
-        if not msg or len(fds) not in (2, 3):
+        if not msg or len(fds) != 3:
             conn.close()
             return None
         data = b""
@@ -385,10 +388,8 @@ def _spawn(conn, base, open_conns, listener, path, server_env):
                 for sig in (signal.SIGCHLD, signal.SIGTERM):
                     signal.signal(sig, signal.SIG_DFL)
                 # The passed descriptors are 3 or above: the server's own 0, 1, 2 are open.
-                stdin = fds[0] if len(fds) == 3 else os.open(os.devnull, os.O_RDONLY)
-                for fd, target in zip((stdin, *fds[-2:]), (0, 1, 2)):
+                for fd, target in zip(fds, (0, 1, 2)):
                     os.dup2(fd, target)
-                for fd in {stdin, *fds}:
                     os.close(fd)
                 _run_child(request, base, path, server_env)  # never returns
             except BaseException:  # noqa: B036 - never back into the server's loop
