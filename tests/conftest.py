@@ -13,6 +13,19 @@ if ROOT not in sys.path:
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 def pytest_configure(config):
+    # Everything the suite and its children write to the temporary directory (pytest's
+    # tmp_path, TensorFlow's autograph sources, profiler logs, docstring examples'
+    # `tempfile.mkdtemp()`, the fork servers' sockets) goes under one directory of this
+    # session, removed when the run passes and kept (its path in the summary) when it
+    # fails. Processes that end without their interpreter's exit handlers (forked test
+    # calls, workers killed on purpose) would otherwise leave files in /tmp on every run:
+    # ~300 autograph sources per suite run were measured there.
+    if "TFPAR_TEST_TMPDIR" not in os.environ:
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="tfpar-tests-")
+        os.environ["TFPAR_TEST_TMPDIR"] = os.environ["TMPDIR"] = folder
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+        config._tfpar_tmpdir = folder
     # Measured figures go to files in one directory that the controlling process reads at
     # the end: under pytest-xdist the tests run in worker processes (which inherit this
     # environment), and the terminal summary is written by the controller.
@@ -45,12 +58,24 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    config._tfpar_keep_tmpdir = exitstatus not in (0, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
 def pytest_unconfigure(config):
+    import shutil
     folder = getattr(config, "_tfpar_measured_dir", None)
     if folder:
-        import shutil
         shutil.rmtree(folder, ignore_errors=True)
         del os.environ["TFPAR_MEASURED_DIR"]
+    folder = getattr(config, "_tfpar_tmpdir", None)
+    if folder:
+        if getattr(config, "_tfpar_keep_tmpdir", True):
+            print(f"tests: the session's temporary files are kept in {folder}",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _measured_lines():

@@ -126,13 +126,15 @@ out["fit_loss"] = pm.fit(xs, ys, batch_size=32, epochs=4, verbose=0).history["lo
 out["evaluate"] = pm.evaluate(xs, ys, batch_size=64, verbose=0)
 pred = pm.predict(xs, batch_size=64, verbose=0)
 out["iterations"] = int(pm.optimizer.iterations)
-pm.save_weights("/tmp/tfpar_pipeline_test.weights.h5")
+import os, tempfile
+saved = tempfile.mkdtemp(prefix="tfpar-pipeline-")  # not a fixed /tmp name: runs may overlap
+pm.save_weights(os.path.join(saved, "pipeline.weights.h5"))
 fresh = PipelineModel.from_config(json.loads(json.dumps(pm.get_config())))
-fresh.load_weights("/tmp/tfpar_pipeline_test.weights.h5")
+fresh.load_weights(os.path.join(saved, "pipeline.weights.h5"))
 out["reload_diff"] = float(np.abs(fresh.predict(xs, batch_size=64, verbose=0) - pred).max())
 out["reload_devices"] = [sorted({v.value.device[-5:] for v in s.weights}) for s in fresh.stages]
-pm.save("/tmp/tfpar_pipeline_test.keras")
-loaded = keras.models.load_model("/tmp/tfpar_pipeline_test.keras")
+pm.save(os.path.join(saved, "pipeline.keras"))
+loaded = keras.models.load_model(os.path.join(saved, "pipeline.keras"))
 out["keras_file_diff"] = float(np.abs(loaded.predict(xs, batch_size=64, verbose=0) - pred).max())
 loaded.fit(xs[:64], ys[:64], batch_size=32, verbose=0)  # compiled again from the file
 
