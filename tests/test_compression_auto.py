@@ -212,6 +212,68 @@ def test_auto_error_is_the_share_held_back_and_ranks_follow_the_spectrum():
     assert int(agg.wire_bytes.numpy()) == 4 * (64 + 32) * 2 + 4 * 17  # rank-2 factors, errors
 
 
+def _planted(singular_values, shape=(64, 32), noise=1e-3, seed=0):
+    import numpy as np
+    rng = np.random.RandomState(seed)
+    r = len(singular_values)
+    u, _ = np.linalg.qr(rng.randn(shape[0], r))
+    v_, _ = np.linalg.qr(rng.randn(shape[1], r))
+    return (u @ np.diag(singular_values) @ v_.T + noise * rng.randn(*shape)).astype("float32")
+
+
+def _start(agg, g, steps):
+    """`steps` more steps of auto on the constant gradient `g` (one replica, no strategy;
+    the same variable each call): the bytes of each step."""
+    import tensorflow as tf
+    if not agg.built:
+        agg.test_variable = tf.Variable(tf.zeros(g.shape))
+        agg.build([agg.test_variable])
+    v = agg.test_variable
+    wire = []
+    for _ in range(steps):
+        agg.all_reduce_sum([tf.constant(g)], [v])
+        wire.append(int(agg.wire_bytes.numpy()))
+    return wire
+
+
+def test_auto_plans_its_first_rank_from_the_exact_start_without_bytes():
+    """The exact start's last `window` steps run PowerSGD's subspace iteration on the exact
+    sum: the first compressed rank is the spectrum's (singular values 3 and 2 plus noise:
+    rank 2 holds all but the noise, rank 1 leaves 4/13), and Q starts warm (the first
+    compressed step holds back less than twice the noise's share, where the seeded random Q
+    at the same rank held back more). The exact steps send what they sent before. With
+    Adam in front the plan is of what compression will carry, the gradient over Adam's
+    denominator (≈ its sign for a constant gradient: full rank), not of the gradient."""
+    import numpy as np
+    from tfpar.compression import AutoAggregator
+
+    g = _planted([3.0, 2.0])
+    kwargs = dict(budget_ms=1.0, link=(1e3, 0.0), window=2, eta=10.0, start_step=3)
+    planned = AutoAggregator(**kwargs)
+    wire = _start(planned, g, 4)
+    assert wire[:3] == [4 * 64 * 32] * 3, wire  # exact: fp32, nothing added
+    assert planned.rank_of(0) == 2 and wire[3] == 4 * (64 + 32) * 2 + 4 * 17, (
+        planned.rank_of(0), wire)
+    cold = AutoAggregator(start_rank=2, **kwargs)  # the same rank from the seeded Q
+    _start(cold, g, 4)
+    assert cold.rank_of(0) == 2
+    # The share each replica held back on the first compressed step (recorded at the
+    # first window's end: window 2, so after steps 3 and 4).
+    for agg in (planned, cold):
+        _start(agg, g, 1)
+    warm_error, cold_error = planned.error_of(0), cold.error_of(0)
+    noise_share = 1e-3 * np.sqrt(64 * 32) / np.linalg.norm(g)
+    assert warm_error < 2 * noise_share < cold_error, (warm_error, cold_error, noise_share)
+    largest = AutoAggregator(start_rank=64, **kwargs)  # the old start: each layer's largest
+    _start(largest, g, 4)
+    assert largest.rank_of(0) == 16
+
+    adam = AutoAggregator(adam=(0.9, 0.999, 1e-7), adam_warmup_steps=3,
+                          adam_variance="local_debiased", **{**kwargs, "start_step": 0})
+    _start(adam, g, 3)
+    assert adam.rank_of(0) >= 8, adam.rank_of(0)  # sign(g) is not of rank 2
+
+
 def test_bad_auto_settings_are_refused_in_one_line():
     import pytest
     from tfpar.compression import AutoAggregator

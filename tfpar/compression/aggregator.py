@@ -310,6 +310,14 @@ class Aggregator(tf.Module):
             out[i] = tf.cast(s, grads[i].dtype)
         return out
 
+    # Whether `_observe_exact` is called on exact steps (a subclass that plans from them).
+    observes_exact = False
+
+    def _observe_exact(self, summed, positions):
+        """Subclass hook, on an exact step: `summed`, the values compression will carry
+        once it starts (the summed gradients, over Adam's denominator with Adam in front),
+        identical on every replica; no bytes are sent for it."""
+
     def _compression_start(self):
         """The first step that compresses (after Adam's exact warm-up, if any)."""
         return self.adam_warmup_steps if self.adam is not None else 0
@@ -390,6 +398,10 @@ class Aggregator(tf.Module):
                 m.assign(m_new)
                 v.assign(v_new)
                 out.append(m_new * (tf.sqrt(c2) / c1) / (tf.sqrt(v_new) + eps))
+            if self.observes_exact and self.adam_compresses == "gradient":
+                # What compression will carry: the summed gradient over Adam's denominator.
+                self._observe_exact([g / scale(self.moments[f"v_{p}"], c2)
+                                     for g, p in zip(sums, positions)], positions)
             return out, tf.cast(nbytes, tf.int64)
 
         def compressed(gs):

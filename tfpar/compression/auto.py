@@ -13,10 +13,17 @@ always send messages of one length and apply the same sums (no worker can diverg
    power-of-two rank (≤ 64) whose factors fit. It is each layer's floor: the budget only
    lowers ranks as far as the error allows, never raises the error above what it measured.
 2. **Per layer, the spectrum of the summed gradient.** Each matrix's rank runs from its
-   floor to its largest rank whose factors are smaller than the matrix (`r_max`, ≤ 64),
-   starting at `r_max` (the first compressed steps after the exact start cost most when
-   under-sent: on the convnet rank 4 → 8 → 16 over the first windows ended +3.9 % above
-   fp32, rank 8 throughout −0.1 %). Every step gives the summed gradient's energy along
+   floor to its largest rank whose factors are smaller than the matrix (`r_max`, ≤ 64).
+   It starts where the exact start's last `window` steps put it: on each of them every
+   replica runs one step of PowerSGD's subspace iteration (Q ← Mᵀ orth(M Q), up to `r_max`
+   columns) on the exact sum it already holds — no bytes — so Q starts compression warm,
+   and the first rank is the smallest whose columns beyond carried at most `down_share` of
+   the energy on those steps' mean (the rule below), `r_max` when none did. (It had started
+   at `r_max` for every layer, since the first compressed steps cost most when under-sent:
+   on the convnet rank 4 → 8 → 16 over the first windows ended +3.9 % above fp32, rank 8
+   throughout −0.1 %; but a first window at rank 64 put ~3.5 MB a step on a 100 Mbit/s link
+   where PowerSGD rank 4 puts 0.26 MB, so a 32-step run's median step was auto's slowest.)
+   Every step gives the summed gradient's energy along
    each column of P̂, `||Q_sum[:, c]||²` (the same on every replica), and so the share of
    what rank r sends that the columns beyond each lower power of two carry. At each
    window's end (`window` steps): if the top half of the columns carried at least
@@ -112,9 +119,10 @@ class AutoAggregator(PowerSGDAggregator):
             the spectrum is still flat at this rank, so more columns would carry more.
         down_share: otherwise the rank drops to the smallest (not below the budget's) whose
             columns beyond it carried at most this share.
-        start_rank: each layer's rank in the first compressed window (None: its largest,
-            since the first compressed steps after the exact start cost most when
-            under-sent); never below the budget's rank.
+        start_rank: each layer's rank in the first compressed window, never below the
+            budget's rank nor above the layer's largest (64 = the largest everywhere); None
+            = from the spectrum of the exact start's last `window` steps (its largest when
+            nothing is exact: `start_step` 0 without Adam's warm-up).
         start_step: steps of exact all-reduce before compressing.
         seed: seed of the initial Q.
         **kwargs: see `Aggregator`.
@@ -319,12 +327,58 @@ class AutoAggregator(PowerSGDAggregator):
             return self._adaptive(xs, positions)
 
         def plain(xs):
-            return _as_tensors(Aggregator._exchange(self, xs, positions))
+            out = _as_tensors(Aggregator._exchange(self, xs, positions))
+            if self.observes_exact:
+                self._observe_exact(out[0], positions)
+            return out
 
         def compressed(xs):
             return _as_tensors(self._adaptive(xs, positions))
 
         return collectives.replica_cond(self.step < self.start_step, plain, compressed, (xs,))
+
+    @property
+    def observes_exact(self):
+        return self.start_rank is None and self.r_budget is not None
+
+    def _observe_exact(self, summed, positions):
+        """On the last `window` exact steps (at most `start_step`): one step of PowerSGD's
+        subspace iteration per matrix on the exact sum (no bytes: every replica holds it),
+        so Q starts compression warm; the summed gradient's energy along its columns, as the
+        windows measure it, gives each layer's first compressed rank at the last one: the
+        smallest (not below the floor) whose columns beyond carried at most `down_share`
+        on the mean, the largest when none did."""
+        start = max(self.start_step, self._compression_start())
+        count = min(self.window, start)
+        if not count:
+            return
+        matrices = set(self._matrices())
+        todo = [(g, p) for g, p in zip(summed, positions) if p in matrices]
+
+        def plan():
+            last = tf.equal(self.step, start - 1)
+            for g, p in todo:
+                m = tf.reshape(g, powersgd.matrix_shape(g.shape))
+                q_var = self.qs[str(p)]
+                q_new = powersgd.compress_q(m, powersgd.orthogonalize(tf.matmul(m, q_var)))
+                q_var.assign(tf.where(tf.reduce_any(q_new != 0), q_new, q_var))
+                levels = self._levels(p)
+                sum_e = tf.cumsum(tf.reduce_sum(tf.square(q_new), 0))
+                beyond = tf.concat([[1.0], 1.0 - tf.gather(
+                    sum_e, [lv - 1 for lv in levels[1:]]) / tf.maximum(sum_e[-1], 1e-30)], 0)
+                beyond = tf.where(sum_e[-1] > 0, tf.maximum(beyond, 0.0), 0.0)
+                total = self.beyond_sum[str(p)].assign_add(beyond)
+                levels = tf.constant(levels)
+                enough = (levels >= self._floor(p)) & (total / count <= self.down_share)
+                first = tf.reduce_min(tf.where(enough, levels, self.r_max[p]))
+                for var in (self.ranks[str(p)], self.window_rank[str(p)]):
+                    var.assign(tf.where(last, first, var))
+                self.beyond_sum[str(p)].assign(tf.where(last, tf.zeros_like(total), total))
+            return tf.constant(0)
+
+        # Only on the last `count` exact steps (Adam's refresh steps later are exact too).
+        tf.cond((self.step >= start - count) & (self.step < start), plan,
+                lambda: tf.constant(0))
 
     def _adaptive(self, xs, positions):
         matrices = set(self._matrices())
