@@ -76,6 +76,16 @@ out["auto"] = {"hash": digest(model), "losses": losses, "wire": wire, "ranks": r
                "residual": hashlib.sha256(strategy.experimental_local_results(
                    residual)[0].numpy().tobytes()).hexdigest()}
 
+# 1b. The first rank planned from the exact start (start_rank=None): on the exact sums,
+# the same on both workers, so both plan alike.
+agg = AutoAggregator(budget_ms=5.0, link=(1e6, 0.0), window=3, start_step=4)
+model, step = build(agg)
+planned = []
+for i in range(8):
+    step(tf.constant(x[i]), tf.constant(y[i]))
+    planned.append(sorted(agg.decisions()["ranks"].items()))
+out["planned"] = {"hash": digest(model), "ranks": planned}
+
 # 2. Adam's step through top-k at ratio 1 (nothing dropped) with the same data on both
 # workers: each worker's own moments are then the global ones, so the weights must equal
 # Keras's Adam on the plain all-reduce.
@@ -135,6 +145,8 @@ def test_auto_workers_agree_and_adam_step_matches_keras():
     for key in ("hash", "losses", "wire", "ranks", "plan", "layers"):
         assert a["auto"][key] == b["auto"][key], f"auto: workers differ in {key}"
     assert a["auto"]["residual"] != b["auto"]["residual"]  # each keeps its own error
+    assert a["planned"] == b["planned"], "auto: the workers planned different first ranks"
+    assert a["planned"]["ranks"][0] != a["planned"]["ranks"][4], a["planned"]["ranks"]
     assert a["link"] == b["link"], "the workers measured different links"
     bytes_per_s, latency = a["link"]
     assert 1e5 < bytes_per_s < 1e12 and 0 < latency < 1, a["link"]
