@@ -362,15 +362,9 @@ class AutoAggregator(PowerSGDAggregator):
                 q_var = self.qs[str(p)]
                 q_new = powersgd.compress_q(m, powersgd.orthogonalize(tf.matmul(m, q_var)))
                 q_var.assign(tf.where(tf.reduce_any(q_new != 0), q_new, q_var))
-                levels = self._levels(p)
-                sum_e = tf.cumsum(tf.reduce_sum(tf.square(q_new), 0))
-                beyond = tf.concat([[1.0], 1.0 - tf.gather(
-                    sum_e, [lv - 1 for lv in levels[1:]]) / tf.maximum(sum_e[-1], 1e-30)], 0)
-                beyond = tf.where(sum_e[-1] > 0, tf.maximum(beyond, 0.0), 0.0)
-                total = self.beyond_sum[str(p)].assign_add(beyond)
-                levels = tf.constant(levels)
-                enough = (levels >= self._floor(p)) & (total / count <= self.down_share)
-                first = tf.reduce_min(tf.where(enough, levels, self.r_max[p]))
+                top = self.r_max[p]
+                total = self.beyond_sum[str(p)].assign_add(self._beyond(p, q_new, top))
+                first = self._lowest(p, total / count, top)
                 for var in (self.ranks[str(p)], self.window_rank[str(p)]):
                     var.assign(tf.where(last, first, var))
                 self.beyond_sum[str(p)].assign(tf.where(last, tf.zeros_like(total), total))
@@ -430,15 +424,29 @@ class AutoAggregator(PowerSGDAggregator):
             # and the residuals' differences between replicas (which error feedback never
             # sends: only sums go out) cancel, unlike the local shares above, which reached
             # ~0.9 at every rank late in a convnet run.
-            sum_e = tf.cumsum(tf.pad(tf.reduce_sum(tf.square(q_sum), 0),
-                                     [[0, self.r_max[p] - tf.shape(q_sum)[1]]]))
-            sent = sum_e[r - 1]
-            beyond = tf.concat([[1.0], 1.0 - tf.gather(sum_e, [lv - 1 for lv in
-                                                           self._levels(p)[1:]]) /
-                                tf.maximum(sent, 1e-30)], 0)
-            beyond = tf.where(sent > 0, tf.maximum(beyond, 0.0), 0.0)
-            self._decide(p, summed[j], errors, beyond, r, window_end)
+            self._decide(p, summed[j], errors, self._beyond(p, q_sum, r), r, window_end)
         return summed, local, p_bytes + q_bytes
+
+    def _beyond(self, p, q, rank):
+        """Per level of `_levels(p)`, the share of the energy that rank `rank` sends (the
+        columns of `q`, at most `r_max`: `||q[:, c]||²`) carried by the columns beyond it;
+        all zeros when nothing is sent."""
+        sum_e = tf.cumsum(tf.pad(tf.reduce_sum(tf.square(q), 0),
+                                 [[0, self.r_max[p] - tf.shape(q)[1]]]))
+        sent = sum_e[rank - 1]
+        beyond = tf.concat([[1.0], 1.0 - tf.gather(sum_e, [lv - 1 for lv in
+                                                       self._levels(p)[1:]]) /
+                            tf.maximum(sent, 1e-30)], 0)
+        return tf.where(sent > 0, tf.maximum(beyond, 0.0), 0.0)
+
+    def _lowest(self, p, mean_beyond, rank_now):
+        """The smallest level of `_levels(p)`, not below the floor nor above `rank_now`,
+        whose columns beyond carried at most `down_share` on `mean_beyond`; else
+        `rank_now`."""
+        levels = tf.constant(self._levels(p))
+        enough = ((levels >= self._floor(p)) & (levels <= rank_now)
+                  & (mean_beyond <= self.down_share))
+        return tf.reduce_min(tf.where(enough, levels, rank_now))
 
     def _decide(self, p, summed, errors, beyond, rank_now, window_end):
         """At a window's end, layer `p`'s rank for the next window, from values the same on
@@ -458,10 +466,9 @@ class AutoAggregator(PowerSGDAggregator):
         critical = tf.logical_or(prev <= 0, tf.abs(mean - prev) >= self.eta * prev)
         levels = tf.constant(self._levels(p))
         at = tf.argmax(tf.cast(tf.equal(levels, rank_now), tf.int32), output_type=tf.int32)
-        floor, top = self._floor(p), self.r_max[p]
+        top = self.r_max[p]
         up = tf.logical_and(mean_beyond[at - 1] >= self.up_share, rank_now < top)
-        enough = (levels >= floor) & (levels <= rank_now) & (mean_beyond <= self.down_share)
-        lowest = tf.reduce_min(tf.where(enough, levels, rank_now))
+        lowest = self._lowest(p, mean_beyond, rank_now)
         new = tf.where(up, tf.minimum(2 * rank_now, top),
                        tf.where(critical, rank_now, lowest))
         rank = self.ranks[str(p)]
