@@ -64,7 +64,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar.compression import collectives, powersgd
+from tfpar.compression import collectives, error_feedback, powersgd
 from tfpar.compression.aggregator import Aggregator, per_replica_variable
 from tfpar.compression.lowrank import PowerSGDAggregator, _as_tensors
 
@@ -320,6 +320,12 @@ class AutoAggregator(PowerSGDAggregator):
             self.bytes_total.assign_add(self.wire_bytes)
         return out
 
+    def _residuals_in_place(self):
+        # As PowerSGD's (PyTorch's hook): each replica's residual is its corrected gradient
+        # minus its share of the decoded sum, updated in place, so its own message is never
+        # decoded (one matmul and two passes over each matrix fewer a step).
+        return self.error_feedback
+
     def _exchange(self, xs, positions):
         if self.r_budget is None:
             return Aggregator._exchange(self, xs, positions)
@@ -328,6 +334,10 @@ class AutoAggregator(PowerSGDAggregator):
 
         def plain(xs):
             out = _as_tensors(Aggregator._exchange(self, xs, positions))
+            if self._residuals_in_place():  # sent exactly: nothing kept back
+                for p in positions:
+                    if str(p) in self.residuals:
+                        self.residuals[str(p)].assign(tf.zeros_like(self.residuals[str(p)]))
             if self.observes_exact:
                 self._observe_exact(out[0], positions)
             return out
@@ -404,13 +414,18 @@ class AutoAggregator(PowerSGDAggregator):
         q_sums, q_bytes = _sum_dynamic(q_locals + [stats], self._opts)
         stats = tf.split(q_sums[-1], [top + 1 for top in tops])
         window_end = tf.equal((self.step - self.start_step + 1) % self.window, 0)
+        in_place = self._residuals_in_place()
+        share = 1.0 / collectives.replica_context().num_replicas_in_sync
         for k, (j, m, p_hat, q_loc, q_sum, q_var, r) in enumerate(zip(
                 mat, ms, p_hats, q_locals, q_sums, qs_full, ranks)):
             p = positions[j]
             q_sum = tf.reshape(q_sum, [m.shape[1], -1])
             shape = xs[j].shape
             summed[j] = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
-            local[j] = tf.reshape(powersgd.decompress(p_hat, q_loc), shape)
+            if in_place:
+                error_feedback.subtract_scaled(self.residuals[str(p)], summed[j], share)
+            else:
+                local[j] = tf.reshape(powersgd.decompress(p_hat, q_loc), shape)
             new_q = tf.concat([q_sum, q_var[:, r:]], 1)
             q_var.assign(tf.ensure_shape(tf.where(tf.reduce_any(q_sum != 0), new_q, q_var),
                                          q_var.shape))
@@ -423,8 +438,16 @@ class AutoAggregator(PowerSGDAggregator):
             # each lower rank on carry. Taken from the sum, where each replica's own noise
             # and the residuals' differences between replicas (which error feedback never
             # sends: only sums go out) cancel, unlike the local shares above, which reached
-            # ~0.9 at every rank late in a convnet run.
-            self._decide(p, summed[j], errors, self._beyond(p, q_sum, r), r, window_end)
+            # ~0.9 at every rank late in a convnet run. ||P̂ Q_sumᵀ|| = ||Q_sum|| (P̂ is
+            # orthonormal): the summed gradient's norm without another pass over it.
+            self._accumulate(p, tf.norm(q_sum), errors, self._beyond(p, q_sum, r))
+        # The decisions only at a window's end (the other steps only add up).
+        at_end = [(positions[j], r) for j, r in zip(mat, ranks)]
+        tf.cond(window_end, lambda: self._decide(at_end), lambda: tf.constant(0))
+        if in_place:
+            # Unused; returning `xs` would keep the residuals' buffers referenced (through a
+            # cond's outputs) and make the in-place update copy them.
+            local = list(summed)
         return summed, local, p_bytes + q_bytes
 
     def _beyond(self, p, q, rank):
@@ -448,42 +471,44 @@ class AutoAggregator(PowerSGDAggregator):
                   & (mean_beyond <= self.down_share))
         return tf.reduce_min(tf.where(enough, levels, rank_now))
 
-    def _decide(self, p, summed, errors, beyond, rank_now, window_end):
-        """At a window's end, layer `p`'s rank for the next window, from values the same on
-        every replica (`beyond`: the share of the summed gradient's sent energy carried by
-        the columns beyond each of `_levels(p)`; `errors`: each replica's own share held
-        back there, recorded only): doubled when the top half of its columns carried at
-        least `up_share` on the window's mean; else the smallest rank (not below the
-        floor) whose columns beyond carried at most `down_share`, unless the layer is in a
-        critical regime (Accordion: its summed gradient's mean norm moved by >= `eta` since
-        the previous window), which keeps the rank."""
-        total = self.norm_sum[str(p)].assign_add(tf.norm(summed))
-        sums = self.error_sum[str(p)].assign_add(errors)
-        beyond_sums = self.beyond_sum[str(p)].assign_add(beyond)
-        mean, mean_errors = total / self.window, sums / self.window
-        mean_beyond = beyond_sums / self.window
-        prev = self.norm_prev[str(p)]
-        critical = tf.logical_or(prev <= 0, tf.abs(mean - prev) >= self.eta * prev)
-        levels = tf.constant(self._levels(p))
-        at = tf.argmax(tf.cast(tf.equal(levels, rank_now), tf.int32), output_type=tf.int32)
-        top = self.r_max[p]
-        up = tf.logical_and(mean_beyond[at - 1] >= self.up_share, rank_now < top)
-        lowest = self._lowest(p, mean_beyond, rank_now)
-        new = tf.where(up, tf.minimum(2 * rank_now, top),
-                       tf.where(critical, rank_now, lowest))
-        rank = self.ranks[str(p)]
-        rank.assign(tf.where(window_end, new, rank))
-        self.window_rank[str(p)].assign(tf.where(window_end, rank_now,
-                                                 self.window_rank[str(p)]))
-        prev.assign(tf.where(window_end, mean, prev))
-        self.error_last[str(p)].assign(tf.where(window_end, mean_errors,
-                                                self.error_last[str(p)]))
-        self.norm_sum[str(p)].assign(tf.where(window_end, 0.0, total))
-        self.error_sum[str(p)].assign(tf.where(window_end, tf.zeros_like(sums), sums))
-        self.beyond_last[str(p)].assign(tf.where(window_end, mean_beyond,
-                                                 self.beyond_last[str(p)]))
-        self.beyond_sum[str(p)].assign(tf.where(window_end, tf.zeros_like(beyond_sums),
-                                                beyond_sums))
+    def _accumulate(self, p, norm, errors, beyond):
+        """Adds one compressed step's figures of layer `p` to its window's sums: the summed
+        gradient's norm, each replica's own share held back per level (`errors`, recorded
+        only) and the share of the summed gradient's sent energy beyond each level."""
+        self.norm_sum[str(p)].assign_add(norm)
+        self.error_sum[str(p)].assign_add(errors)
+        self.beyond_sum[str(p)].assign_add(beyond)
+
+    def _decide(self, layers):
+        """At a window's end, each layer's rank for the next window (`layers`: `(p,
+        rank_now)` pairs), from values the same on every replica (the window's mean share of
+        the summed gradient's sent energy carried by the columns beyond each of
+        `_levels(p)`): doubled when the top half of its columns carried at least `up_share`;
+        else the smallest rank (not below the floor) whose columns beyond carried at most
+        `down_share`, unless the layer is in a critical regime (Accordion: its summed
+        gradient's mean norm moved by >= `eta` since the previous window), which keeps the
+        rank. Then the window's sums start again."""
+        for p, rank_now in layers:
+            key = str(p)
+            mean = self.norm_sum[key] / self.window
+            mean_beyond = self.beyond_sum[key] / self.window
+            prev = self.norm_prev[key]
+            critical = tf.logical_or(prev <= 0, tf.abs(mean - prev) >= self.eta * prev)
+            levels = tf.constant(self._levels(p))
+            at = tf.argmax(tf.cast(tf.equal(levels, rank_now), tf.int32),
+                           output_type=tf.int32)
+            up = tf.logical_and(mean_beyond[at - 1] >= self.up_share, rank_now < self.r_max[p])
+            new = tf.where(up, tf.minimum(2 * rank_now, self.r_max[p]),
+                           tf.where(critical, rank_now,
+                                    self._lowest(p, mean_beyond, rank_now)))
+            self.ranks[key].assign(new)
+            self.window_rank[key].assign(rank_now)
+            prev.assign(mean)
+            self.error_last[key].assign(self.error_sum[key] / self.window)
+            self.beyond_last[key].assign(mean_beyond)
+            for total in (self.norm_sum[key], self.error_sum[key], self.beyond_sum[key]):
+                total.assign(tf.zeros_like(total))
+        return tf.constant(0)
 
     def get_config(self):
         config = {**Aggregator.get_config(self), "budget_ms": self.budget_ms,

@@ -68,7 +68,8 @@ class PowerSGDAggregator(NoneAggregator):
         return factors + (super().static_wire_bytes(rest) if rest else 0)
 
     def _residuals_in_place(self):
-        # Subclasses with their own exchange (auto) form their residuals the base class's way.
+        # Subclasses with their own exchange form their residuals the base class's way
+        # unless they say otherwise (auto does).
         return self.error_feedback and type(self)._exchange is PowerSGDAggregator._exchange
 
     def _compress_and_exchange(self, inputs, positions):
