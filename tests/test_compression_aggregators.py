@@ -11,8 +11,9 @@ import numpy as np
 from tfpar.devices import split_cpu
 import tensorflow as tf
 split_cpu(4)
-from tfpar.compression import (CastAggregator, Int8Aggregator, NoneAggregator,
-                               PowerSGDAggregator, ThresholdAggregator, TopKAggregator)
+from tfpar.compression import (AutoAggregator, CastAggregator, Int8Aggregator,
+                               NoneAggregator, PowerSGDAggregator, ThresholdAggregator,
+                               TopKAggregator)
 
 R = 4
 strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(R)])
@@ -80,7 +81,11 @@ for _ in range(3):
 
 # Error feedback under the strategy: Σ outputs + Σ residuals over replicas == Σ gradients.
 for name, agg in [("ef_topk", TopKAggregator(0.05)), ("ef_powersgd", PowerSGDAggregator(rank=1)),
-                  ("ef_threshold", ThresholdAggregator(threshold=1.5))]:
+                  ("ef_threshold", ThresholdAggregator(threshold=1.5)),
+                  # auto (rank 1 on a 1 kB/s link): 2 exact steps (residuals emptied), then
+                  # compressed, its ranks decided at windows' ends (steps 3 and 5)
+                  ("ef_auto", AutoAggregator(budget_ms=1.0, link=(1e3, 0.0), window=2,
+                                             start_step=2))]:
     run = stepper(agg, RANDOM)
     total = [np.zeros(s, np.float32) for s in SHAPES]
     for _ in range(6):
@@ -195,7 +200,7 @@ def test_powersgd_start_step_runs_plain_all_reduce_first(results):
     assert steps[2]["bytes"] == 4 * ((64 + 48) + (36 + 8) + 48)
 
 
-@pytest.mark.parametrize("name", ["ef_topk", "ef_powersgd", "ef_threshold"])
+@pytest.mark.parametrize("name", ["ef_topk", "ef_powersgd", "ef_threshold", "ef_auto"])
 def test_error_feedback_conserves_sum_across_replicas(results, name):
     r = results[name]
     assert r["same"]

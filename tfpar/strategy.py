@@ -219,11 +219,10 @@ def wait_for_workers(name="exit", timeout_s=300.0):
     except tf.errors.DeadlineExceededError as err:
         # Other errors (a peer that died: Unavailable, Aborted) pass through as the
         # collective failures they are (`tfpar.train` prints its collective-failure line).
-        cause = (err.message or str(err)).strip().splitlines()
         raise TfparError(
             f"workers did not all reach barrier {name!r} (call {calls + 1}) within "
             f"timeout_s={timeout_s:g} ({type(err).__name__}: "
-            f"{cause[0][:200] if cause else ''}): a worker failed, died or lags; if one is "
+            f"{_first_line(err)}): a worker failed, died or lags; if one is "
             f"only slow, raise the timeout (tfpar.train: --collective_timeout_s)") from err
     if waited:
         _wait_until_all_returned(f"tfpar/{name}:{calls}/returned", min(timeout_s, 60.0))
@@ -240,8 +239,12 @@ def _wait_until_all_returned(barrier_id, timeout_s):
     try:
         patches.wait_at_barrier(barrier_id, timeout_s)
     except tf.errors.OpError as err:
-        cause = (err.message or str(err)).strip().splitlines()
         logging.info("every worker reached the barrier; its second round (%s) ended "
-                     "with %s: %s", barrier_id, type(err).__name__, cause[0][:200] if cause
-                     else "")
+                     "with %s: %s", barrier_id, type(err).__name__, _first_line(err))
+
+
+def _first_line(err):
+    """The first line of a TensorFlow error's message, at most 200 characters."""
+    lines = (err.message or str(err)).strip().splitlines()
+    return lines[0][:200] if lines else ""
 

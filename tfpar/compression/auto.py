@@ -333,11 +333,7 @@ class AutoAggregator(PowerSGDAggregator):
             return self._adaptive(xs, positions)
 
         def plain(xs):
-            out = _as_tensors(Aggregator._exchange(self, xs, positions))
-            if self._residuals_in_place():  # sent exactly: nothing kept back
-                for p in positions:
-                    if str(p) in self.residuals:
-                        self.residuals[str(p)].assign(tf.zeros_like(self.residuals[str(p)]))
+            out = _as_tensors(self._exchange_exactly(xs, positions))
             if self.observes_exact:
                 self._observe_exact(out[0], positions)
             return out

@@ -86,18 +86,23 @@ class PowerSGDAggregator(NoneAggregator):
             return self._compressed(xs, positions)
 
         def plain(xs):
-            summed, local, nbytes = Aggregator._exchange(self, xs, positions)
-            if self._residuals_in_place():  # sent exactly: nothing kept back
-                for p in positions:
-                    if str(p) in self.residuals:
-                        self.residuals[str(p)].assign(tf.zeros_like(self.residuals[str(p)]))
-                local = summed  # (unused; not the residuals' buffers, see `_compressed`)
-            return _as_tensors((summed, local, nbytes))
+            return _as_tensors(self._exchange_exactly(xs, positions))
 
         def compressed(xs):
             return _as_tensors(self._compressed(xs, positions))
 
         return collectives.replica_cond(self.step < self.start_step, plain, compressed, (xs,))
+
+    def _exchange_exactly(self, xs, positions):
+        """The plain all-reduce of the steps before `start_step`; with the residuals in
+        place, sent exactly, they keep nothing back."""
+        summed, local, nbytes = Aggregator._exchange(self, xs, positions)
+        if self._residuals_in_place():
+            for p in positions:
+                if str(p) in self.residuals:
+                    self.residuals[str(p)].assign(tf.zeros_like(self.residuals[str(p)]))
+            local = summed  # (unused; not the residuals' buffers, see `_compressed`)
+        return summed, local, nbytes
 
     def _compressed(self, xs, positions):
         matrices = set(self._matrices())
