@@ -298,3 +298,28 @@ def test_bad_auto_settings_are_refused_in_one_line():
         with pytest.raises(ValueError, match=match):
             AutoAggregator(link=(12.5e6, 1e-3), **kwargs)
     assert AutoAggregator(link=(12.5e6, 1e-3), start_rank=4).start_rank == 4
+
+
+def test_link_measurement_grows_the_message_until_noise_cannot_hide_the_bandwidth(monkeypatch):
+    """A 10 GB/s link with 1 ms latency, timed with 0.2 ms of noise against the large message
+    (as on a loaded machine): 1 MB then goes no slower than 1 kB, so those two sizes alone
+    give no bandwidth; the measurement grows the large message until they do."""
+    import pytest
+    from tfpar.compression import auto
+    link_bytes_per_s, latency, noise = 1e10, 1e-3, 2e-4
+    asked = []
+
+    def timed(strategy, small, large, repeats):
+        asked.append(large)
+        return latency + 4 * small / link_bytes_per_s, latency + 4 * large / link_bytes_per_s - noise
+
+    monkeypatch.setattr(auto, "_agreed_times", timed)
+    bytes_per_s, measured_latency = auto.measure_link(None)
+    assert asked == [262144, 1 << 20, 1 << 22], asked
+    assert abs(bytes_per_s / link_bytes_per_s - 1) < 0.15, bytes_per_s
+    assert abs(measured_latency / latency - 1) < 0.01, measured_latency
+    # A link too fast for the largest message stops at the cap and says so.
+    asked.clear()
+    monkeypatch.setattr(auto, "_agreed_times", lambda s, small, large, r: asked.append(large) or (1e-3, 1e-3))
+    assert auto.measure_link(None, max_floats=1 << 22) == pytest.approx((1e12, 1e-3), rel=1e-5)
+    assert asked == [262144, 1 << 20, 1 << 22], asked

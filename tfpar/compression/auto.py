@@ -63,6 +63,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfpar.compression import collectives, error_feedback, powersgd
 from tfpar.compression.aggregator import Aggregator, per_replica_variable
@@ -72,36 +73,55 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 RANKS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def measure_link(strategy, sizes=(256, 262144), repeats=3):
+def _agreed_times(strategy, small, large, repeats):
+    """The fastest of `repeats` fp32 all-reduces of `small` and of `large` floats, taken in
+    turn (so a burst of load hits both sizes alike), then the slowest replica's figures, so
+    every replica gets the same two seconds and takes the same decisions after them."""
+    opts = collectives.options()
+    fns = [tf.function(lambda n=n: strategy.run(
+        lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.ones([n]), options=opts))) for n in (small, large)]
+    best = [float("inf"), float("inf")]
+    for fn in fns:
+        strategy.experimental_local_results(fn())  # trace
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            began = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(fn()))
+            best[i] = min(best[i], time.perf_counter() - began)
+    # tf.distribute has no MAX reduction (`ReduceOp` is SUM or MEAN): gather every replica's
+    # figures, then the max.
+    agreed = tf.function(lambda: strategy.run(
+        lambda: tf.reduce_max(tf.distribute.get_replica_context().all_gather(
+            tf.constant([best], tf.float32), axis=0, options=opts), axis=0)))()
+    t_small, t_large = strategy.experimental_local_results(agreed)[0].numpy()
+    return float(t_small), float(t_large)
+
+
+def measure_link(strategy, sizes=(256, 262144), repeats=5, max_floats=1 << 24):
     """Latency (s) and bandwidth (bytes/s) of `strategy`'s fp32 all-reduce, the slowest
     replica's, identical on every replica (call in cross-replica context on every worker).
+
+    The large message grows 4x at a time (up to `max_floats`) until it takes at least twice
+    the small one's time: on a fast link 1 MB can go as quickly as 1 kB within the noise of a
+    loaded machine, and a difference lost in noise is no bandwidth. Every replica grows alike
+    (the decision is on the agreed figures), so all issue the same collectives.
 
     Returns:
         `(bytes_per_s, latency_s)`.
     """
-    opts = collectives.options()
-    seconds = []
-    for n in sizes:
-        fn = tf.function(lambda n=n: strategy.run(
-            lambda: tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.ones([n]), options=opts)))
-        strategy.experimental_local_results(fn())  # trace
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(fn()))
-            times.append(time.perf_counter() - began)
-        seconds.append(float(np.median(times)))
-    (n0, n1), (t0, t1) = sizes, seconds
-    per_byte = max((t1 - t0) / (4 * (n1 - n0)), 1e-12)
-    latency = max(t0 - 4 * n0 * per_byte, 1e-6)
-    # All replicas must decide alike: take the slowest replica's figures. tf.distribute has
-    # no MAX reduction (`ReduceOp` is SUM or MEAN): gather every replica's, then the max.
-    agreed = tf.function(lambda: strategy.run(
-        lambda: tf.reduce_max(tf.distribute.get_replica_context().all_gather(
-            tf.constant([[per_byte, latency]], tf.float32), axis=0, options=opts), axis=0)))()
-    per_byte, latency = strategy.experimental_local_results(agreed)[0].numpy()
-    return 1.0 / float(per_byte), float(latency)
+    small, large = sizes
+    while True:
+        t0, t1 = _agreed_times(strategy, small, large, repeats)
+        if t1 >= 2 * t0 or 4 * large > max_floats:
+            break
+        large *= 4
+    if t1 <= t0:
+        logging.warning("auto: the link's bandwidth is beyond what %d floats resolve (%.2e s "
+                        "vs %.2e s for %d); taking it as 1e12 bytes/s", large, t1, t0, small)
+    per_byte = max((t1 - t0) / (4 * (large - small)), 1e-12)
+    latency = max(t0 - 4 * small * per_byte, 1e-6)
+    return 1.0 / per_byte, latency
 
 
 class AutoAggregator(PowerSGDAggregator):
