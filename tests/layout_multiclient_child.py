@@ -14,6 +14,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tfpar  # noqa: E402
 from tfpar import layout  # noqa: E402
 from layout_keras_child import (LOSS, OPTIMIZERS, USER_LAYOUTS, arrays, diffs,  # noqa: E402
                                 reference, seeded, sizes, task_for)
@@ -32,3 +33,5 @@ for opt_name in ("sgd", "adam"):
     out["runs"].append({"optimizer": opt_name, "diffs": diffs(model, ref), "losses": losses,
                         "ref_losses": ref_losses, **sizes(model, trainer.optimizer)})
 print(json.dumps(out), flush=True)
+# Worker 0 hosts the coordination service: no worker leaves before the others are done.
+assert tfpar.wait_for_workers("end", 120)

@@ -136,7 +136,10 @@ frozen.adam = (0.9, 0.999, 1e-7)
 out["frozen"] = {"keras": linear_run(None, steps=40), "topk": linear_run(frozen, steps=40),
                  "step": int(frozen.step.numpy() if not hasattr(frozen.step, "values")
                              else strategy.experimental_local_results(frozen.step)[0].numpy())}
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+# Worker 0 hosts the coordination service: no worker leaves before the others are done.
+import tfpar
+assert tfpar.wait_for_workers("end", 120)
 """
 
 

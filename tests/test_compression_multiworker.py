@@ -69,7 +69,10 @@ back = [strategy.experimental_local_results(fresh.residuals[k])[0].numpy()
         for k in agg.residuals]
 out["ckpt"] = {"own": all(np.array_equal(a, b) for a, b in zip(own, back)),
                "rows": saved["agg/residual_slots/0/.ATTRIBUTES/per_replica"][0]}
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+# Worker 0 hosts the coordination service: no worker leaves before the others are done.
+import tfpar
+assert tfpar.wait_for_workers("end", 120)
 """
 
 

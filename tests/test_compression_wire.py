@@ -93,6 +93,9 @@ for name in ["overhead", "none", "fp16", "int8", "topk", "powersgd"]:
     del model, optimizer
 if runtime.is_chief:
     print(json.dumps(out), flush=True)
+# Worker 0 hosts the coordination service: no worker leaves before the others are done.
+import tfpar
+assert tfpar.wait_for_workers("end", 120)
 """
 
 DRIVER = r"""
