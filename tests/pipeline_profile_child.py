@@ -49,7 +49,7 @@ for spec in sys.argv[1:]:
     for _ in range(3):  # trace and warm up
         run()
     bubbles, actions = [], None
-    for _ in range(5):  # the median of five profiled steps
+    for _ in range(9):  # the median of nine profiled steps
         tl = timeline.profile(run, K)
         bubbles.append(tl.bubble)
         actions = [sorted(a[0] for a in row) for row in tl.actions]

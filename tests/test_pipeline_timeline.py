@@ -12,8 +12,10 @@ from tfpar.pipeline.timeline import chrome_trace, draw, from_dict, from_events, 
 # How far the profiled bubble of the small pipeline may be from (K-1)/(M+K-1). Measured
 # on an idle 2-core machine (2026-12-01, 3 runs of 3 profiled steps): M=1 0.509-0.523
 # (theory 0.5); M=4 0.258-0.296 (theory 0.2: per-action dispatch and the hand-offs between
-# logical devices add idle time that a model this small cannot hide).
-BUBBLE_BOUND_M1 = 0.1
+# logical devices add idle time that a model this small cannot hide). 0.15, not 0.1: a
+# loaded suite run measured per-step bubbles of 0.39-0.55; a pipeline whose stages
+# overlapped (0) or a timeline that missed a stage still fall outside it.
+BUBBLE_BOUND_M1 = 0.15
 
 
 def test_events_become_actions_busy_time_and_bubble():
@@ -51,7 +53,7 @@ def test_timeline_survives_json():
 
 def test_profiler_measures_the_bubble_of_a_real_pipeline():
     # tests/pipeline_profile_child.py: 2 stages on 2 logical CPUs, 4 Dense(256), the median
-    # bubble of 5 profiled steps. With M=1 the stages cannot overlap at all, whatever the
+    # bubble of 9 profiled steps. With M=1 the stages cannot overlap at all, whatever the
     # cores do, so the bubble is (K-1)/(M+K-1) = 0.5 up to the gaps between actions.
     out = last_json_line(run([sys.executable, f"{ROOT}/tests/pipeline_profile_child.py",
                               "gpipe:1", "1f1b:4"], timeout=400).stdout)
