@@ -229,9 +229,15 @@ def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):
            "--", sys.executable, CHILD, json.dumps(run_cfg), prefix]
     proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for line in proc.stdout:  # wait until both workers train, then preempt the job
-            if "TFPAR_READY" in line:
-                time.sleep(4)
+        # Both workers' strategies built, then 3 s, then preempt the job: on an idle machine
+        # it stopped at steps 100 and 110 of 400 (4 s after the first worker's line, as
+        # before, at 100-195: too near 400 for a machine 1.6x faster). A SIGTERM before the
+        # first step still stops at step 5 (the start-up test below).
+        ready = 0
+        for line in proc.stdout:
+            ready += "TFPAR_READY" in line
+            if ready == 2:
+                time.sleep(3)
                 proc.send_signal(signal.SIGTERM)
                 break
         output = proc.communicate(timeout=120)[0]
