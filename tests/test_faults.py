@@ -61,7 +61,8 @@ class Job:
         self.proc = popen(cmd, env={**(env or {}), "TFPAR_TEST_JOB": str(tmp_path)},
                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines, self._new_line = [], threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -105,7 +106,7 @@ class Job:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        time.sleep(0.5)  # the reader thread drains the last lines
+        self._reader.join(timeout=10)  # it ends at the end of the output: every line read
         return self.proc.returncode
 
     @property

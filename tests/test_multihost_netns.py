@@ -86,7 +86,8 @@ class Job:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.lines, self._new = [], threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -137,7 +138,7 @@ class Job:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
-        time.sleep(0.3)
+        self._reader.join(timeout=10)  # it ends at the end of the output: every line read
         return self.proc.returncode
 
 
@@ -180,9 +181,13 @@ def faults(hosts, tmp_path_factory):
         workers = job.workers(1)
         workers[stopped_index].suspend()
         time.sleep(1)
-        seen["saved_before_kill"] = job.published_step()
         workers[killed_index].kill()
         seen["collective_victim"] = killed_index
+        # What attempt 2 resumes from, read once the launcher has ended attempt 1 (every
+        # worker of it killed and reaped): read right after the stop, a chief still inside
+        # a save (not stopped, not killed) could publish the next checkpoint after the read.
+        job.wait_for(job.seen("attempt 1:", 1), "the end of attempt 1")
+        seen["saved_before_kill"] = job.published_step()
         # 3. Host 1's link cut once attempt 2 has written a checkpoint of its own.
         job.wait_for(job.seen("resuming from", 1), "the resume of attempt 2")
         job.wait_for(lambda: (job.published_step() or 0) > seen["saved_before_kill"],
