@@ -3,8 +3,8 @@ whose answer is known without timing luck, then on three aggregators' runs to se
 leaves their state alone, printed as one JSON line (one TensorFlow start for both tests).
 
 - `slow_collective`: a small model whose aggregator is the plain fp32 all-reduce followed
-  by a 0.3 s sleep on the summed buffer (one bucket), so aggregating dominates the step;
-- `slow_compute`: a tiny model whose forward pass sleeps 0.3 s and whose gradients go
+  by a 0.6 s sleep on the summed buffer (one bucket), so aggregating dominates the step;
+- `slow_compute`: a tiny model whose forward pass sleeps 0.6 s and whose gradients go
   through Keras's own all-reduce (a few dozen floats), so aggregating is a sliver of it;
 - `aggregators`: `none`, top-k and PowerSGD (inside its plain all-reduce phase) after two
   steps, their residuals and step counter before and after the measurement.
@@ -27,7 +27,7 @@ from tfpar.compression import PowerSGDAggregator, TopKAggregator, wrap_optimizer
 from tfpar.compression.dense import NoneAggregator  # noqa: E402
 from tfpar.compression.timing import measure_comm_fraction  # noqa: E402
 
-DELAY_S = 0.3
+DELAY_S = 0.6  # 0.3 left ~0.13 s of margin for the tiny all-reduce under load
 
 
 def _sleep_then(t):
@@ -50,7 +50,7 @@ def _slow_zero():
 
 
 class SlowForward(keras.layers.Layer):
-    """Adds a zero that takes 0.3 s to compute: a model with a heavy forward pass."""
+    """Adds a zero that takes 0.6 s to compute: a model with a heavy forward pass."""
 
     def call(self, x):
         zero = tf.py_function(_slow_zero, [], tf.float32)

@@ -124,14 +124,15 @@ if attempt != "0":
     print(f"world size changed at step {attempt}0", flush=True)
 if os.environ.get("LOSE_SLOT") == slot and attempt == "0":
     sys.exit(3)
-if n == "1":
-    (state / "lost").touch()  # the discovery script now stops listing slot 1, once
 
 def stop(*_):
     print(f"tfpar: stopping at step {attempt}5 on SIGTERM: checkpoint saved", flush=True)
     sys.exit(143)
 
+# Before the touch below: the launcher may stop this worker to grow 0.1 s after it.
 signal.signal(signal.SIGTERM, stop)
+if n == "1":
+    (state / "lost").touch()  # the discovery script now stops listing slot 1, once
 if attempt == os.environ["LAST_ATTEMPT"]:
     sys.exit(0)
 time.sleep(60)  # until the launcher stops it to grow

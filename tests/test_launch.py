@@ -241,7 +241,8 @@ LOST_SLOT = """
     slot, attempt = os.environ["TFPAR_SLOT"], int(os.environ["TFPAR_RESTART"])
     if slot == "2":
         sys.exit(3)  # its machine is gone: it fails in every attempt
-    time.sleep(0.5)  # the survivors would train; they exit 0 once slot 2 is gone
+    if os.environ["TFPAR_NUM_WORKERS"] == "3":
+        time.sleep(60)  # the survivors train until slot 2's failure stops the attempt
     print(json.dumps({"slot": slot, "index": os.environ["TFPAR_WORKER_INDEX"],
                       "workers": os.environ["TFPAR_NUM_WORKERS"], "attempt": attempt}))
     print("tfpar: world size changed at step 7: 2 worker(s)", file=sys.stderr)
