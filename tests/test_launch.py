@@ -337,3 +337,40 @@ def test_ssh_command_carries_the_workers_environment():
     assert "HOME" not in remote  # only the launcher's variables travel
     assert "TF_ENABLE_ONEDNN_OPTS=0" in remote  # --cpu_kernels=auto: the user's choice
     assert remote.endswith("python -m tfpar.train '--x=a b'")
+
+
+LEAVES_TEMP_FILES = """
+    import json, os, sys, tempfile
+    folder = tempfile.gettempdir()
+    # What autograph writes per converted function (removed at exit, unless killed).
+    open(os.path.join(folder, "__autograph_generated_file%s.py" % os.environ["TFPAR_WORKER_INDEX"]), "w").close()
+    if os.environ["TFPAR_WORKER_INDEX"] == "1" and sys.argv[1:] == ["keep"]:
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("the user's own")
+    print(json.dumps({"tmp": folder}))
+"""
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_workers_temporary_directory_loses_only_autograph_sources(tmp_path, keep):
+    result = run_module("tfpar.launch", "--workers=2", *worker(LEAVES_TEMP_FILES),
+                        *(["keep"] if keep else []), timeout=30, check=False, fresh=True,
+                        env={"TMPDIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    folders = {r["tmp"] for i in (0, 1) for r in reports(result.stdout, i)}
+    assert len(folders) == 1, folders  # one directory per launch, inside the launcher's
+    folder = folders.pop()
+    assert os.path.dirname(folder) == str(tmp_path), folder
+    left = sorted(os.path.relpath(os.path.join(d, f), tmp_path)
+                  for d, _, files in os.walk(tmp_path) for f in files)
+    assert left == ([os.path.join(os.path.basename(folder), "notes.txt")] if keep else []), left
+
+
+def test_a_killed_workers_autograph_sources_are_removed(tmp_path):
+    result = run_module("tfpar.launch", "--workers=1", "--", sys.executable,
+                        os.path.join(ROOT, "tests", "autograph_killed_child.py"),
+                        timeout=120, check=False, fresh=True, env={"TMPDIR": str(tmp_path)})
+    assert "killed by signal SIGKILL" in result.stderr, result.stderr[-2000:]
+    assert reports(result.stdout, 0)[0]["written"], result.stdout  # there was something to remove
+    left = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert not left, left

@@ -39,6 +39,12 @@ restarted from its last checkpoint). Each change is said with the step and the w
 
 `--log_dir` is absl's own flag, reused: when set, worker i's output also goes to
 LOG_DIR/worker_<i>.log (unprefixed; appended to on restarts).
+
+Workers started on this machine get `TMPDIR` pointed at a new directory inside the
+launcher's temporary directory: TensorFlow's autograph writes a Python source there per
+converted function and removes it at exit, which a killed worker (a failure, a restart, a
+stop past `--grace`) never reaches. When the launch ends the launcher removes those sources,
+and the directory if nothing else is left in it; any other file a worker left there stays.
 """
 
 import contextlib
@@ -51,6 +57,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -237,7 +244,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
         pending[:] = offers.added(slots)
         return bool(pending)
 
-    with _caught_signals() as received, offers:
+    with _caught_signals() as received, offers, \
+            _worker_tmpdir(env, runner is local_runner) as env:
         while True:
             watch.new_attempt()
             codes, failure, kind, blamed = _run_attempt(
@@ -292,6 +300,44 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     _say(err, summary)
     returncode = 128 + signalled if signalled else (1 if failure else 0)
     return LaunchResult(returncode, tuple(attempts), summary, tuple(elastic))
+
+
+AUTOGRAPH_PREFIX = "__autograph_generated_file"  # tensorflow/python/autograph/pyct/loader.py
+
+
+@contextlib.contextmanager
+def _worker_tmpdir(env, local):
+    """The workers' environment (`env`, None: this process's) with `TMPDIR` a new directory
+    inside its temporary directory (only for workers on this machine, `local`); on exit,
+    the autograph sources killed workers left there are removed, and the directory if then
+    empty. Yields `env` unchanged when not local or when the directory cannot be made."""
+    if not local:
+        yield env
+        return
+    base = dict(os.environ if env is None else env)
+    try:
+        path = tempfile.mkdtemp(prefix="tfpar-launch-",
+                                dir=base.get("TMPDIR") or tempfile.gettempdir())
+    except OSError as e:
+        logging.info("workers keep TMPDIR as it is (no directory for them: %s)", e)
+        yield env
+        return
+    try:
+        yield {**base, "TMPDIR": path}
+    finally:
+        _remove_autograph_sources(path)
+
+
+def _remove_autograph_sources(path):
+    """Removes autograph's sources (and their bytecode) from `path`, then `path` if empty."""
+    for folder in (os.path.join(path, "__pycache__"), path):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                if name.startswith(AUTOGRAPH_PREFIX):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(folder, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if empty: a worker's own files stay
 
 
 def free_ports(count, host="127.0.0.1"):
