@@ -45,8 +45,11 @@ def digest(model):
 
 out = {}
 # 0. The link as auto measures it when given none: the same figures on both workers.
+import time
 from tfpar.compression.auto import measure_link
+began = time.perf_counter()
 out["link"] = [float(v) for v in measure_link(strategy)]
+out["link_s"] = time.perf_counter() - began
 
 # 1. auto on a planted link (1 MB/s, no latency) with a 5 ms budget: 5,000 bytes a step, so
 # the budget's rank is 4 for this model, where both matrices start (start_rank=1 is below
@@ -143,8 +146,10 @@ assert tfpar.wait_for_workers("end", 120)
 """
 
 
-def test_auto_workers_agree_and_adam_step_matches_keras():
+def test_auto_workers_agree_and_adam_step_matches_keras(report_measured):
     a, b = _run_workers(WORKER, timeout=240)
+    report_measured(f"auto's link measurement, 2 localhost workers: {a['link'][0] / 1e9:.2f} "
+                    f"GB/s, {a['link'][1] * 1e3:.1f} ms latency, in {a['link_s']:.2f} s")
     for key in ("hash", "losses", "wire", "ranks", "plan", "layers"):
         assert a["auto"][key] == b["auto"][key], f"auto: workers differ in {key}"
     assert a["auto"]["residual"] != b["auto"]["residual"]  # each keeps its own error
