@@ -331,3 +331,34 @@ def test_link_measurement_grows_the_message_until_noise_cannot_hide_the_bandwidt
     monkeypatch.setattr(auto, "_agreed_times", lambda s, small, large, r: asked.append(large) or (1e-3, 1e-3))
     assert auto.measure_link(None, max_floats=1 << 22) == pytest.approx((1e12, 1e-3), rel=1e-5)
     assert asked == [262144, 1 << 20, 1 << 22], asked
+
+
+def test_auto_without_error_feedback_applies_the_projection_it_sent():
+    """One replica, no strategy, `error_feedback=False`: no residuals, and each step applies
+    `P̂ P̂ᵀ M` of the gradient it is given (P̂ = orth(M Q), the rank-2 Q from the seed on the
+    first step, the summed Q after), as with error feedback on its first step; nothing is
+    carried to the next step."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfpar.compression import AutoAggregator, powersgd
+
+    g = _planted([3.0, 2.0, 1.0])
+    outs = {}
+    for feedback in (False, True):
+        agg = AutoAggregator(budget_ms=1.0, link=(1e3, 0.0), window=100, start_step=0,
+                             start_rank=2, error_feedback=feedback)
+        v = tf.Variable(tf.zeros(g.shape))
+        agg.build([v])
+        outs[feedback] = [agg.all_reduce_sum([tf.constant(g)], [v])[0].numpy()
+                          for _ in range(2)]
+        assert bool(agg.residuals) is feedback
+    q = powersgd.initial_q(32, 16, 0).numpy()[:, :2]
+    for step in range(2):
+        p, _ = np.linalg.qr(g @ q)
+        expected = p @ (p.T @ g)
+        np.testing.assert_allclose(outs[False][step], expected, rtol=1e-4, atol=1e-5)
+        q = g.T @ p  # the warm start: this step's summed Q
+    np.testing.assert_allclose(outs[True][0], outs[False][0], rtol=1e-5, atol=1e-6)
+    # With error feedback the second step also sends what the first held back.
+    assert np.abs(outs[True][1] - outs[False][1]).max() > 1e-3

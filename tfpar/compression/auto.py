@@ -4,9 +4,11 @@ approximation error and the loss, per layer, step by step.
 Every decision is made from values that are identical on every replica, so all replicas
 always send messages of one length and apply the same sums (no worker can diverge):
 
-1. **Budget from the link.** At build, two fp32 all-reduces (1 KiB and 1 MiB, the median
-   of 3 timed calls each) give the link's latency `L` and bytes/s `B`; the slowest
-   replica's figures are all-reduced (max) so every replica holds the same pair. A step may
+1. **Budget from the link.** At build, two fp32 all-reduces (1 KiB and 1 MiB, the fastest
+   of 5 timed calls each, taken in turn; the large one grows 4× at a time, to 64 MiB at
+   most, until it takes twice the small one's time) give the link's latency `L` and
+   bytes/s `B`; the slowest replica's times are gathered (max) so every replica holds the
+   same pair (`measure_link`). A step may
    put `B · max(budget − 2L, budget / 4)` bytes on the wire (PowerSGD's two rounds pay `2L`
    whatever they carry). If the whole model fits in fp32, it is sent exactly (a fast link:
    compressing only costs accuracy); otherwise the budget's rank `r_budget` is the largest
@@ -408,7 +410,7 @@ class AutoAggregator(PowerSGDAggregator):
             return Aggregator._exchange(self, xs, positions)
         ranks = [tf.maximum(self.ranks[str(positions[j])], self._floor(positions[j]))
                  for j in mat]
-        summed, local = list(xs), list(xs)
+        summed = list(xs)
         ms = [tf.reshape(xs[j], powersgd.matrix_shape(xs[j].shape)) for j in mat]
         qs_full = [self.qs[str(positions[j])] for j in mat]
         qs = [q[:, :r] for q, r in zip(qs_full, ranks)]
@@ -432,16 +434,14 @@ class AutoAggregator(PowerSGDAggregator):
         window_end = tf.equal((self.step - self.start_step + 1) % self.window, 0)
         in_place = self._residuals_in_place()
         share = 1.0 / collectives.replica_context().num_replicas_in_sync
-        for k, (j, m, p_hat, q_loc, q_sum, q_var, r) in enumerate(zip(
-                mat, ms, p_hats, q_locals, q_sums, qs_full, ranks)):
+        for k, (j, m, p_hat, q_sum, q_var, r) in enumerate(zip(
+                mat, ms, p_hats, q_sums, qs_full, ranks)):
             p = positions[j]
             q_sum = tf.reshape(q_sum, [m.shape[1], -1])
             shape = xs[j].shape
             summed[j] = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
             if in_place:
                 error_feedback.subtract_scaled(self.residuals[str(p)], summed[j], share)
-            else:
-                local[j] = tf.reshape(powersgd.decompress(p_hat, q_loc), shape)
             new_q = tf.concat([q_sum, q_var[:, r:]], 1)
             q_var.assign(tf.ensure_shape(tf.where(tf.reduce_any(q_sum != 0), new_q, q_var),
                                          q_var.shape))
@@ -460,11 +460,11 @@ class AutoAggregator(PowerSGDAggregator):
         # The decisions only at a window's end (the other steps only add up).
         at_end = [(positions[j], r) for j, r in zip(mat, ranks)]
         tf.cond(window_end, lambda: self._decide(at_end), lambda: tf.constant(0))
-        if in_place:
-            # Unused; returning `xs` would keep the residuals' buffers referenced (through a
-            # cond's outputs) and make the in-place update copy them.
-            local = list(summed)
-        return summed, local, p_bytes + q_bytes
+        # Unused: with error feedback the residuals were formed in place above, without it
+        # there are none (so this replica's own message is never decoded); returning `xs`
+        # would keep the residuals' buffers referenced (through a cond's outputs) and make
+        # the in-place update copy them.
+        return summed, list(summed), p_bytes + q_bytes
 
     def _beyond(self, p, q, rank):
         """Per level of `_levels(p)`, the share of the energy that rank `rank` sends (the

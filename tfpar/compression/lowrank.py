@@ -128,8 +128,10 @@ class PowerSGDAggregator(NoneAggregator):
                 summed[j] = self._decode_sum(p_hat, q_sum, xs[j].shape)
                 error_feedback.subtract_scaled(self.residuals[str(positions[j])], summed[j],
                                                share)
-            else:
+            elif self.error_feedback:  # the base class's residual: minus its own message
                 summed[j], local[j] = self._decode(p_hat, q_sum, q_loc, xs[j].shape)
+            else:  # no residuals: this replica's own message is never read
+                summed[j] = local[j] = self._decode_sum(p_hat, q_sum, xs[j].shape)
             # Warm start from the summed Q; an all-zero gradient would leave Q at zero
             # forever, so keep the previous Q then.
             q_var.assign(tf.where(tf.reduce_any(q_sum != 0), q_sum, q_var))
