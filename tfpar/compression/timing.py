@@ -18,7 +18,10 @@ unclamped values are returned too (`comm_fraction_unclamped`,
 
 The measurement runs on a scratch copy of the aggregator, so the run's residuals, PowerSGD
 Q and step counter are left unchanged (`tests/test_compression_timing.py` compares them
-before and after with `array_equal`). Under
+before and after with `array_equal`). The copy times the path the run has reached: past
+PowerSGD's plain start, top-k's density warm-up and Adam's exact warm-up (with the run's
+Adam moments), and for `auto` at the run's current ranks, with no rank decided while it is
+timed (`tests/test_compression_timing.py`: the copy's bytes are the run's). Under
 `MultiWorkerMirroredStrategy` every worker must call it (the collectives are collective).
 """
 
@@ -31,6 +34,8 @@ from tfpar.compression.keras_hook import aggregator_of
 
 
 def _scratch_copy(aggregator, variables):
+    """A copy of `aggregator` that runs the path the run has reached (call under the
+    strategy's scope, in cross-replica context)."""
     settings = aggregator.get_config()
     # Measure the steady compressed path, not PowerSGD's plain start or top-k's denser
     # warm-up (the scratch copy starts at step 0).
@@ -38,8 +43,21 @@ def _scratch_copy(aggregator, variables):
         settings["start_step"] = 0
     if "warmup_steps" in settings:
         settings["warmup_steps"] = 0
+    if "window" in settings:  # auto: no rank decision between the timed calls
+        settings["window"] = 1 << 30
     copy = type(aggregator)(**settings)
     copy.build(variables)
+    if copy.adam is not None and copy.adam_warmup_steps:
+        # Past Adam's exact warm-up (else every timed call is an fp32 all-reduce), with the
+        # run's moments so the compressed step divides by its denominator.
+        copy.step.assign(copy.adam_warmup_steps)
+        for key, var in copy.moments.items():
+            var.assign(aggregator.moments[key].read_value())
+    # auto: the ranks the run has reached (a fresh copy starts at each layer's largest).
+    for key, var in getattr(copy, "ranks", {}).items():
+        var.assign(aggregator.ranks[key].read_value())
+    if hasattr(copy, "raised"):
+        copy.raised.assign(aggregator.raised.read_value())
     return copy
 
 
