@@ -47,6 +47,8 @@ def _scratch_copy(aggregator, variables):
         settings["window"] = 1 << 30
     copy = type(aggregator)(**settings)
     copy.build(variables)
+    if not aggregator.built:  # the run took no step: nothing reached yet
+        return copy
     if copy.adam is not None and copy.adam_warmup_steps:
         # Past Adam's exact warm-up (else every timed call is an fp32 all-reduce), with the
         # run's moments so the compressed step divides by its denominator.
