@@ -89,3 +89,16 @@ def test_scratch_copy_times_the_path_the_run_reached():
     assert auto.rank_of(0) == 2 and auto.r_max[0] == 16
     out = psgd.all_reduce_sum([tf.constant(g)], [variables[psgd]])[0]  # the run goes on
     assert np.all(np.isfinite(out.numpy()))
+
+
+def test_scratch_copy_under_a_strategy_times_the_compressed_path():
+    """tests/scratch_copy_child.py (2 replicas, Adam in front): for PowerSGD, top-k and
+    `auto` the copy's step puts the run's bytes on the wire, below fp32's (before, each
+    copy ran Adam's exact warm-up again: fp32's bytes), and the run's step count stays."""
+    out = last_json_line(run([sys.executable, f"{ROOT}/tests/scratch_copy_child.py"],
+                             timeout=240).stdout)
+    print(json.dumps(out))
+    for name in ("powersgd", "topk", "auto"):
+        r = out[name]
+        assert r["copy"] == r["run"] < out["fp32"], (name, r)
+        assert r["run_step_before"] == r["run_step_after"] == 5, (name, r)
