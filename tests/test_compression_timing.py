@@ -43,54 +43,6 @@ def test_comm_share_is_high_for_a_slow_collective_and_low_for_slow_compute(measu
     assert slow["fraction"] == min(1.0, max(0.0, slow["comm_fraction_unclamped"]))
 
 
-def _steps(agg, grad, variable, n):
-    import tensorflow as tf
-    for _ in range(n):
-        agg.all_reduce_sum([tf.constant(grad)], [variable])
-    return int(agg.wire_bytes.numpy())
-
-
-def _planted(shape=(64, 32), rank=2, seed=0):
-    import numpy as np
-    rng = np.random.RandomState(seed)
-    u, _ = np.linalg.qr(rng.randn(shape[0], rank))
-    v, _ = np.linalg.qr(rng.randn(shape[1], rank))
-    return (u @ np.diag(np.arange(rank, 0, -1.0)) @ v.T + 1e-3 * rng.randn(*shape)).astype(
-        "float32")
-
-
-def test_scratch_copy_times_the_path_the_run_reached():
-    """No strategy, one replica, in process. The copy `measure_comm_fraction` times sends
-    what the run sends now: PowerSGD with Adam in front past the exact warm-up (a fresh copy
-    would start it again: fp32 bytes), and `auto` at the rank it planned (2, where a fresh
-    copy starts at the layer's largest, 16); timing the copy leaves the run's step alone."""
-    import numpy as np
-    import tensorflow as tf
-
-    from tfpar.compression import AutoAggregator, PowerSGDAggregator
-    from tfpar.compression.timing import _scratch_copy
-
-    g = _planted()
-    fp32 = 4 * g.size
-    psgd = PowerSGDAggregator(rank=2, adam=(0.9, 0.999, 1e-7), adam_warmup_steps=3,
-                              adam_variance="local_debiased")
-    auto = AutoAggregator(budget_ms=1.0, link=(1e3, 0.0), window=2, eta=10.0, start_step=3)
-    variables = {}
-    for agg in (psgd, auto):
-        v = variables[agg] = tf.Variable(tf.zeros(g.shape))
-        agg.build([v])
-        sent = _steps(agg, g, v, 4)  # 3 exact steps, then one compressed
-        assert sent < fp32 / 4, (type(agg).__name__, sent)
-        step = int(agg.step.numpy())
-        copy = _scratch_copy(agg, [v])
-        timed = _steps(copy, g, v, 2)
-        assert timed == sent, (type(agg).__name__, timed, sent)
-        assert int(agg.step.numpy()) == step
-    assert auto.rank_of(0) == 2 and auto.r_max[0] == 16
-    out = psgd.all_reduce_sum([tf.constant(g)], [variables[psgd]])[0]  # the run goes on
-    assert np.all(np.isfinite(out.numpy()))
-
-
 def test_scratch_copy_under_a_strategy_times_the_compressed_path():
     """tests/scratch_copy_child.py (2 replicas, Adam in front): for PowerSGD, top-k and
     `auto` the copy's step puts the run's bytes on the wire, below fp32's (before, each

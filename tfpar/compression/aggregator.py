@@ -318,6 +318,15 @@ class Aggregator(tf.Module):
         once it starts (the summed gradients, over Adam's denominator with Adam in front),
         identical on every replica; no bytes are sent for it."""
 
+    def _take_path_of(self, source):
+        """Moves this fresh copy of `source` (built for the same variables, cross-replica
+        context) to the path `source` has reached, for the comm timing's scratch copy: past
+        Adam's exact warm-up, with `source`'s moments."""
+        if self.adam is not None and self.adam_warmup_steps:
+            self.step.assign(self.adam_warmup_steps)
+            for key, var in self.moments.items():
+                var.assign(source.moments[key].read_value())
+
     def _compression_start(self):
         """The first step that compresses (after Adam's exact warm-up, if any)."""
         return self.adam_warmup_steps if self.adam is not None else 0

@@ -526,6 +526,14 @@ class AutoAggregator(PowerSGDAggregator):
                 total.assign(tf.zeros_like(total))
         return tf.constant(0)
 
+    def _take_path_of(self, source):
+        # Also `source`'s ranks and floor (a fresh copy starts at each layer's largest).
+        super()._take_path_of(source)
+        if self.r_budget is not None:
+            for key, var in self.ranks.items():
+                var.assign(source.ranks[key].read_value())
+            self.raised.assign(source.raised.read_value())
+
     def get_config(self):
         config = {**Aggregator.get_config(self), "budget_ms": self.budget_ms,
                   "link": self.link, "window": self.window, "eta": self.eta,

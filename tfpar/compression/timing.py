@@ -47,19 +47,10 @@ def _scratch_copy(aggregator, variables):
         settings["window"] = 1 << 30
     copy = type(aggregator)(**settings)
     copy.build(variables)
-    if not aggregator.built:  # the run took no step: nothing reached yet
-        return copy
-    if copy.adam is not None and copy.adam_warmup_steps:
-        # Past Adam's exact warm-up (else every timed call is an fp32 all-reduce), with the
-        # run's moments so the compressed step divides by its denominator.
-        copy.step.assign(copy.adam_warmup_steps)
-        for key, var in copy.moments.items():
-            var.assign(aggregator.moments[key].read_value())
-    # auto: the ranks the run has reached (a fresh copy starts at each layer's largest).
-    for key, var in getattr(copy, "ranks", {}).items():
-        var.assign(aggregator.ranks[key].read_value())
-    if hasattr(copy, "raised"):
-        copy.raised.assign(aggregator.raised.read_value())
+    if aggregator.built:  # else the run took no step: nothing reached yet
+        # Past Adam's exact warm-up (else every timed call is an fp32 all-reduce), and for
+        # `auto` at the run's ranks.
+        copy._take_path_of(aggregator)
     return copy
 
 
