@@ -186,7 +186,11 @@ def topk_union():
                                                    bucket_mb=1e-6)),
             "own_whole": exchange(TopKAggregator(0.05, dense_below=8)),
             "own_whole_alone": exchange(TopKAggregator(0.05, dense_below=8, bucket_mb=1e-6)),
-            "own": exchange(TopKAggregator(0.05))}
+            "own": exchange(TopKAggregator(0.05)),
+            # 40 %: the union's message (k index + 2k values) would outgrow the values
+            # themselves, so both tensors go whole; each replica's own pairs (2k) would not.
+            "union_dense": exchange(TopKAggregator(0.4, union=True)),
+            "own_dense": exchange(TopKAggregator(0.4))}
 
 
 def powersgd_variance():

@@ -112,16 +112,36 @@ def test_topk_sends_small_tensors_as_values_only(probes):
     assert [r["sent"] for r in out["union"]] == [r["sent"] for r in out["union_alone"]]
 
 
+def test_topk_never_sends_a_tensor_in_more_bytes_than_fp32(probes):
+    out = probes["topk_union"]
+    large, small = 400, 8
+    k = 160  # 40 % of the large tensor
+    # With the union a sparse message would be 4k + 4k·replicas = 1920 B > 1600 B of values
+    # (the small tensor's 48 B > 32 B): both go whole, summed exactly, nothing held back.
+    for row in out["union_dense"]:
+        assert row["bytes"] == row["expected_bytes"] == 4 * (large + small), row
+        assert row["same_out"] and row["conserved"] < 1e-5 and row["sent_err"] < 1e-5, row
+        assert row["sent"] == large and row["small_residual"] == 0.0, row
+    # Each replica's own pairs (8k = 1280 B) stay below fp32's: the large tensor stays sparse.
+    for row in out["own_dense"]:
+        assert row["bytes"] == row["expected_bytes"] == 8 * k + 4 * small, row
+        assert row["sent"] < large, row
+
+
 def test_topk_defaults_are_the_suites_and_bad_settings_are_refused():
     import pytest
     from tfpar import ParallelConfig
     from tfpar.compression import TopKAggregator, make_aggregator
     from tfpar.errors import ConfigError
     agg = make_aggregator(ParallelConfig(compression="topk", optimizer="adam"))
-    assert (agg.ratio, agg.union, agg.dense_below, agg.adam_momentum_carry) == (
-        0.1, True, 1024, 0.5)
+    assert (agg.ratio, agg.union, agg.dense_below, agg.adam_momentum_carry,
+            agg.adam_variance) == (0.25, True, 1024, 0.5, "local_debiased")
     assert agg.adam_sync_momentum and TopKAggregator(**agg.get_config()).union
-    assert agg.k(1024) == 1024 and agg.k(1025) == 103
+    assert agg.k(1024) == 1024 and agg.k(1025) == 257
+    # Below 1 − β₁ the momentum is not synced, so each replica's own `v` cannot be used.
+    sparse = make_aggregator(ParallelConfig(compression="topk", optimizer="adam",
+                                            topk_ratio=0.05))
+    assert not sparse.adam_sync_momentum and sparse.adam_variance == "frozen"
     with pytest.raises(ConfigError, match="topk_dense_below"):
         ParallelConfig(compression="topk", topk_dense_below=-1)
     with pytest.raises(ConfigError, match="topk_momentum_carry"):

@@ -165,11 +165,11 @@ def test_adam_warmup_from_the_config():
     assert (agg.rank, agg.adam_variance) == (16, "local_debiased")
     assert PowerSGDAggregator(**agg.get_config()).adam_variance == "local_debiased"
     assert make_aggregator(config.replace(optimizer="sgd")).adam is None
-    # The trainer's warm-up and the class's are one default, and top-k keeps its `v` frozen
-    # after it (a warm-up of 100 and top-k's moving `v` were measured and not taken: README).
+    # The trainer's warm-up and the class's are one default; after it top-k at its default
+    # 25 % moves each replica's own `v` (the frozen `v` failed the user task: README).
     topk = make_aggregator(ParallelConfig(compression="topk", optimizer="adam"))
     assert topk.adam_warmup_steps == TopKAggregator(0.1, adam=(0.9, 0.999, 1e-7)).adam_warmup_steps
-    assert topk.adam_variance == "frozen"
+    assert topk.adam_variance == "local_debiased"
 
 
 def test_threshold_and_sparse_packing():

@@ -73,16 +73,20 @@ def test_compression_ratios():
     assert cost.compression_ratio("fp16", PROFILE) == 2.0
     assert cost.compression_ratio("topk", PROFILE, topk_ratio=0.01,
                                   union=False) == pytest.approx(50.0)
-    # the default: 10 % with the union, whose values grow with the replicas
-    assert cost.compression_ratio("topk", PROFILE, replicas=2) == pytest.approx(10 / 3)
-    assert cost.compression_ratio("topk", PROFILE, replicas=8) == pytest.approx(10 / 9)
+    # with the union the values grow with the replicas, up to fp32's (then sent whole)
+    assert cost.compression_ratio("topk", PROFILE, topk_ratio=0.1,
+                                  replicas=8) == pytest.approx(10 / 9)
+    assert cost.compression_ratio("topk", PROFILE, topk_ratio=0.1, replicas=10) == 1.0
+    # the default: 25 % with the union, 0.75 of fp32's bytes at 2 replicas, fp32's from 3
+    assert cost.compression_ratio("topk", PROFILE, replicas=2) == pytest.approx(4 / 3)
+    assert cost.compression_ratio("topk", PROFILE, replicas=3) == 1.0
     # a 30x30 matrix (<= --topk_dense_below) and 9,100 vector entries go whole: 10,000 values
     small = dataclasses.replace(PROFILE, params=1_010_000,
                                 matrix_shapes=((1000, 1000), (30, 30)))
     assert cost.compression_ratio("topk", small, replicas=2) == pytest.approx(
-        1_010_000 / (0.3 * 1e6 + 10_000))
+        1_010_000 / (0.75 * 1e6 + 10_000))
     assert cost.compression_ratio("topk", small, replicas=2, dense_below=0) == pytest.approx(
-        10 / 3)
+        4 / 3)
     # rank 4 on a 1000x1000 matrix sends 8000 numbers; the other 0 params go raw
     assert cost.compression_ratio("powersgd", PROFILE, rank=4) == pytest.approx(1e6 / 8000)
     # without a rank: the trainer's default (16), not a rank of the cost model's own
@@ -137,17 +141,22 @@ def test_cli_json_carries_the_command():
 def test_step_time_fixed_costs_and_encode_per_aggregator():
     hw = dataclasses.replace(HW, step_overhead=0.01, update_seconds_per_param=1e-9,
                              encode_seconds_per_param={"topk": 1e-8, "fp16": 2e-9})
-    c = cost.Candidate(data=4, tensor=1, pipeline=1, microbatches=1, compression="topk")
+    c = cost.Candidate(data=2, tensor=1, pipeline=1, microbatches=1, compression="topk")
     seconds, parts = cost.step_seconds(PROFILE, hw, c, 64)
     # 10 ms per step + 1 ns for each of the 1e6 parameters the device updates
     assert parts["overhead"] == pytest.approx(0.011)
-    # top-k at its default 10 % with the union over 4 replicas: 1e6 * 4 B / (1 / (0.1 * 5))
-    # on the wire, ring over 4 at 1 GB/s, + 10 ns per parameter
-    assert parts["data_parallel"] == pytest.approx(1.5 * 2e6 / 1e9 + 0.01)
+    # top-k at its default 25 % with the union over 2 replicas: 1e6 * 4 B * 0.25 * 3 on the
+    # wire, ring over 2 at 1 GB/s, + 10 ns per parameter
+    assert parts["data_parallel"] == pytest.approx(3e6 / 1e9 + 0.01)
     assert seconds == pytest.approx(sum(parts.values()))
     fp16 = dataclasses.replace(c, compression="fp16")
     assert cost.step_seconds(PROFILE, hw, fp16, 64)[1]["data_parallel"] == pytest.approx(
-        1.5 * 2e6 / 1e9 + 0.002)
+        2e6 / 1e9 + 0.002)
+    # over 4 replicas the union's message would outgrow fp32's: every tensor whole, no
+    # selection, fp32's bytes (ring over 4: 1.5 × 4e6 B)
+    whole = dataclasses.replace(c, data=4)
+    assert cost.step_seconds(PROFILE, hw, whole, 64)[1]["data_parallel"] == pytest.approx(
+        1.5 * 4e6 / 1e9)
 
 
 def test_step_time_pipeline_action_overhead():
@@ -193,7 +202,9 @@ def test_fit_recovers_the_costs_that_made_the_step_times():
         action_overhead=1.5e-3, latency=1e-4,
         encode_seconds_per_param={"fp16": 1e-9, "int8": 5e-9, "topk": 2e-8, "powersgd": 1e-8})
     runs = calibration.calibration_runs(PROFILE, 4, 256)
-    assert {c.compression for c, _ in runs} == {"none", "fp16", "int8", "topk", "powersgd"}
+    # No top-k run on 4 devices: at its default it sends every tensor whole there.
+    assert {c.compression for c, _ in runs} == {"none", "fp16", "int8", "powersgd"}
+    assert "topk" in {c.compression for c, _ in calibration.calibration_runs(PROFILE, 2, 256)}
     assert all(batch != 256 for _, batch in runs)
     observations = [(c, b, cost.step_seconds(PROFILE, truth, c, b)[0]) for c, b in runs]
     start = dataclasses.replace(HW, latency=1e-4, shared_cores=True)  # links measured
@@ -202,7 +213,7 @@ def test_fit_recovers_the_costs_that_made_the_step_times():
     assert fitted.step_overhead == pytest.approx(0.02, rel=1e-6)
     assert fitted.update_seconds_per_param == pytest.approx(3e-9, rel=1e-6)
     assert fitted.action_overhead == pytest.approx(1.5e-3, rel=1e-6)
-    assert fitted.encode_seconds_per_param["topk"] == pytest.approx(2e-8, rel=1e-6)
+    assert fitted.encode_seconds_per_param["int8"] == pytest.approx(5e-9, rel=1e-6)
     assert predicted == pytest.approx([s for _, _, s in observations], rel=1e-6)
     # The planned batch was never run, yet is predicted exactly.
     c = cost.Candidate(2, 1, 2, 4, "none")

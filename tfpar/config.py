@@ -132,7 +132,7 @@ class ParallelConfig:
     zero_stage: int = 0
     # Gradient aggregation.
     compression: str = "none"
-    topk_ratio: float = 0.1
+    topk_ratio: float = 0.25
     topk_warmup_steps: int = 0
     topk_dense_below: int = 1024
     topk_union: bool = True

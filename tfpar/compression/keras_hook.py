@@ -161,6 +161,9 @@ def wrap_optimizer(optimizer, aggregator):
                 "the aggregator from a config whose optimizer matches (make_aggregator("
                 "ParallelConfig(optimizer='sgd', ...))) or with compress_adam_step=False")
         aggregator.adam = (float(target.beta_1), float(target.beta_2), float(target.epsilon))
+        # Checked again with these betas: each replica's own `v` on top-k needs its ratio
+        # >= 1 − beta_1 (one line naming both otherwise).
+        aggregator.set_adam_variance(aggregator.adam_variance, aggregator.adam_refresh_every)
     patches.mix_in(target, AggregatingOptimizerMixin)
     target.tfpar_aggregator = aggregator
     if target is not optimizer:

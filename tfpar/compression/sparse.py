@@ -134,7 +134,9 @@ class TopKAggregator(Aggregator):
     with the replicas. `dense_below` sends tensors of at most that many entries whole
     (biases, norms: a per-tensor top-k would move each of their entries once in 1/ratio
     steps, for bytes that barely count): their values only, 4 B per entry, at the end of
-    the union's all-reduce (or of the all-gather's buffer without the union).
+    the union's all-reduce (or of the all-gather's buffer without the union). So is every
+    tensor whose sparse message would not be smaller than that (`sends_whole`): top-k never
+    sends a tensor in more bytes than fp32 does, and where it would, the sum is exact.
 
     With Adam in front and the momentum synced (`adam_sync_momentum`), an entry nobody sent
     loses its momentum: what it would have added over the next steps waits in no residual.
@@ -238,10 +240,23 @@ class TopKAggregator(Aggregator):
         """Fraction of entries sent at aggregator step `step` (`ratio` after the warm-up)."""
         return warmup_density(step, self.ratio, self.warmup_steps, self.warmup_start)
 
+    def sends_whole(self, size):
+        """Whether a tensor of `size` entries goes whole (its values only, summed exactly):
+        at most `dense_below` entries, or — once built, the replicas known — when its sparse
+        message at `ratio` would be no smaller than its values: `k · (1 + replicas)` words
+        with the union, `2k` without (the union at 25 % from 3 replicas on)."""
+        if size <= self.dense_below:
+            return True
+        replicas = getattr(self, "_replicas", None)
+        if replicas is None:
+            return False
+        k = min(size, max(1, math.ceil(self.ratio * size)))
+        return (k * (1 + replicas) if self.union else 2 * k) >= size
+
     def k(self, size, step=None):
         """Entries sent from a tensor of `size` entries at `step` (default: after the
         warm-up)."""
-        if size <= self.dense_below:
+        if self.sends_whole(size):
             return size
         density = self.ratio if step is None else self.density(step)
         return min(size, max(1, math.ceil(density * size)))
@@ -264,7 +279,7 @@ class TopKAggregator(Aggregator):
         values, indices, whole, whole_at, offset = [], [], [], [], 0
         step = tf.cast(self.step, tf.int32)
         for part, size in zip(tf.split(flat, list(bucket.sizes)), bucket.sizes):
-            if size <= self.dense_below:  # sent whole: no top-k, no indices on the wire
+            if self.sends_whole(size):  # no top-k, no indices on the wire
                 whole.append(part)
                 whole_at.append(tf.range(offset, offset + size))
             else:
@@ -282,7 +297,7 @@ class TopKAggregator(Aggregator):
 
     def _tensor_wire_bytes(self, size, step=None):
         """Bytes one tensor of `size` entries adds to its bucket's collectives."""
-        if size <= self.dense_below:  # its values only, in the all-reduce or the all-gather
+        if self.sends_whole(size):  # its values only, in the all-reduce or the all-gather
             return 4 * size
         k = self.k(size, step)
         if self.union:  # the indices, then the values on every replica's indices

@@ -194,7 +194,8 @@ def compression_ratio(name, profile, topk_ratio=None, rank=None, replicas=2, uni
     ratio and union and PowerSGD's rank default to `ParallelConfig`'s (what
     `--compression=X` alone runs). Top-k with the union (`--topk_union`, the default) sends
     its indices and then values at every replica's indices: its bytes grow with `replicas`
-    (it sends more than fp32 once `topk_ratio × (1 + replicas) > 1`). Weight matrices of at
+    up to fp32's (from `topk_ratio × (1 + replicas) >= 1` on it sends every tensor whole,
+    `TopKAggregator.sends_whole`). Weight matrices of at
     most `dense_below` entries (`--topk_dense_below`) and every parameter outside
     `profile.matrix_shapes` (taken as biases and norms below it) go whole, a value per
     entry; with `dense_below=0`, or a profile that lists no matrices, every entry counts as
@@ -214,6 +215,7 @@ def compression_ratio(name, profile, topk_ratio=None, rank=None, replicas=2, uni
             per_entry = topk_ratio * (1 + max(1, replicas))
         else:  # a value and an int32 index per kept entry
             per_entry = 2 * topk_ratio
+        per_entry = min(per_entry, 1.0)  # no tensor in more bytes than its values
         return profile.params / max(1, per_entry * sparse + profile.params - sparse)
     if name == "powersgd":
         matrix = sum(n * m for n, m in profile.matrix_shapes)
@@ -333,7 +335,8 @@ def step_seconds(profile, hw, c, global_batch):
     buckets = max(1, math.ceil(grad_bytes / ratio / BUCKET_BYTES))
     dp = ring_allreduce_seconds(grad_bytes / ratio, c.data, group_bandwidth(hw, c.data, T),
                                 hw.latency * buckets)
-    if c.compression != "none" and c.data > 1:
+    # Top-k that sends every tensor whole (`TopKAggregator.sends_whole`) selects nothing.
+    if c.compression != "none" and c.data > 1 and not (c.compression == "topk" and ratio == 1):
         dp += hw.encode_seconds_per_param[c.compression] * shard
     if c.zero >= 3:
         # The weights all-gathered for the forward and again for the backward: two
