@@ -46,6 +46,11 @@ plain, _ = run(NoneAggregator(), 20, cosine=False)
 dgc_full, _ = run(TopKAggregator(1.0, momentum=0.9, momentum_masking=False), 20, cosine=False)
 out["full_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
                            for a, b in zip(plain.trainable_variables, dgc_full.trainable_variables))
+# With masking (the default) too: at ratio 1 every tensor goes whole, and a tensor sent whole
+# keeps its velocity (masked, it would train as SGD without momentum).
+dgc_whole, _ = run(TopKAggregator(1.0, momentum=0.9), 20, cosine=False)
+out["whole_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+                            for a, b in zip(plain.trainable_variables, dgc_whole.trainable_variables))
 for name, agg in [("none", None), ("dgc", TopKAggregator(0.01, momentum=0.9)),
                   ("topk_no_correction", TopKAggregator(0.01))]:
     m, out[name] = run(agg, STEPS)
@@ -65,6 +70,7 @@ def results():
 
 def test_dgc_with_every_entry_sent_is_momentum_sgd(results):
     assert results["full_max_diff"] < 1e-5, results
+    assert results["whole_max_diff"] < 1e-5, results
 
 
 def test_dgc_narrows_topk_gap_to_momentum_sgd(results):

@@ -232,7 +232,10 @@ class TopKAggregator(Aggregator):
         if not self.momentum:
             return
         for u, sent, p in zip(inputs, local, positions):  # inputs: the new velocities
-            if self.momentum_masking:
+            # A tensor sent whole keeps its velocity: masking it every step would make its
+            # update plain SGD (DGC masks what sparsification sent late, not exact sums).
+            if self.momentum_masking and not self.sends_whole(
+                    math.prod(self._layout.shapes[p])):
                 u = tf.where(sent != 0, tf.zeros_like(u), u)
             self.velocities[str(p)].assign(u)
 
