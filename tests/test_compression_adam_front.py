@@ -142,6 +142,15 @@ def test_topk_defaults_are_the_suites_and_bad_settings_are_refused():
     sparse = make_aggregator(ParallelConfig(compression="topk", optimizer="adam",
                                             topk_ratio=0.05))
     assert not sparse.adam_sync_momentum and sparse.adam_variance == "frozen"
+    # Your own Adam's β₁ is copied in: at β₁ = 0.5 the momentum syncs only from 50 %, so
+    # each replica's own `v` at 25 % is refused in one line naming it.
+    import keras
+    from tfpar.compression import wrap_optimizer
+    with pytest.raises(ValueError, match="adam_variance='local_debiased' is invalid"):
+        wrap_optimizer(keras.optimizers.Adam(1e-3, beta_1=0.5), make_aggregator(
+            ParallelConfig(compression="topk", optimizer="adam")))
+    assert wrap_optimizer(keras.optimizers.Adam(1e-3, beta_1=0.8), make_aggregator(
+        ParallelConfig(compression="topk", optimizer="adam"))).tfpar_aggregator.adam[0] == 0.8
     with pytest.raises(ConfigError, match="topk_dense_below"):
         ParallelConfig(compression="topk", topk_dense_below=-1)
     with pytest.raises(ConfigError, match="topk_momentum_carry"):

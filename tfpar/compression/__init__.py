@@ -68,14 +68,16 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         return Int8Aggregator(**common)
     if kind == "topk":
         if config.optimizer == "adam":
-            if config.topk_ratio < 0.25 or not config.topk_union:
+            safe = type(config).__dataclass_fields__["topk_ratio"].default
+            if config.topk_ratio < safe or not config.topk_union:
                 # tools/bench_compression_quality.py (Adam, 200 steps): with each replica's
                 # `v`, 0.1 ended the transformer +20.8 % / +25.7 % above fp32 (seeds 0 / 1),
                 # 0.2 +5.0 % / +5.3 %, 0.25 without the union +7.3 %; with the frozen `v`
                 # 0.1 ended the user task +3.7 %, 0.01 the convnet +20 % / +580 % (README).
-                logging.warning("compression=topk with optimizer=adam below --topk_ratio=0.25 "
-                                "or without --topk_union ended above fp32's loss on tasks "
-                                "of the quality suite (README, Gradient aggregators)")
+                logging.warning("compression=topk with optimizer=adam below --topk_ratio=%g "
+                                "(the default) or without --topk_union ended above fp32's "
+                                "loss on tasks of the quality suite (README, Gradient "
+                                "aggregators)", safe)
             if "adam" in common and config.topk_ratio >= 1 - common["adam"][0]:
                 # Each replica's `v` moves with its own exact gradient (it needs the momentum
                 # synced: `TopKAggregator.adam_sync_momentum`). At 0.25 within 2 % of fp32 on

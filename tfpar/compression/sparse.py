@@ -246,15 +246,20 @@ class TopKAggregator(Aggregator):
     def sends_whole(self, size):
         """Whether a tensor of `size` entries goes whole (its values only, summed exactly):
         at most `dense_below` entries, or — once built, the replicas known — when its sparse
-        message at `ratio` would be no smaller than its values: `k · (1 + replicas)` words
-        with the union, `2k` without (the union at 25 % from 3 replicas on)."""
+        message at `ratio` would be no smaller than its values (`_sparse_bytes`; with the
+        union at 25 % from 3 replicas on)."""
         if size <= self.dense_below:
             return True
-        replicas = getattr(self, "_replicas", None)
-        if replicas is None:
+        if getattr(self, "_replicas", None) is None:
             return False
         k = min(size, max(1, math.ceil(self.ratio * size)))
-        return (k * (1 + replicas) if self.union else 2 * k) >= size
+        return self._sparse_bytes(k) >= 4 * size
+
+    def _sparse_bytes(self, k):
+        """Bytes of a tensor's sparse message of `k` entries (call after `build`)."""
+        if self.union:  # the indices, then the values on every replica's indices
+            return 4 * k + 4 * k * self._replicas
+        return 8 * k  # a value and an index per entry
 
     def k(self, size, step=None):
         """Entries sent from a tensor of `size` entries at `step` (default: after the
@@ -302,10 +307,7 @@ class TopKAggregator(Aggregator):
         """Bytes one tensor of `size` entries adds to its bucket's collectives."""
         if self.sends_whole(size):  # its values only, in the all-reduce or the all-gather
             return 4 * size
-        k = self.k(size, step)
-        if self.union:  # the indices, then the values on every replica's indices
-            return 4 * k + 4 * k * self._replicas
-        return 8 * k
+        return self._sparse_bytes(self.k(size, step))
 
     def _bucket_wire_bytes(self, bucket):
         return sum(self._tensor_wire_bytes(size) for size in bucket.sizes)
