@@ -1,15 +1,20 @@
 """`pip install` of this checkout into a virtual environment, for the tests that run tfpar
 as a user installed it (tests/test_packaging.py, tests/test_user_script.py).
 
-The environment sees the system site-packages (TensorFlow and the rest are already there);
-the install is offline: `--no-deps --no-build-isolation --no-index`, from a copy of the
+The environment sees the packages of the Python running the tests (TensorFlow and the rest
+are already there), whether that Python is the machine's or a virtual environment's: a venv
+made from inside a venv with `--system-site-packages` would see only the base interpreter's
+packages, so the running Python's site-packages directories are added by a `.pth` file.
+The install is offline: `--no-deps --no-build-isolation --no-index`, from a copy of the
 files `pip install` reads, so the build leaves nothing in the checkout.
 """
 
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 
 from subproc import ROOT, run
 
@@ -33,10 +38,22 @@ def missing():
     if not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
         return "no pyproject.toml: tfpar cannot be pip-installed from this checkout"
     try:
-        import setuptools  # noqa: F401  (the build backend --no-build-isolation uses)
+        import setuptools  # (the build backend --no-build-isolation uses)
     except ImportError:
-        return "the offline build needs setuptools>=61 in this Python (pip install setuptools)"
+        return "the offline build needs setuptools>=70.1 in this Python (pip install setuptools)"
     return None
+
+
+def parent_site_packages():
+    """The site-packages directories of the Python running the tests (a venv's own, then the
+    base interpreter's when the venv sees it)."""
+    paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    paths += site.getsitepackages() + [site.getusersitepackages()]
+    seen = []
+    for path in paths:
+        if path and os.path.isdir(path) and path not in seen:
+            seen.append(path)
+    return seen
 
 
 def make_venv(base, editable=False):
@@ -44,8 +61,12 @@ def make_venv(base, editable=False):
     editable: the install points at it). Returns the venv's path."""
     source, venv = base / "src", base / "venv"
     copy_sources(source)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    inner = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           check=True, timeout=60, capture_output=True, text=True)
+    with open(os.path.join(inner.stdout.strip(), "tfpar-tests-parent.pth"), "w") as f:
+        f.write("\n".join(parent_site_packages()) + "\n")
     run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
          "--no-build-isolation", "--no-index", "--disable-pip-version-check",
          *(["-e"] if editable else []), str(source)],
