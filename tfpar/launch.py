@@ -203,13 +203,65 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
         ConfigError: for workers < 1, an empty command, a negative time or an unusable host.
         TfparError: if the command cannot be started.
     """
+    min_workers, max_workers, placement = _checked_layout(
+        cmd, workers, host, hosts, min_workers, max_workers, lost_after,
+        timeout=timeout, start_timeout=start_timeout, grace=grace, max_restarts=max_restarts)
+    runner = runner or local_runner
+    out, err = out or sys.stdout, err or sys.stderr
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    deadline = time.monotonic() + timeout if timeout else None
+    attempts, signalled = [], None
+    job = _World(workers, min_workers, max_workers, lost_after, err)
+    watch = _ElasticWatch(err)
+    offers = _Offers(placement, max_workers, discovery, discovery_interval, err)
+    number = restarts = 0
+
+    def grow_due():
+        job.pending[:] = offers.added(job.slots)
+        return bool(job.pending)
+
+    with _caught_signals() as received, offers, \
+            _worker_tmpdir(env, runner is local_runner) as env:
+        while True:
+            watch.new_attempt()
+            codes, failure, kind, blamed = _run_attempt(
+                list(cmd), job.slots, placement, base_port, runner, number, deadline,
+                timeout, start_timeout, grace, log_dir, env, out, received, watch.on_line,
+                grow_due)
+            number += 1
+            signalled = received[0] if received else None
+            if kind == "grow":
+                if all(code == 0 for code in codes) and not watch.stopped_at:
+                    attempts.append(Attempt(codes, "", tuple(job.slots)))  # it had finished
+                    break
+                attempts.append(Attempt(codes, failure, tuple(job.slots)))
+                job.grow(number, offers, watch)
+                continue
+            attempts.append(Attempt(codes, failure, tuple(job.slots)))
+            if not failure or kind != "retry" or restarts == max_restarts:
+                break
+            restarts += 1
+            if job.lose(blamed, number, failure, offers, watch, restarts, max_restarts):
+                continue
+            _say(err, f"attempt {number - 1}: {failure}; restarting all {len(job.slots)} "
+                      f"workers on new ports (restart {restarts} of {max_restarts})")
+    summary = _summary(attempts, job, restarts, max_restarts)
+    _say(err, summary)
+    returncode = 128 + signalled if signalled else (1 if attempts[-1].failure else 0)
+    return LaunchResult(returncode, tuple(attempts), summary, tuple(job.elastic))
+
+
+def _checked_layout(cmd, workers, host, hosts, min_workers, max_workers, lost_after,
+                    **times):
+    """`launch`'s arguments checked: `(min_workers, max_workers, placement)`, the host of
+    each worker slot. Raises `ConfigError` naming the first argument that is wrong."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("workers", workers, "must be an integer >= 1")
     if not cmd:
         raise ConfigError("command", cmd, "give the worker command after '--', e.g. "
                           "python -m tfpar.launch --workers=2 -- python train.py")
-    for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
-                        ("grace", grace), ("max_restarts", max_restarts)):
+    for name, value in times.items():
         if value < 0:
             raise ConfigError(name, value, "must be >= 0")
     min_workers = workers if min_workers is None else min_workers
@@ -220,86 +272,75 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
         raise ConfigError("max_workers", max_workers, f"must be >= --workers={workers}")
     if lost_after < 1:
         raise ConfigError("lost_after", lost_after, "must be >= 1")
-    if hosts:
-        total = sum(count for _, count in hosts)
-        if total != workers:
-            raise ConfigError("workers", workers, f"must equal the slots of --hosts ({total})")
-        placement = [h for h, count in hosts for _ in range(count)]
-    else:
-        placement = [host] * workers
-    runner = runner or local_runner
-    out, err = out or sys.stdout, err or sys.stderr
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-    deadline = time.monotonic() + timeout if timeout else None
-    attempts, signalled = [], None
-    slots = list(range(workers))  # the slots of the next attempt; worker i runs slots[i]
-    failed_in_a_row = dict.fromkeys(slots, 0)
-    elastic, watch = [], _ElasticWatch(err)
-    offers = _Offers(placement, max_workers, discovery, discovery_interval, err)
-    number = restarts = 0
-    pending = []  # the slots offered when the attempt was stopped to grow
+    if not hosts:
+        return min_workers, max_workers, [host] * workers
+    total = sum(count for _, count in hosts)
+    if total != workers:
+        raise ConfigError("workers", workers, f"must equal the slots of --hosts ({total})")
+    return min_workers, max_workers, [h for h, count in hosts for _ in range(count)]
 
-    def grow_due():
-        pending[:] = offers.added(slots)
-        return bool(pending)
 
-    with _caught_signals() as received, offers, \
-            _worker_tmpdir(env, runner is local_runner) as env:
-        while True:
-            watch.new_attempt()
-            codes, failure, kind, blamed = _run_attempt(
-                list(cmd), slots, placement, base_port, runner, number, deadline, timeout,
-                start_timeout, grace, log_dir, env, out, received, watch.on_line, grow_due)
-            number += 1
-            signalled = received[0] if received else None
-            if kind == "grow":
-                if all(code == 0 for code in codes) and not watch.stopped_at:
-                    attempts.append(Attempt(codes, "", tuple(slots)))  # it had finished
-                    break
-                attempts.append(Attempt(codes, failure, tuple(slots)))
-                added = list(pending)
-                offers.taken(added)
-                slots = sorted(slots + added)
-                failed_in_a_row.update(dict.fromkeys(added, 0))
-                elastic.append({"attempt": number, "workers": len(slots)})
-                at = f" at step {watch.stopped_at}" if watch.stopped_at else ""
-                _say(err, f"attempt {number - 1}: stopped{at} to grow: worker slot(s) "
-                          f"{', '.join(map(str, added))} offered again by --discovery; "
-                          f"continuing with {len(slots)} workers (--max_workers="
-                          f"{max_workers}) from that checkpoint")
-                watch.changed(len(slots), "the workers stopped to grow")
-                continue
-            attempts.append(Attempt(codes, failure, tuple(slots)))
-            if not failure or kind != "retry" or restarts == max_restarts:
-                break
-            restarts += 1
-            for slot in failed_in_a_row:
-                failed_in_a_row[slot] = failed_in_a_row[slot] + 1 if slot == blamed else 0
-            if (blamed is not None and failed_in_a_row[blamed] >= lost_after
-                    and len(slots) - 1 >= min_workers and len(slots) > 1):
-                slots.remove(blamed)
-                offers.lost(blamed)
-                elastic.append({"attempt": number, "workers": len(slots)})
-                _say(err, f"attempt {number - 1}: {failure}; worker slot {blamed} is lost "
-                          f"(failed {failed_in_a_row[blamed]} attempts in a row): continuing "
-                          f"with {len(slots)} workers (--min_workers={min_workers}) from the "
-                          f"last checkpoint (restart {restarts} of {max_restarts})")
-                watch.changed(len(slots), "the loss was detected")
-                continue
-            _say(err, f"attempt {number - 1}: {failure}; restarting all {len(slots)} workers "
-                      f"on new ports (restart {restarts} of {max_restarts})")
+class _World:
+    """An elastic job's worker slots across attempts: which run next (`slots`; worker i
+    runs `slots[i]`), each slot's failed attempts in a row, the resizes so far."""
+
+    def __init__(self, workers, min_workers, max_workers, lost_after, err):
+        self.workers, self.min_workers, self.max_workers = workers, min_workers, max_workers
+        self.lost_after = lost_after
+        self.slots = list(range(workers))
+        self.failed_in_a_row = dict.fromkeys(self.slots, 0)
+        self.elastic = []
+        self.pending = []  # the slots offered when the attempt was stopped to grow
+        self.err = err
+
+    def grow(self, number, offers, watch):
+        """The attempt was stopped to grow: the offered slots join the next one."""
+        added = list(self.pending)
+        offers.taken(added)
+        self.slots = sorted(self.slots + added)
+        self.failed_in_a_row.update(dict.fromkeys(added, 0))
+        self.elastic.append({"attempt": number, "workers": len(self.slots)})
+        at = f" at step {watch.stopped_at}" if watch.stopped_at else ""
+        _say(self.err, f"attempt {number - 1}: stopped{at} to grow: worker slot(s) "
+                       f"{', '.join(map(str, added))} offered again by --discovery; "
+                       f"continuing with {len(self.slots)} workers (--max_workers="
+                       f"{self.max_workers}) from that checkpoint")
+        watch.changed(len(self.slots), "the workers stopped to grow")
+
+    def lose(self, blamed, number, failure, offers, watch, restarts, max_restarts):
+        """Counts the failed attempt against the slot it blamed; True if that slot is now
+        lost for good and the next attempt runs without it."""
+        for slot in self.failed_in_a_row:
+            self.failed_in_a_row[slot] = (self.failed_in_a_row[slot] + 1
+                                          if slot == blamed else 0)
+        if (blamed is None or self.failed_in_a_row[blamed] < self.lost_after
+                or len(self.slots) - 1 < self.min_workers or len(self.slots) <= 1):
+            return False
+        self.slots.remove(blamed)
+        offers.lost(blamed)
+        self.elastic.append({"attempt": number, "workers": len(self.slots)})
+        _say(self.err, f"attempt {number - 1}: {failure}; worker slot {blamed} is lost "
+                       f"(failed {self.failed_in_a_row[blamed]} attempts in a row): "
+                       f"continuing with {len(self.slots)} workers (--min_workers="
+                       f"{self.min_workers}) from the last checkpoint (restart {restarts} "
+                       f"of {max_restarts})")
+        watch.changed(len(self.slots), "the loss was detected")
+        return True
+
+
+def _summary(attempts, job, restarts, max_restarts):
+    """The launcher's last line: how the job ended, its attempts and world sizes."""
     failure = attempts[-1].failure
-    summary = f"failed: {failure}" if failure else f"all {len(slots)} workers exited 0"
-    if max_restarts or elastic:
+    summary = (f"failed: {failure}" if failure
+               else f"all {len(job.slots)} workers exited 0")
+    if max_restarts or job.elastic:
         plural = "" if restarts == 1 else "s"
         summary += f" ({len(attempts)} attempt(s), {restarts} restart{plural})"
-    if elastic:
-        sizes = " -> ".join(str(n) for n in [workers] + [e["workers"] for e in elastic])
+    if job.elastic:
+        sizes = " -> ".join(str(n) for n in [job.workers] +
+                            [e["workers"] for e in job.elastic])
         summary += f"; world size {sizes}"
-    _say(err, summary)
-    returncode = 128 + signalled if signalled else (1 if failure else 0)
-    return LaunchResult(returncode, tuple(attempts), summary, tuple(elastic))
+    return summary
 
 
 AUTOGRAPH_PREFIX = "__autograph_generated_file"  # tensorflow/python/autograph/pyct/loader.py

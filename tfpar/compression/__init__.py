@@ -26,9 +26,8 @@ __all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAg
 
 
 # Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
-# exact Adam for `adam_warmup_steps`, then the second moment frozen. Without it top-k's error
-# feedback turns gradients into spikes Adam would slow down, and PowerSGD ended +56 % above
-# fp32 on the convnet at rank 4 (+1.7 % with it; tools/bench_compression_quality.py, seed 0).
+# exact Adam for `adam_warmup_steps`, then compressed Adam steps. Without it top-k's error
+# feedback turns gradients into spikes Adam would slow down (docs/compression.md).
 ADAM_STEP_AGGREGATORS = ("topk", "powersgd")
 
 
@@ -51,9 +50,8 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
     """
     common = {"bucket_mb": config.bucket_mb, "error_feedback": config.error_feedback,
               "timeout_s": config.collective_timeout_s}
-    # `auto` too (the trainer's path; `tfpar.DistributedOptimizer` keeps its own choice): with
-    # Keras's Adam behind it, auto at 10 Mbit/s ended the convnet at +606 % of fp32's loss,
-    # with Adam in front +112 % (tools/bench_compression_quality.py, seed 0; README).
+    # `auto` too on the trainer's path (`tfpar.DistributedOptimizer` keeps its own choice):
+    # with Keras's Adam behind it the quality suite failed (docs/compression.md).
     if (adam_step and config.compress_adam_step and config.optimizer == "adam"
             and config.compression in ADAM_STEP_AGGREGATORS + ("auto",)):
         # Keras's Adam defaults; `wrap_optimizer` copies the optimizer's own values in.
@@ -70,19 +68,15 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         if config.optimizer == "adam":
             safe = type(config).__dataclass_fields__["topk_ratio"].default
             if config.topk_ratio < safe or not config.topk_union:
-                # tools/bench_compression_quality.py (Adam, 200 steps): with each replica's
-                # `v`, 0.1 ended the transformer +20.8 % / +25.7 % above fp32 (seeds 0 / 1),
-                # 0.2 +5.0 % / +5.3 %, 0.25 without the union +7.3 %; with the frozen `v`
-                # 0.1 ended the user task +3.7 %, 0.01 the convnet +20 % / +580 % (README).
+                # Below the default, the quality suite's tasks ended above fp32's loss
+                # (tools/bench_compression_quality.py; docs/compression.md).
                 logging.warning("compression=topk with optimizer=adam below --topk_ratio=%g "
                                 "(the default) or without --topk_union ended above fp32's "
                                 "loss on tasks of the quality suite (README, Gradient "
                                 "aggregators)", safe)
             if "adam" in common and config.topk_ratio >= 1 - common["adam"][0]:
                 # Each replica's `v` moves with its own exact gradient (it needs the momentum
-                # synced: `TopKAggregator.adam_sync_momentum`). At 0.25 within 2 % of fp32 on
-                # all 8 cells of the quality suite; the frozen `v` had failed the user task
-                # (+3.7 %) and passed the transformer only by hiding top-k's cost (README).
+                # synced: `TopKAggregator.adam_sync_momentum`); why: docs/compression.md.
                 common["adam_variance"] = "local_debiased"
         return TopKAggregator(config.topk_ratio, momentum=dgc_momentum,
                               warmup_steps=config.topk_warmup_steps,
@@ -96,15 +90,12 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
             link = (config.auto_link_mbps * 1e6 / 8, config.auto_link_latency_ms / 1000)
         if "adam" in common:
             # Each replica's `v` moves with its own exact gradient, noise counted once
-            # (`local_debiased`): within 1 % of fp32 on all 8 cells of the quality suite,
-            # where the frozen `v` failed the user task (+3.9 %) (README).
+            # (`local_debiased`); why: docs/compression.md.
             common["adam_variance"] = "local_debiased"
         return AutoAggregator(config.auto_budget_ms, link,
                               seed=config.seed if seed is None else seed, **common)
     if "adam" in common:
-        # PowerSGD too (with rank 16): within 2 % of fp32 on all 8 cells of the quality
-        # suite; the frozen `v` failed the user task (+3.8 % / +3.2 %) and, moving, rank 8
-        # the transformer (+14.9 % / +20.6 %) (README).
+        # PowerSGD too; why: docs/compression.md.
         common["adam_variance"] = "local_debiased"
     return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,
                               config.seed if seed is None else seed, **common)

@@ -14,13 +14,11 @@ Subclasses implement `_exchange_bucket` (one fused fp32 buffer) or `_exchange` (
 list); the base class does bucketing, error feedback and the byte count.
 """
 
-import math
-
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.trackable import data_structures
 
-from tfpar.compression import buckets, collectives, error_feedback
+from tfpar.compression import adam_front, buckets, collectives, error_feedback
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 # Steps of exact Adam before its second moment freezes (`Aggregator(adam_warmup_steps=)`).
@@ -32,7 +30,7 @@ ADAM_WARMUP_STEPS = 50
 # gradient's noise; it moves `v` by `replicas · g² + (1 − 1/replicas) · ĝ²` instead, with ĝ the
 # momentum's estimate of the summed gradient (so pure noise counts once, a pure signal once).
 ADAM_VARIANCE = ("frozen", "live", "local", "local_debiased")
-_LOCAL = ("local", "local_debiased")
+_LOCAL = adam_front.LOCAL_VARIANCE
 
 
 def check_count(name, value, zero_means):
@@ -137,16 +135,13 @@ class Aggregator(tf.Module):
     # With Adam in front and its second moment frozen: "step" compresses each replica's Adam
     # step (momentum of its own gradient; top-k), "gradient" compresses the gradient scaled
     # by Adam's frozen denominator and takes the momentum of the sum (PowerSGD). Both are
-    # exact when nothing is dropped; on the convnet (tools/bench_compression_quality.py,
-    # seed 0) top-k 1 % ended +27 % with "step" and +1287 % with "gradient", PowerSGD rank 4
-    # +20 % with "step" and +1.7 % with "gradient".
+    # exact when nothing is dropped; which suits which aggregator: docs/compression.md.
     adam_compresses = "step"
     # With "step": after each compressed step every replica's momentum becomes the momentum
     # the summed step applied (`m = Σ sent · c1 · s`, the same on every replica), as DeepSpeed's
     # 1-bit Adam sets its momentum to the compressed all-reduce's result. Without it each
     # replica's own momentum kept pushing entries whose pending step the gradient had not
-    # seen yet (it waits in the residual), which overshoots: top-k 10 % ended the convnet at
-    # +327 % of fp32's loss, +3.8 % with it (tools/bench_compression_quality.py, seed 0).
+    # seen yet (it waits in the residual), which overshoots (docs/compression.md).
     # Top-k turns it on at ratio >= 1 − β₁ (`TopKAggregator.adam_sync_momentum`).
     adam_sync_momentum = False
     # With "step" and `adam_sync_momentum`: the share of the synced momentum's continuation
@@ -344,212 +339,9 @@ class Aggregator(tf.Module):
         return summed, nbytes
 
     def _frozen_variance_adam(self, grads, positions):
-        """Adam in front of compression with a frozen second moment (1-bit Adam, Tang et
-        al. 2021): for the first `adam_warmup_steps` steps the gradients are all-reduced
-        exactly (fp32) and every replica runs Keras's Adam on the sum, so the moments are
-        the global ones, identical everywhere. From then on `v` (and its bias correction)
-        stays fixed; each replica moves its momentum with its own gradient and compresses
-        its step `m̂ / (√v̂ + ε) / replicas` with error feedback. With `v` the same on every
-        replica that step is linear in the gradient, so the summed steps are exactly Adam's
-        (with `v` frozen) on the global gradient, only delayed by what error feedback holds
-        back — where per-replica moments normalise by each replica's noisier gradient
-        (batch / replicas) and move slower. With `adam_sync_momentum` (top-k at 10 %+) every replica
-        then sets its momentum to the one the summed step applied (`Σ sent · c1 · s`), so
-        an entry still waiting in a residual has no momentum pushing it further meanwhile.
-        """
-        beta_1, beta_2, eps = self.adam
-        replicas = collectives.replica_context().num_replicas_in_sync
-        warm, every = self.adam_warmup_steps, self.adam_refresh_every
-        live = self.adam_variance == "live"
-        own = self.adam_variance in _LOCAL
-        debias = self.adam_variance == "local_debiased"
-        rescale = self.adam_compresses == "gradient" and bool(live or every)
-        t = tf.cast(self.step + 1, tf.float32)
-        c1 = 1 - tf.pow(beta_1, t)
-        # Steps `v` stood for before this step: every step while it moves, else the warm-up
-        # plus the refreshes so far (a refresh is step warm + j·every − 1, 0-based).
-        if live or own:
-            t_v = t - 1
-        elif every:
-            t_v = tf.where(self.step < warm, t - 1, tf.cast(
-                warm + every * ((tf.maximum(self.step, warm) - warm) // every), tf.float32))
-        else:
-            t_v = tf.constant(float(warm))
-
-        def scale(v, c2):
-            # Adam's denominator √v̂ + ε, with v̂ = v / c2: step = (m / c1) / scale.
-            return (tf.sqrt(v) + eps * tf.sqrt(c2)) / tf.sqrt(c2)
-
-        def exact(gs):
-            plan = buckets.plan_buckets([g.shape for g in gs], self.bucket_bytes)
-            sums, nbytes = [None] * len(gs), 0
-            for bucket in plan:
-                total, b = collectives.sum_all(buckets.pack(gs, bucket), self._opts)
-                for j, part in buckets.unpack(total, bucket).items():
-                    sums[j] = part
-                nbytes += b
-            c2 = 1 - tf.pow(beta_2, t)
-            # A refresh after a frozen stretch weighs the exact gradient as the steps since
-            # `v` last moved; in the warm-up (and with a live `v`) that is one step.
-            if every and not live:
-                log_decay = (t - t_v) * math.log(beta_2)
-                gain = -tf.math.expm1(log_decay)  # 1 − β₂ᴷ without cancellation
-            else:
-                gain = 1 - beta_2
-            c2_before = 1 - tf.pow(beta_2, tf.maximum(t_v, 1.0))
-            out = []
-            for g, p in zip(sums, positions):
-                m, v = self.moments[f"m_{p}"], self.moments[f"v_{p}"]
-                m_new = m + (g - m) * (1 - beta_1)
-                v_new = v + (tf.square(g) - v) * gain
-                if rescale and str(p) in self.residuals:
-                    self._rescale_residual(p, scale(v, c2_before), scale(v_new, c2))
-                m.assign(m_new)
-                v.assign(v_new)
-                out.append(m_new * (tf.sqrt(c2) / c1) / (tf.sqrt(v_new) + eps))
-            if self.observes_exact and self.adam_compresses == "gradient":
-                # What compression will carry: the summed gradient over Adam's denominator.
-                self._observe_exact([g / scale(self.moments[f"v_{p}"], c2)
-                                     for g, p in zip(sums, positions)], positions)
-            return out, tf.cast(nbytes, tf.int64)
-
-        def compressed(gs):
-            c2 = 1 - tf.pow(beta_2, t_v)  # v's bias correction when it last moved
-            if own and self.adam_compresses == "step":
-                return local_variance_step(gs)
-            scales = [scale(self.moments[f"v_{p}"], c2) for p in positions]
-            if self.adam_compresses == "step":
-                carry = self.adam_momentum_carry if self.adam_sync_momentum else 0.0
-                steps, kept = [], []
-                for g, s, p in zip(gs, scales, positions):
-                    m = self.moments[f"m_{p}"]
-                    m_old = m.read_value()
-                    # This replica's own gradient is g · replicas; its share of the sum is g.
-                    m_new = m_old + (g * replicas - m_old) * (1 - beta_1)
-                    m.assign(m_new)
-                    # The synced momentum's own continuation (the same on every replica) is
-                    # applied whether or not its entry is sent; only the rest is compressed.
-                    step = m_new / c1 / s / replicas
-                    if carry:  # no extra pass over the tensor when nothing is carried
-                        k = carry * beta_1 * m_old / c1 / s
-                        kept.append(k)
-                        step -= k / replicas
-                    steps.append(step)
-                summed, nbytes = self._compress_and_exchange(steps, positions)
-                if carry:
-                    summed = [u + k for u, k in zip(summed, kept)]
-                if self.adam_sync_momentum:
-                    # Exact when nothing is dropped: Σ sent = mean of the replicas' m / c1 / s.
-                    for u, s, p in zip(summed, scales, positions):
-                        self.moments[f"m_{p}"].assign(u * c1 * s)
-                return list(summed), tf.cast(nbytes, tf.int64)
-            if own:
-                return local_variance(gs)
-            # "gradient": the gradient scaled by Adam's denominator is compressed and summed,
-            # and the momentum (and a live `v`) taken of the sum, identical on every replica.
-            summed, nbytes = self._compress_and_exchange(
-                [g / s for g, s in zip(gs, scales)], positions)
-            c2_now = 1 - tf.pow(beta_2, t) if live else c2
-            out = []
-            for u, s, p in zip(summed, scales, positions):
-                m = self.moments[f"m_{p}"]
-                g_sum = u * s
-                m_new = m + (g_sum - m) * (1 - beta_1)
-                m.assign(m_new)
-                if live:
-                    v = self.moments[f"v_{p}"]
-                    v_new = v + (tf.square(g_sum) - v) * (1 - beta_2)
-                    v.assign(v_new)
-                    s_new = scale(v_new, c2_now)
-                    if str(p) in self.residuals:
-                        self._rescale_residual(p, s, s_new)
-                    s = s_new
-                out.append(m_new / c1 / s)
-            return out, tf.cast(nbytes, tf.int64)
-
-        first = tf.equal(self.step, warm)  # m still holds the exact sum's momentum
-
-        def move_local_v(g, p):
-            # This replica's own v moved by its own gradient (g · replicas, exact): returns
-            # the denominators before and after.
-            c2 = 1 - tf.pow(beta_2, t_v)  # v last moved on the previous step
-            c2_now = 1 - tf.pow(beta_2, t)
-            c1_before = 1 - tf.pow(beta_1, t - 1)
-            v = self.moments[f"v_{p}"]
-            s_old = scale(v, c2)
-            if debias:
-                m = self.moments[f"m_{p}"]
-                # The summed gradient's estimate in its own units: m / c1 · s_i (a
-                # cond, not a `where`: no extra pass over m on every later step).
-                g_hat = tf.cond(first, lambda: m.read_value(),
-                                lambda: m * s_old) / c1_before
-                square = (tf.square(g) * replicas +
-                          (1 - 1 / replicas) * tf.square(g_hat))
-            else:
-                square = tf.square(g * replicas)
-            v_new = v + (square - v) * (1 - beta_2)
-            v.assign(v_new)
-            return s_old, scale(v_new, c2_now)
-
-        def scaled_momentum(p, s_old):
-            # The momentum in the scaled units (m / s, the same on every replica); converted
-            # once, by the warm-up's v (still the same everywhere).
-            m = self.moments[f"m_{p}"]
-            return tf.cond(first, lambda: m / s_old, lambda: m.read_value())
-
-        def local_variance_step(gs):
-            # Top-k with each replica's own v: the synced momentum is kept in the scaled
-            # units (μ, the same everywhere) and a replica's step is
-            # (β₁ μ / replicas + (1 − β₁) g / s_i) / c1, so the steps sum to the momentum of
-            # Σ_i g_i / s_i over c1, as `local_variance`; each replica compresses its own.
-            carry = self.adam_momentum_carry
-            steps, kept = [], []
-            for g, p in zip(gs, positions):
-                s_old, s_new = move_local_v(g, p)
-                mu = scaled_momentum(p, s_old)
-                step = (mu * beta_1 / replicas + g / s_new * (1 - beta_1)) / c1
-                if carry:
-                    k = carry * beta_1 * mu / c1
-                    kept.append(k)
-                    step -= k / replicas
-                steps.append(step)
-            summed, nbytes = self._compress_and_exchange(steps, positions)
-            if carry:
-                summed = [u + k for u, k in zip(summed, kept)]
-            for u, p in zip(summed, positions):
-                self.moments[f"m_{p}"].assign(u * c1)
-            return list(summed), tf.cast(nbytes, tf.int64)
-
-        def local_variance(gs):
-            # Each replica moves its own v with its own gradient (g · replicas, exact) and
-            # sends g / s_i; the momentum is of the sum Σ_i g_i / s_i, the same everywhere.
-            xs, olds = [], []
-            for g, p in zip(gs, positions):
-                s_old, s_new = move_local_v(g, p)
-                # The residuals are not rescaled: only their sum over replicas is ever sent
-                # (PowerSGD is linear in the summed matrix), and each also holds its
-                # replica's deviation from the replicas' mean (DDP's residual), which cancels
-                # in that sum. Rescaled by each replica's own s_old / s_new they no longer
-                # cancel: with nothing lost the weights ended 10 % off the method's in 9
-                # steps (tests/adam_front_child.py's `powersgd_local_variance`). Unrescaled,
-                # the debt is kept exactly in the units the momentum sums.
-                xs.append(g / s_new)
-                olds.append(s_old)
-            summed, nbytes = self._compress_and_exchange(xs, positions)
-            out = []
-            for u, s_old, p in zip(summed, olds, positions):
-                m_old = scaled_momentum(p, s_old)
-                m_new = m_old + (u - m_old) * (1 - beta_1)
-                self.moments[f"m_{p}"].assign(m_new)
-                out.append(m_new / c1)
-            return out, tf.cast(nbytes, tf.int64)
-
-        gs = [tf.convert_to_tensor(g) for g in grads]  # embeddings' IndexedSlices dense
-        is_exact = self.step < warm
-        if every:
-            is_exact = tf.logical_or(
-                is_exact, tf.equal((self.step - warm + 1) % every, 0))
-        return collectives.replica_cond(is_exact, exact, compressed, (gs,))
+        """Adam in front of compression (1-bit Adam and its variants of `v`): the summed
+        steps and the wire bytes, by `tfpar.compression.adam_front`."""
+        return adam_front.AdamFrontStep(self, positions).run(grads)
 
     def _rescale_residual(self, position, old_scale, new_scale):
         """Error feedback holds `gradient / scale`: when Adam's denominator moves, the
@@ -565,7 +357,7 @@ class Aggregator(tf.Module):
         Compressing gradients that Adam then normalises fails: error feedback turns a
         coordinate's steady gradient `g` into a spike `T·g` every `T` steps, whose mean is
         `g` but whose root mean square is `√T·g`, so Adam moves that coordinate at `1/√T` of
-        its speed (10× slower at 1 % density). Compressing Adam's step instead keeps error
+        its speed. Compressing Adam's step instead keeps error
         feedback's guarantee on what is applied: every step Adam computed is applied, late.
         """
         beta_1, beta_2, eps = self.adam

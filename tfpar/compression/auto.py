@@ -20,11 +20,8 @@ always send messages of one length and apply the same sums (no worker can diverg
    replica runs one step of PowerSGD's subspace iteration (Q ← Mᵀ orth(M Q), up to `r_max`
    columns) on the exact sum it already holds — no bytes — so Q starts compression warm,
    and the first rank is the smallest whose columns beyond carried at most `down_share` of
-   the energy on those steps' mean (the rule below), `r_max` when none did. (It had started
-   at `r_max` for every layer, since the first compressed steps cost most when under-sent:
-   on the convnet rank 4 → 8 → 16 over the first windows ended +3.9 % above fp32, rank 8
-   throughout −0.1 %; but a first window at rank 64 put ~3.5 MB a step on a 100 Mbit/s link
-   where PowerSGD rank 4 puts 0.26 MB, so a 32-step run's median step was auto's slowest.)
+   the energy on those steps' mean (the rule below), `r_max` when none did (starting every
+   layer at `r_max` sent too much on slow links: docs/compression.md).
    Every step gives the summed gradient's energy along
    each column of P̂, `||Q_sum[:, c]||²` (the same on every replica), and so the share of
    what rank r sends that the columns beyond each lower power of two carry. At each
@@ -37,8 +34,8 @@ always send messages of one length and apply the same sums (no worker can diverg
    own matrix: error feedback only ever sends sums, so the residuals' differences between
    replicas grow unsent, and each replica's own share held back, `||M − P̂ P̂ᵀ M|| / ||M||`
    (also measured: `||M||²` and Q's column energies, 1 + `r_max` floats a matrix summed with
-   the Q's; `comm.auto`'s `error`), rose to ~0.9 at every rank late in a convnet run: a rule
-   on it cut the convnet to rank 2 there and ended +2.7 % above fp32.
+   the Q's; `comm.auto`'s `error`), rises late in a run at every rank, so no rule is made
+   of it (docs/compression.md).
 3. **Loss guard.** `LossGuard` (a Keras callback, which the trainer adds) compares the mean
    batch loss of each compressed window with the window before; when it rose by more than
    `tolerance` and more than two standard errors of the difference (the batch losses' own
@@ -48,9 +45,8 @@ always send messages of one length and apply the same sums (no worker can diverg
 
 With Adam in front (the trainer's `--compression=auto`), after the exact warm-up each
 replica moves its own `v` with its own exact gradient, its noise counted once
-(`adam_variance="local_debiased"`, see `Aggregator.set_adam_variance`): within 1 % of fp32 on
-all 8 cells of the quality suite. Frozen (PowerSGD's default) the user task failed (+3.9 %,
-seed 0); moved by the decoded sum (`"live"`) the convnet ended +8.7 %.
+(`adam_variance="local_debiased"`, see `Aggregator.set_adam_variance`; the other rules
+for `v` measured worse on the quality suite: docs/compression.md).
 
 Before `start_step` gradients are all-reduced exactly. A rank is a per-layer `int32`
 variable; the factors are cut from a `[m, r_max]` Q to the current rank inside the traced
@@ -644,8 +640,7 @@ class LossGuard(keras.callbacks.Callback):
             window, previous = self.losses[-w:], self.losses[-2 * w:-w]
             before = float(np.mean(previous))
             # A rise counts when above `tolerance` and above two standard errors of the
-            # difference of the two means (batch losses are noisy: on the mlp, rises of
-            # 5-9 % between windows of a run that ends at fp32's loss).
+            # difference of the two means (batch losses are noisy between windows).
             noise = 2 * math.sqrt((np.var(window) + np.var(previous)) / w)
             if now - before > max(before * self.tolerance, noise):
                 raised = agg.raise_ranks()

@@ -172,8 +172,7 @@ class TopKAggregator(Aggregator):
         when an entry is sent at least once per momentum time constant on average
         (`ratio >= 1 − β₁`, 10 % for Keras's Adam). Syncing zeroes the momentum of entries not
         sent, and what that momentum would have added later is kept nowhere: entries that
-        wait much longer than `1/(1 − β₁)` steps then move slower (convnet, seed 0: 1 % synced
-        +398 % of fp32's loss, not synced +20 %; 10 % synced +3.8 %, not synced +327 %)."""
+        wait much longer than `1/(1 − β₁)` steps then move slower (docs/compression.md)."""
         return self.adam is not None and self.ratio >= 1 - self.adam[0]
 
     def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, warmup_steps=0,

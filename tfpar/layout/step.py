@@ -83,84 +83,103 @@ def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=No
         mesh (`batch_to_mesh`), `sample_weight` may be None. It refuses (TfparError) to
         run if its graph touches a variable that is not a DVariable.
     """
-    trainable = list(model.trainable_variables)
-    non_trainable = list(model.non_trainable_variables)
-    opt_vars = list(optimizer.variables)
-    check_dvariables(trainable + non_trainable + opt_vars, "the training step")
-    layouts = [_layouts(trainable), _layouts(non_trainable), _layouts(opt_vars)]
-    scales_loss = hasattr(optimizer, "inner_optimizer")  # a LossScaleOptimizer
+    step = _TrainStep(model, optimizer, loss_fn, grad_accum_steps, reduction)
+    return _checked(mesh, step.step, "the training step")
 
-    def micro_step(tv, ntv, ov, x, y, sample_weight):
-        mapping = list(zip(trainable, tv)) + list(zip(non_trainable, ntv))
+
+class _TrainStep:
+    """`train_step`'s pieces: the variables read once, the gradient by micro-batches,
+    per replica (through `reduction`) or whole, and the one write at the end."""
+
+    def __init__(self, model, optimizer, loss_fn, grad_accum_steps, reduction):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.grad_accum_steps, self.reduction = grad_accum_steps, reduction
+        self.trainable = list(model.trainable_variables)
+        self.non_trainable = list(model.non_trainable_variables)
+        self.opt_vars = list(optimizer.variables)
+        check_dvariables(self.trainable + self.non_trainable + self.opt_vars,
+                         "the training step")
+        self.layouts = [_layouts(self.trainable), _layouts(self.non_trainable),
+                        _layouts(self.opt_vars)]
+        self.scales_loss = hasattr(optimizer, "inner_optimizer")  # a LossScaleOptimizer
+
+    def _mapping(self, tv, ntv):
+        return list(zip(self.trainable, tv)) + list(zip(self.non_trainable, ntv))
+
+    def micro_step(self, tv, ntv, ov, x, y, sample_weight):
+        """One forward/backward pass: the gradients, new non-trainable values, metrics."""
         with tf.GradientTape() as tape:
             tape.watch(tv)
-            logits, loss, scope = _forward_loss(model, loss_fn, mapping, x, y,
+            logits, loss, scope = _forward_loss(self.model, self.loss_fn,
+                                                self._mapping(tv, ntv), x, y,
                                                 sample_weight, True)
             scaled = loss
-            if scales_loss:  # reads the scale from this step's optimizer values
-                with keras.StatelessScope(state_mapping=list(zip(opt_vars, ov))):
-                    scaled = optimizer.scale_loss(loss)
+            if self.scales_loss:  # reads the scale from this step's optimizer values
+                with keras.StatelessScope(state_mapping=list(zip(self.opt_vars, ov))):
+                    scaled = self.optimizer.scale_loss(loss)
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, tv)]
-        new_ntv = [scope.get_current_value(v) for v in non_trainable]
+        new_ntv = [scope.get_current_value(v) for v in self.non_trainable]
         return grads, new_ntv, _metrics(loss, logits, y, sample_weight)
 
-    def replica_step(tv, ntv, x, y, sample_weight):
-        # One gradient per data-parallel replica: vectorized over the leading `batch`
-        # axis, so DTensor never sums over it; `reduction` does, through its codec.
+    def replica_step(self, tv, ntv, x, y, sample_weight):
+        """One gradient per data-parallel replica: vectorized over the leading `batch`
+        axis, so DTensor never sums over it; `reduction` does, through its codec."""
         def one(args):
             xr, yr, wr = args
-            mapping = list(zip(trainable, tv)) + list(zip(non_trainable, ntv))
+            weight = None if sample_weight is None else wr
             with tf.GradientTape() as tape:
                 tape.watch(tv)
-                logits, loss, scope = _forward_loss(model, loss_fn, mapping, xr, yr,
-                                                    None if sample_weight is None else wr,
-                                                    True)
+                logits, loss, scope = _forward_loss(self.model, self.loss_fn,
+                                                    self._mapping(tv, ntv), xr, yr,
+                                                    weight, True)
             grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, tv)]
-            new = [scope.get_current_value(v) for v in non_trainable]
-            return grads, new, _metrics(loss, logits, yr, None if sample_weight is None
-                                        else wr)
+            new = [scope.get_current_value(v) for v in self.non_trainable]
+            return grads, new, _metrics(loss, logits, yr, weight)
 
         weights = y if sample_weight is None else sample_weight
         grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
         # Non-trainable state (seeds) advances alike on every replica: keep replica 0's.
         new_ntv = [n[0] if n.shape.rank == v.value.shape.rank + 1 else n
-                   for n, v in zip(new_ntv, non_trainable)]
-        residuals = reduction.read()
-        grads, kept = reduction.mean(grads, residuals)
+                   for n, v in zip(new_ntv, self.non_trainable)]
+        residuals = self.reduction.read()
+        grads, kept = self.reduction.mean(grads, residuals)
         out = {"loss": tf.reduce_mean(out["loss"]), "correct": tf.reduce_sum(out["correct"]),
                "weight": tf.reduce_sum(out["weight"])}
-        return grads, new_ntv, out, residuals, kept
+        for residual, value in zip(self.reduction.variables, kept):
+            residual.assign(dtensor.relayout(value, residual.layout))
+        return grads, new_ntv, out
 
-    def step(x, y, sample_weight=None):
-        tv, ntv, ov = _read(trainable), _read(non_trainable), _read(opt_vars)
-        if reduction is not None:
-            grads, new_ntv, out, residuals, kept = replica_step(tv, ntv, x, y, sample_weight)
-            for residual, value in zip(reduction.variables, kept):
-                residual.assign(dtensor.relayout(value, residual.layout))
-        elif grad_accum_steps == 1:
-            grads, new_ntv, out = micro_step(tv, ntv, ov, x, y, sample_weight)
+    def accumulated_step(self, tv, ntv, ov, x, y, sample_weight):
+        """Unrolled: k forward/backward passes in one graph, the gradients summed as they
+        come; non-trainable state (seeds, statistics) flows from one micro-batch to the
+        next, as over k plain steps. The mean gradient, as one step on a k× batch."""
+        k = self.grad_accum_steps
+        grads, new_ntv, outs = None, ntv, []
+        for i in range(k):
+            part, new_ntv, out = self.micro_step(
+                tv, new_ntv, ov, x[i], y[i],
+                None if sample_weight is None else sample_weight[i])
+            grads = part if grads is None else [a + b for a, b in zip(grads, part)]
+            outs.append(out)
+        grads = [g / k for g in grads]
+        out = {"loss": tf.add_n([o["loss"] for o in outs]) / k,
+               "correct": tf.add_n([o["correct"] for o in outs]),
+               "weight": tf.add_n([o["weight"] for o in outs])}
+        return grads, new_ntv, out
+
+    def step(self, x, y, sample_weight=None):
+        tv, ntv, ov = _read(self.trainable), _read(self.non_trainable), _read(self.opt_vars)
+        if self.reduction is not None:
+            grads, new_ntv, out = self.replica_step(tv, ntv, x, y, sample_weight)
+        elif self.grad_accum_steps == 1:
+            grads, new_ntv, out = self.micro_step(tv, ntv, ov, x, y, sample_weight)
         else:
-            # Unrolled: k forward/backward passes in one graph, the gradients summed as
-            # they come; non-trainable state (seeds, statistics) flows from one
-            # micro-batch to the next, as over k plain steps.
-            grads, new_ntv, outs = None, ntv, []
-            for i in range(grad_accum_steps):
-                part, new_ntv, out = micro_step(
-                    tv, new_ntv, ov, x[i], y[i],
-                    None if sample_weight is None else sample_weight[i])
-                grads = part if grads is None else [a + b for a, b in zip(grads, part)]
-                outs.append(out)
-            grads = [g / grad_accum_steps for g in grads]
-            out = {"loss": tf.add_n([o["loss"] for o in outs]) / grad_accum_steps,
-                   "correct": tf.add_n([o["correct"] for o in outs]),
-                   "weight": tf.add_n([o["weight"] for o in outs])}
-        new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
-        _write(trainable, layouts[0], tv, new_tv)
-        _write(non_trainable, layouts[1], ntv, new_ntv)
-        _write(opt_vars, layouts[2], ov, new_ov)
+            grads, new_ntv, out = self.accumulated_step(tv, ntv, ov, x, y, sample_weight)
+        new_tv, new_ov = self.optimizer.stateless_apply(ov, grads, tv)
+        _write(self.trainable, self.layouts[0], tv, new_tv)
+        _write(self.non_trainable, self.layouts[1], ntv, new_ntv)
+        _write(self.opt_vars, self.layouts[2], ov, new_ov)
         return out
-
-    return _checked(mesh, step, "the training step")
 
 
 def eval_step(mesh, model, loss_fn):
