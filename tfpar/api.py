@@ -51,17 +51,17 @@ def make_strategy(kind="auto", cpu_devices=None, **options):
     Raises:
         ConfigError: an unknown option, a bad value, or a `TF_CONFIG` that does not fit.
 
-    Example:
-    >>> import numpy as np, keras, tfpar
-    >>> strategy = tfpar.make_strategy(cpu_devices=2)
-    >>> strategy.num_replicas_in_sync
-    2
-    >>> with strategy.scope():
-    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    ...     model.compile(optimizer="sgd", loss="mse")
-    >>> x = np.ones((32, 4), "float32")
-    >>> model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][0] > 0
-    True
+    Examples:
+        >>> import numpy as np, keras, tfpar
+        >>> strategy = tfpar.make_strategy(cpu_devices=2)
+        >>> strategy.num_replicas_in_sync
+        2
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> x = np.ones((32, 4), "float32")
+        >>> model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][0] > 0
+        True
     """
     for name, value in options.items():
         if name not in STRATEGY_OPTIONS:
@@ -149,21 +149,21 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
         ConfigError: an unknown compression or option, or a bad option value.
         TypeError: `optimizer` is not a Keras 3 optimizer on the TensorFlow backend.
 
-    Example:
-    >>> import numpy as np, keras, tfpar
-    >>> strategy = tfpar.make_strategy(cpu_devices=2)
-    >>> with strategy.scope():
-    ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
-    ...     opt = tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="powersgd",
-    ...                                      rank=1)
-    ...     model.compile(optimizer=opt, loss="mse")
-    >>> x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
-    >>> history = model.fit(x, x, batch_size=16, epochs=3, verbose=0).history["loss"]
-    >>> history[-1] < history[0]
-    True
-    >>> stats = tfpar.compression.aggregator_of(opt).comm_stats()
-    >>> stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
-    True
+    Examples:
+        >>> import numpy as np, keras, tfpar
+        >>> strategy = tfpar.make_strategy(cpu_devices=2)
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
+        ...     opt = tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="powersgd",
+        ...                                      rank=1)
+        ...     model.compile(optimizer=opt, loss="mse")
+        >>> x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+        >>> history = model.fit(x, x, batch_size=16, epochs=3, verbose=0).history["loss"]
+        >>> history[-1] < history[0]
+        True
+        >>> stats = tfpar.compression.aggregator_of(opt).comm_stats()
+        >>> stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
+        True
     """
     aggregator = _aggregator(compression, dict(aggregator_options))
     if isinstance(optimizer, str):

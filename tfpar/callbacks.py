@@ -108,28 +108,28 @@ class BackupAndRestore(keras.callbacks.Callback):
         ConfigError: a bad argument, a `backup_dir` holding other files, or a checkpoint
             that does not match the model and optimizer.
 
-    Example:
-    >>> import numpy as np, keras, tensorflow as tf, tfpar, tempfile
-    >>> backup = tfpar.callbacks.BackupAndRestore(tempfile.mkdtemp() + "/bk", save_freq=5)
-    >>> def data(start):                       # batch k depends on k only
-    ...     return tf.data.Dataset.range(start, 10**6).map(
-    ...         lambda k: (tf.fill((8, 2), tf.cast(k % 7, "float32")), tf.ones((8, 1))))
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> class Crash(keras.callbacks.Callback):
-    ...     def on_train_batch_end(self, batch, logs=None):
-    ...         if int(self.model.optimizer.iterations) == 17: raise KeyboardInterrupt
-    >>> try:
-    ...     model.fit(data(backup.initial_step), epochs=3, steps_per_epoch=10, verbose=0,
-    ...               callbacks=[backup, Crash()])
-    ... except KeyboardInterrupt:
-    ...     pass
-    >>> backup.initial_step                   # the last save before the crash
-    15
-    >>> _ = model.fit(data(backup.initial_step), epochs=3, steps_per_epoch=10, verbose=0,
-    ...               callbacks=[backup])
-    >>> int(model.optimizer.iterations)
-    30
+    Examples:
+        >>> import numpy as np, keras, tensorflow as tf, tfpar, tempfile
+        >>> backup = tfpar.callbacks.BackupAndRestore(tempfile.mkdtemp() + "/bk", save_freq=5)
+        >>> def data(start):                       # batch k depends on k only
+        ...     return tf.data.Dataset.range(start, 10**6).map(
+        ...         lambda k: (tf.fill((8, 2), tf.cast(k % 7, "float32")), tf.ones((8, 1))))
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> class Crash(keras.callbacks.Callback):
+        ...     def on_train_batch_end(self, batch, logs=None):
+        ...         if int(self.model.optimizer.iterations) == 17: raise KeyboardInterrupt
+        >>> try:
+        ...     model.fit(data(backup.initial_step), epochs=3, steps_per_epoch=10, verbose=0,
+        ...               callbacks=[backup, Crash()])
+        ... except KeyboardInterrupt:
+        ...     pass
+        >>> backup.initial_step                   # the last save before the crash
+        15
+        >>> _ = model.fit(data(backup.initial_step), epochs=3, steps_per_epoch=10, verbose=0,
+        ...               callbacks=[backup])
+        >>> int(model.optimizer.iterations)
+        30
     """
 
     def __init__(self, backup_dir, save_freq="epoch", keep=2, delete_checkpoint=True):
@@ -255,17 +255,17 @@ class TensorBoard(keras.callbacks.TensorBoard):
             communication share on.
         **kwargs: Keras's `TensorBoard` arguments.
 
-    Example:
-    >>> import numpy as np, keras, tfpar, tempfile
-    >>> logs = tempfile.mkdtemp()
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> _ = model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=4, verbose=0,
-    ...               callbacks=[tfpar.callbacks.TensorBoard(logs)])
-    >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    >>> events = EventAccumulator(logs + "/train"); _ = events.Reload()
-    >>> sorted(t for t in events.Tags()["tensors"] if t.startswith("tfpar/"))
-    ['tfpar/skipped_steps', 'tfpar/step_time_ms']
+    Examples:
+        >>> import numpy as np, keras, tfpar, tempfile
+        >>> logs = tempfile.mkdtemp()
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> _ = model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=4, verbose=0,
+        ...               callbacks=[tfpar.callbacks.TensorBoard(logs)])
+        >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        >>> events = EventAccumulator(logs + "/train"); _ = events.Reload()
+        >>> sorted(t for t in events.Tags()["tensors"] if t.startswith("tfpar/"))
+        ['tfpar/skipped_steps', 'tfpar/step_time_ms']
     """
 
     def __init__(self, log_dir="logs", measure_comm=None, **kwargs):

@@ -62,8 +62,8 @@ class ParallelConfig:
             splits the CPU into N logical devices before TensorFlow initialises.
         collective_timeout_s, heartbeat_timeout_s, startup_timeout_s: bounds after which
             a stalled collective, a dead peer, or a peer that never starts becomes an error.
-        data_parallel, tensor_parallel, pipeline_stages, microbatches, schedule,
-            virtual_stages: parallel degrees; 0 for `data_parallel` means "all replicas".
+        data_parallel: the parallel degrees, with `tensor_parallel`, `pipeline_stages`,
+            `microbatches`, `schedule`, `virtual_stages`; 0 here means "all replicas".
         sequence_parallel: with `tensor_parallel > 1` on the transformer, also split the
             activations outside attention and MLP (norms, residual adds) along the
             sequence over the `model` axis (`tfpar.layout.presets.sequence_parallel`).
@@ -85,10 +85,10 @@ class ParallelConfig:
         ConfigError: a value out of range, or a setting the backend that will run this
             config cannot honour (the table in `tfpar.compat`), in one line naming it.
 
-    Example:
-    >>> cfg = ParallelConfig(model="mlp", global_batch_size=64, grad_accum_steps=2)
-    >>> cfg.effective_batch_size
-    128
+    Examples:
+        >>> cfg = ParallelConfig(model="mlp", global_batch_size=64, grad_accum_steps=2)
+        >>> cfg.effective_batch_size
+        128
     """
 
     # What to train.

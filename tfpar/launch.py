@@ -12,7 +12,7 @@ launcher gets SIGINT/SIGTERM, every worker's process group is signalled, then SI
 Exit status: 0 when every worker exited 0; 1 when a worker failed or a timeout expired;
 2 for bad usage; 128+signal when the launcher itself was interrupted.
 
-Example:
+Examples:
     python -m tfpar.launch --workers=2 --timeout=600 -- \
         python -m tfpar.train --strategy=multi_worker
 

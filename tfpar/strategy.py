@@ -202,10 +202,10 @@ def wait_for_workers(name="exit", timeout_s=300.0):
         TfparError: the others did not all arrive within `timeout_s` (one line).
         tf.errors.OpError: the coordination service reported a failed peer.
 
-    Example:
-    >>> import tfpar
-    >>> tfpar.wait_for_workers()  # one process: nothing to wait for
-    False
+    Examples:
+        >>> import tfpar
+        >>> tfpar.wait_for_workers()  # one process: nothing to wait for
+        False
     """
     if not isinstance(name, str) or not name:
         raise ConfigError("name", name, "a non-empty string, the same on every worker")

@@ -4,10 +4,10 @@ TensorFlow accepts a malformed `TF_CONFIG` silently or fails deep inside a colle
 a message that names neither the field nor the fix. `parse` checks every field first and
 raises one `ConfigError` naming it. Pure Python: importing this never imports TensorFlow.
 
-Example:
->>> info = parse(make(["localhost:12345", "localhost:23456"], 1))
->>> info.worker_index, info.num_workers, info.is_chief, info.own_address
-(1, 2, False, 'localhost:23456')
+Examples:
+    >>> info = parse(make(["localhost:12345", "localhost:23456"], 1))
+    >>> info.worker_index, info.num_workers, info.is_chief, info.own_address
+    (1, 2, False, 'localhost:23456')
 """
 
 import dataclasses

@@ -4,11 +4,11 @@ Pick one from a `ParallelConfig` with `make_aggregator`, plug it into a Keras op
 `wrap_optimizer`, or call `aggregator.all_reduce_sum(grads, variables)` in replica context
 from a custom loop.
 
-Example:
->>> agg = make_aggregator(ParallelConfig(compression="topk", topk_ratio=0.01))
->>> with strategy.scope():                                            # doctest: +SKIP
-...     model.compile(optimizer=wrap_optimizer(keras.optimizers.Adam(), agg), loss=...)
->>> model.fit(...); agg.comm_stats()["compression_ratio"]           # doctest: +SKIP
+Examples:
+    >>> agg = make_aggregator(ParallelConfig(compression="topk", topk_ratio=0.01))
+    >>> with strategy.scope():                                            # doctest: +SKIP
+    ...     model.compile(optimizer=wrap_optimizer(keras.optimizers.Adam(), agg), loss=...)
+    >>> model.fit(...); agg.comm_stats()["compression_ratio"]           # doctest: +SKIP
 """
 
 from absl import logging

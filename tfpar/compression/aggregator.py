@@ -126,9 +126,9 @@ class Aggregator(tf.Module):
             (ignored by lossless aggregators).
         timeout_s: timeout of each collective (None: wait forever).
 
-    Example:
-    >>> agg = NoneAggregator()                                     # doctest: +SKIP
-    >>> summed = strategy.run(lambda g: agg.all_reduce_sum(g, variables), args=(grads,))
+    Examples:
+        >>> agg = NoneAggregator()                                     # doctest: +SKIP
+        >>> summed = strategy.run(lambda g: agg.all_reduce_sum(g, variables), args=(grads,))
     """
 
     lossy = False

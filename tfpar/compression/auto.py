@@ -145,10 +145,10 @@ class AutoAggregator(PowerSGDAggregator):
         seed: seed of the initial Q.
         **kwargs: see `Aggregator`.
 
-    Example:
-    >>> agg = AutoAggregator(link=(12.5e6, 1e-3))  # as on a 100 Mbit/s link
-    >>> agg.budget_bytes()
-    225000
+    Examples:
+        >>> agg = AutoAggregator(link=(12.5e6, 1e-3))  # as on a 100 Mbit/s link
+        >>> agg.budget_bytes()
+        225000
     """
 
     lossy = True

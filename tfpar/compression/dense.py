@@ -11,8 +11,8 @@ from tfpar.compression.aggregator import Aggregator
 class NoneAggregator(Aggregator):
     """The reference: a plain fp32 all-reduce per bucket (what Keras does, but bucketed).
 
-    Example:
-    >>> optimizer = wrap_optimizer(keras.optimizers.Adam(), NoneAggregator())  # doctest: +SKIP
+    Examples:
+        >>> optimizer = wrap_optimizer(keras.optimizers.Adam(), NoneAggregator())  # doctest: +SKIP
     """
 
     def _exchange_bucket(self, flat, bucket):

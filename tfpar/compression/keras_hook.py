@@ -130,10 +130,10 @@ def wrap_optimizer(optimizer, aggregator):
             m)`) and `optimizer` is not a plain `SGD`; its momentum is set to 0 otherwise,
             since the aggregator now applies it.
 
-    Example:
-    >>> with strategy.scope():                                        # doctest: +SKIP
-    ...     opt = wrap_optimizer(keras.optimizers.Adam(1e-3), TopKAggregator(0.01))
-    ...     model.compile(optimizer=opt, loss="mse")
+    Examples:
+        >>> with strategy.scope():                                        # doctest: +SKIP
+        ...     opt = wrap_optimizer(keras.optimizers.Adam(1e-3), TopKAggregator(0.01))
+        ...     model.compile(optimizer=opt, loss="mse")
     """
     target = optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

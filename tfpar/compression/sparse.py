@@ -158,10 +158,10 @@ class TopKAggregator(Aggregator):
             [0, 1] of the synced momentum's continuation applied outside the compression.
         **kwargs: see `Aggregator`.
 
-    Example:
-    >>> agg = TopKAggregator(0.01, warmup_steps=30)
-    >>> [round(agg.density(s), 4) for s in (0, 15, 30)]
-    [0.25, 0.05, 0.01]
+    Examples:
+        >>> agg = TopKAggregator(0.01, warmup_steps=30)
+        >>> [round(agg.density(s), 4) for s in (0, 15, 30)]
+        [0.25, 0.05, 0.01]
     """
 
     lossy = True

@@ -69,10 +69,10 @@ def make_mesh(data_parallel, tensor_parallel, devices=None):
     Raises:
         ConfigError: the product of the degrees is not the number of devices.
 
-    Example:
-    >>> mesh = make_mesh(2, 2)          # with 4 logical CPUs
-    >>> mesh.shape
-    (2, 2)
+    Examples:
+        >>> mesh = make_mesh(2, 2)          # with 4 logical CPUs
+        >>> mesh.shape
+        (2, 2)
     """
     devices = list(devices or devices_lib.compute_devices())
     if tensor_parallel < 1:

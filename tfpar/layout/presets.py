@@ -172,10 +172,10 @@ def layout_map(mesh, rules):
         mesh: a `keras.distribution.DeviceMesh` (see `make_mesh`).
         rules: `(regex, axes)` pairs, e.g. from `preset_rules`.
 
-    Example:
-    >>> lm = layout_map(mesh, preset_rules(["megatron_mlp"]))
-    >>> lm["dense_0/kernel"].axes
-    (None, 'model')
+    Examples:
+        >>> lm = layout_map(mesh, preset_rules(["megatron_mlp"]))
+        >>> lm["dense_0/kernel"].axes
+        (None, 'model')
     """
     result = keras.distribution.LayoutMap(mesh)
     for regex, axes in weight_rules(rules):

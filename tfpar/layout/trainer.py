@@ -7,12 +7,12 @@ are put on the mesh on the host, split on the `batch` axis, and the compiled ste
 `tfpar.layout.step` run on them. Keras callbacks receive the same calls and logs as under
 `model.fit` (running means over the epoch).
 
-Example:
->>> mesh = make_mesh(2, 2)
->>> model, trainer = build_on_mesh(mesh, preset_rules(["megatron_mlp"]),
-...     lambda: models.mlp((32,), 10), lambda: keras.optimizers.Adam(1e-3),
-...     keras.losses.SparseCategoricalCrossentropy(from_logits=True))
->>> trainer.fit(batches, epochs=1)
+Examples:
+    >>> mesh = make_mesh(2, 2)
+    >>> model, trainer = build_on_mesh(mesh, preset_rules(["megatron_mlp"]),
+    ...     lambda: models.mlp((32,), 10), lambda: keras.optimizers.Adam(1e-3),
+    ...     keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> trainer.fit(batches, epochs=1)
 """
 
 import keras

@@ -158,9 +158,9 @@ def variable_scope(distribution):
     Raises:
         TfparError: Keras changed the code this scope hooks.
 
-    Example:
-    >>> with variable_scope(distribution):
-    ...     model = models.build("mlp", (32,), 10)
+    Examples:
+        >>> with variable_scope(distribution):
+        ...     model = models.build("mlp", (32,), 10)
     """
     check_target()
     previous = tf_core.Variable._initialize

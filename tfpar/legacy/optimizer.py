@@ -53,10 +53,10 @@ def wrap_optimizer(optimizer, aggregator):
     Raises:
         TypeError: `optimizer` is not such an optimizer.
 
-    Example:
-    >>> with strategy.scope():                                        # doctest: +SKIP
-    ...     opt = wrap_optimizer(tf_keras.optimizers.Adam(1e-3), Int8Aggregator())
-    ...     model.compile(optimizer=opt, loss="mse")
+    Examples:
+        >>> with strategy.scope():                                        # doctest: +SKIP
+        ...     opt = wrap_optimizer(tf_keras.optimizers.Adam(1e-3), Int8Aggregator())
+        ...     model.compile(optimizer=opt, loss="mse")
     """
     target = optimizer
     if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):

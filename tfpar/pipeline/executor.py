@@ -11,11 +11,11 @@ No stateful op that touches no variable (`tf.print`, `tf.timestamp`, `py_functio
 in here: automatic control dependencies would chain them all in program order and
 serialise the pipeline. Measure from outside the step or with the profiler.
 
-Example:
->>> ex = PipelineExecutor(stages, devices, make_schedule("1f1b", 2, 4), loss_fn)
->>> ex.build_optimizers(keras.optimizers.Adam(1e-3))
->>> step = tf.function(ex.train_step, jit_compile=False)
->>> loss, y_pred = step(x, y)
+Examples:
+    >>> ex = PipelineExecutor(stages, devices, make_schedule("1f1b", 2, 4), loss_fn)
+    >>> ex.build_optimizers(keras.optimizers.Adam(1e-3))
+    >>> step = tf.function(ex.train_step, jit_compile=False)
+    >>> loss, y_pred = step(x, y)
 """
 
 import tensorflow as tf

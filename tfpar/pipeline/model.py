@@ -4,11 +4,11 @@
 any Keras model. Training splits each batch into micro-batches and runs the executor;
 evaluation and prediction run the stages in sequence on the whole batch.
 
-Example:
->>> tfpar.devices.split_cpu(2)
->>> pm = PipelineModel.split(model, stages=2, schedule="1f1b", microbatches=4)
->>> pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
->>> pm.fit(x, y, batch_size=32, epochs=2)
+Examples:
+    >>> tfpar.devices.split_cpu(2)
+    >>> pm = PipelineModel.split(model, stages=2, schedule="1f1b", microbatches=4)
+    >>> pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    >>> pm.fit(x, y, batch_size=32, epochs=2)
 """
 
 import keras
@@ -48,16 +48,16 @@ class PipelineModel(keras.Model):
         ConfigError: sizes that do not fit together (stages vs K*V, M vs schedule,
             too few devices).
 
-    Example:
-    >>> import numpy as np, keras, tfpar
-    >>> _ = tfpar.make_strategy("one_device", cpu_devices=2)  # two CPU devices, one per stage
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
-    ...                           keras.layers.Dense(1)])
-    >>> pipeline = tfpar.PipelineModel.split(model, stages=2, schedule="1f1b", microbatches=2)
-    >>> pipeline.compile(optimizer="sgd", loss="mse")
-    >>> x = np.ones((16, 4), "float32")
-    >>> pipeline.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][0] > 0
-    True
+    Examples:
+        >>> import numpy as np, keras, tfpar
+        >>> _ = tfpar.make_strategy("one_device", cpu_devices=2)  # two CPU devices, one per stage
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+        ...                           keras.layers.Dense(1)])
+        >>> pipeline = tfpar.PipelineModel.split(model, stages=2, schedule="1f1b", microbatches=2)
+        >>> pipeline.compile(optimizer="sgd", loss="mse")
+        >>> x = np.ones((16, 4), "float32")
+        >>> pipeline.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][0] > 0
+        True
     """
 
     def __init__(self, stages, schedule="1f1b", microbatches=1, virtual_stages=1,

@@ -7,9 +7,9 @@ inside one stage). Among the valid cuts, the split minimises the largest stage c
 layers are fresh copies built under the stage's device, so its variables live there, with
 the original weights copied in.
 
-Example:
->>> stages = partition(model, 2, devices=["/device:CPU:0", "/device:CPU:1"])
->>> y = stages[1](stages[0](x))
+Examples:
+    >>> stages = partition(model, 2, devices=["/device:CPU:0", "/device:CPU:1"])
+    >>> y = stages[1](stages[0](x))
 """
 
 import contextlib

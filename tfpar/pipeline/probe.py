@@ -7,9 +7,9 @@ profiled step costs a few tens of milliseconds of parsing; the other steps run u
 Under pipeline x data parallelism the first replica's ops are read (every replica runs the
 same schedule on its own devices).
 
-Example:
->>> pm.fit(x, y, batch_size=32, epochs=1)
->>> pm.bubble_measured, pm.measured_timeline.actions[0][:3]
+Examples:
+    >>> pm.fit(x, y, batch_size=32, epochs=1)
+    >>> pm.bubble_measured, pm.measured_timeline.actions[0][:3]
 """
 
 import re

@@ -6,10 +6,10 @@ the name scope the executor gives it (`s<stage>_<F|B|W><microbatch>_c<chunk>/...
 ops carry their forward's scope under `gradient_tape/`). Each action becomes the span from
 its first op's start to its last op's end; a stage is busy while any of its ops runs.
 
-Example:
->>> tl = profile(lambda: step(x, y), "/tmp/profile")
->>> tl.bubble, tl.busy_fraction()
->>> print(draw(tl)); write_chrome_trace(tl, "/tmp/pipeline_trace.json")
+Examples:
+    >>> tl = profile(lambda: step(x, y), "/tmp/profile")
+    >>> tl.bubble, tl.busy_fraction()
+    >>> print(draw(tl)); write_chrome_trace(tl, "/tmp/pipeline_trace.json")
 """
 
 import dataclasses
