@@ -237,7 +237,7 @@ def _delete_own_files(directory):
 
 class TensorBoardScalars:
     """tfpar's per-step `tfpar/` scalars, mixed into a Keras generation's `TensorBoard`:
-    `TensorBoard` below (Keras 3) and `tfpar.legacy.callbacks.TensorBoard` (tf_keras, the
+    `TensorBoard` below (Keras 3) and `tfpar.legacy.trainer.TensorBoard` (tf_keras, the
     trainer's `keras=2`). What it reads of the model (its optimizer, aggregator and
     pipeline) is the same under both; only the base class differs."""
 
@@ -272,13 +272,16 @@ class TensorBoardScalars:
         (default: the optimizer's step count), also after `fit` has ended (e.g. a share
         measured after training)."""
         step = self._optimizer_step() if step is None else step
-        writer = self._train_writer
-        if self._closed:  # fit ended and closed its writer: a new event file
-            writer = tf.summary.create_file_writer(self._train_dir)
+        # After fit, whose end closed the writer: a new event file in the same directory.
+        writer = tf.summary.create_file_writer(self._train_dir) if self._closed else (
+            self._train_writer)
         with writer.as_default():
             for name, value in scalars.items():
                 tf.summary.scalar(f"tfpar/{name}", value, step=step)
-        writer.flush()
+        if self._closed:
+            writer.close()
+        else:
+            writer.flush()
 
     def _optimizer(self):
         """The optimizer whose step count and loss scale the scalars follow."""

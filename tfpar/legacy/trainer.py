@@ -62,14 +62,14 @@ class StopOnNaN(tf_keras.callbacks.Callback):
 
 class TensorBoard(callbacks.TensorBoardScalars, tf_keras.callbacks.TensorBoard):
     """`tfpar.callbacks.TensorBoard` for tf_keras: tf_keras's callback (its callback list
-    takes no Keras 3 callback) with the same per-step `tfpar/` scalars."""
+    takes no Keras 3 callback) with the same per-step `tfpar/` scalars. tf_keras's own
+    callback asks for batch calls only while profiling; its `fit` then calls every
+    callback's batch hooks because another in the list asks for them (`Recorder`, which
+    the trainer always adds)."""
 
     def __init__(self, log_dir="logs", measure_comm=None, **kwargs):
         super().__init__(log_dir=log_dir, **kwargs)
         self._init_scalars(measure_comm)
-
-    def _implements_train_batch_hooks(self):
-        return True  # tf_keras's calls batch hooks only while profiling
 
 
 def build_model(config, runtime, task):
