@@ -235,7 +235,124 @@ def _delete_own_files(directory):
         os.rmdir(directory)
 
 
-class TensorBoard(keras.callbacks.TensorBoard):
+class TensorBoardScalars:
+    """tfpar's per-step `tfpar/` scalars, mixed into a Keras generation's `TensorBoard`:
+    `TensorBoard` below (Keras 3) and `tfpar.legacy.trainer.TensorBoard` (tf_keras, the
+    trainer's `keras=2`). What it reads of the model (its optimizer, aggregator and
+    pipeline) is the same under both; only the base class differs."""
+
+    def _init_scalars(self, measure_comm):
+        self.measure_comm = measure_comm
+        self._began = None
+        self._skipped = 0
+        self._last_scale = None
+        self._closed = False
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._closed = False
+        scale = _loss_scale(self._optimizer())
+        if scale is not None:
+            self._last_scale = scale
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch, logs)
+        self._began = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if not logs:  # a step BackupAndRestore skipped on resume
+            return
+        scalars = {"step_time_ms": 1000 * (time.perf_counter() - self._began)}
+        scalars.update(self._step_scalars())
+        self.write_scalars(scalars)
+
+    def write_scalars(self, scalars, step=None):
+        """Writes `{name: value}` as `tfpar/NAME` scalars of the `train` run at `step`
+        (default: the optimizer's step count), also after `fit` has ended (e.g. a share
+        measured after training)."""
+        step = self._optimizer_step() if step is None else step
+        # After fit, whose end closed the writer: a new event file in the same directory.
+        writer = tf.summary.create_file_writer(self._train_dir) if self._closed else (
+            self._train_writer)
+        with writer.as_default():
+            for name, value in scalars.items():
+                tf.summary.scalar(f"tfpar/{name}", value, step=step)
+        if self._closed:
+            writer.close()
+        else:
+            writer.flush()
+
+    def _optimizer(self):
+        """The optimizer whose step count and loss scale the scalars follow."""
+        return self.model.optimizer
+
+    def _optimizer_step(self):
+        return int(self._optimizer().iterations.numpy())
+
+    def _comm(self):
+        """The metrics JSON's `comm` block for this step, or None (`metrics.comm_stats`)."""
+        model = self.model
+        return metrics.comm_stats(model, model.distribute_strategy.num_replicas_in_sync)
+
+    def _bubble(self):
+        model = self.model
+        if hasattr(model, "pipeline_metrics"):
+            return model.pipeline_metrics()["bubble_theory"]
+        return None
+
+    def _step_scalars(self):
+        out = {}
+        comm = self._comm()
+        if comm:
+            out["bytes_on_wire"] = comm["bytes_on_wire_per_step"]
+            out["compression_ratio"] = comm["compression_ratio"]
+        optimizer = self._optimizer()
+        scale = _loss_scale(optimizer)
+        if scale is not None:
+            if self._last_scale is not None and scale < self._last_scale:
+                self._skipped += 1  # the optimizer halves the scale on a skipped step
+            self._last_scale = scale
+            out["loss_scale"] = scale
+        counted = getattr(_base_optimizer(optimizer), "nonfinite_steps", None)
+        out["skipped_steps"] = self._skipped + (float(counted.numpy()) if counted is not None
+                                                else 0.0)
+        bubble = self._bubble()
+        if bubble is not None:
+            out["pipeline_bubble"] = bubble
+        return out
+
+    def on_train_end(self, logs=None):
+        if self.measure_comm is not None:
+            strategy = self.model.distribute_strategy
+            fraction, parts = timing.measure_comm_fraction(
+                strategy, self.model, strategy.experimental_distribute_dataset(self.measure_comm))
+            self.write_scalars(comm_share_scalars(fraction, parts))
+        super().on_train_end(logs)
+        self._closed = True
+
+
+def comm_share_scalars(fraction, parts):
+    """`tfpar.compression.timing.measure_comm_fraction`'s result as TensorBoard scalars:
+    `comm_time_fraction` and the step's parts it came from."""
+    out = {"comm_time_fraction": fraction}
+    for name in ("step_ms", "compute_ms", "aggregate_ms"):
+        if name in parts:
+            out[f"comm_{name}"] = parts[name]
+    return out
+
+
+def _loss_scale(optimizer):
+    """The dynamic loss scale of a Keras 3 or tf_keras `LossScaleOptimizer`, else None."""
+    if optimizer is None or not hasattr(optimizer, "inner_optimizer"):
+        return None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return float(optimizer.dynamic_scale.numpy()) if optimizer.built else None
+    scale = getattr(optimizer, "loss_scale", None)  # tf_keras's
+    return float(scale.numpy()) if scale is not None else None
+
+
+class TensorBoard(TensorBoardScalars, keras.callbacks.TensorBoard):
     """Keras's `TensorBoard` callback, plus tfpar's per-step scalars in the `train` run.
 
     Every training step writes, at the optimizer's step number:
@@ -247,7 +364,9 @@ class TensorBoard(keras.callbacks.TensorBoard):
     `keras.optimizers.LossScaleOptimizer`), and `tfpar/pipeline_bubble` (a
     `tfpar.PipelineModel`'s schedule bubble). With `measure_comm=dataset`, at the end of
     training `tfpar/comm_time_fraction` (the share of a step spent aggregating gradients,
-    timed on a batch of `dataset`; see `tfpar.compression.timing`).
+    timed on a batch of `dataset`; see `tfpar.compression.timing`). `write_scalars` adds
+    `tfpar/` scalars after `fit` (the trainer's `--tensorboard_dir` writes its measured
+    communication share and pipeline bubble so).
 
     Args:
         log_dir: as Keras's.
@@ -270,62 +389,4 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     def __init__(self, log_dir="logs", measure_comm=None, **kwargs):
         super().__init__(log_dir=log_dir, **kwargs)
-        self.measure_comm = measure_comm
-        self._began = None
-        self._skipped = 0
-        self._last_scale = None
-
-    def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
-        optimizer = self.model.optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and optimizer.built:
-            self._last_scale = float(optimizer.dynamic_scale.numpy())
-
-    def on_train_batch_begin(self, batch, logs=None):
-        super().on_train_batch_begin(batch, logs)
-        self._began = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, logs)
-        if not logs:  # a step BackupAndRestore skipped on resume
-            return
-        scalars = {"step_time_ms": 1000 * (time.perf_counter() - self._began)}
-        scalars.update(self._step_scalars())
-        step = int(self.model.optimizer.iterations.numpy())
-        with self._train_writer.as_default():
-            for name, value in scalars.items():
-                tf.summary.scalar(f"tfpar/{name}", value, step=step)
-
-    def _step_scalars(self):
-        model = self.model
-        out = {}
-        comm = metrics.comm_stats(model, model.distribute_strategy.num_replicas_in_sync)
-        if comm:
-            out["bytes_on_wire"] = comm["bytes_on_wire_per_step"]
-            out["compression_ratio"] = comm["compression_ratio"]
-        optimizer = model.optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            scale = float(optimizer.dynamic_scale.numpy())
-            if self._last_scale is not None and scale < self._last_scale:
-                self._skipped += 1  # the optimizer halves the scale on a skipped step
-            self._last_scale = scale
-            out["loss_scale"] = scale
-        counted = getattr(_base_optimizer(optimizer), "nonfinite_steps", None)
-        out["skipped_steps"] = self._skipped + (float(counted.numpy()) if counted is not None
-                                                else 0.0)
-        if hasattr(model, "pipeline_metrics"):
-            out["pipeline_bubble"] = model.pipeline_metrics()["bubble_theory"]
-        return out
-
-    def on_train_end(self, logs=None):
-        if self.measure_comm is not None:
-            strategy = self.model.distribute_strategy
-            fraction, parts = timing.measure_comm_fraction(
-                strategy, self.model, strategy.experimental_distribute_dataset(self.measure_comm))
-            step = int(self.model.optimizer.iterations.numpy())
-            with self._train_writer.as_default():
-                tf.summary.scalar("tfpar/comm_time_fraction", fraction, step=step)
-                for name in ("step_ms", "compute_ms", "aggregate_ms"):
-                    if name in parts:
-                        tf.summary.scalar(f"tfpar/comm_{name}", parts[name], step=step)
-        super().on_train_end(logs)
+        self._init_scalars(measure_comm)

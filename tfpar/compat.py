@@ -63,10 +63,6 @@ TABLE = {
                                "--on_nan=stop"),
         "tf_keras": (("stop",), "skipping non-finite steps is Keras 3 only"),
     },
-    "tensorboard_dir": {
-        "dtensor": (("",), "Keras's TensorBoard callback needs a Keras-trained model; the "
-                           "metrics JSON has the losses"),
-    },
     "recompute": {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },

@@ -97,7 +97,8 @@ _HELP = {
     "checkpoint_dir": "Directory for checkpoints; a run resumes from its latest one.",
     "checkpoint_every": "Optimizer steps between checkpoints.",
     "keep_checkpoints": "Checkpoints to keep.",
-    "tensorboard_dir": "Directory for TensorBoard logs.",
+    "tensorboard_dir": "Directory for TensorBoard logs: Keras's epoch scalars and tfpar's "
+                       "per-step tfpar/ scalars (tfpar.callbacks.TensorBoard).",
     "metrics_json": "Write the run's metrics JSON here.",
     "measure_comm": "After training, measure the communication share of a step "
                     "(compute-only vs full steps) into the metrics JSON.",

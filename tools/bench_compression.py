@@ -113,6 +113,8 @@ def worker(config_json, out_path):
             comm_time_fraction=share, overlap_fraction=times.get("overlap_fraction"),
             comm_timing_ms={k: v for k, v in times.items() if k.endswith("_ms")})
     if os.environ.get("TFPAR_WORKER_INDEX") == "0":
+        import side_resources  # tools/ (this script's directory)
+        result["tensorflow_threads"] = side_resources.tensorflow_threads()  # as each worker's
         result["wall_clock_s"] = clock.ends
         # After the first two steps (tracing, first collectives' set-up).
         steady = clock.veth[2:] if len(clock.veth) > 3 else clock.veth

@@ -10,7 +10,11 @@ parameters), batch, optimizer (momentum SGD, lr 0.01) and steps. Prints per side
 steps/s over rounds with its min–max, and the ratio of the medians tfpar / PyTorch with the
 min–max of the per-round ratios (each round's two sides ran minutes apart); the load average
 at every side change goes to `--out` (JSON). Needs root, iproute2 and the peer's own Python
-(`--torch_py`).
+(`--torch_py`). Each table and its JSON (`resources`) state what each side had: the
+peer's ranks and `torch.set_num_threads` from its own records (1 per rank), tfpar's two
+workers and their TensorFlow thread settings as they recorded them (by default 0: TensorFlow
+sizes its pools itself; `--tfpar_env='{"TF_NUM_INTRAOP_THREADS": "1",
+"TF_NUM_INTEROP_THREADS": "1"}'` gives each worker pools of one thread, as the peer's ranks).
 
     python tools/bench_compression_vs_torch.py --peer_dir=../shared/peers \
         --torch_py=$HOME/.venvs/torch-peer/bin/python --rounds=3
@@ -36,6 +40,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import side_resources  # noqa: E402
 MODES = {"none": "fp32", "fp16": "fp16", "powersgd": "powersgd"}  # tfpar name -> peer's
 PEER_NAMES = {v: k for k, v in MODES.items()}
 
@@ -61,9 +66,11 @@ def bench_module(root):
 
 def run_tfpar(mode, batch, steps, rate, out_dir, timeout, root=None, extra_settings=None,
               env=None):
-    """steps/s of tfpar's `mode` (a tfpar aggregator name): the median step of `fit`;
-    `extra_settings`: more `ParallelConfig` settings for the workers; `env`: more
-    environment variables for them."""
+    """`(steps/s, resources)` of tfpar's `mode` (a tfpar aggregator name): the median step
+    of `fit`, and the two workers' processes and TensorFlow threads (`side_resources`; not
+    recorded by a `root` checkout that predates it); `extra_settings`: more `ParallelConfig`
+    settings for the workers; `env`: more environment variables for them (e.g.
+    `TF_NUM_INTRAOP_THREADS`)."""
     saved = dict(os.environ)
     os.environ.update(env or {})  # the workers' environment is read from os.environ
     try:
@@ -86,11 +93,14 @@ def _run_tfpar(mode, batch, steps, rate, out_dir, timeout, root, extra_settings)
     with ShapedLink(rate=rate) as link:
         run = bench_compression.run_one(link, mode, settings, out_dir, timeout, extra=0,
                                         comm_steps=0)
-    return 1000 / run["step_time_ms"]["median"]
+    resources = side_resources.tensorflow_side(
+        run["workers"], run.get("tensorflow_threads"), "one CPU replica per worker")
+    return 1000 / run["step_time_ms"]["median"], resources
 
 
 def run_peer(peer_dir, torch_py, mode, batch, steps, rate, log_dir, timeout):
-    """steps/s of the peer's `mode` (a peer name): the slower rank's rate."""
+    """`(steps/s, resources)` of the peer's `mode` (a peer name): the slower rank's rate, and
+    its ranks and `torch.set_num_threads` as its records state (`world`, `threads`)."""
     tag = f"b{batch}_{mode}"
     env = {**os.environ, "TORCH_PY": torch_py, "STEPS": str(steps), "UNSHAPED": "0",
            "MODES": mode, "EXTRA": f"--global_batch {batch}", "TAG": tag, "LOGDIR": log_dir}
@@ -101,7 +111,7 @@ def run_peer(peer_dir, torch_py, mode, batch, steps, rate, log_dir, timeout):
                           capture_output=True, text=True, timeout=timeout)
     if not os.path.exists(path):
         raise RuntimeError(f"peer wrote no results ({proc.returncode}): {proc.stderr[-2000:]}")
-    rate_of = float("nan")
+    rate_of, resources = float("nan"), side_resources.torch_side(2, None)
     with open(path) as f:
         for line in f:
             d = json.loads(line)
@@ -109,7 +119,9 @@ def run_peer(peer_dir, torch_py, mode, batch, steps, rate, log_dir, timeout):
                 continue
             # The slower rank sets the pace.
             rate_of = d["steps_per_s"] if rate_of != rate_of else min(rate_of, d["steps_per_s"])
-    return rate_of
+            resources = side_resources.torch_side(d.get("world", 2), d.get("threads"),
+                                                  "DDP, gloo")
+    return rate_of, resources
 
 
 def spread(values):
@@ -189,15 +201,16 @@ def main():
     for i in range(args.first_round - 1, args.first_round - 1 + args.rounds):
         for batch in batches:
             row = {side: {} for side in all_sides}
-            row["loads"] = [loadavg()]
+            row["loads"], row["resources"] = [loadavg()], {}
             for mode in modes:
                 sides = all_sides if i % 2 == 0 else all_sides[::-1]
                 for side in sides:
                     if side == "torch":
-                        row["torch"][mode] = run_peer(peer_dir, args.torch_py, mode, batch,
-                                                      args.steps, args.rate, work, args.timeout)
+                        row["torch"][mode], row["resources"][side] = run_peer(
+                            peer_dir, args.torch_py, mode, batch, args.steps, args.rate, work,
+                            args.timeout)
                     else:
-                        row[side][mode] = run_tfpar(
+                        row[side][mode], row["resources"][side] = run_tfpar(
                             PEER_NAMES[mode], batch, args.steps, args.rate,
                             os.path.join(work, f"{side}_b{batch}"), args.timeout,
                             root=args.base_root if side == "base" else None,
@@ -214,7 +227,11 @@ def main():
     for batch in batches:
         rounds = per_batch[batch]
         stats = summarize(rounds, modes, all_sides)
+        # What each side had, from every run's own record (one entry when all agree).
+        resources = {side: side_resources.distinct([r["resources"][side] for r in rounds])
+                     for side in all_sides}
         report["batches"][batch] = {
+            "resources": resources,
             # The keys of the one-round tool: medians over rounds, the first round's loads.
             "load_before": rounds[0]["loads"][0], "load_between": rounds[0]["loads"][1],
             "load_after": rounds[-1]["loads"][-1],
@@ -223,6 +240,7 @@ def main():
             "ratio": {m: stats[m]["ratio_of_medians"] for m in modes},
             "rounds": rounds, "stats": stats}
         print(f"batch {batch}:")
+        print(f"  {side_resources.resources_line(resources)}")
         print(f"  {'mode':9} {'tfpar steps/s':>24} {'torch steps/s':>24} "
               f"{'tfpar/torch (per round)':>26}")
         for m in modes:

@@ -9,7 +9,8 @@ Dense(16) head, sparse cross-entropy on a fixed random teacher's labels, SGD mom
 process with one intra-op thread per op, so that each stage occupies one core as the peer's
 two single-threaded ranks do. The references are the same model unpipelined on the full
 batch: tfpar in a child process with TensorFlow's own thread pools, the peer with 1 and 2
-threads.
+threads. The table's `resources:` line and the JSON's `resources` state each side's
+processes and threads (tfpar's read back from TensorFlow in the process that ran it).
 
 Rounds alternate: tfpar's unpipelined reference, all tfpar configurations, then the peer's
 whole run (`--peer_schedules`, its own references included), so that a change in the
@@ -36,6 +37,7 @@ import time
 from absl import app, flags
 
 import peer_mlp
+import side_resources
 from peer_mlp import BATCH, K
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +59,15 @@ flags.DEFINE_string("json", "", "write the results here")
 flags.DEFINE_bool("one_op_at_a_time", False, "each stage runs its ops one at a time "
                   "(PipelineExecutor's one_op_at_a_time)")
 flags.DEFINE_bool("child_reference", False, "internal: run the unpipelined tfpar step")
+
+
+# The peer's side, from its code (`torch_pipeline.py` records no thread count): each
+# pipeline rank calls torch.set_num_threads(1) (with OMP_NUM_THREADS=1); its unpipelined
+# references run in its main process with 1 and with 2 threads (their keys name them).
+PEER_RESOURCES = {
+    "torch": side_resources.torch_side(K, 1, "every schedule, one stage per rank"),
+    "torch unpipelined": [side_resources.torch_side(1, 1, "reference"),
+                          side_resources.torch_side(1, 2, "reference")]}
 
 
 def _times(fn, steps):
@@ -88,7 +99,8 @@ def _reference_child():
         opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 
-    print(json.dumps(_times(lambda: step().numpy(), FLAGS.steps)), flush=True)
+    print(json.dumps({"times": _times(lambda: step().numpy(), FLAGS.steps),
+                      "threads": side_resources.tensorflow_threads()}), flush=True)
 
 
 def _build_tfpar(Ms):
@@ -142,12 +154,14 @@ def _peer_round(Ms):
 
 
 def _reference_round():
-    """tfpar's unpipelined step in a child process (TensorFlow's own thread pools)."""
+    """tfpar's unpipelined step in a child process (TensorFlow's own thread pools):
+    `(median seconds, its tensorflow_threads())`."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child_reference",
                           f"--steps={FLAGS.steps}"], capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise RuntimeError(f"the unpipelined reference failed: {out.stderr[-2000:]}")
-    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return statistics.median(got["times"]), got["threads"]
 
 
 def _fmt(values):
@@ -167,10 +181,17 @@ def main(argv):
         raise app.UsageError(f"--torch_python={FLAGS.torch_python} does not exist; install the "
                              "peer as ../shared/peers/README.md says, or pass --torch_python=''")
     configs, meta = _build_tfpar(Ms)
+    resources = {"tfpar": side_resources.tensorflow_side(
+        1, side_resources.tensorflow_threads(), f"every schedule, {K} logical CPUs")}
+    if peer:
+        resources.update(PEER_RESOURCES)
     rounds = []
     for r in range(FLAGS.rounds):
         load = os.getloadavg()[0]
-        ours = {"unpipelined:tf_threads": _reference_round()}
+        reference, threads = _reference_round()
+        resources["tfpar unpipelined"] = side_resources.tensorflow_side(
+            1, threads, "a child process, full batch")
+        ours = {"unpipelined:tf_threads": reference}
         ours.update({k: statistics.median(_times(fn, FLAGS.steps)) for k, fn in configs.items()})
         theirs = _peer_round(Ms) if peer else {}
         rounds.append({"round": r, "load_1min": load, "load_1min_end": os.getloadavg()[0],
@@ -192,6 +213,7 @@ def main(argv):
           f"{FLAGS.rounds} rounds; s/step as median [min-max] over rounds of each round's "
           f"median; load (1 min) at round start/end "
           f"{[(round(r['load_1min'], 2), round(r['load_1min_end'], 2)) for r in rounds]}")
+    print(side_resources.resources_line(resources))
     print(f"unpipelined: tfpar (TF's threads) {_fmt(values('tfpar', 'unpipelined:tf_threads'))}"
           + (f"; torch 1 thread {_fmt(values('torch', 'unpipelined:1thread'))}, "
              f"2 threads {_fmt(values('torch', 'unpipelined:2threads'))}" if peer else ""))
@@ -241,7 +263,7 @@ def main(argv):
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:
-            json.dump({"benchmark": "pipeline_peer",
+            json.dump({"benchmark": "pipeline_peer", "resources": resources,
                        "unpipelined_tfpar_s": median_over("tfpar", "unpipelined:tf_threads"),
                        "summary": summary, "runs": runs, "rounds": rounds}, f, indent=1)
 

@@ -23,6 +23,8 @@ from tfpar.pipeline import remote
 class DistributeBackend(Backend):
     """Keras 3 on a `tf.distribute` strategy (see the module docstring)."""
 
+    board = None  # the run's `tfpar.callbacks.TensorBoard` with `tensorboard_dir`
+
     def build_runtime(self, config, environ=None, runtime=None):
         devices.split_cpu(config.cpu_devices)
         keras.utils.set_random_seed(config.seed)
@@ -74,8 +76,9 @@ class DistributeBackend(Backend):
                 logging.info("resuming from %s at step %d", config.checkpoint_dir, start)
         guard_nan.step = start
         if config.tensorboard_dir:
-            callbacks.append(keras.callbacks.TensorBoard(tensorboard_dir(config, runtime),
-                                                         update_freq="epoch"))
+            from tfpar.callbacks import TensorBoard
+            self.board = TensorBoard(tensorboard_dir(config, runtime), update_freq="epoch")
+            callbacks.append(self.board)
         fault = faults.injector(start)
         if fault is not None:
             callbacks.append(fault)
@@ -117,6 +120,10 @@ class DistributeBackend(Backend):
                         "overlap_fraction_unclamped"):
                 if key in timing:
                     comm[key] = timing[key]
+            if self.board is not None:
+                from tfpar.callbacks import comm_share_scalars
+                self.board.write_scalars(comm_share_scalars(comm["comm_time_fraction"],
+                                                            timing))
         local_replicas = runtime.replicas // (runtime.workers if runtime.kind == "multi_worker"
                                               else 1)
         if hasattr(model, "pipeline_metrics"):
@@ -124,6 +131,10 @@ class DistributeBackend(Backend):
             pipeline_block = model.pipeline_metrics()
         else:
             params, pipeline_block = [model.count_params()] * local_replicas, None
+        if self.board is not None and pipeline_block and "bubble_measured" in pipeline_block:
+            # The profiled step's bubble (`tfpar.pipeline.probe`) beside the schedule's.
+            self.board.write_scalars(
+                {"pipeline_bubble_measured": pipeline_block["bubble_measured"]})
         result = metrics.summarize(config, runtime, recorder, params, comm=comm,
                                    pipeline=pipeline_block)
         result["memory"].update(memory.memory_block(model, getattr(self, "_memory_start", None)))

@@ -25,7 +25,8 @@ from absl import logging
 
 from tfpar import (checkpoint, data, devices, memory, metrics, optimizers, patches, strategy,
                    tf_config)
-from tfpar.backends import Backend
+from tfpar.backends import Backend, tensorboard_dir
+from tfpar.callbacks import TensorBoard
 from tfpar.errors import TfparError
 from tfpar.layout import multi_client, pipeline, run, values
 from tfpar.pipeline import schedule
@@ -99,6 +100,10 @@ class DTensorBackend(Backend):
             checkpointer = checkpoint.Checkpointer(config, model, runtime)
             start = checkpointer.restore()
             callbacks.append(checkpointer)
+        if config.tensorboard_dir:
+            callbacks.append(MeshTensorBoard(tensorboard_dir(config, runtime), self.trainer,
+                                             _pipeline_block(config, runtime),
+                                             update_freq="epoch"))
         context = tf.distribute.InputContext()
         batches = iter(data.pipeline_dataset(config, task, context, start))
         validation = {}
@@ -125,7 +130,9 @@ class DTensorBackend(Backend):
         return {"resumed_from_step": start}
 
     def stats(self, config, runtime, model, task, recorder):
-        result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model))
+        result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model),
+                                   comm=mesh_comm_stats(self.trainer),
+                                   pipeline=_pipeline_block(config, runtime))
         mesh_devices = _mesh_devices(runtime)
         stages = getattr(model, "stages", None) or [model]
         stage_optimizers = getattr(self.trainer, "stage_optimizers", None) or [
@@ -146,10 +153,53 @@ class DTensorBackend(Backend):
                           "tensor_parallel": runtime.mesh.shape[1]}
         if len(runtime.meshes) > 1:
             result["mesh"]["pipeline_stages"] = len(runtime.meshes)
-            result["pipeline"] = schedule.pipeline_metrics(
-                config.schedule, config.pipeline_stages, config.microbatches,
-                config.virtual_stages if config.schedule == "interleaved" else 1)
         return result
+
+
+def _pipeline_block(config, runtime):
+    """The metrics JSON's `pipeline` block of a mesh pipeline (theory only), else None."""
+    if len(runtime.meshes) == 1:
+        return None
+    return schedule.pipeline_metrics(
+        config.schedule, config.pipeline_stages, config.microbatches,
+        config.virtual_stages if config.schedule == "interleaved" else 1)
+
+
+def mesh_comm_stats(trainer):
+    """The metrics JSON's `comm` block of a mesh step whose `batch` reduction runs a codec
+    (`tfpar.layout.reduction`; a pipeline's summed over its stage models), else None:
+    DTensor's own fp32 sum inside the backward is not counted, nor are the `model` axis's
+    collectives."""
+    reductions = [r for r in (getattr(trainer, "reductions", None) or [trainer.reduction])
+                  if r is not None]
+    if not reductions:
+        return None
+    stats = [r.comm_stats() for r in reductions]
+    wire = sum(s["bytes_on_wire_per_step"] for s in stats)
+    raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
+    return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+            "compression_ratio": raw / wire}
+
+
+class MeshTensorBoard(TensorBoard):
+    """`tfpar.callbacks.TensorBoard` on a `MeshTrainer`'s run (`--tensorboard_dir`): the
+    step count and loss scale of the trainer's optimizer (a mesh pipeline's last stage,
+    whose scale every stage follows), the bytes of its `batch` reduction
+    (`mesh_comm_stats`), a mesh pipeline's schedule bubble."""
+
+    def __init__(self, log_dir, trainer, pipeline_block=None, **kwargs):
+        super().__init__(log_dir, **kwargs)
+        self.trainer, self.pipeline_block = trainer, pipeline_block
+
+    def _optimizer(self):
+        stages = getattr(self.trainer, "stage_optimizers", None)
+        return stages[-1] if stages else self.trainer.optimizer
+
+    def _comm(self):
+        return mesh_comm_stats(self.trainer)
+
+    def _bubble(self):
+        return self.pipeline_block["bubble_theory"] if self.pipeline_block else None
 
 
 def _mesh_devices(runtime):

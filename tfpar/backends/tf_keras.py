@@ -41,8 +41,9 @@ class TfKerasBackend(DistributeBackend):
             from tfpar.legacy import pruning
             callbacks += pruning.pruning_callbacks()
         if config.tensorboard_dir:
-            callbacks.append(tf_keras.callbacks.TensorBoard(tensorboard_dir(config, runtime),
-                                                            update_freq="epoch"))
+            self.board = trainer.TensorBoard(tensorboard_dir(config, runtime),
+                                             update_freq="epoch")
+            callbacks.append(self.board)
         self._memory_start = memory.reset_peaks()
         fit_segments(config, runtime, model, task, callbacks, 0)
         return {"keras": 2, **trainer.finish(config, runtime, task, model)}

@@ -112,6 +112,8 @@ class StagedModel(keras.Model):
         self.stages = list(stages)
         self.num_meshes = num_meshes or len(self.stages)
         self.built = True
+        self.optimizer = None  # each stage model has its own (MeshPipelineTrainer's);
+        # callbacks that look for a compiled model's optimizer (Keras's TensorBoard) find none
 
     def on_mesh(self, index):
         """The stage models on mesh `index`."""

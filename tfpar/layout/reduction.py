@@ -20,6 +20,7 @@ dropped, a DVariable `[data_parallel, *shape]` sharded like its gradient, and ad
 next step's gradient (`tfpar.compression.error_feedback`).
 """
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -51,6 +52,7 @@ class BatchAxisReduction:
                               + ", ".join(CODECS))
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
+        self.sizes = [int(np.prod(v.shape)) for v in variables]
         # Layouts are taken here, eagerly: inside the traced step DTensor cannot fetch one
         # (`fetch_layout` must be called eagerly). Per variable: its gradient stacked over
         # replicas `(batch, *layout)`, and the same gathered over `batch`.
@@ -66,6 +68,24 @@ class BatchAxisReduction:
                 zeros = values.to_mesh(
                     tf.zeros((self.replicas,) + tuple(variable.shape), tf.float32), stacked)
                 self.residuals.append(dtensor.DVariable(zeros, trainable=False))
+
+    def comm_stats(self):
+        """Bytes one replica (a position on `batch`, all its `model` shards together) hands
+        to the `batch` axis's collectives per step, against fp32: fp16/bf16 2 per entry,
+        int8 1 per entry and a 4-byte scale per tensor, `none` 4 per entry. Static: the
+        message sizes do not change from step to step.
+
+        Returns:
+            `{"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
+            "compression_ratio": float}`, as `tfpar.compression.Aggregator.comm_stats`.
+        """
+        raw = 4 * sum(self.sizes)
+        if self.codec == "int8":
+            wire = sum(self.sizes) + 4 * len(self.sizes)
+        else:
+            wire = sum(self.sizes) * (2 if self.codec in _CAST else 4)
+        return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+                "compression_ratio": raw / wire}
 
     @property
     def variables(self):

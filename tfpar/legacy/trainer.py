@@ -19,7 +19,7 @@ import os
 
 import tf_keras
 
-from tfpar import data
+from tfpar import callbacks, data
 from tfpar.errors import TfparError
 from tfpar.legacy import options, optimizer as optimizer_lib
 
@@ -58,6 +58,18 @@ class StopOnNaN(tf_keras.callbacks.Callback):
             raise TfparError(f"loss became {loss} at step {self.step} (on_nan=stop); lower "
                              "--learning_rate or check the data")
         self.step += 1
+
+
+class TensorBoard(callbacks.TensorBoardScalars, tf_keras.callbacks.TensorBoard):
+    """`tfpar.callbacks.TensorBoard` for tf_keras: tf_keras's callback (its callback list
+    takes no Keras 3 callback) with the same per-step `tfpar/` scalars. tf_keras's own
+    callback asks for batch calls only while profiling; its `fit` then calls every
+    callback's batch hooks because another in the list asks for them (`Recorder`, which
+    the trainer always adds)."""
+
+    def __init__(self, log_dir="logs", measure_comm=None, **kwargs):
+        super().__init__(log_dir=log_dir, **kwargs)
+        self._init_scalars(measure_comm)
 
 
 def build_model(config, runtime, task):
