@@ -302,7 +302,7 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     return LaunchResult(returncode, tuple(attempts), summary, tuple(elastic))
 
 
-AUTOGRAPH_PREFIX = "__autograph_generated_file"  # tensorflow/python/autograph/pyct/loader.py
+AUTOGRAPH_PREFIX = "__autograph_generated_file"  # the files TensorFlow's autograph loader writes
 
 
 @contextlib.contextmanager
