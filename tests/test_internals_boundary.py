@@ -9,8 +9,7 @@ Outside that package, tfpar's source (walked with `ast`) may not:
    `grep -rn "keras.src\\|tensorflow.python" tfpar`);
 2. read or write an attribute whose name starts with one underscore (`x._name`, or
    `getattr`/`hasattr`/`setattr`/`delattr(x, "_name")`) unless the object is
-   - `self`, `cls` or `type(self)`: the class's own attributes (a mixin that reaches a
-     library's private method through `self` must override it at a registered site, 3.);
+   - `self`, `cls` or `type(self)`: the class's own attributes (but see 5.);
    - a tfpar module, class or function (imported from `tfpar` or defined in the file):
      tfpar's own private names across its modules;
    - `super()` inside a registered override of the same name (`patches.OVERRIDES`);
@@ -23,7 +22,12 @@ Outside that package, tfpar's source (walked with `ast`) may not:
 4. assign or delete a library's attribute: a dunder attribute of anything but `self` or
    a tfpar class (`tf.Tensor.__getitem__ = …`, `obj.__class__ = …`), or any attribute
    of an imported library module or of something reached from one
-   (`tf_core.Variable._initialize = …`).
+   (`tf_core.Variable._initialize = …`);
+5. call through `self` a private method (or read a private class attribute) of a library
+   class it extends or, for the optimizer mixins, of a Keras optimizer, that the class
+   does not define itself, except at a site `patches.SELF_CALLS` lists (a library's
+   private instance attributes read through `self` are not seen: they are the library
+   base's state, read by the overrides of 3., whose entries check the code around them).
 """
 
 import ast
@@ -205,6 +209,8 @@ def check_source(module, source, overrides):
 
 
 def _module_name(path):
+    if ROOT not in path.parents:
+        return path.stem
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -261,6 +267,42 @@ def test_private_methods_of_libraries_are_overridden_only_at_registered_sites():
     found = private_overrides(_tfpar_classes(), _library_classes())
     assert found - set(_overrides()) == set()
     assert set(_overrides()) <= found  # no stale registration
+
+
+def private_self_calls(files, library):
+    """`{(module, class, name)}`: `self._name` in a class of `files` where `_name` is no
+    method or attribute the class body defines and is one of a `library` class."""
+    found = set()
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+            own |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+                    and isinstance(n.ctx, ast.Store) and _is_self(n.value)}
+            for node in ast.walk(cls):
+                if (isinstance(node, ast.Attribute) and _is_self(node.value)
+                        and _private(node.attr) and node.attr not in own
+                        and any(hasattr(base, node.attr) for base in library)):
+                    found.add((_module_name(path), cls.name, node.attr))
+    return found
+
+
+def test_private_methods_of_libraries_are_called_through_self_only_at_registered_sites():
+    from tfpar import patches
+    found = private_self_calls(_files(), _library_classes())
+    assert found - set(patches.SELF_CALLS) == set()
+    assert set(patches.SELF_CALLS) <= found  # no stale registration
+    assert set(patches.SELF_CALLS.values()) <= set(patches.REGISTRY)
+
+
+def test_the_self_call_check_finds_an_unregistered_call(tmp_path):
+    source = tmp_path / "example_mixin.py"
+    source.write_text("class Mixin:\n    def update_step(self, g, v, lr):\n"
+                      "        self._seen = self._own()\n"
+                      "        return self.momentums[self._get_variable_index(v)]\n\n"
+                      "    def _own(self):\n        return 1\n")
+    found = private_self_calls([source], _library_classes())
+    assert {(cls, name) for _, cls, name in found} == {("Mixin", "_get_variable_index")}
 
 
 def test_tfpar_private_names_are_tfparS_own():

@@ -7,7 +7,8 @@ package imports those libraries' private modules (`keras.src`, TensorFlow's `pyt
 package, `tf_keras.src`, tfmot's `python` package) or touches a private attribute of one of
 their objects; the rest of tfpar calls the small functions below.
 `tests/test_internals_boundary.py` fails on any such use elsewhere, except the overrides of
-a private method that `OVERRIDES` lists with the entry that checks them.
+a private method that `OVERRIDES` lists, and the calls through `self` that `SELF_CALLS`
+lists, each with the entry that checks them.
 
 Every entry of `REGISTRY` (patch -> (its target, who in tfpar uses it)) checks that the
 code it replaces, calls or reads is still the code it was written against
@@ -62,6 +63,9 @@ REGISTRY = {name: entry for module in _MODULES for name, entry in module.ENTRIES
 # (module, class, method) -> entry: tfpar's overrides of another library's private method,
 # the only ones allowed outside this package.
 OVERRIDES = {**keras_optimizer.OVERRIDES, **tensorflow_runtime.OVERRIDES}
+# (module, class, method) -> entry: private methods of a library class that a tfpar class
+# mixed into it calls through `self`, the only such calls allowed outside this package.
+SELF_CALLS = dict(keras_optimizer.SELF_CALLS)
 
 
 def check_targets(names=None):

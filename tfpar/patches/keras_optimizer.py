@@ -14,7 +14,8 @@ how an optimizer the user built gets a mixin (keras 3.15.1 on tensorflow 2.21.0)
   `BaseOptimizer._backend_apply_gradients`'s accumulate-or-update choice through
   `replica_cond` (with its accumulators, `_get_variable_index`, `_clip_gradients`);
   `tfpar.nan_guard` and `tfpar.zero` re-implement `_backend_update_step` around that
-  hook. The check compares the overridden methods' signatures and looks for the lines
+  hook. The private methods these mixins call through `self` are listed in `SELF_CALLS`.
+  The check compares the overridden and called methods' signatures and looks for the lines
   the overrides re-implement.
 - `optimizer_base_build`: not a replacement but a call. A ZeRO optimizer builds only what
   `BaseOptimizer.build` builds (iterations, variable indices), not SGD's or Adam's
@@ -61,6 +62,18 @@ OVERRIDES = {
     ("tfpar.nan_guard", "SkipNonFiniteMixin", "_backend_update_step"): "optimizer_hooks",
     ("tfpar.zero", "ZeroMixin", "_backend_update_step"): "optimizer_hooks",
 }
+# (module, class, method) -> entry: private Keras optimizer methods tfpar's optimizer mixins
+# call through `self` (reached through the optimizer they are mixed into).
+SELF_CALLS = {
+    **{("tfpar.compression.keras_hook", "AggregatingOptimizerMixin", name): "optimizer_hooks"
+       for name in ("_get_variable_index", "_clip_gradients", "_apply_weight_decay",
+                    "_backend_update_step", "_backend_reset_gradient_accumulators",
+                    "_backend_increment_gradient_accumulators")},
+    ("tfpar.nan_guard", "SkipNonFiniteMixin", "_all_reduce_sum_gradients"): "optimizer_hooks",
+    ("tfpar.nan_guard", "SkipNonFiniteMixin", "_distributed_tf_update_step"):
+        "optimizer_hooks",
+    ("tfpar.optimizers", "FusedMomentumMixin", "_get_variable_index"): "fused_momentum",
+}
 # `fused_momentum`: Keras 3.15.1's SGD.update_step, the lines the fused kernel computes.
 _EXPECTED_SGD_UPDATE = (
     "m = self.momentums[self._get_variable_index(variable)]",
@@ -87,6 +100,11 @@ FRAGMENTS = {
     "optimizer_hooks": [
         ("TFOptimizer._backend_update_step", lambda: TFOptimizer._backend_update_step,
          "grads_and_vars = self._all_reduce_sum_gradients(grads_and_vars)"),
+        ("TFOptimizer._backend_update_step", lambda: TFOptimizer._backend_update_step,
+         "self._distributed_tf_update_step,\n            self._distribution_strategy,"),
+        ("TFOptimizer._distributed_tf_update_step",
+         lambda: ("signature", TFOptimizer._distributed_tf_update_step),
+         "(self, distribution, grads_and_vars, learning_rate)"),
         ("TFOptimizer._all_reduce_sum_gradients",
          lambda: ("signature", TFOptimizer._all_reduce_sum_gradients),
          "(self, grads_and_vars)"),
