@@ -60,7 +60,8 @@ ENTRIES = {
 }
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
 _EXPECTED_FUNCTION_NODES = "self._nodes_by_depth = nodes_by_depth"
-_EXPECTED_FUNCTION_LOSS = "(self, fn, reduction='sum_over_batch_size', name=None, dtype=None, **kwargs)"
+_EXPECTED_FUNCTION_LOSS = ("(self, fn, reduction='sum_over_batch_size', name=None, dtype=None, "
+                           "**kwargs)")
 FRAGMENTS = {
     "function_nodes": [("Sequential._functional", lambda: keras.Sequential.build,
                         "self._functional = Functional(inputs=inputs, outputs=outputs)")],

@@ -120,7 +120,8 @@ FRAGMENTS = {
                    "grads = self._clip_gradients(grads)",
                    "self._apply_weight_decay(trainable_variables)",
                    "self._backend_reset_gradient_accumulators()",
-                   "self._backend_increment_gradient_accumulators(\n                    grads, acc_grads",
+                   "self._backend_increment_gradient_accumulators(\n"
+                   "                    grads, acc_grads",
                    "is_update_step = (\n                self._iterations + 1")],
     "optimizer_base_build": [
         ("BaseOptimizer.build", lambda: ("signature", _B.build), "(self, variables)"),

@@ -5,8 +5,9 @@ quantization-aware training reach (tensorflow-model-optimization 0.8.1 on tf_ker
   weights every step (`Pruning._weight_assign_objs`) with an all-reduce (MEAN) of every
   prunable weight, since it cannot know that the replicas' weights and masks are equal.
   In synchronous data parallelism they are, so `local_mask_pruning` makes each wrapper's
-  `pruning_obj` a `LocalMaskPruning` (`local_mask_class`), whose re-mask is a local `weight * mask` on each
-  replica (the same values, without a second full-model all-reduce per step). The check
+  `pruning_obj` a `LocalMaskPruning` (`local_mask_class`), whose re-mask is a local
+  `weight * mask` on each replica (the same values, without a second full-model
+  all-reduce per step). The check
   compares `_weight_assign_objs`' signature and looks for the `_pruning_vars` it reads.
 - `tfmot_registry`: calls. Which layers tfmot can prune (`PruneRegistry.supports`,
   `prunable`) and the pruning wrappers of a model (`collect_prunable_layers`,

@@ -64,7 +64,8 @@ ENTRIES = {
 
 # Fragments of the original source the patches replace; if they vanish, Keras changed.
 _EXPECTED = {
-    "TensorFlowTrainer._maybe_symbolic_build": 'self.distribute_strategy.reduce(\n                        "MEAN",',
+    "TensorFlowTrainer._maybe_symbolic_build":
+        'self.distribute_strategy.reduce(\n                        "MEAN",',
     "reduce_per_replica": 'strategy.reduce("MEAN", v, axis=0)',
     "CollectiveAllReduceExtended._initialize_local_devices": "num_local_devices = 1",
 }
