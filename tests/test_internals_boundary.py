@@ -305,7 +305,7 @@ def test_the_self_call_check_finds_an_unregistered_call(tmp_path):
     assert {(cls, name) for _, cls, name in found} == {("Mixin", "_get_variable_index")}
 
 
-def test_tfpar_private_names_are_tfparS_own():
+def test_tfpar_private_names_are_tfpars_own():
     """Each `TFPAR_PRIVATE` name is defined in tfpar and is no attribute of a library class
     tfpar extends (else it would let a library's private name through)."""
     library = _library_classes()
