@@ -89,21 +89,21 @@ def check(names):
     return problems
 
 
-def _weight_assign_objs(self):
-    if (not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
-            or any(w.aggregation != _NONE for w, _, _ in self._pruning_vars)):
-        return super(local_mask_class(), self)._weight_assign_objs()
-    # A NONE-aggregated mirrored variable updated in replica context writes only this
-    # replica's copy; every replica writes the same value.
-    return [w.assign(tf.cast(w * m, w.dtype)) for w, m, _ in self._pruning_vars]
-
-
 @functools.cache
 def local_mask_class():
     """`LocalMaskPruning`: tfmot's `Pruning` whose per-step `weight <- weight * mask` stays
     on each replica. Registry entry `tfmot_local_mask`."""
-    return type("LocalMaskPruning", (_pimpl().Pruning,),
-                {"__module__": __name__, "_weight_assign_objs": _weight_assign_objs})
+
+    class LocalMaskPruning(_pimpl().Pruning):
+        def _weight_assign_objs(self):
+            if (not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
+                    or any(w.aggregation != _NONE for w, _, _ in self._pruning_vars)):
+                return super()._weight_assign_objs()
+            # A NONE-aggregated mirrored variable updated in replica context writes only
+            # this replica's copy; every replica writes the same value.
+            return [w.assign(tf.cast(w * m, w.dtype)) for w, m, _ in self._pruning_vars]
+
+    return LocalMaskPruning
 
 
 def local_mask_pruning(wrapper):
