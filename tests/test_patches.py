@@ -16,8 +16,11 @@ from tfpar.errors import ConfigError
 
 
 def test_pinned_versions_are_installed():
+    from tfpar.patches.versions import installed
     assert keras.__version__ == patches.WRITTEN_FOR["keras"]
     assert tf.__version__ == patches.WRITTEN_FOR["tensorflow"]
+    for library, version in patches.WRITTEN_FOR.items():
+        assert installed(library) == version, library
 
 
 def test_every_patch_target_is_unchanged():
@@ -31,25 +34,26 @@ def test_apply_replaces_every_target_and_is_idempotent():
 
 
 def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
-    assert set(patches.REGISTRY) == {"multi_worker_fit", "multi_worker_cpu_devices",
-                                     "mesh_variables", "mesh_loops", "mesh_output_layouts",
-                                     "graph_control_input", "function_nodes",
-                                     "function_loss", "dtensor_started", "layer_tree",
-                                     "function_constant_folding", "fused_momentum",
-                                     "onednn_enabled", "coordination_barrier"}
+    from tfpar.patches import keras_mesh, keras_model, keras_optimizer
+    from tfpar.patches import multi_worker, tensorflow_runtime
+    assert {"multi_worker_fit", "multi_worker_cpu_devices", "mesh_variables", "mesh_loops",
+            "mesh_output_layouts", "graph_control_input", "function_nodes", "function_loss",
+            "dtensor_started", "layer_tree", "function_constant_folding", "fused_momentum",
+            "onednn_enabled", "coordination_barrier"} <= set(patches.REGISTRY)
     assert patches.check_targets(list(patches.REGISTRY)) == []
-    monkeypatch.setitem(patches.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
-    monkeypatch.setattr(patches, "_EXPECTED_INITIALIZE", "not Keras's code")
-    monkeypatch.setitem(patches._EXPECTED_CONTROL_INPUT, "signature",
+    monkeypatch.setitem(keras_mesh.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
+    monkeypatch.setattr(keras_mesh, "_EXPECTED_INITIALIZE", "not Keras's code")
+    monkeypatch.setitem(tensorflow_runtime._EXPECTED_CONTROL_INPUT, "signature",
                         "(self: object, arg0: object, arg1: int) -> None")
-    monkeypatch.setattr(patches, "_EXPECTED_FUNCTION_NODES", "not Keras's code")
-    monkeypatch.setattr(patches, "_EXPECTED_FUNCTION_LOSS", "(self, fn)")
-    monkeypatch.setattr(patches, "_EXPECTED_DTENSOR_SINGLETON", "not TensorFlow's code")
-    monkeypatch.setattr(patches, "_EXPECTED_FLATTEN_LAYERS", "(self)")
-    monkeypatch.setattr(patches, "_EXPECTED_CONTEXT_CONFIG", "not TensorFlow's code")
-    monkeypatch.setattr(patches, "_EXPECTED_SGD_UPDATE", ("not Keras's code",))
-    monkeypatch.setattr(patches, "_ONEDNN_READER", "IsOneDnnOn")
-    monkeypatch.setattr(patches, "_EXPECTED_BARRIER", {"wait_at_barrier": "not TF's code"})
+    monkeypatch.setattr(keras_model, "_EXPECTED_FUNCTION_NODES", "not Keras's code")
+    monkeypatch.setattr(keras_model, "_EXPECTED_FUNCTION_LOSS", "(self, fn)")
+    monkeypatch.setattr(tensorflow_runtime, "_EXPECTED_DTENSOR_SINGLETON",
+                        "not TensorFlow's code")
+    monkeypatch.setattr(keras_mesh, "_EXPECTED_FLATTEN_LAYERS", "(self)")
+    monkeypatch.setattr(tensorflow_runtime, "_EXPECTED_CONTEXT_CONFIG", "not TensorFlow's code")
+    monkeypatch.setattr(keras_optimizer, "_EXPECTED_SGD_UPDATE", ("not Keras's code",))
+    monkeypatch.setattr(tensorflow_runtime, "_ONEDNN_READER", "IsOneDnnOn")
+    monkeypatch.setattr(multi_worker, "_EXPECTED_BARRIER", {"wait_at_barrier": "not TF's code"})
     problems = patches.check_targets(["mesh_loops", "mesh_variables", "graph_control_input",
                                       "function_nodes", "function_loss", "dtensor_started",
                                       "layer_tree", "function_constant_folding",
@@ -67,6 +71,51 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
     assert any("predict_on_batch" in p for p in problems), problems
     assert any("Variable._initialize" in p for p in problems), problems
     assert any("_add_control_input" in p for p in problems), problems
+
+
+def _fragment_entries():
+    from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, model_optimization,
+                               multi_worker, tensorflow_runtime)
+    return [(module, name) for module in (keras_mesh, keras_model, keras_optimizer,
+                                          model_optimization, multi_worker, tensorflow_runtime)
+            for name in module.FRAGMENTS]
+
+
+def test_every_patch_module_checks_its_entries_and_nothing_else():
+    from tfpar.patches import _MODULES
+    names = [name for module in _MODULES for name in module.ENTRIES]
+    assert len(names) == len(set(names)) == len(patches.REGISTRY)
+    for module in _MODULES:
+        assert set(getattr(module, "FRAGMENTS", {})) <= set(module.ENTRIES), module.__name__
+    with pytest.raises(KeyError):
+        patches.check_targets(["no_such_entry"])
+
+
+@pytest.mark.parametrize("module_entry", _fragment_entries(),
+                         ids=lambda m: m[1] if isinstance(m, tuple) else str(m))
+def test_each_source_fragment_would_notice_a_change(monkeypatch, module_entry):
+    """Each fragment an entry checks, changed alone, makes `check_targets` name the entry
+    (a signature fragment is compared whole, a source fragment looked for)."""
+    module, name = module_entry
+    fragments = module.FRAGMENTS[name]
+    for i, (what, getter, fragment) in enumerate(fragments):
+        changed = list(fragments)
+        changed[i] = (what, getter, fragment + " not the library's code")
+        monkeypatch.setitem(module.FRAGMENTS, name, changed)
+        problems = patches.check_targets([name])
+        assert len(problems) == 1 and f"registry entry {name}" in problems[0], (what, problems)
+        assert what in problems[0] and "\n" not in problems[0]
+    monkeypatch.setitem(module.FRAGMENTS, name, fragments)
+    assert patches.check_targets([name]) == []
+
+
+def test_every_registered_override_exists_and_overrides_a_checked_private_method():
+    import importlib
+    for (module, cls, method), entry in patches.OVERRIDES.items():
+        assert entry in patches.REGISTRY
+        owner = getattr(importlib.import_module(module), cls)
+        assert method in vars(owner), (module, cls, method)
+        assert method in patches.REGISTRY[entry][0], (method, entry)
 
 
 def test_layout_enable_changes_only_what_the_registry_lists():

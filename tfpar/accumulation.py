@@ -8,11 +8,11 @@ other in a `tf.while_loop` (so only one micro-batch's activations are alive at a
 their gradients are averaged, and the all-reduce and update happen once per step.
 """
 
+import keras
 import tensorflow as tf
-from keras.src import tree
-from keras.src.losses import loss as loss_module
-from keras.src.trainers import data_adapters
+from keras import tree
 
+from tfpar import patches
 from tfpar.errors import ConfigError
 
 
@@ -29,7 +29,7 @@ def install(model, steps):
 
 def accumulating_train_step(model, steps):
     """A `train_step` for `model` equal to Keras's, but over `steps` micro-batches."""
-    unpack = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
+    unpack = keras.utils.unpack_x_y_sample_weight
 
     def train_step(data):
         x, y, sample_weight = unpack(data)
@@ -48,12 +48,8 @@ def accumulating_train_step(model, steps):
         def body(i, accumulated):
             xi, yi, wi = part(x, i), part(y, i), part(sample_weight, i)
             with tf.GradientTape() as tape:
-                y_pred = model(xi, training=True) if model._call_has_training_arg else model(xi)
-                loss = model._compute_loss(x=xi, y=yi, y_pred=y_pred, sample_weight=wi,
-                                           training=True)
-                model._loss_tracker.update_state(
-                    loss_module.unscale_loss_for_distribution(loss), sample_weight=micro)
-                scaled = model.optimizer.scale_loss(loss)
+                # Keras's own forward pass and loss (registry entry `train_step_loss`).
+                y_pred, _, scaled = patches.forward_loss(model, xi, yi, wi, micro)
             grads = tape.gradient(scaled, weights)
             model.compute_metrics(xi, yi, y_pred, sample_weight=wi)
             return i + 1, [a + (tf.zeros_like(a) if g is None else tf.convert_to_tensor(g))

@@ -12,7 +12,7 @@ import time
 import keras
 import tensorflow as tf
 
-from tfpar import metrics
+from tfpar import metrics, patches
 from tfpar.checkpoint import Checkpointer
 from tfpar.compression import aggregator_of, timing
 from tfpar.errors import ConfigError, TfparError
@@ -59,7 +59,7 @@ def _place(strategy):
 
 def _workers(strategy):
     runtime = getattr(strategy, "tfpar_runtime", None)
-    return runtime.workers if runtime is not None else getattr(strategy.extended, "_num_workers", 1)
+    return runtime.workers if runtime is not None else patches.strategy_workers(strategy)
 
 
 def _base_optimizer(optimizer):
@@ -175,9 +175,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._checkpointer = Checkpointer(settings, model, _place(strategy))
         step = self._checkpointer.restore()
         self._steps_per_epoch = steps
-        # Keras reads `_initial_epoch` on every fit and never clears it: clear it when
+        # Keras reads its initial epoch on every fit and never clears it: clear it when
         # there is nothing to resume, or a later fit would skip epochs.
-        model._initial_epoch = step // steps if step else None
+        patches.set_initial_epoch(model, step // steps if step else None)
         self._skip = step % steps
         if self._skip:
             self._skip_in_train_function()

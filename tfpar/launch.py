@@ -343,7 +343,7 @@ def _summary(attempts, job, restarts, max_restarts):
     return summary
 
 
-AUTOGRAPH_PREFIX = "__autograph_generated_file"  # tensorflow/python/autograph/pyct/loader.py
+AUTOGRAPH_PREFIX = "__autograph_generated_file"  # the files TensorFlow's autograph loader writes
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import re
 
 import tensorflow as tf
 
+from tfpar import patches
 from tfpar.devices import span
 
 ALLOCATOR_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
@@ -128,7 +129,7 @@ def _components(variable):
     value = getattr(variable, "value", variable)
     if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
-    inner = getattr(variable, "_value", None)
+    inner = patches.variable_storage(variable)
     if isinstance(inner, tf.distribute.DistributedValues):
         return list(inner.values)
     return [inner if isinstance(inner, tf.Variable) else value]

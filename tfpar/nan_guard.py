@@ -58,6 +58,7 @@ class SkipNonFiniteMixin:
             self.nonfinite_steps = self.add_variable(
                 (), "zeros", "float32", aggregation="only_first_replica", name="nonfinite_steps")
 
+    # Keras's private step, overridden: registry entry `optimizer_hooks` of tfpar.patches.
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = [v.value if isinstance(v, keras.Variable) else v
                      for v in trainable_variables]
@@ -150,5 +151,5 @@ class NaNGuard(keras.callbacks.Callback):
         self.skipped.append(self.step - 1)
         logging.warning("step %d: %s; its update was skipped (on_nan=skip_step)",
                         self.step - 1, what)
-        self.model._loss_tracker.reset_state()
+        patches.loss_tracker(self.model).reset_state()
         self.recorder.restart_running_mean()

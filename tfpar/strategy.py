@@ -16,7 +16,6 @@ import sys
 import tensorflow as tf
 from absl import logging
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-from tensorflow.python.eager import context
 
 from tfpar import devices, patches, preemption
 from tfpar import tf_config as tf_config_lib
@@ -164,7 +163,7 @@ def _configure_coordination(config, cluster):
     jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(cluster.cluster[job]))
             for job in ("chief", "worker") if job in cluster.cluster]
     try:
-        context.context().configure_coordination_service(
+        patches.configure_coordination_service(
             service_type="standalone",
             service_leader=f"/job:{leader_job}/replica:0/task:0",
             heartbeat_timeout_in_ms=int(config.heartbeat_timeout_s * 1000),

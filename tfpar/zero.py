@@ -42,10 +42,6 @@ here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.layout.fsdp`).
 import itertools
 import keras
 import tensorflow as tf
-from keras.src.optimizers import base_optimizer
-from tensorflow.python.distribute import values_util
-from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
-from tensorflow.python.trackable import base as trackable
 
 from tfpar import patches
 from tfpar.compression import aggregator as aggregator_lib
@@ -71,7 +67,7 @@ class ZeroMixin:
 
     def build(self, variables):
         # The base build only (iterations, variable indices): no full-size slots.
-        base_optimizer.BaseOptimizer.build(self, variables)
+        patches.base_build(self, variables)
         if not hasattr(self, "nonfinite_steps"):
             self.nonfinite_steps = self.add_variable(
                 (), "zeros", "float32", aggregation="only_first_replica",
@@ -94,6 +90,7 @@ class ZeroMixin:
             check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s,
                         self._tfpar_layout.instance + 2)
 
+    # Keras's private step, overridden: registry entry `optimizer_hooks` of tfpar.patches.
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         ctx = tf.distribute.get_replica_context()
         if ctx is None:
@@ -268,14 +265,14 @@ def ordering_tokens(strategy):
     for device in strategy.extended.worker_devices:  # in local replica order
         with tf.device(device):
             # Not through the strategy's variable creator: one plain variable per device.
-            tokens.append(resource_variable_ops.ResourceVariable(0.))
+            tokens.append(patches.plain_variable(0.))
     return tokens
 
 
 def _token(tokens):
     # The local replica's index, as tf.distribute's own variables pick their component
     # (the current device is not known while a tf.function is traced).
-    return [tokens[values_util.get_current_replica_id_as_int()].handle]
+    return [tokens[patches.replica_index()].handle]
 
 
 def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCATTER):
@@ -287,8 +284,8 @@ def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCA
     TensorFlow 2.21's own `CollectiveReduceScatterV2` has no CPU implementation
     ("CollectiveRegistry::Lookup did not find collective implementation").
     """
-    pieces = gen_collective_ops.collective_all_to_all_v2(
-        tf.reshape(flat, [n, -1]), group_size=n, group_key=_GROUP_KEY,
+    pieces = tf.raw_ops.CollectiveAllToAllV2(
+        input=tf.reshape(flat, [n, -1]), group_size=n, group_key=_GROUP_KEY,
         instance_key=instance_key, ordering_token=_token(tokens),
         timeout_seconds=timeout_s or 0)
     return tf.add_n(tf.unstack(pieces, n))
@@ -296,8 +293,8 @@ def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCA
 
 def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
     """Every replica's `piece`, concatenated in rank order."""
-    return gen_collective_ops.collective_gather_v2(
-        piece, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
+    return tf.raw_ops.CollectiveGatherV2(
+        input=piece, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
         ordering_token=_token(tokens), timeout_seconds=timeout_s or 0)
 
 
@@ -324,7 +321,7 @@ def check_ranks(strategy, tokens, timeout_s, instance_key=_INSTANCE_RANKS):
                            "run without --zero_stage")
 
 
-class ShardedSlot(trackable.Trackable):
+class ShardedSlot(patches.Trackable):
     """Checkpoints every replica's piece of a sharded slot as one `[N, S]` tensor.
 
     Args:
@@ -335,6 +332,7 @@ class ShardedSlot(trackable.Trackable):
     def __init__(self, variable, size):
         self._variable, self._size = variable, size
 
+    # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
     def _serialize_to_tensors(self):
         return {"pieces": aggregator_lib._stack_replicas(self._variable)}
 

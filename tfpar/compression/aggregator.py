@@ -15,9 +15,8 @@ list); the base class does bucketing, error feedback and the byte count.
 """
 
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable
-from tensorflow.python.trackable import data_structures
 
+from tfpar import patches
 from tfpar.compression import adam_front, buckets, collectives, error_feedback
 
 _ON_READ = tf.VariableSynchronization.ON_READ
@@ -49,7 +48,7 @@ def per_replica_variable(initial_value, name, aggregation):
                        aggregation=aggregation)
 
 
-class PerReplicaSlot(trackable.Trackable):
+class PerReplicaSlot(patches.Trackable):
     """Checkpoints every replica's own value of an `ON_READ` variable.
 
     A plain checkpoint of an `ON_READ` variable saves the aggregate (the mean of the
@@ -69,6 +68,7 @@ class PerReplicaSlot(trackable.Trackable):
         self._variable = variable
         self._average = average
 
+    # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
     def _serialize_to_tensors(self):
         return {"per_replica": _stack_replicas(self._variable)}
 
@@ -246,7 +246,7 @@ class Aggregator(tf.Module):
                     for i in self._lossy_positions()}
             # The variables themselves stay out of checkpoints (they would save the mean);
             # their slots save every replica's own value.
-            self.residuals = data_structures.NoDependency(residuals)
+            self.residuals = patches.no_dependency(residuals)
             self.residual_slots = {k: PerReplicaSlot(v) for k, v in residuals.items()}
             moments = {}
             if self.adam is not None:
@@ -254,7 +254,7 @@ class Aggregator(tf.Module):
                     f"{kind}_{i}": per_replica_variable(tf.zeros(shape), f"adam_{kind}_{i}",
                                                         tf.VariableAggregation.MEAN)
                     for i, shape in enumerate(self._layout.shapes) for kind in ("m", "v")}
-            self.moments = data_structures.NoDependency(moments)
+            self.moments = patches.no_dependency(moments)
             self.moment_slots = {k: PerReplicaSlot(v, average=True)
                                  for k, v in moments.items()}
             self._build_state()

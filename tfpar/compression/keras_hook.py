@@ -7,7 +7,9 @@ replicas. The wrapped optimizer's class is a subclass of its own class with that
 replaced, so `model.compile(optimizer=wrapped)` + `model.fit` under a strategy scope use the
 aggregator and nothing else changes (a custom `train_step` alone could not avoid Keras's own
 all-reduce). `aggregator.trace_count` grows when the hook is traced; tests assert it, so a
-Keras upgrade that stops calling the method fails loudly.
+Keras upgrade that stops calling the method fails loudly. The overrides of Keras's private
+methods are registry entry `optimizer_hooks` of `tfpar.patches`, which checks the code they
+replace.
 """
 
 import keras
@@ -28,6 +30,7 @@ class AggregatingOptimizerMixin:
             self.tfpar_aggregator.build(
                 [v.value if isinstance(v, keras.Variable) else v for v in variables])
 
+    # Keras's private hook, overridden: registry entry `optimizer_hooks` of tfpar.patches.
     def _all_reduce_sum_gradients(self, grads_and_vars):
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
@@ -76,6 +79,8 @@ class AggregatingOptimizerMixin:
         lr = tf.cast(learning_rate, variable.dtype)
         self.assign_sub(variable, lr * tf.cast(gradient, variable.dtype))
 
+    # Keras's private step, overridden (`optimizer_hooks`): BaseOptimizer's own, with the
+    # accumulate-or-update choice through `replica_cond`.
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Keras runs the accumulate-or-update choice as a tf.cond in replica context, which
         # MirroredStrategy rejects as soon as a branch all-reduces (stock Keras 3.15 fails
@@ -138,7 +143,7 @@ def wrap_optimizer(optimizer, aggregator):
     target = optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         target = optimizer.inner_optimizer
-    if not hasattr(target, "_all_reduce_sum_gradients"):
+    if not patches.is_tf_optimizer(target):
         raise TypeError(
             f"optimizer={optimizer!r} cannot be wrapped: need a Keras 3 optimizer on the "
             f"TensorFlow backend (KERAS_BACKEND=tensorflow)")
@@ -169,5 +174,5 @@ def wrap_optimizer(optimizer, aggregator):
     if target is not optimizer:
         optimizer.tfpar_aggregator = aggregator
     if target.built and not aggregator.built:
-        aggregator.build([v.value for v in target._trainable_variables])
+        aggregator.build([v.value for v in patches.built_variables(target)])
     return optimizer

@@ -9,8 +9,8 @@ Error feedback (on by default) carries the entries not sent into the next step.
 import math
 
 import tensorflow as tf
-from tensorflow.python.trackable import data_structures
 
+from tfpar import patches
 from tfpar.compression import codecs, collectives
 from tfpar.compression.aggregator import (Aggregator, PerReplicaSlot, check_count,
                                          per_replica_variable)
@@ -219,7 +219,7 @@ class TopKAggregator(Aggregator):
                 str(i): per_replica_variable(tf.zeros(self._layout.shapes[i]), f"velocity_{i}",
                                              tf.VariableAggregation.MEAN)
                 for i in self._lossy_positions()}
-        self.velocities = data_structures.NoDependency(velocities)
+        self.velocities = patches.no_dependency(velocities)
         self.velocity_slots = {k: PerReplicaSlot(v) for k, v in velocities.items()}
 
     def _before_compress(self, xs, positions):

@@ -54,11 +54,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
-from keras.src.backend.tensorflow import core as tf_core
-from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import array_slicing
 from tensorflow.experimental import dtensor
 
 from tfpar import patches
@@ -70,7 +65,6 @@ from tfpar.layout.trainer import MeshTrainer
 
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
           "predict_on_batch")
-_Trainer = tf_trainer.TensorFlowTrainer
 _ORIGINAL = {name: patches.MESH_LOOPS[name] for name in _LOOPS}  # Keras's own
 _SIGNATURE = {name: inspect.signature(fn) for name, fn in _ORIGINAL.items()}
 _ACCURACY = ("accuracy", "acc", "sparse_categorical_accuracy")
@@ -101,21 +95,20 @@ def enable():
         raise TfparError(problems[0])
     if _enabled:
         return
-    tf_core.Variable._initialize = _initialize
+    patches.set_variable_initialize(_initialize)
     for name in _LOOPS:
-        setattr(_Trainer, name, _routed(name))
-    tf_distribution_lib.distribute_tensor = distribute_tensor
+        patches.set_trainer_loop(name, _routed(name))
+    patches.set_distribute_tensor(distribute_tensor)
     _enabled = True
 
 
 def disable():
     """Undoes `enable` (models already on a mesh keep their DVariables)."""
     global _enabled
-    tf_core.Variable._initialize = variables._original_initialize
+    patches.set_variable_initialize(patches.VARIABLE_INITIALIZE)
     for name, fn in _ORIGINAL.items():
-        setattr(_Trainer, name, fn)
-    if getattr(tf_distribution_lib, "distribute_tensor", None) is distribute_tensor:
-        del tf_distribution_lib.distribute_tensor
+        patches.set_trainer_loop(name, fn)
+    patches.set_distribute_tensor(None)
     _enabled = False
 
 
@@ -182,7 +175,7 @@ def check_layout_map(distribution, model):
     """Raises `ConfigError` naming a `LayoutMap` key that matches none of `model`'s weight
     paths nor any of its layers' `<path>/output` (a typo there would leave the weight whole,
     or the output as it is, without a word)."""
-    layout_map = getattr(distribution, "_layout_map", None)
+    layout_map = patches.layout_map(distribution)
     paths = [v.path for v in model.weights]
     outputs = [activations.layer_path(layer) + "/output"
                for layer in patches.sublayers(model)]
@@ -229,7 +222,8 @@ def _mesh_trainer(model):
     cached = getattr(model, "_tfpar_mesh_trainer", None)
     if cached is not None and cached.optimizer is optimizer and cached.loss_source is model.loss:
         return cached
-    mesh = next(v._layout.device_mesh for v in model.weights if variables.is_dvariable(v))
+    mesh = next(patches.variable_layout(v).device_mesh for v in model.weights
+                if variables.is_dvariable(v))
     distribution = keras.distribution.distribution()
     if distribution is not None and distribution.device_mesh is mesh:
         check_layout_map(distribution, model)
@@ -268,9 +262,7 @@ def _loss(model):
 
 
 def _accuracy(model):
-    compiled = getattr(model, "_compile_metrics", None)
-    asked = list(getattr(compiled, "_user_metrics", None) or [])
-    asked += list(getattr(compiled, "_user_weighted_metrics", None) or [])
+    asked = patches.compiled_metrics(model)
     names = []
     for metric in asked:
         name = metric if isinstance(metric, str) else getattr(metric, "name", str(metric))
@@ -283,7 +275,7 @@ def _accuracy(model):
 
 def _adapter(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=False,
              class_weight=None):
-    return data_adapters.get_data_adapter(
+    return patches.data_adapter(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
         steps_per_epoch=steps, shuffle=shuffle, class_weight=class_weight)
 
@@ -296,7 +288,7 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
          validation_data, shuffle, class_weight, sample_weight, initial_epoch,
          steps_per_epoch, validation_steps, validation_batch_size, validation_freq):
     if validation_split and validation_data is None:
-        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+        (x, y, sample_weight), validation_data = patches.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
     adapter = _adapter(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
                        class_weight)
@@ -357,7 +349,7 @@ def _evaluate(model, trainer, x, y, batch_size, verbose, sample_weight, steps, c
 def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
     _no_callbacks("predict", callbacks)
     adapter = _adapter(x, batch_size=batch_size, steps=steps)
-    unpack = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
+    unpack = keras.utils.unpack_x_y_sample_weight
     outs = [_predict_batch(trainer, unpack(batch)[0])
             for batch in itertools.islice(adapter.get_numpy_iterator(), steps)]
     return np.concatenate(outs)

@@ -81,8 +81,8 @@ def make_mesh(data_parallel, tensor_parallel, devices=None):
                                         "local devices")
     shape = (data_parallel, tensor_parallel)
     mesh = keras.distribution.DeviceMesh(shape, (BATCH, MODEL), devices=devices)
-    mesh._backend_mesh = dtensor.create_mesh(list(zip((BATCH, MODEL), shape)),
-                                             devices=devices)
+    patches.attach_backend_mesh(mesh, dtensor.create_mesh(list(zip((BATCH, MODEL), shape)),
+                                                          devices=devices))
     return mesh
 
 
@@ -95,7 +95,7 @@ def attach_backend_mesh(device_mesh):
     Returns:
         The DTensor mesh.
     """
-    existing = getattr(device_mesh, "_backend_mesh", None)
+    existing = patches.backend_mesh(device_mesh)
     if existing is not None:
         return existing
     names = []
@@ -103,9 +103,8 @@ def attach_backend_mesh(device_mesh):
         spec = tf.DeviceSpec.from_string(str(device) if "/" in str(device)
                                          else "/device:" + str(device))
         names.append(f"/device:{spec.device_type.upper()}:{spec.device_index}")
-    device_mesh._backend_mesh = dtensor.create_mesh(
-        list(zip(device_mesh.axis_names, device_mesh.shape)), devices=names)
-    return device_mesh._backend_mesh
+    return patches.attach_backend_mesh(device_mesh, dtensor.create_mesh(
+        list(zip(device_mesh.axis_names, device_mesh.shape)), devices=names))
 
 
 def mesh_for_config(config, devices=None):

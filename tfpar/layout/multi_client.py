@@ -34,7 +34,7 @@ import os
 import keras
 from tensorflow.experimental import dtensor
 
-from tfpar import compat, tf_config
+from tfpar import compat, patches, tf_config
 from tfpar.errors import ConfigError
 from tfpar.layout.mesh import BATCH, MODEL
 
@@ -121,7 +121,7 @@ def stage_meshes(data_parallel, tensor_parallel, stages):
                  for i in range(per_stage)]
         mesh = keras.distribution.DeviceMesh((data_parallel, tensor_parallel),
                                              (BATCH, MODEL), devices=names)
-        mesh._backend_mesh = backend
+        patches.attach_backend_mesh(mesh, backend)
         meshes.append(mesh)
     return meshes
 

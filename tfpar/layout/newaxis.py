@@ -6,7 +6,8 @@ message, or a segmentation fault when no default mesh is set), while
 `tf.expand_dims(v, 0)` works. `tfpar/models/transformer.py` adds the position embedding with
 `…[None]`. While a step is traced, `tensor[spec]` whose spec only inserts axes (`None`,
 `...`, `:`) is rewritten to `tf.expand_dims`, which gives the same values; every other
-indexing is TensorFlow's own.
+indexing is TensorFlow's own. The swap of `tf.Tensor.__getitem__` is registry entry
+`tensor_getitem` of `tfpar.patches`.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ import functools
 
 import tensorflow as tf
 
-_original_getitem = tf.Tensor.__getitem__
+from tfpar import patches
 
 
 def _only_inserts_axes(items):
@@ -26,7 +27,7 @@ def _only_inserts_axes(items):
 def _getitem(tensor, spec):
     items = spec if isinstance(spec, tuple) else (spec,)
     if not _only_inserts_axes(list(items)) or tensor.shape.rank is None:
-        return _original_getitem(tensor, spec)
+        return patches.tensor_getitem(tensor, spec)
     real = sum(1 for i in items if i is not None and i is not Ellipsis)
     fill = (slice(None),) * (tensor.shape.rank - real)
     if Ellipsis in items:
@@ -45,12 +46,8 @@ def _getitem(tensor, spec):
 def expand_dims_for_newaxis():
     """Within, `tensor[None]`-style indexing builds `tf.expand_dims` instead of
     `StridedSlice`. Active only while the caller runs (use it around tracing)."""
-    previous = tf.Tensor.__getitem__
-    tf.Tensor.__getitem__ = _getitem
-    try:
+    with patches.tensor_getitem_replaced(_getitem):
         yield
-    finally:
-        tf.Tensor.__getitem__ = previous
 
 
 def traced_with_expand_dims(fn):

@@ -4,7 +4,8 @@ The exact DTensor step (`tfpar.layout.step`) calls `optimizer.stateless_apply`, 
 Keras's JAX trainer does. Keras's TensorFlow optimizer refuses that ("incompatible with
 tf.distribute") and writes through `variable.value.assign`, which bypasses a
 `StatelessScope`. Keras's backend-neutral `BaseOptimizer` has the stateless versions of
-those methods; `stateless_optimizer` switches an optimizer to them. The update maths
+those methods; `stateless_optimizer` switches an optimizer to them (registry entry
+`stateless_optimizer` of `tfpar.patches`, which lists the methods). The update maths
 (`update_step` of SGD, Adam, …) is Keras's own, unchanged.
 
 A `keras.optimizers.LossScaleOptimizer` (what `compile` wraps the optimizer in under the
@@ -12,18 +13,8 @@ A `keras.optimizers.LossScaleOptimizer` (what `compile` wraps the optimizer in u
 optimizer is switched too.
 """
 
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
-from keras.src.optimizers import base_optimizer
-
+from tfpar import patches
 from tfpar.errors import TfparError
-
-# TFOptimizer overrides of BaseOptimizer that go around a StatelessScope or through
-# tf.distribute; the BaseOptimizer versions are used instead.
-_BASE_METHODS = ("add_variable_from_reference", "stateless_apply", "assign", "assign_add",
-                 "assign_sub", "_var_key", "_apply_weight_decay", "_backend_update_step",
-                 "_overwrite_model_variables_with_average_value",
-                 "_backend_increment_gradient_accumulators")
-_classes = {}
 
 
 def stateless_optimizer(optimizer):
@@ -43,7 +34,7 @@ def stateless_optimizer(optimizer):
             TensorFlow optimizer base.
     """
     cls = type(optimizer)
-    if cls in _classes.values():
+    if patches.is_stateless_class(cls):
         return optimizer
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
@@ -51,16 +42,9 @@ def stateless_optimizer(optimizer):
     if optimizer.built:
         raise TfparError(f"{cls.__name__} is already built; call stateless_optimizer "
                          "before optimizer.build(model.trainable_variables)")
-    missing = [m for m in _BASE_METHODS if not hasattr(base_optimizer.BaseOptimizer, m)]
-    if missing or not isinstance(optimizer, base_optimizer.BaseOptimizer):
-        raise TfparError(f"{cls.__name__} cannot update statelessly (missing "
-                         f"{missing or 'BaseOptimizer'}); use a keras.optimizers optimizer")
-    if cls not in _classes:
-        # Only where the class uses the TensorFlow version: a class's own override (a
-        # LossScaleOptimizer's stateless_apply) is kept.
-        methods = {m: base_optimizer.BaseOptimizer.__dict__[m] for m in _BASE_METHODS
-                   if getattr(cls, m) is getattr(TFOptimizer, m, None)}
-        methods["__module__"] = cls.__module__
-        _classes[cls] = type(cls.__name__, (cls,), methods)
-    optimizer.__class__ = _classes[cls]
-    return optimizer
+    problems = patches.check_targets(["stateless_optimizer"])
+    if problems or not patches.is_base_optimizer(optimizer):
+        raise TfparError(f"{cls.__name__} cannot update statelessly "
+                         f"({'; '.join(problems) or 'not a Keras BaseOptimizer'}); use a "
+                         "keras.optimizers optimizer")
+    return patches.to_stateless(optimizer)

@@ -20,7 +20,6 @@ import contextlib
 import keras
 import tensorflow as tf
 from absl import logging
-from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.experimental import dtensor
 
 from tfpar import patches
@@ -28,7 +27,7 @@ from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
 
-_original_initialize = tf_core.Variable._initialize
+_original_initialize = patches.VARIABLE_INITIALIZE  # Keras's own
 _state_over_batch = False  # see optimizer_state_over_batch
 _weights_over_batch = False  # see weights_over_batch
 
@@ -62,7 +61,7 @@ def layout_for(distribution, path, shape, preset=None):
     whole = keras.distribution.TensorLayout([None] * len(shape), mesh)
     layout = preset
     if layout is None:
-        layout_map = getattr(distribution, "_layout_map", None)
+        layout_map = patches.layout_map(distribution)
         layout = layout_map[path] if layout_map is not None else None
     if layout is None:
         return whole
@@ -130,6 +129,8 @@ def weights_over_batch(enabled=True):
 
 
 def _initialize(self, value):
+    # Keras's TensorFlow `Variable._initialize` while `variable_scope` is on (registry entry
+    # `mesh_variables` of tfpar.patches): `self` is the Keras variable being created.
     distribution = keras.distribution.distribution()
     if isinstance(value, tf.Variable) or distribution is None:
         return _original_initialize(self, value)
@@ -163,13 +164,9 @@ def variable_scope(distribution):
         ...     model = models.build("mlp", (32,), 10)
     """
     check_target()
-    previous = tf_core.Variable._initialize
-    tf_core.Variable._initialize = _initialize
-    try:
+    with patches.variable_initialize_replaced(_initialize):
         with distribution.scope():
             yield
-    finally:
-        tf_core.Variable._initialize = previous
 
 
 def is_dvariable(variable):

@@ -3,7 +3,7 @@ aggregator.
 
 A `tf_keras` (Keras 2) optimizer sums gradients over replicas in its public
 `aggregate_gradients(grads_and_vars)`, which `apply_gradients` calls in replica context
-(tf_keras/src/optimizers/optimizer.py, "Users can implement their own aggregation logic by
+(its docstring in tf_keras 2.21: "Users can implement their own aggregation logic by
 overriding this method"). Each replica's loss is already divided by the number of replicas,
 so the sum is the mean gradient: the contract of `Aggregator.all_reduce_sum`. The wrapped
 optimizer's class is a subclass of its own class with that method replaced, under the same

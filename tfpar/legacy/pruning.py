@@ -8,18 +8,16 @@ Under a strategy, tfmot re-masks the weights every step with an all-reduce (MEAN
 prunable weight, since it cannot know that the replicas' weights and masks are equal. In
 synchronous data parallelism they are (same all-reduced update, masks computed from equal
 weights), so `prune` makes that step a local `weight * mask` on each replica: the same
-values, without a second full-model all-reduce per step beside the gradients'.
+values, without a second full-model all-reduce per step beside the gradients' (registry
+entry `tfmot_local_mask` of `tfpar.patches`, which subclasses tfmot's private `Pruning`).
 """
 
 import numpy as np
-import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 import tf_keras
-from tensorflow_model_optimization.python.core.sparsity.keras import pruning_impl
 
+from tfpar import patches
 from tfpar.legacy import options
-
-_NONE = tf.VariableAggregation.NONE
 
 
 def schedule(config):
@@ -30,18 +28,6 @@ def schedule(config):
         begin_step=options.option(config, "prune_begin_step"),
         end_step=options.prune_end_step(config),
         frequency=options.option(config, "prune_frequency"))
-
-
-class _LocalMaskPruning(pruning_impl.Pruning):
-    """tfmot's `Pruning` whose per-step `weight <- weight * mask` stays on each replica."""
-
-    def _weight_assign_objs(self):
-        if (not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
-                or any(w.aggregation != _NONE for w, _, _ in self._pruning_vars)):
-            return super()._weight_assign_objs()
-        # A NONE-aggregated mirrored variable updated in replica context writes only this
-        # replica's copy; every replica writes the same value.
-        return [w.assign(tf.cast(w * m, w.dtype)) for w, m, _ in self._pruning_vars]
 
 
 def prune(model, config):
@@ -58,26 +44,22 @@ def prune(model, config):
         the pruning model: every layer tfmot can prune (Dense, Conv2D, ...) wrapped; the
         others (e.g. GroupNormalization, which tfmot refuses) kept as they are.
     """
-    from tensorflow_model_optimization.python.core.sparsity.keras import (prunable_layer,
-                                                                          prune_registry)
     plan = schedule(config)
 
     def wrap(layer):
-        if (prune_registry.PruneRegistry.supports(layer)
-                or isinstance(layer, prunable_layer.PrunableLayer)):
+        if patches.prunable(layer) or isinstance(layer, tfmot.sparsity.keras.PrunableLayer):
             return tfmot.sparsity.keras.prune_low_magnitude(layer, pruning_schedule=plan)
         return layer  # the same layer, weights and all
 
     pruned = tf_keras.models.clone_model(model, clone_function=wrap)
     for layer in wrappers(pruned):
-        layer.pruning_obj.__class__ = _LocalMaskPruning
+        patches.local_mask_pruning(layer)
     return pruned
 
 
 def wrappers(model):
     """The `PruneLowMagnitude` layers of `model`."""
-    from tensorflow_model_optimization.python.core.sparsity.keras import pruning_wrapper
-    return pruning_wrapper.collect_prunable_layers(model)
+    return patches.prunable_wrappers(model)
 
 
 def pruning_callbacks():

@@ -17,12 +17,9 @@ are moving averages, which tfmot already averages over replicas.
 import numpy as np
 import tensorflow as tf
 import tensorflow_model_optimization as tfmot
-from tensorflow_model_optimization.python.core.quantization.keras import (quantize_layer,
-                                                                           quantizers)
 
+from tfpar import patches
 from tfpar.errors import ConfigError
-
-_CLASSES = {}
 
 
 class _ReplicaSyncedAllValues:
@@ -60,16 +57,11 @@ def quantize(model):
     except (RuntimeError, ValueError) as err:
         raise ConfigError("qat", True, f"tfmot cannot quantize model {model.name!r}: "
                           f"{str(err).splitlines()[0][:300]}") from None
-    for layer in qat.layers:
-        if (isinstance(layer, quantize_layer.QuantizeLayer)
-                and type(layer.quantizer) is quantizers.AllValuesQuantizer
-                and not layer.quantizer.symmetric):
-            cls = type(layer.quantizer)
-            if cls not in _CLASSES:
-                # Same name and module: serialisation sees tfmot's quantizer.
-                _CLASSES[cls] = type(cls.__name__, (_ReplicaSyncedAllValues, cls),
-                                     {"__module__": cls.__module__})
-            layer.quantizer.__class__ = _CLASSES[cls]
+    for _, quantizer in patches.input_quantizers(qat):
+        if (type(quantizer) is tfmot.quantization.keras.quantizers.AllValuesQuantizer
+                and not quantizer.symmetric):
+            # Same name and module: serialisation sees tfmot's quantizer.
+            patches.mix_in(quantizer, _ReplicaSyncedAllValues)
     return qat
 
 

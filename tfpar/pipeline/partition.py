@@ -23,7 +23,7 @@ from tfpar.pipeline.placement import variables_on
 
 def _graph(model):
     """Topologically ordered (non-input) nodes of a built single-input, single-output model."""
-    functional = getattr(model, "_functional", None) or model  # Sequential wraps a Functional
+    functional = patches.functional_of(model)  # Sequential wraps a Functional
     by_depth = patches.nodes_by_depth(functional)
     if by_depth is None or not getattr(model, "inputs", None):
         raise TfparError(f"model {model.name!r} is not built as a graph; give it a "

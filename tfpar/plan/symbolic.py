@@ -94,14 +94,11 @@ def deferred_weights():
     and not when a later scope ends (they are taken off Keras's list of variables waiting
     to be initialized, restoring the list as it was)."""
     import keras
-    from keras.src.backend.common import global_state
+    from tfpar import patches
 
-    waiting = list(global_state.get_global_attribute("uninitialized_variables") or [])
-    try:
+    with patches.uninitialized_variables_kept():
         with keras.StatelessScope(initialize_variables=False):
             yield
-    finally:
-        global_state.set_global_attribute("uninitialized_variables", waiting)
 
 
 def _placeholders(tf, inputs):

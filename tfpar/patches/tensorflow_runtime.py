@@ -1,0 +1,222 @@
+"""TensorFlow's private runtime, graph, tracking and DTensor code that tfpar reads, calls or
+swaps (tensorflow 2.21.0).
+
+- `graph_control_input`: not a replacement but a call of a private method.
+  `PipelineExecutor(one_op_at_a_time=True)` adds a control edge between two ops that already
+  exist (each op of a stage waits for the one created before it) with TensorFlow's
+  `Operation._add_control_input`, the call `tf.function`'s automatic control dependencies
+  make; the public `tf.control_dependencies` works only on ops not yet created.
+  `add_control_input` is the one caller; the check looks at the C++ binding's signature and
+  at TensorFlow's own use of it in `auto_control_deps`, and adds one edge in a scratch graph.
+- `dtensor_started`: not a replacement but a read. A mesh pipeline and ZeRO-3 must turn
+  DTensor's all-reduce combining off before DTensor starts
+  (`tfpar.layout.mesh.no_all_reduce_combining`); whether it has started is DTensor's
+  private `api._dtensor_singleton`. `dtensor_started` is the one reader; the check looks
+  for the singleton in DTensor's source.
+- `function_constant_folding`: not a replacement but a setting TensorFlow has no public
+  call for. ZeRO-3 turns off the constant folding TensorFlow's function runtime does when
+  a function first runs on a device (`OptimizerOptions.opt_level=L0` in the eager
+  context's config, before TensorFlow starts; Grappler still folds constants when the
+  function is built). On a DTensor mesh each device's thread builds its part of the step
+  while the other devices already run theirs; when they have filled the CPU allocator's
+  cap, the folding's copy gets no memory and TensorFlow 2.21 copies into the null buffer
+  (`tensor::DeepCopy` from `GraphRunner::Run` in `ConstantFold`): a SIGSEGV instead of the
+  out-of-memory error. `no_function_constant_folding` is the one writer; the check looks
+  for the eager context's `config` starting from its private `_config`.
+- `onednn_enabled`: not a replacement but a read. Whether TensorFlow runs oneDNN's CPU
+  kernels (`tfpar.cpu_kernels.active`, the metrics JSON's `cpu_kernels`) has no public
+  accessor; TensorFlow's own tests ask the private binding
+  `_pywrap_util_port.IsMklEnabled`. `onednn_enabled` is the one reader; the check calls
+  the binding and expects a bool.
+- `tensor_getitem`: a swap while a step is traced. DTensor cannot lay out a
+  `StridedSlice` that inserts an axis (`t[None]`); `tfpar.layout.newaxis` rewrites such
+  indexing to `tf.expand_dims` inside `tensor_getitem_replaced`, which swaps
+  `tf.Tensor.__getitem__` (TensorFlow's `_slice_helper`) and puts it back after. The
+  check compares `_slice_helper`'s signature, which the replacement falls back to.
+- `trackable_tensors`: subclasses. `tfpar.compression.aggregator.PerReplicaSlot` and
+  `tfpar.zero.ShardedSlot` save per-replica state through TensorFlow's `Trackable` by
+  overriding its `_serialize_to_tensors` / `_restore_from_tensors` (the protocol TensorFlow
+  documents for custom checkpointed objects, sites in `OVERRIDES`); aggregators hold plain
+  containers untracked with `NoDependency` (`no_dependency`). The check compares the
+  signatures.
+"""
+
+import contextlib
+import inspect
+
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2 as _config_pb2
+from tensorflow.dtensor.python import api as _dtensor_api
+from tensorflow.python.eager import context as _eager_context
+from tensorflow.python.framework import auto_control_deps as _auto_control_deps
+from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.python.ops import tensor_getitem_override as _getitem_override
+from tensorflow.python.trackable import base as _trackable
+from tensorflow.python.trackable import data_structures as _data_structures
+from tensorflow.python.util import _pywrap_util_port
+
+from tfpar.patches.versions import WRITTEN_FOR, check_fragments
+
+ENTRIES = {
+    "graph_control_input": ("tensorflow.python.framework.ops.Operation._add_control_input "
+                            "(called, not replaced)",
+                            "tfpar.pipeline.executor (one_op_at_a_time)"),
+    "dtensor_started": ("tensorflow.dtensor.python.api._dtensor_singleton (read, not replaced)",
+                        "tfpar.layout.mesh.no_all_reduce_combining"),
+    "function_constant_folding": ("tensorflow.python.eager.context.Context._config "
+                                  "(written before TensorFlow starts, not replaced)",
+                                  "tfpar.backends.dtensor (zero_stage=3)"),
+    "onednn_enabled": ("tensorflow.python.util._pywrap_util_port.IsMklEnabled (called, not "
+                       "replaced)", "tfpar.cpu_kernels.active"),
+    "tensor_getitem": ("tf.Tensor.__getitem__ (swapped while a step is traced)",
+                       "tfpar.layout.newaxis.expand_dims_for_newaxis"),
+    "trackable_tensors": ("tensorflow.python.trackable.base.Trackable._serialize_to_tensors/"
+                          "_restore_from_tensors (overridden at the OVERRIDES sites), "
+                          "data_structures.NoDependency",
+                          "tfpar.compression.aggregator, tfpar.zero"),
+}
+OVERRIDES = {
+    (module, cls, method): "trackable_tensors"
+    for module, cls in (("tfpar.compression.aggregator", "PerReplicaSlot"),
+                        ("tfpar.zero", "ShardedSlot"))
+    for method in ("_serialize_to_tensors", "_restore_from_tensors")}
+# `graph_control_input`: the binding's signature (tensorflow 2.21.0) and TensorFlow's own call.
+_EXPECTED_CONTROL_INPUT = {
+    "signature": "(self: object, arg0: object) -> None",
+    "auto_control_deps": "op._add_control_input(o)",
+}
+# `function_constant_folding`: the eager context builds its ConfigProto from `_config`.
+_EXPECTED_CONTEXT_CONFIG = "config.CopyFrom(self._config)"
+_EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
+_ONEDNN_READER = "IsMklEnabled"  # `onednn_enabled`: the binding TensorFlow's tests ask
+_TENSOR_GETITEM = tf.Tensor.__getitem__  # TensorFlow's own
+FRAGMENTS = {
+    "tensor_getitem": [
+        ("tf.Tensor.__getitem__", lambda: ("signature", _TENSOR_GETITEM),
+         "(tensor, slice_spec, var=None)"),
+        ("tf.Tensor.__getitem__", lambda: _TENSOR_GETITEM, "def _slice_helper(")],
+    "trackable_tensors": [
+        ("Trackable._serialize_to_tensors",
+         lambda: ("signature", _trackable.Trackable._serialize_to_tensors), "(self)"),
+        ("Trackable._restore_from_tensors",
+         lambda: ("signature", _trackable.Trackable._restore_from_tensors),
+         "(self, restored_tensors)"),
+        ("NoDependency", lambda: ("signature", _data_structures.NoDependency.__init__),
+         "(self, value)")],
+}
+
+
+def check(names):
+    """Problems of this module's `ENTRIES` among `names`."""
+    problems = []
+    if "graph_control_input" in names:
+        problems += _check_control_input()
+    if "dtensor_started" in names and _EXPECTED_DTENSOR_SINGLETON not in inspect.getsource(
+            _dtensor_api):
+        problems.append(f"tensorflow {tf.__version__} changed dtensor's api._dtensor_singleton; "
+                        "tfpar.layout.mesh was written for tensorflow "
+                        f"{WRITTEN_FOR['tensorflow']}")
+    if "function_constant_folding" in names and (
+            _EXPECTED_CONTEXT_CONFIG not in inspect.getsource(_eager_context.Context.config.fget)
+            or "self._initialized = False" not in inspect.getsource(
+                _eager_context.Context.__init__)):
+        problems.append(f"tensorflow {tf.__version__} changed the eager Context's _config; "
+                        "tfpar.patches.no_function_constant_folding was written for "
+                        f"tensorflow {WRITTEN_FOR['tensorflow']}")
+    if "onednn_enabled" in names and not isinstance(
+            getattr(_pywrap_util_port, _ONEDNN_READER, lambda: None)(), bool):
+        problems.append(f"tensorflow {tf.__version__} changed _pywrap_util_port."
+                        f"{_ONEDNN_READER}; tfpar.cpu_kernels was written for tensorflow "
+                        f"{WRITTEN_FOR['tensorflow']}")
+    if "tensor_getitem" in names and _TENSOR_GETITEM is not _getitem_override._slice_helper:
+        problems.append(f"tensorflow {tf.__version__}: tf.Tensor.__getitem__ is no longer "
+                        "tensor_getitem_override._slice_helper (registry entry "
+                        "tensor_getitem)")
+    for name, fragments in FRAGMENTS.items():
+        if name in names:
+            problems += check_fragments(name, "tensorflow", fragments, ENTRIES[name][1])
+    return problems
+
+
+def _check_control_input():
+    method = getattr(_tf_ops.Operation, "_add_control_input", None)
+    found = [
+        method is not None and _EXPECTED_CONTROL_INPUT["signature"] in (method.__doc__ or ""),
+        _EXPECTED_CONTROL_INPUT["auto_control_deps"] in inspect.getsource(
+            _auto_control_deps.AutomaticControlDependencies.__exit__),
+    ]
+    if all(found):
+        graph = tf.Graph()
+        with graph.as_default():
+            a, b = tf.constant(1.0), tf.constant(2.0)
+            add_control_input(b.op, a.op)
+            found.append(list(b.op.control_inputs) == [a.op])
+    if all(found):
+        return []
+    return [f"tensorflow {tf.__version__} changed Operation._add_control_input; "
+            "PipelineExecutor(one_op_at_a_time=True) was written for tensorflow "
+            f"{WRITTEN_FOR['tensorflow']}"]
+
+
+def add_control_input(op, before):
+    """Makes graph op `op` wait for op `before` (both already created; graph building
+    only). Registry entry `graph_control_input`."""
+    op._add_control_input(before)
+
+
+def dtensor_started():
+    """Whether DTensor has started in this process. Registry entry `dtensor_started`."""
+    return getattr(_dtensor_api, "_dtensor_singleton", None) is not None
+
+
+def onednn_enabled():
+    """Whether this process's TensorFlow runs oneDNN's CPU kernels. Registry entry
+    `onednn_enabled`."""
+    return bool(getattr(_pywrap_util_port, _ONEDNN_READER)())
+
+
+def no_function_constant_folding():
+    """Turns off the constant folding of TensorFlow's function runtime for this process
+    (see the module docstring). Registry entry `function_constant_folding`.
+
+    Returns:
+        Whether it is off: False when TensorFlow already started in this process (its
+        config is read once), which changes nothing but the out-of-memory path.
+    """
+    ctx = _eager_context.context()
+    if ctx._initialized:
+        return ctx._config is not None and (ctx._config.graph_options.optimizer_options
+                                            .opt_level == _config_pb2.OptimizerOptions.L0)
+    config = _config_pb2.ConfigProto()
+    if ctx._config is not None:
+        config.CopyFrom(ctx._config)
+    config.graph_options.optimizer_options.opt_level = _config_pb2.OptimizerOptions.L0
+    ctx._config = config
+    return True
+
+
+@contextlib.contextmanager
+def tensor_getitem_replaced(getitem):
+    """Within, `tensor[spec]` calls `getitem(tensor, spec)`; the previous `__getitem__`
+    after. Registry entry `tensor_getitem`."""
+    previous = tf.Tensor.__getitem__
+    tf.Tensor.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        tf.Tensor.__getitem__ = previous
+
+
+def tensor_getitem(tensor, spec):
+    """TensorFlow's own `tensor[spec]` (whatever `__getitem__` is now). Registry entry
+    `tensor_getitem`."""
+    return _TENSOR_GETITEM(tensor, spec)
+
+
+Trackable = _trackable.Trackable  # registry entry `trackable_tensors`
+
+
+def no_dependency(value):
+    """`value` held by a trackable without being tracked (not saved in its checkpoint).
+    Registry entry `trackable_tensors`."""
+    return _data_structures.NoDependency(value)
