@@ -218,7 +218,7 @@ def check_memory(config, replicas, memory_bytes, where="", measured=None):
         prof = profile.builtin_profile(config.model, config.model_width, config.model_depth)
         candidate = cost.Candidate(
             replicas, config.tensor_parallel, config.pipeline_stages,
-            config.microbatches if config.pipeline_stages > 1 else config.grad_accum_steps,
+            config.microbatches if config.dims.pp_enabled else config.grad_accum_steps,
             config.compression, recompute=config.recompute != "none",
             zero=config.zero_stage)
         need = cost.memory_bytes(prof, candidate, config.global_batch_size,

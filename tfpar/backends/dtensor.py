@@ -57,7 +57,7 @@ class DTensorBackend(Backend):
         if workers > 1:
             if config.strategy in ("one_device", "mirrored"):
                 strategy.choose_kind(config, cluster)  # refuses, naming the workers
-            if config.pipeline_stages > 1:  # before DTensor starts (tfpar.layout.pipeline)
+            if config.dims.pp_enabled:  # before DTensor starts (tfpar.layout.pipeline)
                 no_all_reduce_combining("pipeline_stages", config.pipeline_stages,
                                         "a mesh pipeline's step could hang")
             # Every training process of TF_CONFIG is a DTensor client; the mesh spans them.
@@ -65,14 +65,14 @@ class DTensorBackend(Backend):
         else:
             devices.split_cpu(config.cpu_devices)
         meshes = None
-        if workers > 1 and config.pipeline_stages > 1:  # every stage's mesh spans them all
+        if workers > 1 and config.dims.pp_enabled:  # every stage's mesh spans them all
             meshes = multi_client.stage_meshes(config.data_parallel, config.tensor_parallel,
                                                config.pipeline_stages)
             mesh, index, chief = meshes[0], cluster.worker_index, cluster.is_chief
         elif workers > 1:
             mesh = multi_client.distributed_mesh(config.data_parallel, config.tensor_parallel)
             index, chief = cluster.worker_index, cluster.is_chief
-        elif config.pipeline_stages > 1:  # dp × tp × pp: a mesh per stage
+        elif config.dims.pp_enabled:  # dp × tp × pp: a mesh per stage
             meshes = pipeline.make_meshes(config.data_parallel, config.tensor_parallel,
                                           config.pipeline_stages, devices.compute_devices())
             mesh, index, chief = meshes[0], 0, True
@@ -85,7 +85,7 @@ class DTensorBackend(Backend):
         return runtime
 
     def build_model(self, config, runtime, task):
-        meshes = runtime.meshes if config.pipeline_stages > 1 else runtime.mesh
+        meshes = runtime.meshes if config.dims.pp_enabled else runtime.mesh
         _, model, self.trainer = run.build(config, task, meshes)
         logging.info("%s; %d/%d parameters per device", "; ".join(
             describe(m) for m in runtime.meshes), _shard_sizes(runtime, model)[0],

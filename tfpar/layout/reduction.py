@@ -23,8 +23,8 @@ next step's gradient (`tfpar.compression.error_feedback`).
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import compat
 from tfpar.compression import codecs, error_feedback
-from tfpar.errors import ConfigError
 from tfpar.layout import values
 from tfpar.layout.mesh import BATCH, axis_size
 
@@ -46,9 +46,7 @@ class BatchAxisReduction:
     """
 
     def __init__(self, mesh, variables, codec="none", error_feedback=True):
-        if codec not in CODECS:
-            raise ConfigError("compression", codec, "on a DTensor mesh choose one of "
-                              + ", ".join(CODECS))
+        compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
         # Layouts are taken here, eagerly: inside the traced step DTensor cannot fetch one
