@@ -8,9 +8,9 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 
 - `data_parallel`: Keras 3 on a `tf.distribute` strategy (one device, mirrored, multi-worker),
 - `pipeline`: the same backend with `pipeline_stages > 1` (a `PipelineModel`); under a
-  `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
-  which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
-  compression and checkpoints),
+  `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`;
+  what it does not do across workers, compression and checkpoints, is in
+  `ACROSS_WORKERS`),
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` and for `zero_stage=3`
   (under a `TF_CONFIG` of several workers the mesh, and with `pipeline_stages > 1` each
   stage's mesh, spans them),
@@ -86,6 +86,8 @@ TABLE = {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
+        "data_parallel": ((0, 1, 2), "tf.distribute shards optimizer state (1) and gradients "
+                                     "(2); parameter sharding (3) runs on a DTensor mesh"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
         "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.layout.fsdp); "
@@ -103,6 +105,7 @@ TABLE = {
                               "collectives only"),
     },
 }
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -124,7 +127,7 @@ class Rule:
             return None
         why = self.why(*args) if callable(self.why) else self.why
         value = self.value(*args) if self.value else getattr(config, self.setting)
-        return ConfigError(self.setting, value, f"not supported: {why}")
+        return ConfigError(self.setting, value, why)
 
 
 def _mesh(c):
@@ -135,48 +138,76 @@ def _mesh(c):
 # batch-axis codecs and recompute run; checkpoints do not.
 MESH_PIPELINE_CHECKPOINTS = Rule(
     "checkpoint_dir", lambda c: _mesh(c) and c.dims.pp_enabled and bool(c.checkpoint_dir),
-    "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one checkpoint "
-    "cannot hold several meshes' variables); omit it")
+    "not supported: not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
+    "checkpoint cannot hold several meshes' variables); omit it")
 ZERO_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage > 0 and c.compression != "none",
-    "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
-    "reduce-scatter is not built (use --zero_stage=0)")
+    "not supported: --zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a "
+    "compressed reduce-scatter is not built (use --zero_stage=0)")
 MESH_COMPRESSION = Rule(
     "compression", lambda c: _mesh(c) and c.compression != "none" and (
         c.mixed_precision == "fp16" or (c.grad_accum_steps > 1 and not c.dims.pp_enabled)),
-    "on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis reduction runs "
-    "without fp16 loss scaling, and without --grad_accum_steps unless pipelined")
+    "not supported: on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis "
+    "reduction runs without fp16 loss scaling, and without --grad_accum_steps unless "
+    "pipelined")
 ZB_H1_RECOMPUTE = Rule(
     "recompute", lambda c: backend_of(c) == "pipeline" and c.schedule == "zb_h1"
     and c.recompute == "full",
-    "a zero-bubble schedule keeps the activations its weight passes need; use "
-    "--schedule=1f1b to recompute")
+    "a zero-bubble schedule keeps the activations its weight passes need; use 1f1b to "
+    "recompute")
 INTERLEAVED_VIRTUAL_STAGES = Rule(
     "virtual_stages", lambda c: c.schedule == "interleaved" and c.dims.pp_enabled
     and c.virtual_stages < 2,
     "the interleaved schedule needs --virtual_stages >= 2")
+
+# The zoo's models with tensor-parallel layout presets (`tfpar.layout.presets`), and
+# with sequence-parallel ones.
+TENSOR_PARALLEL_MODELS = ("mlp", "transformer")
+SEQUENCE_PARALLEL_MODELS = ("transformer",)
+MESH_MODEL = Rule(
+    "model", lambda c: _mesh(c) and c.zero_stage != 3
+    and c.model not in TENSOR_PARALLEL_MODELS,
+    f"tensor parallelism has presets for {', '.join(TENSOR_PARALLEL_MODELS)}; use "
+    "--tensor_parallel=1 or give your own layout rules")
+SEQUENCE_MODEL = Rule(
+    "sequence_parallel",
+    lambda c: c.sequence_parallel and c.model not in SEQUENCE_PARALLEL_MODELS,
+    "not supported: sequence parallelism splits the transformer's sequence; --model=mlp and "
+    "convnet have none")
+INTERLEAVED_MICROBATCHES = Rule(
+    "microbatches", lambda c: c.schedule == "interleaved" and c.dims.pp_enabled
+    and c.microbatches % c.pipeline_stages != 0,
+    lambda c: f"the interleaved schedule needs a multiple of pipeline_stages="
+              f"{c.pipeline_stages}, e.g. "
+              f"{c.pipeline_stages * max(1, round(c.microbatches / c.pipeline_stages))}")
+ONE_DEVICE_REPLICAS = Rule(
+    "data_parallel", lambda c: c.strategy == "one_device" and c.data_parallel > 1,
+    "the one_device strategy has 1 replica; use --data_parallel=1 (or 0), or "
+    "--strategy=mirrored")
 
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     MESH_PIPELINE_CHECKPOINTS,
     ZERO_COMPRESSION,
     MESH_COMPRESSION,
-    Rule("sequence_parallel", lambda c: c.sequence_parallel and c.model != "transformer",
-         "sequence parallelism splits the transformer's sequence; --model=mlp and convnet "
-         "have none"),
+    MESH_MODEL,
+    SEQUENCE_MODEL,
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.dims.pp_enabled,
-         "sequence layouts are built for the unpipelined mesh step; use --pipeline_stages=1"),
+         "not supported: sequence layouts are built for the unpipelined mesh step; use "
+         "--pipeline_stages=1"),
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.compression != "none",
-         "the compressed batch-axis reduction maps the step over replicas, where the "
-         "sequence layouts are not built; use --compression=none"),
+         "not supported: the compressed batch-axis reduction maps the step over replicas, "
+         "where the sequence layouts are not built; use --compression=none"),
     Rule("mixed_precision", lambda c: c.zero_stage > 0 and c.mixed_precision == "fp16",
-         "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
-         "in; use bf16"),
+         "not supported: fp16 loss scaling runs the update inside a condition the ZeRO "
+         "update cannot run in; use bf16"),
     Rule("tensor_parallel", lambda c: c.zero_stage == 3 and c.dims.tp_enabled,
-         "--zero_stage=3 splits every weight over the data-parallel axis of a DTensor mesh; "
-         "with tensor parallelism it is not tested (use --zero_stage=0)"),
+         "not supported: --zero_stage=3 splits every weight over the data-parallel axis of a "
+         "DTensor mesh; with tensor parallelism it is not tested (use --zero_stage=0)"),
     ZB_H1_RECOMPUTE,
     INTERLEAVED_VIRTUAL_STAGES,
+    INTERLEAVED_MICROBATCHES,
+    ONE_DEVICE_REPLICAS,
     # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
     Rule("prune_sparsity", lambda c: c.keras == 3 and c.prune_sparsity > 0,
          "tensorflow-model-optimization prunes only tf_keras models; add --keras=2"),
@@ -208,9 +239,21 @@ DTENSOR_EVALUATOR = Rule(
     "a DTensor mesh spans training processes only (chief, worker)",
     value=lambda c, k: f"task type {k.task_type!r}", cluster=True)
 
+STRATEGY_WITHOUT_CLUSTER = Rule(
+    "strategy", lambda c, k: c.strategy == "multi_worker" and k is None,
+    "TF_CONFIG is not set; start the workers with `python -m tfpar.launch --workers=N -- "
+    "python -m tfpar.train ...` or set TF_CONFIG for each worker", cluster=True)
+STRATEGY_ON_WORKERS = Rule(
+    "strategy", lambda c, k: c.strategy in ("one_device", "mirrored") and k is not None
+    and k.num_workers > 1,
+    lambda c, k: f"TF_CONFIG names {k.num_workers} workers; use --strategy=multi_worker or "
+                 f"auto, or unset TF_CONFIG", cluster=True)
+
 # What a cluster of several workers excludes: the one-client pipeline across workers
 # (`tfpar.pipeline.remote`) and DTensor's clients (`tfpar.layout.multi_client`).
 ACROSS_WORKERS = (
+    STRATEGY_WITHOUT_CLUSTER,
+    STRATEGY_ON_WORKERS,
     Rule("pipeline_stages", lambda c, k: spans_workers(c, k)
          and c.pipeline_stages != k.num_workers,
          lambda c, k: f"across worker processes each of the {k.num_workers} workers holds "
@@ -220,10 +263,6 @@ ACROSS_WORKERS = (
          "a pipeline across workers has no evaluator task; give chief/worker tasks only",
          value=lambda c, k: k.task_type, cluster=True),
     DTENSOR_EVALUATOR,
-    Rule("strategy", lambda c, k: spans_workers(c, k)
-         and c.strategy in ("one_device", "mirrored"),
-         "TF_CONFIG names several workers; use --strategy=auto or multi_worker, or unset "
-         "TF_CONFIG", cluster=True),
     Rule("compression", lambda c, k: spans_workers(c, k) and c.compression != "none",
          "pipelines across worker processes all-reduce inside one client, not with "
          "tf.distribute collectives between workers; use --compression=none, or one "

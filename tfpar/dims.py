@@ -15,6 +15,7 @@ replicas (`replicas`), the meshes (`on_devices`, `stage_groups`; `tfpar.layout.m
 """
 
 import dataclasses
+import math
 
 from tfpar.errors import ConfigError
 
@@ -176,4 +177,5 @@ _SETTINGS = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_sta
 
 
 def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

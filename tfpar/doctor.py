@@ -262,6 +262,11 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     checks.append(check_learning_rate(config))
     if tf_check.status == "FAIL":
         return checks
+    try:  # the trainer's own rulebook (tfpar.compat) on this config and cluster
+        from tfpar.train import check_inputs
+        check_inputs(config, environ)
+    except ConfigError as err:
+        return checks + [Check("settings", "FAIL", str(err))]
     devices.split_cpu(config.cpu_devices)
     from tfpar import data, memory, strategy
     from tfpar.backends.distribute import DistributeBackend

@@ -56,7 +56,6 @@ def check_inputs(config, environ=None):
     compat.check_cluster(config, cluster)
     if compat.spans_workers(config, cluster):
         return  # one stage per worker (tfpar.pipeline.remote): no strategy to choose
-    tf_config.check_strategy(config.strategy, cluster)
     compat.check_devices(config, cluster.num_workers if cluster is not None else 1)
 
 
