@@ -86,8 +86,6 @@ TABLE = {
         "tf_keras": (("none",), "recomputation wraps Keras 3 layers"),
     },
     "zero_stage": {
-        "data_parallel": ((0, 1, 2), "tf.distribute shards optimizer state (1) and gradients "
-                                     "(2); parameter sharding (3) runs on a DTensor mesh"),
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
         "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.layout.fsdp); "
@@ -313,6 +311,16 @@ def check_cluster(config, cluster):
     `cluster` (a parsed `TF_CONFIG`, or None)."""
     for rule in ACROSS_WORKERS:
         enforce(rule, config, cluster)
+
+
+def check_inputs(config, cluster):
+    """What the trainer refuses of `config` on `cluster` (a parsed `TF_CONFIG`, or None)
+    before TensorFlow, beyond `check`: `check_cluster`, then a mesh's degrees against
+    `--cpu_devices` (`check_devices`). `tfpar.train.check_inputs` reads `TF_CONFIG` and
+    calls this; the planner and the doctor too."""
+    check_cluster(config, cluster)
+    if not spans_workers(config, cluster):  # else one stage per worker: no mesh to check
+        check_devices(config, cluster.num_workers if cluster is not None else 1)
 
 
 def enforce(rule, config, cluster=None):

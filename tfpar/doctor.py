@@ -22,6 +22,7 @@ import time
 
 from absl import app, flags
 
+from tfpar import compat
 from tfpar import flags as tfpar_flags
 from tfpar import tf_config as tf_config_lib
 from tfpar.errors import ConfigError, TfparError
@@ -262,9 +263,8 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     checks.append(check_learning_rate(config))
     if tf_check.status == "FAIL":
         return checks
-    try:  # the trainer's own rulebook (tfpar.compat) on this config and cluster
-        from tfpar.train import check_inputs
-        check_inputs(config, environ)
+    try:  # the trainer's own rulebook on this config and cluster, before TensorFlow
+        compat.check_inputs(config, cluster)
     except ConfigError as err:
         return checks + [Check("settings", "FAIL", str(err))]
     devices.split_cpu(config.cpu_devices)

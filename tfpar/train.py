@@ -52,11 +52,7 @@ def check_inputs(config, environ=None):
     Raises:
         ConfigError: naming the setting, its value and what would work.
     """
-    cluster = tf_config.load(os.environ if environ is None else environ)
-    compat.check_cluster(config, cluster)
-    if compat.spans_workers(config, cluster):
-        return  # one stage per worker (tfpar.pipeline.remote): no strategy to choose
-    compat.check_devices(config, cluster.num_workers if cluster is not None else 1)
+    compat.check_inputs(config, tf_config.load(os.environ if environ is None else environ))
 
 
 def train(config, environ=None, callbacks=(), runtime=None):

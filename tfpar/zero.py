@@ -366,11 +366,9 @@ def wrap_optimizer(optimizer, stage, timeout_s=None):
     Raises:
         ConfigError: another optimizer or option, or stage not 1 or 2.
     """
-    from tfpar import compat  # the table's row for stage 3 (imports no TensorFlow)
-    compat.enforce_honoured("zero_stage", compat.view(zero_stage=stage), "data_parallel")
     if stage not in (1, 2):
-        raise ConfigError("zero_stage", stage, "choose 1 (optimizer state) or 2 (also "
-                          "gradients)")
+        raise ConfigError("zero_stage", stage, "tf.distribute shards optimizer state (1) and "
+                          "gradients (2); parameter sharding (3) runs on a DTensor mesh")
     supported = (isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adam))
                  and not getattr(optimizer, "amsgrad", False) and not optimizer.use_ema
                  and not optimizer.gradient_accumulation_steps)

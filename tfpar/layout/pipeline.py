@@ -135,8 +135,7 @@ def build(config, task, meshes, build_optimizer):
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
                          width=config.model_width, depth=config.model_depth)
-    K = len(meshes)
-    V = config.virtual_stages if config.schedule == "interleaved" else 1
+    K, V = len(meshes), config.dims.virtual
     # As on one mesh (`trainer.build_on_mesh`): with one replica on `batch` there is no
     # data-parallel reduction to compress.
     codec = (config.compression if config.compression != "none"
