@@ -277,7 +277,8 @@ def parse_command(text):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_command_the_planner_prints_is_accepted(model):
     # Every layout the planner ranks for 8 logical CPUs, at every precision and schedule
-    # it offers: a runnable one's command passes ParallelConfig and check_inputs, the
+    # (`--schedule` offers gpipe, 1f1b, interleaved; `Request.from_config` any of the
+    # config's): a runnable one's command passes ParallelConfig and check_inputs, the
     # others' reasons are exactly what building their command raises.
     hw = planner.hardware_from(8, 16, 10, 100, 10)
     prof = profile.builtin_profile(model)

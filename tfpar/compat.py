@@ -150,7 +150,7 @@ MESH_COMPRESSION = Rule(
     "pipelined")
 ZB_H1_RECOMPUTE = Rule(
     "recompute", lambda c: backend_of(c) == "pipeline" and c.schedule == "zb_h1"
-    and c.recompute == "full",
+    and c.recompute in ("full", True),  # True: `PipelineModel(recompute=True)`
     "a zero-bubble schedule keeps the activations its weight passes need; use 1f1b to "
     "recompute")
 INTERLEAVED_VIRTUAL_STAGES = Rule(

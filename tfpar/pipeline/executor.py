@@ -77,7 +77,7 @@ class PipelineExecutor:
         if self.split and recompute:
             compat.enforce(compat.ZB_H1_RECOMPUTE, compat.view(
                 backend="pipeline", pipeline_stages=self.K, schedule="zb_h1",
-                recompute="full"))
+                recompute=recompute))
         self._calls = [tf.recompute_grad(_training_call(s)) if recompute else _training_call(s)
                        for s in self.stages]
         # Zero-bubble: each stage runs layer by layer, so that B can stop at the input
