@@ -298,3 +298,13 @@ def test_every_command_the_planner_prints_is_accepted(model):
                 checked += 1
                 refused += error is not None
     assert checked > 100 and 0 < refused < checked
+
+
+def test_the_doctor_fails_with_the_tables_line_before_starting_a_strategy():
+    from tfpar import doctor
+    config = ParallelConfig(strategy="multi_worker")
+    with pytest.raises(ConfigError) as info:
+        check_inputs(config, environ={})
+    checks = doctor.diagnose(config, environ={})
+    assert (checks[-1].name, checks[-1].status, checks[-1].detail) == (
+        "settings", "FAIL", str(info.value))
