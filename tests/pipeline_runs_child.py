@@ -83,9 +83,11 @@ def refusals():
     runtime = runtime_for(base)
 
     def error(**changes):
-        config = base.replace(**changes)
+        # Settings that do not combine are refused by the config itself (tfpar.compat),
+        # before the pipeline is built; the rest when it is.
         with runtime.strategy.scope():
             try:
+                config = base.replace(**changes)
                 tfpar.pipeline.for_training(models.build("mlp", (32,), 10), config, runtime)
             except TfparError as err:
                 return f"{type(err).__name__}: {err}"

@@ -92,7 +92,10 @@ def test_mesh_degrees_are_checked_against_cpu_devices_before_tensorflow_starts()
 
 
 def test_one_rule_gives_the_meshes_batch_size_before_and_after_tensorflow():
-    from tfpar.compat import mesh_degrees
+    from tfpar.dims import ParallelDims
+
+    def mesh_degrees(dp, tp, pp, devices, where, cpu_hint=True):
+        return ParallelDims(dp=dp, tp=tp, pp=pp).on_devices(devices, where, cpu_hint).dp
     # data_parallel=0: what tensor_parallel × pipeline_stages leave (a pipeline of meshes too)
     assert mesh_degrees(0, 2, 2, 8, "local devices") == 2
     assert mesh_degrees(0, 4, 1, 8, "local devices") == 2

@@ -8,21 +8,28 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 
 - `data_parallel`: Keras 3 on a `tf.distribute` strategy (one device, mirrored, multi-worker),
 - `pipeline`: the same backend with `pipeline_stages > 1` (a `PipelineModel`); under a
-  `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`,
-  which refuses there, once it reads `TF_CONFIG`, what it does not do across workers:
-  compression and checkpoints),
+  `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`;
+  what it does not do across workers, compression and checkpoints, is in
+  `ACROSS_WORKERS`),
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` and for `zero_stage=3`
   (under a `TF_CONFIG` of several workers the mesh, and with `pipeline_stages > 1` each
   stage's mesh, spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
-`COMBINATIONS` lists what one setting's value excludes (ZeRO with compression or fp16;
-on a mesh, compression with fp16 or unpipelined accumulation).
+`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
+compression or fp16; on a mesh, compression with fp16 or unpipelined accumulation; the
+zero-bubble schedule with recomputation; tfmot's settings), `ACROSS_WORKERS` what a
+`TF_CONFIG` cluster excludes (`check_cluster`, from `tfpar.train.check_inputs`). This is
+the one rulebook: nothing else in tfpar raises a `ConfigError` for a combination (a test
+walks the source). Code a Python caller reaches without a `ParallelConfig` (the pipeline
+executor, `MeshTrainer`, ...) applies the same row through `enforce`.
 
 >>> from tfpar import ParallelConfig
 >>> backend_of(ParallelConfig(tensor_parallel=2))
 'dtensor'
 """
+
+import dataclasses
 
 from tfpar.errors import ConfigError
 
@@ -43,6 +50,14 @@ TABLE = {
         for backend in ("data_parallel", "pipeline", "tf_keras")},
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
+        "pipeline": ((1,), "use 1: the pipeline already accumulates gradients over "
+                           "--microbatches; for a larger effective batch raise "
+                           "--global_batch_size and --microbatches together"),
+    },
+    "mixed_precision": {
+        "pipeline": (("none", "bf16"), "fp16 loss scaling is not in the pipeline step; use "
+                                       "bf16 or none (or the mesh pipeline, "
+                                       "--tensor_parallel>1)"),
     },
     "pipeline_stages": {
         "tf_keras": ((1,), "pipeline parallelism is Keras 3 only"),
@@ -85,38 +100,175 @@ TABLE = {
     },
 }
 
-# Settings that a value of another setting excludes, on every backend:
-# (setting, the values it may take then, when, why).
-COMBINATIONS = (
-    # dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16,
-    # the batch-axis codecs and recompute run; checkpoints do not (one checkpoint cannot
-    # hold several meshes' variables).
-    ("checkpoint_dir", ("",), lambda c: c.tensor_parallel > 1 and c.pipeline_stages > 1,
-     "not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one checkpoint "
-     "cannot hold several meshes' variables)"),
-    ("compression", ("none",),
-     lambda c: c.tensor_parallel > 1 and (c.mixed_precision == "fp16" or (
-         c.grad_accum_steps > 1 and c.pipeline_stages == 1)),
-     "on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis reduction runs "
-     "without fp16 loss scaling, and without --grad_accum_steps unless pipelined"),
-    ("compression", ("none",), lambda c: c.zero_stage > 0,
-     "--zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a compressed "
-     "reduce-scatter is not built (use --zero_stage=0)"),
-    ("sequence_parallel", (False,), lambda c: c.model != "transformer",
-     "sequence parallelism splits the transformer's sequence; --model=mlp and convnet have "
-     "none"),
-    ("sequence_parallel", (False,), lambda c: c.pipeline_stages > 1,
-     "sequence layouts are built for the unpipelined mesh step; use --pipeline_stages=1"),
-    ("sequence_parallel", (False,), lambda c: c.compression != "none",
-     "the compressed batch-axis reduction maps the step over replicas, where the sequence "
-     "layouts are not built; use --compression=none"),
-    ("mixed_precision", ("none", "bf16"), lambda c: c.zero_stage > 0,
-     "fp16 loss scaling runs the update inside a condition the ZeRO update cannot run "
-     "in; use bf16"),
 
-    ("tensor_parallel", (1,), lambda c: c.zero_stage == 3,
-     "--zero_stage=3 splits every weight over the data-parallel axis of a DTensor mesh; "
-     "with tensor parallelism it is not tested (use --zero_stage=0)"),
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row: `setting`'s value is refused when `refuses(config)` (a cluster row:
+    `refuses(config, cluster)`, `cluster` a parsed `TF_CONFIG`) holds; `why` (text, or a
+    function of the same arguments) says why and what would work; `value` (a function of
+    the same arguments) is the value named, by default the setting's."""
+
+    setting: str
+    refuses: object
+    why: object
+    value: object = None
+    cluster: bool = False
+
+    def error(self, config, cluster=None):
+        """The `ConfigError` of this row for `config`, or None if it does not refuse."""
+        args = (config, cluster) if self.cluster else (config,)
+        if not self.refuses(*args):
+            return None
+        why = self.why(*args) if callable(self.why) else self.why
+        value = self.value(*args) if self.value else getattr(config, self.setting)
+        return ConfigError(self.setting, value, why)
+
+
+def _mesh(c):
+    return backend_of(c) == "dtensor"
+
+
+# dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16, the
+# batch-axis codecs and recompute run; checkpoints do not.
+MESH_PIPELINE_CHECKPOINTS = Rule(
+    "checkpoint_dir", lambda c: _mesh(c) and c.dims.pp_enabled and bool(c.checkpoint_dir),
+    "not supported: not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
+    "checkpoint cannot hold several meshes' variables); omit it")
+ZERO_COMPRESSION = Rule(
+    "compression", lambda c: c.zero_stage > 0 and c.compression != "none",
+    "not supported: --zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a "
+    "compressed reduce-scatter is not built (use --zero_stage=0)")
+MESH_COMPRESSION = Rule(
+    "compression", lambda c: _mesh(c) and c.compression != "none" and (
+        c.mixed_precision == "fp16" or (c.grad_accum_steps > 1 and not c.dims.pp_enabled)),
+    "not supported: on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis "
+    "reduction runs without fp16 loss scaling, and without --grad_accum_steps unless "
+    "pipelined")
+ZB_H1_RECOMPUTE = Rule(
+    "recompute", lambda c: backend_of(c) == "pipeline" and c.schedule == "zb_h1"
+    and c.recompute in ("full", True),  # True: `PipelineModel(recompute=True)`
+    "a zero-bubble schedule keeps the activations its weight passes need; use 1f1b to "
+    "recompute")
+INTERLEAVED_VIRTUAL_STAGES = Rule(
+    "virtual_stages", lambda c: c.schedule == "interleaved" and c.dims.pp_enabled
+    and c.virtual_stages < 2,
+    "the interleaved schedule needs --virtual_stages >= 2")
+
+# The zoo's models with tensor-parallel layout presets (`tfpar.layout.presets`), and
+# with sequence-parallel ones.
+TENSOR_PARALLEL_MODELS = ("mlp", "transformer")
+SEQUENCE_PARALLEL_MODELS = ("transformer",)
+MESH_MODEL = Rule(
+    "model", lambda c: _mesh(c) and c.zero_stage != 3
+    and c.model not in TENSOR_PARALLEL_MODELS,
+    f"tensor parallelism has presets for {', '.join(TENSOR_PARALLEL_MODELS)}; use "
+    "--tensor_parallel=1 or give your own layout rules")
+SEQUENCE_MODEL = Rule(
+    "sequence_parallel",
+    lambda c: c.sequence_parallel and c.model not in SEQUENCE_PARALLEL_MODELS,
+    "not supported: sequence parallelism splits the transformer's sequence; --model=mlp and "
+    "convnet have none")
+INTERLEAVED_MICROBATCHES = Rule(
+    "microbatches", lambda c: c.schedule == "interleaved" and c.dims.pp_enabled
+    and c.microbatches % c.pipeline_stages != 0,
+    lambda c: f"the interleaved schedule needs a multiple of pipeline_stages="
+              f"{c.pipeline_stages}, e.g. "
+              f"{c.pipeline_stages * max(1, round(c.microbatches / c.pipeline_stages))}")
+ONE_DEVICE_REPLICAS = Rule(
+    "data_parallel", lambda c: c.strategy == "one_device" and c.data_parallel > 1,
+    "the one_device strategy has 1 replica; use --data_parallel=1 (or 0), or "
+    "--strategy=mirrored")
+
+# Settings that a value of another setting excludes, on every backend.
+COMBINATIONS = (
+    MESH_PIPELINE_CHECKPOINTS,
+    ZERO_COMPRESSION,
+    MESH_COMPRESSION,
+    MESH_MODEL,
+    SEQUENCE_MODEL,
+    Rule("sequence_parallel", lambda c: c.sequence_parallel and c.dims.pp_enabled,
+         "not supported: sequence layouts are built for the unpipelined mesh step; use "
+         "--pipeline_stages=1"),
+    Rule("sequence_parallel", lambda c: c.sequence_parallel and c.compression != "none",
+         "not supported: the compressed batch-axis reduction maps the step over replicas, "
+         "where the sequence layouts are not built; use --compression=none"),
+    Rule("mixed_precision", lambda c: c.zero_stage > 0 and c.mixed_precision == "fp16",
+         "not supported: fp16 loss scaling runs the update inside a condition the ZeRO "
+         "update cannot run in; use bf16"),
+    Rule("tensor_parallel", lambda c: c.zero_stage == 3 and c.dims.tp_enabled,
+         "not supported: --zero_stage=3 splits every weight over the data-parallel axis of a "
+         "DTensor mesh; with tensor parallelism it is not tested (use --zero_stage=0)"),
+    ZB_H1_RECOMPUTE,
+    INTERLEAVED_VIRTUAL_STAGES,
+    INTERLEAVED_MICROBATCHES,
+    ONE_DEVICE_REPLICAS,
+    # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
+    Rule("prune_sparsity", lambda c: c.keras == 3 and c.prune_sparsity > 0,
+         "tensorflow-model-optimization prunes only tf_keras models; add --keras=2"),
+    Rule("qat", lambda c: c.keras == 3 and c.qat,
+         "tensorflow-model-optimization quantizes only tf_keras models; add --keras=2"),
+    Rule("mixed_precision", lambda c: c.qat and c.mixed_precision != "none",
+         "tfmot's fake-quant layers fail under a mixed-precision policy (float16/bfloat16 "
+         "inputs to float32 ranges); use --mixed_precision=none with --qat"),
+    Rule("qat", lambda c: c.qat and c.prune_sparsity > 0,
+         "--prune_sparsity with --qat in one run is not supported (tfmot's "
+         "prune-preserving QAT is not wired in); choose one"),
+)
+
+
+def spans_workers(config, cluster):
+    """True when `config` is a tf.distribute pipeline across the workers of `cluster` (a
+    parsed `TF_CONFIG`, or None): one stage per worker process (`tfpar.pipeline.remote`)."""
+    return (backend_of(config) == "pipeline" and cluster is not None
+            and cluster.num_workers > 1)
+
+
+def _pipeline_replicas(c, k):
+    return c.data_parallel or max(1, c.cpu_devices)
+
+
+DTENSOR_EVALUATOR = Rule(
+    "TF_CONFIG", lambda c, k: _mesh(c) and k is not None and k.num_workers > 1
+    and k.worker_index is None,
+    "a DTensor mesh spans training processes only (chief, worker)",
+    value=lambda c, k: f"task type {k.task_type!r}", cluster=True)
+
+STRATEGY_WITHOUT_CLUSTER = Rule(
+    "strategy", lambda c, k: c.strategy == "multi_worker" and k is None,
+    "TF_CONFIG is not set; start the workers with `python -m tfpar.launch --workers=N -- "
+    "python -m tfpar.train ...` or set TF_CONFIG for each worker", cluster=True)
+STRATEGY_ON_WORKERS = Rule(
+    "strategy", lambda c, k: c.strategy in ("one_device", "mirrored") and k is not None
+    and k.num_workers > 1,
+    lambda c, k: f"TF_CONFIG names {k.num_workers} workers; use --strategy=multi_worker or "
+                 f"auto, or unset TF_CONFIG", cluster=True)
+
+# What a cluster of several workers excludes: the one-client pipeline across workers
+# (`tfpar.pipeline.remote`) and DTensor's clients (`tfpar.layout.multi_client`).
+ACROSS_WORKERS = (
+    STRATEGY_WITHOUT_CLUSTER,
+    STRATEGY_ON_WORKERS,
+    Rule("pipeline_stages", lambda c, k: spans_workers(c, k)
+         and c.pipeline_stages != k.num_workers,
+         lambda c, k: f"across worker processes each of the {k.num_workers} workers holds "
+                      f"one stage; use --pipeline_stages={k.num_workers} or "
+                      f"--workers={c.pipeline_stages}", cluster=True),
+    Rule("TF_CONFIG", lambda c, k: spans_workers(c, k) and k.worker_index is None,
+         "a pipeline across workers has no evaluator task; give chief/worker tasks only",
+         value=lambda c, k: k.task_type, cluster=True),
+    DTENSOR_EVALUATOR,
+    Rule("compression", lambda c, k: spans_workers(c, k) and c.compression != "none",
+         "pipelines across worker processes all-reduce inside one client, not with "
+         "tf.distribute collectives between workers; use --compression=none, or one "
+         "process with --cpu_devices", cluster=True),
+    Rule("checkpoint_dir", lambda c, k: spans_workers(c, k) and bool(c.checkpoint_dir),
+         "checkpoints of a pipeline across worker processes are not supported yet; run "
+         "without --checkpoint_dir, or in one process with --cpu_devices", cluster=True),
+    # MirroredStrategy's collectives on the chief hang over cluster devices.
+    Rule("data_parallel", lambda c, k: spans_workers(c, k) and _pipeline_replicas(c, k) > 1,
+         "a pipeline across worker processes runs one replica yet; use --data_parallel=1 "
+         "(and --cpu_devices<=1), or pipeline x data parallel in one process with "
+         "--cpu_devices", value=_pipeline_replicas, cluster=True),
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",
@@ -125,79 +277,96 @@ _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1"
 
 
 def backend_of(config):
-    """The backend that runs `config`: one of `BACKENDS`."""
+    """The backend that runs `config`: one of `BACKENDS` (a `view`'s forced backend
+    first)."""
+    forced = getattr(config, "_backend", None)
+    if forced:
+        return forced
     if getattr(config, "keras", 3) == 2:
         return "tf_keras"
-    if config.tensor_parallel > 1 or (getattr(config, "zero_stage", 0) == 3
-                                      and config.pipeline_stages == 1):
+    dims = config.dims
+    if dims.tp_enabled or (getattr(config, "zero_stage", 0) == 3 and not dims.pp_enabled):
         return "dtensor"  # ZeRO-3: tfpar.layout.fsdp
-    if config.pipeline_stages > 1:
+    if dims.pp_enabled:
         return "pipeline"
     return "data_parallel"
 
 
 def check(config):
-    """Raises `ConfigError` for the first setting `config`'s backend cannot honour."""
+    """Raises `ConfigError` for the first setting `config`'s backend cannot honour, then
+    for the first row of `COMBINATIONS` that refuses it."""
     backend = backend_of(config)
-    for setting, rules in TABLE.items():
-        if backend not in rules or not hasattr(config, setting):
-            continue
-        honoured, why = rules[backend]
-        value = getattr(config, setting)
-        if value not in honoured:
-            raise ConfigError(setting, value, f"not supported with {_NAMES[backend]}: {why}")
-    for setting, honoured, when, why in COMBINATIONS:
-        if when(config) and getattr(config, setting) not in honoured:
-            raise ConfigError(setting, getattr(config, setting), f"not supported: {why}")
+    for setting in TABLE:
+        enforce_honoured(setting, config, backend)
+    for rule in COMBINATIONS:
+        enforce(rule, config)
 
 
-def mesh_degrees(data_parallel, tensor_parallel, stages, devices, where, cpu_hint=True):
-    """The `batch` size of each stage's `data_parallel` × `tensor_parallel` mesh when
-    `stages` such meshes fill `devices` devices (`data_parallel=0`: what the other two
-    leave). One rule for the check before TensorFlow (`check_devices`) and the meshes built
-    after it (`tfpar.layout`); `where` names the devices in the message ("local devices",
-    "logical CPUs of --cpu_devices=4", ...); `cpu_hint=False` where `--cpu_devices` is not
-    the count (devices of several processes).
+def check_cluster(config, cluster):
+    """Raises `ConfigError` for the first row of `ACROSS_WORKERS` that refuses `config` on
+    `cluster` (a parsed `TF_CONFIG`, or None)."""
+    for rule in ACROSS_WORKERS:
+        enforce(rule, config, cluster)
 
-    Raises:
-        ConfigError: naming the degree that does not fit, and the settings that would.
-    """
-    per = tensor_parallel * stages
-    if not data_parallel:
-        if devices % per:
-            degrees = (f"tensor_parallel × pipeline_stages = {tensor_parallel}×{stages} "
-                       if stages > 1 else "")
-            fits = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
-            raise ConfigError("tensor_parallel", tensor_parallel,
-                              f"{degrees}must divide the {devices} {where} ({fits} do)" +
-                              (f"; or use --cpu_devices=<multiple of {per}>" if cpu_hint
-                               else ""))
-        return devices // per
-    if data_parallel * per != devices:
-        setting, degrees = (
-            ("pipeline_stages", f"data_parallel × tensor_parallel × pipeline_stages = "
-             f"{data_parallel}×{tensor_parallel}×{stages}") if stages > 1 else
-            ("data_parallel", f"data_parallel × tensor_parallel = "
-             f"{data_parallel}×{tensor_parallel}"))
-        fixes = ([f"--cpu_devices={data_parallel * per} on CPU"] if cpu_hint else []) + (
-            [f"--data_parallel={devices // per}"] if devices % per == 0 else [])
-        raise ConfigError(setting, stages if stages > 1 else data_parallel,
-                          f"{degrees} = {data_parallel * per} must equal the {devices} "
-                          f"{where}" + (f"; use {', or '.join(fixes)}" if fixes else ""))
-    return data_parallel
+
+def check_inputs(config, cluster):
+    """What the trainer refuses of `config` on `cluster` (a parsed `TF_CONFIG`, or None)
+    before TensorFlow, beyond `check`: `check_cluster`, then a mesh's degrees against
+    `--cpu_devices` (`check_devices`). `tfpar.train.check_inputs` reads `TF_CONFIG` and
+    calls this; the planner and the doctor too."""
+    check_cluster(config, cluster)
+    if not spans_workers(config, cluster):  # else one stage per worker: no mesh to check
+        check_devices(config, cluster.num_workers if cluster is not None else 1)
+
+
+def enforce(rule, config, cluster=None):
+    """Raises `rule`'s `ConfigError` if it refuses `config` (a `ParallelConfig` or a
+    `view`); how code reached without a `ParallelConfig` applies a row of the table."""
+    error = rule.error(config, cluster)
+    if error is not None:
+        raise error
+
+
+def enforce_honoured(setting, config, backend=None):
+    """Raises `ConfigError` if `backend` (default `config`'s) cannot honour `config`'s
+    value of `setting` (a row of `TABLE`)."""
+    backend = backend or backend_of(config)
+    rules = TABLE.get(setting, {})
+    if backend not in rules or not hasattr(config, setting):
+        return
+    honoured, why = rules[backend]
+    value = getattr(config, setting)
+    if value not in honoured:
+        raise ConfigError(setting, value, f"not supported with {_NAMES[backend]}: {why}")
+
+
+def view(base=None, backend=None, **settings):
+    """An unchecked `ParallelConfig`: `base`'s settings (default: the defaults) with
+    `settings` applied, for `enforce` where code holds some settings but no config;
+    `backend` forces `backend_of`'s answer (e.g. "dtensor" for any mesh)."""
+    from tfpar.config import ParallelConfig  # config imports this module
+
+    values = {f.name: getattr(base, f.name) if base is not None else f.default
+              for f in dataclasses.fields(ParallelConfig)}
+    values.update(settings)
+    config = object.__new__(ParallelConfig)
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+    object.__setattr__(config, "_backend", backend)
+    return config
 
 
 def check_devices(config, processes=1):
     """Before TensorFlow: a DTensor mesh's degrees against the logical CPUs of one process
-    (`cpu_devices > 1`), by `mesh_degrees`. Across several processes (`processes > 1`) or
-    on real devices (`cpu_devices` 0 or 1) the count is known only once TensorFlow lists
-    the devices: `tfpar.layout` checks it then. (GPUs, when present, are the mesh's
-    devices: `--cpu_devices` is for CPU-only hosts.)
+    (`cpu_devices > 1`), by `ParallelDims.on_devices`. Across several processes
+    (`processes > 1`) or on real devices (`cpu_devices` 0 or 1) the count is known only
+    once TensorFlow lists the devices: `tfpar.layout` checks it then. (GPUs, when present,
+    are the mesh's devices: `--cpu_devices` is for CPU-only hosts.)
 
     Raises:
         ConfigError: naming the degree that does not fit, and the settings that would.
     """
     if backend_of(config) != "dtensor" or processes > 1 or config.cpu_devices < 2:
         return
-    mesh_degrees(config.data_parallel, config.tensor_parallel, config.pipeline_stages,
-                 config.cpu_devices, f"logical CPUs of --cpu_devices={config.cpu_devices}")
+    config.dims.on_devices(config.cpu_devices,
+                           f"logical CPUs of --cpu_devices={config.cpu_devices}")

@@ -10,6 +10,7 @@ import re
 
 from tfpar import compat
 from tfpar.cpu_kernels import CHOICES as CPU_KERNELS
+from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
 
 MODELS = ("mlp", "convnet", "transformer")
@@ -83,7 +84,8 @@ class ParallelConfig:
 
     Raises:
         ConfigError: a value out of range, or a setting the backend that will run this
-            config cannot honour (the table in `tfpar.compat`), in one line naming it.
+            config cannot honour or a combination it refuses (the table in
+            `tfpar.compat`), in one line naming it.
 
     Examples:
         >>> cfg = ParallelConfig(model="mlp", global_batch_size=64, grad_accum_steps=2)
@@ -209,15 +211,17 @@ class ParallelConfig:
         for name in ("auto_link_mbps", "auto_link_latency_ms"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 0 (0 = measure)")
-        if self.schedule == "interleaved" and self.virtual_stages < 2 and self.pipeline_stages > 1:
-            raise ConfigError("virtual_stages", self.virtual_stages,
-                              "the interleaved schedule needs --virtual_stages >= 2")
         if self.global_batch_size % self.microbatches:
             raise ConfigError("microbatches", self.microbatches,
                               f"must divide global_batch_size={self.global_batch_size}")
         from tfpar.legacy import options as legacy_options  # imports no TensorFlow
         legacy_options.check(self)
         compat.check(self)  # what the backend that will run this config honours
+
+    @property
+    def dims(self):
+        """The parallel degrees as a `tfpar.dims.ParallelDims` (devices not known yet)."""
+        return ParallelDims.from_config(self)
 
     @property
     def effective_batch_size(self):

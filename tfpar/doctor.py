@@ -22,6 +22,7 @@ import time
 
 from absl import app, flags
 
+from tfpar import compat
 from tfpar import flags as tfpar_flags
 from tfpar import tf_config as tf_config_lib
 from tfpar.errors import ConfigError, TfparError
@@ -218,7 +219,7 @@ def check_memory(config, replicas, memory_bytes, where="", measured=None):
         prof = profile.builtin_profile(config.model, config.model_width, config.model_depth)
         candidate = cost.Candidate(
             replicas, config.tensor_parallel, config.pipeline_stages,
-            config.microbatches if config.pipeline_stages > 1 else config.grad_accum_steps,
+            config.microbatches if config.dims.pp_enabled else config.grad_accum_steps,
             config.compression, recompute=config.recompute != "none",
             zero=config.zero_stage)
         need = cost.memory_bytes(prof, candidate, config.global_batch_size,
@@ -262,6 +263,10 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
     checks.append(check_learning_rate(config))
     if tf_check.status == "FAIL":
         return checks
+    try:  # the trainer's own rulebook on this config and cluster, before TensorFlow
+        compat.check_inputs(config, cluster)
+    except ConfigError as err:
+        return checks + [Check("settings", "FAIL", str(err))]
     devices.split_cpu(config.cpu_devices)
     from tfpar import data, memory, strategy
     from tfpar.backends.distribute import DistributeBackend

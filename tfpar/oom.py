@@ -76,10 +76,10 @@ def variants(config, replicas, devices):
     per_replica = config.global_batch_size // max(1, replicas)
     for k in (2, 4, 8):
         accum = config.grad_accum_steps * k
-        if per_replica % accum == 0 and config.pipeline_stages == 1:
+        if per_replica % accum == 0 and not config.dims.pp_enabled:
             add(f"--grad_accum_steps={accum}", grad_accum_steps=accum)
     for tp in (2, 4):
-        if tp > config.tensor_parallel and devices % tp == 0 and config.pipeline_stages == 1:
+        if tp > config.tensor_parallel and devices % tp == 0 and not config.dims.pp_enabled:
             add(f"--tensor_parallel={tp} --data_parallel={devices // tp}",
                 tensor_parallel=tp, data_parallel=devices // tp)
     if recompute and replicas > 1:
@@ -101,7 +101,7 @@ def estimate(config, replicas):
     except Exception:  # a model the planner has no formula for: no estimate
         return None
     data = max(1, replicas)
-    micro = config.microbatches if config.pipeline_stages > 1 else config.grad_accum_steps
+    micro = config.microbatches if config.dims.pp_enabled else config.grad_accum_steps
     candidate = cost.Candidate(data, config.tensor_parallel, config.pipeline_stages, micro,
                                config.compression, config.virtual_stages,
                                config.recompute != "none", config.zero_stage)

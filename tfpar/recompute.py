@@ -72,7 +72,7 @@ def apply(model, config):
     names of the layers recomputed. A no-op for `"none"`, and for `"full"` on a pipeline,
     which recomputes per stage (`tfpar.pipeline`)."""
     mode = config.recompute
-    if mode == "none" or (mode == "full" and config.pipeline_stages > 1):
+    if mode == "none" or (mode == "full" and config.dims.pp_enabled):
         return []
     layers = recomputed_layers(model, mode, block_names(config.model, config.model_depth))
     for layer in layers:

@@ -82,9 +82,7 @@ def make_runtime(config, environ=None):
         collective = "none"
     elif kind == "mirrored":
         # Each replica of a pipeline needs a device per stage.
-        replicas = config.data_parallel or max(
-            1, len(devices.compute_devices()) // config.pipeline_stages)
-        devices.check_device_count("data_parallel", replicas)
+        replicas = config.dims.replicas(len(devices.compute_devices()))
         cross_ops = tf.distribute.NcclAllReduce() if collective == "nccl" else None
         strategy = tf.distribute.MirroredStrategy(
             devices.compute_devices()[:replicas], cross_device_ops=cross_ops)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 
+from tfpar import compat
 from tfpar.errors import ConfigError
 
 JOBS = ("chief", "worker", "ps", "evaluator")
@@ -108,23 +109,14 @@ def parse(raw):
 
 def check_strategy(strategy, cluster):
     """Refuses a `--strategy` the parsed `TF_CONFIG` (`cluster`, or None) contradicts:
-    `multi_worker` without a cluster, `one_device` or `mirrored` with several workers.
+    `multi_worker` without a cluster, `one_device` or `mirrored` with several workers
+    (rows of `tfpar.compat`'s table).
 
     Raises:
         ConfigError: naming `strategy` and what would work.
     """
-    if strategy == "multi_worker" and cluster is None:
-        raise ConfigError(
-            "strategy", "multi_worker",
-            "TF_CONFIG is not set; start the workers with "
-            "`python -m tfpar.launch --workers=N -- python -m tfpar.train ...` or set "
-            "TF_CONFIG for each worker")
-    if strategy in ("one_device", "mirrored") and cluster is not None \
-            and cluster.num_workers > 1:
-        raise ConfigError(
-            "strategy", strategy,
-            f"TF_CONFIG names {cluster.num_workers} workers; use --strategy=multi_worker "
-            "or auto, or unset TF_CONFIG")
+    for rule in (compat.STRATEGY_WITHOUT_CLUSTER, compat.STRATEGY_ON_WORKERS):
+        compat.enforce(rule, compat.view(strategy=strategy), cluster)
 
 
 def make(addresses, index):

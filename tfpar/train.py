@@ -43,19 +43,16 @@ def __getattr__(name):
 
 def check_inputs(config, environ=None):
     """What `train(config)` would refuse first that needs no TensorFlow: `TF_CONFIG` (from
-    `environ`, default `os.environ`), the `--strategy` it contradicts and a mesh's degrees
-    that do not match `--cpu_devices` (`compat.check_devices`), in the order the backends
-    check them, with the same errors. (`config` itself was checked when built.)
+    `environ`, default `os.environ`), the rows of `compat`'s table that depend on the
+    cluster (`compat.check_cluster`: a pipeline across workers, DTensor's clients), the
+    `--strategy` it contradicts and a mesh's degrees that do not match `--cpu_devices`
+    (`compat.check_devices`), in the order the backends check them, with the same errors.
+    (`config` itself was checked when built.)
 
     Raises:
         ConfigError: naming the setting, its value and what would work.
     """
-    cluster = tf_config.load(os.environ if environ is None else environ)
-    if compat.backend_of(config) == "pipeline" and cluster is not None \
-            and cluster.num_workers > 1:
-        return  # one stage per worker (tfpar.pipeline.remote): no strategy to choose
-    tf_config.check_strategy(config.strategy, cluster)
-    compat.check_devices(config, cluster.num_workers if cluster is not None else 1)
+    compat.check_inputs(config, tf_config.load(os.environ if environ is None else environ))
 
 
 def train(config, environ=None, callbacks=(), runtime=None):

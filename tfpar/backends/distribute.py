@@ -46,7 +46,7 @@ class DistributeBackend(Backend):
             model = models.build(config.model, task.input_shape, task.num_classes,
                                  width=config.model_width, depth=config.model_depth)
             recompute.apply(model, config)
-            if config.pipeline_stages > 1:
+            if config.dims.pp_enabled:
                 model = pipeline.for_training(model, config, runtime)
             model.compile(
                 # `--compression=none` stays on Keras's own all-reduce: fp32 in 4 MiB

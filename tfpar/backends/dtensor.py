@@ -23,14 +23,15 @@ import types
 import tensorflow as tf
 from absl import logging
 
-from tfpar import (checkpoint, data, devices, memory, metrics, optimizers, patches, strategy,
-                   tf_config)
+from tfpar import (checkpoint, compat, data, devices, memory, metrics, optimizers, patches,
+                   strategy, tf_config)
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.callbacks import TensorBoard
+from tfpar.dims import ParallelDims
 from tfpar.errors import TfparError
 from tfpar.layout import multi_client, pipeline, run, values
 from tfpar.pipeline import schedule
-from tfpar.layout.mesh import describe, mesh_for_config, no_all_reduce_combining
+from tfpar.layout.mesh import describe, make_mesh, no_all_reduce_combining
 
 
 class DTensorBackend(Backend):
@@ -48,45 +49,32 @@ class DTensorBackend(Backend):
                                  "--tensor_parallel>1; omit runtime")
             return runtime
         cluster = tf_config.load(os.environ if environ is None else environ)
-        workers = cluster.num_workers if cluster is not None else 1
+        compat.check_cluster(config, cluster)  # a --strategy it contradicts, an evaluator
+        dims = ParallelDims.from_config(
+            config, workers=cluster.num_workers if cluster is not None else 1)
         if config.zero_stage == 3:  # before DTensor starts (tfpar.layout.mesh)
             no_all_reduce_combining("zero_stage", 3, "ZeRO-3 would keep every layer's whole "
                                     "gradient until one merged reduction")
             patches.no_function_constant_folding()  # else an OOM may end in SIGSEGV
-        if config.strategy == "multi_worker" and workers < 2:
-            strategy.choose_kind(config, cluster)  # names what is missing (TF_CONFIG)
-        if workers > 1:
-            if config.strategy in ("one_device", "mirrored"):
-                strategy.choose_kind(config, cluster)  # refuses, naming the workers
-            if config.pipeline_stages > 1:  # before DTensor starts (tfpar.layout.pipeline)
-                no_all_reduce_combining("pipeline_stages", config.pipeline_stages,
+        if dims.workers > 1:
+            if dims.pp_enabled:  # before DTensor starts (tfpar.layout.pipeline)
+                no_all_reduce_combining("pipeline_stages", dims.pp,
                                         "a mesh pipeline's step could hang")
             # Every training process of TF_CONFIG is a DTensor client; the mesh spans them.
             cluster = multi_client.initialize(config.cpu_devices, environ)
         else:
             devices.split_cpu(config.cpu_devices)
-        meshes = None
-        if workers > 1 and config.pipeline_stages > 1:  # every stage's mesh spans them all
-            meshes = multi_client.stage_meshes(config.data_parallel, config.tensor_parallel,
-                                               config.pipeline_stages)
-            mesh, index, chief = meshes[0], cluster.worker_index, cluster.is_chief
-        elif workers > 1:
-            mesh = multi_client.distributed_mesh(config.data_parallel, config.tensor_parallel)
-            index, chief = cluster.worker_index, cluster.is_chief
-        elif config.pipeline_stages > 1:  # dp × tp × pp: a mesh per stage
-            meshes = pipeline.make_meshes(config.data_parallel, config.tensor_parallel,
-                                          config.pipeline_stages, devices.compute_devices())
-            mesh, index, chief = meshes[0], 0, True
-        else:
-            mesh, index, chief = mesh_for_config(config), 0, True
-        runtime = types.SimpleNamespace(strategy=mesh, mesh=mesh, replicas=mesh.shape[0],
-                                        workers=workers, worker_index=index, is_chief=chief,
-                                        meshes=meshes or [mesh])
+        meshes = _meshes(dims)
+        index, chief = ((cluster.worker_index, cluster.is_chief) if dims.workers > 1
+                        else (0, True))
+        runtime = types.SimpleNamespace(strategy=meshes[0], mesh=meshes[0],
+                                        replicas=meshes[0].shape[0], workers=dims.workers,
+                                        worker_index=index, is_chief=chief, meshes=meshes)
         print(strategy.READY_LINE, file=sys.stderr, flush=True)  # tfpar.launch waits for it
         return runtime
 
     def build_model(self, config, runtime, task):
-        meshes = runtime.meshes if config.pipeline_stages > 1 else runtime.mesh
+        meshes = runtime.meshes if config.dims.pp_enabled else runtime.mesh
         _, model, self.trainer = run.build(config, task, meshes)
         logging.info("%s; %d/%d parameters per device", "; ".join(
             describe(m) for m in runtime.meshes), _shard_sizes(runtime, model)[0],
@@ -160,9 +148,9 @@ def _pipeline_block(config, runtime):
     """The metrics JSON's `pipeline` block of a mesh pipeline (theory only), else None."""
     if len(runtime.meshes) == 1:
         return None
-    return schedule.pipeline_metrics(
-        config.schedule, config.pipeline_stages, config.microbatches,
-        config.virtual_stages if config.schedule == "interleaved" else 1)
+    dims = config.dims
+    return schedule.pipeline_metrics(config.schedule, dims.pp, dims.microbatches,
+                                     dims.virtual)
 
 
 def mesh_comm_stats(trainer):
@@ -200,6 +188,16 @@ class MeshTensorBoard(TensorBoard):
 
     def _bubble(self):
         return self.pipeline_block["bubble_theory"] if self.pipeline_block else None
+
+
+def _meshes(dims):
+    """The run's meshes from its degrees: one per pipeline stage (dp × tp × pp), or one;
+    across processes each spans every one of them (`tfpar.layout.multi_client`)."""
+    if dims.workers > 1:
+        return multi_client.stage_meshes(dims.dp, dims.tp, dims.pp)
+    if dims.pp_enabled:
+        return pipeline.make_meshes(dims.dp, dims.tp, dims.pp, devices.compute_devices())
+    return [make_mesh(dims.dp, dims.tp)]
 
 
 def _mesh_devices(runtime):

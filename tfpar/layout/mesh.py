@@ -14,9 +14,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import compat
 from tfpar import devices as devices_lib
 from tfpar import patches
+from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
 
 BATCH, MODEL = "batch", "model"
@@ -75,11 +75,8 @@ def make_mesh(data_parallel, tensor_parallel, devices=None):
         (2, 2)
     """
     devices = list(devices or devices_lib.compute_devices())
-    if tensor_parallel < 1:
-        raise ConfigError("tensor_parallel", tensor_parallel, "must be an integer >= 1")
-    data_parallel = compat.mesh_degrees(data_parallel, tensor_parallel, 1, len(devices),
-                                        "local devices")
-    shape = (data_parallel, tensor_parallel)
+    dims = ParallelDims(dp=data_parallel, tp=tensor_parallel).on_devices(len(devices))
+    shape = (dims.dp, dims.tp)
     mesh = keras.distribution.DeviceMesh(shape, (BATCH, MODEL), devices=devices)
     patches.attach_backend_mesh(mesh, dtensor.create_mesh(list(zip((BATCH, MODEL), shape)),
                                                           devices=devices))

@@ -35,7 +35,7 @@ import keras
 from tensorflow.experimental import dtensor
 
 from tfpar import compat, patches, tf_config
-from tfpar.errors import ConfigError
+from tfpar.dims import ParallelDims
 from tfpar.layout.mesh import BATCH, MODEL
 
 
@@ -45,9 +45,7 @@ def dtensor_environment(cluster):
     Raises:
         ConfigError: this process is an evaluator (it holds no part of the mesh).
     """
-    if cluster.worker_index is None:
-        raise ConfigError("TF_CONFIG", f"task type {cluster.task_type!r}",
-                          "a DTensor mesh spans training processes only (chief, worker)")
+    compat.enforce(compat.DTENSOR_EVALUATOR, compat.view(backend="dtensor"), cluster)
     addresses = list(cluster.cluster.get("chief", [])) + list(cluster.cluster.get("worker", []))
     return {"DTENSOR_JOBS": ",".join(addresses),
             "DTENSOR_CLIENT_ID": str(cluster.worker_index),
@@ -100,22 +98,15 @@ def stage_meshes(data_parallel, tensor_parallel, stages):
     """
     local = len(dtensor.local_devices("CPU"))
     clients = dtensor.num_clients()
-    total = local * clients
-    data_parallel = compat.mesh_degrees(data_parallel, tensor_parallel, stages, total,
-                                        f"devices of {clients} processes × {local}",
-                                        cpu_hint=False)
-    per_stage = data_parallel * tensor_parallel
-    if per_stage % clients:
-        raise ConfigError("data_parallel", data_parallel,
-                          f"each stage's mesh spans all {clients} processes, so "
-                          f"data_parallel × tensor_parallel = {per_stage} must be a multiple "
-                          f"of {clients}")
-    n = per_stage // clients
+    dims = ParallelDims(dp=data_parallel, tp=tensor_parallel, pp=stages,
+                        workers=clients).on_devices(
+        local * clients, f"devices of {clients} processes × {local}", cpu_hint=False)
+    data_parallel, per_stage, n = dims.dp, dims.per_stage, dims.per_worker_stage()
     meshes = []
     for s in range(stages):
         backend = dtensor.create_distributed_mesh(
             [(BATCH, data_parallel), (MODEL, tensor_parallel)],
-            mesh_name=f"stage{s}" if stages > 1 else "",
+            mesh_name=f"stage{s}" if dims.pp_enabled else "",
             local_devices=[f"CPU:{s * n + i}" for i in range(n)], device_type="CPU")
         names = [f"/job:worker/replica:0/task:{i // n}/device:CPU:{s * n + i % n}"
                  for i in range(per_stage)]

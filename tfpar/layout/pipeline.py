@@ -51,7 +51,11 @@ With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled 
 last stage model's scale, and one decision is taken for all: each stage's all-finite flag
 is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
 so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
-the stage models' layers (`tfpar.recompute`). Checkpoints are refused (`CHECKPOINTS`).
+the stage models' layers (`tfpar.recompute`). Checkpoints are refused
+(`tfpar.compat.MESH_PIPELINE_CHECKPOINTS`): TensorFlow's checkpoint saver writes every
+DVariable of one `tf.train.Checkpoint` from one save function, whose mesh propagation fails
+on TF 2.21 ("All inputs to `tf_device.Cluster` must have same mesh configuration") when
+they live on several meshes.
 """
 
 import types
@@ -62,6 +66,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import compat, models, recompute
+from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import presets, reduction, values, variables
@@ -72,14 +77,6 @@ from tfpar.layout.step import _layouts, _read, _write
 from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
 from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
-
-
-# Measured on TF 2.21: TensorFlow's checkpoint saver writes every DVariable of one
-# `tf.train.Checkpoint` from one save function, whose mesh propagation fails ("All inputs
-# to `tf_device.Cluster` must have same mesh configuration") when they live on several
-# meshes.
-CHECKPOINTS = ("not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
-               "checkpoint cannot hold several meshes' variables); omit it")
 
 
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
@@ -93,12 +90,9 @@ def make_meshes(data_parallel, tensor_parallel, stages, devices):
     """
     mesh_lib.no_all_reduce_combining("pipeline_stages", stages,
                                       "a mesh pipeline's step could hang")
-    data_parallel = compat.mesh_degrees(data_parallel, tensor_parallel, stages, len(devices),
-                                        "local devices")
-    per_stage = data_parallel * tensor_parallel
-    return [make_mesh(data_parallel, tensor_parallel, devices[s * per_stage:
-                                                              (s + 1) * per_stage])
-            for s in range(stages)]
+    dims = ParallelDims(dp=data_parallel, tp=tensor_parallel, pp=stages).on_devices(
+        len(devices))
+    return [make_mesh(dims.dp, dims.tp, group) for group in dims.stage_groups(devices)]
 
 
 class StagedModel(keras.Model):
@@ -138,14 +132,12 @@ def build(config, task, meshes, build_optimizer):
         ConfigError: a setting this composition does not run (named), or the model does
             not cut into K stages.
     """
-    if config.checkpoint_dir:  # see CHECKPOINTS
-        raise ConfigError("checkpoint_dir", config.checkpoint_dir, CHECKPOINTS)
+    compat.enforce(compat.MESH_PIPELINE_CHECKPOINTS, compat.view(config, backend="dtensor"))
     rules = presets.preset_rules(presets.model_presets(config.model))
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
                          width=config.model_width, depth=config.model_depth)
-    K = len(meshes)
-    V = config.virtual_stages if config.schedule == "interleaved" else 1
+    K, V = len(meshes), config.dims.virtual
     # As on one mesh (`trainer.build_on_mesh`): with one replica on `batch` there is no
     # data-parallel reduction to compress.
     codec = (config.compression if config.compression != "none"

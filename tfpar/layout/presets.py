@@ -31,6 +31,7 @@ Models in `tfpar.models` know nothing of this; the regexes match their layer nam
 
 import keras
 
+from tfpar import compat
 from tfpar.errors import ConfigError
 from tfpar.layout.activations import INPUT, OUTPUT, weight_rules
 from tfpar.layout.mesh import BATCH, MODEL
@@ -151,17 +152,12 @@ def model_presets(model_name, sequence_parallel=False):
     Raises:
         ConfigError: the model has no tensor-parallel preset, or no sequence to split.
     """
-    if model_name not in MODEL_PRESETS:
-        raise ConfigError("model", model_name,
-                          f"tensor parallelism has presets for {', '.join(MODEL_PRESETS)}; "
-                          "use --tensor_parallel=1 or give your own layout rules")
-    if not sequence_parallel:
-        return MODEL_PRESETS[model_name]
-    if model_name not in SEQUENCE_PRESETS:
-        raise ConfigError("sequence_parallel", True,
-                          f"--model={model_name} has no sequence dimension; sequence "
-                          f"parallelism has presets for {', '.join(SEQUENCE_PRESETS)}")
-    return MODEL_PRESETS[model_name] + SEQUENCE_PRESETS[model_name]
+    settings = compat.view(backend="dtensor", model=model_name,
+                           sequence_parallel=sequence_parallel)
+    compat.enforce(compat.MESH_MODEL, settings)
+    compat.enforce(compat.SEQUENCE_MODEL, settings)
+    return MODEL_PRESETS[model_name] + (SEQUENCE_PRESETS[model_name] if sequence_parallel
+                                        else ())
 
 
 def layout_map(mesh, rules):

@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import compat
 from tfpar.compression import codecs, error_feedback
-from tfpar.errors import ConfigError
 from tfpar.layout import values
 from tfpar.layout.mesh import BATCH, axis_size
 
@@ -47,9 +47,7 @@ class BatchAxisReduction:
     """
 
     def __init__(self, mesh, variables, codec="none", error_feedback=True):
-        if codec not in CODECS:
-            raise ConfigError("compression", codec, "on a DTensor mesh choose one of "
-                              + ", ".join(CODECS))
+        compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
         self.sizes = [int(np.prod(v.shape)) for v in variables]

@@ -23,7 +23,7 @@ def build(config, task, mesh=None):
         ConfigError: the model has no tensor-parallel presets, or the degrees do not
             match the devices.
     """
-    if config.pipeline_stages > 1:  # dp × tp × pp: one mesh per stage
+    if config.dims.pp_enabled:  # dp × tp × pp: one mesh per stage
         from tfpar.layout import pipeline
         model, trainer = pipeline.build(config, task, mesh, lambda: _optimizer(config))
         return mesh, model, trainer

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfpar import compat
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import activations, presets, reduction, step, values, variables
 from tfpar.layout.mesh import BATCH, axis_size
@@ -70,10 +71,9 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
     _refuse_keras_loops(model)
     reducer = None
     if compression is not None:
-        if grad_accum_steps > 1 or hasattr(optimizer, "inner_optimizer"):
-            raise ConfigError("compression", compression,
-                              "on a DTensor mesh, compression runs without gradient "
-                              "accumulation and without fp16 loss scaling")
+        compat.enforce(compat.MESH_COMPRESSION, compat.view(
+            backend="dtensor", compression=compression, grad_accum_steps=grad_accum_steps,
+            mixed_precision="fp16" if hasattr(optimizer, "inner_optimizer") else "none"))
         # One replica on the `batch` axis: no data-parallel reduction to compress (the
         # `model` axis's collectives are never compressed), so the exact step runs.
         if axis_size(mesh, BATCH) > 1:

@@ -2,9 +2,9 @@
 
 `ParallelConfig` carries them as fields (`keras`, `prune_*`, `qat`, `export_dir`);
 `option(config, name)` reads one with its default, so a config from before those fields
-existed still works. `check(config)` raises one `ConfigError` naming the setting for every
-combination tfmot cannot run under a strategy (what tf_keras itself cannot run is in
-`tfpar.compat`'s table).
+existed still works. `check(config)` raises one `ConfigError` naming the setting for a value
+out of range; what tfmot and tf_keras cannot run in combination is in `tfpar.compat`'s
+table.
 """
 
 from tfpar.errors import ConfigError
@@ -50,42 +50,19 @@ def check(config, keras_version=None):
         config: a `ParallelConfig` (with or without the fields of `FIELDS`).
         keras_version: check as if `config.keras` were this (default: `config.keras`).
 
-    Settings tf_keras cannot run at all (pipelines, accumulation, checkpoints, ...) are rows
-    of the compatibility table, `tfpar.compat`; this checks the tfmot settings.
+    Settings tf_keras and tfmot cannot run in combination (pipelines, accumulation,
+    checkpoints, QAT with mixed precision, pruning on Keras 3, ...) are rows of the
+    compatibility table, `tfpar.compat`; this checks the tfmot settings' ranges.
     """
     if keras_version is None:
         keras_version = option(config, "keras")
     if keras_version not in (2, 3):
         raise ConfigError("keras", keras_version, "choose 3 (keras) or 2 (tf_keras)")
-    sparsity, qat = option(config, "prune_sparsity"), option(config, "qat")
+    sparsity = option(config, "prune_sparsity")
     if not 0.0 <= sparsity < 1.0:
         raise ConfigError("prune_sparsity", sparsity, "must be in [0, 1), e.g. 0.8")
-    if keras_version == 3:
-        # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
-        if sparsity:
-            raise ConfigError("prune_sparsity", sparsity,
-                              "tensorflow-model-optimization prunes only tf_keras models; "
-                              "add --keras=2")
-        if qat:
-            raise ConfigError("qat", True, "tensorflow-model-optimization quantizes only "
-                                           "tf_keras models; add --keras=2")
-        return
-    _check_legacy_run(config, sparsity, qat)
-    if sparsity:
+    if keras_version == 2 and sparsity:
         _check_schedule(config, sparsity)
-
-
-def _check_legacy_run(config, sparsity, qat):
-    # Settings tf_keras itself cannot run (pipelines, accumulation, ...) are refused by the
-    # compatibility table, `tfpar.compat`; these are tfmot's limits.
-    if qat and config.mixed_precision != "none":
-        raise ConfigError("mixed_precision", config.mixed_precision,
-                          "tfmot's fake-quant layers fail under a mixed-precision policy "
-                          "(float16/bfloat16 inputs to float32 ranges); use "
-                          "--mixed_precision=none with --qat")
-    if sparsity and qat:
-        raise ConfigError("qat", True, "--prune_sparsity with --qat in one run is not "
-                          "supported (tfmot's prune-preserving QAT is not wired in); choose one")
 
 
 def _check_schedule(config, sparsity):

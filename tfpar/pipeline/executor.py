@@ -20,7 +20,7 @@ Examples:
 
 import tensorflow as tf
 
-from tfpar import patches
+from tfpar import compat, patches
 from tfpar.devices import check_device_count, compute_devices
 from tfpar.errors import ConfigError, TfparError
 from tfpar.pipeline.placement import current_device, variables_on
@@ -75,8 +75,9 @@ class PipelineExecutor:
         self.optimizers = None
         self.split = has_weight_passes(schedule)
         if self.split and recompute:
-            raise ConfigError("recompute", recompute, "a zero-bubble schedule keeps the "
-                              "activations its weight passes need; use 1f1b to recompute")
+            compat.enforce(compat.ZB_H1_RECOMPUTE, compat.view(
+                backend="pipeline", pipeline_stages=self.K, schedule="zb_h1",
+                recompute=recompute))
         self._calls = [tf.recompute_grad(_training_call(s)) if recompute else _training_call(s)
                        for s in self.stages]
         # Zero-bubble: each stage runs layer by layer, so that B can stop at the input

@@ -24,6 +24,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
+from tfpar import compat
 from tfpar import devices as devices_lib
 from tfpar.errors import ConfigError, TfparError
 
@@ -79,8 +80,8 @@ _POLL_S = 0.5
 
 def spans_workers(config, cluster):
     """True when `config` pipelines across the workers of `cluster` (a parsed `TF_CONFIG`,
-    or None): `pipeline_stages > 1` and more than one training process."""
-    return config.pipeline_stages > 1 and cluster is not None and cluster.num_workers > 1
+    or None): `tfpar.compat.spans_workers`."""
+    return compat.spans_workers(config, cluster)
 
 
 def make_runtime(config, cluster, runtime_class):
@@ -97,26 +98,16 @@ def make_runtime(config, cluster, runtime_class):
     Call after `devices.split_cpu(config.cpu_devices)`, before any TensorFlow op.
 
     Raises:
-        ConfigError: the workers are not one per stage, an evaluator task, or a setting
-            the cross-worker pipeline does not honour.
+        ConfigError: a row of `tfpar.compat.ACROSS_WORKERS` (the workers are not one per
+            stage, an evaluator task, a setting the cross-worker pipeline does not honour).
         TfparError: the chief never came up within `startup_timeout_s` (non-chief).
     """
-    W, K = cluster.num_workers, config.pipeline_stages
-    if W != K:
-        raise ConfigError("pipeline_stages", K,
-                          f"across worker processes each of the {W} workers holds one "
-                          f"stage; use --pipeline_stages={W} or --workers={K}")
-    if cluster.worker_index is None:
-        raise ConfigError("TF_CONFIG", cluster.task_type, "a pipeline across workers has "
-                          "no evaluator task; give chief/worker tasks only")
-    _check_settings(config)
+    # The replicas are known here (GPUs count): the table's row with them.
+    R = config.data_parallel or devices_lib.local_device_count(config.cpu_devices)
+    compat.check_cluster(compat.view(config, data_parallel=R), cluster)
+    W = cluster.num_workers
     jobs = {job: cluster.cluster[job] for job in ("chief", "worker") if job in cluster.cluster}
     spec = tf.train.ClusterSpec(jobs)
-    R = config.data_parallel or devices_lib.local_device_count(config.cpu_devices)
-    if R > 1:  # MirroredStrategy's collectives on the chief hang over cluster devices
-        raise ConfigError("data_parallel", R, "a pipeline across worker processes runs one "
-                          "replica yet; use --data_parallel=1 (and --cpu_devices<=1), or "
-                          "pipeline x data parallel in one process with --cpu_devices")
     if not cluster.is_chief:
         _serve_until_chief_exits(spec, cluster, R, config.startup_timeout_s)
         print(f"tfpar: pipeline worker {cluster.worker_index}: the chief has finished; "
@@ -135,22 +126,6 @@ def worker_stage_devices(cluster, stages, replicas):
     placements of a pipeline across workers)."""
     return [tuple(f"{_task_name(cluster, s)}/device:CPU:{r}" for r in range(replicas))
             for s in range(stages)]
-
-
-def _check_settings(config):
-    # What the one-client pipeline across workers does not do (yet); one line each.
-    if config.strategy in ("one_device", "mirrored"):
-        raise ConfigError("strategy", config.strategy, "TF_CONFIG names several workers; "
-                          "use --strategy=auto or multi_worker, or unset TF_CONFIG")
-    if config.compression != "none":
-        raise ConfigError("compression", config.compression, "pipelines across worker "
-                          "processes all-reduce inside one client, not with tf.distribute "
-                          "collectives between workers; use --compression=none, or one "
-                          "process with --cpu_devices")
-    if config.checkpoint_dir:
-        raise ConfigError("checkpoint_dir", config.checkpoint_dir, "checkpoints of a "
-                          "pipeline across worker processes are not supported yet; run "
-                          "without --checkpoint_dir, or in one process with --cpu_devices")
 
 
 def _task_name(cluster, worker_index):

@@ -13,6 +13,7 @@ Pure Python, no TensorFlow: schedules can be printed, checked and simulated alon
 import argparse
 import dataclasses
 
+from tfpar import compat
 from tfpar.errors import ConfigError, TfparError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
@@ -102,10 +103,8 @@ def interleaved_schedule(K, M, V):
         ConfigError: M is not a multiple of K (the grouping above needs whole groups).
     """
     _check_sizes(K, M, V)
-    if M % K:
-        raise ConfigError("microbatches", M,
-                          f"the interleaved schedule needs a multiple of pipeline_stages={K}, "
-                          f"e.g. {K * max(1, round(M / K))}")
+    compat.enforce(compat.INTERLEAVED_MICROBATCHES, compat.view(
+        schedule="interleaved", pipeline_stages=K, microbatches=M, virtual_stages=max(V, 2)))
     total = M * V
 
     def action(kind, k):  # k-th forward (or backward) of this stage -> Action

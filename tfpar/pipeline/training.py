@@ -9,6 +9,7 @@ replica 0 runs its stages on CPU:0, CPU:2 and replica 1 on CPU:1, CPU:3.
 
 from tfpar import devices as devices_lib
 from tfpar import tf_config
+from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
 from tfpar.pipeline import remote
 from tfpar.pipeline.model import PipelineModel
@@ -24,19 +25,12 @@ def stage_placements(lead_devices, all_devices, stages):
     Returns:
         K tuples of len(lead_devices) device names.
     Raises:
-        ConfigError: fewer than K * R devices.
+        ConfigError: fewer than K * R devices (`ParallelDims.replicas`).
     """
-    R = len(lead_devices)
+    R = ParallelDims(dp=len(lead_devices), pp=stages).replicas(len(all_devices))
     canon = lambda d: d.split("/device:")[-1].upper()  # noqa: E731
     leads = {canon(d) for d in lead_devices}
     spare = [d for d in all_devices if canon(d) not in leads]
-    if len(spare) < (stages - 1) * R:
-        have = len(all_devices)
-        raise ConfigError(
-            "pipeline_stages", stages,
-            f"{R} data-parallel replica(s) x {stages} stages need {R * stages} devices, "
-            f"but {have} exist; use --data_parallel={max(1, have // stages)} or "
-            f"--cpu_devices={R * stages}")
     return [tuple(lead_devices)] + [tuple(spare[(s - 1) * R:s * R]) for s in range(1, stages)]
 
 
@@ -57,7 +51,9 @@ def for_training(model, config, runtime):
         a `PipelineModel` (uncompiled); `model.pipeline_metrics()` gives the metrics
         JSON's `pipeline` block.
     Raises:
-        ConfigError: a setting that does not combine with the pipeline, named.
+        ConfigError: a runtime that cannot hold the pipeline, a batch the micro-batches do
+            not split, too few devices. (Settings that do not combine with the pipeline
+            were refused when `config` was built: `tfpar.compat`.)
     """
     K = config.pipeline_stages
     if runtime.kind == "multi_worker":
@@ -67,17 +63,6 @@ def for_training(model, config, runtime):
             "strategy", "multi_worker",
             "a pipeline across workers runs from one client (worker 0), not under "
             "MultiWorkerMirroredStrategy; let tfpar.train build the runtime (no runtime=)")
-    for name, value, allowed in (
-            ("grad_accum_steps", config.grad_accum_steps, 1),
-            ("mixed_precision", config.mixed_precision if config.mixed_precision == "fp16"
-             else "none", "none")):
-        if value != allowed:
-            raise ConfigError(name, value, {
-                "grad_accum_steps": "use 1: the pipeline already accumulates gradients over "
-                                    "--microbatches; for a larger effective batch raise "
-                                    "--global_batch_size and --microbatches together",
-                "mixed_precision": "fp16 loss scaling is not in the pipeline step; use "
-                                   "bf16 or none"}[name])
     per_replica = config.per_replica_batch(runtime.replicas)
     if per_replica % config.microbatches:
         raise ConfigError(

@@ -4,8 +4,10 @@ command, and the Python calls that train it on the user's own model."""
 
 def runnable(c, hw, request):
     """None when `python -m tfpar.train` runs layout `c` today, else why not: the layout's
-    settings go through `ParallelConfig`, whose compatibility table (`tfpar.compat`) is the
-    trainer's own, so the planner never offers what the trainer refuses."""
+    settings go through `ParallelConfig` and `compat.check_inputs` (without `TF_CONFIG`),
+    the trainer's own rulebook (`tfpar.compat`), so the planner never offers what the
+    trainer refuses."""
+    from tfpar import compat
     from tfpar.config import MODELS, ParallelConfig
     from tfpar.errors import ConfigError
 
@@ -14,7 +16,7 @@ def runnable(c, hw, request):
                 f"{hw.machines} machines only data parallelism")
     batch, accum = _batch_and_accumulation(c.pipeline, c.microbatches, request)
     try:
-        ParallelConfig(
+        compat.check_inputs(ParallelConfig(
             model=request.model if request.model in MODELS else "transformer",
             global_batch_size=batch, grad_accum_steps=accum, data_parallel=c.data,
             tensor_parallel=c.tensor, pipeline_stages=c.pipeline,
@@ -22,7 +24,8 @@ def runnable(c, hw, request):
             schedule=request.schedule if c.pipeline > 1 else "1f1b",
             virtual_stages=c.virtual, compression=c.compression,
             mixed_precision=request.mixed_precision, optimizer=request.optimizer,
-            recompute="blocks" if c.recompute else "none", zero_stage=c.zero)
+            recompute="blocks" if c.recompute else "none", zero_stage=c.zero,
+            cpu_devices=hw.devices if request.simulated_cpu else 0), None)
     except ConfigError as err:
         return str(err)
     return None

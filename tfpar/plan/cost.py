@@ -38,6 +38,8 @@ updated, per pipeline action, per step, per parameter encoded), which is what le
 import dataclasses
 import math
 
+from tfpar.dims import ParallelDims
+
 # Bytes per parameter for weights + gradients + optimizer state, and the optimizer's share.
 # With mixed precision Keras keeps fp32 variables, so the total is the same; Megatron-LM's
 # fp16 weights + fp16 gradients + fp32 master + Adam is also 16.
@@ -359,32 +361,27 @@ def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", 
     take) × virtual stages (with `schedule="interleaved"`) × aggregator × recomputation ×
     ZeRO stage. Whether tfpar can run one yet is `tfpar.plan.planner.runnable`'s call."""
     out = []
-    for tensor in _divisors(hw.devices):
-        if profile.max_tensor_parallel % tensor:
+    for dims in ParallelDims.layouts(hw.devices):  # dp × tp × pp filling the devices
+        data, tensor, pipeline = dims.dp, dims.tp, dims.pp
+        if profile.max_tensor_parallel % tensor or pipeline > profile.blocks \
+                or global_batch % data:
             continue
-        for pipeline in _divisors(hw.devices // tensor):
-            if pipeline > profile.blocks:
-                continue
-            data = hw.devices // (tensor * pipeline)
-            if global_batch % data:
-                continue
-            per_replica = global_batch // data
-            if pipeline == 1:
-                micro_counts, virtuals = _divisors(per_replica), (1,)
-            else:
-                micro_counts = [m for m in _divisors(per_replica) if m >= pipeline]
-                virtuals = [v for v in virtual if v == 1 or (
-                    schedule == "interleaved" and pipeline * v <= profile.blocks)]
-            for m in micro_counts:
-                for v in virtuals:
-                    if v > 1 and m % pipeline:
-                        continue  # the interleaved schedule takes whole groups of K
-                    comps = ("none",) if data == 1 else compressions
-                    for comp in comps:
-                        for rc in recompute:
-                            for z in zero if data > 1 else (0,):
-                                out.append(Candidate(data, tensor, pipeline, m, comp, v,
-                                                     rc, z))
+        per_replica = global_batch // data
+        if not dims.pp_enabled:
+            micro_counts, virtuals = _divisors(per_replica), (1,)
+        else:
+            micro_counts = [m for m in _divisors(per_replica) if m >= pipeline]
+            virtuals = [v for v in virtual if v == 1 or (
+                schedule == "interleaved" and pipeline * v <= profile.blocks)]
+        for m in micro_counts:
+            for v in virtuals:
+                if v > 1 and m % pipeline:
+                    continue  # the interleaved schedule takes whole groups of K
+                comps = ("none",) if data == 1 else compressions
+                for comp in comps:
+                    for rc in recompute:
+                        for z in zero if data > 1 else (0,):
+                            out.append(Candidate(data, tensor, pipeline, m, comp, v, rc, z))
     return out
 
 
