@@ -18,14 +18,23 @@ ENTRY_POINTS = {"tfpar.train", "tfpar.launch", "tfpar.doctor", "tfpar.report",
                 "tfpar.plan.__main__"}
 
 
+def tfpar_sources():
+    """{module name: source file} of tfpar, with the zoo (the top-level `models/`) as
+    `tfpar.models`."""
+    sources = {}
+    for top, package in (("tfpar", "tfpar"), ("models", "tfpar.models")):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    dotted = os.path.relpath(path, os.path.join(ROOT, top))[:-3]
+                    dotted = f"{package}.{dotted.replace(os.sep, '.')}"
+                    sources[dotted.removesuffix(".__init__")] = path
+    return sources
+
+
 def tfpar_modules():
-    names = []
-    for folder, _, files in os.walk(os.path.join(ROOT, "tfpar")):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.relpath(os.path.join(folder, name), ROOT)[:-3]
-                names.append(path.replace(os.sep, ".").removesuffix(".__init__"))
-    return sorted(names)
+    return sorted(tfpar_sources())
 
 
 def test_importing_any_module_defines_no_flag():
@@ -97,11 +106,9 @@ def test_every_module_imports_alone():
 
 def test_only_entry_points_import_the_trainer():
     importers = []
-    for name in tfpar_modules():
+    for name, path in sorted(tfpar_sources().items()):
         if name in ENTRY_POINTS:
             continue
-        path = os.path.join(ROOT, *name.split(".")) + (
-            "/__init__.py" if os.path.isdir(os.path.join(ROOT, *name.split("."))) else ".py")
         with open(path) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
