@@ -18,7 +18,7 @@ import sysconfig
 
 from subproc import ROOT, run
 
-SOURCES = ("tfpar", "pyproject.toml", "README.md")
+SOURCES = ("tfpar", "models", "pyproject.toml", "README.md")
 
 
 def copy_sources(dest):

@@ -2,10 +2,12 @@
 naming the setting, raised before any model is built."""
 
 import json
+import os
+import sys
 
 import pytest
 
-from subproc import last_json_line, run_python
+from subproc import ROOT, last_json_line, run
 from tfpar import ConfigError, ParallelConfig
 from tfpar.legacy import options
 
@@ -54,16 +56,8 @@ def test_supported_settings_pass():
 
 
 def test_qat_of_a_layer_tfmot_cannot_quantize_names_it():
-    out = run_python("""
-        import json
-        from tfpar.models import legacy as legacy_models
-        from tfpar import ConfigError
-        from tfpar.legacy import quantization
-        try:
-            quantization.quantize(legacy_models.build("convnet", (16, 16, 3), 10))
-        except ConfigError as err:
-            print(json.dumps({"setting": err.setting, "message": str(err)}))
-    """, timeout=120)
+    out = run([sys.executable, os.path.join(ROOT, "tests", "qat_refusal_child.py")],
+              timeout=120)
     err = last_json_line(out.stdout)
     assert err["setting"] == "qat"
     assert "stem_norm" in err["message"] and "GroupNormalization" in err["message"]

@@ -4,50 +4,47 @@ function that does not fit gets one line saying what it must look like."""
 
 import ast
 import dataclasses
+import json
 import os
 import sys
 
 import pytest
 from absl import flags
 
-from subproc import ROOT, last_json_line, run_module, run_python
+from subproc import ROOT, last_json_line, run, run_module
 from tfpar import ConfigError, ParallelConfig, compat
 
+IMPORTS_CHILD = os.path.join(ROOT, "tests", "imports_child.py")
 # Modules a console script (or `python -m`) runs: the only ones that may import tfpar.train.
 ENTRY_POINTS = {"tfpar.train", "tfpar.launch", "tfpar.doctor", "tfpar.report",
                 "tfpar.plan.__main__"}
 
 
+def tfpar_sources():
+    """{module name: source file} of tfpar, with the zoo (the top-level `models/`) as
+    `tfpar.models`."""
+    sources = {}
+    for top, package in (("tfpar", "tfpar"), ("models", "tfpar.models")):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    dotted = os.path.relpath(path, os.path.join(ROOT, top))[:-3]
+                    dotted = f"{package}.{dotted.replace(os.sep, '.')}"
+                    sources[dotted.removesuffix(".__init__")] = path
+    return sources
+
+
 def tfpar_modules():
-    names = []
-    for folder, _, files in os.walk(os.path.join(ROOT, "tfpar")):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.relpath(os.path.join(folder, name), ROOT)[:-3]
-                names.append(path.replace(os.sep, ".").removesuffix(".__init__"))
-    return sorted(names)
+    return sorted(tfpar_sources())
 
 
 def test_importing_any_module_defines_no_flag():
     own = {f.name for f in dataclasses.fields(ParallelConfig)}
-    out = run_python(f"""
-        import importlib, json
-        from absl import flags
-        from tfpar import doctor, launch, report
-        from tfpar.plan import __main__ as plan
-        for name in {tfpar_modules()!r}:
-            importlib.import_module(name)
-        defined = sorted(n for n in {sorted(own)!r} + ["workers", "grace", "max_restarts",
-                         "out_dir", "peer_timeout_s", "devices", "calibrate", "tflops"]
-                         if n in flags.FLAGS)
-        # The entry points' own flags, defined on a scratch FlagValues: what `run()` adds.
-        entry_flags = set()
-        for module in (doctor, launch, report, plan):
-            scratch = flags.FlagValues()
-            module.define_flags(scratch)
-            entry_flags |= set(scratch)
-        print(json.dumps({{"defined": defined, "entry_flags": sorted(entry_flags)}}))
-    """, timeout=180)
+    names = sorted(own) + ["workers", "grace", "max_restarts", "out_dir", "peer_timeout_s",
+                           "devices", "calibrate", "tflops"]
+    out = run([sys.executable, IMPORTS_CHILD, "flags", json.dumps(tfpar_modules()),
+               json.dumps(names)], timeout=180)
     result = last_json_line(out.stdout)
     assert result["defined"] == []
     assert {"compression", "workers", "out_dir", "peer_timeout_s", "tflops"} <= set(
@@ -65,43 +62,16 @@ def test_a_user_flag_of_the_same_name_does_not_clash():
 def test_every_module_imports_alone():
     """Each module first in a fresh interpreter (third-party packages preloaded, then one
     fork per module): an import circle fails the module that starts it."""
-    out = run_python(f"""
-        import importlib, json, os, traceback
-        import numpy, tensorflow, keras, absl.flags, absl.logging, psutil
-        try:
-            import tf_keras, tensorflow_model_optimization
-        except ImportError:
-            pass
-        failed = {{}}
-        for name in {tfpar_modules()!r}:
-            read, write = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(read)
-                try:
-                    importlib.import_module(name)
-                    message = b""
-                except BaseException:
-                    message = traceback.format_exc(limit=3).encode()[-2000:]
-                os.write(write, message)
-                os._exit(0)
-            os.close(write)
-            message = os.read(read, 4096).decode()
-            os.waitpid(pid, 0)
-            if message:
-                failed[name] = message
-        print(json.dumps(failed))
-    """, timeout=300)
+    out = run([sys.executable, IMPORTS_CHILD, "alone", json.dumps(tfpar_modules())],
+              timeout=300)
     assert last_json_line(out.stdout) == {}
 
 
 def test_only_entry_points_import_the_trainer():
     importers = []
-    for name in tfpar_modules():
+    for name, path in sorted(tfpar_sources().items()):
         if name in ENTRY_POINTS:
             continue
-        path = os.path.join(ROOT, *name.split(".")) + (
-            "/__init__.py" if os.path.isdir(os.path.join(ROOT, *name.split("."))) else ".py")
         with open(path) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):

@@ -56,6 +56,21 @@ def test_pip_install_gives_working_console_scripts(tmp_path, installed):
         assert flag in out.stdout, (script, out.stdout[-1500:], out.stderr[-1500:])
 
 
+def test_pyproject_lists_every_package():
+    """pyproject.toml names its packages (the zoo's folder is mapped to `tfpar.models`): a
+    folder of tfpar/ missing from the list would be left out of `pip install .`."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    found = {os.path.relpath(folder, ROOT).replace(os.sep, ".")
+             for folder, _, files in os.walk(os.path.join(ROOT, "tfpar"))
+             if "__init__.py" in files}
+    assert sorted(setuptools["packages"]) == sorted(found | {"tfpar.models"})
+    assert setuptools["package-dir"] == {"tfpar.models": "models"}
+    assert os.path.isfile(os.path.join(ROOT, "models", "__init__.py"))
+    assert not os.path.exists(os.path.join(ROOT, "tfpar", "models", "__init__.py"))
+
+
 def test_pyproject_pins_what_requirements_pin():
     import tomllib
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:

@@ -3,6 +3,7 @@ must see what an exec'd one sees (argv, environment, working directory, sys.path
 status, output) and be bounded the same way."""
 
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -12,17 +13,7 @@ import pytest
 import subproc
 import zygote
 
-REPORT = """
-import json, os, sys
-print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "mine": os.environ.get("MINE"),
-                  "unset": "HOME" in os.environ, "path0": sys.path[0],
-                  "extra": os.environ["PYTHONPATH"].split(os.pathsep)[0] in sys.path,
-                  "main": __name__, "tensorflow": "tensorflow" in sys.modules,
-                  "streams": [[s.name, s.write_through, s.line_buffering]
-                              for s in (sys.stdout, sys.stderr)]}))
-sys.stderr.write("to stderr\\n")
-sys.exit(int(sys.argv[1]))
-"""
+REPORT = os.path.join(subproc.ROOT, "tests", "report_child.py")
 
 
 FORKING = os.environ.get("TFPAR_TEST_FORK", "1") != "0"
@@ -33,7 +24,7 @@ def test_a_forked_child_sees_what_an_execd_one_sees(tmp_path, fresh):
     extra = tmp_path / "extra"
     extra.mkdir()
     script = tmp_path / "report.py"
-    script.write_text(REPORT)
+    shutil.copy(REPORT, script)
     out = subproc.run([sys.executable, str(script), "3", "x"], cwd=str(tmp_path), check=False,
                       env={"MINE": "yes", "HOME": None, "PYTHONUNBUFFERED": "0",  # buffered
                            "PYTHONPATH": f"{extra}{os.pathsep}{subproc.ROOT}"}, fresh=fresh)
@@ -119,66 +110,7 @@ def test_psutil_reads_the_requested_command_line_and_environment(tmp_path, fresh
                     "mine": f"{tmp_path} two words", "home": False, "same": True}
 
 
-GRANDCHILDREN = """
-import json, os, select, subprocess, sys, time, psutil
-me = os.getpid()
-
-
-def line_and_more(fd, seconds):  # a line and what follows it, as far as `seconds` allow
-    data, end = b"", time.monotonic() + seconds
-    while not data.partition(b"\\n")[2]:
-        if not select.select([fd], [], [], max(0, end - time.monotonic()))[0]:
-            break
-        chunk = os.read(fd, 100)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode()
-
-
-p = subprocess.Popen(
-    [sys.executable, "-c", "import sys, time; print('tensorflow' in sys.modules, flush=True); "
-     "sys.stdout.write('x'); time.sleep(60)"],
-    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    env=dict(os.environ, PYTHONUNBUFFERED="1"))
-# The 'x' is never flushed: it arrives before the 60 s sleep ends only when unbuffered.
-loaded, _, unflushed = line_and_more(p.stdout.fileno(), 20).partition("\\n")
-parent = psutil.Process(p.pid).ppid()
-try:
-    p.wait(timeout=0.3)
-    timed_out = False
-except subprocess.TimeoutExpired:
-    timed_out = True
-polled = p.poll()
-p.kill()
-killed = p.wait()
-ended = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"],
-                         start_new_session=True)
-# Once it has ended, and until it is waited for, it is a zombie (its pid is not reused).
-zombie, end = False, time.monotonic() + 30
-while not zombie and time.monotonic() < end:
-    try:
-        zombie = psutil.Process(ended.pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:  # reaped before the wait
-        break
-    time.sleep(0.05)
-exited = ended.wait()
-try:
-    subprocess.Popen([sys.executable, "-c", "pass"], cwd="/nonexistent/dir",
-                     start_new_session=True)
-    missing_cwd = None
-except FileNotFoundError as e:
-    missing_cwd = e.filename
-upper = subprocess.run([sys.executable, "-c", "import sys; print(sys.stdin.read().upper())"],
-                       input="abc", capture_output=True, text=True,
-                       start_new_session=True).stdout.strip()
-same_session = subprocess.run([sys.executable, "-c", "import os; print(os.getppid())"],
-                              capture_output=True, text=True).stdout.strip()
-print(json.dumps({"loaded": loaded, "unflushed": unflushed, "routed": parent != me,
-                  "timed_out": timed_out, "polled": polled, "killed": killed,
-                  "exited": exited, "zombie": zombie, "missing_cwd": missing_cwd,
-                  "upper": upper, "same_session": same_session == str(me)}))
-"""
+GRANDCHILDREN = os.path.join(subproc.ROOT, "tests", "grandchildren_child.py")
 
 
 @pytest.mark.parametrize("fresh", [False, True])
@@ -187,7 +119,8 @@ def test_a_forked_childs_python_children_are_forked_as_popen_sees_them(fresh):
     start_new_session=True)`, pipes, poll, wait with a timeout, kill) from a forked child
     goes to the fork server and behaves as an exec'd grandchild; a child in the caller's
     own session is exec'd (a timeout's killpg must reach it)."""
-    seen = subproc.last_json_line(subproc.run_python(GRANDCHILDREN, fresh=fresh).stdout)
+    seen = subproc.last_json_line(subproc.run([sys.executable, GRANDCHILDREN],
+                                              fresh=fresh).stdout)
     routed = FORKING and not fresh
     assert seen == {"loaded": str(routed), "unflushed": "x", "routed": routed,
                     "timed_out": True, "polled": None, "killed": -9, "exited": 7,
