@@ -9,7 +9,7 @@ with the presets of `tfpar.layout.presets` (the same weight paths as the whole m
 weights copied in. Each stage has its own stateless optimizer on its mesh.
 
 One compiled step holds all K meshes. It runs the schedule (`tfpar.pipeline.schedule`:
-any of its schedules, in the simulated start order as `tfpar.pipeline.executor`) with one
+any of its schedules, traced by `tfpar.pipeline.runner` as `tfpar.pipeline.executor`) with one
 `GradientTape` per stage and micro-batch, as the exact mesh step does: every variable read
 once, forward/backward inside a `StatelessScope`, one write per changed variable at the end.
 
@@ -58,6 +58,7 @@ on TF 2.21 ("All inputs to `tf_device.Cluster` must have same mesh configuration
 they live on several meshes.
 """
 
+import contextlib
 import types
 
 import keras
@@ -76,7 +77,8 @@ from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.step import _layouts, _read, _write
 from tfpar.layout.trainer import MeshTrainer, _refuse_keras_loops
 from tfpar.pipeline import partition as partition_lib
-from tfpar.pipeline.schedule import chunks_of, has_weight_passes, make_schedule, simulate
+from tfpar.pipeline.runner import ScheduleRunner
+from tfpar.pipeline.schedule import chunks_of, make_schedule
 
 
 def make_meshes(data_parallel, tensor_parallel, stages, devices):
@@ -266,10 +268,8 @@ class MeshPipelineTrainer(MeshTrainer):
             self.scale_index = [[id(v) for v in o.variables].index(id(o.dynamic_scale))
                                 for o in optimizers]
         # Zero-bubble schedules split each backward: B the input gradient, W the weights'.
-        self.split = has_weight_passes(schedule)
-        sim = simulate(schedule, self.K, self.M, self.V)
-        self._order = sorted(((start, s, a) for s in range(self.K)
-                              for a, start, _ in sim.timeline[s]), key=lambda t: t[:2])
+        self._runner = ScheduleRunner(schedule)
+        self.split = self._runner.split
         for stage, optimizer in zip(model.stages, optimizers):
             variables.check_dvariables(list(stage.variables) + list(optimizer.variables),
                                        "the mesh pipeline")
@@ -346,97 +346,18 @@ class MeshPipelineTrainer(MeshTrainer):
         return tf.vectorized_map(one, elems)
 
     def _train_step(self, xs, ys):
-        K, stages = self.K, self.model.stages
-        last = len(stages) - 1
+        stages = self.model.stages
         tv = [_read(st.trainable_variables) for st in stages]
         ntv = [_read(st.non_trainable_variables) for st in stages]
         ov = [_read(o.variables) for o in self.stage_optimizers]
-        per_replica = self.reductions is not None
-        residuals = [r.read() for r in self.reductions] if per_replica else []
+        residuals = [r.read() for r in self.reductions] if self.reductions else []
         # fp16: one scale for the whole pipeline, the last stage model's (on its mesh).
-        scale = None if self.scale_index is None else ov[last][self.scale_index[last]]
-        acc = [None] * len(stages)
-        losses, metrics = [], []
-
-        def add(v, grads):
-            grads = [tf.convert_to_tensor(g) for g in grads]
-            acc[v] = grads if acc[v] is None else [a + b for a, b in zip(acc[v], grads)]
-
-        def scaled(loss):
-            return loss if scale is None else loss * tf.cast(scale, loss.dtype)
-
-        def replica_loss(m):  # (target, its per-replica arguments) of micro-batch m
-            def target(logits, args):
-                weight = args[1] if len(args) > 1 else None
-                return scaled(self.loss(args[0], logits, weight) / (
-                    self.M * self.grad_accum_steps))
-            return target, tuple(y[m] for y in ys)
-
-        for r in range(self.grad_accum_steps):  # the schedule once per group of M
-            outs, tapes, in_grads, upstreams = {}, {}, {}, {}
-            for _, s, a in self._order:
-                v, m = a.chunk * K + s, r * self.M + a.microbatch
-                if a.kind == "F" and per_replica:
-                    # The tape holds the copy from the previous mesh only: the weights'
-                    # gradients come from _replica_grads.
-                    tape, h = None, xs[m] if v == 0 else outs.pop((v - 1, m))
-                    h_in = h
-                    if v > 0:
-                        with tf.GradientTape() as tape:
-                            tape.watch(h)
-                            h_in = _move(h, self._mesh_of(v - 1), self._mesh_of(v))
-                    out = self._replica_forward(v, tv[v], ntv[v], h_in)
-                    if v == last:
-                        losses.append(self._loss(out, ys, m))
-                        metrics.append(_correct(out, ys, m))
-                    tapes[(v, m)] = (tape, h, None, h_in)
-                    if v < last:
-                        outs[(v, m)] = out
-                    continue
-                if a.kind == "F":
-                    with tf.GradientTape(persistent=self.split) as tape:
-                        tape.watch(tv[v])
-                        h = xs[m] if v == 0 else outs.pop((v - 1, m))
-                        if v > 0:
-                            tape.watch(h)
-                            h_in = _move(h, self._mesh_of(v - 1), self._mesh_of(v))
-                        else:
-                            h_in = h
-                        out = self._stage_forward(v, tv[v], ntv[v], h_in)
-                        if v == last:
-                            loss = self._loss(out, ys, m)
-                            losses.append(loss)
-                            metrics.append(_correct(out, ys, m))
-                            out = scaled(loss)
-                    tapes[(v, m)] = (tape, h, out, h_in)
-                    if v < last:
-                        outs[(v, m)] = out
-                    continue
-                upstream = (None if v == last else in_grads.pop((v + 1, m))) \
-                    if a.kind != "W" else upstreams.pop((v, m))
-                if per_replica:
-                    self._replica_backward(a.kind, v, m, tv, ntv, tapes, upstream,
-                                           replica_loss(m), in_grads, upstreams, add)
-                elif a.kind == "B" and self.split:  # the input gradient only
-                    tape, h, out, _ = tapes[(v, m)]
-                    if v > 0:
-                        in_grads[(v, m)] = tf.convert_to_tensor(tape.gradient(
-                            out, h, output_gradients=upstream))
-                    upstreams[(v, m)] = upstream
-                elif a.kind == "W":  # the weights' gradient, from the same tape
-                    tape, h, out, _ = tapes.pop((v, m))
-                    add(v, tape.gradient(out, tv[v], output_gradients=upstream,
-                                         unconnected_gradients="zero"))
-                else:
-                    tape, h, out, _ = tapes.pop((v, m))
-                    sources = list(tv[v]) + ([h] if v > 0 else [])
-                    grads = [tf.convert_to_tensor(g) for g in tape.gradient(
-                        out, sources, output_gradients=upstream,
-                        unconnected_gradients="zero")]
-                    if v > 0:
-                        in_grads[(v, m)] = grads.pop()
-                    add(v, grads)
-        if per_replica:
+        scale = None if self.scale_index is None else ov[-1][self.scale_index[-1]]
+        step = _MeshStepActions(self, tv, ntv, ys, scale)
+        # The schedule once per group of M micro-batches (gradient accumulation).
+        self._runner.run(step, lambda m: xs[m], groups=self.grad_accum_steps)
+        acc = step.acc
+        if self.reductions is not None:
             for v, reducer in enumerate(self.reductions):
                 acc[v], kept = reducer.mean(acc[v], residuals[v])
                 for residual, value in zip(reducer.variables, kept):
@@ -448,30 +369,9 @@ class MeshPipelineTrainer(MeshTrainer):
             _write(stage.trainable_variables, _layouts(stage.trainable_variables), tv[v],
                    new_tv)
             _write(optimizer.variables, _layouts(optimizer.variables), ov[v], new_ov)
-        return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
-                "weight": tf.add_n([w for _, w in metrics])}
-
-    def _replica_backward(self, kind, v, m, tv, ntv, tapes, upstream, target, in_grads,
-                          upstreams, add):
-        """A B, W or full backward action of stage model v on micro-batch m with each
-        replica's weight gradients (`_replica_grads`). The input's gradient goes back to
-        the previous mesh through the forward's own copy (`_move` on its tape)."""
-        inputs = v > 0 and kind != "W"
-        weights = kind == "W" or not self.split
-        tape, h, _, h_in = tapes[(v, m)] if kind == "B" and self.split \
-            else tapes.pop((v, m))
-        if not (inputs or weights):  # ZB-H1's B on the first stage: nothing to send
-            upstreams[(v, m)] = upstream
-            return
-        grads = self._replica_grads(v, tv[v], ntv[v], h_in, upstream, target, weights,
-                                    inputs)
-        if inputs:
-            in_grads[(v, m)] = tf.convert_to_tensor(tape.gradient(
-                h_in, h, output_gradients=grads.pop()))
-        if kind == "B" and self.split:
-            upstreams[(v, m)] = upstream
-        if weights:
-            add(v, grads)
+        return {"loss": tf.add_n(step.losses),
+                "correct": tf.add_n([c for c, _ in step.metrics]),
+                "weight": tf.add_n([w for _, w in step.metrics])}
 
     def _agree_on_finite(self, grads):
         """fp16: every stage's `LossScaleOptimizer` takes one decision. Each stage's
@@ -511,6 +411,126 @@ class MeshPipelineTrainer(MeshTrainer):
 
     def predict(self, x, batch_size=None):
         raise ConfigError("predict", "mesh pipeline", "not built for a mesh pipeline yet")
+
+
+class _MeshStepActions:
+    """The actions of one traced mesh-pipeline step (`tfpar.pipeline.runner`'s methods):
+    a `GradientTape` per stage model and micro-batch over the step's variable values `tv`
+    (read once); the weights' gradients summed per stage model in `acc`, each replica's
+    own (`[data_parallel, *shape]`) when the stages' reductions run a codec."""
+
+    def __init__(self, trainer, tv, ntv, ys, scale):
+        self.t, self.tv, self.ntv, self.ys, self.scale = trainer, tv, ntv, ys, scale
+        self.per_replica = trainer.reductions is not None
+        self.last = len(trainer.model.stages) - 1
+        self.acc = [None] * len(trainer.model.stages)
+        self.losses, self.metrics, self.tapes = [], [], {}
+
+    def scope(self, s, action, m):
+        return contextlib.nullcontext()
+
+    def add(self, v, grads):
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        self.acc[v] = grads if self.acc[v] is None else [
+            a + b for a, b in zip(self.acc[v], grads)]
+
+    def scaled(self, loss):
+        return loss if self.scale is None else loss * tf.cast(self.scale, loss.dtype)
+
+    def replica_loss(self, m):
+        """(target, its per-replica arguments) of micro-batch m."""
+        t = self.t
+
+        def target(logits, args):
+            weight = args[1] if len(args) > 1 else None
+            return self.scaled(t.loss(args[0], logits, weight) / (t.M * t.grad_accum_steps))
+        return target, tuple(y[m] for y in self.ys)
+
+    def _arrived(self, v, h):
+        """The input `h` moved onto stage model v's mesh (v > 0)."""
+        return _move(h, self.t._mesh_of(v - 1), self.t._mesh_of(v))
+
+    def forward(self, s, v, m, h):
+        t, last = self.t, self.last
+        if self.per_replica:
+            # The tape holds the copy from the previous mesh only: the weights' gradients
+            # come from `_replica_grads`.
+            tape, h_in = None, h
+            if v > 0:
+                with tf.GradientTape() as tape:
+                    tape.watch(h)
+                    h_in = self._arrived(v, h)
+            out = t._replica_forward(v, self.tv[v], self.ntv[v], h_in)
+            if v == last:
+                self.losses.append(t._loss(out, self.ys, m))
+                self.metrics.append(_correct(out, self.ys, m))
+            self.tapes[(v, m)] = (tape, h, None, h_in)
+            return out
+        with tf.GradientTape(persistent=t.split) as tape:
+            tape.watch(self.tv[v])
+            h_in = h
+            if v > 0:
+                tape.watch(h)
+                h_in = self._arrived(v, h)
+            out = t._stage_forward(v, self.tv[v], self.ntv[v], h_in)
+            if v == last:
+                loss = t._loss(out, self.ys, m)
+                self.losses.append(loss)
+                self.metrics.append(_correct(out, self.ys, m))
+                out = self.scaled(loss)
+        self.tapes[(v, m)] = (tape, h, out, h_in)
+        return out
+
+    def backward(self, s, v, m, upstream):
+        if self.per_replica:
+            return self._replica_backward("BW", v, m, upstream)
+        tape, h, out, _ = self.tapes.pop((v, m))
+        sources = list(self.tv[v]) + ([h] if v > 0 else [])
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+            out, sources, output_gradients=upstream, unconnected_gradients="zero")]
+        grad_in = grads.pop() if v > 0 else None
+        self.add(v, grads)
+        return grad_in
+
+    def backward_input(self, s, v, m, upstream):
+        """ZB-H1's B: the input gradient only; W gets `upstream` again."""
+        if self.per_replica:
+            return self._replica_backward("B", v, m, upstream), upstream
+        tape, h, out, _ = self.tapes[(v, m)]
+        grad_in = None
+        if v > 0:
+            grad_in = tf.convert_to_tensor(tape.gradient(out, h, output_gradients=upstream))
+        return grad_in, upstream
+
+    def backward_weight(self, s, v, m, upstream):
+        """ZB-H1's W: the weights' gradient, from the forward's (persistent) tape."""
+        if self.per_replica:
+            self._replica_backward("W", v, m, upstream)
+            return
+        tape, _, out, _ = self.tapes.pop((v, m))
+        self.add(v, tape.gradient(out, self.tv[v], output_gradients=upstream,
+                                  unconnected_gradients="zero"))
+
+    def _replica_backward(self, kind, v, m, upstream):
+        """A B, W or whole ("BW") backward of stage model v on micro-batch m with each
+        replica's weight gradients (`_replica_grads`); returns the input's gradient (or
+        None), which goes back to the previous mesh through the forward's own copy
+        (`_move` on its tape)."""
+        inputs = v > 0 and kind != "W"
+        weights = kind != "B"
+        tape, h, _, h_in = (self.tapes[(v, m)] if kind == "B"
+                            else self.tapes.pop((v, m)))
+        if not (inputs or weights):  # ZB-H1's B on the first stage: nothing to send
+            return None
+        grads = self.t._replica_grads(v, self.tv[v], self.ntv[v], h_in, upstream,
+                                      self.replica_loss(m), weights, inputs)
+        grad_in = None
+        if inputs:
+            grad_in = tf.convert_to_tensor(tape.gradient(h_in, h,
+                                                         output_gradients=grads.pop()))
+        if weights:
+            self.add(v, grads)
+        return grad_in
 
 
 def _correct(logits, ys, m):

@@ -18,13 +18,16 @@ Examples:
     >>> loss, y_pred = step(x, y)
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tfpar import compat, patches
 from tfpar.devices import check_device_count, compute_devices
 from tfpar.errors import ConfigError, TfparError
 from tfpar.pipeline.placement import current_device, variables_on
-from tfpar.pipeline.schedule import chunks_of, has_weight_passes, simulate
+from tfpar.pipeline.runner import ScheduleRunner
+from tfpar.pipeline.schedule import chunks_of, has_weight_passes
 
 
 class PipelineExecutor:
@@ -83,11 +86,8 @@ class PipelineExecutor:
         # Zero-bubble: each stage runs layer by layer, so that B can stop at the input
         # gradients and W compute each layer's weight gradients from its output gradient.
         self._units = [_chain_units(s) for s in self.stages] if self.split else None
-        # Trace actions in simulated start order: every tensor an action needs was made by
-        # an action traced before it. The graph's order comes from the control deps.
-        sim = simulate(schedule, self.K, self.M, self.V)
-        self._order = sorted(((start, s, a) for s in range(self.K)
-                              for a, start, _ in sim.timeline[s]), key=lambda t: t[:2])
+        # Trace order and the messages between virtual stages: `tfpar.pipeline.runner`.
+        self._runner = ScheduleRunner(schedule)
 
     def stage_variables(self, s):
         """Trainable variables of all chunks on stage s."""
@@ -139,81 +139,12 @@ class PipelineExecutor:
         with tf.device(devices[last % K]), tf.control_dependencies([ok]):
             labels = tf.split(y, M)
             ws = [None] * M if sample_weight is None else tf.split(sample_weight, M)
-        inputs = {(0, m): xs[m] for m in range(M)}   # (virtual stage, mb) -> its input
-        tapes, in_grads = {}, {}                       # stashed forwards; grads to pass down
-        w_inputs = {}                                  # zero-bubble: output grads for W
-        losses, preds = [None] * M, [None] * M
-        acc = [None] * (K * V)                         # summed grads per virtual stage
-        done = [None] * K                              # last action's op, per stage
-        graph = tf.compat.v1.get_default_graph()
-        chained = self.one_op_at_a_time and not tf.executing_eagerly()
-        for _, s, a in self._order:
-            first_op = len(graph.get_operations()) if chained else 0
-            v, m = a.chunk * K + s, a.microbatch
-            chain = 0 if self.serialize else s
-            after = [done[chain]] if done[chain] is not None else []
-            # The name scope lets a profiler trace (or a graph check) find each action.
-            with tf.device(devices[s]), tf.control_dependencies(after), \
-                    tf.name_scope(f"s{s}_{a.kind}{m}_c{a.chunk}"):
-                if a.kind == "F":
-                    with tf.GradientTape(persistent=self.split) as tape:
-                        h = tf.identity(inputs.pop((v, m)))  # the copy onto this device
-                        if v > 0 or self.split:
-                            tape.watch(h)
-                        if self.split:
-                            ys = [h]  # each unit's output, from the stage input on
-                            for unit in self._units[v]:
-                                ys.append(unit(ys[-1], training=True))
-                            out = ys[-1]
-                        else:
-                            out = self._calls[v](h)
-                        if v == last:
-                            preds[m] = out
-                            # Mean of per-micro-batch means / M = mean over the full batch.
-                            args = (labels[m], out) + (() if ws[m] is None else (ws[m],))
-                            out = losses[m] = tf.reduce_mean(self.loss_fn(*args)) / M
-                    tapes[(v, m)] = (tape, h, out) if not self.split else (tape, ys, out)
-                    if v < last:
-                        inputs[(v + 1, m)] = out
-                    marks = [out]
-                elif a.kind == "B" and self.split:
-                    tape, ys, out = tapes[(v, m)]
-                    upstream = None if v == last else in_grads.pop((v + 1, m))
-                    # Output gradient of each unit, last first; only input gradients here.
-                    g = tape.gradient(out, ys[-1], output_gradients=upstream)
-                    out_grads = [g]
-                    for i in range(len(ys) - 1, 1 if v == 0 else 0, -1):
-                        g = tape.gradient(ys[i], ys[i - 1], output_gradients=g)
-                        out_grads.append(g)
-                    out_grads.reverse()  # out_grads[i]: gradient of units[i]'s output
-                    w_inputs[(v, m)] = out_grads[-len(self._units[v]):]
-                    if v > 0:
-                        in_grads[(v, m)] = out_grads[0]
-                    marks = [out_grads[0]]
-                elif a.kind == "W":
-                    tape, ys, _ = tapes.pop((v, m))
-                    grads = self._weight_grads(v, tape, ys, w_inputs.pop((v, m)))
-                    acc[v] = grads if acc[v] is None else list(map(_add, acc[v], grads))
-                    marks = [_dense_part(g) for g in acc[v]]
-                else:
-                    tape, h, out = tapes.pop((v, m))
-                    variables = self.stages[v].trainable_variables
-                    upstream = None if v == last else in_grads.pop((v + 1, m))
-                    sources = variables + ([h] if v > 0 else [])
-                    grads = tape.gradient(out, sources, output_gradients=upstream,
-                                          unconnected_gradients="zero")
-                    if v > 0:
-                        in_grads[(v, m)] = grads.pop()
-                    acc[v] = grads if acc[v] is None else list(map(_add, acc[v], grads))
-                    marks = [_dense_part(g) for g in acc[v]] + (
-                        [in_grads[(v, m)]] if v > 0 else [])
-                done[chain] = tf.group(*marks)
-            if chained:
-                _chain_in_order(graph.get_operations()[first_op:])
+        step = _StepActions(self, devices, labels, ws)
+        self._runner.run(step, lambda m: xs[m])
         with tf.device(devices[last % K]):
-            loss = tf.add_n(losses)
-            y_pred = tf.concat(preds, axis=0)
-        grads = [[g for c in range(V) for g in acc[c * K + s]] for s in range(K)]
+            loss = tf.add_n(step.losses)
+            y_pred = tf.concat(step.preds, axis=0)
+        grads = [[g for c in range(V) for g in step.acc[c * K + s]] for s in range(K)]
         return loss, y_pred, grads
 
     def _weight_grads(self, v, tape, ys, out_grads):
@@ -249,6 +180,98 @@ class PipelineExecutor:
             with tf.device(current_device(self.devices[v % self.K])):
                 x = stage(x, training=training)
         return x
+
+
+class _StepActions:
+    """The actions of one traced executor step (`tfpar.pipeline.runner`'s methods): a
+    `GradientTape` per virtual stage and micro-batch under the stage's device; the
+    weights' gradients summed per virtual stage in `acc`; with `one_op_at_a_time`, every
+    op of an action chained after the one created before it."""
+
+    def __init__(self, executor, devices, labels, weights):
+        self.ex, self.devices, self.labels, self.weights = executor, devices, labels, weights
+        n = executor.K * executor.V
+        self.last = n - 1
+        self.acc = [None] * n                      # summed grads per virtual stage
+        self.losses, self.preds = [None] * executor.M, [None] * executor.M
+        self.tapes = {}                            # stashed forwards
+        self.done = [None] * executor.K            # last action's op, per stage
+        self.marks = []                            # what the action's done-op groups
+        self.graph = tf.compat.v1.get_default_graph()
+        self.chained = executor.one_op_at_a_time and not tf.executing_eagerly()
+
+    @contextlib.contextmanager
+    def scope(self, s, a, m):
+        """The action runs on stage s's device after the stage's previous action (after
+        every action when `serialize`); the name scope lets a profiler trace (or a graph
+        check) find each action."""
+        first_op = len(self.graph.get_operations()) if self.chained else 0
+        chain = 0 if self.ex.serialize else s
+        after = [self.done[chain]] if self.done[chain] is not None else []
+        with tf.device(self.devices[s]), tf.control_dependencies(after), \
+                tf.name_scope(f"s{s}_{a.kind}{m}_c{a.chunk}"):
+            yield
+            self.done[chain] = tf.group(*self.marks)
+        if self.chained:
+            _chain_in_order(self.graph.get_operations()[first_op:])
+
+    def _accumulate(self, v, grads):
+        self.acc[v] = grads if self.acc[v] is None else list(map(_add, self.acc[v], grads))
+
+    def forward(self, s, v, m, x):
+        ex, split = self.ex, self.ex.split
+        with tf.GradientTape(persistent=split) as tape:
+            h = tf.identity(x)  # the copy onto this device
+            if v > 0 or split:
+                tape.watch(h)
+            if split:
+                ys = [h]  # each unit's output, from the stage input on
+                for unit in ex._units[v]:
+                    ys.append(unit(ys[-1], training=True))
+                out = ys[-1]
+            else:
+                out = ex._calls[v](h)
+            if v == self.last:
+                self.preds[m] = out
+                # Mean of per-micro-batch means / M = mean over the full batch.
+                args = (self.labels[m], out) + (
+                    () if self.weights[m] is None else (self.weights[m],))
+                out = self.losses[m] = tf.reduce_mean(ex.loss_fn(*args)) / ex.M
+        self.tapes[(v, m)] = (tape, ys if split else h, out)
+        self.marks = [out]
+        return out
+
+    def backward(self, s, v, m, upstream):
+        tape, h, out = self.tapes.pop((v, m))
+        variables = self.ex.stages[v].trainable_variables
+        sources = variables + ([h] if v > 0 else [])
+        grads = tape.gradient(out, sources, output_gradients=upstream,
+                              unconnected_gradients="zero")
+        grad_in = grads.pop() if v > 0 else None
+        self._accumulate(v, grads)
+        self.marks = [_dense_part(g) for g in self.acc[v]] + (
+            [grad_in] if v > 0 else [])
+        return grad_in
+
+    def backward_input(self, s, v, m, upstream):
+        """Zero-bubble B: each unit's output gradient, last first; only input gradients.
+        Returns the stage input's gradient and what W needs (the units' output
+        gradients)."""
+        tape, ys, out = self.tapes[(v, m)]
+        g = tape.gradient(out, ys[-1], output_gradients=upstream)
+        out_grads = [g]
+        for i in range(len(ys) - 1, 1 if v == 0 else 0, -1):
+            g = tape.gradient(ys[i], ys[i - 1], output_gradients=g)
+            out_grads.append(g)
+        out_grads.reverse()  # out_grads[i]: gradient of units[i]'s output
+        self.marks = [out_grads[0]]
+        return (out_grads[0] if v > 0 else None), out_grads[-len(self.ex._units[v]):]
+
+    def backward_weight(self, s, v, m, out_grads):
+        """Zero-bubble W: the weights' gradients from the units' output gradients."""
+        tape, ys, _ = self.tapes.pop((v, m))
+        self._accumulate(v, self.ex._weight_grads(v, tape, ys, out_grads))
+        self.marks = [_dense_part(g) for g in self.acc[v]]
 
 
 def _chain_in_order(ops):
