@@ -1,6 +1,6 @@
 """Legacy Keras (`tf_keras`) through tfpar's data-parallel path, with tfmot pruning and QAT.
 
-Each child process trains several configs on one strategy (one per process for
+Each child process (tests/legacy_child.py) trains several configs on one strategy (one per process for
 multi-worker) and reports them as one JSON line; weights go to `.npz` files. The two
 children run at once; the CLI run is forked from the mirrored one (one TensorFlow import).
 
@@ -23,89 +23,15 @@ What is asserted (seed 0; the measured values of each run are shown in pytest's
 """
 
 import json
+import os
 import sys
 
 import numpy as np
 import pytest
 
-from subproc import last_json_line, outcome, run, run_concurrently, run_module
+from subproc import ROOT, last_json_line, outcome, run, run_concurrently, run_module
 
-CHILD = r'''
-import json, os, sys
-sys.path.insert(0, os.getcwd())
-from tfpar import ParallelConfig, devices
-from tfpar.legacy import options
-
-Config = ParallelConfig
-
-runs, prefix, cpus = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-cli = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
-import numpy as np
-import tensorflow as tf
-import tf_keras
-import tfpar.train
-from tfpar import compression, strategy
-from tfpar.train import train
-
-class Zeros(compression.NoneAggregator):
-    """Returns zero gradients: if tf_keras uses the hook, SGD cannot move."""
-    def all_reduce_sum(self, grads, variables):
-        self.trace_count += 1
-        return [tf.zeros_like(g) for g in grads]
-
-worker = os.environ.get("TFPAR_WORKER_INDEX")
-suffix = f".worker{worker}" if worker is not None else ""
-runtimes, out = {}, {}
-make_aggregator = compression.make_aggregator
-
-
-def train_runs():
-    devices.split_cpu(cpus)
-    for name, settings in runs:
-        config = Config(**{"keras": 2, **settings})
-        if config.strategy not in runtimes:
-            runtimes[config.strategy] = strategy.make_runtime(config)
-        zeros = Zeros() if name == "zeros" else None
-        compression.make_aggregator = (lambda c, **kw: zeros) if zeros else make_aggregator
-        result, model = train(config, runtime=runtimes[config.strategy])
-        agg = getattr(model.optimizer, "tfpar_aggregator", None)
-        report = {k: result[k] for k in ("replicas", "workers", "strategy", "steps", "final_loss",
-                                         "loss_history", "comm", "pruning", "qat") if k in result}
-        report["traced"] = agg.trace_count if agg is not None else 0
-        # Largest difference between the replicas' copies of any variable (masks, ranges, ...).
-        report["replica_spread"] = max(
-            float(np.max(np.abs(np.asarray(c) - np.asarray(copies[0])), initial=0.0))
-            for w in model.weights
-            for copies in [runtimes[config.strategy].strategy.experimental_local_results(w)]
-            for c in copies)
-        # Only the chief exports; only it reads the export (another worker would race its write).
-        export = config.export_dir if worker in (None, "0") else None
-        if config.prune_sparsity and export:
-            saved = tf_keras.models.load_model(os.path.join(export, "model.keras"))
-            report["exported_zeros"] = {w.name: float(np.mean(w.numpy() == 0))
-                                        for w in saved.weights if "kernel" in w.name}
-        if config.qat and export:
-            report["exported_files"] = sorted(os.listdir(export))
-        np.savez(f"{prefix}_{name}{suffix}.npz", *[np.asarray(v) for v in model.trainable_weights])
-        out[name] = report
-    print(json.dumps(out), flush=True)
-
-
-def command_line():
-    sys.argv = [tfpar.train.__file__, *cli]
-    tfpar.train.run()
-
-
-if cli is None:
-    train_runs()
-else:
-    # `python -m tfpar.train CLI...` forked from this process alongside the runs (tests/
-    # forking.py): both start their own runtime after one import of TensorFlow.
-    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-    from forking import run_forked
-    runs_done, cli_done = run_forked([train_runs, command_line], os.path.dirname(prefix))
-    print(json.dumps({"runs": runs_done, "cli": cli_done}), flush=True)
-'''
+CHILD = os.path.join(ROOT, "tests", "legacy_child.py")
 
 BASE = {"model": "mlp", "steps": 5, "steps_per_epoch": 5, "global_batch_size": 32,
         "verbose": 0, "optimizer": "adam", "learning_rate": 1e-3}
@@ -117,10 +43,8 @@ def child(tmp_path, runs, cpus, workers=0, cli=None):
     """The child's reports (a list per worker under `workers`) and the weights' prefix;
     with `cli` (argv of `python -m tfpar.train`) also that command's
     `{"returncode", "stdout", "stderr"}`, run in a process forked from the child."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
     prefix = str(tmp_path / "w")
-    cmd = [sys.executable, str(script), json.dumps(runs), prefix, str(cpus)]
+    cmd = [sys.executable, CHILD, json.dumps(runs), prefix, str(cpus)]
     if cli:
         both = last_json_line(run([*cmd, json.dumps(cli)], timeout=240).stdout)
         runs_done = both["runs"]

@@ -6,6 +6,7 @@ rest are already there), without network: `--no-deps --no-build-isolation`.
 """
 
 import os
+import sys
 
 import pytest
 
@@ -54,6 +55,17 @@ def test_pip_install_gives_working_console_scripts(tmp_path, installed):
         for script, _ in scripts])
     for (script, flag), out in zip(scripts, outs):
         assert flag in out.stdout, (script, out.stdout[-1500:], out.stderr[-1500:])
+
+
+def test_a_checkout_finds_the_zoo_as_tfpar_models(tmp_path):
+    """From a checkout (tfpar on PYTHONPATH, as the tests' children have it) `tfpar.models`
+    is the top-level models/ folder, and a user's own `models` package is still theirs."""
+    user = user_project(tmp_path / "user")
+    where = run([sys.executable, "-c", "import tfpar.models, models; "
+                 "print(tfpar.models.__file__); print(tfpar.models.build.__module__); "
+                 "print(models.WHO)"], cwd=str(user), timeout=120).stdout.splitlines()
+    assert where[-3:] == [os.path.join(ROOT, "models", "__init__.py"), "tfpar.models",
+                          "the user"]
 
 
 def test_pyproject_lists_every_package():

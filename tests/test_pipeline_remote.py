@@ -1,6 +1,6 @@
 """Pipeline stages on two worker processes: one client drives both through one
 tf.function, and the weights after 3 (Python) or 5 (trainer, `tfpar.launch`) steps equal
-the single-device run."""
+the single-device run. The client and the refusals run in tests/pipeline_remote_child.py."""
 
 import json
 import os
@@ -13,42 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from subproc import ROOT, in_background, last_json_line, popen, run, run_module, run_python
+from subproc import ROOT, in_background, last_json_line, popen, run, run_module
 from test_train import BASE, CHILD, max_diff, train_child, weights
 
-CLIENT = """
-import json, sys
-from tfpar.pipeline import remote
-devices = remote.connect(WORKERS)
-import keras, numpy as np, tensorflow as tf
-from tfpar.pipeline.model import PipelineModel
-
-def mlp():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((8,))]
-                            + [keras.layers.Dense(16, activation="tanh") for _ in range(4)]
-                            + [keras.layers.Dense(3)])
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(16, 8)).astype("float32")
-y = rng.normal(size=(16, 3)).astype("float32")
-out = {}
-for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)),
-                   ("adam", lambda: keras.optimizers.Adam(0.01))):
-    with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
-        ref = mlp()
-        ref.compile(optimizer=make(), loss="mse", jit_compile=False)
-    pm = PipelineModel.split(mlp(), 2, "1f1b", microbatches=4, devices=devices)
-    pm.compile(optimizer=make(), loss="mse")
-    for _ in range(3):
-        ref.train_on_batch(x, y)
-        pm.train_on_batch(x, y)
-    out[name] = float(max(np.abs(a - b).max() for a, b in zip(pm.get_weights(), ref.get_weights())))
-    task = lambda v: v.value.device.split("/device")[0]
-    out[name + "_devices"] = [sorted({task(v) for v in s.weights}) for s in pm.stages]
-    out[name + "_slots"] = [sorted({task(v) for v in o.variables}) for o in pm.stage_optimizers]
-print(json.dumps(out))
-"""
+REMOTE_CHILD = os.path.join(ROOT, "tests", "pipeline_remote_child.py")
 
 
 def _free_ports(n):
@@ -86,7 +54,8 @@ def workers():
 
 
 def test_stages_on_two_processes_match_single_device(workers):
-    out = last_json_line(run_python(f"WORKERS = {workers!r}\n" + CLIENT, timeout=150).stdout)
+    out = last_json_line(run([sys.executable, REMOTE_CHILD, "client", json.dumps(workers)],
+                             timeout=150).stdout)
     stages = [["/job:worker/replica:0/task:0"], ["/job:worker/replica:0/task:1"]]
     for opt, tol in (("sgd", 1e-6), ("adam", 1e-5)):
         assert out[opt] < tol, out
@@ -124,21 +93,8 @@ def test_trainer_pipeline_across_workers_matches_single_device(tmp_path):
 
 
 def test_trainer_pipeline_across_workers_refuses_what_it_cannot_do():
-    code = """
-from tfpar import ParallelConfig
-from tfpar import tf_config
-from tfpar.backends.distribute import DistributeBackend
-env = {"TF_CONFIG": tf_config.make(["localhost:1", "localhost:2"], 1)}
-# cpu_devices first: it must split the CPU before anything initialises TensorFlow.
-for changes in ({"cpu_devices": 2}, {"pipeline_stages": 3, "microbatches": 2},
-                {"compression": "fp16"}):
-    try:
-        DistributeBackend().build_runtime(ParallelConfig(
-            pipeline_stages=2, microbatches=4, global_batch_size=16).replace(**changes), env)
-    except Exception as err:
-        print(type(err).__name__ + ": " + str(err))
-"""
-    lines = run_python(code, timeout=120).stdout.strip().splitlines()[-3:]
+    lines = last_json_line(run([sys.executable, REMOTE_CHILD, "refusals"],
+                               timeout=120).stdout)["errors"]
     assert lines[0].startswith("ConfigError: data_parallel=2"), lines
     assert lines[1].startswith("ConfigError: pipeline_stages=3"), lines
     assert "--pipeline_stages=2" in lines[1]
