@@ -248,11 +248,10 @@ STRATEGY_ON_WORKERS = Rule(
 ACROSS_WORKERS = (
     STRATEGY_WITHOUT_CLUSTER,
     STRATEGY_ON_WORKERS,
-    Rule("pipeline_stages", lambda c, k: spans_workers(c, k)
-         and c.pipeline_stages != k.num_workers,
+    Rule("pipeline_stages", lambda c, k: spans_workers(c, k) and c.dims.pp != k.num_workers,
          lambda c, k: f"across worker processes each of the {k.num_workers} workers holds "
                       f"one stage; use --pipeline_stages={k.num_workers} or "
-                      f"--workers={c.pipeline_stages}", cluster=True),
+                      f"--workers={c.dims.pp}", cluster=True),
     Rule("TF_CONFIG", lambda c, k: spans_workers(c, k) and k.worker_index is None,
          "a pipeline across workers has no evaluator task; give chief/worker tasks only",
          value=lambda c, k: k.task_type, cluster=True),

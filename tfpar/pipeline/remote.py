@@ -26,6 +26,7 @@ from absl import logging
 
 from tfpar import compat
 from tfpar import devices as devices_lib
+from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError, TfparError
 
 JOB = "worker"
@@ -102,10 +103,10 @@ def make_runtime(config, cluster, runtime_class):
             stage, an evaluator task, a setting the cross-worker pipeline does not honour).
         TfparError: the chief never came up within `startup_timeout_s` (non-chief).
     """
-    # The replicas are known here (GPUs count): the table's row with them.
-    R = config.data_parallel or devices_lib.local_device_count(config.cpu_devices)
+    dims = ParallelDims.from_config(config, workers=cluster.num_workers)
+    # The replicas are known here (GPUs count): the table's rows with them.
+    R = dims.dp or devices_lib.local_device_count(config.cpu_devices)
     compat.check_cluster(compat.view(config, data_parallel=R), cluster)
-    W = cluster.num_workers
     jobs = {job: cluster.cluster[job] for job in ("chief", "worker") if job in cluster.cluster}
     spec = tf.train.ClusterSpec(jobs)
     if not cluster.is_chief:
@@ -117,7 +118,7 @@ def make_runtime(config, cluster, runtime_class):
                                               task_index=cluster.task_index)
     strategy = tf.distribute.OneDeviceStrategy(f"{_task_name(cluster, 0)}/device:CPU:0")
     print("TFPAR_READY", file=sys.stderr, flush=True)  # what tfpar.launch waits for
-    return runtime_class(strategy=strategy, kind=KIND, workers=W, worker_index=0,
+    return runtime_class(strategy=strategy, kind=KIND, workers=dims.workers, worker_index=0,
                          is_chief=True, collective="none")
 
 
