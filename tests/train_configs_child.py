@@ -68,7 +68,7 @@ def mesh_pipeline_probe(nonfinite_stage):
     from tfpar.layout import pipeline
     from tfpar.layout.values import to_host
     cls = pipeline.MeshPipelineTrainer
-    init, forward = cls.__init__, cls._stage_forward
+    init, forward = cls.__init__, cls.stage_forward
     built = []
 
     @tf.custom_gradient
@@ -86,11 +86,11 @@ def mesh_pipeline_probe(nonfinite_stage):
 
     cls.__init__ = probed_init
     if nonfinite_stage is not None:
-        cls._stage_forward = poisoned_forward
+        cls.stage_forward = poisoned_forward
     try:
         yield built
     finally:
-        cls.__init__, cls._stage_forward = init, forward
+        cls.__init__, cls.stage_forward = init, forward
 
 
 def _loss_scaling(trainer):

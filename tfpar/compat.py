@@ -278,7 +278,7 @@ _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1"
 def backend_of(config):
     """The backend that runs `config`: one of `BACKENDS` (a `view`'s forced backend
     first)."""
-    forced = getattr(config, "_backend", None)
+    forced = getattr(config, "_tfpar_backend", None)
     if forced:
         return forced
     if getattr(config, "keras", 3) == 2:
@@ -351,7 +351,7 @@ def view(base=None, backend=None, **settings):
     config = object.__new__(ParallelConfig)
     for name, value in values.items():
         object.__setattr__(config, name, value)
-    object.__setattr__(config, "_backend", backend)
+    object.__setattr__(config, "_tfpar_backend", backend)
     return config
 
 

@@ -121,12 +121,12 @@ def worker(settings_json, out_path):
         "encode_q": inputs(lambda a: checksum(agg._encode_q(mats(a["g"]), a["p_hats"]))),
         "decode": inputs(lambda a: checksum(decode(a))),
         "allreduce_p": lambda a: checksum([collectives.sum_all(tf.zeros([n_p]),
-                                                                agg._opts)[0]]),
+                                                                agg.collective_options)[0]]),
         "allreduce_q": lambda a: checksum([collectives.sum_all(tf.zeros([n_q]),
-                                                                agg._opts)[0]]),
-        "allreduce_1": lambda a: checksum([collectives.sum_all(tf.zeros([1]), agg._opts)[0]]),
+                                                                agg.collective_options)[0]]),
+        "allreduce_1": lambda a: checksum([collectives.sum_all(tf.zeros([1]), agg.collective_options)[0]]),
         "gather_1": lambda a: checksum([collectives.gather_rows(tf.zeros([1]),
-                                                                agg._opts)[0]]),
+                                                                agg.collective_options)[0]]),
     }
     fns = {k: tf.function(lambda g, fn=fn: strategy.run(fn, args=(g,)))
            for k, fn in pieces.items()}

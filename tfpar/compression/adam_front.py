@@ -89,7 +89,7 @@ class AdamFrontStep:
         plan = buckets.plan_buckets([g.shape for g in gs], agg.bucket_bytes)
         sums, nbytes = [None] * len(gs), 0
         for bucket in plan:
-            total, b = collectives.sum_all(buckets.pack(gs, bucket), agg._opts)
+            total, b = collectives.sum_all(buckets.pack(gs, bucket), agg.collective_options)
             for j, part in buckets.unpack(total, bucket).items():
                 sums[j] = part
             nbytes += b
@@ -108,13 +108,13 @@ class AdamFrontStep:
             m_new = m + (g - m) * (1 - beta_1)
             v_new = v + (tf.square(g) - v) * gain
             if self.rescale and str(p) in agg.residuals:
-                agg._rescale_residual(p, self.scale(v, c2_before), self.scale(v_new, c2))
+                agg.rescale_residual(p, self.scale(v, c2_before), self.scale(v_new, c2))
             m.assign(m_new)
             v.assign(v_new)
             out.append(m_new * (tf.sqrt(c2) / self.c1) / (tf.sqrt(v_new) + self.eps))
         if agg.observes_exact and agg.adam_compresses == "gradient":
             # What compression will carry: the summed gradient over Adam's denominator.
-            agg._observe_exact([g / self.scale(self.moment("v", p), c2)
+            agg.on_exact_step([g / self.scale(self.moment("v", p), c2)
                                 for g, p in zip(sums, self.positions)], self.positions)
         return out, tf.cast(nbytes, tf.int64)
 
@@ -177,7 +177,7 @@ class AdamFrontStep:
                 v.assign(v_new)
                 s_new = self.scale(v_new, c2_now)
                 if str(p) in agg.residuals:
-                    agg._rescale_residual(p, s, s_new)
+                    agg.rescale_residual(p, s, s_new)
                 s = s_new
             out.append(m_new / self.c1 / s)
         return out, tf.cast(nbytes, tf.int64)

@@ -305,10 +305,10 @@ class Aggregator(tf.Module):
             out[i] = tf.cast(s, grads[i].dtype)
         return out
 
-    # Whether `_observe_exact` is called on exact steps (a subclass that plans from them).
+    # Whether `on_exact_step` is called on exact steps (a subclass that plans from them).
     observes_exact = False
 
-    def _observe_exact(self, summed, positions):
+    def on_exact_step(self, summed, positions):
         """Subclass hook, on an exact step: `summed`, the values compression will carry
         once it starts (the summed gradients, over Adam's denominator with Adam in front),
         identical on every replica; no bytes are sent for it."""
@@ -343,7 +343,7 @@ class Aggregator(tf.Module):
         steps and the wire bytes, by `tfpar.compression.adam_front`."""
         return adam_front.AdamFrontStep(self, positions).run(grads)
 
-    def _rescale_residual(self, position, old_scale, new_scale):
+    def rescale_residual(self, position, old_scale, new_scale):
         """Error feedback holds `gradient / scale`: when Adam's denominator moves, the
         gradient still owed stays the same (`r · old / new`)."""
         r = self.residuals[str(position)]
@@ -453,7 +453,7 @@ class Aggregator(tf.Module):
                 "adam_refresh_every": self.adam_refresh_every}
 
     @property
-    def _opts(self):
+    def collective_options(self):
         return collectives.options(self.timeout_s)
 
 

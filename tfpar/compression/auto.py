@@ -353,7 +353,7 @@ class AutoAggregator(PowerSGDAggregator):
         def plain(xs):
             out = _as_tensors(self._exchange_exactly(xs, positions))
             if self.observes_exact:
-                self._observe_exact(out[0], positions)
+                self.on_exact_step(out[0], positions)
             return out
 
         def compressed(xs):
@@ -365,7 +365,7 @@ class AutoAggregator(PowerSGDAggregator):
     def observes_exact(self):
         return self.start_rank is None and self.r_budget is not None
 
-    def _observe_exact(self, summed, positions):
+    def on_exact_step(self, summed, positions):
         """On the last `window` exact steps (at most `start_step`): one step of PowerSGD's
         subspace iteration per matrix on the exact sum (no bytes: every replica holds it),
         so Q starts compression warm; the summed gradient's energy along its columns, as the
@@ -411,7 +411,7 @@ class AutoAggregator(PowerSGDAggregator):
         qs_full = [self.qs[str(positions[j])] for j in mat]
         qs = [q[:, :r] for q, r in zip(qs_full, ranks)]
         ps = [tf.matmul(m, q) for m, q in zip(ms, qs)]
-        sums, p_bytes = _sum_dynamic(ps + [xs[j] for j in rest], self._opts)
+        sums, p_bytes = _sum_dynamic(ps + [xs[j] for j in rest], self.collective_options)
         for j, s in zip(rest, sums[len(mat):]):
             summed[j] = tf.reshape(s, xs[j].shape)
         p_hats = [powersgd.orthogonalize(tf.reshape(s, [m.shape[0], -1]))
@@ -425,7 +425,7 @@ class AutoAggregator(PowerSGDAggregator):
         stats = tf.concat([tf.concat([[tf.reduce_sum(tf.square(m))], tf.pad(
             tf.reduce_sum(tf.square(q), 0), [[0, top - tf.shape(q)[1]]])], 0)
             for m, q, top in zip(ms, q_locals, tops)], 0)
-        q_sums, q_bytes = _sum_dynamic(q_locals + [stats], self._opts)
+        q_sums, q_bytes = _sum_dynamic(q_locals + [stats], self.collective_options)
         stats = tf.split(q_sums[-1], [top + 1 for top in tops])
         window_end = tf.equal((self.step - self.start_step + 1) % self.window, 0)
         in_place = self._residuals_in_place()

@@ -16,7 +16,7 @@ class NoneAggregator(Aggregator):
     """
 
     def _exchange_bucket(self, flat, bucket):
-        total, nbytes = collectives.sum_all(flat, self._opts)
+        total, nbytes = collectives.sum_all(flat, self.collective_options)
         return total, None, nbytes
 
     def _bucket_wire_bytes(self, bucket):
@@ -45,7 +45,7 @@ class CastAggregator(Aggregator):
 
     def _exchange_bucket(self, flat, bucket):
         sent = tf.cast(flat, self.wire_dtype)
-        total, nbytes = collectives.sum_all(sent, self._opts)
+        total, nbytes = collectives.sum_all(sent, self.collective_options)
         return tf.cast(total, tf.float32), tf.cast(sent, tf.float32), nbytes
 
     def _bucket_wire_bytes(self, bucket):
@@ -100,7 +100,7 @@ class Int8Aggregator(Aggregator):
         codes, scales = codecs.quantize_int8_blocks(flat, block, seed)
         nscales = codecs.int8_blocks(n, block)
         words = tf.concat([codecs.pack_int8(codes), tf.bitcast(scales, tf.int32)], 0)
-        rows, nbytes = collectives.gather_rows(words, self._opts)  # [replicas, n/4 + blocks]
+        rows, nbytes = collectives.gather_rows(words, self.collective_options)  # [replicas, n/4 + blocks]
         all_scales = tf.bitcast(rows[:, -nscales:], tf.float32)
         decoded = codecs.dequantize_int8_blocks(codecs.unpack_int8(rows[:, :-nscales], n),
                                                 all_scales, block, n)

@@ -182,7 +182,7 @@ class PowerSGDAggregator(NoneAggregator):
     def _sum_flat(self, tensors):
         """All `tensors` summed over replicas in one fp32 all-reduce."""
         flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
-        total, nbytes = collectives.sum_all(flat, self._opts)
+        total, nbytes = collectives.sum_all(flat, self.collective_options)
         parts = tf.split(total, [t.shape.num_elements() for t in tensors])
         return [tf.reshape(p, t.shape) for p, t in zip(parts, tensors)], nbytes
 

@@ -299,8 +299,8 @@ class TopKAggregator(Aggregator):
         values = tf.concat(values, 0) if values else None
         indices = tf.concat(indices, 0) if indices else None
         if self.union:
-            return _union_exchange(flat, indices, whole, self._opts)
-        return _gather_exchange(flat, values, indices, whole, self._opts)
+            return _union_exchange(flat, indices, whole, self.collective_options)
+        return _gather_exchange(flat, values, indices, whole, self.collective_options)
 
     def _tensor_wire_bytes(self, size, step=None):
         """Bytes one tensor of `size` entries adds to its bucket's collectives."""
@@ -342,12 +342,12 @@ class ThresholdAggregator(Aggregator):
         n = flat.shape[0]
         values, indices = codecs.threshold(flat, self.threshold)
         count = tf.size(indices, out_type=tf.int32)
-        counts, count_bytes = collectives.gather_rows(count[None], self._opts)
+        counts, count_bytes = collectives.gather_rows(count[None], self.collective_options)
         # At least one pair, so the gather never has an empty buffer.
         width = tf.maximum(tf.reduce_max(counts), 1)
         pad = [[0, width - count]]
         words = codecs.pack_sparse(tf.pad(values, pad), tf.pad(indices, pad))
-        rows, nbytes = collectives.gather_rows(words, self._opts)
+        rows, nbytes = collectives.gather_rows(words, self.collective_options)
         return _sum_gathered(rows, n), codecs.densify(values, indices, n), count_bytes + nbytes
 
     def _bucket_wire_bytes(self, bucket):

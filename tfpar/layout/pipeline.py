@@ -309,22 +309,22 @@ class MeshPipelineTrainer(MeshTrainer):
         ys = values.micro_batches_to_mesh(batch[1:], self.meshes[-1], count)
         return xs, ys
 
-    def _mesh_of(self, v):
+    def mesh_of(self, v):
         return self.meshes[v % self.K]
 
-    def _stage_forward(self, v, tv, ntv, h):
+    def stage_forward(self, v, tv, ntv, h):
         stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
         with keras.StatelessScope(state_mapping=mapping):
             return stage(h, training=True)
 
-    def _replica_forward(self, v, tv, ntv, h):
+    def replica_forward(self, v, tv, ntv, h):
         """Stage model v on `h` `[data_parallel, m, ...]`, one replica at a time (the
-        layouts of the replica gradients' backward, `_replica_grads`)."""
-        return tf.vectorized_map(lambda x: self._stage_forward(v, tv, ntv, x), h)
+        layouts of the replica gradients' backward, `replica_grads`)."""
+        return tf.vectorized_map(lambda x: self.stage_forward(v, tv, ntv, x), h)
 
-    def _replica_grads(self, v, tv, ntv, h, upstream, target, weights, inputs):
+    def replica_grads(self, v, tv, ntv, h, upstream, target, weights, inputs):
         """Each replica's gradients of stage model v: `[data_parallel, *shape]` per
         weight (if `weights`), then the input's (if `inputs`). The forward runs again
         inside the replica map: a gradient formed there has no sum over `batch` in it.
@@ -336,7 +336,7 @@ class MeshPipelineTrainer(MeshTrainer):
             with tf.GradientTape() as tape:
                 tape.watch(tv)
                 tape.watch(h_r)
-                out = self._stage_forward(v, tv, ntv, h_r)
+                out = self.stage_forward(v, tv, ntv, h_r)
                 if upstream is None:
                     out = target[0](out, args[1:])
             sources = (list(tv) if weights else []) + ([h_r] if inputs else [])
@@ -381,7 +381,7 @@ class MeshPipelineTrainer(MeshTrainer):
         flags = [tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gs]),
                          tf.float32) for gs in grads]
         for v, gs in enumerate(grads):
-            mesh = self._mesh_of(v).backend_mesh
+            mesh = self.mesh_of(v).backend_mesh
             here = [f if u % self.K == v % self.K else dtensor.copy_to_mesh(
                 f, dtensor.Layout.replicated(mesh, 0)) for u, f in enumerate(flags)]
             # Divided by 1 (all finite): unchanged; by 0: not finite.
@@ -395,14 +395,14 @@ class MeshPipelineTrainer(MeshTrainer):
         for m in range(self.M):
             h = xs[m]
             for v in range(len(stages)):
-                h = self._stage_forward(v, tv[v], ntv[v], h if v == 0 else
-                                        _move(h, self._mesh_of(v - 1), self._mesh_of(v)))
-            losses.append(self._loss(h, ys, m, 1))
+                h = self.stage_forward(v, tv[v], ntv[v], h if v == 0 else
+                                        _move(h, self.mesh_of(v - 1), self.mesh_of(v)))
+            losses.append(self.micro_loss(h, ys, m, 1))
             metrics.append(_correct(h, ys, m))
         return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
                 "weight": tf.add_n([w for _, w in metrics])}
 
-    def _loss(self, logits, ys, m, groups=None):
+    def micro_loss(self, logits, ys, m, groups=None):
         """Micro-batch m's share of the batch's mean loss (equal micro-batches: the mean of
         their means), over `groups` groups of M (default: grad_accum_steps)."""
         weight = ys[1][m] if len(ys) > 1 else None
@@ -448,21 +448,21 @@ class _MeshStepActions:
 
     def _arrived(self, v, h):
         """The input `h` moved onto stage model v's mesh (v > 0)."""
-        return _move(h, self.t._mesh_of(v - 1), self.t._mesh_of(v))
+        return _move(h, self.t.mesh_of(v - 1), self.t.mesh_of(v))
 
     def forward(self, s, v, m, h):
         t, last = self.t, self.last
         if self.per_replica:
             # The tape holds the copy from the previous mesh only: the weights' gradients
-            # come from `_replica_grads`.
+            # come from `replica_grads`.
             tape, h_in = None, h
             if v > 0:
                 with tf.GradientTape() as tape:
                     tape.watch(h)
                     h_in = self._arrived(v, h)
-            out = t._replica_forward(v, self.tv[v], self.ntv[v], h_in)
+            out = t.replica_forward(v, self.tv[v], self.ntv[v], h_in)
             if v == last:
-                self.losses.append(t._loss(out, self.ys, m))
+                self.losses.append(t.micro_loss(out, self.ys, m))
                 self.metrics.append(_correct(out, self.ys, m))
             self.tapes[(v, m)] = (tape, h, None, h_in)
             return out
@@ -472,9 +472,9 @@ class _MeshStepActions:
             if v > 0:
                 tape.watch(h)
                 h_in = self._arrived(v, h)
-            out = t._stage_forward(v, self.tv[v], self.ntv[v], h_in)
+            out = t.stage_forward(v, self.tv[v], self.ntv[v], h_in)
             if v == last:
-                loss = t._loss(out, self.ys, m)
+                loss = t.micro_loss(out, self.ys, m)
                 self.losses.append(loss)
                 self.metrics.append(_correct(out, self.ys, m))
                 out = self.scaled(loss)
@@ -513,7 +513,7 @@ class _MeshStepActions:
 
     def _replica_backward(self, kind, v, m, upstream):
         """A B, W or whole ("BW") backward of stage model v on micro-batch m with each
-        replica's weight gradients (`_replica_grads`); returns the input's gradient (or
+        replica's weight gradients (`replica_grads`); returns the input's gradient (or
         None), which goes back to the previous mesh through the forward's own copy
         (`_move` on its tape)."""
         inputs = v > 0 and kind != "W"
@@ -522,7 +522,7 @@ class _MeshStepActions:
                             else self.tapes.pop((v, m)))
         if not (inputs or weights):  # ZB-H1's B on the first stage: nothing to send
             return None
-        grads = self.t._replica_grads(v, self.tv[v], self.ntv[v], h_in, upstream,
+        grads = self.t.replica_grads(v, self.tv[v], self.ntv[v], h_in, upstream,
                                       self.replica_loss(m), weights, inputs)
         grad_in = None
         if inputs:

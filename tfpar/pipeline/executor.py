@@ -81,11 +81,11 @@ class PipelineExecutor:
             compat.enforce(compat.ZB_H1_RECOMPUTE, compat.view(
                 backend="pipeline", pipeline_stages=self.K, schedule="zb_h1",
                 recompute=recompute))
-        self._calls = [tf.recompute_grad(_training_call(s)) if recompute else _training_call(s)
+        self.calls = [tf.recompute_grad(_training_call(s)) if recompute else _training_call(s)
                        for s in self.stages]
         # Zero-bubble: each stage runs layer by layer, so that B can stop at the input
         # gradients and W compute each layer's weight gradients from its output gradient.
-        self._units = [_chain_units(s) for s in self.stages] if self.split else None
+        self.units = [_chain_units(s) for s in self.stages] if self.split else None
         # Trace order and the messages between virtual stages: `tfpar.pipeline.runner`.
         self._runner = ScheduleRunner(schedule)
 
@@ -147,11 +147,11 @@ class PipelineExecutor:
         grads = [[g for c in range(V) for g in step.acc[c * K + s]] for s in range(K)]
         return loss, y_pred, grads
 
-    def _weight_grads(self, v, tape, ys, out_grads):
+    def weight_grads(self, v, tape, ys, out_grads):
         """W pass: each unit's weight gradients from its output gradient, in the order of
         `stages[v].trainable_variables` (zeros for a variable no unit uses)."""
         by_id = {}
-        for unit, x_out, g in zip(self._units[v], ys[1:], out_grads):
+        for unit, x_out, g in zip(self.units[v], ys[1:], out_grads):
             variables = unit.trainable_variables
             if variables:
                 for var, grad in zip(variables, tape.gradient(
@@ -226,11 +226,11 @@ class _StepActions:
                 tape.watch(h)
             if split:
                 ys = [h]  # each unit's output, from the stage input on
-                for unit in ex._units[v]:
+                for unit in ex.units[v]:
                     ys.append(unit(ys[-1], training=True))
                 out = ys[-1]
             else:
-                out = ex._calls[v](h)
+                out = ex.calls[v](h)
             if v == self.last:
                 self.preds[m] = out
                 # Mean of per-micro-batch means / M = mean over the full batch.
@@ -265,12 +265,12 @@ class _StepActions:
             out_grads.append(g)
         out_grads.reverse()  # out_grads[i]: gradient of units[i]'s output
         self.marks = [out_grads[0]]
-        return (out_grads[0] if v > 0 else None), out_grads[-len(self.ex._units[v]):]
+        return (out_grads[0] if v > 0 else None), out_grads[-len(self.ex.units[v]):]
 
     def backward_weight(self, s, v, m, out_grads):
         """Zero-bubble W: the weights' gradients from the units' output gradients."""
         tape, ys, _ = self.tapes.pop((v, m))
-        self._accumulate(v, self.ex._weight_grads(v, tape, ys, out_grads))
+        self._accumulate(v, self.ex.weight_grads(v, tape, ys, out_grads))
         self.marks = [_dense_part(g) for g in self.acc[v]]
 
 
