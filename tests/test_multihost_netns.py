@@ -19,7 +19,8 @@ Then the link comes back and the same command, rerun, resumes from the last publ
 checkpoint and finishes: its losses equal a single-process run's of the same steps (the
 restored state was right), the user's own file next to the checkpoints is untouched, and no
 process of the job is left. Needs root and `ip`: skips saying so otherwise; under CI
-(`CI=true`) as root that is a failure instead.
+(`CI=true`) as root that is a failure instead. The ssh runner's test also needs `sshd`
+(Debian's openssh-server, which `.ci/run` installs): the same rule.
 """
 
 import contextlib
@@ -280,6 +281,8 @@ def test_rerun_resumes_and_ends_as_a_single_process_run(faults):
 def sshd(hosts, tmp_path_factory):
     """An OpenSSH server in each namespace host, accepting one key made for the test."""
     if shutil.which("sshd") is None and not os.path.exists("/usr/sbin/sshd"):
+        if os.environ.get("CI") == "true" and os.geteuid() == 0:
+            pytest.fail("CI=true and root, yet no sshd: .ci/run installs openssh-server")
         pytest.skip("no sshd: apt-get install -y openssh-server to run the ssh runner test")
     keys = tmp_path_factory.mktemp("ssh")
     for name in ("host_key", "user_key"):
