@@ -36,7 +36,8 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
                                      "graph_control_input", "function_nodes",
                                      "function_loss", "dtensor_started", "layer_tree",
                                      "function_constant_folding", "fused_momentum",
-                                     "onednn_enabled", "coordination_barrier"}
+                                     "onednn_enabled", "coordination_barrier",
+                                     "loss_tracker"}
     assert patches.check_targets(list(patches.REGISTRY)) == []
     monkeypatch.setitem(patches.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
     monkeypatch.setattr(patches, "_EXPECTED_INITIALIZE", "not Keras's code")
@@ -50,12 +51,14 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
     monkeypatch.setattr(patches, "_EXPECTED_SGD_UPDATE", ("not Keras's code",))
     monkeypatch.setattr(patches, "_ONEDNN_READER", "IsOneDnnOn")
     monkeypatch.setattr(patches, "_EXPECTED_BARRIER", {"wait_at_barrier": "not TF's code"})
+    monkeypatch.setitem(patches._EXPECTED_LOSS_TRACKER, "Trainer.compile", "not Keras's code")
     problems = patches.check_targets(["mesh_loops", "mesh_variables", "graph_control_input",
                                       "function_nodes", "function_loss", "dtensor_started",
                                       "layer_tree", "function_constant_folding",
                                       "fused_momentum", "onednn_enabled",
-                                      "coordination_barrier"])
-    assert len(problems) == 11, problems
+                                      "coordination_barrier", "loss_tracker"])
+    assert len(problems) == 12, problems
+    assert any("Trainer.compile" in p for p in problems), problems
     assert any("wait_at_barrier" in p for p in problems), problems
     assert any("IsOneDnnOn" in p for p in problems), problems
     assert any("SGD.update_step" in p for p in problems), problems

@@ -66,6 +66,12 @@ Patches:
   (`m = m*momentum - lr*g; w += m`) on the slot Keras finds with its private
   `_get_variable_index`; the check looks for that formula and that lookup in
   `SGD.update_step`, and for the kernel in `tf.raw_ops`.
+- `loss_tracker`: not a replacement but a read. `tfpar.metrics.report_step_loss` hooks the
+  `Mean` a compiled model's train step updates with each batch's loss (Keras 3's
+  `Trainer._loss_tracker`, tf_keras's `LossesContainer._total_loss_mean`; neither library
+  has a public accessor) to report the step's own loss beside the running mean.
+  `loss_tracker` is the one reader; the check looks for the tracker being made in
+  `Trainer.compile` and updated in the train steps.
 - `onednn_enabled`: not a replacement but a read. Whether TensorFlow runs oneDNN's CPU
   kernels (`tfpar.cpu_kernels.active`, the metrics JSON's `cpu_kernels`) has no public
   accessor; TensorFlow's own tests ask the private binding
@@ -140,6 +146,9 @@ REGISTRY = {
     "function_constant_folding": ("tensorflow.python.eager.context.Context._config "
                                   "(written before TensorFlow starts, not replaced)",
                                   "tfpar.backends.dtensor (zero_stage=3)"),
+    "loss_tracker": ("keras.src.trainers.trainer.Trainer._loss_tracker, tf_keras's "
+                     "LossesContainer._total_loss_mean (read, not replaced)",
+                     "tfpar.metrics.report_step_loss"),
     "onednn_enabled": ("tensorflow.python.util._pywrap_util_port.IsMklEnabled (called, not "
                        "replaced)", "tfpar.cpu_kernels.active"),
     "coordination_barrier": ("tensorflow.python.eager.context.Context.wait_at_barrier and "
@@ -160,6 +169,12 @@ _EXPECTED_DTENSOR_SINGLETON = "_dtensor_singleton = None"
 # `mesh_util.barrier` calls it (tensorflow 2.21.0).
 _EXPECTED_BARRIER = {"wait_at_barrier": "pywrap_tfe.TFE_WaitAtBarrier(",
                      "coordination_service": "return self._coordination_service_config"}
+# `loss_tracker`: where keras 3.15.1 makes and updates the tracker, where tf_keras updates its.
+_EXPECTED_LOSS_TRACKER = {
+    "Trainer.compile": 'self._loss_tracker = metrics_module.Mean(name="loss")',
+    "TensorFlowTrainer.train_step": "self._loss_tracker.update_state(",
+    "tf_keras LossesContainer.__call__": "self._total_loss_mean.update_state(",
+}
 _ONEDNN_READER = "IsMklEnabled"  # `onednn_enabled`: the binding TensorFlow's tests ask
 _EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 # `function_nodes`: where Keras 3.15.1 builds the attribute; `function_loss`: its signature.
@@ -255,6 +270,8 @@ def check_targets(names=None):
                             f"tensorflow {tf.__version__} lost ResourceApplyKerasMomentum); "
                             "tfpar.optimizers.FusedMomentumMixin was written for keras "
                             f"{WRITTEN_FOR['keras']}")
+    if "loss_tracker" in names:
+        problems += _check_loss_tracker()
     if "onednn_enabled" in names and not isinstance(
             getattr(_pywrap_util_port, _ONEDNN_READER, lambda: None)(), bool):
         problems.append(f"tensorflow {tf.__version__} changed _pywrap_util_port."
@@ -318,6 +335,33 @@ def sublayers(model):
     """Every layer inside `model`, nested ones too (not `model` itself). Registry entry
     `layer_tree`."""
     return model._flatten_layers(include_self=False, recursive=True)
+
+
+def _check_loss_tracker():
+    from keras.src.trainers import trainer as _trainer
+    sources = {"Trainer.compile": inspect.getsource(_trainer.Trainer.compile),
+               "TensorFlowTrainer.train_step": inspect.getsource(
+                   tf_trainer.TensorFlowTrainer.train_step)}
+    try:
+        from tf_keras.src.engine import compile_utils
+    except ImportError:  # tf_keras (`keras=2`) is optional
+        compile_utils = None
+    if compile_utils is not None:
+        sources["tf_keras LossesContainer.__call__"] = inspect.getsource(
+            compile_utils.LossesContainer.__call__)
+    return [f"{where} no longer has `{_EXPECTED_LOSS_TRACKER[where]}`; "
+            "tfpar.metrics.report_step_loss was written for keras "
+            f"{WRITTEN_FOR['keras']} and its tf_keras"
+            for where, source in sources.items() if _EXPECTED_LOSS_TRACKER[where] not in source]
+
+
+def loss_tracker(model):
+    """The `Mean` a compiled model's train step updates with each batch's loss (Keras 3's
+    `_loss_tracker`; a tf_keras model's `compiled_loss._total_loss_mean`). Registry entry
+    `loss_tracker`."""
+    if isinstance(model, keras.Model):
+        return model._loss_tracker
+    return model.compiled_loss._total_loss_mean
 
 
 def dtensor_started():
