@@ -20,6 +20,9 @@ outside checks read; keys that do not apply to a run are omitted:
                 "param_bytes_per_device": [int, ...],
                 "optimizer_state_bytes_per_device": [int, ...]}}
 
+`loss_history` holds each step's own loss as its train step computed it (the batch logs'
+`step_loss`, `report_step_loss`): the mean over the step's replicas and micro-batches.
+
 `memory`'s per-device lists follow `memory.devices` (`tfpar.memory` says what each figure
 means; on CPU logical devices share one allocator, so `peak_bytes_scope` is "process").
 
