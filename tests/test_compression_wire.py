@@ -11,7 +11,8 @@ coordination): it is subtracted from every run before the ratios to fp32 (Keras'
 all-reduce) are taken. The limits are the design's goals (fp16 2×, int8 ≥ 3.9×, top-k 1 %
 ≥ 40×, PowerSGD rank 4 ≥ 100× fewer bytes than fp32). The measured ratios, and the raw ones
 with the overhead left in, are shown in pytest's terminal summary (under `-q` too) and
-written to `runs/compression_wire.json`.
+written to `compression_wire.json` in the test's temporary directory (its path is in the
+summary).
 
 Without user + network namespaces every test here skips, saying what is missing; under CI
 (`CI=true`) as root, where `unshare` must work, that is a failure instead.
@@ -26,11 +27,10 @@ import textwrap
 
 import pytest
 
-from subproc import ROOT, last_json_line, run
+from subproc import last_json_line, run
 
 WIDTH, DEPTH, WARMUP, STEPS = 1024, 1, 2, 3
 LIMITS = {"fp16": 0.51, "int8": 0.26, "topk": 0.025, "powersgd": 0.01}
-RESULTS = os.path.join(ROOT, "runs", "compression_wire.json")
 
 WORKER = r"""
 import json, os
@@ -123,7 +123,7 @@ def _namespace_unavailable():
 
 
 @pytest.fixture(scope="module")
-def wire(report_measured):
+def wire(report_measured, tmp_path_factory):
     reason = _namespace_unavailable()
     if reason:
         if os.environ.get("CI") == "true" and os.geteuid() == 0:
@@ -144,12 +144,12 @@ def wire(report_measured):
     table = {k: {"bytes_per_step": v["lo_bytes_per_step"], "ratio": round(v["ratio"], 5),
                  "raw_ratio": round(v["raw_ratio"], 5), "limit": LIMITS.get(k)}
              for k, v in result.items()}
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    results = tmp_path_factory.mktemp("wire") / "compression_wire.json"
+    with open(results, "w") as f:
         json.dump({"width": WIDTH, "depth": DEPTH, "params": result["none"]["params"],
                    "steps": STEPS, "ratios_vs_fp32": table}, f, indent=1)
     report_measured(f"bytes on the wire vs fp32 (transformer, {result['none']['params']:,} "
-                    f"parameters, 2 workers; {os.path.relpath(RESULTS, ROOT)}):")
+                    f"parameters, 2 workers; {results}):")
     for k in sorted(LIMITS):
         report_measured(f"  {k:<9} {table[k]['ratio']:.4f} (limit {LIMITS[k]}; raw "
                         f"{table[k]['raw_ratio']:.4f})")

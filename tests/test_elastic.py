@@ -3,7 +3,8 @@
 The run with a lossy aggregator (int8, error feedback) is stopped at a checkpoint and resumed
 on another replica count: the error-feedback residuals come back with their sum over replicas
 kept exactly (replica 0 takes the sum), the data continues at the same example, the global
-batch is kept, and the loss curve continues the uninterrupted run's.
+batch is kept, and each resumed step's loss is within 1e-4 (relative) of the uninterrupted
+run's, the resume step's within 1e-6.
 """
 
 import json
@@ -97,13 +98,16 @@ def test_resume_on_another_replica_count(resumed, before, after, report_measured
         assert json.load(f)["elastic"] == [{"step": 6, "workers": 1, "replicas": after}]
     losses = np.array(resumed_run["loss_history"])
     reference = np.array(whole["loss_history"][6:])
-    jump = abs(losses[0] - reference[0]) / reference[0]
-    worst = float(np.max(np.abs(losses - reference) / reference))
-    report_measured(f"resume {before} -> {after} replicas (int8): loss at the resume step "
-                    f"{losses[0]:.5f} vs {reference[0]:.5f} uninterrupted ({jump:.2%}); worst "
-                    f"step {worst:.2%}; final {losses[-1]:.5f} vs {reference[-1]:.5f}")
-    assert jump <= 0.02
-    assert worst <= 0.02
+    gaps = np.abs(losses - reference) / reference
+    report_measured(f"resume {before} -> {after} replicas (int8): relative gap to the "
+                    f"uninterrupted run per resumed step {' '.join(f'{g:.1e}' for g in gaps)}; "
+                    f"final {losses[-1]:.6f} vs {reference[-1]:.6f}")
+    # The resume step's loss comes from the restored weights on the same examples: only the
+    # order of the sum over replicas differs (measured 0 and 1.3e-7, one float32 ulp).
+    assert gaps[0] <= 1e-6, gaps
+    # Later steps differ for real: int8 rounds each replica's gradient and the replicas'
+    # slices change with their count (measured at most 6.0e-6 over the 5 steps).
+    assert gaps.max() <= 1e-4, gaps
 
 
 def test_data_position_is_the_same_for_any_split():

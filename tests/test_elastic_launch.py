@@ -8,8 +8,9 @@ global batch). The discovery command (`cat` of a file the test writes) stops lis
 slot, then lists it again while the lone worker is inside its save of step 40
 (`TFPAR_INJECT_SAVE_PAUSE`, which keeps the moment of the offer off the timing of the
 steps): the launcher sends SIGTERM, the worker stops at that step with a checkpoint, and the
-job goes on with 2 workers from there (1 -> 2). It must end where the uninterrupted run
-ends (the same training on 2 replicas in one process).
+job goes on with 2 workers from there (1 -> 2). Its last attempt's steps must have the
+uninterrupted run's losses (the same training on 2 replicas in one process) within 1e-6
+(relative) and end with its weights within 1e-6.
 """
 
 import json
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import psutil
 
 from subproc import in_background, last_json_line, popen, run
@@ -29,6 +31,11 @@ CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps":
        "steps_per_epoch": 20, "checkpoint_every": 10, "global_batch_size": 24,
        "verbose": 0, "collective_timeout_s": 60}
 GROW_STEP, PAUSE_S = 40, 8
+
+
+def _weights(path):
+    weights = np.load(path)
+    return [weights[k] for k in sorted(weights, key=lambda k: int(k.split("_")[1]))]
 
 
 def _chief_line(stdout):
@@ -104,15 +111,28 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
              if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not alive, alive
 
-    final = _chief_line(output)["final_loss"]
-    reference = last_json_line(whole.stdout)["final_loss"]
-    gap = abs(final - reference) / reference
+    chief, reference = _chief_line(output), last_json_line(whole.stdout)
+    assert chief["resumed_from_step"] == GROW_STEP, context
+    # The last attempt's steps (40..59) against the same steps of the uninterrupted run.
+    losses = np.array(chief["loss_history"])
+    same = np.array(reference["loss_history"][GROW_STEP:])
+    gaps = np.abs(losses - same) / same
+    weights = max(float(np.max(np.abs(a - b))) for a, b in zip(
+        _weights(tmp_path / "elastic.worker0.npz"), _weights(tmp_path / "whole.npz"),
+        strict=True))
     report_measured(f"elastic 2 -> 1 -> 2 workers (lost at step {kill_step}, seed {seed}): "
                     f"resumed on 1 at step {step} ({kill_step - step} steps repeated) "
                     f"{seconds:.1f} s after the loss was detected; grown back at step "
                     f"{GROW_STEP} (0 repeated) {float(grown.group(2)):.1f} s after the stop; "
-                    f"final loss {final:.5f} vs {reference:.5f} uninterrupted ({gap:.3%})")
-    assert gap <= 0.01, context
+                    f"final loss {losses[-1]:.6f} vs {same[-1]:.6f} uninterrupted; steps "
+                    f"{GROW_STEP}-{CFG['steps'] - 1}: largest relative loss gap "
+                    f"{gaps.max():.1e}, final weights' largest gap {weights:.1e}")
+    # Not bit for bit: the steps on one worker sum the batch's gradient in another order
+    # than two replicas do, and Adam carries that float32 rounding on (measured: losses
+    # 1.1e-7 apart, one ulp; weights 3.7e-8). A lost optimizer state or data position would
+    # move the losses by percents.
+    assert gaps.max() <= 1e-6, f"{gaps}\n{context}"
+    assert weights <= 1e-6, f"{weights}\n{context}"
 
 
 FAKE_WORKER = r"""

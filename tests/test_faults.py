@@ -291,8 +291,8 @@ def worker_summary(output, worker):
 
 
 def first_divergence(losses, reference, first_step=0, tolerance=3e-4):
-    """The first step whose loss differs from `reference`'s by more than `tolerance` (losses
-    rebuilt from Keras's running mean carry ~1e-4 of rounding late in an epoch), or None."""
+    """The first step whose loss differs from `reference`'s by more than `tolerance`, or
+    None."""
     return next((first_step + k for k, (a, b) in enumerate(zip(losses, reference))
                  if abs(a - b) > tolerance), None)
 

@@ -191,7 +191,8 @@ def test_cli_runs_tensor_parallel_and_writes_the_metrics_json(result):
 
 def test_train_entry_resumes_from_its_checkpoint_exactly(result):
     assert result["resumed_from_step"] == 12 and result["resumed_steps"] == 12
-    assert result["resume_vs_uninterrupted"] <= 1e-5
+    # The same mesh, weights, slots and data position: the same losses, bit for bit.
+    assert result["resume_vs_uninterrupted"] == 0
 
 
 def test_cli_refuses_degrees_that_do_not_match_the_devices():

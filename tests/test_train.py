@@ -159,8 +159,9 @@ def test_resume_continues_at_the_saved_step(tmp_path, on_4_cpus):
     rest, pr = train_child(tmp_path, "rest", steps=10, checkpoint_dir=ckpt, **cfg)
     assert rest["resumed_from_step"] == 6
     assert rest["steps"] == 4  # only the missing steps ran
-    assert max_diff(weights(pf), weights(pr)) < 1e-6
-    np.testing.assert_allclose(rest["loss_history"], full["loss_history"][6:], rtol=1e-5)
+    # The same replicas, weights, Adam slots and data position: the same numbers.
+    assert max_diff(weights(pf), weights(pr)) == 0
+    np.testing.assert_array_equal(rest["loss_history"], full["loss_history"][6:])
 
 
 def test_no_flag_default_run_learns(cli_runs):

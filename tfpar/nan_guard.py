@@ -116,13 +116,11 @@ class NaNGuard(keras.callbacks.Callback):
 
     Args:
         on_nan: "stop" or "skip_step".
-        recorder: the run's `tfpar.metrics.StepRecorder`, told when the running loss mean is
-            restarted after a skipped step (else one NaN would spoil the epoch's mean).
     """
 
-    def __init__(self, on_nan, recorder):
+    def __init__(self, on_nan):
         super().__init__()
-        self.on_nan, self.recorder = on_nan, recorder
+        self.on_nan = on_nan
         self.step = 0  # steps done; set to the resume step before training
         self.skipped = []
 
@@ -151,5 +149,5 @@ class NaNGuard(keras.callbacks.Callback):
         self.skipped.append(self.step - 1)
         logging.warning("step %d: %s; its update was skipped (on_nan=skip_step)",
                         self.step - 1, what)
+        # Else one NaN would spoil the running mean Keras logs for the rest of the epoch.
         patches.loss_tracker(self.model).reset_state()
-        self.recorder.restart_running_mean()

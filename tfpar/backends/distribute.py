@@ -59,11 +59,12 @@ class DistributeBackend(Backend):
             nan_guard.skip_nonfinite_updates(model.optimizer,
                                              skip=config.on_nan == "skip_step")
             model.optimizer.build(model.trainable_variables)
-        accumulation.install(model, config.grad_accum_steps)
+            accumulation.install(model, config.grad_accum_steps)
+            metrics.report_step_loss(model)  # the metrics JSON's per-step loss
         return model
 
     def fit(self, config, runtime, model, task, recorder, callbacks):
-        guard_nan = nan_guard.NaNGuard(config.on_nan, recorder)
+        guard_nan = nan_guard.NaNGuard(config.on_nan)
         callbacks = [recorder, guard_nan, *callbacks]
         start, checkpointer, guard = 0, None, None
         if config.checkpoint_dir:

@@ -624,10 +624,15 @@ class LossGuard(keras.callbacks.Callback):
         self._k, self._mean = 0, 0.0
 
     def on_train_batch_end(self, batch, logs=None):
-        # Keras logs the epoch's running mean; recover this batch's loss from it.
-        mean = float((logs or {}).get("loss", math.nan))
+        logs = logs or {}
+        mean = float(logs.get("loss", math.nan))
         self._k += 1
-        self.losses.append(self._k * mean - (self._k - 1) * self._mean)
+        if "step_loss" in logs:  # tfpar's trainer: the step's own loss (tfpar.metrics)
+            self.losses.append(float(logs["step_loss"]))
+        else:
+            # A plain `fit` logs only the epoch's running mean: this batch's loss from it,
+            # within float32 rounding.
+            self.losses.append(self._k * mean - (self._k - 1) * self._mean)
         self._mean = mean
         agg, w = self.aggregator, self.aggregator.window
         if agg.r_budget is None or len(self.losses) % w:

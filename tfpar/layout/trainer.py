@@ -22,6 +22,7 @@ from absl import logging
 
 from tfpar import compat
 from tfpar.errors import ConfigError, TfparError
+from tfpar.metrics import STEP_LOSS
 from tfpar.layout import activations, presets, reduction, step, values, variables
 from tfpar.layout.mesh import BATCH, axis_size
 from tfpar.layout.optimizer import stateless_optimizer
@@ -170,7 +171,8 @@ class MeshTrainer:
             epochs, initial_epoch: epochs `initial_epoch … epochs-1` are run.
             steps_per_epoch: batches per epoch; default: one pass over `batches`.
             callbacks: Keras callbacks (they get `on_train_batch_end` logs with the
-                epoch's running mean loss and accuracy, as under `model.fit`).
+                epoch's running mean loss and accuracy, as under `model.fit`, and the
+                step's own loss as `step_loss`, as `tfpar.metrics.report_step_loss` adds).
             verbose: 0 silent, 1 progress bar.
             validation_data, validation_steps: held-out batches (iterated afresh; a list,
                 or a function returning a new iterable each time) that `evaluate` runs on
@@ -198,8 +200,9 @@ class MeshTrainer:
                 if batch is None:
                     break
                 callbacks.on_train_batch_begin(index)
-                sums.add(self._step(batch))
-                callbacks.on_train_batch_end(index, sums.logs())
+                out = self._step(batch)
+                sums.add(out)
+                callbacks.on_train_batch_end(index, {**sums.logs(), STEP_LOSS: out["loss"]})
                 index += 1
                 if self.model.stop_training:
                     break

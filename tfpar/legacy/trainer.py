@@ -19,7 +19,7 @@ import os
 
 import tf_keras
 
-from tfpar import callbacks, data
+from tfpar import callbacks, data, metrics
 from tfpar.errors import TfparError
 from tfpar.legacy import options, optimizer as optimizer_lib
 
@@ -90,6 +90,8 @@ def build_model(config, runtime, task):
             loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             weighted_metrics=[tf_keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
         model.optimizer.build(model.trainable_variables)
+        # The metrics JSON's per-step loss; tf_keras's Mean sums the replicas' state.
+        metrics.report_step_loss(model, tf_keras.metrics.Mean)
     model.distribute_reduction_method = "first"  # see the module docstring
     return model
 

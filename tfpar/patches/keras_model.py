@@ -49,7 +49,8 @@ ENTRIES = {
                         "Model._call_has_training_arg, _compute_loss, _loss_tracker, "
                         "loss.unscale_loss_for_distribution (called, not replaced)",
                         "tfpar.accumulation"),
-    "loss_tracker": ("Trainer._loss_tracker (read, not replaced)", "tfpar.nan_guard"),
+    "loss_tracker": ("Trainer._loss_tracker, tf_keras's LossesContainer._total_loss_mean "
+                     "(read, not replaced)", "tfpar.nan_guard, tfpar.metrics.report_step_loss"),
     "initial_epoch": ("Trainer._initial_epoch (written, not replaced)",
                       "tfpar.callbacks (checkpoint restore)"),
     "uninitialized_variables": ("keras.src.backend.common.global_state "
@@ -107,7 +108,24 @@ def check(names):
     for name, fragments in FRAGMENTS.items():
         if name in names:
             problems += check_fragments(name, "keras", fragments, ENTRIES[name][1])
+    if "loss_tracker" in names and _tf_keras_compile_utils() is not None:
+        problems += check_fragments("loss_tracker", "tf_keras", TF_KERAS_FRAGMENTS,
+                                    ENTRIES["loss_tracker"][1])
     return problems
+
+
+def _tf_keras_compile_utils():
+    try:  # tf_keras (`keras=2`) is optional
+        from tf_keras.src.engine import compile_utils
+    except ImportError:
+        return None
+    return compile_utils
+
+
+# Where tf_keras 2.21.0 updates the loss tracker `loss_tracker` returns for its models.
+TF_KERAS_FRAGMENTS = [("LossesContainer.__call__",
+                       lambda: _tf_keras_compile_utils().LossesContainer.__call__,
+                       "self._total_loss_mean.update_state(")]
 
 
 def nodes_by_depth(functional):
@@ -141,8 +159,11 @@ def forward_loss(model, x, y, sample_weight, batch_size):
 
 
 def loss_tracker(model):
-    """The `Mean` metric `fit` reports as `loss`. Registry entry `loss_tracker`."""
-    return model._loss_tracker
+    """The `Mean` metric `fit` reports as `loss`: Keras 3's `_loss_tracker`, a tf_keras
+    model's `compiled_loss._total_loss_mean`. Registry entry `loss_tracker`."""
+    if isinstance(model, keras.Model):
+        return model._loss_tracker
+    return model.compiled_loss._total_loss_mean
 
 
 def set_initial_epoch(model, epoch):
