@@ -4,7 +4,7 @@ Usage: python tests/layout_mesh_child.py CASE[,CASE...] (the cases in turn; the 
 maps each to its result)
 - `reduction`: the transformer on a 2×2 mesh, 5 steps (SGD, Adam), with the batch-axis
   reduction of `tfpar.layout.reduction` at `compression="none"` against DTensor's implicit
-  sum; and tensor_parallel=2 × data_parallel=1 with int8 against no codec.
+  sum; and that tensor_parallel=2 × data_parallel=1 with int8 builds no reduction.
 - `sequence`: the transformer with the `sequence_parallel` preset on a 2×2 and a 1×4 mesh,
   5 steps (SGD, Adam), against the single-device run; which layer outputs were laid out.
 """
@@ -55,12 +55,11 @@ def reduction():
                           "loss_diff": max(abs(a - b) for a, b in
                                            zip(losses, implicit_losses)),
                           "reduction": trainer.reduction is not None}
-    # One replica on `batch`: no data-parallel reduction, nothing to compress.
+    # One replica on `batch`: no data-parallel reduction is built, so no codec (built
+    # only: trained, it would run the uncompressed step's own code).
     sub = layout.make_mesh(1, 2, devices.compute_devices()[:2])
-    plain, _, _ = train(sub, names, build, "adam", batches)
-    coded, trainer, _ = train(sub, names, build, "adam", batches, compression="int8")
-    out["tp2_dp1_int8"] = {"diff": max_diff(host(coded), host(plain)),
-                           "reduction": trainer.reduction is not None}
+    _, trainer, _ = train(sub, names, build, "adam", [], compression="int8")
+    out["tp2_dp1_int8"] = {"reduction": trainer.reduction is not None}
     return out
 
 

@@ -92,15 +92,31 @@ def runs_on_4_cpus(folder):
     return runs
 
 
+# Mixed precision on 2 replicas against one device (SGD: an update linear in the gradient,
+# whose rounding differences Adam would normalise), 5 steps of `BASE`.
+MIXED = {"model": "mlp", "optimizer": "sgd", "learning_rate": 0.1}
+# Each replica rounds its half batch's activations and gradients to 16 bits where one
+# device rounds the whole batch's: the runs differ by the precision's rounding, as the
+# mesh's mixed-precision runs do against one device; the tolerance is theirs
+# (tests/test_layout_compose.py, tests/test_layout_pipeline.py).
+MIXED_TOLERANCE = 1e-2
+
+
 def runs_on_2_cpus():
     """float32, bf16 and fp16 runs and the --measure_comm run; `again` repeats `fp32` on
-    the strategy `fp32` made (`train(runtime=...)`)."""
+    the strategy `fp32` made (`train(runtime=...)`); `MIXED` in bf16 and fp16 on both
+    replicas (`dp_…`) and on one device (`one_…`, and `one_none` in float32)."""
     cfg = {"model": "mlp", "steps": 60, "steps_per_epoch": 60, "cpu_devices": 2,
            "strategy": "mirrored"}
     return [["fp32", cfg], ["again", cfg], ["bf16", {**cfg, "mixed_precision": "bf16"}],
             ["fp16", {**cfg, "mixed_precision": "fp16"}],
             ["comm", {"model": "mlp", "strategy": "mirrored", "cpu_devices": 2, "steps": 3,
-                      "steps_per_epoch": 3, "compression": "fp16", "measure_comm": True}]]
+                      "steps_per_epoch": 3, "compression": "fp16", "measure_comm": True}]
+            ] + [[f"{where}_{precision}", {**MIXED, "mixed_precision": precision, **strategy}]
+                 for precision in ("bf16", "fp16", "none")
+                 for where, strategy in (("one", {"strategy": "one_device"}),
+                                         ("dp", {"strategy": "mirrored", "cpu_devices": 2}))
+                 if (where, precision) != ("dp", "none")]
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +214,31 @@ def test_mixed_precision_trains_like_float32(on_2_cpus, precision):
     assert mixed["final_loss"] < 0.75 * mixed["loss_history"][0]
     # Same seed and data: half precision changes the trajectory only a little.
     assert abs(mixed["final_loss"] - full["final_loss"]) < 0.05 * full["final_loss"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_2_replicas_equals_one_device(on_2_cpus, on_2_cpus_prefix,
+                                                         precision, report_measured):
+    # Same seed and batches; fp16 with Keras's dynamic loss scaling on both.
+    dp, one = on_2_cpus[f"dp_{precision}"], on_2_cpus[f"one_{precision}"]
+    assert (dp["replicas"], one["replicas"]) == (2, 1)
+    dp_w, one_w, fp32_w = (weights(f"{on_2_cpus_prefix}_{name}") for name in (
+        f"dp_{precision}", f"one_{precision}", "one_none"))
+    diff = max_diff(dp_w, one_w)
+    assert diff < MIXED_TOLERANCE, diff
+    np.testing.assert_allclose(dp["loss_history"], one["loss_history"], rtol=1e-2)
+    # The bound is loose next to the precision's own effect (one device, mixed against
+    # float32: its largest entries are as large as the runs' difference), so also: on
+    # average over the weights, splitting the batch moved them less than the precision.
+    split, precision_moved = mean_diff(dp_w, one_w), mean_diff(fp32_w, one_w)
+    report_measured(f"mlp {precision}, 2 replicas vs one device, 5 SGD steps: weights max "
+                    f"{diff:.1e}, mean {split:.1e}; one device {precision} vs float32: max "
+                    f"{max_diff(fp32_w, one_w):.1e}, mean {precision_moved:.1e}")
+    assert split < precision_moved, (split, precision_moved)
+
+
+def mean_diff(a, b):
+    return float(np.mean(np.concatenate([np.abs(x - y).ravel() for x, y in zip(a, b)])))
 
 
 def test_two_workers_end_identical_and_equal_one_device(tmp_path, on_4_cpus):

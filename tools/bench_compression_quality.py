@@ -44,6 +44,16 @@ and accuracy (`--validation_steps` batches of examples the training stream never
 after the last step). A run FAILS when its final loss is more than `--max_loss_gap` above
 fp32's or its held-out accuracy more than `--max_acc_drop` below. Prints a table, writes
 `--out` (JSON) and exits 1 if any run failed.
+
+fp32's own spread (`--fp32_seeds=2,3,4`): a lossy run is one more trajectory on its task
+and batches, so it is judged against how far fp32's trajectories on the same task and
+batches land from each other. For each task and seed the reference fp32 run is repeated
+with each listed seed as the model's initialisation only (the task, its table or teacher,
+and every batch stay the seed's); the band is the range of those final losses over their
+mean, printed (`fp32 band ±x %`) and written (`bands`, and `band` on each judged row), and
+a run also FAILS when its gap is outside ± the band, below as well as above. A band from n
+runs is itself a sample (a further fp32 run lands outside the range of n with probability
+2 / (n + 1)): the more seeds, the more the band says.
 """
 
 import argparse
@@ -86,6 +96,11 @@ def parse_args(argv=None):
     p.add_argument("--smooth", type=int, default=10)
     p.add_argument("--max_loss_gap", type=float, default=0.02,
                    help="fail when final loss > fp32's × (1 + this)")
+    p.add_argument("--fp32_seeds", default="",
+                   help="comma list of initialisation seeds: the reference fp32 run is "
+                   "repeated with each on the same task and batches (task seed = the cell's "
+                   "seed), and a cell fails when its gap is outside ± the band, the range of "
+                   "those fp32 final losses over their mean (module docstring)")
     p.add_argument("--max_acc_drop", type=float, default=0.04,
                    help="fail when held-out accuracy < fp32's − this (default: about two "
                    "binomial standard deviations of an accuracy near 0.66 on the 8 × 64 "
@@ -139,7 +154,9 @@ def final_loss(history, smooth):
     return sum(tail) / len(tail)
 
 
-def run_one(base, spec, extra, runtime, smooth):
+def run_one(base, spec, extra, runtime, smooth, task_seed=None):
+    """One run; `task_seed`: the task and its batches from this seed, the model's
+    initialisation from `base["seed"]` (the band's fp32 runs)."""
     from tfpar import ParallelConfig, data
     from tfpar.train import train
     compression, *pairs = spec.split(":") if spec not in (EXACT, FROZEN) else ("none",)
@@ -157,6 +174,9 @@ def run_one(base, spec, extra, runtime, smooth):
     default_task = data.DEFAULT_TASKS[config.model]
     if task == "lookup":  # the suite's transformer task (module docstring)
         data.DEFAULT_TASKS[config.model] = data.lookup_task
+    if task_seed is not None:  # (a `--dataset` pipeline takes no seed: nothing to fix)
+        make_task = data.DEFAULT_TASKS[config.model]
+        data.DEFAULT_TASKS[config.model] = lambda _seed: make_task(task_seed)
     from tfpar import compression as comp
     make_aggregator = comp.make_aggregator
     if spec == FROZEN:  # ... with Adam in front, v frozen after adam_warmup_steps
@@ -207,7 +227,14 @@ def adam_in_front(row):
             and c["optimizer"] == "adam" and c["adam_warmup_steps"] > 0)
 
 
-def judge(row, ref, args, frozen=None):
+def fp32_band(losses):
+    """The band of fp32's own spread: (max − min) / mean of its final losses (≥ 2 runs)."""
+    return (max(losses) - min(losses)) / (sum(losses) / len(losses))
+
+
+def judge(row, ref, args, frozen=None, band=None):
+    """Marks `row` failing (its `fails`) above `--max_loss_gap`, outside ± `band` (when
+    given), below `--max_acc_drop` or non-finite."""
     row["loss_gap"] = row["final_loss"] / ref["final_loss"] - 1
     if (frozen is not None and adam_in_front(row) and row["config"]["adam_warmup_steps"]
             == frozen["config"]["adam_warmup_steps"]):
@@ -218,6 +245,10 @@ def judge(row, ref, args, frozen=None):
         bad.append("non-finite loss")
     if row["loss_gap"] > args.max_loss_gap:
         bad.append(f"loss {row['loss_gap']:+.1%}")
+    if band is not None:
+        row["band"] = band
+        if abs(row["loss_gap"]) > band:
+            bad.append(f"loss {row['loss_gap']:+.1%} outside fp32's ±{band:.1%}")
     if row["acc_drop"] > args.max_acc_drop:
         bad.append(f"accuracy −{row['acc_drop']:.3f}")
     row["fails"] = bad
@@ -235,6 +266,7 @@ def main(argv=None):
                      f"choose from {', '.join(TASKS)}")
     aggregators = [a for a in args.aggregators.split(",") if a and a != "none"]
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    band_seeds = [int(s) for s in args.fp32_seeds.split(",") if s]
     from tfpar import ParallelConfig, cpu_kernels  # after argparse: --help stays fast
     # Before TensorFlow starts in this process, as `python -m tfpar.train` does.
     cpu_kernels.select(extra.get("cpu_kernels", "auto"))
@@ -274,6 +306,11 @@ def main(argv=None):
                       f"{ref['loss_gap_vs_keras']:+8.1%} {'':>9} {ref['val_accuracy']:7.3f} "
                       f"{ref['val_accuracy'] - keras_ref['val_accuracy']:+6.3f}  reference; "
                       f"vs fp32 ({ref['seconds']:.0f} s)", flush=True)
+            band = None
+            if band_seeds:
+                band = measure_band(rows, base, ref, band_seeds, extra, runtime, args,
+                                    task, seed, width)
+                save(args, extra, rows, {}, None)
             frozen = None
             probe = ParallelConfig(**{**{k: v for k, v in base.items() if k != "task"}, **extra})
             if frozen_on and probe.steps > probe.adam_warmup_steps:  # else v never freezes
@@ -289,7 +326,7 @@ def main(argv=None):
             for agg in aggregators:
                 try:
                     row = judge(run_one(base, agg, extra, runtime, args.smooth), ref, args,
-                                frozen)
+                                frozen, band)
                 except Exception as err:  # noqa: BLE001 — one broken run must not end the suite
                     row = {"compression": agg.split(":")[0], "run": agg, "final_loss": math.nan,
                            "val_accuracy": math.nan, "loss_gap": math.nan, "acc_drop": math.nan,
@@ -318,16 +355,53 @@ def main(argv=None):
         for k, v in worst.items()))
     lossy = sum(1 for r in rows if r.get("reference") is None)
     print(f"{len(failed)} of {lossy} lossy runs fail "
-          f"(loss gap > {args.max_loss_gap:.0%} or accuracy drop > {args.max_acc_drop})")
+          f"(loss gap > {args.max_loss_gap:.0%}"
+          + (", outside fp32's band" if band_seeds else "")
+          + f" or accuracy drop > {args.max_acc_drop})")
     save(args, extra, rows, worst, len(failed))
     return 1 if failed else 0
+
+
+def measure_band(rows, base, ref, init_seeds, extra, runtime, args, task, seed, width):
+    """fp32's band for (task, seed): the reference run again with each of `init_seeds`
+    as the model's initialisation, the task and batches of `seed`; rows added, printed."""
+    spec = EXACT if args.reference == "exact" else "none"
+    losses = [ref["final_loss"]]
+    for init in init_seeds:
+        if init == seed:
+            continue
+        row = run_one({**base, "seed": init}, spec, extra, runtime, args.smooth,
+                      task_seed=seed)
+        row.update(task=task, seed=seed, init_seed=init, reference="band", fails=[],
+                   loss_gap=row["final_loss"] / ref["final_loss"] - 1,
+                   acc_drop=ref["val_accuracy"] - row["val_accuracy"])
+        rows.append(row)
+        losses.append(row["final_loss"])
+        print(f"{task:12} {seed:4d} {spec + ' init ' + str(init):{width}} "
+              f"{row['final_loss']:10.4f} {row['loss_gap']:+8.1%} {'':>9} "
+              f"{row['val_accuracy']:7.3f} {-row['acc_drop']:+6.3f}  fp32 band run "
+              f"({row['seconds']:.0f} s)", flush=True)
+    band = fp32_band(losses) if len(losses) > 1 else None
+    rows.append({"task": task, "seed": seed, "reference": "band-summary", "run": spec,
+                 "runs": len(losses), "init_seeds": [seed] + [i for i in init_seeds
+                                                           if i != seed],
+                 "final_losses": losses, "band": band, "fails": []})
+    if band is not None:
+        print(f"{task:12} {seed:4d} {'fp32 band':{width}} ±{band:.2%} over {len(losses)} "
+              f"runs (init seeds {', '.join(map(str, rows[-1]['init_seeds']))}); lossy "
+              "runs judged two-sided against it", flush=True)
+    return band
 
 
 def save(args, extra, rows, worst, failed):
     if not args.out:
         return
+    bands = {f"{r['task']} seed {r['seed']}": {k: r[k] for k in (
+        "band", "runs", "init_seeds", "final_losses")}
+             for r in rows if r.get("reference") == "band-summary"}
     out = {"args": vars(args), "overrides": extra, "rows": rows, "worst": worst,
-           "failed": failed, "complete": failed is not None, "loadavg": _uptime()}
+           "bands": bands, "failed": failed, "complete": failed is not None,
+           "loadavg": _uptime()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
