@@ -76,3 +76,18 @@ def test_cli_flags_a_communication_bound_step_and_a_batch_that_does_not_split():
     assert checks["communication share"]["status"] == "WARN"
     assert "compress gradients" in checks["communication share"]["fix"]
     assert checks["replicas in sync"]["status"] == "PASS"
+
+
+def test_cli_checks_a_tensor_parallel_run_on_the_mesh_the_trainer_builds():
+    # The doctor builds the trainer's backend for the config: a 2x2 DTensor mesh here, not
+    # a MirroredStrategy that would ignore --tensor_parallel.
+    out = run([sys.executable, "-m", "tfpar.doctor", "--cpu_devices=4", "--model=transformer",
+               "--model_width=32", "--model_depth=1", "--tensor_parallel=2",
+               "--data_parallel=2", "--global_batch_size=8", "--json"],
+              check=False, timeout=240)
+    checks = {c["name"]: c for c in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert out.returncode == 0, checks
+    assert "mesh batch=2 × model=2 over" in checks["devices"]["detail"], checks
+    assert checks["batch split"]["status"] == "PASS"
+    assert checks["replicas in sync"]["detail"].startswith("a DTensor mesh")
+    assert "communication share" not in checks  # measured on tf.distribute collectives only

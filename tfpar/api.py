@@ -182,7 +182,7 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
             and not optimizer.amsgrad):
         # As the trainer does (`--compress_adam_step`): compress Adam's step, not the
         # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in);
-        # PowerSGD with each replica's own `v` (`make_aggregator`, README's quality table).
+        # PowerSGD with each replica's own `v` (`make_aggregator`, docs/benchmarks/compression.md).
         aggregator.adam = (0.9, 0.999, 1e-7)
         if compression == "powersgd" and not {"adam_variance", "adam_refresh_every"} & set(
                 aggregator_options):

@@ -3,9 +3,8 @@ by the CPU it lands on.
 
 TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported. Unset, its own rule
 depends on the processor: this TensorFlow 2.21 build turned oneDNN on for one x86 machine
-of ours (an AMD EPYC with AVX-512 VNNI and bf16) and left it off on another, where
-its default Eigen matmuls made a dense layer's forward and backward ~1.6x slower (the
-README's speed section). So the same command ran different kernels, with different
+of ours and left it off on another, where its default Eigen matmuls were slower
+(docs/benchmarks/data_parallel.md). So the same command ran different kernels, with different
 rounding and speed, from one machine to the next. tfpar decides instead:
 
 - `auto` (default): oneDNN, unless `TF_ENABLE_ONEDNN_OPTS` is already set (yours wins);

@@ -254,9 +254,8 @@ def check_collectives(runtime):
 
 
 def diagnose(config, environ=os.environ, peer_timeout=10.0):
-    """Runs every check for `config`; returns the list of `Check`s."""
-    from tfpar import devices
-
+    """Runs every check for `config` on the backend the trainer would run it on; returns
+    the list of `Check`s."""
     checks = []
     tf_check, cluster = check_tf_config(environ, peer_timeout)
     checks.append(tf_check)
@@ -267,33 +266,61 @@ def diagnose(config, environ=os.environ, peer_timeout=10.0):
         compat.check_inputs(config, cluster)
     except ConfigError as err:
         return checks + [Check("settings", "FAIL", str(err))]
-    devices.split_cpu(config.cpu_devices)
-    from tfpar import data, memory, strategy
-    from tfpar.backends.distribute import DistributeBackend
+    from tfpar import backends, data, memory
 
+    backend = backends.for_config(config)  # the backend the trainer would run
     try:
-        runtime = strategy.make_runtime(config, environ)
+        runtime = backend.build_runtime(config, environ)
     except TfparError as err:
         return checks + [Check("strategy", "FAIL", str(err))]
-    checks.append(Check("devices", "PASS", devices.topology(runtime.strategy, runtime.workers)))
+    on_mesh = hasattr(runtime, "mesh")
+    checks.append(Check("devices", "PASS", _topology(runtime, on_mesh)))
     checks.append(check_batch(config, runtime.replicas))
-    checks.append(check_collectives(runtime))
+    if not on_mesh:
+        checks.append(check_collectives(runtime))
     safe = config.replace(global_batch_size=_splittable(config, runtime.replicas))
     task = data.make_task(safe)
-    model = DistributeBackend().build_model(safe, runtime, task)
-    memory.reset_peaks()
-    model.fit(data.distributed_dataset(runtime.strategy, safe, task), epochs=1,
-              steps_per_epoch=1, verbose=0)
-    peaks = memory.peak_bytes()
+    model = backend.build_model(safe, runtime, task)
+    peaks = _one_step_peaks(backend, safe, runtime, model, task, on_mesh)
     measured = None
     if peaks is not None and safe.global_batch_size == config.global_batch_size:
         # Logical CPUs share one allocator: its peak is every device's; per device, /n.
         measured = max(peaks) // (len(peaks) if memory.shares_allocator() else 1)
     available, where = memory.device_memory()
     checks.append(check_memory(config, runtime.replicas, available, where, measured))
+    if on_mesh:  # DTensor keeps one logical copy of each weight: nothing to drift apart
+        return checks + [Check("replicas in sync", "PASS", "a DTensor mesh holds each weight "
+                               "once (sharded or replicated by DTensor)")]
     checks.append(check_replicas_in_sync(runtime, model))
     checks.append(check_communication(runtime, model, task, safe)[0])
     return checks
+
+
+def _topology(runtime, on_mesh):
+    from tfpar import devices
+
+    if not on_mesh:
+        return devices.topology(runtime.strategy, runtime.workers)
+    from tfpar.layout.mesh import describe
+
+    return " | ".join([devices.topology(None, runtime.workers)] +
+                      [describe(mesh) for mesh in runtime.meshes])
+
+
+def _one_step_peaks(backend, config, runtime, model, task, on_mesh):
+    """The allocator's peak per device over one training step (None where unreadable), run
+    as the trainer runs it."""
+    from tfpar import data, memory, metrics
+
+    if not on_mesh:
+        memory.reset_peaks()
+        model.fit(data.distributed_dataset(runtime.strategy, config, task), epochs=1,
+                  steps_per_epoch=1, verbose=0)
+        return memory.peak_bytes()
+    one = config.replace(steps=1, steps_per_epoch=1, checkpoint_dir="", tensorboard_dir="",
+                         validation_steps=0, verbose=0)
+    backend.fit(one, runtime, model, task, metrics.StepRecorder(), [])
+    return memory.peak_bytes()
 
 
 def _splittable(config, replicas):

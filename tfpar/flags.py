@@ -43,7 +43,7 @@ _HELP = {
                     "ResourceApplyKerasMomentum kernel (Keras's formula in one pass) where it "
                     "applies: dense float32 gradients on tf.distribute; Keras's own update "
                     "elsewhere (sparse gradients, ZeRO, DTensor meshes). Off by default "
-                    "(README: whole steps were not faster in every measured round).",
+                    "(whole steps were not faster in every measured round).",
     "cpu_kernels": "TensorFlow's CPU kernels, set before it starts: auto = oneDNN unless "
                    "TF_ENABLE_ONEDNN_OPTS is already set; onednn; eigen (TensorFlow's own "
                    "default depends on the processor).",

@@ -2,7 +2,7 @@
 sharding, the gradient aggregator, fp16 loss scaling, the fused momentum update. Shared by
 the trainer's backends and the doctor.
 
-With `--fused_update` (off by default: see docs/compression.md), momentum SGD's update runs as TensorFlow's one fused
+With `--fused_update` (off by default: see docs/guides/compression.md), momentum SGD's update runs as TensorFlow's one fused
 kernel `ResourceApplyKerasMomentum` (`m = m*momentum - lr*g; w += m`, Keras's own formula
 for `nesterov=False`, in one pass over `w`, `m` and `g`) instead of Keras's four element-wise
 ops and two assignments. `FusedMomentumMixin.update_step` falls back to Keras's

@@ -35,13 +35,14 @@ class DistributeBackend(Backend):
             runtime = remote.make_runtime(config, cluster, strategy.Runtime)
         if runtime is None:
             runtime = strategy.make_runtime(config, environ)
-        config.per_replica_batch(runtime.replicas)
         logging.info(devices.topology(runtime.strategy, runtime.workers))
         return runtime
 
     def build_model(self, config, runtime, task):
         """Builds and compiles the model under the strategy's scope, optimizer built, so a
-        checkpoint can restore every variable before the first step."""
+        checkpoint can restore every variable before the first step. Raises `ConfigError`
+        first if the global batch does not split over the runtime's replicas."""
+        config.per_replica_batch(runtime.replicas)
         with runtime.strategy.scope():
             model = models.build(config.model, task.input_shape, task.num_classes,
                                  width=config.model_width, depth=config.model_depth)
@@ -49,9 +50,8 @@ class DistributeBackend(Backend):
             if config.dims.pp_enabled:
                 model = pipeline.for_training(model, config, runtime)
             model.compile(
-                # `--compression=none` stays on Keras's own all-reduce: fp32 in 4 MiB
-                # buckets hid 0-20 % of the exchange on a shaped link and ran 0.96-0.98x
-                # its steps/s (README, compression section).
+                # `--compression=none` stays on Keras's own all-reduce: fp32 buckets were
+                # not faster on a shaped link (docs/benchmarks/compression.md).
                 optimizer=optimizers.make_optimizer(config),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],

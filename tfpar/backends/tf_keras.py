@@ -25,12 +25,12 @@ class TfKerasBackend(DistributeBackend):
             devices.split_cpu(config.cpu_devices)
             runtime = strategy.make_runtime(config, environ)
         optimizers.set_policy(config.mixed_precision, tf_keras)
-        config.per_replica_batch(runtime.replicas)
         tf_keras.utils.set_random_seed(config.seed)
         logging.info(devices.topology(runtime.strategy, runtime.workers))
         return runtime
 
     def build_model(self, config, runtime, task):
+        config.per_replica_batch(runtime.replicas)  # the batch splits over the replicas
         return trainer.build_model(config, runtime, task)
 
     def fit(self, config, runtime, model, task, recorder, callbacks):

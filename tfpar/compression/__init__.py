@@ -27,7 +27,7 @@ __all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAg
 
 # Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
 # exact Adam for `adam_warmup_steps`, then compressed Adam steps. Without it top-k's error
-# feedback turns gradients into spikes Adam would slow down (docs/compression.md).
+# feedback turns gradients into spikes Adam would slow down (docs/guides/compression.md).
 ADAM_STEP_AGGREGATORS = ("topk", "powersgd")
 
 
@@ -51,7 +51,7 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
     common = {"bucket_mb": config.bucket_mb, "error_feedback": config.error_feedback,
               "timeout_s": config.collective_timeout_s}
     # `auto` too on the trainer's path (`tfpar.DistributedOptimizer` keeps its own choice):
-    # with Keras's Adam behind it the quality suite failed (docs/compression.md).
+    # with Keras's Adam behind it the quality suite failed (docs/guides/compression.md).
     if (adam_step and config.compress_adam_step and config.optimizer == "adam"
             and config.compression in ADAM_STEP_AGGREGATORS + ("auto",)):
         # Keras's Adam defaults; `wrap_optimizer` copies the optimizer's own values in.
@@ -69,14 +69,14 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
             safe = type(config).__dataclass_fields__["topk_ratio"].default
             if config.topk_ratio < safe or not config.topk_union:
                 # Below the default, the quality suite's tasks ended above fp32's loss
-                # (tools/bench_compression_quality.py; docs/compression.md).
+                # (tools/bench_compression_quality.py; docs/guides/compression.md).
                 logging.warning("compression=topk with optimizer=adam below --topk_ratio=%g "
                                 "(the default) or without --topk_union ended above fp32's "
-                                "loss on tasks of the quality suite (README, Gradient "
-                                "aggregators)", safe)
+                                "loss on tasks of the quality suite "
+                                "(docs/benchmarks/compression.md)", safe)
             if "adam" in common and config.topk_ratio >= 1 - common["adam"][0]:
                 # Each replica's `v` moves with its own exact gradient (it needs the momentum
-                # synced: `TopKAggregator.adam_sync_momentum`); why: docs/compression.md.
+                # synced: `TopKAggregator.adam_sync_momentum`); why: docs/guides/compression.md.
                 common["adam_variance"] = "local_debiased"
         return TopKAggregator(config.topk_ratio, momentum=dgc_momentum,
                               warmup_steps=config.topk_warmup_steps,
@@ -90,12 +90,12 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
             link = (config.auto_link_mbps * 1e6 / 8, config.auto_link_latency_ms / 1000)
         if "adam" in common:
             # Each replica's `v` moves with its own exact gradient, noise counted once
-            # (`local_debiased`); why: docs/compression.md.
+            # (`local_debiased`); why: docs/guides/compression.md.
             common["adam_variance"] = "local_debiased"
         return AutoAggregator(config.auto_budget_ms, link,
                               seed=config.seed if seed is None else seed, **common)
     if "adam" in common:
-        # PowerSGD too; why: docs/compression.md.
+        # PowerSGD too; why: docs/guides/compression.md.
         common["adam_variance"] = "local_debiased"
     return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,
                               config.seed if seed is None else seed, **common)

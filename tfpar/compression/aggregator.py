@@ -135,13 +135,13 @@ class Aggregator(tf.Module):
     # With Adam in front and its second moment frozen: "step" compresses each replica's Adam
     # step (momentum of its own gradient; top-k), "gradient" compresses the gradient scaled
     # by Adam's frozen denominator and takes the momentum of the sum (PowerSGD). Both are
-    # exact when nothing is dropped; which suits which aggregator: docs/compression.md.
+    # exact when nothing is dropped; which suits which aggregator: docs/guides/compression.md.
     adam_compresses = "step"
     # With "step": after each compressed step every replica's momentum becomes the momentum
     # the summed step applied (`m = Σ sent · c1 · s`, the same on every replica), as DeepSpeed's
     # 1-bit Adam sets its momentum to the compressed all-reduce's result. Without it each
     # replica's own momentum kept pushing entries whose pending step the gradient had not
-    # seen yet (it waits in the residual), which overshoots (docs/compression.md).
+    # seen yet (it waits in the residual), which overshoots (docs/guides/compression.md).
     # Top-k turns it on at ratio >= 1 − β₁ (`TopKAggregator.adam_sync_momentum`).
     adam_sync_momentum = False
     # With "step" and `adam_sync_momentum`: the share of the synced momentum's continuation

@@ -21,7 +21,7 @@ always send messages of one length and apply the same sums (no worker can diverg
    columns) on the exact sum it already holds — no bytes — so Q starts compression warm,
    and the first rank is the smallest whose columns beyond carried at most `down_share` of
    the energy on those steps' mean (the rule below), `r_max` when none did (starting every
-   layer at `r_max` sent too much on slow links: docs/compression.md).
+   layer at `r_max` sent too much on slow links: docs/guides/compression.md).
    Every step gives the summed gradient's energy along
    each column of P̂, `||Q_sum[:, c]||²` (the same on every replica), and so the share of
    what rank r sends that the columns beyond each lower power of two carry. At each
@@ -35,7 +35,7 @@ always send messages of one length and apply the same sums (no worker can diverg
    replicas grow unsent, and each replica's own share held back, `||M − P̂ P̂ᵀ M|| / ||M||`
    (also measured: `||M||²` and Q's column energies, 1 + `r_max` floats a matrix summed with
    the Q's; `comm.auto`'s `error`), rises late in a run at every rank, so no rule is made
-   of it (docs/compression.md).
+   of it (docs/guides/compression.md).
 3. **Loss guard.** `LossGuard` (a Keras callback, which the trainer adds) compares the mean
    batch loss of each compressed window with the window before; when it rose by more than
    `tolerance` and more than two standard errors of the difference (the batch losses' own
@@ -46,7 +46,7 @@ always send messages of one length and apply the same sums (no worker can diverg
 With Adam in front (the trainer's `--compression=auto`), after the exact warm-up each
 replica moves its own `v` with its own exact gradient, its noise counted once
 (`adam_variance="local_debiased"`, see `Aggregator.set_adam_variance`; the other rules
-for `v` measured worse on the quality suite: docs/compression.md).
+for `v` measured worse on the quality suite: docs/guides/compression.md).
 
 Before `start_step` gradients are all-reduced exactly. A rank is a per-layer `int32`
 variable; the factors are cut from a `[m, r_max]` Q to the current rank inside the traced

@@ -108,9 +108,9 @@ def topk(x, k):
 
 
 def topk_sampled(x, k, seed, sample=16384, margin=1.3):
-    """The `k` largest-magnitude entries of a large 1-D `x`, about 10× faster than `topk`.
+    """The `k` largest-magnitude entries of a large 1-D `x`, cheaper than `topk`.
 
-    `tf.math.top_k` on a million entries costs ~25 ms on a CPU core. Instead the threshold
+    `tf.math.top_k` on a million entries is slow on a CPU core. Instead the threshold
     that keeps `margin × k` entries is estimated from `sample` random entries, the entries
     above it are kept (one cheap pass), and `top_k` runs on those few candidates only. When
     there are at least `k` candidates — nearly always: missing `k` needs the estimate to be

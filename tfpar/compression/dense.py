@@ -67,7 +67,7 @@ class Int8Aggregator(Aggregator):
     bucket's largest to zero: a 4 MiB bucket holds many layers, so a layer whose gradients are
     small next to another's (norms, biases, a convnet's first kernels) sent nothing most
     steps and error feedback released it as a spike every few steps, which Adam, normalising
-    by the spikes' root mean square, turns into slower steps (docs/compression.md). A scale
+    by the spikes' root mean square, turns into slower steps (docs/guides/compression.md). A scale
     per 256 entries keeps each
     block's resolution within 1/254 of its own largest entry.
 

@@ -172,7 +172,7 @@ class TopKAggregator(Aggregator):
         when an entry is sent at least once per momentum time constant on average
         (`ratio >= 1 − β₁`, 10 % for Keras's Adam). Syncing zeroes the momentum of entries not
         sent, and what that momentum would have added later is kept nowhere: entries that
-        wait much longer than `1/(1 − β₁)` steps then move slower (docs/compression.md)."""
+        wait much longer than `1/(1 − β₁)` steps then move slower (docs/guides/compression.md)."""
         return self.adam is not None and self.ratio >= 1 - self.adam[0]
 
     def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, warmup_steps=0,
@@ -290,7 +290,7 @@ class TopKAggregator(Aggregator):
                 whole.append(part)
                 whole_at.append(tf.range(offset, offset + size))
             else:
-                # Large tensors: exact top-k through a sampled threshold (~4× faster on a CPU).
+                # Large tensors: exact top-k through a sampled threshold (cheaper than top_k).
                 v, i = codecs.topk_sampled(part, self._k_now(size), tf.stack([step, offset]))
                 values.append(v)
                 indices.append(i + offset)

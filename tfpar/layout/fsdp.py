@@ -23,9 +23,8 @@ Each layer's weight gradient should be reduced over `batch` as the backward pass
 it, and freed: `tfpar.train` turns DTensor's all-reduce combining off for ZeRO-3 runs
 (`mesh.no_all_reduce_combining`, before DTensor starts). With it on, DTensor may merge
 the layers' reductions (independent of each other) into one at the end of the backward
-pass, keeping every layer's whole gradient alive until then; measured on 4 logical CPUs
-under a 96 MB per device cap (tools/bench_memory.py, the README's memory section), the
-largest transformer of width 256 that trained went from depth 12 to depth 16.
+pass, keeping every layer's whole gradient alive until then (the largest model that trains
+under a cap grows with it off: docs/benchmarks/memory.md).
 
 Layers not wrapped (no weights split over `batch`, or non-trainable state that a
 recomputation would update twice) have their split weights relayouted whole at the start

@@ -203,7 +203,7 @@ def _reduce_per_replica(values, strategy, reduction):
             strategy) and not isinstance(strategy, tf.distribute.TPUStrategy):
         # Element-wise mean across replicas, as the single-worker path computes it, in one
         # collective for all the scalar float logs (loss, metrics): one all-reduce each cost
-        # a cross-worker round trip each per step (~5 ms on a 100 Mbit/s link).
+        # a cross-worker round trip each per step.
         leaves = tree.flatten(values)
         if len(leaves) > 1 and all(_float_scalar(v) for v in leaves):
             stacked = strategy.run(
