@@ -202,7 +202,7 @@ def test_out_of_memory_ends_in_one_line(out_of_memory, key):
 
 
 def test_out_of_memory_never_suggests_recompute_to_zero_3():
-    """ZeRO-3 already recomputes each layer it gathers (tfpar.layout.fsdp): --recompute
+    """ZeRO-3 already recomputes each layer it gathers (tfpar.zero.fsdp): --recompute
     would change nothing, so the line must not offer it; plain data parallelism gets it."""
     zero3 = ParallelConfig(model="transformer", model_width=256, model_depth=16,
                            global_batch_size=64, optimizer="adam", cpu_devices=4,

@@ -84,7 +84,7 @@ TABLE = {
     "zero_stage": {
         "pipeline": ((0,), "ZeRO shards one optimizer over data-parallel replicas; a "
                            "pipeline's per-stage optimizers are not sharded"),
-        "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.layout.fsdp); "
+        "dtensor": ((0, 3), "a DTensor mesh shards parameters (3, tfpar.zero.fsdp); "
                             "stages 1 and 2 run on tf.distribute (--tensor_parallel=1)"),
         "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
@@ -285,7 +285,7 @@ def backend_of(config):
         return "tf_keras"
     dims = config.dims
     if dims.tp_enabled or (getattr(config, "zero_stage", 0) == 3 and not dims.pp_enabled):
-        return "dtensor"  # ZeRO-3: tfpar.layout.fsdp
+        return "dtensor"  # ZeRO-3: tfpar.zero.fsdp
     if dims.pp_enabled:
         return "pipeline"
     return "data_parallel"

@@ -71,7 +71,7 @@ class ParallelConfig:
         recompute: activation recomputation, one of `RECOMPUTE` (`tfpar.recompute`).
         zero_stage: ZeRO over the data-parallel replicas: 0 = none, 1 = optimizer state,
             2 = also gradients (`tfpar.zero`), 3 = also parameters (on a DTensor mesh,
-            `tfpar.layout.fsdp`). See `tfpar.compat` for where it is honoured.
+            `tfpar.zero.fsdp`). See `tfpar.compat` for where it is honoured.
         compression and its parameters: the gradient aggregator (`tfpar.compression`).
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.

@@ -165,7 +165,7 @@ def optimizer_variables(model):
     """The optimizer state of `model`: its optimizer's variables (with ZeRO, the sharded
     slots: each device's piece counts on that device), or every stage optimizer's for a
     `PipelineModel`."""
-    from tfpar import zero
+    from tfpar.zero import sharded as zero
     stage_optimizers = getattr(model, "stage_optimizers", None)
     optimizers = stage_optimizers or [model.optimizer]
     out = []

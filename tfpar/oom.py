@@ -66,7 +66,7 @@ def variants(config, replicas, devices):
         except (ConfigError, ValueError, TypeError):
             pass
 
-    # ZeRO-3 already recomputes every layer it gathers (tfpar.layout.fsdp).
+    # ZeRO-3 already recomputes every layer it gathers (tfpar.zero.fsdp).
     recompute = config.recompute == "none" and config.zero_stage < 3
     if recompute:
         add("--recompute=blocks", recompute="blocks")

@@ -9,7 +9,7 @@ ops and two assignments. `FusedMomentumMixin.update_step` falls back to Keras's
 `update_step` wherever the kernel does not apply: a sparse (`IndexedSlices`) gradient,
 nesterov, momentum 0 (plain SGD, DGC's momentum in the aggregator), a non-float32 weight,
 a DTensor `DVariable` or a stateless (DTensor mesh) update. ZeRO-1/2 update their flat
-pieces with their own copy of the formula (`tfpar.zero`). Slots, their names and
+pieces with their own copy of the formula (`tfpar.zero.sharded`). Slots, their names and
 checkpoints are Keras's.
 
 >>> from tfpar import ParallelConfig
@@ -85,7 +85,7 @@ def always_bucketed():
 
 
 def make_optimizer(config, bucketed=None):
-    """The Keras optimizer for `config`: learning-rate rule, ZeRO sharding (`tfpar.zero`),
+    """The Keras optimizer for `config`: learning-rate rule, ZeRO sharding (`tfpar.zero.sharded`),
     aggregator, fp16 loss scaling. Call under the strategy's scope.
 
     With `bucketed`, `--compression=none` also goes through an aggregator (the exact fp32
@@ -104,7 +104,7 @@ def make_optimizer(config, bucketed=None):
         if config.fused_update and config.optimizer == "momentum" and not config.zero_stage:
             fuse_momentum(optimizer)
     if config.zero_stage:
-        from tfpar import zero
+        from tfpar.zero import sharded as zero
         optimizer = zero.wrap_optimizer(optimizer, config.zero_stage,
                                         config.collective_timeout_s)
     if config.compression != "none" or bucketed:

@@ -24,7 +24,7 @@ BATCH, MODEL = "batch", "model"
 # DTensor's pass that merges independent all-reduces over the same devices into one (on by
 # default), read once when DTensor starts. A mesh pipeline turns it off because it hangs
 # (`tfpar.layout.pipeline`), ZeRO-3 because it keeps every layer's whole gradient alive
-# until one merged reduction at the end of the backward pass (`tfpar.layout.fsdp`).
+# until one merged reduction at the end of the backward pass (`tfpar.zero.fsdp`).
 COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
 
 

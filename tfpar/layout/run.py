@@ -9,7 +9,8 @@ model's presets, model and optimizer built on the mesh. Which settings combine w
 import keras
 
 from tfpar import models, optimizers, recompute
-from tfpar.layout import fsdp, presets, variables
+from tfpar.layout import presets, variables
+from tfpar.zero import fsdp
 from tfpar.layout.mesh import mesh_for_config
 from tfpar.layout.trainer import build_on_mesh
 
@@ -44,7 +45,7 @@ def build(config, task, mesh=None):
 
 
 def _build_model(config, task):
-    # ZeRO-3 (`tfpar.layout.fsdp`): weights split over `batch`, slots follow their weight.
+    # ZeRO-3 (`tfpar.zero.fsdp`): weights split over `batch`, slots follow their weight.
     with variables.weights_over_batch(config.zero_stage == 3):
         model = models.build(config.model, task.input_shape, task.num_classes,
                              width=config.model_width, depth=config.model_depth)

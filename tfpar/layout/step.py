@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar.errors import TfparError
-from tfpar.layout import fsdp
+from tfpar.zero import fsdp
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
 

@@ -115,7 +115,7 @@ def weights_over_batch(enabled=True):
     """Within (around building the model and its optimizer), every variable is split over
     the `batch` axis on top of its layout (`over_batch`): ZeRO stage 3, each data-parallel
     replica keeps 1/data_parallel of the weights and, sharded like them, of the optimizer
-    state; DTensor gathers a weight where an op needs it whole (see `tfpar.layout.fsdp`).
+    state; DTensor gathers a weight where an op needs it whole (see `tfpar.zero.fsdp`).
 
     Args:
         enabled: False makes this a no-op.

@@ -47,7 +47,7 @@ ENTRIES = {
                         "OVERRIDES sites)",
                         "tfpar.compression.keras_hook, tfpar.nan_guard, tfpar.zero"),
     "optimizer_base_build": ("keras.src.optimizers.base_optimizer.BaseOptimizer.build "
-                             "(called, not replaced)", "tfpar.zero.ZeroMixin.build"),
+                             "(called, not replaced)", "tfpar.zero.sharded.ZeroMixin.build"),
     "stateless_optimizer": ("TFOptimizer's overrides of BaseOptimizer methods (the class "
                             "swapped for BaseOptimizer's)",
                             "tfpar.layout.optimizer.stateless_optimizer"),
@@ -60,7 +60,7 @@ OVERRIDES = {
     ("tfpar.compression.keras_hook", "AggregatingOptimizerMixin",
      "_backend_apply_gradients"): "optimizer_hooks",
     ("tfpar.nan_guard", "SkipNonFiniteMixin", "_backend_update_step"): "optimizer_hooks",
-    ("tfpar.zero", "ZeroMixin", "_backend_update_step"): "optimizer_hooks",
+    ("tfpar.zero.sharded", "ZeroMixin", "_backend_update_step"): "optimizer_hooks",
 }
 # (module, class, method) -> entry: private Keras optimizer methods tfpar's optimizer mixins
 # call through `self` (reached through the optimizer they are mixed into).

@@ -59,7 +59,7 @@ ENTRIES = {
                          "tfpar.callbacks"),
     "replica_tokens": ("tensorflow.python.ops.resource_variable_ops.ResourceVariable, "
                        "values_util.get_current_replica_id_as_int (called, not replaced)",
-                       "tfpar.zero.ordering_tokens"),
+                       "tfpar.zero.sharded.ordering_tokens"),
 }
 
 # Fragments of the original source the patches replace; if they vanish, Keras changed.

@@ -78,7 +78,7 @@ ENTRIES = {
 OVERRIDES = {
     (module, cls, method): "trackable_tensors"
     for module, cls in (("tfpar.compression.aggregator", "PerReplicaSlot"),
-                        ("tfpar.zero", "ShardedSlot"))
+                        ("tfpar.zero.sharded", "ShardedSlot"))
     for method in ("_serialize_to_tensors", "_restore_from_tensors")}
 # `graph_control_input`: the binding's signature (tensorflow 2.21.0) and TensorFlow's own call.
 _EXPECTED_CONTROL_INPUT = {

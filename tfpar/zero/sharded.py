@@ -36,7 +36,7 @@ worker) into one `[N, S]` tensor; a restore onto the same replica count gives ea
 back, onto another count it re-cuts the flat vector.
 
 Stage 3 (parameters sharded too) is not on tf.distribute: its weights stay mirrored
-here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.layout.fsdp`).
+here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.zero.fsdp`, beside this module).
 """
 
 import itertools
