@@ -105,7 +105,6 @@ ALLOWED = {
     ("tfpar/layout/values.py", "_batch_arrays", "global_batch_size"): (1, RANGE),
     ("tfpar/layout/values.py", "micro_batches_to_mesh", "grad_accum_steps"): (1, RANGE),
     ("tfpar/layout/variables.py", "layout_for", "layout"): (1, MODEL),
-    ("tfpar/legacy/optimizer.py", "make_optimizer", "optimizer"): (1, RANGE),
     ("tfpar/legacy/options.py", "check", "keras"): (1, RANGE),
     ("tfpar/legacy/options.py", "check", "prune_sparsity"): (1, RANGE),
     # The pruning schedule's steps inside the run: ranges given by its own steps.

@@ -186,6 +186,9 @@ COMBINATIONS = (
     MESH_COMPRESSION,
     MESH_MODEL,
     SEQUENCE_MODEL,
+    Rule("sequence_parallel", lambda c: c.sequence_parallel and not c.dims.tp_enabled,
+         "not supported: sequence parallelism splits activations over the model axis of "
+         "--tensor_parallel>1 (with --zero_stage=3 and --tensor_parallel=1 there is none)"),
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.dims.pp_enabled,
          "not supported: sequence layouts are built for the unpipelined mesh step; use "
          "--pipeline_stages=1"),

@@ -45,27 +45,45 @@ def set_policy(mixed_precision, keras_module=keras):
 _SET_BY_TFPAR = {}  # keras module name -> the policy name tfpar last set on it
 
 
-@keras.saving.register_keras_serializable(package="tfpar")
-class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
-    """`peak * min(1, (step + 1) / warmup_steps)`."""
+class WarmupRule:
+    """`peak * min(1, (step + 1) / warmup_steps)`: the body of the warm-up schedule of
+    either Keras generation (`LinearWarmup` here, `tfpar.legacy.optimizer.LinearWarmup`
+    for tf_keras), each registered with its own Keras's serialization."""
 
     def __init__(self, peak, warmup_steps):
         self.peak, self.warmup_steps = peak, warmup_steps
 
     def __call__(self, step):
-        ramp = keras.ops.cast(step + 1, "float32") / float(self.warmup_steps)
-        return self.peak * keras.ops.minimum(1.0, ramp)
+        ramp = tf.cast(step + 1, tf.float32) / float(self.warmup_steps)
+        return self.peak * tf.minimum(1.0, ramp)
 
     def get_config(self):
         return {"peak": self.peak, "warmup_steps": self.warmup_steps}
 
 
-def learning_rate(config):
-    """The peak rate after the linear scaling rule, with linear warm-up if asked for."""
+@keras.saving.register_keras_serializable(package="tfpar")
+class LinearWarmup(WarmupRule, keras.optimizers.schedules.LearningRateSchedule):
+    """`peak * min(1, (step + 1) / warmup_steps)` (Keras 3)."""
+
+
+def learning_rate(config, warmup=LinearWarmup):
+    """The peak rate after the linear scaling rule, with linear warm-up (`warmup`, the
+    schedule class of the run's Keras) if asked for."""
     peak = config.scaled_learning_rate
     if not config.warmup_steps:
         return peak
-    return LinearWarmup(peak, config.warmup_steps)
+    return warmup(peak, config.warmup_steps)
+
+
+def plain_optimizer(config, keras_module=keras, warmup=LinearWarmup):
+    """`config.optimizer` from `keras_module` (Keras 3's `keras`, or `tf_keras`) at the
+    learning-rate rule's rate: Adam, SGD, or SGD with momentum 0.9. The one optimizer
+    factory of both Keras generations (Horovod's `_keras` takes the module likewise)."""
+    kwargs = {"learning_rate": learning_rate(config, warmup)}
+    if config.optimizer == "adam":
+        return keras_module.optimizers.Adam(**kwargs)
+    return keras_module.optimizers.SGD(
+        momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
 
 
 _BUCKETED = [False]  # what `make_optimizer(config)` takes for `bucketed` (`always_bucketed`)
@@ -95,14 +113,9 @@ def make_optimizer(config, bucketed=None):
     """
     if bucketed is None:
         bucketed = _BUCKETED[0]
-    kwargs = {"learning_rate": learning_rate(config)}
-    if config.optimizer == "adam":
-        optimizer = keras.optimizers.Adam(**kwargs)
-    else:
-        optimizer = keras.optimizers.SGD(
-            momentum=0.9 if config.optimizer == "momentum" else 0.0, **kwargs)
-        if config.fused_update and config.optimizer == "momentum" and not config.zero_stage:
-            fuse_momentum(optimizer)
+    optimizer = plain_optimizer(config)
+    if config.fused_update and config.optimizer == "momentum" and not config.zero_stage:
+        fuse_momentum(optimizer)
     if config.zero_stage:
         from tfpar.zero import sharded as zero
         optimizer = zero.wrap_optimizer(optimizer, config.zero_stage,

@@ -122,7 +122,8 @@ def wrap_optimizer(optimizer, aggregator):
 
     Args:
         optimizer: a Keras 3 optimizer (TensorFlow backend), or a `LossScaleOptimizer`
-            (its inner optimizer is wrapped; loss scaling is unaffected).
+            (its inner optimizer is wrapped; loss scaling is unaffected); or a `tf_keras`
+            optimizer, hooked by `tfpar.legacy.optimizer.wrap_optimizer`.
         aggregator: a `tfpar.compression.Aggregator`.
 
     Returns:
@@ -140,6 +141,9 @@ def wrap_optimizer(optimizer, aggregator):
         ...     opt = wrap_optimizer(keras.optimizers.Adam(1e-3), TopKAggregator(0.01))
         ...     model.compile(optimizer=opt, loss="mse")
     """
+    if type(optimizer).__module__.startswith("tf_keras"):  # Keras 2: its own hook
+        from tfpar.legacy import optimizer as tf_keras_optimizer
+        return tf_keras_optimizer.wrap_optimizer(optimizer, aggregator)
     target = optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         target = optimizer.inner_optimizer

@@ -15,11 +15,3 @@ Example (the one trainer runs it; `keras=2` picks `tfpar.backends.tf_keras`):
 >>> result["pruning"]["sparsity"]                                     # doctest: +SKIP
 0.75
 """
-
-__all__ = ["wrap_optimizer"]
-
-
-def wrap_optimizer(optimizer, aggregator):
-    """See `tfpar.legacy.optimizer.wrap_optimizer`."""
-    from tfpar.legacy import optimizer as optimizer_lib
-    return optimizer_lib.wrap_optimizer(optimizer, aggregator)

@@ -1,5 +1,6 @@
-"""`tf_keras` optimizers for a config, and `wrap_optimizer`: gradients summed by a tfpar
-aggregator.
+"""The tf_keras side of tfpar's one optimizer stack: `wrap_optimizer`'s hook (gradients
+summed by a tfpar aggregator) and `make_optimizer` (`tfpar.optimizers.plain_optimizer` on
+`tf_keras`). Users call `tfpar.compression.wrap_optimizer` for either Keras generation.
 
 A `tf_keras` (Keras 2) optimizer sums gradients over replicas in its public
 `aggregate_gradients(grads_and_vars)`, which `apply_gradients` calls in replica context
@@ -13,8 +14,7 @@ name and module, so `get_config` and saving see the plain optimizer.
 import tensorflow as tf
 import tf_keras
 
-from tfpar import patches
-from tfpar.errors import ConfigError
+from tfpar import optimizers, patches
 
 
 class AggregatingOptimizerMixin:
@@ -74,22 +74,9 @@ def wrap_optimizer(optimizer, aggregator):
 
 
 def make_optimizer(config):
-    """The `tf_keras` optimizer for `config` (learning-rate rule and aggregator as the
-    Keras 3 trainer applies them).
-
-    Raises:
-        ConfigError: a setting has no `tf_keras` equivalent here.
-    """
-    lr = config.scaled_learning_rate
-    if config.warmup_steps:
-        lr = LinearWarmup(lr, config.warmup_steps)
-    if config.optimizer == "adam":
-        optimizer = tf_keras.optimizers.Adam(learning_rate=lr)
-    elif config.optimizer in ("sgd", "momentum"):
-        optimizer = tf_keras.optimizers.SGD(
-            learning_rate=lr, momentum=0.9 if config.optimizer == "momentum" else 0.0)
-    else:
-        raise ConfigError("optimizer", config.optimizer, "--keras=2 supports sgd, momentum, adam")
+    """The `tf_keras` optimizer for `config`: the Keras 3 trainer's factory
+    (`tfpar.optimizers.plain_optimizer`) on `tf_keras`, and its aggregator."""
+    optimizer = optimizers.plain_optimizer(config, tf_keras, warmup=LinearWarmup)
     if config.compression != "none":
         from tfpar import compression
         wrap_optimizer(optimizer, compression.make_aggregator(config, adam_step=False))
@@ -97,15 +84,5 @@ def make_optimizer(config):
 
 
 @tf_keras.saving.register_keras_serializable(package="tfpar")
-class LinearWarmup(tf_keras.optimizers.schedules.LearningRateSchedule):
-    """`peak * min(1, (step + 1) / warmup_steps)` (the Keras 3 trainer's warm-up)."""
-
-    def __init__(self, peak, warmup_steps):
-        self.peak, self.warmup_steps = peak, warmup_steps
-
-    def __call__(self, step):
-        ramp = tf.cast(step + 1, tf.float32) / float(self.warmup_steps)
-        return self.peak * tf.minimum(1.0, ramp)
-
-    def get_config(self):
-        return {"peak": self.peak, "warmup_steps": self.warmup_steps}
+class LinearWarmup(optimizers.WarmupRule, tf_keras.optimizers.schedules.LearningRateSchedule):
+    """`peak * min(1, (step + 1) / warmup_steps)` (tf_keras; `tfpar.optimizers.WarmupRule`)."""
