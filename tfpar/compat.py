@@ -231,8 +231,7 @@ def _pipeline_replicas(c, k):
 
 
 DTENSOR_EVALUATOR = Rule(
-    "TF_CONFIG", lambda c, k: _mesh(c) and k is not None and k.num_workers > 1
-    and k.worker_index is None,
+    "TF_CONFIG", lambda c, k: _mesh(c) and k is not None and k.worker_index is None,
     "a DTensor mesh spans training processes only (chief, worker)",
     value=lambda c, k: f"task type {k.task_type!r}", cluster=True)
 
