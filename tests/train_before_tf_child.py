@@ -1,9 +1,9 @@
-"""Child process for tests/test_train.py: `python tests/train_before_tf_child.py`, run with
-a TF_CONFIG of two workers in a new interpreter.
+"""Child process for tests/test_train.py and tests/test_rulebook.py:
+`python tests/train_before_tf_child.py FLAG...`, run in a new interpreter.
 
-Runs `python -m tfpar.train --steps=1 --strategy=one_device` in this process
-(`tfpar.train.run()`), which contradicts TF_CONFIG; prints one JSON line: the exit code and
-whether TensorFlow was imported before the error.
+Runs `python -m tfpar.train FLAG...` in this process (`tfpar.train.run()`) with a command
+line the tests expect to be refused; prints one JSON line: the exit code and whether
+TensorFlow was imported before the error.
 """
 
 import json
@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tfpar.train  # noqa: E402
 
-sys.argv = ["tfpar.train", "--steps=1", "--strategy=one_device"]
+sys.argv = ["tfpar.train", *sys.argv[1:]]
 try:
     tfpar.train.run()
 except SystemExit as exit_:
