@@ -23,90 +23,15 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from subproc import last_json_line, run
+from subproc import ROOT, last_json_line, run
 
 WIDTH, DEPTH, WARMUP, STEPS = 1024, 1, 2, 3
 LIMITS = {"fp16": 0.51, "int8": 0.26, "topk": 0.025, "powersgd": 0.01}
-
-WORKER = r"""
-import json, os
-import numpy as np
-import keras
-import tensorflow as tf
-from tfpar import models
-from tfpar import ParallelConfig, strategy as strategy_lib
-from tfpar.compression import make_aggregator, wrap_optimizer
-
-WIDTH, DEPTH, WARMUP, STEPS = {width}, {depth}, {warmup}, {steps}
-runtime = strategy_lib.make_runtime(ParallelConfig(strategy="multi_worker",
-                                                   collective_timeout_s=120))
-strategy = runtime.strategy
-
-
-def lo_tx_bytes():
-    with open("/proc/self/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    raise RuntimeError("no lo in /proc/self/net/dev")
-
-
-class WireCounter(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        float(logs["loss"])  # the step has finished
-        if batch == WARMUP - 1:
-            self.start = lo_tx_bytes()
-        elif batch == WARMUP + STEPS - 1:
-            self.bytes_per_step = (lo_tx_bytes() - self.start) / STEPS
-
-
-def dataset(context):
-    rng = np.random.default_rng(context.input_pipeline_id)
-    tokens = rng.integers(0, 17, (2, 17)).astype("int32")
-    return tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat()
-
-
-data = strategy.distribute_datasets_from_function(dataset)
-out = {{}}
-for name in ["overhead", "none", "fp16", "int8", "topk", "powersgd"]:
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        width, depth = (8, 1) if name == "overhead" else (WIDTH, DEPTH)
-        model = models.build("transformer", (16,), 17, width=width, depth=depth)
-        optimizer = keras.optimizers.SGD(0.01)
-        if name not in ("overhead", "none"):  # fp32 is Keras's own all-reduce
-            optimizer = wrap_optimizer(optimizer, make_aggregator(ParallelConfig(
-                compression=name, topk_ratio=0.01, topk_union=False, topk_dense_below=0,
-                powersgd_rank=4, optimizer="sgd")))  # plain top-k: one all-gather
-        model.compile(optimizer=optimizer, jit_compile=False,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    counter = WireCounter()
-    model.fit(data, epochs=1, steps_per_epoch=WARMUP + STEPS, callbacks=[counter], verbose=0)
-    agg = getattr(optimizer, "tfpar_aggregator", None)
-    out[name] = {{"lo_bytes_per_step": counter.bytes_per_step, "params": model.count_params(),
-                  "counted": agg.comm_stats() if agg else None}}
-    del model, optimizer
-if runtime.is_chief:
-    print(json.dumps(out), flush=True)
-# Worker 0 hosts the coordination service: no worker leaves before the others are done.
-import tfpar
-assert tfpar.wait_for_workers("end", 120)
-"""
-
-DRIVER = r"""
-import fcntl, socket, struct, subprocess, sys
-# Bring the namespace's loopback up (SIOCGIFFLAGS / SIOCSIFFLAGS; no iproute2 needed).
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0)))[1]
-fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))
-sys.exit(subprocess.call([sys.executable, "-m", "tfpar.launch", "--workers=2",
-                          "--timeout=300", "--", sys.executable, "-c", sys.argv[1]]))
-"""
+WORKER = os.path.join(ROOT, "tests", "compression_wire_child.py")
+DRIVER = os.path.join(ROOT, "tests", "wire_namespace_child.py")
 
 
 def _namespace_unavailable():
@@ -129,10 +54,8 @@ def wire(report_measured, tmp_path_factory):
         if os.environ.get("CI") == "true" and os.geteuid() == 0:
             pytest.fail(f"CI=true and root, yet the wire tests cannot run: {reason}")
         pytest.skip(f"bytes on the wire not measured: {reason}")
-    worker = textwrap.dedent(WORKER).format(width=WIDTH, depth=DEPTH, warmup=WARMUP,
-                                            steps=STEPS)
-    proc = run(["unshare", "--user", "--map-root-user", "--net", "--", sys.executable, "-c",
-                textwrap.dedent(DRIVER), worker], timeout=330)
+    proc = run(["unshare", "--user", "--map-root-user", "--net", "--", sys.executable, DRIVER,
+                WORKER, *map(str, (WIDTH, DEPTH, WARMUP, STEPS))], timeout=330)
     result = last_json_line(proc.stdout.replace("[worker 0] ", ""))
     # The tiny model's own gradients (2 workers × 4 bytes × params) are not overhead.
     overhead = result["overhead"]["lo_bytes_per_step"] - 8 * result["overhead"]["params"]

@@ -2,10 +2,11 @@
 TF_CONFIG, unreachable peer, communication-bound step."""
 
 import json
+import os
 import socket
 import sys
 
-from subproc import run, run_python
+from subproc import ROOT, run
 from tfpar import ParallelConfig
 from tfpar.doctor import check_learning_rate, check_tf_config
 
@@ -45,22 +46,7 @@ def test_unreachable_peer_fails_naming_its_address():
 
 
 def test_out_of_sync_replica_is_found():
-    out = run_python("""
-        import json
-        from tfpar import ParallelConfig, devices
-        devices.split_cpu(4)
-        from tfpar import data, doctor, strategy
-        from tfpar.backends.distribute import DistributeBackend
-        config = ParallelConfig(cpu_devices=4)
-        runtime = strategy.make_runtime(config)
-        model = DistributeBackend().build_model(config, runtime, data.make_task(config))
-        healthy = doctor.check_replicas_in_sync(runtime, model)
-        # A per-replica write outside the optimizer step: replica 2 drifts.
-        kernel = model.get_layer("dense_1").kernel.value
-        kernel.values[2].assign_add(1e-3 * kernel.values[2])
-        planted = doctor.check_replicas_in_sync(runtime, model)
-        print(json.dumps([healthy.status, planted.status, planted.detail]))
-    """, timeout=180)
+    out = run([sys.executable, os.path.join(ROOT, "tests", "doctor_child.py")], timeout=180)
     healthy, planted, detail = json.loads(out.stdout.strip().splitlines()[-1])
     assert healthy == "PASS" and planted == "FAIL"
     assert "replica(s) [2]" in detail

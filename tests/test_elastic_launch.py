@@ -24,7 +24,7 @@ import threading
 import numpy as np
 import psutil
 
-from subproc import in_background, last_json_line, popen, run
+from subproc import ROOT, in_background, last_json_line, popen, run
 from test_train import CHILD
 
 CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 60,
@@ -135,50 +135,17 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
     assert weights <= 1e-6, f"{weights}\n{context}"
 
 
-FAKE_WORKER = r"""
-import os, pathlib, signal, sys, time
-slot, n, attempt = (os.environ[k] for k in ("TFPAR_SLOT", "TFPAR_NUM_WORKERS", "TFPAR_RESTART"))
-state = pathlib.Path(sys.argv[1])
-print("TFPAR_READY", flush=True)
-if attempt != "0":
-    print(f"world size changed at step {attempt}0", flush=True)
-if os.environ.get("LOSE_SLOT") == slot and attempt == "0":
-    sys.exit(3)
-
-def stop(*_):
-    print(f"tfpar: stopping at step {attempt}5 on SIGTERM: checkpoint saved", flush=True)
-    sys.exit(143)
-
-# Before the touch below: the launcher may stop this worker to grow 0.1 s after it.
-signal.signal(signal.SIGTERM, stop)
-if n == "1":
-    (state / "lost").touch()  # the discovery script now stops listing slot 1, once
-if attempt == os.environ["LAST_ATTEMPT"]:
-    sys.exit(0)
-time.sleep(60)  # until the launcher stops it to grow
-sys.exit(5)
-"""
-DISCOVERY = r"""
-import pathlib, sys
-state = pathlib.Path(sys.argv[1])
-if (state / "lost").exists() and not (state / "seen").exists():
-    (state / "seen").touch()
-    print("127.0.0.1:1")
-else:
-    print("127.0.0.1:2")
-"""
+STAND_IN = os.path.join(ROOT, "tests", "elastic_launch_child.py")
 
 
 def _fake_launch(tmp_path, workers, env, **kwargs):
     import io
 
     from tfpar.launch import launch
-    (tmp_path / "worker.py").write_text(FAKE_WORKER)
-    (tmp_path / "discovery.py").write_text(DISCOVERY)
     out, err = io.StringIO(), io.StringIO()
-    result = launch([sys.executable, str(tmp_path / "worker.py"), str(tmp_path)], workers,
+    result = launch([sys.executable, STAND_IN, "worker", str(tmp_path)], workers,
                     env={**os.environ, **env}, out=out, err=err, grace=10, timeout=60,
-                    discovery=f"{sys.executable} {tmp_path / 'discovery.py'} {tmp_path}",
+                    discovery=f"{sys.executable} {STAND_IN} discovery {tmp_path}",
                     discovery_interval=0.1, **kwargs)
     return result, err.getvalue()
 

@@ -1,5 +1,6 @@
 """`python -m tfpar.launch`: workers get their own TF_CONFIG; one failure stops all; nothing is
-left behind. Workers here are tiny `python -c` scripts, not TensorFlow, so the file runs fast."""
+left behind. Workers here are tiny scripts (tests/launch_child.py, or a one-line `python -c`),
+not TensorFlow, so the file runs fast."""
 
 import io
 import json
@@ -7,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -18,8 +18,16 @@ from tfpar import launch as tfpar_launch
 from subproc import ROOT, child_env, run_module
 
 
+CHILD = os.path.join(ROOT, "tests", "launch_child.py")
+
+
 def worker(code):
-    return ["--", sys.executable, "-c", textwrap.dedent(code)]
+    return ["--", sys.executable, "-c", code]
+
+
+def child(case, *args):
+    """The worker command of tests/launch_child.py's CASE."""
+    return ["--", sys.executable, CHILD, case, *map(str, args)]
 
 
 def launch(*args, timeout=30):
@@ -48,16 +56,8 @@ def gone(pid, wait_s=3.0):
     return False
 
 
-REPORT_ENV = """
-    import json, os, sys
-    print(json.dumps({k: os.environ[k] for k in
-                      ("TF_CONFIG", "TFPAR_WORKER_INDEX", "TFPAR_NUM_WORKERS", "TFPAR_RESTART")}))
-    print("to stderr", file=sys.stderr)
-"""
-
-
 def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
-    result = launch("--workers=2", *worker(REPORT_ENV))
+    result = launch("--workers=2", *child("report_env"))
     assert result.returncode == 0, result.stderr
     configs = []
     for i in range(2):
@@ -78,19 +78,8 @@ def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
 
 def test_one_failure_stops_the_others_and_their_children(tmp_path):
     flag = tmp_path / "worker1_started"
-    code = f"""
-        import json, os, subprocess, sys, time
-        if os.environ["TFPAR_WORKER_INDEX"] == "0":
-            while not os.path.exists({str(flag)!r}):  # fail only once worker 1 has reported
-                time.sleep(0.05)
-            sys.exit(3)
-        child = subprocess.Popen(["sleep", "60"])
-        print(json.dumps({{"pid": os.getpid(), "child": child.pid}}))
-        open({str(flag)!r}, "w").close()
-        time.sleep(60)
-    """
     start = time.monotonic()
-    result = launch("--workers=2", "--grace=2", *worker(code))
+    result = launch("--workers=2", "--grace=2", *child("fail_once_started", flag))
     assert time.monotonic() - start < 15
     assert result.returncode == 1
     summary = result.stderr.strip().splitlines()[-1]
@@ -100,13 +89,7 @@ def test_one_failure_stops_the_others_and_their_children(tmp_path):
 
 
 def test_a_worker_killed_by_a_signal_is_named():
-    code = """
-        import os, signal, time
-        if os.environ["TFPAR_WORKER_INDEX"] == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)
-    """
-    result = launch("--workers=2", *worker(code))
+    result = launch("--workers=2", *child("killed"))
     assert result.returncode == 1
     assert "worker 1 was killed by signal SIGKILL" in result.stderr
 
@@ -121,14 +104,8 @@ def test_timeout_stops_a_hung_job():
 
 
 def test_start_timeout_names_the_worker_that_never_got_ready():
-    code = """
-        import os, time
-        if os.environ["TFPAR_WORKER_INDEX"] == "0":
-            print("strategy built: TFPAR_READY")
-        time.sleep(60)
-    """
     start = time.monotonic()
-    result = launch("--workers=2", "--start_timeout=2", "--grace=1", *worker(code))
+    result = launch("--workers=2", "--start_timeout=2", "--grace=1", *child("ready_on_zero"))
     assert time.monotonic() - start < 15
     assert result.returncode == 1
     assert "--start_timeout=2s expired: worker(s) 1 never printed TFPAR_READY" in result.stderr
@@ -142,18 +119,7 @@ def test_start_timeout_is_met_by_ready_workers():
 
 def test_restart_after_a_failed_attempt(tmp_path):
     flag = tmp_path / "worker1_started"
-    code = f"""
-        import os, sys, time
-        attempt = int(os.environ["TFPAR_RESTART"])
-        if os.environ["TFPAR_WORKER_INDEX"] == "0":
-            while attempt == 0 and not os.path.exists({str(flag)!r}):
-                time.sleep(0.05)
-            sys.exit(3 if attempt == 0 else 0)
-        print('{{"attempt": %d}}' % attempt)
-        open({str(flag)!r}, "w").close()
-        time.sleep(60 if attempt == 0 else 0.2)
-    """
-    result = launch("--workers=2", "--max_restarts=1", "--grace=1", *worker(code))
+    result = launch("--workers=2", "--max_restarts=1", "--grace=1", *child("restart", flag))
     assert result.returncode == 0, result.stderr
     assert "attempt 0: worker 0 exited with code 3; restarting" in result.stderr
     assert "all 2 workers exited 0 (2 attempt(s), 1 restart)" in result.stderr
@@ -236,22 +202,9 @@ def test_free_ports_are_distinct():
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
 
 
-LOST_SLOT = """
-    import json, os, sys, time
-    slot, attempt = os.environ["TFPAR_SLOT"], int(os.environ["TFPAR_RESTART"])
-    if slot == "2":
-        sys.exit(3)  # its machine is gone: it fails in every attempt
-    if os.environ["TFPAR_NUM_WORKERS"] == "3":
-        time.sleep(60)  # the survivors train until slot 2's failure stops the attempt
-    print(json.dumps({"slot": slot, "index": os.environ["TFPAR_WORKER_INDEX"],
-                      "workers": os.environ["TFPAR_NUM_WORKERS"], "attempt": attempt}))
-    print("tfpar: world size changed at step 7: 2 worker(s)", file=sys.stderr)
-"""
-
-
 def test_elastic_job_drops_a_lost_worker_and_goes_on():
     result = launch("--workers=3", "--min_workers=2", "--max_restarts=3", "--lost_after=2",
-                    *worker(LOST_SLOT))
+                    *child("lost_slot"))
     assert result.returncode == 0, result.stderr
     assert "worker slot 2 is lost (failed 2 attempts in a row): continuing with 2 workers" \
         in result.stderr
@@ -263,14 +216,14 @@ def test_elastic_job_drops_a_lost_worker_and_goes_on():
 
 
 def test_elastic_job_stops_below_min_workers():
-    result = launch("--workers=3", "--min_workers=3", "--max_restarts=2", *worker(LOST_SLOT))
+    result = launch("--workers=3", "--min_workers=3", "--max_restarts=2", *child("lost_slot"))
     assert result.returncode == 1
     assert "is lost" not in result.stderr
     assert "failed: worker 2 exited with code 3 (3 attempt(s), 2 restarts)" in result.stderr
 
 
 def test_python_api_reports_the_world_size_changes():
-    result = tfpar_launch.launch([sys.executable, "-c", textwrap.dedent(LOST_SLOT)], 3,
+    result = tfpar_launch.launch([sys.executable, CHILD, "lost_slot"], 3,
                                  min_workers=1, max_restarts=4, lost_after=1,
                                  out=io.StringIO(), err=io.StringIO())
     assert result.returncode == 0
@@ -280,7 +233,7 @@ def test_python_api_reports_the_world_size_changes():
 
 def test_hosts_with_the_local_runner_place_workers_and_build_tf_configs():
     # Two "hosts" on loopback addresses, 2 slots and 1: worker i listens on its host.
-    result = launch("--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", *worker(REPORT_ENV))
+    result = launch("--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", *child("report_env"))
     assert result.returncode == 0, result.stderr
     configs = [json.loads(reports(result.stdout, i)[0]["TF_CONFIG"]) for i in range(3)]
     cluster = configs[0]["cluster"]["worker"]
@@ -292,7 +245,7 @@ def test_hosts_with_the_local_runner_place_workers_and_build_tf_configs():
 
 def test_hosts_with_base_port_use_fixed_ports_per_host():
     result = launch("--hosts=127.0.0.1:2,127.0.0.2:2", "--runner=local", "--base_port=23456",
-                    *worker(REPORT_ENV))
+                    *child("report_env"))
     assert result.returncode == 0, result.stderr
     cluster = json.loads(reports(result.stdout, 0)[0]["TF_CONFIG"])["cluster"]["worker"]
     assert cluster == ["127.0.0.1:23456", "127.0.0.1:23457", "127.0.0.2:23456",
@@ -300,15 +253,10 @@ def test_hosts_with_base_port_use_fixed_ports_per_host():
 
 
 def test_sigterm_to_a_multi_host_launcher_ends_every_worker(tmp_path):
-    code = f"""
-        import os, time
-        open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()
-        print("started", flush=True)
-        time.sleep(60)
-    """
     proc = subprocess.Popen([sys.executable, "-m", "tfpar.launch",
                              "--hosts=127.0.0.1:2,127.0.0.2:1", "--runner=local", "--grace=2",
-                             *worker(code)], cwd=ROOT, env=child_env(), text=True,
+                             *child("note_pid", tmp_path)], cwd=ROOT, env=child_env(),
+                            text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -339,22 +287,11 @@ def test_ssh_command_carries_the_workers_environment():
     assert remote.endswith("python -m tfpar.train '--x=a b'")
 
 
-LEAVES_TEMP_FILES = """
-    import json, os, sys, tempfile
-    folder = tempfile.gettempdir()
-    # What autograph writes per converted function (removed at exit, unless killed).
-    open(os.path.join(folder, "__autograph_generated_file%s.py" % os.environ["TFPAR_WORKER_INDEX"]), "w").close()
-    if os.environ["TFPAR_WORKER_INDEX"] == "1" and sys.argv[1:] == ["keep"]:
-        with open(os.path.join(folder, "notes.txt"), "w") as f:
-            f.write("the user's own")
-    print(json.dumps({"tmp": folder}))
-"""
-
-
 @pytest.mark.parametrize("keep", [False, True])
 def test_workers_temporary_directory_loses_only_autograph_sources(tmp_path, keep):
-    result = run_module("tfpar.launch", "--workers=2", *worker(LEAVES_TEMP_FILES),
-                        *(["keep"] if keep else []), timeout=30, check=False, fresh=True,
+    result = run_module("tfpar.launch", "--workers=2",
+                        *child("leaves_temp_files", *(["keep"] if keep else [])),
+                        timeout=30, check=False, fresh=True,
                         env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     folders = {r["tmp"] for i in (0, 1) for r in reports(result.stdout, i)}

@@ -1,7 +1,8 @@
 """Tensor parallelism is exact: 5 steps on a mesh give the single-device weights.
 
-One child process per model (4 logical CPUs) trains the single-device reference and
-every mesh, and reports the largest weight difference of each run as JSON.
+One child process per model (4 logical CPUs; tests/layout_exact_child.py) trains the
+single-device reference and every mesh, and reports the largest weight difference of each
+run as JSON.
 
 The reference is Keras's own optimizer on a plain model with dense gradients. Stock
 `train_on_batch` differs for Adam on an embedding: TensorFlow hands it the gradient as
@@ -10,128 +11,23 @@ The reference is Keras's own optimizer on a plain model with dense gradients. St
 JAX backend and on the mesh, squares the summed gradient.
 """
 
+import json
+import os
+import sys
+
 import pytest
 
-from subproc import last_json_line, outcome, run_concurrently, run_python
+from subproc import ROOT, last_json_line, outcome, run_concurrently
+from subproc import run as run_child
 
-CHILD = r"""
-import json, sys
-from tfpar import devices
-devices.split_cpu(4)
-import numpy as np, tensorflow as tf, keras
-from tfpar import models
-from tfpar import ParallelConfig, data, layout
-from tfpar.errors import TfparError
-
-MODEL = "%(model)s"
-RUNS = %(runs)s
-if MODEL == "transformer":
-    task = data.reverse_task(0, vocab=19)   # 20 classes: the vocabulary splits over 4
-    # one block: every layer kind and preset rule (a second block repeats the same layouts)
-    build_model = lambda: models.transformer(task.input_shape, task.num_classes, width=32,
-                                             depth=1)
-else:
-    task = data.teacher_task(0)
-    build_model = lambda: models.mlp(task.input_shape, task.num_classes, width=64)
-batches = data.global_batches(ParallelConfig(model=MODEL, global_batch_size=8), task, 0, 5)
-loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1),
-              "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-              "adam": lambda: keras.optimizers.Adam(1e-3)}
-
-def seeded(fn):
-    keras.utils.set_random_seed(0)
-    return fn()
-
-def reference(opt_name):
-    model, opt = seeded(build_model), OPTIMIZERS[opt_name]()
-    grads_out = {}
-    @tf.function
-    def step(x, y, w=None):
-        with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True), w)
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(value, model.trainable_variables)]
-        opt.apply(grads, model.trainable_variables)
-        return grads
-    for i, batch in enumerate(batches):
-        grads = step(*batch)
-        if i == 0:
-            grads_out = {v.path: float(np.max(np.abs(g)))
-                         for v, g in zip(model.trainable_variables, grads)}
-    return {v.path: v.numpy() for v in model.weights}, grads_out
-
-def slot_layouts(model, optimizer):
-    # (slot, weight, same layout?) for every optimizer slot, matched by name.
-    by_name = {w.path.replace("/", "_"): w for w in model.trainable_variables}
-    out = []
-    for slot in optimizer.variables:
-        names = [n for n in by_name if slot.name.startswith(n + "_")]
-        if names:
-            weight = by_name[max(names, key=len)]
-            out.append([slot.path, weight.path, list(slot.value.layout.sharding_specs),
-                        list(weight.value.layout.sharding_specs)])
-    return out
-
-rules = layout.preset_rules(layout.model_presets(MODEL))
-out = {"runs": [], "first_grad_max": {}}
-refs = {}
-for opt_name, dp, tp, zero in RUNS:
-    if opt_name not in refs:
-        refs[opt_name], out["first_grad_max"][opt_name] = reference(opt_name)
-    mesh = layout.make_mesh(dp, tp, devices.compute_devices()[:dp * tp])
-    model, trainer = layout.build_on_mesh(mesh, rules, lambda: seeded(build_model),
-                                          OPTIMIZERS[opt_name], loss,
-                                          shard_optimizer_state=zero)
-    losses = [trainer.train_on_batch(*b)["loss"] for b in batches]
-    diffs = {v.path: float(np.max(np.abs(layout.to_host(v.value) - refs[opt_name][v.path])))
-             for v in model.weights}
-    sharded = [v for v in model.weights if any(a is not None for a in v._layout.axes)]
-    per_device = layout.shard_sizes(model.weights)
-    out["runs"].append({
-        "optimizer": opt_name, "mesh": [dp, tp], "zero": zero, "diffs": diffs,
-        "losses": losses,
-        "slot_per_device": layout.shard_sizes(
-            [v for v in trainer.optimizer.variables if len(v.shape)]),
-        "iterations": int(layout.to_host(trainer.optimizer.iterations.value)),
-        "per_device": per_device,
-        "sharded_total": int(sum(np.prod(v.shape) for v in sharded)),
-        "sharded_per_device": layout.shard_sizes(sharded),
-        "total": int(sum(np.prod(v.shape) for v in model.weights)),
-        "slot_layouts": slot_layouts(model, trainer.optimizer),
-        "scalars": {v.path: list(v.value.layout.sharding_specs) for v in trainer.optimizer.variables
-                    if len(v.shape) == 0},
-    })
-
-# A plain variable the step touches is refused before anything runs.
-mesh = layout.make_mesh(1, 2, devices.compute_devices()[:2])
-model, trainer = layout.build_on_mesh(mesh, rules, lambda: seeded(build_model),
-                                      OPTIMIZERS["sgd"], loss)
-plain = tf.Variable(1.0, name="plain_scale")
-original_call = model.call
-model.call = lambda *a, **k: original_call(*a, **k) * plain
-try:
-    trainer_with_plain = layout.MeshTrainer(mesh, model, trainer.optimizer, loss)
-    trainer_with_plain.train_on_batch(*batches[0])
-    out["plain_refused"] = None
-except TfparError as err:
-    out["plain_refused"] = str(err)
-model.call = original_call
-# A model built outside the scope is refused too.
-outside = seeded(build_model)
-try:
-    layout.MeshTrainer(mesh, outside, trainer.optimizer, loss)
-    out["outside_refused"] = None
-except TfparError as err:
-    out["outside_refused"] = str(err)
-print(json.dumps(out))
-"""
+CHILD = os.path.join(ROOT, "tests", "layout_exact_child.py")
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
 
 
 def _run(model, runs):
-    code = CHILD % {"model": model, "runs": repr(runs)}
-    return last_json_line(run_python(code, timeout=400).stdout)
+    out = run_child([sys.executable, CHILD, model, json.dumps(runs)], timeout=400)
+    return last_json_line(out.stdout)
 
 
 def _check(result, tolerance=1e-5, zero_gradient=()):

@@ -23,12 +23,14 @@ put a combination in the table (and call `compat.enforce` where code is reached 
 import ast
 import dataclasses
 import json
+import os
 import pathlib
 import shlex
+import sys
 
 import pytest
 
-from subproc import ROOT, last_json_line, run_python
+from subproc import ROOT, last_json_line, run
 from tfpar import ConfigError, ParallelConfig, compat
 from tfpar.config import MODELS, PRECISIONS, SCHEDULES
 from tfpar.plan import commands, planner, profile
@@ -201,16 +203,9 @@ def test_fp16_on_the_pipeline_fails_before_tensorflow_with_the_trainers_line():
         ParallelConfig(pipeline_stages=2, mixed_precision="fp16")
     assert info.value.setting == "mixed_precision"
     # The command line gives the same line, before TensorFlow is imported (no device line).
-    out = run_python("""
-        import json, sys
-        import tfpar.train
-        sys.argv = ["tfpar.train", "--pipeline_stages=2", "--mixed_precision=fp16",
-                    "--cpu_devices=2"]
-        try:
-            tfpar.train.run()
-        except SystemExit as exit_:
-            print(json.dumps({"code": exit_.code, "tensorflow": "tensorflow" in sys.modules}))
-    """, timeout=60, fresh=True)
+    out = run([sys.executable, os.path.join(ROOT, "tests", "train_before_tf_child.py"),
+               "--pipeline_stages=2", "--mixed_precision=fp16", "--cpu_devices=2"],
+              timeout=60, fresh=True)
     assert last_json_line(out.stdout) == {"code": 2, "tensorflow": False}
     # (The command line names the flag: `--mixed_precision`.)
     assert out.stderr.strip().splitlines()[-1] == f"tfpar: error: --{info.value}"

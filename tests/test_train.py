@@ -348,15 +348,9 @@ def test_a_bad_command_line_ends_before_tensorflow_loads():
     # before importing TensorFlow (~5 CPU seconds): the error line comes at once.
     two_workers = json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
                               "task": {"type": "worker", "index": 0}})
-    out = subproc.run_python("""
-        import json, sys
-        import tfpar.train
-        sys.argv = ["tfpar.train", "--steps=1", "--strategy=one_device"]
-        try:
-            tfpar.train.run()
-        except SystemExit as exit_:
-            print(json.dumps({"code": exit_.code, "tensorflow": "tensorflow" in sys.modules}))
-    """, env={"TF_CONFIG": two_workers}, timeout=60, fresh=True)
+    out = run([sys.executable, os.path.join(ROOT, "tests", "train_before_tf_child.py"),
+               "--steps=1", "--strategy=one_device"],
+              env={"TF_CONFIG": two_workers}, timeout=60, fresh=True)
     assert last_json_line(out.stdout) == {"code": 2, "tensorflow": False}
     assert out.stderr.strip().splitlines()[-1] == (
         "tfpar: error: strategy='one_device' is invalid: TF_CONFIG names 2 workers; use "
