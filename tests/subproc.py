@@ -119,7 +119,10 @@ def _zygote_path():
     TensorFlow: ~7 s) and ended with this process (it exits when its parent does)."""
     env = _server_env()
     with _ZYGOTE_LOCK:
-        if _ZYGOTE.get("pid") != os.getpid():
+        # A server that has died (whatever ended it) is started again: without one every
+        # child would be exec'd, silently slower (seen once in a full run: test_subproc's
+        # checks that children are forked failed after an earlier test in that worker).
+        if _ZYGOTE.get("pid") != os.getpid() or _ZYGOTE["proc"].poll() is not None:
             folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
             path = os.path.join(folder, "socket")
             log = open(os.path.join(folder, "log"), "w+b")

@@ -126,3 +126,14 @@ def test_a_forked_childs_python_children_are_forked_as_popen_sees_them(fresh):
                     "timed_out": True, "polled": None, "killed": -9, "exited": 7,
                     "zombie": True, "missing_cwd": "/nonexistent/dir", "upper": "ABC",
                     "same_session": True}
+
+
+@pytest.mark.skipif(not FORKING, reason="TFPAR_TEST_FORK=0: no fork server")
+def test_a_dead_fork_server_is_started_again():
+    subproc.run_python("pass")  # the server runs
+    server = subproc._ZYGOTE["proc"]
+    server.kill()
+    server.wait()
+    out = subproc.run_python("import sys; print('tensorflow' in sys.modules)")
+    assert out.stdout.strip() == "True"  # forked from a new server, not exec'd
+    assert subproc._ZYGOTE["proc"].poll() is None
