@@ -304,10 +304,12 @@ def main():
                         help="top-k's density warm-up (DGC): 25 %% of the entries at the "
                              "first step, decaying to 1 %% at this step; 0 = off")
     parser.add_argument("--powersgd_rank", type=int, default=4,
-                        help="PowerSGD's rank: 4, as the README's table and PyTorch's peer "
+                        help="PowerSGD's rank: 4, as the compression benchmark's table and "
+                             "PyTorch's peer "
                              "(the trainer's default is 16, chosen for quality)")
     parser.add_argument("--threshold", type=float, default=1e-3,
-                        help="the threshold aggregator's threshold: 1e-3, as the README's "
+                        help="the threshold aggregator's threshold: 1e-3, as the compression "
+                             "benchmark's "
                              "table (the trainer's default is 1e-4)")
     parser.add_argument("--steps", type=int, default=0, help="fp32's steps; default 150 "
                         "(quick: 12)")

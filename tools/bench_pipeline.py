@@ -19,7 +19,7 @@ Bubble, two ways (timers inside the step would serialise the pipeline); the tabl
   TensorFlow profiler; every op is mapped to its stage and action by name scope
   (`tfpar.pipeline.timeline`). The spread [min-max] is printed when `--profiles` > 1 (JSON
   `bubble_profiled_all`). This is the
-  column the README's pipeline table quotes as "bubble measured".
+  column the pipeline benchmark page (docs/benchmarks/pipelines.md) quotes as "bubble measured".
 Ops run one thread each (intra-op 1) so that a stage occupies one core, as it would its
 own accelerator: the machine needs at least K free cores for the pipeline to overlap.
 
@@ -250,8 +250,9 @@ def main(argv):
               f"{p['peak_stashed_microbatches']:>11}{mb(r['memory']['peak_tensor_mb'], 9)}")
     print("serial bubble: 1 - (all actions chained into one sequence) / (K x pipelined step), "
           "fastest runs (JSON bubble_measured)\nprofiled: one step under the TensorFlow "
-          "profiler, ops mapped to stages (JSON bubble_profiled; the README's \"bubble "
-          "measured\")\ntheory: (K-1)/(V*M+K-1) (zb_h1: simulated with equal F, B, W); "
+          "profiler, ops mapped to stages (JSON bubble_profiled; the pipeline benchmark "
+          "page's \"bubble measured\")\ntheory: (K-1)/(V*M+K-1) (zb_h1: simulated with "
+          "equal F, B, W); "
           "matmuls: the schedule simulated with each stage's cost in this model's matmuls "
           "(stage 0 skips its first layer's input gradient: JSON bubble_theory_stage_costs)"
           "\nstash(sim): peak stashed micro-batches "

@@ -96,7 +96,7 @@ class DistributeBackend(Backend):
         if guard_nan.skipped:
             out["skipped_steps"] = guard_nan.skipped
         if checkpointer is not None and checkpointer.elastic:
-            out["elastic"] = checkpointer.elastic  # world-size changes (DESIGN.md's key)
+            out["elastic"] = checkpointer.elastic  # the world-size changes
         if guard is not None and guard.preempted:
             out["preempted"] = True
         return out
