@@ -144,6 +144,25 @@ def _zygote_path():
         return _ZYGOTE["path"]
 
 
+def restart_fork_server():
+    """Ends this process's fork server and forgets the environment it was started with,
+    so the next child starts one with the environment as it is now. For the tests of the
+    fork server itself, which must not depend on what earlier tests in the same pytest
+    worker left in `os.environ` (a child whose import-time variables differ from the
+    server's is exec'd, by design)."""
+    with _ZYGOTE_LOCK:
+        proc = _ZYGOTE.pop("proc", None) if _ZYGOTE.get("pid") == os.getpid() else None
+        _ZYGOTE.pop("pid", None)
+        _ZYGOTE.pop("env_pid", None)
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _end_zygote(proc, folder):
     proc.terminate()  # the server SIGKILLs what it forked, then ends
     try:

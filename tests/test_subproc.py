@@ -21,6 +21,7 @@ FORKING = os.environ.get("TFPAR_TEST_FORK", "1") != "0"
 
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_forked_child_sees_what_an_execd_one_sees(tmp_path, fresh):
+    subproc.restart_fork_server()  # a server with this environment, whatever ran before
     extra = tmp_path / "extra"
     extra.mkdir()
     script = tmp_path / "report.py"
@@ -119,6 +120,7 @@ def test_a_forked_childs_python_children_are_forked_as_popen_sees_them(fresh):
     start_new_session=True)`, pipes, poll, wait with a timeout, kill) from a forked child
     goes to the fork server and behaves as an exec'd grandchild; a child in the caller's
     own session is exec'd (a timeout's killpg must reach it)."""
+    subproc.restart_fork_server()  # a server with this environment, whatever ran before
     seen = subproc.last_json_line(subproc.run([sys.executable, GRANDCHILDREN],
                                               fresh=fresh).stdout)
     routed = FORKING and not fresh
@@ -130,6 +132,7 @@ def test_a_forked_childs_python_children_are_forked_as_popen_sees_them(fresh):
 
 @pytest.mark.skipif(not FORKING, reason="TFPAR_TEST_FORK=0: no fork server")
 def test_a_dead_fork_server_is_started_again():
+    subproc.restart_fork_server()
     subproc.run_python("pass")  # the server runs
     server = subproc._ZYGOTE["proc"]
     server.kill()
