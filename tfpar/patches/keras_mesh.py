@@ -44,7 +44,7 @@ from keras.src.trainers import compile_utils as _compile_utils
 from keras.src.trainers import data_adapters as _data_adapters
 from keras.src.trainers.data_adapters import array_slicing as _array_slicing
 
-from tfpar.patches.versions import WRITTEN_FOR, check_fragments
+from tfpar.patches.versions import WRITTEN_FOR, check_entries
 
 ENTRIES = {
     "mesh_variables": ("keras.src.backend.tensorflow.core.Variable._initialize",
@@ -134,9 +134,7 @@ def check(names):
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's "
                         "would replace it")
-    for name, fragments in FRAGMENTS.items():
-        if name in names:
-            problems += check_fragments(name, "keras", fragments, ENTRIES[name][1])
+    problems += check_entries(names, "keras", FRAGMENTS, ENTRIES)
     return problems
 
 

@@ -37,7 +37,7 @@ from keras.src.losses import loss as _loss_module
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.ops import function as _keras_function
 
-from tfpar.patches.versions import WRITTEN_FOR, check_fragments
+from tfpar.patches.versions import WRITTEN_FOR, check_entries, check_fragments
 
 ENTRIES = {
     "function_nodes": ("keras.src.ops.function.Function._nodes_by_depth, "
@@ -105,9 +105,7 @@ def check(names):
         problems.append(f"keras {keras.__version__} changed LossFunctionWrapper; "
                         "PipelineModel.compile was written for keras "
                         f"{WRITTEN_FOR['keras']}")
-    for name, fragments in FRAGMENTS.items():
-        if name in names:
-            problems += check_fragments(name, "keras", fragments, ENTRIES[name][1])
+    problems += check_entries(names, "keras", FRAGMENTS, ENTRIES)
     if "loss_tracker" in names and _tf_keras_compile_utils() is not None:
         problems += check_fragments("loss_tracker", "tf_keras", TF_KERAS_FRAGMENTS,
                                     ENTRIES["loss_tracker"][1])

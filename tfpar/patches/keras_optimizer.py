@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
-from tfpar.patches.versions import WRITTEN_FOR, check_fragments
+from tfpar.patches.versions import WRITTEN_FOR, check_entries
 
 ENTRIES = {
     "fused_momentum": ("keras.optimizers.SGD.update_step (overridden, its formula "
@@ -144,9 +144,7 @@ def check(names):
                             f"tensorflow {tf.__version__} lost ResourceApplyKerasMomentum); "
                             "tfpar.optimizers.FusedMomentumMixin was written for keras "
                             f"{WRITTEN_FOR['keras']}")
-    for name, fragments in FRAGMENTS.items():
-        if name in names:
-            problems += check_fragments(name, "keras", fragments, ENTRIES[name][1])
+    problems += check_entries(names, "keras", FRAGMENTS, ENTRIES)
     return problems
 
 

@@ -24,7 +24,7 @@ import importlib
 
 import tensorflow as tf
 
-from tfpar.patches.versions import check_fragments
+from tfpar.patches.versions import check_entries
 
 ENTRIES = {
     "tfmot_local_mask": ("tensorflow_model_optimization...sparsity.keras.pruning_impl."
@@ -82,10 +82,7 @@ def _qlayer():
 def check(names):
     """Problems of this module's `ENTRIES` among `names`."""
     problems = []
-    for name, fragments in FRAGMENTS.items():
-        if name in names:
-            problems += check_fragments(name, "tensorflow_model_optimization", fragments,
-                                        ENTRIES[name][1])
+    problems += check_entries(names, "tensorflow_model_optimization", FRAGMENTS, ENTRIES)
     return problems
 
 

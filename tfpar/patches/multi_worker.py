@@ -41,7 +41,7 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 
 from tfpar.errors import TfparError
 from tfpar.patches import keras_optimizer
-from tfpar.patches.versions import WRITTEN_FOR, check_fragments
+from tfpar.patches.versions import WRITTEN_FOR, check_entries
 
 # patch -> (what it replaces, what applies it).
 ENTRIES = {
@@ -116,9 +116,7 @@ def check(names):
         problems.append(f"tensorflow {tf.__version__} changed Context.wait_at_barrier or "
                         ".coordination_service; tfpar.strategy.wait_for_workers was written "
                         f"for tensorflow {WRITTEN_FOR['tensorflow']}")
-    for name, fragments in FRAGMENTS.items():
-        if name in names:
-            problems += check_fragments(name, "tensorflow", fragments, ENTRIES[name][1])
+    problems += check_entries(names, "tensorflow", FRAGMENTS, ENTRIES)
     return problems
 
 

@@ -55,7 +55,7 @@ from tensorflow.python.trackable import base as _trackable
 from tensorflow.python.trackable import data_structures as _data_structures
 from tensorflow.python.util import _pywrap_util_port
 
-from tfpar.patches.versions import WRITTEN_FOR, check_fragments
+from tfpar.patches.versions import WRITTEN_FOR, check_entries
 
 ENTRIES = {
     "graph_control_input": ("tensorflow.python.framework.ops.Operation._add_control_input "
@@ -132,9 +132,7 @@ def check(names):
         problems.append(f"tensorflow {tf.__version__}: tf.Tensor.__getitem__ is no longer "
                         "tensor_getitem_override._slice_helper (registry entry "
                         "tensor_getitem)")
-    for name, fragments in FRAGMENTS.items():
-        if name in names:
-            problems += check_fragments(name, "tensorflow", fragments, ENTRIES[name][1])
+    problems += check_entries(names, "tensorflow", FRAGMENTS, ENTRIES)
     return problems
 
 

@@ -55,3 +55,14 @@ def check_fragments(entry, library, fragments, user):
                             f"{entry}); {user} was written for {library} "
                             f"{WRITTEN_FOR[library]}")
     return problems
+
+
+def check_entries(names, library, fragments_by_entry, entries):
+    """`check_fragments` for every entry of `fragments_by_entry` ({entry: fragments}, a
+    module's `FRAGMENTS`) among `names`; `entries` is the module's `ENTRIES` (whose second
+    field names who in tfpar relies on each)."""
+    problems = []
+    for name, fragments in fragments_by_entry.items():
+        if name in names:
+            problems += check_fragments(name, library, fragments, entries[name][1])
+    return problems
