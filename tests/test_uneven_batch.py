@@ -35,7 +35,10 @@ def uneven_runs():
             ["one_64", {**ACCUM, **ONE, "global_batch_size": 64}],
             ["three_acc", {**ACCUM, **THREE, "global_batch_size": 32, "grad_accum_steps": 2}],
             ["three_topk", {**ACCUM, **THREE, **TOPK, "global_batch_size": 64}],
-            ["three_zero1", {**MLP, **THREE, "zero_stage": 1, "validation_steps": 0}]]
+            ["three_zero1", {**MLP, **THREE, "zero_stage": 1, "validation_steps": 0}],
+            # tf_keras's loss container reduces as Keras 3 does (sum over the batch, / R).
+            ["one_k2", {**ACCUM, **ONE, "keras": 2, "global_batch_size": 64}],
+            ["three_k2", {**ACCUM, **THREE, "keras": 2, "global_batch_size": 64}]]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("one,three,what", [
     ("one", "three", "mlp, adam"), ("one_tr", "three_tr", "transformer (per-token weights)"),
     ("one_64", "three_acc", "grad_accum_steps=2"), ("one_64", "three_topk", "top-k 100 %"),
-    ("one", "three_zero1", "ZeRO-1, adam")])
+    ("one", "three_zero1", "ZeRO-1, adam"), ("one_k2", "three_k2", "--keras=2")])
 def test_batch_64_on_3_replicas_equals_one_device(runs, one, three, what, report_measured):
     out, prefix = runs
     assert (out[one]["replicas"], out[three]["replicas"]) == (1, 3)

@@ -30,8 +30,6 @@ class TfKerasBackend(DistributeBackend):
         return runtime
 
     def build_model(self, config, runtime, task):
-        # Uneven splits (`tfpar.replica_split`) are checked on Keras 3's reductions only.
-        config.per_replica_batch(runtime.replicas, "--keras=2 splits the batch evenly")
         return trainer.build_model(config, runtime, task)
 
     def fit(self, config, runtime, model, task, recorder, callbacks):
