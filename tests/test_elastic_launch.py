@@ -209,7 +209,15 @@ def test_four_workers_lose_one_for_good_and_finish_on_three(tmp_path, report_mea
     assert metrics["workers"] == 3 and metrics["replicas"] == 3, context
     assert metrics["elastic"] == [{"step": 10, "workers": 3, "replicas": 3}], context
     chief = _chief_line(out.stdout)
-    assert chief["resumed_from_step"] == 10 and chief["steps"] == 20, context
+    # Every rank resumed at the same step and ran the same steps (Horovod's elastic Keras
+    # state restored the wrong epoch on some ranks: its issue 2844).
+    for i in range(3):
+        rank = last_json_line("\n".join(line.split("] ", 1)[1] for line in
+                                        out.stdout.splitlines()
+                                        if line.startswith(f"[worker {i}] {{")))
+        assert (rank["resumed_from_step"], rank["steps"], rank["workers"]) == (10, 20, 3), \
+            context
+        assert rank["loss_history"] == chief["loss_history"], context
     losses = np.array(chief["loss_history"])
     same = np.array(whole["loss_history"][10:])
     gaps = np.abs(losses - same) / same
