@@ -59,7 +59,7 @@ from tensorflow.experimental import dtensor
 from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import activations, values, variables
+from tfpar.layout import activations, keras_state, values, variables
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
 
@@ -74,7 +74,8 @@ _enabled = False
 def check_targets():
     """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's): the
     `mesh_*` entries of `tfpar.patches.REGISTRY`."""
-    return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts"])
+    return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts",
+                                  "mesh_variable_values"])
 
 
 def enable():
@@ -99,6 +100,7 @@ def enable():
     for name in _LOOPS:
         patches.set_trainer_loop(name, _routed(name))
     patches.set_distribute_tensor(distribute_tensor)
+    keras_state.enable()
     _enabled = True
 
 
@@ -109,6 +111,7 @@ def disable():
     for name, fn in _ORIGINAL.items():
         patches.set_trainer_loop(name, fn)
     patches.set_distribute_tensor(None)
+    keras_state.disable()
     _enabled = False
 
 
@@ -246,6 +249,8 @@ def _mesh_trainer(model):
                 model.optimizer = optimizer
             stateless_optimizer(optimizer)
             optimizer.build(model.trainable_variables)
+    elif not patches.is_stateless_class(type(optimizer)):  # built by load_model: its state
+        optimizer = model.optimizer = keras_state.rebuilt_optimizer(optimizer, model, scope)
     trainer = MeshTrainer(mesh, model, optimizer, _loss(model), accuracy=_accuracy(model))
     trainer.loss_source = model.loss
     model._tfpar_mesh_trainer = trainer
@@ -333,25 +338,37 @@ def _results(logs, return_dict):
     return logs["loss"] if len(logs) == 1 else list(logs.values())
 
 
-def _no_callbacks(name, callbacks):
-    if callbacks:
-        raise ConfigError("callbacks", callbacks, f"{name} on a mesh takes no callbacks")
+def _callbacks(model, callbacks, verbose, steps):
+    """A `CallbackList` as Keras's `evaluate`/`predict` make one (a progress bar unless
+    `verbose=0`)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    verbose = _verbose(verbose)
+    return keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
+                                        epochs=1, steps=steps, model=model)
 
 
 def _evaluate(model, trainer, x, y, batch_size, verbose, sample_weight, steps, callbacks,
               return_dict, kwargs):
-    _no_callbacks("evaluate", callbacks)
     adapter = _adapter(x, y, sample_weight, batch_size, steps)
-    return _results(trainer.evaluate(adapter.get_numpy_iterator(), steps=steps),
-                    return_dict)
+    callbacks = _callbacks(model, callbacks, verbose, steps or adapter.num_batches)
+    callbacks.on_test_begin()
+    logs = trainer.evaluate(adapter.get_numpy_iterator(), steps=steps, callbacks=callbacks)
+    callbacks.on_test_end(logs)
+    return _results(logs, return_dict)
 
 
 def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
-    _no_callbacks("predict", callbacks)
     adapter = _adapter(x, batch_size=batch_size, steps=steps)
+    callbacks = _callbacks(model, callbacks, verbose, steps or adapter.num_batches)
     unpack = keras.utils.unpack_x_y_sample_weight
-    outs = [_predict_batch(trainer, unpack(batch)[0])
-            for batch in itertools.islice(adapter.get_numpy_iterator(), steps)]
+    callbacks.on_predict_begin()
+    outs = []
+    for index, batch in enumerate(itertools.islice(adapter.get_numpy_iterator(), steps)):
+        callbacks.on_predict_batch_begin(index)
+        outs.append(_predict_batch(trainer, unpack(batch)[0]))
+        callbacks.on_predict_batch_end(index, {"outputs": outs[-1]})
+    callbacks.on_predict_end()
     return np.concatenate(outs)
 
 
