@@ -33,14 +33,18 @@ metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
 epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight,
 sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size,
 validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
-generators), returning a `History`; `evaluate`, `predict`, `train_on_batch`,
-`test_on_batch`, `predict_on_batch`.
+generators), returning a `History`; `evaluate`, `predict` (with callbacks),
+`train_on_batch`, `test_on_batch`, `predict_on_batch`; Keras's state API
+(`tfpar.layout.keras_state`): `get_weights`, `set_weights`, `variable.assign`, `numpy()`,
+`save_weights`/`load_weights`, `save`/`keras.models.load_model` (loaded under a
+distribution: laid out by its map; without one: a plain model), `summary`, and Keras's
+`ModelCheckpoint` and `BackupAndRestore` in `fit`.
 
 Refused with one line: a layout-map key matching no weight and no layer output; an output
 layout whose rank or split does not fit the output; a batch axis not named
 "batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
-weights were created before `enable()` and `set_distribution`; callbacks in
-`evaluate`/`predict`; Keras's `gradient_accumulation_steps` (use `MeshTrainer`'s
+weights were created before `enable()` and `set_distribution`; Keras's
+`gradient_accumulation_steps` (use `MeshTrainer`'s
 `grad_accum_steps`). `steps_per_execution` and `jit_compile` are not used (one compiled
 step per batch), which is logged.
 """
