@@ -129,6 +129,17 @@ def save_and_load(folder):
             "optimizer_state_equal": equal([np.asarray(v) for v in other.optimizer.variables],
                                            optimizer_state)}
 
+    # DataParallel: every weight whole on every device; a weight assigned from another
+    # mesh's variable (this 2×2 model's)
+    data_parallel = built(keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()), seed=1)
+    data_parallel.load_weights(os.path.join(folder, "mesh22.weights.h5"))
+    out["weights_file_on_data_parallel"] = {
+        "bit_equal": equal(data_parallel.get_weights(), saved), "specs": specs(data_parallel)}
+    data_parallel.get_layer("up").kernel.assign(model.get_layer("up").kernel * 2.0)
+    out["assign_from_another_mesh"] = bool(np.array_equal(
+        data_parallel.get_layer("up").kernel.numpy(), saved[0] * 2.0))
+
     # the .keras file: under 1×4 laid out by its map; without a distribution a plain model
     for name, distribution in [("1x4", model_parallel(1, 4)), ("single", None)]:
         keras.distribution.set_distribution(distribution)

@@ -66,6 +66,10 @@ def test_a_weights_file_from_a_2x2_mesh_loads_onto_1x4_and_one_device(saved, run
         assert run["bit_equal"] and run["optimizer_state_equal"]
         assert run["predict_diff"] <= PREDICT
     assert runs[1]["mesh22_weights_file_bit_equal"]  # stock Keras, a model of its own
+    data_parallel = saved["weights_file_on_data_parallel"]
+    assert data_parallel["bit_equal"]
+    assert data_parallel["specs"][UP] == [["unsharded", "unsharded"], [32, 64]]
+    assert saved["assign_from_another_mesh"]  # a DataParallel weight from a 2×2 one
 
 
 def test_load_model_lays_out_by_the_current_map_or_gives_a_plain_model(saved):

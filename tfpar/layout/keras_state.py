@@ -63,10 +63,10 @@ def _direct_assign(self, value):
         return keras_variables.keras_direct_assign(self, value)
     layout = dtensor.fetch_layout(storage)
     if dtensor.is_dtensor(value):
-        if dtensor.fetch_layout(value) != layout:
-            value = dtensor.relayout(value, layout)
-        storage.assign(tf.cast(value, storage.dtype))
-        return None
+        if dtensor.fetch_layout(value).mesh == layout.mesh:
+            storage.assign(dtensor.relayout(tf.cast(value, storage.dtype), layout))
+            return None
+        value = values.to_host(value)  # another mesh's (another model's variable)
     host = np.asarray(tf.cast(value, storage.dtype))
     storage.assign(values.to_mesh(host, layout))
     return None
