@@ -21,7 +21,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import patches
 from tfpar.errors import TfparError
-from tfpar.layout import values
+from tfpar.layout import values, variables
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.patches import keras_variables
 
@@ -49,10 +49,9 @@ def _numpy(self):
     return values.to_host(patches.variable_storage(self))
 
 
-def _array(self, dtype=None, copy=None):
+def _array(self, dtype=None, copy=None):  # numpy 2 passes `copy`; Keras's own takes none
     if not _on_mesh(self):
-        return keras_variables.keras_array(self, dtype)  # numpy 2 passes `copy`; Keras's
-        # own takes none
+        return keras_variables.keras_array(self, dtype)
     return np.asarray(values.to_host(patches.variable_storage(self)), dtype=dtype)
 
 
@@ -79,20 +78,20 @@ def rebuilt_optimizer(optimizer, model, scope):
     Args:
         optimizer: a built Keras optimizer whose class is not a `stateless_optimizer` one.
         model: the model it trains.
-        scope: a `variables.variable_scope` to build in.
+        scope: the `keras.distribution.ModelParallel` on the model's mesh whose
+            `variables.variable_scope` the new optimizer is built in.
 
     Raises:
         TfparError: the rebuilt optimizer's variables do not match the loaded ones.
     """
-    from tfpar.layout import variables
     old = list(optimizer.variables)
     with variables.variable_scope(scope):
         fresh = optimizer.__class__.from_config(optimizer.get_config())
         stateless_optimizer(fresh)
         fresh.build(model.trainable_variables)
     new = list(fresh.variables)
-    shapes = [tuple(v.shape) for v in old], [tuple(v.shape) for v in new]
-    if shapes[0] != shapes[1]:
+    shapes = ([(v.path, tuple(v.shape)) for v in old], [(v.path, tuple(v.shape)) for v in new])
+    if shapes[0] != shapes[1]:  # built by the same class code: the same variables in order
         raise TfparError(f"{type(optimizer).__name__}: its {len(old)} variables cannot be "
                          f"moved onto the mesh step's optimizer ({len(new)} variables); "
                          "compile the model again (model.compile) to start it afresh")
