@@ -162,7 +162,8 @@ def test_distributed_optimizer_serialises_as_the_plain_optimizer():
                "config": {**plain["config"], "compression": {
                    "class_name": "TopKAggregator", "config": aggregator_of(wrapped).get_config()}}}
     loaded = keras.optimizers.deserialize(earlier)
-    assert aggregator_of(loaded).ratio == 0.05 and float(loaded.learning_rate) == pytest.approx(0.01)
+    assert aggregator_of(loaded).ratio == 0.05
+    assert float(loaded.learning_rate) == pytest.approx(0.01)
     assert keras.optimizers.serialize(loaded)["class_name"] == "Adam"
     scaled = tfpar.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(), initial_scale=64.0), compression="fp16")

@@ -190,8 +190,10 @@ class MeshTrainer:
         history = {}
         iterator = iter(batches)
         self.model.stop_training = False
+        # Keras's BackupAndRestore (and tfpar's) set the epoch to resume from in
+        # on_train_begin; one left from an earlier fit is not this fit's
+        patches.set_initial_epoch(self.model, None)
         callbacks.on_train_begin()
-        # Keras's BackupAndRestore sets the epoch to resume from in on_train_begin
         initial_epoch = patches.initial_epoch(self.model) or initial_epoch
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)
