@@ -9,8 +9,8 @@ for 64 over 3) and every replica's batch is padded to the same `padded` size wit
 of an example whose weight is zero, so the replicas run one shape.
 
 Keras's default reduction (`sum_over_batch_size`) divides a replica's weighted loss sum by
-its batch size, padding included, and by `R` (`keras.src.losses.loss.
-scale_loss_for_distribution`); the replicas' gradients are then summed. So the summed
+its batch size, padding included, and by `R` (Keras's loss scaling for a distribution
+strategy); the replicas' gradients are then summed. So the summed
 gradient is that of `sum(w·loss) / (padded·R)`. The global batch's mean loss is
 `sum(w·loss) / E`: real examples carry the weight `padded·R / E` (`weight`), which makes
 the two equal, and weighted metrics are unchanged (the factor is the same on every
