@@ -191,6 +191,9 @@ COMBINATIONS = (
     MESH_PIPELINE_CHECKPOINTS,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
+    Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
+         "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
+         "--zero_stage=3 or use --zero_gather=fp32"),
     MESH_COMPRESSION,
     MESH_MODEL,
     SEQUENCE_MODEL,
