@@ -134,10 +134,17 @@ MESH_PIPELINE_CHECKPOINTS = Rule(
     "checkpoint_dir", lambda c: _mesh(c) and c.dims.pp_enabled and bool(c.checkpoint_dir),
     "not supported: not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
     "checkpoint cannot hold several meshes' variables); omit it")
+# ZeRO 1/2's reduce-scatter travels in these codecs (`tfpar.zero.sharded.CODECS`).
+ZERO_CODECS = ("fp16", "bf16", "int8")
 ZERO_COMPRESSION = Rule(
-    "compression", lambda c: c.zero_stage > 0 and c.compression != "none",
-    "not supported: --zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a "
-    "compressed reduce-scatter is not built (use --zero_stage=0)")
+    "compression", lambda c: c.zero_stage in (1, 2)
+    and c.compression not in ("none",) + ZERO_CODECS,
+    "not supported: --zero_stage=1|2 reduce-scatters gradients in fp16, bf16 or int8; a "
+    "sparse or low-rank reduce-scatter is not built (use one of those, or --zero_stage=0)")
+ZERO3_COMPRESSION = Rule(
+    "compression", lambda c: c.zero_stage == 3 and c.compression != "none",
+    "not supported: --zero_stage=3 reduce-scatters fp32 gradients on the mesh; a "
+    "compressed one is built for --zero_stage=1|2 (fp16, bf16, int8)")
 MESH_COMPRESSION = Rule(
     "compression", lambda c: _mesh(c) and c.compression != "none" and (
         c.mixed_precision == "fp16" or (c.grad_accum_steps > 1 and not c.dims.pp_enabled)),
@@ -183,6 +190,10 @@ ONE_DEVICE_REPLICAS = Rule(
 COMBINATIONS = (
     MESH_PIPELINE_CHECKPOINTS,
     ZERO_COMPRESSION,
+    ZERO3_COMPRESSION,
+    Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
+         "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
+         "--zero_stage=3 or use --zero_gather=fp32"),
     MESH_COMPRESSION,
     MESH_MODEL,
     SEQUENCE_MODEL,

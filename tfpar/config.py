@@ -24,6 +24,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
 RECOMPUTE = ("none", "blocks", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO_GATHERS = ("fp32", "int8")
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
@@ -73,6 +74,8 @@ class ParallelConfig:
         zero_stage: ZeRO over the data-parallel replicas: 0 = none, 1 = optimizer state,
             2 = also gradients (`tfpar.zero`), 3 = also parameters (on a DTensor mesh,
             `tfpar.zero.fsdp`). See `tfpar.compat` for where it is honoured.
+        zero_gather: `"fp32"`, or `"int8"`: ZeRO-3 gathers each weight as int8 codes
+            with an fp32 scale per row (ZeRO++'s qwZ); the sharded weights stay fp32.
         compression and its parameters: the gradient aggregator (`tfpar.compression`).
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.
@@ -133,6 +136,7 @@ class ParallelConfig:
     # Memory.
     recompute: str = "none"
     zero_stage: int = 0
+    zero_gather: str = "fp32"
     # Gradient aggregation.
     compression: str = "none"
     topk_ratio: float = 0.25
@@ -179,6 +183,7 @@ class ParallelConfig:
         _one_of("on_nan", self.on_nan, ON_NAN)
         _one_of("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
         _one_of("recompute", self.recompute, RECOMPUTE)
+        _one_of("zero_gather", self.zero_gather, ZERO_GATHERS)
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError("zero_stage", self.zero_stage, "choose one of 0, 1, 2, 3")
         if not _DATASET_RE.match(self.dataset):

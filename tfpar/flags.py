@@ -114,8 +114,11 @@ _HELP = {
     "zero_stage": "ZeRO sharding over data-parallel replicas: 0 = none, 1 = optimizer "
                   "state (each replica keeps 1/N of the SGD/Adam slots; mirrored, "
                   "multi_worker), 2 = also gradients reduce-scattered, 3 = also parameters "
-                  "(on a DTensor mesh). --compression, fp16, pipelines and tensor "
-                  "parallelism are refused with it.",
+                  "(on a DTensor mesh). Stages 1-2 take --compression=fp16|bf16|int8 "
+                  "(a compressed reduce-scatter); fp16, pipelines, tensor parallelism and "
+                  "the other codecs are refused with it.",
+    "zero_gather": "ZeRO-3's weight all-gather: fp32, or int8 (codes with an fp32 scale "
+                   "per row, ZeRO++'s qwZ; the sharded master weights stay fp32).",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 
@@ -123,6 +126,7 @@ _CHOICES = {
     "model": config_lib.MODELS, "optimizer": config_lib.OPTIMIZERS,
     "strategy": config_lib.STRATEGIES, "collective": config_lib.COLLECTIVES,
     "mixed_precision": config_lib.PRECISIONS, "compression": config_lib.COMPRESSIONS,
+    "zero_gather": config_lib.ZERO_GATHERS,
     "schedule": config_lib.SCHEDULES, "on_nan": config_lib.ON_NAN,
     "recompute": config_lib.RECOMPUTE, "cpu_kernels": config_lib.CPU_KERNELS,
 }

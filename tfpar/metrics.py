@@ -149,9 +149,10 @@ def comm_stats(model, replicas):
     fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
     layout = getattr(model.optimizer, "_tfpar_layout", None)
     if layout is not None:
-        # ZeRO (tfpar.zero): the padded gradients into an all-reduce or reduce-scatter, then
-        # this replica's piece of the weights into the all-gather.
-        wire = 4 * (layout.replicas + 1) * layout.piece
+        # ZeRO (tfpar.zero): the padded gradients into an all-reduce or reduce-scatter (in
+        # its codec, as the step traced it), then this replica's piece of the weights into
+        # the all-gather.
+        wire = getattr(layout, "wire_bytes", None) or 4 * (layout.replicas + 1) * layout.piece
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": fp32,
                 "compression_ratio": fp32 / wire}
     return {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,

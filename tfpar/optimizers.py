@@ -117,10 +117,13 @@ def make_optimizer(config, bucketed=None):
     if config.fused_update and config.optimizer == "momentum" and not config.zero_stage:
         fuse_momentum(optimizer)
     if config.zero_stage:
+        # ZeRO runs its own collectives, compressed in its codec (`tfpar.zero.sharded`;
+        # `tfpar.compat` refuses the others): no aggregator around it.
         from tfpar.zero import sharded as zero
         optimizer = zero.wrap_optimizer(optimizer, config.zero_stage,
-                                        config.collective_timeout_s)
-    if config.compression != "none" or bucketed:
+                                        config.collective_timeout_s, config.compression,
+                                        config.error_feedback)
+    elif config.compression != "none" or bucketed:
         from tfpar import compression
         optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
     if config.mixed_precision == "fp16":

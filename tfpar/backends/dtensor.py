@@ -118,8 +118,11 @@ class DTensorBackend(Backend):
         return {"resumed_from_step": start}
 
     def stats(self, config, runtime, model, task, recorder):
+        comm = mesh_comm_stats(self.trainer)
+        if config.zero_stage == 3:
+            comm = zero3_comm_stats(model, runtime.meshes[0].backend_mesh.size)
         result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model),
-                                   comm=mesh_comm_stats(self.trainer),
+                                   comm=comm,
                                    pipeline=_pipeline_block(config, runtime))
         mesh_devices = _mesh_devices(runtime)
         stages = getattr(model, "stages", None) or [model]
@@ -151,6 +154,20 @@ def _pipeline_block(config, runtime):
     dims = config.dims
     return schedule.pipeline_metrics(config.schedule, dims.pp, dims.microbatches,
                                      dims.virtual)
+
+
+def zero3_comm_stats(model, replicas):
+    """The metrics JSON's `comm` block of a ZeRO-3 step on `replicas` devices: the weights
+    each device hands to the per-layer gathers (`tfpar.zero.fsdp.gather_bytes`, in
+    `--zero_gather`'s codec) and its whole fp32 gradient into DTensor's reduction over
+    `batch`, against the plain fp32 all-reduce of the gradients."""
+    from tfpar.zero import fsdp
+    fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
+    if replicas == 1:
+        return None
+    wire = fsdp.gather_bytes(model, replicas) + fp32
+    return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": fp32,
+            "compression_ratio": fp32 / wire}
 
 
 def mesh_comm_stats(trainer):

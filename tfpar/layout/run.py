@@ -50,7 +50,8 @@ def _build_model(config, task):
         model = models.build(config.model, task.input_shape, task.num_classes,
                              width=config.model_width, depth=config.model_depth)
     if config.zero_stage == 3:
-        fsdp.gather_per_layer(model)  # before recompute: its layers already recompute
+        # Before recompute: its layers already recompute.
+        fsdp.gather_per_layer(model, config.zero_gather)
     recompute.apply(model, config)
     return model
 
@@ -61,6 +62,7 @@ def _optimizer(config):
     makes once for the whole mesh (the tf.distribute variant all-reduces it over replicas)."""
     optimizer = optimizers.make_optimizer(
         config.replace(mixed_precision="none", compression="none", zero_stage=0,
+                       zero_gather="fp32",
                        fused_update=False))  # the stateless step updates with Keras's ops
     if config.mixed_precision == "fp16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

@@ -26,6 +26,15 @@ the layers' reductions (independent of each other) into one at the end of the ba
 pass, keeping every layer's whole gradient alive until then (the largest model that trains
 under a cap grows with it off: docs/benchmarks/memory.md).
 
+With `--zero_gather=int8` (ZeRO++'s quantized weight all-gather, qwZ) a split weight of
+rank >= 2 is gathered as int8 codes with one fp32 scale per index of its split dimension
+(the maximum over its other dimensions: computed on each device's own rows, no
+communication), and dequantized whole (`_whole_int8`); 1-D weights (biases, norms) are
+gathered fp32, a scale per entry would cost more than the value. The master weights, the
+optimizer and the gradient stay fp32: the backward pass hands the gradient of the
+dequantized weight straight to the fp32 piece (`relayout_like`, the relayout's own
+gradient). `gather_bytes` counts what each device hands to these gathers per step.
+
 Layers not wrapped (no weights split over `batch`, or non-trainable state that a
 recomputation would update twice) have their split weights relayouted whole at the start
 of the step (`gathered`). DTensor does not gather a split weight by itself for every op
@@ -35,11 +44,13 @@ relayouts.
 """
 
 import functools
+import math
 
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
 
 
@@ -74,6 +85,55 @@ def _whole(variable, value, layout=None):
     return value if layout is None else dtensor.relayout(value, whole_over_batch(layout))
 
 
+def _whole_int8(value, layout):
+    """`value` (a piece split over `batch` by `layout`) whole over `batch`, gathered as
+    int8 codes and per-row fp32 scales (see the module docstring)."""
+    axis = list(layout.sharding_specs).index(BATCH)
+    others = [i for i in range(len(layout.sharding_specs)) if i != axis]
+    whole = whole_over_batch(layout)
+
+    @tf.custom_gradient
+    def gather(piece):
+        x = tf.cast(piece, tf.float32)
+        amax = tf.reduce_max(tf.abs(x), axis=others, keepdims=True)
+        scale = tf.where(amax > 0, amax / codecs.INT8_MAX, tf.ones_like(amax))
+        codes = tf.cast(tf.clip_by_value(tf.round(x / scale), -codecs.INT8_MAX,
+                                         codecs.INT8_MAX), tf.int8)
+        out = (tf.cast(dtensor.relayout(codes, whole), tf.float32)
+               * dtensor.relayout(scale, whole))
+
+        def grad(dy):
+            return dtensor.relayout_like(tf.cast(dy, piece.dtype), piece)
+
+        return tf.cast(out, piece.dtype), grad
+
+    return gather(value)
+
+
+def _quantized(variable, codec):
+    return codec == "int8" and len(variable.shape) >= 2
+
+
+def gather_bytes(model, replicas):
+    """Bytes each device hands to the per-layer weight gathers in one step (each layer's
+    gather runs twice: forward and the recomputed forward of the backward), from the
+    weights `gather_per_layer` wrapped; 0 without any."""
+    total = 0
+    for variable in model.trainable_variables:
+        codec = getattr(variable, "_tfpar_gathered_per_layer", None)
+        layout = _split_layout(variable)
+        if not codec or layout is None:  # a weight kept whole is not gathered
+            continue
+        shape = [int(d) for d in variable.shape]
+        numel = math.prod(shape)
+        if _quantized(variable, codec):
+            rows = shape[list(layout.sharding_specs).index(BATCH)]
+            total += 2 * (numel + 4 * rows) // replicas
+        else:
+            total += 2 * 4 * numel // replicas
+    return total
+
+
 def _after(value, inputs):
     """`value` + 0.0, the zero computed from `inputs`: `value`, exactly, but only once the
     layer's input exists (NaN if the input is NaN, as the layer's output would be)."""
@@ -84,12 +144,13 @@ def _after(value, inputs):
     return value + tf.cast(zero, value.dtype)
 
 
-def gather_per_layer(model):
+def gather_per_layer(model, codec="fp32"):
     """Makes every top-level layer of `model` whose weights are split over `batch` gather
     them whole just before it runs, and again in its backward pass (see the module
     docstring); returns the names of those layers. Marks the layers as recomputed
     (`tfpar.recompute` then leaves them alone: they already are) and their weights as
-    gathered per layer (`gathered` leaves them split)."""
+    gathered per layer (`gathered` leaves them split). `codec`: `"fp32"` or `"int8"`
+    (`--zero_gather`)."""
     names = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.non_trainable_weights:
@@ -98,14 +159,14 @@ def gather_per_layer(model):
         layouts = [_split_layout(v) for v in variables]
         if all(layout is None for layout in layouts):
             continue
-        _wrap(layer, variables, layouts)
+        _wrap(layer, variables, layouts, codec)
         for variable in variables:
-            object.__setattr__(variable, "_tfpar_gathered_per_layer", True)
+            object.__setattr__(variable, "_tfpar_gathered_per_layer", codec)
         names.append(layer.name)
     return names
 
 
-def _wrap(layer, variables, layouts):
+def _wrap(layer, variables, layouts, codec):
     call = layer.call
 
     @functools.wraps(call)
@@ -124,7 +185,9 @@ def _wrap(layer, variables, layouts):
             values = list(flat)
             for i, tensor in zip(positions, given):
                 values[i] = tensor
-            whole = [_whole(v, _after(p, list(given) or others), layout)
+            whole = [_whole_int8(_after(p, list(given) or others), layout)
+                     if layout is not None and _quantized(v, codec)
+                     else _whole(v, _after(p, list(given) or others), layout)
                      for v, p, layout in zip(variables, own, layouts)]
             with keras.StatelessScope(state_mapping=list(zip(variables, whole))):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)

@@ -31,6 +31,13 @@ Adam with a sparse (`IndexedSlices`) gradient, an embedding's: Keras squares eac
 before summing them into `v`, so the update carries a second flat vector there, the
 replica's summed squared slices, reduced like the gradient (see `_adam`).
 
+With `--compression=fp16|bf16|int8` (ZeRO++'s quantized gradient reduce-scatter) both
+stages reduce-scatter: each replica's pieces travel in the codec (`encode_pieces`: int8
+with one fp32 scale per `INT8_BLOCK` entries of each piece) and their owner decodes and
+sums them in fp32 (`reduce_scatter_encoded`); with error feedback each replica keeps what
+its message dropped in `zero_residual` (the unpadded flat length, checkpointed per replica
+through `PerReplicaSlot`). The weights' all-gather stays fp32.
+
 Checkpoints save the slots whole: `ShardedSlot` gathers every replica's piece (from every
 worker) into one `[N, S]` tensor; a restore onto the same replica count gives each its row
 back, onto another count it re-cuts the flat vector.
@@ -45,6 +52,8 @@ import tensorflow as tf
 
 from tfpar import patches
 from tfpar.compression import aggregator as aggregator_lib
+from tfpar.compression import codecs
+from tfpar.compression.collectives import nbytes as collectives_nbytes
 from tfpar.errors import ConfigError
 
 # One collective group of all replicas, with keys far from those tf.distribute hands out
@@ -60,7 +69,8 @@ _INSTANCES = itertools.count(0x2E410, 4)
 class ZeroMixin:
     """Mixin for a Keras 3 `SGD` or `Adam` (TensorFlow backend): ZeRO stage 1 or 2 update.
 
-    Expects `self.tfpar_zero_stage` and `self.tfpar_zero_timeout_s`; `self.tfpar_skip_nonfinite`
+    Expects `self.tfpar_zero_stage`, `self.tfpar_zero_timeout_s`, `self.tfpar_zero_codec`
+    and `self.tfpar_zero_error_feedback`; `self.tfpar_skip_nonfinite`
     (set by `tfpar.nan_guard.skip_nonfinite_updates`) makes a step with non-finite
     gradients leave weights and slots untouched.
     """
@@ -86,6 +96,17 @@ class ZeroMixin:
         self._tfpar_layout.slots = slots
         for name, variable in slots.items():
             setattr(self, f"tfpar_zero_{name}", ShardedSlot(variable, self._tfpar_layout.size))
+        self._tfpar_layout.residual = None
+        if self.tfpar_zero_codec != "none" and self.tfpar_zero_error_feedback:
+            # Error feedback of the compressed reduce-scatter: what this replica's message
+            # dropped, over the whole unpadded flat gradient (its length does not depend on
+            # the replica count, so a checkpoint restores onto any: `PerReplicaSlot`).
+            with tf.init_scope():
+                residual = aggregator_lib.per_replica_variable(
+                    tf.zeros([self._tfpar_layout.size]), "zero_residual",
+                    tf.VariableAggregation.MEAN)
+            self._tfpar_layout.residual = residual
+            self.tfpar_zero_residual = aggregator_lib.PerReplicaSlot(residual)
         if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly():
             check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s,
                         self._tfpar_layout.instance + 2)
@@ -108,20 +129,54 @@ class ZeroMixin:
                       self, keras.optimizers.Adam) else []
         squares = layout.flatten([_slice_squares(g) for g, _ in sparse],
                                  [v for _, v in sparse]) if sparse else None
+        codec = self.tfpar_zero_codec
+        residual = layout.residual
+        local_bad = None
+        if codec != "none":
+            # A non-finite gradient is caught before the codec sees it (int8's scale of a
+            # NaN is not something to rely on).
+            local_bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(flat_grads)), tf.float32)
+        if residual is not None:
+            flat_grads = flat_grads + tf.pad(tf.convert_to_tensor(residual),
+                                             [[0, layout.padded - layout.size]])
+        new_residual = None
         if n == 1:
             grad_piece, square_piece = flat_grads, squares
+            layout.wire_bytes = 0
+        elif codec != "none":
+            # Stages 1 and 2 alike: a compressed reduce-scatter (each replica needs only the
+            # sum of its own piece), the pieces travelling in the codec.
+            sent = encode_pieces(flat_grads, n, codec)
+            grad_piece = reduce_scatter_encoded(sent, n, codec, layout.piece, layout.tokens,
+                                                self.tfpar_zero_timeout_s, layout.instance)
+            if residual is not None:
+                new_residual = (flat_grads - tf.reshape(
+                    decode_pieces(sent, codec, layout.piece), [-1]))[:layout.size]
+            wire = collectives_nbytes(sent)
+            square_piece = None
+            if sparse:
+                # Adam's summed squared slices divide the step: int8 and fp16 would round
+                # a small one to 0 (a step of m / epsilon); bf16 keeps fp32's range.
+                sent_squares = encode_pieces(squares, n, "bf16")
+                square_piece = reduce_scatter_encoded(
+                    sent_squares, n, "bf16", layout.piece, layout.tokens,
+                    self.tfpar_zero_timeout_s, layout.instance + 3)
+                wire += collectives_nbytes(sent_squares)
+            layout.wire_bytes = wire + 4 * layout.piece
         elif self.tfpar_zero_stage >= 2:
             grad_piece = reduce_scatter(flat_grads, n, layout.tokens,
                                         self.tfpar_zero_timeout_s, layout.instance)
             square_piece = (reduce_scatter(squares, n, layout.tokens,
                                            self.tfpar_zero_timeout_s, layout.instance + 3)
                             if sparse else None)
+            layout.wire_bytes = 4 * ((2 if sparse else 1) * layout.padded + layout.piece)
         else:
             # One all-reduce of both vectors.
             both = tf.concat([flat_grads, squares], 0) if sparse else flat_grads
             both = tf.reshape(ctx.all_reduce(tf.distribute.ReduceOp.SUM, both), [-1])
             grad_piece = _own(both[:layout.padded], ctx, n)
             square_piece = _own(both[layout.padded:], ctx, n) if sparse else None
+            layout.wire_bytes = 4 * ((2 if sparse else 1) * layout.padded + layout.piece)
         if sparse:
             mask = layout.flatten([tf.ones(v.shape) for _, v in sparse],
                                   [v for _, v in sparse])
@@ -129,6 +184,8 @@ class ZeroMixin:
             square_piece = tf.where(mask > 0, square_piece, tf.square(grad_piece))
         # Every replica learns whether any piece is non-finite (one scalar all-reduce).
         bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
+        if local_bad is not None:
+            bad = tf.maximum(bad, local_bad)
         if n > 1:
             bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
         finite = tf.equal(bad, 0.0)
@@ -142,6 +199,9 @@ class ZeroMixin:
             new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
         for name, value in new_slots.items():
             layout.slots[name].assign(value)
+        if residual is not None and new_residual is not None:
+            # A step with a non-finite gradient leaves the residual as it was.
+            residual.assign(tf.where(finite, new_residual, tf.convert_to_tensor(residual)))
         full = (all_gather(new_piece, n, layout.tokens, self.tfpar_zero_timeout_s,
                            layout.instance + 1)
                 if n > 1 else new_piece)
@@ -291,6 +351,50 @@ def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCA
     return tf.add_n(tf.unstack(pieces, n))
 
 
+# The codecs of the compressed reduce-scatter (`--compression` with `--zero_stage=1|2`).
+CODECS = ("fp16", "bf16", "int8")
+_CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
+INT8_BLOCK = 256  # entries per fp32 scale, as `tfpar.compression.Int8Aggregator`'s
+
+
+def encode_pieces(flat, n, codec):
+    """The `n` pieces of the padded flat vector as they go on the wire in `codec`.
+
+    fp16/bf16: each piece cast, `[n, S]`. int8: each piece quantised in blocks of
+    `INT8_BLOCK` entries with one fp32 scale each (qgZ's blockwise quantisation), the codes
+    packed 4 to an int32 word and the scales' bits appended, `[n, ceil(S/4) + blocks]`
+    int32: every piece carries its own scales, so its receiver decodes it alone.
+    """
+    rows = tf.reshape(flat, [n, -1])
+    if codec in _CAST:
+        return tf.cast(rows, _CAST[codec])
+    encoded = []
+    for row in tf.unstack(rows, n):
+        codes, scales = codecs.quantize_int8_blocks(row, INT8_BLOCK)
+        encoded.append(tf.concat([codecs.pack_int8(codes), tf.bitcast(scales, tf.int32)], 0))
+    return tf.stack(encoded)
+
+
+def decode_pieces(encoded, codec, piece):
+    """Inverse of `encode_pieces`: `[n, S]` float32 from `[n, ...]` encoded pieces."""
+    if codec in _CAST:
+        return tf.cast(encoded, tf.float32)
+    blocks = codecs.int8_blocks(piece, INT8_BLOCK)
+    scales = tf.bitcast(encoded[:, -blocks:], tf.float32)
+    return codecs.dequantize_int8_blocks(codecs.unpack_int8(encoded[:, :-blocks], piece),
+                                         scales, INT8_BLOCK, piece)
+
+
+def reduce_scatter_encoded(encoded, n, codec, piece, tokens, timeout_s, instance_key):
+    """`reduce_scatter` of pieces encoded by `encode_pieces`: replica `r` receives piece `r`
+    of every replica's message (an all-to-all in the codec's dtype), decodes them and sums
+    in fp32, in rank order (every owner sums the same way)."""
+    received = tf.raw_ops.CollectiveAllToAllV2(
+        input=encoded, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
+        ordering_token=_token(tokens), timeout_seconds=timeout_s or 0)
+    return tf.add_n(tf.unstack(decode_pieces(received, codec, piece), n))
+
+
 def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
     """Every replica's `piece`, concatenated in rank order."""
     return tf.raw_ops.CollectiveGatherV2(
@@ -349,7 +453,7 @@ class ShardedSlot(patches.Trackable):
         return aggregator_lib._restore_replicas(self._variable, stacked)
 
 
-def wrap_optimizer(optimizer, stage, timeout_s=None):
+def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedback=True):
     """Makes `optimizer` shard its state over replicas (ZeRO `stage` 1 or 2), in place.
 
     Args:
@@ -357,6 +461,10 @@ def wrap_optimizer(optimizer, stage, timeout_s=None):
             accumulation), not yet built, created under the strategy's scope.
         stage: 1 (optimizer state) or 2 (also gradients reduce-scattered).
         timeout_s: timeout of each collective.
+        codec: `"none"` (fp32), or one of `CODECS`: the gradients' reduce-scatter travels
+            in it (at either stage).
+        error_feedback: with a codec, each replica keeps what its message dropped and
+            adds it to its next gradient (as the aggregators do).
 
     Returns:
         the same optimizer.
@@ -375,7 +483,12 @@ def wrap_optimizer(optimizer, stage, timeout_s=None):
                           f"Keras accumulation), got {type(optimizer).__name__}")
     if optimizer.built:
         raise ConfigError("zero_stage", stage, "wrap the optimizer before it is built")
+    if codec not in ("none",) + CODECS:
+        raise ConfigError("compression", codec, "ZeRO's reduce-scatter compresses with "
+                          f"{', '.join(CODECS)} (or none)")
     patches.mix_in(optimizer, ZeroMixin)
+    optimizer.tfpar_zero_codec = codec
+    optimizer.tfpar_zero_error_feedback = bool(error_feedback)
     optimizer.tfpar_zero_stage = stage
     optimizer.tfpar_zero_timeout_s = timeout_s
     return optimizer
