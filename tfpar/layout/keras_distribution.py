@@ -67,7 +67,8 @@ _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
           "predict_on_batch")
 _ORIGINAL = {name: patches.MESH_LOOPS[name] for name in _LOOPS}  # Keras's own
 _SIGNATURE = {name: inspect.signature(fn) for name, fn in _ORIGINAL.items()}
-_ACCURACY = ("accuracy", "acc", "sparse_categorical_accuracy")
+# The loops that build an unbuilt model from their first batch, as Keras's do.
+_BUILDING_LOOPS = ("fit", "evaluate", "train_on_batch", "test_on_batch")
 _enabled = False
 
 
@@ -204,73 +205,100 @@ def _routed(name):
                     f"model.{name}: a keras.distribution {type(distribution).__name__} is "
                     "set but the model's weights are plain variables on one device; call "
                     "tfpar.layout.enable() and set_distribution before building the model")
-            return original(self, *args, **kwargs)
+            if distribution is None or name not in _BUILDING_LOOPS:
+                return original(self, *args, **kwargs)
+            check_distribution(distribution)  # unbuilt: built on its mesh from a batch
         arguments = _SIGNATURE[name].bind(self, *args, **kwargs)
         arguments.apply_defaults()
         arguments = dict(arguments.arguments)
         del arguments["self"]
-        return globals()["_" + name](self, _mesh_trainer(self), **arguments)
+        trainer = _mesh_trainer(self) if _on_mesh(self) else None
+        return globals()["_" + name](self, trainer, **arguments)
 
     return loop
 
 
-def _mesh_trainer(model):
-    """The `MeshTrainer` of `model` (made on first use, again when `compile` changed)."""
-    optimizer = model.optimizer
-    if optimizer is None:
+def _mesh_trainer(model, batch=None):
+    """The `MeshTrainer` of `model` (made on first use, again when `compile` changed);
+    `batch` (host arrays), when given, builds what is unbuilt (a subclassed model's
+    weights, by the distribution's layout map; the compiled metrics and losses, whole) on
+    the mesh from its shapes, as Keras's first step would."""
+    if model.optimizer is None:
         raise TfparError("compile the model before fit/evaluate/predict")
-    cached = getattr(model, "_tfpar_mesh_trainer", None)
-    if cached is not None and cached.optimizer is optimizer and cached.loss_source is model.loss:
-        return cached
-    mesh = next(patches.variable_layout(v).device_mesh for v in model.weights
-                if variables.is_dvariable(v))
     distribution = keras.distribution.distribution()
+    mesh = _mesh_of(model) if _on_mesh(model) else distribution.device_mesh
+    optimizer = _stateless_on_mesh(model, mesh)
+    if batch is not None:  # Keras's build: nothing to do when all is built
+        scope = distribution if not _on_mesh(model) else _replicated(mesh)
+        with variables.variable_scope(scope):
+            patches.symbolic_build(model, batch)
+    if not optimizer.built:
+        with variables.variable_scope(_replicated(mesh)):
+            optimizer.build(model.trainable_variables)
+    key = (optimizer, model.loss, tuple(id(m) for m in model.metrics),
+           len(model.metrics_variables))
+    cached = getattr(model, "_tfpar_mesh_trainer", None)
+    if cached is not None and cached.compiled_key == key:
+        return cached
     if distribution is not None and distribution.device_mesh is mesh:
         check_layout_map(distribution, model)
     for setting in ("steps_per_execution",):
         if getattr(model, setting, 1) not in (1, None):
             logging.warning("%s=%s is not used on a mesh (one compiled step per batch)",
                             setting, getattr(model, setting))
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
-                          "is not supported on a mesh; use "
-                          "MeshTrainer(..., grad_accum_steps=k) (k micro-batches per step)")
-    scope = keras.distribution.ModelParallel(
-        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
-    if not optimizer.built:
-        with variables.variable_scope(scope):
-            if not all(variables.is_dvariable(v) for v in optimizer.variables):
-                # made before the distribution (compile outside its scope): unbuilt, so
-                # nothing is lost by making it again on the mesh
-                optimizer = optimizer.__class__.from_config(optimizer.get_config())
-                model.optimizer = optimizer
-            stateless_optimizer(optimizer)
-            optimizer.build(model.trainable_variables)
-    trainer = MeshTrainer(mesh, model, optimizer, _loss(model), accuracy=_accuracy(model))
-    trainer.loss_source = model.loss
+    _metrics_to_mesh(model, mesh)
+    _check_layers(model)
+    trainer = MeshTrainer(mesh, model, optimizer, None)
+    trainer.compiled_key = key
     model._tfpar_mesh_trainer = trainer
     return trainer
 
 
-def _loss(model):
-    loss = model.loss
-    outputs = getattr(model, "outputs", None) or [None]
-    if loss is None or isinstance(loss, (dict, list, tuple)) or len(outputs) > 1:
-        raise ConfigError("loss", loss, "tfpar's mesh step takes one loss on one output")
-    loss = keras.losses.get(loss)
-    return loss if isinstance(loss, keras.losses.Loss) else keras.losses.LossFunctionWrapper(loss)
+def _stateless_on_mesh(model, mesh):
+    """The model's optimizer, switched to stateless updates before it is built (made again
+    on the mesh if it was made before the distribution: unbuilt, nothing is lost)."""
+    optimizer = model.optimizer
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
+                          "is not supported on a mesh; use "
+                          "MeshTrainer(..., grad_accum_steps=k) (k micro-batches per step)")
+    if optimizer.built:
+        return optimizer
+    if not all(variables.is_dvariable(v) for v in optimizer.variables):
+        with variables.variable_scope(_replicated(mesh)):
+            optimizer = optimizer.__class__.from_config(optimizer.get_config())
+        model.optimizer = optimizer
+    return stateless_optimizer(optimizer)
 
 
-def _accuracy(model):
-    asked = patches.compiled_metrics(model)
-    names = []
-    for metric in asked:
-        name = metric if isinstance(metric, str) else getattr(metric, "name", str(metric))
-        if name not in _ACCURACY:
-            raise ConfigError("metrics", name, "tfpar's mesh step reports the loss and "
-                              f"accuracy only; use one of {', '.join(_ACCURACY)} or none")
-        names.append(name)
-    return names[0] if names else None
+def _check_layers(model):
+    """Refuses, in one line, a layer DTensor cannot run: a Keras RNN layer looping with
+    `tf.while_loop` (its TensorList ops have no DTensor layout, `tf.EmptyTensorList`)."""
+    for layer in patches.sublayers(model):
+        if isinstance(layer, keras.layers.RNN) and not layer.unroll:
+            raise ConfigError(f"{layer.name}.unroll", False,
+                              "DTensor has no layout for the TensorList ops of an RNN "
+                              "layer's tf.while_loop; build it with unroll=True (the same "
+                              "values, one step per time step in the graph)")
+
+
+def _mesh_of(model):
+    return next(patches.variable_layout(v).device_mesh for v in model.weights
+                if variables.is_dvariable(v))
+
+
+def _replicated(mesh):
+    """A distribution whose variables are whole on every device of `mesh`."""
+    return keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
+
+
+def _metrics_to_mesh(model, mesh):
+    """Metric variables made without a distribution (`compile` outside it) are made again,
+    whole on the mesh, with their current values."""
+    plain = [v for v in model.metrics_variables if not variables.is_dvariable(v)]
+    if plain:
+        variables.move_to_mesh(plain, _replicated(mesh))
 
 
 def _adapter(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=False,
@@ -302,6 +330,7 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
             adapter.get_numpy_iterator() for _ in range(initial_epoch, epochs))
     else:  # one iterator across epochs, as Keras does with steps_per_epoch
         batches = adapter.get_numpy_iterator()
+    trainer, batches = _ready(model, trainer, batches)
     validation = None
     if validation_data is not None:
         held_out = _adapter(*_unpack(validation_data),
@@ -316,6 +345,17 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
                 validation_freq=validation_freq)
     model.history = history
     return history
+
+
+def _ready(model, trainer, batches):
+    """The trainer once what is unbuilt (the model, `compile`'s metrics and losses) is
+    built from the first batch (as Keras's first step would), and `batches` with that
+    batch still first."""
+    batches = iter(batches)
+    first = next(batches, None)
+    if first is None:
+        return trainer, iter(())
+    return _mesh_trainer(model, first), itertools.chain([first], batches)
 
 
 def _unpack(data):
@@ -342,8 +382,8 @@ def _evaluate(model, trainer, x, y, batch_size, verbose, sample_weight, steps, c
               return_dict, kwargs):
     _no_callbacks("evaluate", callbacks)
     adapter = _adapter(x, y, sample_weight, batch_size, steps)
-    return _results(trainer.evaluate(adapter.get_numpy_iterator(), steps=steps),
-                    return_dict)
+    trainer, batches = _ready(model, trainer, adapter.get_numpy_iterator())
+    return _results(trainer.evaluate(batches, steps=steps), return_dict)
 
 
 def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
@@ -352,22 +392,29 @@ def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
     unpack = keras.utils.unpack_x_y_sample_weight
     outs = [_predict_batch(trainer, unpack(batch)[0])
             for batch in itertools.islice(adapter.get_numpy_iterator(), steps)]
-    return np.concatenate(outs)
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outs)
 
 
 def _predict_batch(trainer, x):
-    return values.to_host(trainer._predict(values.batch_to_mesh((x,), trainer.mesh)[0]))
+    out = trainer._predict(*values.batch_to_mesh((x,), trainer.mesh))
+    return keras.tree.map_structure(values.to_host, out)
 
 
 def _train_on_batch(model, trainer, x, y, sample_weight, class_weight, return_dict):
-    batch = next(iter(_adapter(x, y, sample_weight, batch_size=len(x),
+    batch = next(iter(_adapter(x, y, sample_weight, batch_size=_length(x),
                                class_weight=class_weight).get_numpy_iterator()))
+    trainer, _ = _ready(model, trainer, [batch])
     return _results(trainer.train_on_batch(*batch), return_dict)
 
 
 def _test_on_batch(model, trainer, x, y, sample_weight, return_dict):
+    trainer, _ = _ready(model, trainer, [(x, y, sample_weight)])
     return _results(trainer.evaluate([(x, y, sample_weight)]), return_dict)
 
 
 def _predict_on_batch(model, trainer, x):
-    return _predict_batch(trainer, np.asarray(x))
+    return _predict_batch(trainer, keras.tree.map_structure(np.asarray, x))
+
+
+def _length(x):
+    return len(next(iter(keras.tree.flatten(x))))
