@@ -21,28 +21,39 @@ user code trains on the mesh through tfpar's exact step (`MeshTrainer`):
 
 Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name="batch"))` and
 `distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`,
-as Keras defines them; every key must match a weight), layouts of layer outputs (keys
-`<layer path>/output`, e.g. `user_mlp/up/output`: inside the mesh step the layer's output is
-relaid out to that layout, through `tfpar.layout.activations.relayout_value`, by the
-`distribute_tensor` Keras's TensorFlow backend lacks; values unchanged, so the step stays
-exact), `DataParallel` (every weight
+as Keras defines them; every key must match a weight), KerasHub's
+`Backbone.get_layout_map(mesh)` presets (weights split over `batch` too are gathered where
+used), layouts of layer outputs (keys `<layer path>/output`, e.g. `user_mlp/up/output`:
+inside the mesh step the layer's output is relaid out to that layout, through
+`tfpar.layout.activations.relayout_value`, by the `distribute_tensor` Keras's TensorFlow
+backend lacks; values unchanged, so the step stays exact), `DataParallel` (every weight
 whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
-up to two axes over `keras.distribution.list_devices()`; `compile(optimizer, loss,
-metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
-`mixed_float16` (the `LossScaleOptimizer` compile adds) policies; `fit(x, y, batch_size,
-epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight,
-sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size,
-validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
-generators), returning a `History`; `evaluate`, `predict`, `train_on_batch`,
-`test_on_batch`, `predict_on_batch`.
+up to two axes over `keras.distribution.list_devices()`; any model Keras builds, through
+its own compiled code (`tfpar.layout.keras_step`): several inputs and outputs (dicts,
+lists), `compile(optimizer, loss, loss_weights, metrics, weighted_metrics)` with a loss
+per output, any Keras metric (built-in or a custom `keras.metrics.Metric`), `add_loss`
+and regularizers, masking, embeddings, RNN layers built with `unroll=True`, a subclassed
+model built by its first `fit`, a model's own `train_step` (run inside the mesh step, its
+writes kept until the step's end), `test_step`, `predict_step` and `compute_metrics`;
+`mixed_bfloat16` and `mixed_float16` (the `LossScaleOptimizer` compile adds) policies;
+`fit(x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
+shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
+validation_batch_size, validation_freq)` with the data Keras's own adapters accept
+(arrays and structures of them, `tf.data`, generators), logs as Keras's (the model's
+metrics, running over the epoch), returning a `History`; `evaluate`, `predict`,
+`train_on_batch`, `test_on_batch`, `predict_on_batch`.
 
 Refused with one line: a layout-map key matching no weight and no layer output; an output
 layout whose rank or split does not fit the output; a batch axis not named
-"batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
-weights were created before `enable()` and `set_distribution`; callbacks in
-`evaluate`/`predict`; Keras's `gradient_accumulation_steps` (use `MeshTrainer`'s
-`grad_accum_steps`). `steps_per_execution` and `jit_compile` are not used (one compiled
-step per batch), which is logged.
+"batch"; a model whose weights were created before `enable()` and `set_distribution`; a
+Keras RNN layer without `unroll=True` (DTensor has no layout for the TensorList ops of
+its `tf.while_loop`); a model's own `train_step` with the `mixed_float16` loss scale
+(`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`); callbacks in `evaluate`/`predict`; Keras's
+`gradient_accumulation_steps` (use `MeshTrainer`'s `grad_accum_steps`).
+`steps_per_execution` and `jit_compile` are not used (one compiled step per batch), which
+is logged. Not caught: measured on TF 2.21, a `Concatenate` feeding a kernel split on its
+rows (`("model", None)`) trains off by 8e-2 after 4 steps (a DTensor fault; split that
+kernel on its columns, or keep it whole).
 """
 
 import functools

@@ -178,9 +178,9 @@ class MeshTrainer:
 
     def train_on_batch(self, x, y, sample_weight=None):
         """One exact optimizer step; returns `{"loss", "accuracy"}` of the batch (in Keras
-        mode the model's metrics over this batch)."""
+        mode the model's metrics, running since they were last reset, as Keras's
+        `train_on_batch` reports them)."""
         if self.keras_steps is not None:
-            keras_step.reset_metrics(self.model)
             return self._step((x, y, sample_weight))
         return _logs(self._step((x, y, sample_weight)), self.accuracy)
 
