@@ -146,7 +146,7 @@ def test_backup_dir_with_someone_elses_files_is_refused(venv, project):
 
 
 def test_keras_hub_example(venv, project):
-    out = subproc.run([_python(venv), "keras_hub.py"], env=USER_ENV, cwd=str(project),
+    out = subproc.run([_python(venv), "hub_model_parallel.py"], env=USER_ENV, cwd=str(project),
                       timeout=600)
     layout_line = re.search(r"laid out as (.*)", out.stdout)
     assert layout_line and layout_line.group(1) == "['model', 'batch']", out.stdout

@@ -1,6 +1,6 @@
 """A KerasHub model under Keras's own ModelParallel, on TensorFlow: Gemma's layout map.
 
-python keras_hub.py   (needs keras-hub: pip install tfpar[hub])
+python hub_model_parallel.py   (needs keras-hub: pip install tfpar[hub])
 """
 import numpy as np
 from tfpar.devices import split_cpu
