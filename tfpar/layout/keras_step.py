@@ -14,7 +14,7 @@ once at the end: the default training step does what Keras's JAX trainer does (t
 gradient with respect to the values read, `optimizer.stateless_apply`, the metrics after
 the update).
 
-A model whose class overrides `train_step` gets its own `train_step(data)` run inside the
+A model with its own `train_step` (its class's or set on it) gets it run inside the
 mesh step: non-trainable, optimizer and metric variables are read once into the scope,
 trainable ones are read where the user's code reads them (so that its
 `tape.gradient(loss, self.trainable_variables)` works), and every write the code makes
@@ -36,8 +36,9 @@ from tfpar.zero import fsdp
 
 
 def overrides_train_step(model):
-    """Whether `model`'s class defines its own `train_step` (not Keras's)."""
-    return type(model).train_step is not keras.Model.train_step
+    """Whether `model` has its own `train_step` (its class's, or one set on the model,
+    as `tfpar.metrics.report_step_loss` sets), not Keras's."""
+    return getattr(model.train_step, "__func__", None) is not keras.Model.train_step
 
 
 def _read(variables):
