@@ -212,14 +212,8 @@ def keras_api():
         model.compile(optimizer="sgd", loss=LOSS)
         model.fit(x, y, batch_size=8, verbose=0)
 
-    def other_metric():
-        keras.distribution.set_distribution(user_distribution("mlp", 2, 2))
-        model = seeded(build)
-        model.compile(optimizer="sgd", loss=LOSS, metrics=["mae"])
-        model.fit(x, y, batch_size=8, verbose=0)
-
     for label, fn in [("typo", typo), ("built_before", built_before),
-                      ("output_layout", output_layout), ("other_metric", other_metric)]:
+                      ("output_layout", output_layout)]:
         error(label, fn)
         keras.distribution.set_distribution(None)
     return out

@@ -32,7 +32,7 @@ def _example_blocks():
 
 def test_guide_code_blocks_equal_the_example_files():
     blocks = _example_blocks()
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for path, code in blocks:
         assert code == _read(path), f"{GUIDE}: the block for {path} differs from the file"
 

@@ -143,3 +143,12 @@ def test_backup_dir_with_someone_elses_files_is_refused(venv, project):
     out = _resume_script(venv, project, "backup", "final.npz", check=False)
     assert out.returncode != 0 and "holds files tfpar did not write" in out.stderr
     assert (project / "backup" / "notes.txt").read_text() == "mine"
+
+
+def test_keras_hub_example(venv, project):
+    out = subproc.run([_python(venv), "hub_model_parallel.py"], env=USER_ENV, cwd=str(project),
+                      timeout=600)
+    layout_line = re.search(r"laid out as (.*)", out.stdout)
+    assert layout_line and layout_line.group(1) == "['model', 'batch']", out.stdout
+    losses = [float(v) for v in re.findall(r"[\d.]+", out.stdout.split("loss per epoch")[1])]
+    assert len(losses) == 3 and losses[-1] < losses[0], out.stdout  # it learns

@@ -186,8 +186,18 @@ ONE_DEVICE_REPLICAS = Rule(
     "the one_device strategy has 1 replica; use --data_parallel=1 (or 0), or "
     "--strategy=mirrored")
 
+# A Keras model whose class overrides `train_step` runs it on a mesh with its writes kept
+# until the end of the step (`tfpar.layout.keras_step`); Keras's LossScaleOptimizer
+# writes inside a `tf.cond`, whose branch values cannot leave it.
+CUSTOM_TRAIN_STEP_LOSS_SCALE = Rule(
+    "mixed_precision", lambda c: c.mixed_precision == "fp16"
+    and getattr(c, "custom_train_step", False),
+    "not supported with a model's own train_step on a mesh (the LossScaleOptimizer "
+    "updates inside a tf.cond); use mixed_bfloat16, or Keras's train_step")
+
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
+    CUSTOM_TRAIN_STEP_LOSS_SCALE,
     MESH_PIPELINE_CHECKPOINTS,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,

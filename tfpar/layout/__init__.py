@@ -16,7 +16,8 @@ Modules: `mesh` (devices → mesh), `presets` (weight-path rules), `variables`
 (DVariable creation and the plain-variable check), `optimizer` (stateless Keras
 updates), `step` (the compiled exact steps), `newaxis` (a DTensor work-around),
 `values` (host ↔ mesh), `trainer` (`MeshTrainer`), `keras_distribution` (`enable()`:
-Keras's own `set_distribution(ModelParallel(...))` + `model.fit`), `multi_client` (DTensor
+Keras's own `set_distribution(ModelParallel(...))` + `model.fit`), `keras_step` (the
+model's own Keras loss, metrics and steps on the mesh), `multi_client` (DTensor
 across worker processes from `TF_CONFIG`), `run` (model and trainer of a
 `python -m tfpar.train --tensor_parallel=N` run, driven by `tfpar.backends.dtensor`).
 """

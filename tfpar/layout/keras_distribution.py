@@ -21,32 +21,44 @@ user code trains on the mesh through tfpar's exact step (`MeshTrainer`):
 
 Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name="batch"))` and
 `distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`,
-as Keras defines them; every key must match a weight), layouts of layer outputs (keys
-`<layer path>/output`, e.g. `user_mlp/up/output`: inside the mesh step the layer's output is
-relaid out to that layout, through `tfpar.layout.activations.relayout_value`, by the
-`distribute_tensor` Keras's TensorFlow backend lacks; values unchanged, so the step stays
-exact), `DataParallel` (every weight
+as Keras defines them; every key must match a weight), KerasHub's
+`Backbone.get_layout_map(mesh)` presets (weights split over `batch` too are gathered where
+used), layouts of layer outputs (keys `<layer path>/output`, e.g. `user_mlp/up/output`:
+inside the mesh step the layer's output is relaid out to that layout, through
+`tfpar.layout.activations.relayout_value`, by the `distribute_tensor` Keras's TensorFlow
+backend lacks; values unchanged, so the step stays exact), `DataParallel` (every weight
 whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
-up to two axes over `keras.distribution.list_devices()`; `compile(optimizer, loss,
-metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
-`mixed_float16` (the `LossScaleOptimizer` compile adds) policies; `fit(x, y, batch_size,
-epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight,
-sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size,
-validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
-generators), returning a `History`; `evaluate`, `predict` (with callbacks),
-`train_on_batch`, `test_on_batch`, `predict_on_batch`; Keras's state API
-(`tfpar.layout.keras_state`): `get_weights`, `set_weights`, `variable.assign`, `numpy()`,
-`save_weights`/`load_weights`, `save`/`keras.models.load_model` (loaded under a
-distribution: laid out by its map; without one: a plain model), `summary`, and Keras's
-`ModelCheckpoint` and `BackupAndRestore` in `fit`.
+up to two axes over `keras.distribution.list_devices()`; any model Keras builds, through
+its own compiled code (`tfpar.layout.keras_step`): several inputs and outputs (dicts,
+lists), `compile(optimizer, loss, loss_weights, metrics, weighted_metrics)` with a loss
+per output, any Keras metric (built-in or a custom `keras.metrics.Metric`), `add_loss`
+and regularizers, masking, embeddings, RNN layers built with `unroll=True`, a subclassed
+model built by its first `fit`, a model's own `train_step` (run inside the mesh step, its
+writes kept until the step's end), `test_step`, `predict_step` and `compute_metrics`;
+`mixed_bfloat16` and `mixed_float16` (the `LossScaleOptimizer` compile adds) policies;
+`fit(x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
+shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
+validation_batch_size, validation_freq)` with the data Keras's own adapters accept
+(arrays and structures of them, `tf.data`, generators), logs as Keras's (the model's
+metrics, running over the epoch), returning a `History`; `evaluate`, `predict`,
+`train_on_batch`, `test_on_batch`, `predict_on_batch`; callbacks in `evaluate`/`predict`;
+Keras's state API (`tfpar.layout.keras_state`): `get_weights`, `set_weights`,
+`variable.assign`, `numpy()`, `save_weights`/`load_weights`, `save`/
+`keras.models.load_model` (loaded under a distribution: laid out by its map; without
+one: a plain model), `summary`, and Keras's `ModelCheckpoint` and `BackupAndRestore` in
+`fit`.
 
 Refused with one line: a layout-map key matching no weight and no layer output; an output
 layout whose rank or split does not fit the output; a batch axis not named
-"batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
-weights were created before `enable()` and `set_distribution`; Keras's
-`gradient_accumulation_steps` (use `MeshTrainer`'s
-`grad_accum_steps`). `steps_per_execution` and `jit_compile` are not used (one compiled
-step per batch), which is logged.
+"batch"; a model whose weights were created before `enable()` and `set_distribution`; a
+Keras RNN layer without `unroll=True` (DTensor has no layout for the TensorList ops of
+its `tf.while_loop`); a model's own `train_step` with the `mixed_float16` loss scale
+(`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`); Keras's
+`gradient_accumulation_steps` (use `MeshTrainer`'s `grad_accum_steps`).
+`steps_per_execution` and `jit_compile` are not used (one compiled step per batch), which
+is logged. Not caught: measured on TF 2.21, a `Concatenate` feeding a kernel split on its
+rows (`("model", None)`) trains off by 8e-2 after 4 steps (a DTensor fault; split that
+kernel on its columns, or keep it whole).
 """
 
 import functools
@@ -71,7 +83,8 @@ _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
           "predict_on_batch")
 _ORIGINAL = {name: patches.MESH_LOOPS[name] for name in _LOOPS}  # Keras's own
 _SIGNATURE = {name: inspect.signature(fn) for name, fn in _ORIGINAL.items()}
-_ACCURACY = ("accuracy", "acc", "sparse_categorical_accuracy")
+# The loops that build an unbuilt model from their first batch, as Keras's do.
+_BUILDING_LOOPS = ("fit", "evaluate", "train_on_batch", "test_on_batch")
 _enabled = False
 
 
@@ -211,75 +224,105 @@ def _routed(name):
                     f"model.{name}: a keras.distribution {type(distribution).__name__} is "
                     "set but the model's weights are plain variables on one device; call "
                     "tfpar.layout.enable() and set_distribution before building the model")
-            return original(self, *args, **kwargs)
+            if distribution is None or name not in _BUILDING_LOOPS:
+                return original(self, *args, **kwargs)
+            check_distribution(distribution)  # unbuilt: built on its mesh from a batch
         arguments = _SIGNATURE[name].bind(self, *args, **kwargs)
         arguments.apply_defaults()
         arguments = dict(arguments.arguments)
         del arguments["self"]
-        return globals()["_" + name](self, _mesh_trainer(self), **arguments)
+        trainer = _mesh_trainer(self) if _on_mesh(self) else None
+        return globals()["_" + name](self, trainer, **arguments)
 
     return loop
 
 
-def _mesh_trainer(model):
-    """The `MeshTrainer` of `model` (made on first use, again when `compile` changed)."""
-    optimizer = model.optimizer
-    if optimizer is None:
+def _mesh_trainer(model, batch=None):
+    """The `MeshTrainer` of `model` (made on first use, again when `compile` changed);
+    `batch` (host arrays), when given, builds what is unbuilt (a subclassed model's
+    weights, by the distribution's layout map; the compiled metrics and losses, whole) on
+    the mesh from its shapes, as Keras's first step would."""
+    if model.optimizer is None:
         raise TfparError("compile the model before fit/evaluate/predict")
-    cached = getattr(model, "_tfpar_mesh_trainer", None)
-    if cached is not None and cached.optimizer is optimizer and cached.loss_source is model.loss:
-        return cached
-    mesh = next(patches.variable_layout(v).device_mesh for v in model.weights
-                if variables.is_dvariable(v))
     distribution = keras.distribution.distribution()
+    mesh = _mesh_of(model) if _on_mesh(model) else distribution.device_mesh
+    optimizer = _stateless_on_mesh(model, mesh)
+    if batch is not None:  # Keras's build: nothing to do when all is built
+        scope = distribution if not _on_mesh(model) else _replicated(mesh)
+        with variables.variable_scope(scope):
+            patches.symbolic_build(model, batch)
+    if not optimizer.built:
+        with variables.variable_scope(_replicated(mesh)):
+            optimizer.build(model.trainable_variables)
+    key = (optimizer, model.loss, tuple(id(m) for m in model.metrics),
+           len(model.metrics_variables))
+    cached = getattr(model, "_tfpar_mesh_trainer", None)
+    if cached is not None and cached.compiled_key == key:
+        return cached
     if distribution is not None and distribution.device_mesh is mesh:
         check_layout_map(distribution, model)
     for setting in ("steps_per_execution",):
         if getattr(model, setting, 1) not in (1, None):
             logging.warning("%s=%s is not used on a mesh (one compiled step per batch)",
                             setting, getattr(model, setting))
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
-                          "is not supported on a mesh; use "
-                          "MeshTrainer(..., grad_accum_steps=k) (k micro-batches per step)")
-    scope = keras.distribution.ModelParallel(
-        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
-    if not optimizer.built:
-        with variables.variable_scope(scope):
-            if not all(variables.is_dvariable(v) for v in optimizer.variables):
-                # made before the distribution (compile outside its scope): unbuilt, so
-                # nothing is lost by making it again on the mesh
-                optimizer = optimizer.__class__.from_config(optimizer.get_config())
-                model.optimizer = optimizer
-            stateless_optimizer(optimizer)
-            optimizer.build(model.trainable_variables)
-    elif not patches.is_stateless_class(type(optimizer)):  # built by load_model: its state
-        optimizer = model.optimizer = keras_state.rebuilt_optimizer(optimizer, model, scope)
-    trainer = MeshTrainer(mesh, model, optimizer, _loss(model), accuracy=_accuracy(model))
-    trainer.loss_source = model.loss
+    _metrics_to_mesh(model, mesh)
+    _check_layers(model)
+    trainer = MeshTrainer(mesh, model, optimizer, None)
+    trainer.compiled_key = key
     model._tfpar_mesh_trainer = trainer
     return trainer
 
 
-def _loss(model):
-    loss = model.loss
-    outputs = getattr(model, "outputs", None) or [None]
-    if loss is None or isinstance(loss, (dict, list, tuple)) or len(outputs) > 1:
-        raise ConfigError("loss", loss, "tfpar's mesh step takes one loss on one output")
-    loss = keras.losses.get(loss)
-    return loss if isinstance(loss, keras.losses.Loss) else keras.losses.LossFunctionWrapper(loss)
+def _stateless_on_mesh(model, mesh):
+    """The model's optimizer, switched to stateless updates before it is built (made again
+    on the mesh if it was made before the distribution: unbuilt, nothing is lost)."""
+    optimizer = model.optimizer
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ConfigError("gradient_accumulation_steps", optimizer.gradient_accumulation_steps,
+                          "is not supported on a mesh; use "
+                          "MeshTrainer(..., grad_accum_steps=k) (k micro-batches per step)")
+    if optimizer.built:
+        if patches.is_stateless_class(type(optimizer)):
+            return optimizer
+        # built off the mesh step's path (keras.models.load_model): its state moved over
+        optimizer = model.optimizer = keras_state.rebuilt_optimizer(
+            optimizer, model, _replicated(mesh))
+        return optimizer
+    if not all(variables.is_dvariable(v) for v in optimizer.variables):
+        with variables.variable_scope(_replicated(mesh)):
+            optimizer = optimizer.__class__.from_config(optimizer.get_config())
+        model.optimizer = optimizer
+    return stateless_optimizer(optimizer)
 
 
-def _accuracy(model):
-    asked = patches.compiled_metrics(model)
-    names = []
-    for metric in asked:
-        name = metric if isinstance(metric, str) else getattr(metric, "name", str(metric))
-        if name not in _ACCURACY:
-            raise ConfigError("metrics", name, "tfpar's mesh step reports the loss and "
-                              f"accuracy only; use one of {', '.join(_ACCURACY)} or none")
-        names.append(name)
-    return names[0] if names else None
+def _check_layers(model):
+    """Refuses, in one line, a layer DTensor cannot run: a Keras RNN layer looping with
+    `tf.while_loop` (its TensorList ops have no DTensor layout, `tf.EmptyTensorList`)."""
+    for layer in patches.sublayers(model):
+        if isinstance(layer, keras.layers.RNN) and not layer.unroll:
+            raise ConfigError(f"{layer.name}.unroll", False,
+                              "DTensor has no layout for the TensorList ops of an RNN "
+                              "layer's tf.while_loop; build it with unroll=True (the same "
+                              "values, one step per time step in the graph)")
+
+
+def _mesh_of(model):
+    return next(patches.variable_layout(v).device_mesh for v in model.weights
+                if variables.is_dvariable(v))
+
+
+def _replicated(mesh):
+    """A distribution whose variables are whole on every device of `mesh`."""
+    return keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
+
+
+def _metrics_to_mesh(model, mesh):
+    """Metric variables made without a distribution (`compile` outside it) are made again,
+    whole on the mesh, with their current values."""
+    plain = [v for v in model.metrics_variables if not variables.is_dvariable(v)]
+    if plain:
+        variables.move_to_mesh(plain, _replicated(mesh))
 
 
 def _adapter(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=False,
@@ -311,6 +354,7 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
             adapter.get_numpy_iterator() for _ in range(initial_epoch, epochs))
     else:  # one iterator across epochs, as Keras does with steps_per_epoch
         batches = adapter.get_numpy_iterator()
+    trainer, batches = _ready(model, trainer, batches)
     validation = None
     if validation_data is not None:
         held_out = _adapter(*_unpack(validation_data),
@@ -325,6 +369,17 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
                 validation_freq=validation_freq)
     model.history = history
     return history
+
+
+def _ready(model, trainer, batches):
+    """The trainer once what is unbuilt (the model, `compile`'s metrics and losses) is
+    built from the first batch (as Keras's first step would), and `batches` with that
+    batch still first."""
+    batches = iter(batches)
+    first = next(batches, None)
+    if first is None:
+        return trainer, iter(())
+    return _mesh_trainer(model, first), itertools.chain([first], batches)
 
 
 def _unpack(data):
@@ -355,9 +410,10 @@ def _callbacks(model, callbacks, verbose, steps):
 def _evaluate(model, trainer, x, y, batch_size, verbose, sample_weight, steps, callbacks,
               return_dict, kwargs):
     adapter = _adapter(x, y, sample_weight, batch_size, steps)
+    trainer, batches = _ready(model, trainer, adapter.get_numpy_iterator())
     callbacks = _callbacks(model, callbacks, verbose, steps or adapter.num_batches)
     callbacks.on_test_begin()
-    logs = trainer.evaluate(adapter.get_numpy_iterator(), steps=steps, callbacks=callbacks)
+    logs = trainer.evaluate(batches, steps=steps, callbacks=callbacks)
     callbacks.on_test_end(logs)
     return _results(logs, return_dict)
 
@@ -373,22 +429,29 @@ def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
         outs.append(_predict_batch(trainer, unpack(batch)[0]))
         callbacks.on_predict_batch_end(index, {"outputs": outs[-1]})
     callbacks.on_predict_end()
-    return np.concatenate(outs)
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outs)
 
 
 def _predict_batch(trainer, x):
-    return values.to_host(trainer._predict(values.batch_to_mesh((x,), trainer.mesh)[0]))
+    out = trainer._predict(*values.batch_to_mesh((x,), trainer.mesh))
+    return keras.tree.map_structure(values.to_host, out)
 
 
 def _train_on_batch(model, trainer, x, y, sample_weight, class_weight, return_dict):
-    batch = next(iter(_adapter(x, y, sample_weight, batch_size=len(x),
+    batch = next(iter(_adapter(x, y, sample_weight, batch_size=_length(x),
                                class_weight=class_weight).get_numpy_iterator()))
+    trainer, _ = _ready(model, trainer, [batch])
     return _results(trainer.train_on_batch(*batch), return_dict)
 
 
 def _test_on_batch(model, trainer, x, y, sample_weight, return_dict):
+    trainer, _ = _ready(model, trainer, [(x, y, sample_weight)])
     return _results(trainer.evaluate([(x, y, sample_weight)]), return_dict)
 
 
 def _predict_on_batch(model, trainer, x):
-    return _predict_batch(trainer, np.asarray(x))
+    return _predict_batch(trainer, keras.tree.map_structure(np.asarray, x))
+
+
+def _length(x):
+    return len(next(iter(keras.tree.flatten(x))))

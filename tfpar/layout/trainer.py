@@ -23,7 +23,8 @@ from absl import logging
 from tfpar import compat, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.metrics import STEP_LOSS
-from tfpar.layout import activations, presets, reduction, step, values, variables
+from tfpar.layout import (activations, keras_step, presets, reduction, step, values,
+                          variables)
 from tfpar.layout.mesh import BATCH, axis_size
 from tfpar.layout.optimizer import stateless_optimizer
 
@@ -104,7 +105,10 @@ class MeshTrainer:
         mesh: the `keras.distribution.DeviceMesh` the variables live on.
         model: a built Keras model created inside `variable_scope`.
         optimizer: its optimizer, passed through `stateless_optimizer` and built.
-        loss: a `keras.losses.Loss` called as `loss(y, logits, sample_weight)`.
+        loss: a `keras.losses.Loss` called as `loss(y, logits, sample_weight)`; or None:
+            the model's own compiled loss, metrics and steps (`keras_step.KerasSteps`:
+            any input and output structure, `train_step`, `test_step`, `predict_step`;
+            logs are the model's metrics; `grad_accum_steps` and `reduction` unused).
         grad_accum_steps: k > 1 cuts every training batch into k micro-batches that run
             one after the other in the step, their mean gradient applied in one update:
             the same update as one step on the whole batch, with the activations of one
@@ -133,6 +137,12 @@ class MeshTrainer:
         self.mesh, self.model, self.optimizer, self.loss = mesh, model, optimizer, loss
         self.grad_accum_steps, self.accuracy = int(grad_accum_steps), accuracy
         self.reduction = reduction
+        self.keras_steps = None
+        if loss is None:
+            self.keras_steps = keras_step.KerasSteps(mesh, model, optimizer)
+            self._train, self._eval = self.keras_steps.train, self.keras_steps.test
+            self._predict = self.keras_steps.predict
+            return
         self._train = step.train_step(mesh, model, optimizer, loss, self.grad_accum_steps,
                                       reduction)
         self._eval = step.eval_step(mesh, model, loss)
@@ -140,6 +150,8 @@ class MeshTrainer:
 
     def _on_mesh(self, batch, training=False):
         batch = tuple(b for b in batch if b is not None)
+        if self.keras_steps is not None:  # (x,), (x, y) or (x, y, w), each any structure
+            return values.batch_to_mesh(batch, self.mesh)
         if len(batch) not in (2, 3):
             raise TfparError(f"a batch must be (x, y) or (x, y, sample_weight), got "
                              f"{len(batch)} arrays")
@@ -154,10 +166,22 @@ class MeshTrainer:
         return values.batch_to_mesh(batch, self.mesh)
 
     def _step(self, batch):
-        return _host(self._train(*self._on_mesh(batch, training=True)))
+        out = self._train(*self._on_mesh(batch, training=True))
+        return keras_step.logs_to_host(out) if self.keras_steps else _host(out)
+
+    def _sums(self):
+        """The epoch's running logs: the model's metrics (reset here) in Keras mode."""
+        if self.keras_steps is None:
+            return _Sums(self.accuracy)
+        keras_step.reset_metrics(self.model)
+        return _Latest()
 
     def train_on_batch(self, x, y, sample_weight=None):
-        """One exact optimizer step; returns `{"loss", "accuracy"}` of the batch."""
+        """One exact optimizer step; returns `{"loss", "accuracy"}` of the batch (in Keras
+        mode the model's metrics, running since they were last reset, as Keras's
+        `train_on_batch` reports them)."""
+        if self.keras_steps is not None:
+            return self._step((x, y, sample_weight))
         return _logs(self._step((x, y, sample_weight)), self.accuracy)
 
     def fit(self, batches, epochs=1, steps_per_epoch=None, initial_epoch=0,
@@ -197,7 +221,7 @@ class MeshTrainer:
         initial_epoch = patches.initial_epoch(self.model) or initial_epoch
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)
-            sums = _Sums(self.accuracy)
+            sums = self._sums()
             index = 0
             while steps_per_epoch is None or index < steps_per_epoch:
                 batch = next(iterator, None)
@@ -206,7 +230,8 @@ class MeshTrainer:
                 callbacks.on_train_batch_begin(index)
                 out = self._step(batch)
                 sums.add(out)
-                callbacks.on_train_batch_end(index, {**sums.logs(), STEP_LOSS: out["loss"]})
+                step_loss = {} if self.keras_steps else {STEP_LOSS: out["loss"]}
+                callbacks.on_train_batch_end(index, {**sums.logs(), **step_loss})
                 index += 1
                 if self.model.stop_training:
                     break
@@ -234,13 +259,14 @@ class MeshTrainer:
         Returns:
             `{"loss": float, "accuracy": float}`, loss averaged over batches as Keras does.
         """
-        sums = _Sums(self.accuracy)
+        sums = self._sums()
         for index, batch in enumerate(batches):
             if steps is not None and index >= steps:
                 break
             if callbacks is not None:
                 callbacks.on_test_batch_begin(index)
-            sums.add(_host(self._eval(*self._on_mesh(batch))))
+            out = self._eval(*self._on_mesh(batch))
+            sums.add(keras_step.logs_to_host(out) if self.keras_steps else _host(out))
             if callbacks is not None:
                 callbacks.on_test_batch_end(index, sums.logs())
         return sums.logs()
@@ -301,6 +327,20 @@ class _Sums:
             return {}
         return _logs({"loss": self.loss / self.batches, "correct": self.correct,
                       "weight": self.weight}, self.accuracy)
+
+
+class _Latest:
+    """Keras mode: the model's metrics keep the epoch's running values; the logs are the
+    last step's."""
+
+    def __init__(self):
+        self.latest = {}
+
+    def add(self, out):
+        self.latest = out
+
+    def logs(self):
+        return dict(self.latest)
 
 
 def _host(out):

@@ -68,13 +68,17 @@ def assign(variable, array):
 
 
 def batch_to_mesh(batch, mesh):
-    """A tuple of host arrays (x, y[, sample_weight]) split on the `batch` mesh axis.
+    """A tuple (x, y[, sample_weight]) of host arrays, or of structures of them (dicts,
+    lists: a model's several inputs, outputs, sample weights), each array split on the
+    `batch` mesh axis; the structure is kept.
 
     Raises:
         ConfigError: the batch size does not split over the `batch` axis.
     """
-    return tuple(to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim))
-                 for array in _batch_arrays(batch, mesh_lib.axis_size(mesh, mesh_lib.BATCH)))
+    leaves = _batch_arrays(keras.tree.flatten(batch),
+                           mesh_lib.axis_size(mesh, mesh_lib.BATCH))
+    on_mesh = [to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim)) for array in leaves]
+    return tuple(keras.tree.pack_sequence_as(batch, on_mesh))
 
 
 def replica_batches_to_mesh(batch, mesh):

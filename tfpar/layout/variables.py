@@ -149,6 +149,22 @@ def _initialize(self, value):
                                     trainable=self.trainable, name=self.name)
 
 
+def move_to_mesh(keras_variables, distribution):
+    """Makes each plain Keras variable a DVariable laid out by `distribution`, holding its
+    current value (through the same `_initialize` as a variable created in
+    `variable_scope`, registry entry `mesh_variables`): for state made outside the
+    distribution that holds no learned value, such as the loss tracker `compile` makes.
+
+    Args:
+        keras_variables: Keras variables whose values are plain `tf.Variable`s.
+        distribution: a `keras.distribution.ModelParallel` on the target mesh.
+    """
+    check_target()
+    with distribution.scope():
+        for variable in keras_variables:
+            _initialize(variable, variable.value.read_value())
+
+
 @contextlib.contextmanager
 def variable_scope(distribution):
     """Within, Keras variables are DVariables laid out by `distribution`.

@@ -28,6 +28,11 @@ data-adapter and compile state they need (keras 3.15.1).
 - `distribution_state`: reads. A distribution's layout map (`layout_map`), a variable's
   Keras layout (`variable_layout`), the metrics given to `compile` (`compiled_metrics`):
   Keras keeps them in private attributes with no public accessor.
+- `symbolic_build`: a call. Keras builds what `compile` leaves unbuilt (the compiled
+  metrics' and losses' variables) on the first step, inside its own loop; on a mesh they
+  must exist, as DVariables, before the step is traced, so `symbolic_build` calls the
+  model's private `Trainer._symbolic_build(data_batch=…)` (inside
+  `tfpar.layout.variables.variable_scope`); the check looks for the builds it makes.
 - `data_adapters`: calls. The mesh loops take the same inputs as Keras's (`data_adapter`,
   `train_validation_split`), through Keras's private data-adapter functions; the check
   compares their signatures.
@@ -62,6 +67,8 @@ ENTRIES = {
     "distribution_state": ("ModelParallel._layout_map, Variable._layout, "
                            "CompileMetrics._user_metrics/_user_weighted_metrics (read)",
                            "tfpar.layout.variables, tfpar.layout.keras_distribution"),
+    "symbolic_build": ("keras.src.trainers.trainer.Trainer._symbolic_build (called, not "
+                       "replaced)", "tfpar.layout.keras_distribution"),
     "data_adapters": ("keras.src.trainers.data_adapters.get_data_adapter, array_slicing."
                       "train_validation_split (called, not replaced)",
                       "tfpar.layout.keras_distribution"),
@@ -99,6 +106,13 @@ FRAGMENTS = {
          "self._user_weighted_metrics = weighted_metrics"),
         ("Trainer._compile_metrics", lambda: keras.Model.compile,
          "self._compile_metrics = CompileMetrics(")],
+    "symbolic_build": [
+        ("Trainer._symbolic_build", lambda: ("signature", keras.Model._symbolic_build),
+         "(self, iterator=None, data_batch=None)"),
+        ("Trainer._symbolic_build", lambda: keras.Model._symbolic_build,
+         "self.compute_metrics,"),
+        ("Trainer._symbolic_build", lambda: keras.Model._symbolic_build,
+         "self._compute_loss,")],
     "data_adapters": [
         ("data_adapters.get_data_adapter",
          lambda: ("signature", _data_adapters.get_data_adapter),
@@ -237,3 +251,10 @@ def data_adapter(**kwargs):
 def train_validation_split(arrays, validation_split):
     """Keras's `validation_split` of `fit` inputs. Registry entry `data_adapters`."""
     return _array_slicing.train_validation_split(arrays, validation_split=validation_split)
+
+
+def symbolic_build(model, data_batch):
+    """Builds `model`'s unbuilt compiled metrics and losses (and the model, the optimizer)
+    from the shapes of `data_batch` (`(x, y[, sample_weight])`, host arrays), as Keras's
+    first step does. Registry entry `symbolic_build`."""
+    model._symbolic_build(data_batch=data_batch)

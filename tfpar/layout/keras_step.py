@@ -1,0 +1,194 @@
+"""The model's own Keras steps on a mesh: any loss, metric, input and output structure.
+
+Under `keras.distribution` (`tfpar.layout.enable`) a model trains through Keras's own code
+for everything but the update: the compiled loss (`compile(loss=…)`: several outputs,
+dicts, `loss_weights`, `add_loss` and regularizers), the loss tracker, and every metric
+(`compute_metrics`: built-in or custom `keras.metrics.Metric`), on batches of any
+structure (dicts and lists of inputs, outputs and sample weights). The metrics' variables
+are DVariables like the weights, so their sums over the batch are DTensor's, over every
+shard.
+
+Like `tfpar.layout.step` (whose docstring says why), every step reads each variable once,
+computes on those values inside a `keras.StatelessScope`, and writes each changed variable
+once at the end: the default training step does what Keras's JAX trainer does (the
+gradient with respect to the values read, `optimizer.stateless_apply`, the metrics after
+the update).
+
+A model with its own `train_step` (its class's or set on it) gets it run inside the
+mesh step: non-trainable, optimizer and metric variables are read once into the scope,
+trainable ones are read where the user's code reads them (so that its
+`tape.gradient(loss, self.trainable_variables)` works), and every write the code makes
+(`optimizer.apply`, `metric.update_state`, `variable.assign`) is kept by the scope (later
+reads in the step see it) and written once at the end. `test_step` and `predict_step`,
+the user's or Keras's, run inside the scope with every variable read once.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import compat, patches
+from tfpar.layout import values
+from tfpar.layout.step import _checked
+from tfpar.layout.variables import check_dvariables
+from tfpar.zero import fsdp
+
+
+def overrides_train_step(model):
+    """Whether `model` has its own `train_step` (its class's, or one set on the model,
+    as `tfpar.metrics.report_step_loss` sets), not Keras's."""
+    return getattr(model.train_step, "__func__", None) is not keras.Model.train_step
+
+
+def _read(variables):
+    return [v.value.read_value() for v in variables]
+
+
+def _current(scope, variables, old):
+    """Each variable's value at the end of `scope` (its `old` value if not written)."""
+    out = []
+    for variable, before in zip(variables, old):
+        after = scope.get_current_value(variable)
+        out.append(before if after is None else after)
+    return out
+
+
+def _write(variables, old, new):
+    """Writes each changed variable once, in its own layout."""
+    for variable, before, after in zip(variables, old, new):
+        if after is None or after is before:
+            continue
+        layout = variable.value.layout
+        variable.value.assign(dtensor.relayout(tf.cast(after, variable.dtype), layout))
+
+
+def _batch_size(x):
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+class KerasSteps:
+    """The compiled train, test and predict steps of a compiled Keras model on a mesh.
+
+    Args:
+        mesh: the `keras.distribution.DeviceMesh` the variables live on.
+        model: a compiled Keras model whose variables, metrics' variables included, are
+            DVariables (`tfpar.layout.keras_distribution` builds them so).
+        optimizer: its optimizer, passed through `stateless_optimizer` and built.
+
+    Each step is called with one batch already on the mesh, `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)`, each a tensor or a structure of tensors, and returns the
+    step's logs (`model.compute_metrics`'s dict: running values since the last
+    `reset_metrics`); `predict` returns the model's output structure.
+
+    Raises:
+        TfparError: a variable is not a DVariable.
+        ConfigError: the model overrides `train_step` and its optimizer is a
+            `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`).
+    """
+
+    def __init__(self, mesh, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.trainable = list(model.trainable_variables)
+        self.non_trainable = list(model.non_trainable_variables)
+        self.metric_vars = list(model.metrics_variables)
+        self.opt_vars = list(optimizer.variables)
+        check_dvariables(self.trainable + self.non_trainable + self.metric_vars
+                         + self.opt_vars, "the training step")
+        self.custom = overrides_train_step(model)
+        if self.custom and hasattr(optimizer, "inner_optimizer"):
+            compat.enforce(compat.CUSTOM_TRAIN_STEP_LOSS_SCALE, compat.view(
+                backend="dtensor", mixed_precision="fp16", custom_train_step=True))
+        train = self._custom_train if self.custom else self._train
+        self.train = _checked(mesh, train, "the training step")
+        self.test = _checked(mesh, self._test, "the evaluation step")
+        self.predict = _checked(mesh, self._predict, "the predict step")
+
+    def _train(self, *data):
+        """Keras's `train_step` with a stateless update (what Keras's JAX trainer does)."""
+        model, optimizer = self.model, self.optimizer
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        tv, ntv = _read(self.trainable), _read(self.non_trainable)
+        mv, ov = _read(self.metric_vars), _read(self.opt_vars)
+        state = self.non_trainable + self.metric_vars + self.opt_vars
+        with tf.GradientTape() as tape:
+            tape.watch(tv)
+            mapping = (fsdp.gathered(list(zip(self.trainable, tv))
+                                     + list(zip(self.non_trainable, ntv)))
+                       + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                y_pred, _, scaled = patches.forward_loss(model, x, y, sample_weight,
+                                                         _batch_size(x))
+            new_ntv, new_mv = (_current(scope, self.non_trainable, ntv),
+                               _current(scope, self.metric_vars, mv))
+        grads = [None if g is None else tf.convert_to_tensor(g)
+                 for g in tape.gradient(scaled, tv)]
+        new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
+        # the metrics after the update, as in Keras's train_step
+        mapping = (list(zip(self.trainable, new_tv)) + list(zip(self.non_trainable, new_ntv))
+                   + list(zip(self.metric_vars, new_mv)) + list(zip(self.opt_vars, new_ov)))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            logs = model.compute_metrics(x, y, y_pred, sample_weight)
+        new_state = _current(scope, state, new_ntv + new_mv + new_ov)
+        _write(self.trainable, tv, new_tv)
+        _write(state, ntv + mv + ov, new_state)
+        return logs
+
+    def _custom_train(self, *data):
+        """The model's own `train_step(data)`, its writes kept until the end."""
+        ntv, mv, ov = _read(self.non_trainable), _read(self.metric_vars), _read(self.opt_vars)
+        state = self.non_trainable + self.metric_vars + self.opt_vars
+        mapping = (fsdp.gathered(list(zip(self.non_trainable, ntv)))
+                   + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            logs = self.model.train_step(_data(data))
+        _write(self.trainable, [None] * len(self.trainable),
+               [scope.get_current_value(v) for v in self.trainable])
+        _write(state, ntv + mv + ov, _current(scope, state, ntv + mv + ov))
+        return logs
+
+    def _test(self, *data):
+        variables = self.trainable + self.non_trainable
+        old, mv = _read(variables), _read(self.metric_vars)
+        mapping = fsdp.gathered(list(zip(variables, old))) + list(zip(self.metric_vars, mv))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            logs = self.model.test_step(_data(data))
+        _write(self.metric_vars, mv, _current(scope, self.metric_vars, mv))
+        return logs
+
+    def _predict(self, *data):
+        variables = self.trainable + self.non_trainable
+        mapping = fsdp.gathered(list(zip(variables, _read(variables))))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+            return self.model.predict_step(_data(data))
+
+
+def _data(data):
+    """A step's positional batch as Keras's steps take it: the tuple `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)` its data adapters yield."""
+    return tuple(data)
+
+
+def reset_metrics(model):
+    """`model.reset_metrics()` for metrics whose variables live on a mesh: the values
+    Keras's own `reset_state` writes, assigned in each variable's layout."""
+    with keras.StatelessScope() as scope:
+        model.reset_metrics()
+    for variable in model.metrics_variables:
+        value = scope.get_current_value(variable)
+        if value is not None:
+            values.assign(variable, np.asarray(value))
+
+
+def logs_to_host(logs):
+    """A step's logs as Python floats (arrays for metrics that are not scalars), nested
+    dicts flattened as Keras's `fit` does."""
+    out = {}
+    for name, value in logs.items():
+        if isinstance(value, dict):  # a metric returning several (Keras flattens them)
+            out.update(logs_to_host(value))
+            continue
+        array = values.to_host(value)
+        out[name] = float(array) if np.ndim(array) == 0 else array
+    return out
