@@ -134,7 +134,6 @@ def build(config, task, meshes, build_optimizer):
         ConfigError: a setting this composition does not run (named), or the model does
             not cut into K stages.
     """
-    compat.enforce(compat.MESH_PIPELINE_CHECKPOINTS, compat.view(config, backend="dtensor"))
     rules = presets.preset_rules(presets.model_presets(config.model))
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
@@ -166,6 +165,7 @@ def build(config, task, meshes, build_optimizer):
         reductions.append(None if codec is None else reduction.BatchAxisReduction(
             meshes[v % K], stage.trainable_variables, codec, config.error_feedback))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
+    model.stage_optimizers = optimizers  # whose state `tfpar.state` saves
     schedule = make_schedule(config.schedule, K, config.microbatches, V)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss,

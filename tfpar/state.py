@@ -1,0 +1,280 @@
+"""The training state under names that do not depend on the layout: saved whole, loaded
+onto any layout.
+
+A checkpoint of `tf.train.Checkpoint(model=..., optimizer=...)` follows the objects that
+hold the state, so it restores only onto the layout that wrote it: a pipeline's stage
+optimizers, ZeRO's flat pieces and a mesh's sharded variables are other objects. Here every
+piece of state is named as in the single-device model and saved as one full tensor:
+
+- `model/<path>`: a weight by its Keras path (`dense_0/kernel`), whole (a mesh's shards
+  gathered, a pipeline stage's weights under their own paths);
+- `optimizer/<path>/<slot>`: an optimizer slot by its weight (`optimizer/dense_0/kernel/
+  momentum`), whole (ZeRO 1/2's flat pieces cut back into shapes; a stage optimizer's slots
+  under the same names as a single optimizer's);
+- `optimizer/<name>`: the optimizer's other variables (`iteration`, `learning_rate`, a
+  `LossScaleOptimizer`'s `dynamic_scale` and `step_counter`, `nonfinite_steps`), one per
+  run (every stage optimizer holds the same value);
+- `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
+  inspect`; never read on load).
+
+The aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
+beside it by the aggregator's own objects, whose names are its positions in the
+trainable variables: residuals keep one row per replica and move to another replica count
+with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`).
+
+Loading reads the tensors by name (`tf.train.load_checkpoint`) and assigns each into the
+variable of the running layout: onto a mesh through its layout (`tfpar.layout.values`), onto
+ZeRO's pieces by re-cutting the flat vector for this replica count, onto a pipeline stage
+on its device. The file is TensorFlow's checkpoint (a tensor bundle), so
+`tf.train.load_checkpoint` reads it without tfpar.
+"""
+
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar import patches
+from tfpar.compression import aggregator as aggregator_lib
+
+# Where `LayoutState`'s tensors sit in a `tf.train.Checkpoint(state=...)`: TensorFlow keys
+# a trackable's own tensors `<object path>/.ATTRIBUTES/<name>`.
+PREFIX = "state/.ATTRIBUTES/"
+LAYOUT = "meta/layout"
+
+
+def key(name):
+    """The checkpoint key of state tensor `name` (TensorFlow escapes `/` in the names of a
+    trackable's tensors)."""
+    return PREFIX + name.replace("/", ".S").replace(".", "..")
+
+
+def name_of(checkpoint_key):
+    """The state tensor name of a checkpoint key (`key`'s inverse), or None."""
+    if not checkpoint_key.startswith(PREFIX):
+        return None
+    return checkpoint_key[len(PREFIX):].replace("..", ".").replace(".S", "/")
+
+
+# Optimizer variables a checkpoint may lack (kept at their start value): counters only.
+_OPTIONAL = ("optimizer/nonfinite_steps",)
+
+
+def optimizers_of(model):
+    """The optimizers holding `model`'s state: one per pipeline stage, or the one."""
+    stages = getattr(model, "stage_optimizers", None)
+    if stages:
+        # A tf.distribute pipeline's compiled optimizer counts steps beside its stages'.
+        counter = getattr(model, "optimizer", None)
+        return [*stages, *([counter] if counter is not None else [])]
+    return [model.optimizer]
+
+
+class LayoutState(patches.Trackable):
+    """The state of `model` and its optimizers under canonical names (module docstring).
+
+    Saved as `tf.train.Checkpoint(state=LayoutState(...))`; loaded with `load`.
+
+    Args:
+        model: the compiled model of any backend (a `PipelineModel`, a mesh's
+            `StagedModel` with `stage_optimizers`, a model on a mesh or a strategy).
+        layout: what to record as the writer's layout (a JSON-able dict).
+    """
+
+    def __init__(self, model, layout=None):
+        self._model = model
+        self._layout = layout or {}
+
+    def entries(self):
+        """`{name: (read, write)}`: `read()` gives the full value as numpy, `write(array)`
+        puts a full value into this layout."""
+        weights = {w.path: w for w in self._model.weights}
+        by_slot_name = {w.path.replace("/", "_"): w.path
+                        for w in self._model.trainable_weights}
+        out = {f"model/{path}": _plain(w) for path, w in weights.items()}
+        for optimizer in optimizers_of(self._model):
+            for name, entry in _optimizer_entries(optimizer, by_slot_name).items():
+                out[name] = _merge(out.get(name), entry)
+        return out
+
+    # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
+    def _serialize_to_tensors(self):
+        tensors = {name: tf.constant(read()) for name, (read, _) in self.entries().items()}
+        tensors[LAYOUT] = tf.constant(json.dumps(self._layout, sort_keys=True))
+        return tensors
+
+    def _restore_from_tensors(self, restored_tensors):
+        raise TypeError("load a LayoutState with LayoutState.load, which maps names onto "
+                        "this layout")
+
+    def load(self, path, only=""):
+        """Assigns every state tensor of checkpoint `path` (whose name starts with `only`:
+        `"model/"` for the weights alone) into this layout.
+
+        Raises:
+            ValueError: `path` has no state under these names (another model, or a
+                checkpoint of before this format), or a tensor's shape differs.
+        """
+        reader = tf.train.load_checkpoint(path)
+        saved = {name_of(k) for k in reader.get_variable_to_shape_map()} - {None}
+        entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
+        missing = sorted(set(entries) - saved - set(_OPTIONAL))
+        if missing:
+            raise ValueError(f"no {missing[0]} in it" + (
+                f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        for name, (read, write) in entries.items():
+            if name not in saved:
+                continue
+            value = reader.get_tensor(key(name))
+            want = np.shape(read())
+            if tuple(value.shape) != tuple(want):
+                raise ValueError(f"{name} is {list(value.shape)} there, {list(want)} here")
+            write(value)
+
+
+def load(path, layout_state, others):
+    """Loads checkpoint `path`: `layout_state` (a `LayoutState`) by name, `others` (a dict
+    of trackables saved beside it: the step, aggregators) by TensorFlow's restore.
+
+    A checkpoint written before this format (the model's and optimizer's object graph)
+    restores only onto the layout that wrote it, as it did then.
+
+    Raises:
+        ValueError, AssertionError: the checkpoint does not hold this model's state.
+    """
+    reader = tf.train.load_checkpoint(path)
+    if not reader.has_tensor(key(LAYOUT)):
+        model = layout_state._model
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                            step=others["step"]).restore(path).assert_existing_objects_matched()
+        return
+    layout_state.load(path)
+    tf.train.Checkpoint(**others).restore(path).expect_partial().assert_existing_objects_matched()
+
+
+def aggregators_of(model):
+    """`{name: aggregator}` of the tfpar gradient aggregators of `model`'s optimizers (saved
+    with their own objects beside the `LayoutState`)."""
+    from tfpar.compression import keras_hook
+    found = [a for a in (keras_hook.aggregator_of(o) for o in optimizers_of(model)
+                         if o is not None) if a is not None]
+    if len(found) == 1:
+        return {"aggregator": found[0]}
+    return {f"aggregator_{i}": a for i, a in enumerate(found)}
+
+
+def layout_of(config, runtime):
+    """The layout a run writes with (`meta/layout`): backend, degrees, ZeRO stage, world."""
+    from tfpar import compat
+    out = {"workers": getattr(runtime, "workers", 1),
+           "replicas": getattr(runtime, "replicas", 1)}
+    dims = getattr(config, "dims", None)
+    if dims is not None:
+        out.update(backend=compat.backend_of(config), data_parallel=dims.dp,
+                   tensor_parallel=dims.tp, pipeline_stages=dims.pp,
+                   zero_stage=config.zero_stage, keras=config.keras)
+    return out
+
+
+def read_layout(path):
+    """The layout recorded by the checkpoint `path` (a dict; empty if none)."""
+    reader = tf.train.load_checkpoint(path)
+    if not reader.has_tensor(key(LAYOUT)):
+        return {}
+    return json.loads(reader.get_tensor(key(LAYOUT)).decode())
+
+
+def tensors_of(path):
+    """`{name: numpy array}` of every state tensor of checkpoint `path` (no layout)."""
+    reader = tf.train.load_checkpoint(path)
+    names = {name_of(k): k for k in reader.get_variable_to_shape_map()}
+    names.pop(None, None)
+    names.pop(LAYOUT, None)
+    return {name: reader.get_tensor(k) for name, k in sorted(names.items())}
+
+
+def _plain(variable):
+    """(read, write) of a variable: mirrored, on a stage's device, or on a mesh."""
+    from tfpar.layout import values
+
+    from tensorflow.experimental import dtensor
+
+    tf_variable = variable if isinstance(variable, tf.Variable) else variable.value
+
+    def write(array):
+        if dtensor.is_dtensor(tf_variable.read_value()):
+            values.assign(tf_variable, array)
+        else:
+            tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
+    return (lambda: values.to_host(tf_variable)), write
+
+
+def _merge(first, entry):
+    """One name held by several optimizers (a stage optimizer's `iteration`): read the
+    first, write all."""
+    if first is None:
+        return entry
+
+    def write(array):
+        first[1](array)
+        entry[1](array)
+    return first[0], write
+
+
+def _optimizer_entries(optimizer, by_slot_name):
+    """The canonical entries of one Keras optimizer (ZeRO's pieces included)."""
+    out = {}
+    for v in optimizer.variables:
+        slot = _slot_of(v.name, by_slot_name)
+        name = (f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{v.name}")
+        out[name] = _merge(out.get(name), _plain(v))
+    inner = getattr(optimizer, "inner_optimizer", None)
+    layout = getattr(inner or optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
+    if layout is not None:
+        paths = {ref: i for ref, i in layout.keys.items()}
+        order = [None] * len(paths)
+        for ref, i in paths.items():
+            order[i] = ref.deref()
+        for slot, variable in layout.slots.items():
+            for i, entry in enumerate(_zero_entries(layout, variable)):
+                weight = order[i]
+                path = weight.path if hasattr(weight, "path") else weight.name
+                out[f"optimizer/{path}/{slot}"] = entry
+    return out
+
+
+def _slot_of(name, by_slot_name):
+    """`(weight path, slot)` of a Keras slot variable named `<path with _>_<slot>`
+    (the longest weight name that prefixes it), or None."""
+    best = None
+    for prefix, path in by_slot_name.items():
+        if name.startswith(prefix + "_") and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, path)
+    return (best[1], name[len(best[0]) + 1:]) if best else None
+
+
+def _zero_entries(layout, variable):
+    """Per weight, (read, write) of its part of one ZeRO 1/2 flat slot (`[N, S]` pieces,
+    one per replica)."""
+    offsets = np.cumsum([0] + layout.sizes)
+    cache = {}
+
+    def flat():
+        return np.reshape(aggregator_lib._stack_replicas(variable).numpy(), [-1])
+
+    def entry(i):
+        def read():
+            return flat()[offsets[i]:offsets[i + 1]].reshape(layout.shapes[i])
+
+        def write(array):
+            # Assembled over all weights, written once the last one arrives.
+            cache[i] = np.reshape(np.asarray(array, np.float32), [-1])
+            if len(cache) == len(layout.sizes):
+                whole = np.zeros([layout.padded], np.float32)
+                for j, part in cache.items():
+                    whole[offsets[j]:offsets[j + 1]] = part
+                aggregator_lib._restore_replicas(
+                    variable, tf.constant(whole.reshape([layout.replicas, layout.piece])))
+                cache.clear()
+        return read, write
+    return [entry(i) for i in range(len(layout.sizes))]
