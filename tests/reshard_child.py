@@ -10,7 +10,8 @@ Trains several configs one after the other in one process (one CPU split): RUNS_
   (`tfpar.state` names); `placement`, each weight's place (a DTensor's mesh axes and
   sharding specs, or its devices); `residual_sums`, per error-feedback residual, the sum
   over this layout's replicas minus the sum of the saved rows (and `residual_rows`, the
-  replica count); then trains the config (resuming at STEP).
+  replica count); `predictions`, on a Keras model (not a mesh), its `predict` of 8 inputs
+  drawn with numpy's `default_rng(0)`; then trains the config (resuming at STEP).
 - none: trains the config as it is (a run that writes, or the uninterrupted reference).
 
 Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`).
@@ -74,6 +75,10 @@ def landing(model, directory):
                for n, (read, _) in entries.items() if n in saved)
     out = {"load_diff": diff, "loaded": len([n for n in entries if n in saved]),
            "placement": {w.path: _placement(w) for w in model.weights}}
+    if not any("specs" in p for p in out["placement"].values()):
+        # What the loaded model predicts (Keras's own predict, one device or a strategy).
+        x = np.random.default_rng(0).normal(size=(8, *model.input_shape[1:]))
+        out["predictions"] = model.predict(x.astype("float32"), verbose=0).tolist()
     aggregator = keras_hook.aggregator_of(model.optimizer) if model.optimizer else None
     if aggregator is not None and getattr(aggregator, "residuals", None):
         reader = tf.train.load_checkpoint(path)

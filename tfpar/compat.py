@@ -128,12 +128,6 @@ def _mesh(c):
     return backend_of(c) == "dtensor"
 
 
-# dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16, the
-# batch-axis codecs and recompute run; checkpoints do not.
-MESH_PIPELINE_CHECKPOINTS = Rule(
-    "checkpoint_dir", lambda c: _mesh(c) and c.dims.pp_enabled and bool(c.checkpoint_dir),
-    "not supported: not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
-    "checkpoint cannot hold several meshes' variables); omit it")
 ZERO_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage > 0 and c.compression != "none",
     "not supported: --zero_stage>0 all-reduces or reduce-scatters fp32 gradients; a "
@@ -181,7 +175,6 @@ ONE_DEVICE_REPLICAS = Rule(
 
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
-    MESH_PIPELINE_CHECKPOINTS,
     ZERO_COMPRESSION,
     MESH_COMPRESSION,
     MESH_MODEL,

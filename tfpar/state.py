@@ -67,7 +67,8 @@ def optimizers_of(model):
         # A tf.distribute pipeline's compiled optimizer counts steps beside its stages'.
         counter = getattr(model, "optimizer", None)
         return [*stages, *([counter] if counter is not None else [])]
-    return [model.optimizer]
+    optimizer = getattr(model, "optimizer", None)
+    return [optimizer] if optimizer is not None else []
 
 
 class LayoutState(patches.Trackable):
@@ -88,12 +89,11 @@ class LayoutState(patches.Trackable):
     def entries(self):
         """`{name: (read, write)}`: `read()` gives the full value as numpy, `write(array)`
         puts a full value into this layout."""
-        weights = {w.path: w for w in self._model.weights}
-        by_slot_name = {w.path.replace("/", "_"): w.path
-                        for w in self._model.trainable_weights}
+        weights = {_path(w): w for w in self._model.weights}
         out = {f"model/{path}": _plain(w) for path, w in weights.items()}
         for optimizer in optimizers_of(self._model):
-            for name, entry in _optimizer_entries(optimizer, by_slot_name).items():
+            for name, entry in _optimizer_entries(optimizer,
+                                                  self._model.trainable_weights).items():
                 out[name] = _merge(out.get(name), entry)
         return out
 
@@ -156,8 +156,7 @@ def aggregators_of(model):
     """`{name: aggregator}` of the tfpar gradient aggregators of `model`'s optimizers (saved
     with their own objects beside the `LayoutState`)."""
     from tfpar.compression import keras_hook
-    found = [a for a in (keras_hook.aggregator_of(o) for o in optimizers_of(model)
-                         if o is not None) if a is not None]
+    found = [a for a in map(keras_hook.aggregator_of, optimizers_of(model)) if a is not None]
     if len(found) == 1:
         return {"aggregator": found[0]}
     return {f"aggregator_{i}": a for i, a in enumerate(found)}
@@ -221,36 +220,42 @@ def _merge(first, entry):
     return first[0], write
 
 
-def _optimizer_entries(optimizer, by_slot_name):
-    """The canonical entries of one Keras optimizer (ZeRO's pieces included)."""
+def _optimizer_entries(optimizer, trainable):
+    """The canonical entries of one Keras optimizer of the weights `trainable` (ZeRO's
+    pieces included)."""
+    paths = {_path(w) for w in trainable}
     out = {}
     for v in optimizer.variables:
-        slot = _slot_of(v.name, by_slot_name)
-        name = (f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{v.name}")
+        own = v.name  # without the optimizer's name (a stage's `adam_1`)
+        slot = _slot_of(own, paths)
+        name = f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{own}"
         out[name] = _merge(out.get(name), _plain(v))
     inner = getattr(optimizer, "inner_optimizer", None)
     layout = getattr(inner or optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
     if layout is not None:
-        paths = {ref: i for ref, i in layout.keys.items()}
-        order = [None] * len(paths)
-        for ref, i in paths.items():
-            order[i] = ref.deref()
+        from tfpar.zero import sharded
+        index = {layout.keys[sharded._key(w)]: _path(w) for w in trainable
+                 if sharded._key(w) in layout.keys}
         for slot, variable in layout.slots.items():
             for i, entry in enumerate(_zero_entries(layout, variable)):
-                weight = order[i]
-                path = weight.path if hasattr(weight, "path") else weight.name
-                out[f"optimizer/{path}/{slot}"] = entry
+                out[f"optimizer/{index[i]}/{slot}"] = entry
     return out
 
 
-def _slot_of(name, by_slot_name):
-    """`(weight path, slot)` of a Keras slot variable named `<path with _>_<slot>`
-    (the longest weight name that prefixes it), or None."""
+def _path(variable):
+    """A Keras variable's path (`dense_0/kernel`)."""
+    return variable.path
+
+
+def _slot_of(name, paths):
+    """`(weight path, slot)` of an optimizer slot variable named `name`, or None: Keras 3
+    names a slot `<path with _>_<slot>` (the longest weight that prefixes it wins)."""
     best = None
-    for prefix, path in by_slot_name.items():
-        if name.startswith(prefix + "_") and (best is None or len(prefix) > len(best[0])):
+    for path in paths:
+        prefix = path.replace("/", "_") + "_"
+        if name.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
             best = (prefix, path)
-    return (best[1], name[len(best[0]) + 1:]) if best else None
+    return (best[1], name[len(best[0]):]) if best else None
 
 
 def _zero_entries(layout, variable):

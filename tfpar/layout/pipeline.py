@@ -51,11 +51,10 @@ With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled 
 last stage model's scale, and one decision is taken for all: each stage's all-finite flag
 is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
 so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
-the stage models' layers (`tfpar.recompute`). Checkpoints are refused
-(`tfpar.compat.MESH_PIPELINE_CHECKPOINTS`): TensorFlow's checkpoint saver writes every
-DVariable of one `tf.train.Checkpoint` from one save function, whose mesh propagation fails
-on TF 2.21 ("All inputs to `tf_device.Cluster` must have same mesh configuration") when
-they live on several meshes.
+the stage models' layers (`tfpar.recompute`). Checkpoints go through `tfpar.state`, which
+gathers each stage's variables to the host first: TensorFlow's own saver, given the
+DVariables of several meshes in one `tf.train.Checkpoint`, fails on TF 2.21 ("All inputs
+to `tf_device.Cluster` must have same mesh configuration").
 """
 
 import contextlib
