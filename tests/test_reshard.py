@@ -130,3 +130,46 @@ def _exported_model_predicts_as_tfpar(tmp_path, predictions):
                               weights], timeout=120, fresh=True).stdout)
     np.testing.assert_allclose(out["keras"], predictions, rtol=0, atol=1e-6)
     np.testing.assert_allclose(out["weights_h5"], predictions, rtol=0, atol=1e-6)
+
+
+def _launch(workers, settings):
+    """`python -m tfpar.launch --workers=N -- python -m tfpar.train ...`, for its
+    checkpoint."""
+    flags = [f"--{k}={v}" for k, v in settings.items()]
+    run([sys.executable, "-m", "tfpar.launch", f"--workers={workers}", "--timeout=300", "--",
+         sys.executable, "-m", "tfpar.train", *flags], timeout=360)
+
+
+def test_jobs_across_workers_resume_in_one_process(tmp_path):
+    """The issue's check: 3D (dp2×tp2×pp2) over 2 workers, resumed in one process on
+    dp2×tp2, then on one device; a pipeline over 2 workers (one stage each), resumed on
+    one device. Each against the target layout trained from the start."""
+    common = {**SGD, "global_batch_size": 16, "steps": 2}
+    _launch(2, {**common, "cpu_devices": 4, "data_parallel": 2, "tensor_parallel": 2,
+                "pipeline_stages": 2, "microbatches": 2, "checkpoint_dir": tmp_path / "w3d"})
+    _launch(2, {**common, "pipeline_stages": 2, "microbatches": 4,
+                "checkpoint_dir": tmp_path / "wpipe"})
+
+    def resume(name, settings, source, at):
+        return [name, {**settings, "checkpoint_dir": str(tmp_path / name)},
+                {"from": str(tmp_path / source), "at": at}]
+    mesh = {**common, "cpu_devices": 4, "data_parallel": 2, "tensor_parallel": 2, "steps": 4}
+    one = {**common, "cpu_devices": 4, "data_parallel": 1, "strategy": "one_device",
+           "steps": 6}
+    child = {"cpu_devices": 4, "runs": [
+        ["ref_mesh", mesh, {}],
+        resume("mesh", mesh, "w3d", 2),
+        ["ref_one", one, {}],
+        resume("one", one, "mesh", 4),
+        resume("one_from_pipe", {**one, "steps": 4}, "wpipe", 2)]}
+    prefix = str(tmp_path / "out")
+    out = last_json_line(run([sys.executable, CHILD, json.dumps(child), prefix],
+                             timeout=400).stdout)
+    _same_run(out, prefix, "mesh", "ref_mesh", 1e-6)
+    _same_run(out, prefix, "one", "ref_one", 1e-6)
+    # The pipeline's resumed steps: the reference's steps 3 and 4.
+    resumed = out["one_from_pipe"]
+    assert resumed["resumed_from_step"] == 2 and resumed["load_diff"] == 0.0
+    np.testing.assert_allclose(resumed["loss_history"], out["ref_one"]["loss_history"][2:4],
+                               rtol=0, atol=1e-6)
+    assert out["mesh"]["placement"]["dense_0/kernel"]["mesh"] == {"batch": 2, "model": 2}

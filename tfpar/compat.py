@@ -255,9 +255,6 @@ ACROSS_WORKERS = (
          "pipelines across worker processes all-reduce inside one client, not with "
          "tf.distribute collectives between workers; use --compression=none, or one "
          "process with --cpu_devices", cluster=True),
-    Rule("checkpoint_dir", lambda c, k: spans_workers(c, k) and bool(c.checkpoint_dir),
-         "checkpoints of a pipeline across worker processes are not supported yet; run "
-         "without --checkpoint_dir, or in one process with --cpu_devices", cluster=True),
     # MirroredStrategy's collectives on the chief hang over cluster devices.
     Rule("data_parallel", lambda c, k: spans_workers(c, k) and _pipeline_replicas(c, k) > 1,
          "a pipeline across worker processes runs one replica yet; use --data_parallel=1 "

@@ -86,6 +86,11 @@ class LayoutState(patches.Trackable):
         self._model = model
         self._layout = layout or {}
 
+    @property
+    def model(self):
+        """The model whose state this is."""
+        return self._model
+
     def entries(self):
         """`{name: (read, write)}`: `read()` gives the full value as numpy, `write(array)`
         puts a full value into this layout."""
@@ -144,7 +149,7 @@ def load(path, layout_state, others):
     """
     reader = tf.train.load_checkpoint(path)
     if not reader.has_tensor(key(LAYOUT)):
-        model = layout_state._model
+        model = layout_state.model
         tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                             step=others["step"]).restore(path).assert_existing_objects_matched()
         return
