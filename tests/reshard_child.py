@@ -56,7 +56,7 @@ def main():
         out[name].update({k: result[k] for k in ("loss_history", "resumed_from_step",
                                                  "replicas")})
         from tfpar import state
-        values = {n: read() for n, (read, _) in state.LayoutState(model).entries().items()}
+        values = {n: e[0]() for n, e in state.LayoutState(model).entries().items()}
         np.savez(f"{prefix}_{name}.npz", **{n.replace("/", "|"): v for n, v in values.items()})
     print(json.dumps(out), flush=True)
 
@@ -71,8 +71,8 @@ def landing(model, directory):
     path = tf.train.latest_checkpoint(directory)
     saved = state.tensors_of(path)
     entries = state.LayoutState(model).entries()
-    diff = max(float(np.max(np.abs(saved[n] - read()), initial=0.0))
-               for n, (read, _) in entries.items() if n in saved)
+    diff = max(float(np.max(np.abs(saved[n] - e[0]()), initial=0.0))
+               for n, e in entries.items() if n in saved)
     out = {"load_diff": diff, "loaded": len([n for n in entries if n in saved]),
            "placement": {w.path: _placement(w) for w in model.weights}}
     if not any("specs" in p for p in out["placement"].values()):

@@ -1,8 +1,8 @@
 """A checkpoint written on one layout resumes on another (`tfpar.state`), landing in the
 target's layout, and the resumed steps equal the uninterrupted run on the target layout:
-dp4 → dp2; dp2×tp2 → tp4; dp2×tp2×pp2 → dp4×tp2 → one device; ZeRO-3 on 4 → plain on 2
-and ZeRO-1 on 2; int8 error-feedback residuals from 4 replicas to 2 with their sum kept
-exactly.
+dp4 → dp2 (also with fp16 loss scaling); dp2×tp2 → tp4; dp2×tp2×pp2 → dp4×tp2 → one
+device; ZeRO-3 on 4 → plain on 2 and ZeRO-1 on 2; int8 error-feedback residuals from 4
+replicas to 2 with their sum kept exactly.
 
 Writers train 2 steps and save; each target first loads (every state tensor read back
 from its variables must equal the saved one exactly, and each weight must sit where the
@@ -21,6 +21,7 @@ CHILD = f"{ROOT}/tests/reshard_child.py"
 SMALL = {"model_width": 32, "verbose": 0}
 SGD = {**SMALL, "optimizer": "sgd"}  # compared within 1e-6
 ADAM = SMALL  # the default optimizer, compared within 1e-5
+FP16 = {**SMALL, "mixed_precision": "fp16"}  # Adam with a dynamic loss scale
 INT8 = {**SMALL, "compression": "int8", "optimizer": "momentum", "learning_rate": 0.05}
 
 
@@ -48,7 +49,8 @@ def _children(tmp):
             resume("tp4", {**tp4, **ADAM, "steps": 4}, "mesh4", 2)]},
         {"cpu_devices": 4, "runs": [
             ["dp4", {**dp4, **ADAM, "steps": 2, "checkpoint_dir": d("dp4")}, {}],
-            ["int8_dp4", {**dp4, **INT8, "steps": 2, "checkpoint_dir": d("int8_dp4")}, {}]]},
+            ["int8_dp4", {**dp4, **INT8, "steps": 2, "checkpoint_dir": d("int8_dp4")}, {}],
+            ["fp16_dp4", {**dp4, **FP16, "steps": 2, "checkpoint_dir": d("fp16_dp4")}, {}]]},
         {"cpu_devices": 8, "runs": [
             ["mesh3d", {**mesh3d, **SGD, "steps": 2, "checkpoint_dir": d("mesh3d")}, {}],
             ["ref_dp4tp2", {**dp4tp2, **SGD, "steps": 4}, {}],
@@ -60,7 +62,9 @@ def _children(tmp):
             resume("dp2", {**dp2, **ADAM, "steps": 4}, "dp4", 2),
             resume("dp2_from_zero3", {**dp2, **ADAM, "steps": 4}, "zero3", 2),
             resume("zero1", {**dp2, **ADAM, "zero_stage": 1, "steps": 4}, "zero3", 2),
-            resume("int8_dp2", {**dp2, **INT8, "steps": 4}, "int8_dp4", 2)]},
+            resume("int8_dp2", {**dp2, **INT8, "steps": 4}, "int8_dp4", 2),
+            ["ref_fp16", {**dp2, **FP16, "steps": 4}, {}],
+            resume("fp16", {**dp2, **FP16, "steps": 4}, "fp16_dp4", 2)]},
     ]
 
 
@@ -93,6 +97,11 @@ def test_a_checkpoint_resumes_on_other_layouts(tmp_path):
     _same_run(out, prefix, "dp2", "ref_dp2", 1e-5)
     _same_run(out, prefix, "dp2_from_zero3", "ref_dp2", 1e-5)
     _same_run(out, prefix, "zero1", "ref_dp2", 1e-5)
+    # The loss scale and its counters load exactly (load_diff 0.0); fp16's forward rounds
+    # differently on 16 and 32 examples per replica, so dp4's and dp2's weights already
+    # differ by 2.4e-5 after the 2 steps before the save (measured 2026-12-05).
+    _same_run(out, prefix, "fp16", "ref_fp16", 1e-4)
+    assert "optimizer|loss_scale|dynamic_scale" in _state(prefix, "fp16")
     # Each weight where the target's layout puts it: the Megatron split on tp4's `model`
     # axis, dp4×tp2's mesh, two mirrored copies, one device.
     tp4 = out["tp4"]["placement"]

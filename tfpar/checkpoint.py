@@ -2,7 +2,8 @@
 
 What is saved: model weights, optimizer state (slots, iterations, loss scale, any
 aggregator state tracked by the optimizer) and the data position (steps done; the data is
-a function of the step, see `tfpar.data`).
+a function of the step, see `tfpar.data`), under the names of the single-device model
+(`tfpar.state`), so any other layout loads it.
 
 `tf.train.CheckpointManager` publishes a save in two moves: it writes the checkpoint's
 files (`ckpt-S.index`, `ckpt-S.data-*`), then replaces the `checkpoint` state file

@@ -11,9 +11,10 @@ piece of state is named as in the single-device model and saved as one full tens
 - `optimizer/<path>/<slot>`: an optimizer slot by its weight (`optimizer/dense_0/kernel/
   momentum`), whole (ZeRO 1/2's flat pieces cut back into shapes; a stage optimizer's slots
   under the same names as a single optimizer's);
-- `optimizer/<name>`: the optimizer's other variables (`iteration`, `learning_rate`, a
-  `LossScaleOptimizer`'s `dynamic_scale` and `step_counter`, `nonfinite_steps`), one per
-  run (every stage optimizer holds the same value);
+- `optimizer/<name>`: the optimizer's other variables (`iteration`, `learning_rate`,
+  `nonfinite_steps`), one per run (every stage optimizer holds the same value); a
+  `LossScaleOptimizer`'s own (`dynamic_scale`, `step_counter`, its `iteration`) under
+  `optimizer/loss_scale/<name>`;
 - `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
   inspect`; never read on load).
 
@@ -92,8 +93,8 @@ class LayoutState(patches.Trackable):
         return self._model
 
     def entries(self):
-        """`{name: (read, write)}`: `read()` gives the full value as numpy, `write(array)`
-        puts a full value into this layout."""
+        """`{name: (read, write, shape)}`: `read()` gives the full value as numpy,
+        `write(array)` puts a full value into this layout, `shape` is the full value's."""
         weights = {_path(w): w for w in self._model.weights}
         out = {f"model/{path}": _plain(w) for path, w in weights.items()}
         for optimizer in optimizers_of(self._model):
@@ -104,7 +105,7 @@ class LayoutState(patches.Trackable):
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
     def _serialize_to_tensors(self):
-        tensors = {name: tf.constant(read()) for name, (read, _) in self.entries().items()}
+        tensors = {name: tf.constant(e[0]()) for name, e in self.entries().items()}
         tensors[LAYOUT] = tf.constant(json.dumps(self._layout, sort_keys=True))
         return tensors
 
@@ -127,11 +128,10 @@ class LayoutState(patches.Trackable):
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        for name, (read, write) in entries.items():
+        for name, (_, write, want) in entries.items():
             if name not in saved:
                 continue
             value = reader.get_tensor(key(name))
-            want = np.shape(read())
             if tuple(value.shape) != tuple(want):
                 raise ValueError(f"{name} is {list(value.shape)} there, {list(want)} here")
             write(value)
@@ -198,7 +198,7 @@ def tensors_of(path):
 
 
 def _plain(variable):
-    """(read, write) of a variable: mirrored, on a stage's device, or on a mesh."""
+    """(read, write, shape) of a variable: mirrored, on a stage's device, or on a mesh."""
     from tfpar.layout import values
 
     from tensorflow.experimental import dtensor
@@ -210,7 +210,7 @@ def _plain(variable):
             values.assign(tf_variable, array)
         else:
             tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
-    return (lambda: values.to_host(tf_variable)), write
+    return (lambda: values.to_host(tf_variable)), write, tuple(tf_variable.shape)
 
 
 def _merge(first, entry):
@@ -222,12 +222,22 @@ def _merge(first, entry):
     def write(array):
         first[1](array)
         entry[1](array)
-    return first[0], write
+    return first[0], write, first[2]
 
 
 def _optimizer_entries(optimizer, trainable):
     """The canonical entries of one Keras optimizer of the weights `trainable` (ZeRO's
     pieces included)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        # A LossScaleOptimizer: the inner optimizer's state under the plain names, the
+        # wrapper's own (its scale, its counters) under `optimizer/loss_scale/`.
+        out = _optimizer_entries(inner, trainable)
+        held = {id(v) for v in inner.variables}
+        for v in optimizer.variables:
+            if id(v) not in held:
+                out[f"optimizer/loss_scale/{v.name}"] = _plain(v)
+        return out
     paths = {_path(w) for w in trainable}
     out = {}
     for v in optimizer.variables:
@@ -235,8 +245,7 @@ def _optimizer_entries(optimizer, trainable):
         slot = _slot_of(own, paths)
         name = f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{own}"
         out[name] = _merge(out.get(name), _plain(v))
-    inner = getattr(optimizer, "inner_optimizer", None)
-    layout = getattr(inner or optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
+    layout = getattr(optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
     if layout is not None:
         from tfpar.zero import sharded
         index = {layout.keys[sharded._key(w)]: _path(w) for w in trainable
@@ -264,13 +273,15 @@ def _slot_of(name, paths):
 
 
 def _zero_entries(layout, variable):
-    """Per weight, (read, write) of its part of one ZeRO 1/2 flat slot (`[N, S]` pieces,
-    one per replica)."""
+    """Per weight, (read, write, shape) of its part of one ZeRO 1/2 flat slot (`[N, S]`
+    pieces, one per replica). The pieces are gathered once for all weights."""
     offsets = np.cumsum([0] + layout.sizes)
-    cache = {}
+    cache, gathered = {}, []
 
     def flat():
-        return np.reshape(aggregator_lib._stack_replicas(variable).numpy(), [-1])
+        if not gathered:
+            gathered.append(np.reshape(aggregator_lib._stack_replicas(variable).numpy(), [-1]))
+        return gathered[0]
 
     def entry(i):
         def read():
@@ -286,5 +297,5 @@ def _zero_entries(layout, variable):
                 aggregator_lib._restore_replicas(
                     variable, tf.constant(whole.reshape([layout.replicas, layout.piece])))
                 cache.clear()
-        return read, write
+        return read, write, tuple(layout.shapes[i])
     return [entry(i) for i in range(len(layout.sizes))]
