@@ -199,9 +199,9 @@ def tensors_of(path):
 
 def _plain(variable):
     """(read, write, shape) of a variable: mirrored, on a stage's device, or on a mesh."""
-    from tfpar.layout import values
-
     from tensorflow.experimental import dtensor
+
+    from tfpar.layout import values
 
     tf_variable = variable if isinstance(variable, tf.Variable) else variable.value
 

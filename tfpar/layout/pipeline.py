@@ -65,7 +65,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import compat, models, recompute
+from tfpar import models, recompute
 from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
 from tfpar.layout import mesh as mesh_lib
