@@ -48,7 +48,7 @@ def test_pip_install_gives_working_console_scripts(tmp_path, installed):
 
     scripts = [("tfpar-train", "--compression"), ("tfpar-launch", "--workers"),
                ("tfpar-plan", "--memory_gb"), ("tfpar-doctor", "--peer_timeout_s"),
-               ("tfpar-report", "--out_dir")]
+               ("tfpar-report", "--out_dir"), ("tfpar-checkpoint", "--to")]
     outs = run_concurrently([
         lambda script=script: run([str(venv / "bin" / script), "--help"], cwd=str(user),
                                   env=env, timeout=120, check=False)

@@ -52,6 +52,9 @@ ALLOWED = {
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "keep"): (1, RANGE),
     ("tfpar/checkpoint.py", "Checkpointer.restore", "checkpoint_dir"): (1, INPUT),
     ("tfpar/checkpoint.py", "check_directory", "checkpoint_dir"): (2, INPUT),
+    ("tfpar/checkpoint_tool.py", "resolve", "checkpoint"): (1, INPUT),
+    ("tfpar/checkpoint_tool.py", "export", "to"): (2, INPUT),
+    ("tfpar/checkpoint_tool.py", "export", "checkpoint"): (2, INPUT),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "zero_stage"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "dataset"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "name"): (2, RANGE),
@@ -216,11 +219,11 @@ def test_cluster_rows_are_checked_before_tensorflow():
                                     "task": {"type": "worker", "index": 0}})}
     pipeline = ParallelConfig(pipeline_stages=2, microbatches=4, global_batch_size=16)
     check_inputs(pipeline, two)  # one stage per worker
+    check_inputs(pipeline.replace(checkpoint_dir="ckpt"), two)  # tfpar.state
     for changes, setting in (({"pipeline_stages": 3, "microbatches": 3,
                                "global_batch_size": 15}, "pipeline_stages"),
                              ({"cpu_devices": 2}, "data_parallel"),
                              ({"compression": "fp16"}, "compression"),
-                             ({"checkpoint_dir": "ckpt"}, "checkpoint_dir"),
                              ({"strategy": "mirrored"}, "strategy")):
         with pytest.raises(ConfigError) as info:
             check_inputs(pipeline.replace(**changes), two)

@@ -10,7 +10,7 @@ before each run, since a mixed-precision run sets the global policy. Multi-worke
 do not belong here (one strategy per process).
 
 A run may carry a third element, `{"graft": [STEP, CHECKPOINT_PATH]}`: after STEP steps
-the run replaces its model's weights with the checkpoint's (`tfpar.checkpoint`'s layout)
+the run replaces its model's weights with the checkpoint's (`tfpar.state`'s names)
 and trains on, its data iterator and optimizer untouched; the weights it read go to
 `OUT_PREFIX_<name>_grafted.npz`. That is the uninterrupted run a resumed one must equal
 bit for bit: the same weights at STEP, the data stream never restarted.
@@ -75,7 +75,8 @@ def main():
 def graft_callback(step, checkpoint, out):
     """The callback that loads the model's weights from `checkpoint` after `step` steps."""
     import keras
-    import tensorflow as tf
+
+    from tfpar import state
 
     class _Graft(keras.callbacks.Callback):
         def __init__(self):
@@ -85,8 +86,7 @@ def graft_callback(step, checkpoint, out):
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
             if self.steps == step:
-                tf.train.Checkpoint(model=self.model).read(checkpoint) \
-                    .assert_existing_objects_matched().expect_partial()
+                state.LayoutState(self.model).load(checkpoint, only="model/")
                 np.savez(out, *[np.asarray(v) for v in self.model.weights])
     return _Graft()
 

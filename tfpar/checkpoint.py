@@ -2,7 +2,8 @@
 
 What is saved: model weights, optimizer state (slots, iterations, loss scale, any
 aggregator state tracked by the optimizer) and the data position (steps done; the data is
-a function of the step, see `tfpar.data`).
+a function of the step, see `tfpar.data`), under the names of the single-device model
+(`tfpar.state`), so any other layout loads it.
 
 `tf.train.CheckpointManager` publishes a save in two moves: it writes the checkpoint's
 files (`ckpt-S.index`, `ckpt-S.data-*`), then replaces the `checkpoint` state file
@@ -39,7 +40,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfpar import faults
+from tfpar import faults, state
 from tfpar.errors import ConfigError
 
 MARKER = "tfpar.json"
@@ -84,8 +85,11 @@ class Checkpointer(keras.callbacks.Callback):
         self.every = config.checkpoint_every
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._step = self._saved = 0
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                               step=self.step)
+        # What is written: the state under layout-independent names (`tfpar.state`), so
+        # any layout loads it; the aggregator's own objects beside it.
+        self._state = state.LayoutState(model, state.layout_of(config, runtime))
+        self._others = {"step": self.step, **state.aggregators_of(model)}
+        self._checkpoint = tf.train.Checkpoint(state=self._state, **self._others)
         check_directory(config)
         self._write_dir = (self.directory if runtime.is_chief
                            else os.path.join(self.directory, f".worker_{runtime.worker_index}"))
@@ -108,8 +112,8 @@ class Checkpointer(keras.callbacks.Callback):
         if latest is None:
             return 0
         try:
-            self._checkpoint.restore(latest).assert_existing_objects_matched()
-        except (AssertionError, ValueError) as err:
+            state.load(latest, self._state, self._others)
+        except (AssertionError, ValueError, tf.errors.NotFoundError) as err:
             raise ConfigError("checkpoint_dir", self.directory,
                               f"its checkpoint {os.path.basename(latest)} does not match this "
                               f"model and optimizer ({str(err).splitlines()[0]})") from None

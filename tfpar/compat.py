@@ -128,12 +128,6 @@ def _mesh(c):
     return backend_of(c) == "dtensor"
 
 
-# dp × tp × pp (`tfpar.layout.pipeline`): every schedule, accumulation, bf16, fp16, the
-# batch-axis codecs and recompute run; checkpoints do not.
-MESH_PIPELINE_CHECKPOINTS = Rule(
-    "checkpoint_dir", lambda c: _mesh(c) and c.dims.pp_enabled and bool(c.checkpoint_dir),
-    "not supported: not built yet for --tensor_parallel>1 with --pipeline_stages>1 (one "
-    "checkpoint cannot hold several meshes' variables); omit it")
 # ZeRO 1/2's reduce-scatter travels in these codecs (`tfpar.zero.sharded.CODECS`).
 ZERO_CODECS = ("fp16", "bf16", "int8")
 ZERO_COMPRESSION = Rule(
@@ -198,7 +192,6 @@ CUSTOM_TRAIN_STEP_LOSS_SCALE = Rule(
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
-    MESH_PIPELINE_CHECKPOINTS,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
@@ -283,9 +276,6 @@ ACROSS_WORKERS = (
          "pipelines across worker processes all-reduce inside one client, not with "
          "tf.distribute collectives between workers; use --compression=none, or one "
          "process with --cpu_devices", cluster=True),
-    Rule("checkpoint_dir", lambda c, k: spans_workers(c, k) and bool(c.checkpoint_dir),
-         "checkpoints of a pipeline across worker processes are not supported yet; run "
-         "without --checkpoint_dir, or in one process with --cpu_devices", cluster=True),
     # MirroredStrategy's collectives on the chief hang over cluster devices.
     Rule("data_parallel", lambda c, k: spans_workers(c, k) and _pipeline_replicas(c, k) > 1,
          "a pipeline across worker processes runs one replica yet; use --data_parallel=1 "

@@ -51,11 +51,10 @@ With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled 
 last stage model's scale, and one decision is taken for all: each stage's all-finite flag
 is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
 so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
-the stage models' layers (`tfpar.recompute`). Checkpoints are refused
-(`tfpar.compat.MESH_PIPELINE_CHECKPOINTS`): TensorFlow's checkpoint saver writes every
-DVariable of one `tf.train.Checkpoint` from one save function, whose mesh propagation fails
-on TF 2.21 ("All inputs to `tf_device.Cluster` must have same mesh configuration") when
-they live on several meshes.
+the stage models' layers (`tfpar.recompute`). Checkpoints go through `tfpar.state`, which
+gathers each stage's variables to the host first: TensorFlow's own saver, given the
+DVariables of several meshes in one `tf.train.Checkpoint`, fails on TF 2.21 ("All inputs
+to `tf_device.Cluster` must have same mesh configuration").
 """
 
 import contextlib
@@ -66,7 +65,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import compat, models, recompute
+from tfpar import models, recompute
 from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
 from tfpar.layout import mesh as mesh_lib
@@ -134,7 +133,6 @@ def build(config, task, meshes, build_optimizer):
         ConfigError: a setting this composition does not run (named), or the model does
             not cut into K stages.
     """
-    compat.enforce(compat.MESH_PIPELINE_CHECKPOINTS, compat.view(config, backend="dtensor"))
     rules = presets.preset_rules(presets.model_presets(config.model))
     keras.utils.set_random_seed(config.seed)
     whole = models.build(config.model, task.input_shape, task.num_classes,
@@ -166,6 +164,7 @@ def build(config, task, meshes, build_optimizer):
         reductions.append(None if codec is None else reduction.BatchAxisReduction(
             meshes[v % K], stage.trainable_variables, codec, config.error_feedback))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
+    model.stage_optimizers = optimizers  # whose state `tfpar.state` saves
     schedule = make_schedule(config.schedule, K, config.microbatches, V)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss,

@@ -33,9 +33,9 @@ swaps (tensorflow 2.21.0).
   indexing to `tf.expand_dims` inside `tensor_getitem_replaced`, which swaps
   `tf.Tensor.__getitem__` (TensorFlow's `_slice_helper`) and puts it back after. The
   check compares `_slice_helper`'s signature, which the replacement falls back to.
-- `trackable_tensors`: subclasses. `tfpar.compression.aggregator.PerReplicaSlot` and
-  `tfpar.zero.ShardedSlot` save per-replica state through TensorFlow's `Trackable` by
-  overriding its `_serialize_to_tensors` / `_restore_from_tensors` (the protocol TensorFlow
+- `trackable_tensors`: subclasses. `tfpar.compression.aggregator.PerReplicaSlot`,
+  `tfpar.zero.ShardedSlot` and `tfpar.state.LayoutState` save per-replica or gathered
+  state through TensorFlow's `Trackable` by overriding its `_serialize_to_tensors` / `_restore_from_tensors` (the protocol TensorFlow
   documents for custom checkpointed objects, sites in `OVERRIDES`); aggregators hold plain
   containers untracked with `NoDependency` (`no_dependency`). The check compares the
   signatures.
@@ -73,12 +73,12 @@ ENTRIES = {
     "trackable_tensors": ("tensorflow.python.trackable.base.Trackable._serialize_to_tensors/"
                           "_restore_from_tensors (overridden at the OVERRIDES sites), "
                           "data_structures.NoDependency",
-                          "tfpar.compression.aggregator, tfpar.zero"),
+                          "tfpar.compression.aggregator, tfpar.zero, tfpar.state"),
 }
 OVERRIDES = {
     (module, cls, method): "trackable_tensors"
     for module, cls in (("tfpar.compression.aggregator", "PerReplicaSlot"),
-                        ("tfpar.zero.sharded", "ShardedSlot"))
+                        ("tfpar.zero.sharded", "ShardedSlot"), ("tfpar.state", "LayoutState"))
     for method in ("_serialize_to_tensors", "_restore_from_tensors")}
 # `graph_control_input`: the binding's signature (tensorflow 2.21.0) and TensorFlow's own call.
 _EXPECTED_CONTROL_INPUT = {
