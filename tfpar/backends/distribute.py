@@ -62,7 +62,8 @@ class DistributeBackend(Backend):
             nan_guard.skip_nonfinite_updates(model.optimizer,
                                              skip=config.on_nan == "skip_step")
             model.optimizer.build(model.trainable_variables)
-            accumulation.install(model, config.grad_accum_steps)
+            if not config.dims.pp_enabled:  # a PipelineModel accumulates in its schedule
+                accumulation.install(model, config.grad_accum_steps)
             metrics.report_step_loss(model)  # the metrics JSON's per-step loss
         return model
 
