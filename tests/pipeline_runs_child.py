@@ -6,7 +6,8 @@ Trains each `[name, config]` of CONFIGS_JSON one after the other on one runtime 
 prints one JSON line `{name: report}`: losses, final weights, where the stage variables and
 optimizer slots live, the pipeline metrics block. With ERRORS = 1 it then also reports,
 under "errors", what building the pipeline with settings that do not combine raises, and
-under "fp16_overflow" a forced fp16 overflow's skipped step (`fp16_overflow`).
+under "fp16_overflow" a forced fp16 overflow's skipped step (`fp16_overflow`), under
+"nan_skip" a NaN batch skipped by the non-finite guard (`nan_skip`).
 
 With CLI_JSON not `null` (the argv of `python -m tfpar.train`), the runs and that command
 line each run in a process forked from this one after its one TensorFlow import
@@ -73,6 +74,7 @@ def train_runs(configs, errors):
     if errors:
         out["errors"] = refusals()
         out["fp16_overflow"] = fp16_overflow()
+        out["nan_skip"] = nan_skip()
     print(json.dumps(out), flush=True)
 
 
@@ -141,6 +143,39 @@ def fp16_overflow():
                 "kept": [[np.asarray(g).tolist() for g in gs] for gs in kept]}
     finally:
         optimizers.set_policy("none")
+
+
+def nan_skip():
+    """A 2-stage float32 `PipelineModel` whose optimizer skips non-finite steps
+    (`--on_nan=skip_step`'s guard) on three batches, the second with a NaN: per step,
+    whether each stage's weights changed, each stage's count of skipped steps, and the
+    steps `NaNGuard` reports skipped."""
+    import keras
+    from tfpar import models, nan_guard
+    from tfpar.pipeline.model import PipelineModel
+    keras.utils.set_random_seed(0)
+    pipe = PipelineModel.split(models.build("mlp", (32,), 10), 2, "1f1b", 4)
+    optimizer = nan_guard.skip_nonfinite_updates(keras.optimizers.SGD(0.1), skip=True)
+    pipe.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), jit_compile=False)
+    guard = nan_guard.NaNGuard("skip_step")
+    guard.set_model(pipe)
+    guard.on_train_begin()
+    rng = np.random.default_rng(1)
+    steps = []
+    for i in range(3):
+        x, y = rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 10, 16)
+        if i == 1:
+            x[3, 5] = np.nan
+        before = [[np.asarray(w).copy() for w in s.weights] for s in pipe.stages]
+        loss = pipe.train_on_batch(x, y)
+        guard.on_train_batch_end(i, {"loss": float(np.ravel(loss)[0])})
+        steps.append({"changed": [any(bool(np.any(b != np.asarray(w)))
+                                      for b, w in zip(bs, s.weights))
+                                  for bs, s in zip(before, pipe.stages)],
+                      "counted": [float(o.nonfinite_steps.numpy())
+                                  for o in pipe.stage_optimizers]})
+    return {"steps": steps, "skipped": guard.skipped}
 
 
 def command_line(argv):

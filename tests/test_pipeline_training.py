@@ -177,6 +177,16 @@ def test_fp16_overflow_skips_the_step_on_every_stage(forked):
     assert out["kept"] == [[[1.0, 1.0]], [[1.0, 1.0, 1.0]]]
 
 
+def test_skip_step_guard_skips_the_nan_step_on_every_stage(forked):
+    # --on_nan=skip_step: the guard is copied to every stage's optimizer, the stages agree
+    # on the step, and NaNGuard reads their count.
+    out = forked["runs"]["nan_skip"]
+    assert [s["changed"] for s in out["steps"]] == [[True, True], [False, False],
+                                                    [True, True]]
+    assert [s["counted"] for s in out["steps"]] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert out["skipped"] == [1]
+
+
 def test_settings_that_do_not_combine_give_clear_errors(forked):
     out = forked["runs"]["errors"]
     assert out["per_replica"].startswith("ConfigError: microbatches=16 is invalid")

@@ -13,7 +13,8 @@ gradient as one run of k·M micro-batches. With fp16 (stage optimizers that are
 `keras.optimizers.LossScaleOptimizer`s) the last stage's loss is multiplied by its
 optimizer's scale, and every stage takes one decision: a stage whose gradients are finite
 while another's are not gets a non-finite gradient, so that every stage's optimizer skips
-its update and halves its scale (all scales start equal and stay equal).
+its update and halves its scale (all scales start equal and stay equal). Stage optimizers
+guarded by `--on_nan` (`tfpar.nan_guard`) take the same one decision.
 
 No stateful op that touches no variable (`tf.print`, `tf.timestamp`, `py_function`) may go
 in here: automatic control dependencies would chain them all in program order and
@@ -125,6 +126,12 @@ class PipelineExecutor:
         return self.optimizers is not None and all(
             isinstance(o, keras.optimizers.LossScaleOptimizer) for o in self.optimizers)
 
+    def skips_nonfinite(self):
+        """True when the stage optimizers skip (or count) non-finite steps: fp16's
+        `LossScaleOptimizer`, or `tfpar.nan_guard.skip_nonfinite_updates`."""
+        return self.loss_scaled() or (self.optimizers is not None and all(
+            hasattr(o, "tfpar_skip_nonfinite") for o in self.optimizers))
+
     def check_batch(self, x):
         """Raises ConfigError if a statically known batch does not split into k·M."""
         n, count = x.shape[0], self.M * self.groups
@@ -151,7 +158,9 @@ class PipelineExecutor:
             # Batches of unknown size are checked at run time, before tf.split's own error.
             ok = tf.debugging.assert_equal(
                 tf.shape(x)[0] % count, 0,
-                message=f"microbatches x grad_accum_steps={count} must divide the batch size")
+                message=f"microbatches={self.M}"
+                        f"{f' x grad_accum_steps={self.groups}' if self.groups > 1 else ''}"
+                        " must divide the batch size")
         with tf.device(devices[0]), tf.control_dependencies([ok]):
             xs = tf.split(x, count)
         with tf.device(devices[last % K]), tf.control_dependencies([ok]):
@@ -182,20 +191,22 @@ class PipelineExecutor:
                 for var in self.stages[v].trainable_variables]
 
     def apply(self, grads):
-        """One optimizer step per stage, on the stage's device (fp16: after every stage
-        agreed on whether the step's gradients are finite)."""
+        """One optimizer step per stage, on the stage's device (with fp16 or a
+        non-finite guard: after every stage agreed on whether the step's gradients are
+        finite)."""
         if self.optimizers is None:
             raise RuntimeError("call build_optimizers(optimizer) before training")
-        if self.loss_scaled():
+        if self.skips_nonfinite():
             grads = self._agree_on_finite(grads)
         for s, (opt, placement) in enumerate(zip(self.optimizers, self.devices)):
             with tf.device(current_device(placement)):
                 opt.apply(grads[s], self.stage_variables(s))
 
     def _agree_on_finite(self, grads):
-        """fp16: where any stage's gradients are not finite, every stage's first gradient
-        is divided by 0, so that every stage's `LossScaleOptimizer` skips its update and
-        halves its scale; finite steps pass unchanged (divided by 1)."""
+        """Where any stage's gradients are not finite, every stage's first gradient is
+        divided by 0, so that every stage's optimizer skips its update (fp16: and halves
+        its scale; a guarded one counts the step); finite steps pass unchanged (divided
+        by 1)."""
         flags = []
         for s, gs in enumerate(grads):
             with tf.device(current_device(self.devices[s])):
@@ -349,6 +360,8 @@ def _copy_optimizer(optimizer):
         config.pop("inner_optimizer")
         return type(optimizer)(_copy_optimizer(optimizer.inner_optimizer), **config)
     copy = optimizer.__class__.from_config(optimizer.get_config())
+    if hasattr(optimizer, "tfpar_skip_nonfinite"):  # the class has the guard's mixin
+        copy.tfpar_skip_nonfinite = optimizer.tfpar_skip_nonfinite
     aggregator = getattr(optimizer, "tfpar_aggregator", None)
     if aggregator is not None:  # the class already has the aggregating mixin
         copy.tfpar_aggregator = type(aggregator)(**aggregator.get_config())
