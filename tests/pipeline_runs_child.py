@@ -5,7 +5,9 @@ Trains each `[name, config]` of CONFIGS_JSON one after the other on one runtime 
 (`tfpar.train.train(runtime=...)`, as tests/train_runs_child.py does) in 4 logical CPUs, and
 prints one JSON line `{name: report}`: losses, final weights, where the stage variables and
 optimizer slots live, the pipeline metrics block. With ERRORS = 1 it then also reports,
-under "errors", what building the pipeline with settings that do not combine raises.
+under "errors", what building the pipeline with settings that do not combine raises, and
+under "fp16_overflow" a forced fp16 overflow's skipped step (`fp16_overflow`), under
+"nan_skip" a NaN batch skipped by the non-finite guard (`nan_skip`).
 
 With CLI_JSON not `null` (the argv of `python -m tfpar.train`), the runs and that command
 line each run in a process forked from this one after its one TensorFlow import
@@ -71,6 +73,8 @@ def train_runs(configs, errors):
         out[name] = report(*T.train(config, runtime=runtime_for(config)))
     if errors:
         out["errors"] = refusals()
+        out["fp16_overflow"] = fp16_overflow()
+        out["nan_skip"] = nan_skip()
     print(json.dumps(out), flush=True)
 
 
@@ -92,9 +96,86 @@ def refusals():
             except TfparError as err:
                 return f"{type(err).__name__}: {err}"
         return "no error"
-    return {"accum": error(grad_accum_steps=2), "per_replica": error(microbatches=16),
-            "devices": error(pipeline_stages=3, microbatches=2),
-            "fp16": error(mixed_precision="fp16")}
+    return {"per_replica": error(microbatches=16),
+            "devices": error(pipeline_stages=3, microbatches=2)}
+
+
+def fp16_overflow():
+    """A 2-stage fp16 `PipelineModel` and its unpipelined model (same weights) trained on
+    the same three batches, the second holding an input past fp16's range: per step, each
+    model's loss scales (per stage) and the largest weight difference between them, and
+    per model whether the step changed its weights. Then the executor's agreement alone:
+    a finite stage beside a non-finite one is made non-finite too."""
+    import keras
+    import tensorflow as tf
+    from tfpar import models, nan_guard, optimizers
+    from tfpar.pipeline.model import PipelineModel
+    optimizers.set_policy("fp16")
+    try:
+        keras.utils.set_random_seed(0)
+        ref = models.build("mlp", (32,), 10)
+        pipe = PipelineModel.split(ref, 2, "1f1b", 4)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        for m in (ref, pipe):
+            m.compile(optimizer=nan_guard.ConsistentLossScaleOptimizer(
+                keras.optimizers.SGD(0.1)), loss=loss, jit_compile=False)
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 10, 16))
+                   for _ in range(3)]
+        batches[1][0][3, 5] = 1e5  # inf in float16 (max 65504): gradients not finite
+        flat = lambda m: np.concatenate([np.asarray(w).ravel() for w in m.weights])  # noqa: E731
+        steps = []
+        for x, y in batches:
+            before = {"ref": flat(ref), "pipe": flat(pipe)}
+            ref.train_on_batch(x, y)
+            pipe.train_on_batch(x, y)
+            steps.append({
+                "scales": {"ref": [float(ref.optimizer.dynamic_scale.numpy())],
+                           "pipe": [float(o.dynamic_scale.numpy())
+                                    for o in pipe.stage_optimizers]},
+                "changed": {k: bool(np.any(before[k] != flat(m)))
+                            for k, m in (("ref", ref), ("pipe", pipe))},
+                "max_diff": float(np.abs(flat(ref) - flat(pipe)).max())})
+        agreed = pipe._executor._agree_on_finite([[tf.ones(2)], [tf.constant([1.0, np.inf])]])
+        finite = [[bool(tf.reduce_all(tf.math.is_finite(g))) for g in gs] for gs in agreed]
+        kept = pipe._executor._agree_on_finite([[tf.ones(2)], [tf.ones(3)]])
+        return {"steps": steps, "agreed_finite": finite,
+                "kept": [[np.asarray(g).tolist() for g in gs] for gs in kept]}
+    finally:
+        optimizers.set_policy("none")
+
+
+def nan_skip():
+    """A 2-stage float32 `PipelineModel` whose optimizer skips non-finite steps
+    (`--on_nan=skip_step`'s guard) on three batches, the second with a NaN: per step,
+    whether each stage's weights changed, each stage's count of skipped steps, and the
+    steps `NaNGuard` reports skipped."""
+    import keras
+    from tfpar import models, nan_guard
+    from tfpar.pipeline.model import PipelineModel
+    keras.utils.set_random_seed(0)
+    pipe = PipelineModel.split(models.build("mlp", (32,), 10), 2, "1f1b", 4)
+    optimizer = nan_guard.skip_nonfinite_updates(keras.optimizers.SGD(0.1), skip=True)
+    pipe.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), jit_compile=False)
+    guard = nan_guard.NaNGuard("skip_step")
+    guard.set_model(pipe)
+    guard.on_train_begin()
+    rng = np.random.default_rng(1)
+    steps = []
+    for i in range(3):
+        x, y = rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 10, 16)
+        if i == 1:
+            x[3, 5] = np.nan
+        before = [[np.asarray(w).copy() for w in s.weights] for s in pipe.stages]
+        loss = pipe.train_on_batch(x, y)
+        guard.on_train_batch_end(i, {"loss": float(np.ravel(loss)[0])})
+        steps.append({"changed": [any(bool(np.any(b != np.asarray(w)))
+                                      for b, w in zip(bs, s.weights))
+                                  for bs, s in zip(before, pipe.stages)],
+                      "counted": [float(o.nonfinite_steps.numpy())
+                                  for o in pipe.stage_optimizers]})
+    return {"steps": steps, "skipped": guard.skipped}
 
 
 def command_line(argv):

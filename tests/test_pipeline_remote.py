@@ -92,6 +92,24 @@ def test_trainer_pipeline_across_workers_matches_single_device(tmp_path):
     assert np.allclose(out["loss_history"], ref_out["loss_history"], rtol=1e-5)
 
 
+def test_fp16_and_accumulation_across_workers_match_one_device(tmp_path):
+    # fp16 loss scaling and --grad_accum_steps (the schedule twice per update) in the
+    # pipeline across workers, against the unpipelined fp16 run on one device (its own
+    # accumulation loop). The bound is fp16's rounding, measured in one process
+    # (2026-12-05, these settings): the pipeline 4.4e-4 from one device after 5 SGD steps;
+    # two one-device fp16 runs of the same update (2 x 32 accumulated, one batch of 64)
+    # 1.1e-4 apart; the same pipeline in fp32 1.5e-8 from one device.
+    settings = dict(optimizer="sgd", learning_rate=0.1, mixed_precision="fp16",
+                    grad_accum_steps=2)
+    ref = in_background(lambda: train_child(
+        tmp_path, "ref", strategy="one_device", model="mlp", **settings))
+    out, prefix = _launched(tmp_path, "pp", pipeline_stages=2, microbatches=4, **settings)
+    ref_out, ref_prefix = ref.result()
+    assert out["workers"] == 2 and out["steps"] == ref_out["steps"] == 5
+    assert max_diff(weights(prefix), weights(ref_prefix)) < 1e-3
+    assert np.allclose(out["loss_history"], ref_out["loss_history"], rtol=1e-4)
+
+
 def test_trainer_pipeline_across_workers_refuses_what_it_cannot_do():
     lines = last_json_line(run([sys.executable, REMOTE_CHILD, "refusals"],
                                timeout=120).stdout)["errors"]

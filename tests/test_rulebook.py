@@ -120,6 +120,7 @@ ALLOWED = {
     ("tfpar/pipeline/executor.py", "PipelineExecutor.__init__", "devices"): (1, INPUT),
     ("tfpar/pipeline/executor.py", "PipelineExecutor.check_batch", "microbatches"): (1, RANGE),
     ("tfpar/pipeline/model.py", "PipelineModel.__init__", "virtual_stages"): (1, INPUT),
+    ("tfpar/pipeline/model.py", "PipelineModel.__init__", "grad_accum_steps"): (1, RANGE),
     ("tfpar/pipeline/model.py", "PipelineModel.fit", "microbatches"): (1, RANGE),
     ("tfpar/pipeline/partition.py", "partition", "setting"): (1, MODEL),
     ("tfpar/pipeline/partition.py", "partition", "costs"): (1, INPUT),
@@ -200,16 +201,16 @@ def test_no_combination_is_refused_outside_the_table():
     assert not gone, f"listed sites that no longer raise; remove them from ALLOWED: {gone}"
 
 
-def test_fp16_on_the_pipeline_fails_before_tensorflow_with_the_trainers_line():
+def test_a_pipeline_refusal_fails_before_tensorflow_with_the_trainers_line():
     with pytest.raises(ConfigError) as info:
-        ParallelConfig(pipeline_stages=2, mixed_precision="fp16")
-    assert info.value.setting == "mixed_precision"
+        ParallelConfig(pipeline_stages=2, measure_comm=True)
+    assert info.value.setting == "measure_comm"
     # The command line gives the same line, before TensorFlow is imported (no device line).
     out = run([sys.executable, os.path.join(ROOT, "tests", "train_before_tf_child.py"),
-               "--pipeline_stages=2", "--mixed_precision=fp16", "--cpu_devices=2"],
+               "--pipeline_stages=2", "--measure_comm", "--cpu_devices=2"],
               timeout=60, fresh=True)
     assert last_json_line(out.stdout) == {"code": 2, "tensorflow": False}
-    # (The command line names the flag: `--mixed_precision`.)
+    # (The command line names the flag: `--measure_comm`.)
     assert out.stderr.strip().splitlines()[-1] == f"tfpar: error: --{info.value}"
     assert "devices:" not in out.stdout + out.stderr
 

@@ -50,14 +50,6 @@ TABLE = {
         for backend in ("data_parallel", "pipeline", "tf_keras")},
     "grad_accum_steps": {
         "tf_keras": ((1,), "tf_keras optimizers do not accumulate gradients"),
-        "pipeline": ((1,), "use 1: the pipeline already accumulates gradients over "
-                           "--microbatches; for a larger effective batch raise "
-                           "--global_batch_size and --microbatches together"),
-    },
-    "mixed_precision": {
-        "pipeline": (("none", "bf16"), "fp16 loss scaling is not in the pipeline step; use "
-                                       "bf16 or none (or the mesh pipeline, "
-                                       "--tensor_parallel>1)"),
     },
     "pipeline_stages": {
         "tf_keras": ((1,), "pipeline parallelism is Keras 3 only"),

@@ -125,7 +125,10 @@ class NaNGuard(keras.callbacks.Callback):
         self.skipped = []
 
     def _counter(self):
-        counter = getattr(self.model.optimizer, "nonfinite_steps", None)
+        # A pipeline's stage optimizers update, each counting the same skipped steps.
+        optimizer = (getattr(self.model, "stage_optimizers", None) or [None])[-1] \
+            or self.model.optimizer
+        counter = getattr(optimizer, "nonfinite_steps", None)
         return 0.0 if counter is None else float(counter.numpy())
 
     def on_train_begin(self, logs=None):

@@ -52,17 +52,19 @@ class DistributeBackend(Backend):
             recompute.apply(model, config)
             if config.dims.pp_enabled:
                 model = pipeline.for_training(model, config, runtime)
+            # `--compression=none` stays on Keras's own all-reduce: fp32 buckets were
+            # not faster on a shaped link (docs/benchmarks/compression.md).
+            optimizer = optimizers.make_optimizer(config)
+            # Before compile: a PipelineModel copies the optimizer, guard included, per stage.
+            nan_guard.skip_nonfinite_updates(optimizer, skip=config.on_nan == "skip_step")
             model.compile(
-                # `--compression=none` stays on Keras's own all-reduce: fp32 buckets were
-                # not faster on a shaped link (docs/benchmarks/compression.md).
-                optimizer=optimizers.make_optimizer(config),
+                optimizer=optimizer,
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                 jit_compile=False)
-            nan_guard.skip_nonfinite_updates(model.optimizer,
-                                             skip=config.on_nan == "skip_step")
             model.optimizer.build(model.trainable_variables)
-            accumulation.install(model, config.grad_accum_steps)
+            if not config.dims.pp_enabled:  # a PipelineModel accumulates in its schedule
+                accumulation.install(model, config.grad_accum_steps)
             metrics.report_step_loss(model)  # the metrics JSON's per-step loss
         return model
 

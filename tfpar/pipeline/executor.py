@@ -7,6 +7,15 @@ next stage's input gradient as `output_gradients`. Both run under the stage's de
 go where their `tf.device` scope says, not where their variables are. Control
 dependencies chain each stage's actions in schedule order; nothing else orders them.
 
+With `grad_accum_steps` = k the schedule runs k times in the step (`ScheduleRunner.run`'s
+groups), on k consecutive groups of M micro-batches, before the one update: the same
+gradient as one run of k·M micro-batches. With fp16 (stage optimizers that are
+`keras.optimizers.LossScaleOptimizer`s) the last stage's loss is multiplied by its
+optimizer's scale, and every stage takes one decision: a stage whose gradients are finite
+while another's are not gets a non-finite gradient, so that every stage's optimizer skips
+its update and halves its scale (all scales start equal and stay equal). Stage optimizers
+guarded by `--on_nan` (`tfpar.nan_guard`) take the same one decision.
+
 No stateful op that touches no variable (`tf.print`, `tf.timestamp`, `py_function`) may go
 in here: automatic control dependencies would chain them all in program order and
 serialise the pipeline. Measure from outside the step or with the profiler.
@@ -20,6 +29,7 @@ Examples:
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from tfpar import compat, patches
@@ -46,6 +56,8 @@ class PipelineExecutor:
         recompute: keep only each stage's input and recompute its forward in the backward
             (`tf.recompute_grad`): less activation memory, one more forward per stage.
             Not with a zero-bubble schedule (its W pass needs the kept activations).
+        grad_accum_steps: k, the schedule's runs per step, each on M micro-batches of the
+            batch (which must split into k·M), before one update.
         serialize: chain all actions of all stages into one sequence (no overlap). For
             benchmarks: its step time is the pipeline's total busy time.
         one_op_at_a_time: chain every op of a stage after the one created before it, so
@@ -60,9 +72,10 @@ class PipelineExecutor:
     """
 
     def __init__(self, stages, devices, schedule, loss_fn, recompute=False, serialize=False,
-                 one_op_at_a_time=False):
+                 one_op_at_a_time=False, grad_accum_steps=1):
         self.K, self.V = len(schedule), chunks_of(schedule)
         self.M = 1 + max(a.microbatch for a in schedule[0])
+        self.groups = grad_accum_steps  # >= 1: checked by ParallelConfig / PipelineModel
         if len(stages) != self.K * self.V:
             raise ConfigError("stages", len(stages), f"the schedule runs {self.K} stages x "
                               f"{self.V} chunks = {self.K * self.V} stage models")
@@ -98,24 +111,34 @@ class PipelineExecutor:
         its slots sit next to the variables (the stock optimizer puts them all on the
         first device). A tfpar gradient aggregator on `optimizer` is copied too: each stage
         aggregates its own gradients across the replicas, with its residuals (and
-        PowerSGD's Q) on the stage's devices."""
-        aggregator = getattr(optimizer, "tfpar_aggregator", None)
+        PowerSGD's Q) on the stage's devices. A `LossScaleOptimizer` (fp16) is copied
+        around a copy of its inner optimizer, each stage with its own scale."""
         self.optimizers = []
         for s, placement in enumerate(self.devices):
             with variables_on(placement):
-                opt = optimizer.__class__.from_config(optimizer.get_config())
-                if aggregator is not None:  # the class already has the aggregating mixin
-                    opt.tfpar_aggregator = type(aggregator)(**aggregator.get_config())
+                opt = _copy_optimizer(optimizer)
                 opt.build(self.stage_variables(s))
             self.optimizers.append(opt)
         return self.optimizers
 
+    def loss_scaled(self):
+        """True when the stage optimizers scale the loss (fp16)."""
+        return self.optimizers is not None and all(
+            isinstance(o, keras.optimizers.LossScaleOptimizer) for o in self.optimizers)
+
+    def skips_nonfinite(self):
+        """True when the stage optimizers skip (or count) non-finite steps: fp16's
+        `LossScaleOptimizer`, or `tfpar.nan_guard.skip_nonfinite_updates`."""
+        return self.loss_scaled() or (self.optimizers is not None and all(
+            hasattr(o, "tfpar_skip_nonfinite") for o in self.optimizers))
+
     def check_batch(self, x):
-        """Raises ConfigError if a statically known batch does not split into M."""
-        n = x.shape[0]
-        if n is not None and n % self.M:
-            raise ConfigError("microbatches", self.M, f"must divide the batch size {n}; "
-                              f"use a batch that is a multiple of {self.M}")
+        """Raises ConfigError if a statically known batch does not split into k·M."""
+        n, count = x.shape[0], self.M * self.groups
+        if n is not None and n % count:
+            raise ConfigError("microbatches", self.M, f"must divide the batch size {n}"
+                              f"{' into grad_accum_steps groups' if self.groups > 1 else ''}"
+                              f"; use a batch that is a multiple of {count}")
 
     def gradients(self, x, y, sample_weight=None):
         """Forward and backward of the (replica's) batch by the schedule.
@@ -127,20 +150,27 @@ class PipelineExecutor:
             concatenated in batch order, and per stage the summed gradients for
             `stage_variables(s)` (the gradient of the full-batch mean loss).
         """
-        K, V, M, last = self.K, self.V, self.M, self.K * self.V - 1
+        K, V, last = self.K, self.V, self.K * self.V - 1
+        count = self.M * self.groups  # micro-batches in the step
         self.check_batch(x)
         devices = [current_device(p) for p in self.devices]
         with tf.device(devices[0]):
             # Batches of unknown size are checked at run time, before tf.split's own error.
             ok = tf.debugging.assert_equal(
-                tf.shape(x)[0] % M, 0, message=f"microbatches={M} must divide the batch size")
+                tf.shape(x)[0] % count, 0,
+                message=f"microbatches={self.M}"
+                        f"{f' x grad_accum_steps={self.groups}' if self.groups > 1 else ''}"
+                        " must divide the batch size")
         with tf.device(devices[0]), tf.control_dependencies([ok]):
-            xs = tf.split(x, M)
+            xs = tf.split(x, count)
         with tf.device(devices[last % K]), tf.control_dependencies([ok]):
-            labels = tf.split(y, M)
-            ws = [None] * M if sample_weight is None else tf.split(sample_weight, M)
-        step = _StepActions(self, devices, labels, ws)
-        self._runner.run(step, lambda m: xs[m])
+            labels = tf.split(y, count)
+            ws = [None] * count if sample_weight is None else tf.split(sample_weight, count)
+            # fp16: one scale for the whole pipeline, the last stage's optimizer's.
+            scale = (tf.convert_to_tensor(self.optimizers[last % K].dynamic_scale)
+                     if self.loss_scaled() else None)
+        step = _StepActions(self, devices, labels, ws, scale)
+        self._runner.run(step, lambda m: xs[m], groups=self.groups)
         with tf.device(devices[last % K]):
             loss = tf.add_n(step.losses)
             y_pred = tf.concat(step.preds, axis=0)
@@ -161,12 +191,33 @@ class PipelineExecutor:
                 for var in self.stages[v].trainable_variables]
 
     def apply(self, grads):
-        """One optimizer step per stage, on the stage's device."""
+        """One optimizer step per stage, on the stage's device (with fp16 or a
+        non-finite guard: after every stage agreed on whether the step's gradients are
+        finite)."""
         if self.optimizers is None:
             raise RuntimeError("call build_optimizers(optimizer) before training")
+        if self.skips_nonfinite():
+            grads = self._agree_on_finite(grads)
         for s, (opt, placement) in enumerate(zip(self.optimizers, self.devices)):
             with tf.device(current_device(placement)):
                 opt.apply(grads[s], self.stage_variables(s))
+
+    def _agree_on_finite(self, grads):
+        """Where any stage's gradients are not finite, every stage's first gradient is
+        divided by 0, so that every stage's optimizer skips its update (fp16: and halves
+        its scale; a guarded one counts the step); finite steps pass unchanged (divided
+        by 1)."""
+        flags = []
+        for s, gs in enumerate(grads):
+            with tf.device(current_device(self.devices[s])):
+                flags.append(tf.reduce_min([tf.cast(tf.reduce_all(tf.math.is_finite(
+                    _dense_part(g))), tf.float32) for g in gs] or [1.0]))
+        agreed = []
+        for s, gs in enumerate(grads):
+            with tf.device(current_device(self.devices[s])):
+                finite = tf.reduce_min(tf.stack([tf.identity(f) for f in flags]))
+                agreed.append([_divide(gs[0], finite)] + list(gs[1:]) if gs else gs)
+        return agreed
 
     def train_step(self, x, y, sample_weight=None):
         """gradients + apply. Returns (loss, y_pred)."""
@@ -188,12 +239,14 @@ class _StepActions:
     weights' gradients summed per virtual stage in `acc`; with `one_op_at_a_time`, every
     op of an action chained after the one created before it."""
 
-    def __init__(self, executor, devices, labels, weights):
+    def __init__(self, executor, devices, labels, weights, scale=None):
         self.ex, self.devices, self.labels, self.weights = executor, devices, labels, weights
+        self.scale = scale                         # fp16: the loss scale, else None
         n = executor.K * executor.V
         self.last = n - 1
+        self.count = executor.M * executor.groups  # micro-batches in the step
         self.acc = [None] * n                      # summed grads per virtual stage
-        self.losses, self.preds = [None] * executor.M, [None] * executor.M
+        self.losses, self.preds = [None] * self.count, [None] * self.count
         self.tapes = {}                            # stashed forwards
         self.done = [None] * executor.K            # last action's op, per stage
         self.marks = []                            # what the action's done-op groups
@@ -233,10 +286,12 @@ class _StepActions:
                 out = ex.calls[v](h)
             if v == self.last:
                 self.preds[m] = out
-                # Mean of per-micro-batch means / M = mean over the full batch.
+                # Mean of per-micro-batch means / (k·M) = mean over the full batch.
                 args = (self.labels[m], out) + (
                     () if self.weights[m] is None else (self.weights[m],))
-                out = self.losses[m] = tf.reduce_mean(ex.loss_fn(*args)) / ex.M
+                out = self.losses[m] = tf.reduce_mean(ex.loss_fn(*args)) / self.count
+                if self.scale is not None:  # fp16: the gradients come out scaled
+                    out = out * tf.cast(self.scale, out.dtype)
         self.tapes[(v, m)] = (tape, ys if split else h, out)
         self.marks = [out]
         return out
@@ -289,6 +344,28 @@ def _add(a, b):
         return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
                                 tf.concat([a.indices, b.indices], 0), a.dense_shape)
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _divide(g, d):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(d, g.values.dtype), g.indices, g.dense_shape)
+    return g / tf.cast(d, g.dtype)
+
+
+def _copy_optimizer(optimizer):
+    """A fresh copy of `optimizer` (unbuilt), with a copy of its tfpar aggregator; a
+    `LossScaleOptimizer` around a copy of its inner optimizer."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        config = optimizer.get_config()
+        config.pop("inner_optimizer")
+        return type(optimizer)(_copy_optimizer(optimizer.inner_optimizer), **config)
+    copy = optimizer.__class__.from_config(optimizer.get_config())
+    if hasattr(optimizer, "tfpar_skip_nonfinite"):  # the class has the guard's mixin
+        copy.tfpar_skip_nonfinite = optimizer.tfpar_skip_nonfinite
+    aggregator = getattr(optimizer, "tfpar_aggregator", None)
+    if aggregator is not None:  # the class already has the aggregating mixin
+        copy.tfpar_aggregator = type(aggregator)(**aggregator.get_config())
+    return copy
 
 
 def _dense_part(g):

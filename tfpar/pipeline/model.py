@@ -39,6 +39,8 @@ class PipelineModel(keras.Model):
         recompute: recompute each stage's forward during its backward.
         measure_bubble: profile one step of the first `fit` (`tfpar.pipeline.probe`) and
             report its idle fraction as `bubble_measured`.
+        grad_accum_steps: k, runs of the schedule per step (each on `microbatches`
+            micro-batches) before one update; every batch must split into k·M.
     Attributes:
         stages: the stage models; `stage_optimizers`: after `compile`, one optimizer per
             stage holding its slots on the stage's device(s). Both are checkpointed with
@@ -61,8 +63,11 @@ class PipelineModel(keras.Model):
     """
 
     def __init__(self, stages, schedule="1f1b", microbatches=1, virtual_stages=1,
-                 devices=None, recompute=False, measure_bubble=True, **kwargs):
+                 devices=None, recompute=False, measure_bubble=True, grad_accum_steps=1,
+                 **kwargs):
         super().__init__(**kwargs)
+        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ConfigError("grad_accum_steps", grad_accum_steps, "must be an integer >= 1")
         V = virtual_stages if schedule == "interleaved" else 1
         if len(stages) % V:
             raise ConfigError("virtual_stages", virtual_stages,
@@ -75,6 +80,7 @@ class PipelineModel(keras.Model):
         self.stage_optimizers = None
         self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, V
         self.recompute, self.measure_bubble = recompute, measure_bubble
+        self.grad_accum_steps = grad_accum_steps
         self.bubble_measured = self.measured_timeline = None
         self._probe = None
         self._devices_arg = _placements(devices) if devices else None
@@ -120,7 +126,8 @@ class PipelineModel(keras.Model):
             # train_step expects of the loss whose gradients are all-reduced as a sum.
             loss_fn = patches.function_loss(loss_fn)
         self._executor = PipelineExecutor(self.stages, self.devices, self._schedule,
-                                          loss_fn, recompute=self.recompute)
+                                          loss_fn, recompute=self.recompute,
+                                          grad_accum_steps=self.grad_accum_steps)
         self.stage_optimizers = self._executor.build_optimizers(self.optimizer)
         for s, opt in enumerate(self.stage_optimizers):  # checkpointed with the model
             setattr(self, f"stage_{s}_optimizer", opt)
@@ -139,13 +146,14 @@ class PipelineModel(keras.Model):
         size = batch_size or (32 if n is not None else None)
         if size is not None:
             sizes = {size} | ({n % size} if n and not kwargs.get("validation_split") else set())
+            count = self.microbatches * self.grad_accum_steps
             for b in sorted(sizes - {0}):
-                if b % self.microbatches:
+                if b % count:
                     raise ConfigError(
                         "microbatches", self.microbatches,
-                        f"must divide every batch, but batch_size={size} over {n} examples "
-                        f"gives a batch of {b}; pick sizes that are multiples of "
-                        f"{self.microbatches}")
+                        f"must divide every batch (times grad_accum_steps="
+                        f"{self.grad_accum_steps}), but batch_size={size} over {n} examples "
+                        f"gives a batch of {b}; pick sizes that are multiples of {count}")
         if self.measure_bubble and self.bubble_measured is None:
             if self._probe is None:  # one probe over all fit calls: it counts their steps
                 self._probe = BubbleProbe(len(self.devices))
@@ -195,7 +203,8 @@ class PipelineModel(keras.Model):
             stages=[keras.saving.serialize_keras_object(s) for s in self.stages],
             schedule=self.schedule_name, microbatches=self.microbatches,
             virtual_stages=self.virtual_stages, devices=self._devices_arg,
-            recompute=self.recompute, measure_bubble=self.measure_bubble)
+            recompute=self.recompute, measure_bubble=self.measure_bubble,
+            grad_accum_steps=self.grad_accum_steps)
         return config
 
     @classmethod

@@ -45,7 +45,7 @@ def for_training(model, config, runtime):
     Args:
         model: a built plain Keras model (Sequential or a functional chain of blocks).
         config: the `ParallelConfig` (pipeline_stages, microbatches, schedule,
-            virtual_stages).
+            virtual_stages, grad_accum_steps).
         runtime: the `tfpar.strategy.Runtime` whose strategy the model trains under.
     Returns:
         a `PipelineModel` (uncompiled); `model.pipeline_metrics()` gives the metrics
@@ -85,4 +85,5 @@ def for_training(model, config, runtime):
                                config.virtual_stages, devices=placements,
                                recompute=config.recompute == "full",
                                name=f"{model.name}_pipeline",
-                               measure_bubble=not across_workers)
+                               measure_bubble=not across_workers,
+                               grad_accum_steps=config.grad_accum_steps)
