@@ -12,8 +12,8 @@ import keras
 import tensorflow as tf
 
 from tfpar import compression as compression_lib
-from tfpar import devices
-from tfpar.config import COMPRESSIONS, STRATEGIES, ParallelConfig
+from tfpar import devices, nan_guard
+from tfpar.config import COMPRESSIONS, ON_NAN, STRATEGIES, ParallelConfig
 from tfpar.errors import ConfigError
 from tfpar.compression.keras_hook import AggregatingOptimizerMixin
 from tfpar.strategy import make_runtime
@@ -117,7 +117,8 @@ def _aggregator(compression_arg, options):
         raise ConfigError("compression", compression_arg, str(err)) from None
 
 
-def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options):  # noqa: N802
+def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # noqa: N802
+                         **aggregator_options):
     """A new Keras optimizer like `optimizer` that sums gradients over replicas through a
     tfpar aggregator (compressed all-reduce), as Horovod's `DistributedOptimizer` does.
 
@@ -136,6 +137,12 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
             `keras.optimizers.LossScaleOptimizer` (its inner optimizer aggregates).
         compression: "none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", or a
             `tfpar.compression_lib.Aggregator` instance.
+        on_nan: a step whose summed gradients hold a NaN or Inf is never applied: weights,
+            optimizer slots and the aggregator's state (error feedback) stay as they were
+            and `optimizer.nonfinite_steps` counts it. With the callback
+            `tfpar.callbacks.NaNGuard()` in `model.fit`, "stop" (the default) then ends
+            `fit` with one line naming the step, "skip_step" logs the step and trains on.
+            (Without the callback both skip such steps silently; none trains on NaN.)
         **aggregator_options: arguments of that aggregator's constructor, e.g. `rank=2`
             and `start_step=10` for PowerSGD, `ratio=0.01` for top-k, `bucket_mb`,
             `error_feedback`, `timeout_s` (default: the strategy's `collective_timeout_s`
@@ -146,7 +153,8 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
         `comm_stats()`: bytes on the wire per step).
 
     Raises:
-        ConfigError: an unknown compression or option, or a bad option value.
+        ConfigError: an unknown compression or option, a bad option value, or `on_nan`
+            not "stop" or "skip_step".
         TypeError: `optimizer` is not a Keras 3 optimizer on the TensorFlow backend.
 
     Examples:
@@ -165,13 +173,15 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
         >>> stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
         True
     """
+    if on_nan not in ON_NAN:
+        raise ConfigError("on_nan", on_nan, f"choose one of {', '.join(ON_NAN)}")
     aggregator = _aggregator(compression, dict(aggregator_options))
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         config = optimizer.get_config()
         config.pop("inner_optimizer")
-        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator)
+        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator, on_nan=on_nan)
         return type(optimizer)(inner, **config)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is not a Keras optimizer; pass e.g. "
@@ -191,6 +201,7 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
     config = optimizer.get_config()
     config.pop("compression", None)
     copy = distributed_class(base).from_config(config)
+    copy.tfpar_on_nan = on_nan
     return compression_lib.wrap_optimizer(copy, aggregator)
 
 
@@ -204,8 +215,12 @@ def distributed_class(base):
     `keras.optimizers.deserialize(keras.optimizers.serialize(opt))` gives back a
     distributed optimizer with the same compression."""
     if base not in _DISTRIBUTED:
-        class Distributed(AggregatingOptimizerMixin, base):
+        # Non-finite steps counted and skipped (`tfpar.nan_guard`): in the class, so the
+        # registered name stays the one saved.
+        class Distributed(nan_guard.SkipNonFiniteMixin, AggregatingOptimizerMixin, base):
             tfpar_base = base
+            tfpar_skip_nonfinite = True
+            tfpar_on_nan = "stop"
 
             def get_config(self):
                 config = super().get_config()
