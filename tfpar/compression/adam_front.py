@@ -123,7 +123,8 @@ class AdamFrontStep:
         c2 = 1 - tf.pow(self.beta_2, self.t_v)  # v's bias correction when it last moved
         if self.own and self.agg.adam_compresses == "step":
             return self.local_variance_step(gs)
-        if self.agg.adam_compresses == "step" and not self.agg.adam_sync_momentum:
+        if (self.agg.adam_compresses == "step" and not self.agg.adam_sync_momentum
+                and self.agg.lossy):
             scales = [self.scale(self.raised_v(g, p), c2) for g, p in zip(gs, self.positions)]
             return self.frozen_variance_step(gs, scales)
         scales = [self.scale(self.moment("v", p), c2) for p in self.positions]
@@ -144,7 +145,9 @@ class AdamFrontStep:
         entry the warm-up saw at its usual size is left as it was (it would need a gradient
         ~7× the warm-up's RMS). Each replica raises its own `v` (no bytes), so only where
         every replica's momentum is its own (top-k below `1 − β₁`, `adam_sync_momentum`
-        off): a synced momentum needs `v` the same everywhere."""
+        off): a synced momentum needs `v` the same everywhere. The exact aggregator with
+        Adam in front (no user's path takes it) stays frozen-`v` Adam itself, the reference
+        the tests compare compressed runs with."""
         v = self.moment("v", p)
         raised = tf.maximum(v, (1 - self.beta_2) * tf.square(g * self.replicas))
         v.assign(raised)
