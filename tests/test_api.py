@@ -48,6 +48,7 @@ def test_import_tfpar_loads_no_tensorflow(docstring_runs):
     (lambda t: t.DistributedOptimizer("adam", compression="zip"), "compression"),
     (lambda t: t.DistributedOptimizer("adam", compression="topk", rank=2), "rank"),
     (lambda t: t.DistributedOptimizer("adam", compression="topk", ratio=2.0), "compression"),
+    (lambda t: t.DistributedOptimizer("adam", compression="topk", on_nan="ignore"), "on_nan"),
 ])
 def test_bad_arguments_give_one_line(call, setting):
     import tfpar

@@ -12,8 +12,8 @@ import keras
 import tensorflow as tf
 
 from tfpar import compression as compression_lib
-from tfpar import devices
-from tfpar.config import COMPRESSIONS, STRATEGIES, ParallelConfig
+from tfpar import devices, nan_guard
+from tfpar.config import COMPRESSIONS, ON_NAN, STRATEGIES, ParallelConfig
 from tfpar.errors import ConfigError
 from tfpar.compression.keras_hook import AggregatingOptimizerMixin
 from tfpar.strategy import make_runtime
@@ -117,7 +117,8 @@ def _aggregator(compression_arg, options):
         raise ConfigError("compression", compression_arg, str(err)) from None
 
 
-def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options):  # noqa: N802
+def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # noqa: N802
+                         **aggregator_options):
     """A new Keras optimizer like `optimizer` that sums gradients over replicas through a
     tfpar aggregator (compressed all-reduce), as Horovod's `DistributedOptimizer` does.
 
@@ -142,6 +143,12 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
             `keras.optimizers.LossScaleOptimizer` (its inner optimizer aggregates).
         compression: "none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", or a
             `tfpar.compression_lib.Aggregator` instance.
+        on_nan: a step whose summed gradients hold a NaN or Inf is never applied: weights,
+            optimizer slots and the aggregator's state (error feedback) stay as they were
+            and `optimizer.nonfinite_steps` counts it. With the callback
+            `tfpar.callbacks.NaNGuard()` in `model.fit`, "stop" (the default) then ends
+            `fit` with one line naming the step, "skip_step" logs the step and trains on.
+            (Without the callback both skip such steps silently; none trains on NaN.)
         **aggregator_options: arguments of that aggregator's constructor, e.g. `rank=2`
             and `start_step=10` for PowerSGD, `ratio=0.01` for top-k, `bucket_mb`,
             `error_feedback`, `timeout_s` (default: the strategy's `collective_timeout_s`
@@ -152,7 +159,8 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
         `comm_stats()`: bytes on the wire per step).
 
     Raises:
-        ConfigError: an unknown compression or option, or a bad option value.
+        ConfigError: an unknown compression or option, a bad option value, or `on_nan`
+            not "stop" or "skip_step".
         TypeError: `optimizer` is not a Keras 3 optimizer on the TensorFlow backend.
 
     Examples:
@@ -171,13 +179,15 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
         >>> stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
         True
     """
+    if on_nan not in ON_NAN:
+        raise ConfigError("on_nan", on_nan, f"choose one of {', '.join(ON_NAN)}")
     aggregator = _aggregator(compression, dict(aggregator_options))
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         config = optimizer.get_config()
         config.pop("inner_optimizer")
-        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator)
+        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator, on_nan=on_nan)
         return type(optimizer)(inner, **config)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is not a Keras optimizer; pass e.g. "
@@ -196,7 +206,12 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
     # The copy's class is the mixin over `optimizer`'s own class with that class's name and
     # module (`wrap_optimizer`), so Keras saves it as the plain optimizer, as Horovod does.
     copy = _plain_class(optimizer).from_config(optimizer.get_config())
-    return compression_lib.wrap_optimizer(copy, aggregator)
+    wrapped = compression_lib.wrap_optimizer(copy, aggregator)
+    # Non-finite steps counted and never applied (`tfpar.nan_guard`); the mixin keeps the
+    # class's name and module, so the file still holds the plain optimizer.
+    nan_guard.skip_nonfinite_updates(wrapped)
+    wrapped.tfpar_on_nan = on_nan
+    return wrapped
 
 
 def _plain_class(optimizer):

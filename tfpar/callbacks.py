@@ -1,6 +1,7 @@
 """Keras callbacks for a user's own `model.fit`: `BackupAndRestore` (exact resume, also
-mid-epoch, of the whole state tfpar knows) and `TensorBoard` (Keras's, plus tfpar's
-per-step scalars).
+mid-epoch, of the whole state tfpar knows), `TensorBoard` (Keras's, plus tfpar's
+per-step scalars) and `NaNGuard` (what `tfpar.DistributedOptimizer(on_nan=...)` asks for at
+a non-finite step: stop with the step named, or log it).
 """
 
 import dataclasses
@@ -12,7 +13,7 @@ import time
 import keras
 import tensorflow as tf
 
-from tfpar import metrics, patches
+from tfpar import metrics, nan_guard, patches
 from tfpar.checkpoint import Checkpointer
 from tfpar.compression import aggregator_of, timing
 from tfpar.errors import ConfigError, TfparError
@@ -390,3 +391,18 @@ class TensorBoard(TensorBoardScalars, keras.callbacks.TensorBoard):
     def __init__(self, log_dir="logs", measure_comm=None, **kwargs):
         super().__init__(log_dir=log_dir, **kwargs)
         self._init_scalars(measure_comm)
+
+
+class NaNGuard(nan_guard.NaNGuard):
+    """Ends `model.fit` with one line naming the step (`TfparError`) when a step's loss or
+    summed gradients are not finite, or logs the step and trains on: as the optimizer's
+    `on_nan` says (`tfpar.DistributedOptimizer(opt, on_nan="stop" | "skip_step")`; "stop"
+    for any other optimizer). The optimizer has already left that step's update out.
+
+    Examples:
+        >>> model.fit(x, y, callbacks=[tfpar.callbacks.NaNGuard()])      # doctest: +SKIP
+    """
+
+    def __init__(self):
+        super().__init__(hint="lower the learning rate, check the data, or pass "
+                              "on_nan='skip_step' to tfpar.DistributedOptimizer")

@@ -58,6 +58,23 @@ class SkipNonFiniteMixin:
             self.nonfinite_steps = self.add_variable(
                 (), "zeros", "float32", aggregation="only_first_replica", name="nonfinite_steps")
 
+    # Keras's file (`model.save`, `save_weights`) holds the plain optimizer's variables only,
+    # so stock Keras loads its state (the counter is tfpar's; checkpoints keep it).
+    def _plain_variables(self):
+        counter = getattr(self, "nonfinite_steps", None)
+        return [v for v in self.variables if v is not counter]
+
+    def save_own_variables(self, store):
+        for i, variable in enumerate(self._plain_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        plain = self._plain_variables()
+        if len(store.keys()) != len(plain):  # a file with the counter, or a mismatch
+            return super().load_own_variables(store)
+        for i, variable in enumerate(plain):
+            variable.assign(store[str(i)])
+
     # Keras's private step, overridden: registry entry `optimizer_hooks` of tfpar.patches.
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = [v.value if isinstance(v, keras.Variable) else v
@@ -115,12 +132,16 @@ class NaNGuard(keras.callbacks.Callback):
     non-finite gradients, raises `TfparError` (stop) or is logged as skipped.
 
     Args:
-        on_nan: "stop" or "skip_step".
+        on_nan: "stop" or "skip_step"; None: the optimizer's (`tfpar.DistributedOptimizer(
+            on_nan=...)`, "stop" for any other).
+        hint: what the stop's line suggests (the trainer's flags by default).
     """
 
-    def __init__(self, on_nan):
+    def __init__(self, on_nan=None, hint=None):
         super().__init__()
         self.on_nan = on_nan
+        self.hint = hint or ("lower --learning_rate, use --mixed_precision=bf16 instead of "
+                             "fp16, check the data, or pass --on_nan=skip_step")
         self.step = 0  # steps done; set to the resume step before training
         self.skipped = []
 
@@ -132,6 +153,10 @@ class NaNGuard(keras.callbacks.Callback):
         return 0.0 if counter is None else float(counter.numpy())
 
     def on_train_begin(self, logs=None):
+        if self.on_nan is None:
+            optimizer = self.model.optimizer
+            optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+            self.on_nan = getattr(optimizer, "tfpar_on_nan", "stop")
         self._count = self._counter()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -145,10 +170,7 @@ class NaNGuard(keras.callbacks.Callback):
         # loss only on some (see the module docstring).
         what = "gradients became non-finite" if bad_grads else f"loss became {loss}"
         if self.on_nan == "stop":
-            raise TfparError(
-                f"{what} at step {self.step - 1} (on_nan=stop); lower "
-                "--learning_rate, use --mixed_precision=bf16 instead of fp16, check the data, "
-                "or pass --on_nan=skip_step")
+            raise TfparError(f"{what} at step {self.step - 1} (on_nan=stop); {self.hint}")
         self.skipped.append(self.step - 1)
         logging.warning("step %d: %s; its update was skipped (on_nan=skip_step)",
                         self.step - 1, what)

@@ -123,12 +123,35 @@ class AdamFrontStep:
         c2 = 1 - tf.pow(self.beta_2, self.t_v)  # v's bias correction when it last moved
         if self.own and self.agg.adam_compresses == "step":
             return self.local_variance_step(gs)
+        if (self.agg.adam_compresses == "step" and not self.agg.adam_sync_momentum
+                and self.agg.lossy):
+            scales = [self.scale(self.raised_v(g, p), c2) for g, p in zip(gs, self.positions)]
+            return self.frozen_variance_step(gs, scales)
         scales = [self.scale(self.moment("v", p), c2) for p in self.positions]
         if self.agg.adam_compresses == "step":
             return self.frozen_variance_step(gs, scales)
         if self.own:
             return self.local_variance(gs)
         return self.compressed_gradient(gs, scales, c2)
+
+    def raised_v(self, g, p):
+        """This replica's frozen `v`, raised where it is below `(1 − β₂) · g²` for its own
+        gradient `g · replicas`: the least Keras's Adam's own `v` holds after any step.
+
+        A frozen `v` knows only the warm-up's gradients. An entry whose gradient was zero or
+        tiny then (an embedding row nobody looked up: `v` = 0) had its step `m̂ / (√v̂ + ε)`
+        divided by ~ε once its gradient came, 10⁶× Adam's, and the weights ran to NaN
+        (docs/guides/compression.md). Raised, the step stays within Adam's own bound; an
+        entry the warm-up saw at its usual size is left as it was (it would need a gradient
+        ~7× the warm-up's RMS). Each replica raises its own `v` (no bytes), so only where
+        every replica's momentum is its own (top-k below `1 − β₁`, `adam_sync_momentum`
+        off): a synced momentum needs `v` the same everywhere. The exact aggregator with
+        Adam in front (no user's path takes it) stays frozen-`v` Adam itself, the reference
+        the tests compare compressed runs with."""
+        v = self.moment("v", p)
+        raised = tf.maximum(v, (1 - self.beta_2) * tf.square(g * self.replicas))
+        v.assign(raised)
+        return raised
 
     def frozen_variance_step(self, gs, scales):
         """Each replica compresses its own Adam step over the shared (frozen) `v`."""
