@@ -1,4 +1,6 @@
-"""A KerasHub model under Keras's own ModelParallel, on TensorFlow: Gemma's layout map.
+"""A KerasHub model under Keras's own ModelParallel, on TensorFlow: Gemma's layout map;
+trained on a 2x2 mesh, saved with `model.save` (hub_load_one_device.py loads it in stock
+Keras on one device).
 
 python hub_model_parallel.py   (needs keras-hub: pip install tfpar[hub])
 """
@@ -37,3 +39,6 @@ history = model.fit(x, y, sample_weight=x["padding_mask"], batch_size=16, epochs
 embeddings = backbone.get_layer("token_embedding").embeddings
 print("token_embedding/embeddings laid out as", embeddings.value.layout.sharding_specs)
 print("loss per epoch", [round(v, 4) for v in history.history["loss"]])
+model.save("gemma_mesh.keras")  # whole arrays: loads on one device, or another mesh
+np.savez("gemma_mesh.npz", token_ids=token_ids,
+         logits=model.predict(x, batch_size=16, verbose=0))

@@ -152,3 +152,9 @@ def test_keras_hub_example(venv, project):
     assert layout_line and layout_line.group(1) == "['model', 'batch']", out.stdout
     losses = [float(v) for v in re.findall(r"[\d.]+", out.stdout.split("loss per epoch")[1])]
     assert len(losses) == 3 and losses[-1] < losses[0], out.stdout  # it learns
+    # What the mesh saved with model.save loads in stock Keras on one device (no tfpar) and
+    # predicts as the mesh did: the same weights, so only the sums' order differs.
+    out = subproc.run([_python(venv), "hub_load_one_device.py"], env=USER_ENV,
+                      cwd=str(project), timeout=300)
+    diff = float(re.search(r"mesh logits\| ([\d.e+-]+)", out.stdout).group(1))
+    assert diff < 1e-4 and "tfpar imported: False" in out.stdout, out.stdout
