@@ -131,11 +131,13 @@ def check_distribution(distribution):
         raise ConfigError("distribution", type(distribution).__name__,
                           "tfpar honours keras.distribution.ModelParallel and DataParallel")
     mesh = distribution.device_mesh
-    if distribution.batch_dim_name != mesh_lib.BATCH or len(mesh.shape) > 2:
+    batch = mesh_lib.batch_axis(mesh)
+    if distribution.batch_dim_name != batch or len(mesh.shape) > 2:
         raise ConfigError("batch_dim_name", distribution.batch_dim_name,
-                          f"tfpar splits batches over a mesh axis named 'batch' on a mesh "
-                          f"of at most 2 axes (got axes {tuple(mesh.axis_names)}); use "
-                          "DeviceMesh(shape, ['batch', 'model']) and batch_dim_name='batch'")
+                          "tfpar splits batches over the mesh axis named 'batch', else the "
+                          "first axis, on a mesh of at most 2 axes (got axes "
+                          f"{tuple(mesh.axis_names)}); use batch_dim_name={batch!r} on a "
+                          "mesh of 1 or 2 axes")
     mesh_lib.attach_backend_mesh(mesh)
 
 
@@ -174,13 +176,21 @@ def distribute_tensor(tensor, layout):
 def check_layout_map(distribution, model):
     """Raises `ConfigError` naming a `LayoutMap` key that matches none of `model`'s weight
     paths nor any of its layers' `<path>/output` (a typo there would leave the weight whole,
-    or the output as it is, without a word)."""
+    or the output as it is, without a word). A key for a weight its layer does not have
+    (keras.io's guide lays out `d1/bias` of a `Dense(..., use_bias=False, name="d1")`) is
+    logged and left unused, as Keras does."""
     layout_map = patches.layout_map(distribution)
     paths = [v.path for v in model.weights]
-    outputs = [activations.layer_path(layer) + "/output"
-               for layer in patches.sublayers(model)]
+    layers = [activations.layer_path(layer) for layer in patches.sublayers(model)]
+    outputs = [path + "/output" for path in layers]
     for key in layout_map or ():
         if any(key == p or re.fullmatch(key, p) for p in paths + outputs):
+            continue
+        owner = key.rsplit("/", 1)[0]
+        if "/" in key and any(owner == p or re.fullmatch(owner, p) for p in layers):
+            logging.warning("layout_map key %r: layer %r has no such weight (its weights: "
+                            "%s); the key is not used", key, owner,
+                            ", ".join(p for p in paths if p.startswith(owner + "/")) or "none")
             continue
         raise ConfigError("layout_map", key,
                           "matches none of the model's weight paths (full match of "
@@ -236,7 +246,7 @@ def _mesh_trainer(model):
                           "is not supported on a mesh; use "
                           "MeshTrainer(..., grad_accum_steps=k) (k micro-batches per step)")
     scope = keras.distribution.ModelParallel(
-        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.batch_axis(mesh))
     if not optimizer.built:
         with variables.variable_scope(scope):
             if not all(variables.is_dvariable(v) for v in optimizer.variables):
@@ -258,7 +268,7 @@ def _loss(model):
     if loss is None or isinstance(loss, (dict, list, tuple)) or len(outputs) > 1:
         raise ConfigError("loss", loss, "tfpar's mesh step takes one loss on one output")
     loss = keras.losses.get(loss)
-    return loss if isinstance(loss, keras.losses.Loss) else keras.losses.LossFunctionWrapper(loss)
+    return loss if isinstance(loss, keras.losses.Loss) else patches.function_loss(loss)
 
 
 def _accuracy(model):

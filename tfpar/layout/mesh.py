@@ -114,14 +114,28 @@ def axis_size(mesh, axis):
     return mesh.shape[list(mesh.axis_names).index(axis)]
 
 
+def batch_axis(mesh):
+    """The axis batches split over, of a Keras `DeviceMesh` or a DTensor mesh: the one
+    named "batch", else the first (Keras's `DataParallel` and `ModelParallel` default to
+    the first axis; keras.io's guide names it "data")."""
+    names = list(mesh.axis_names if hasattr(mesh, "axis_names") else mesh.dim_names)
+    return BATCH if BATCH in names else names[0]
+
+
+def batch_parts(mesh):
+    """Devices along the batch axis (`batch_axis`) of a Keras `DeviceMesh`."""
+    return axis_size(mesh, batch_axis(mesh))
+
+
 def replicated(mesh, rank):
     """The DTensor layout of a rank-`rank` tensor held whole on every device."""
     return dtensor.Layout.replicated(mesh.backend_mesh, rank)
 
 
 def batch_sharded(mesh, rank):
-    """The DTensor layout of a batch: first axis split over `batch`, copies over `model`."""
-    return dtensor.Layout.batch_sharded(mesh.backend_mesh, BATCH, rank)
+    """The DTensor layout of a batch: first axis split over the batch axis, copies over the
+    others."""
+    return dtensor.Layout.batch_sharded(mesh.backend_mesh, batch_axis(mesh), rank)
 
 
 def describe(mesh):

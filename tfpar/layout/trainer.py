@@ -24,7 +24,7 @@ from tfpar import compat
 from tfpar.errors import ConfigError, TfparError
 from tfpar.metrics import STEP_LOSS
 from tfpar.layout import activations, presets, reduction, step, values, variables
-from tfpar.layout.mesh import BATCH, axis_size
+from tfpar.layout.mesh import BATCH, axis_size, batch_parts
 from tfpar.layout.optimizer import stateless_optimizer
 
 
@@ -134,8 +134,8 @@ class MeshTrainer:
         self.grad_accum_steps, self.accuracy = int(grad_accum_steps), accuracy
         self.reduction = reduction
         self._train = step.train_step(mesh, model, optimizer, loss, self.grad_accum_steps,
-                                      reduction)
-        self._eval = step.eval_step(mesh, model, loss)
+                                      reduction, accuracy=bool(accuracy))
+        self._eval = step.eval_step(mesh, model, loss, accuracy=bool(accuracy))
         self._predict = step.predict_step(mesh, model)
 
     def _on_mesh(self, batch, training=False):
@@ -242,7 +242,7 @@ class MeshTrainer:
         """
         x = np.asarray(x)
         batch_size = batch_size or len(x)
-        parts = axis_size(self.mesh, BATCH)
+        parts = batch_parts(self.mesh)
         if batch_size % parts or len(x) % batch_size:
             raise TfparError(f"predict: batch_size={batch_size} must divide len(x)={len(x)} "
                              f"and be divisible by data_parallel={parts}")

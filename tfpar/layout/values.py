@@ -74,7 +74,7 @@ def batch_to_mesh(batch, mesh):
         ConfigError: the batch size does not split over the `batch` axis.
     """
     return tuple(to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim))
-                 for array in _batch_arrays(batch, mesh_lib.axis_size(mesh, mesh_lib.BATCH)))
+                 for array in _batch_arrays(batch, mesh_lib.batch_parts(mesh)))
 
 
 def replica_batches_to_mesh(batch, mesh):
@@ -85,7 +85,7 @@ def replica_batches_to_mesh(batch, mesh):
     Raises:
         ConfigError: the batch size does not split over the `batch` axis.
     """
-    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    parts = mesh_lib.batch_parts(mesh)
     out = []
     for array in _batch_arrays(batch, parts):
         stacked = array.reshape((parts, -1) + array.shape[1:])
@@ -114,7 +114,7 @@ def micro_batches_to_mesh(batch, mesh, steps):
         ConfigError: the batch does not split into `steps` micro-batches that each split
             over the `batch` axis.
     """
-    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    parts = mesh_lib.batch_parts(mesh)
     out = []
     for array in batch:
         array = np.asarray(array)
