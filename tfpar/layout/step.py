@@ -19,6 +19,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar.errors import TfparError
 from tfpar.zero import fsdp
+from tfpar.layout import rng
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
 
@@ -229,13 +230,14 @@ def _checked(mesh, step, what):
     """Compiles `step`; each new trace is checked for plain variables before it runs.
 
     Ops without DTensor inputs (`tf.range`, constants) are placed on `mesh` replicated
-    (without a default mesh DTensor crashes on them).
+    (without a default mesh DTensor crashes on them); Keras's random draws (dropout) are
+    one device's (`tfpar.layout.rng`).
     """
     fn = tf.function(traced_with_expand_dims(step))
     checked = set()
 
     def call(*args):
-        with dtensor.default_mesh(mesh.backend_mesh):
+        with dtensor.default_mesh(mesh.backend_mesh), rng.drawing_whole(mesh.backend_mesh):
             concrete = _trace(fn, args)
             if id(concrete) not in checked:
                 check_dvariables(concrete.graph.variables, what)

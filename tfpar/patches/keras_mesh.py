@@ -31,6 +31,12 @@ data-adapter and compile state they need (keras 3.15.1).
 - `data_adapters`: calls. The mesh loops take the same inputs as Keras's (`data_adapter`,
   `train_validation_split`), through Keras's private data-adapter functions; the check
   compares their signatures.
+- `mesh_random`: Keras's TensorFlow `random.dropout`, `uniform`, `normal` and
+  `truncated_normal` draw with TensorFlow's stateless ops, which DTensor expands shard by
+  shard with a seed changed per shard: on a mesh a `Dropout` drops other units than on one
+  device. While a mesh step is traced, `tfpar.layout.rng` puts wrappers there
+  (`set_backend_random`) that draw the whole tensor on every device, as one device does;
+  the check looks for the stateless op each calls and compares `dropout`'s signature.
 """
 
 import contextlib
@@ -39,6 +45,7 @@ import inspect
 import keras
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
+from keras.src.backend.tensorflow import random as tf_random
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import compile_utils as _compile_utils
 from keras.src.trainers import data_adapters as _data_adapters
@@ -65,6 +72,9 @@ ENTRIES = {
     "data_adapters": ("keras.src.trainers.data_adapters.get_data_adapter, array_slicing."
                       "train_validation_split (called, not replaced)",
                       "tfpar.layout.keras_distribution"),
+    "mesh_random": ("keras.src.backend.tensorflow.random.dropout/uniform/normal/"
+                    "truncated_normal (replaced while a mesh step is traced)",
+                    "tfpar.layout.rng"),
 }
 # The arguments each Keras loop `mesh_loops` routes is written against (keras 3.15.1); a
 # new argument would be ignored on the mesh.
@@ -82,6 +92,13 @@ MESH_LOOP_ARGS = {
 }
 MESH_LOOPS = {name: tf_trainer.TensorFlowTrainer.__dict__[name] for name in MESH_LOOP_ARGS}
 VARIABLE_INITIALIZE = tf_core.Variable._initialize  # Keras's own, before any patch
+# `mesh_random`: Keras's own, before any patch, and the stateless op each draws with.
+BACKEND_RANDOM = {name: getattr(tf_random, name)
+                  for name in ("dropout", "uniform", "normal", "truncated_normal")}
+_RANDOM_OPS = {"dropout": "tf.nn.experimental.stateless_dropout(",
+               "uniform": "tf.random.stateless_uniform(",
+               "normal": "tf.random.stateless_normal(",
+               "truncated_normal": "tf.random.stateless_truncated_normal("}
 _EXPECTED_INITIALIZE = "self._value = tf.Variable("
 _EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 FRAGMENTS = {
@@ -107,6 +124,10 @@ FRAGMENTS = {
         ("array_slicing.train_validation_split",
          lambda: ("signature", _array_slicing.train_validation_split),
          "(arrays, validation_split)")],
+    "mesh_random": [(f"tensorflow random.{_name}", lambda _name=_name: BACKEND_RANDOM[_name],
+                     _op) for _name, _op in _RANDOM_OPS.items()] + [
+        ("tensorflow random.dropout", lambda: ("signature", BACKEND_RANDOM["dropout"]),
+         "(inputs, rate, noise_shape=None, seed=None)")],
 }
 
 
@@ -186,6 +207,14 @@ def set_distribute_tensor(fn):
     elif getattr(getattr(tf_distribution_lib, "distribute_tensor", None), "__module__",
                  "").startswith("tfpar."):
         del tf_distribution_lib.distribute_tensor
+
+
+def set_backend_random(name, fn):
+    """Makes Keras's TensorFlow `random.<name>` (a `BACKEND_RANDOM` name) `fn`
+    (`BACKEND_RANDOM[name]` puts Keras's own back). Registry entry `mesh_random`."""
+    if name not in BACKEND_RANDOM:
+        raise KeyError(name)
+    setattr(tf_random, name, fn)
 
 
 def sublayers(model):
