@@ -59,7 +59,7 @@ from tensorflow.experimental import dtensor
 from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import activations, values, variables
+from tfpar.layout import activations, multi_client, values, variables
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
 
@@ -74,7 +74,8 @@ _enabled = False
 def check_targets():
     """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's): the
     `mesh_*` entries of `tfpar.patches.REGISTRY`."""
-    return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts"])
+    return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts",
+                                  "mesh_initialize"])
 
 
 def enable():
@@ -99,6 +100,7 @@ def enable():
     for name in _LOOPS:
         patches.set_trainer_loop(name, _routed(name))
     patches.set_distribute_tensor(distribute_tensor)
+    patches.set_distribution_initialize(multi_client.keras_initialize)
     _enabled = True
 
 
@@ -109,6 +111,8 @@ def disable():
     for name, fn in _ORIGINAL.items():
         patches.set_trainer_loop(name, fn)
     patches.set_distribute_tensor(None)
+    patches.set_distribution_initialize(None)
+    patches.set_list_devices(patches.LIST_DEVICES)
     _enabled = False
 
 
