@@ -56,9 +56,10 @@ def test_cli_flags_a_communication_bound_step_and_a_batch_that_does_not_split():
     out = run([sys.executable, "-m", "tfpar.doctor", "--cpu_devices=4", "--model_width=4096",
                "--global_batch_size=6", "--json"], check=False, timeout=240)
     checks = {c["name"]: c for c in json.loads(out.stdout.strip().splitlines()[-1])}
-    assert out.returncode == 1  # a FAIL is present
-    assert checks["batch split"]["status"] == "FAIL"
-    assert "--global_batch_size=4" in checks["batch split"]["fix"]
+    assert out.returncode == 0, checks  # warnings only: 6 over 4 replicas trains (2/2/1/1)
+    assert checks["batch split"]["status"] == "WARN"
+    assert "as 2/2/1/1, each batch padded to 2" in checks["batch split"]["detail"]
+    assert "--global_batch_size=4 or 8" in checks["batch split"]["fix"]
     assert checks["communication share"]["status"] == "WARN"
     assert "compress gradients" in checks["communication share"]["fix"]
     assert checks["replicas in sync"]["status"] == "PASS"

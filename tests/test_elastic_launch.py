@@ -11,6 +11,10 @@ steps): the launcher sends SIGTERM, the worker stops at that step with a checkpo
 job goes on with 2 workers from there (1 -> 2). Its last attempt's steps must have the
 uninterrupted run's losses (the same training on 2 replicas in one process) within 1e-6
 (relative) and end with its weights within 1e-6.
+
+The issue's check: 4 workers at the default global batch 64 lose one for good and finish
+on 3, which split the batch 22/21/21 (`tfpar.replica_split`), with the uninterrupted run's
+losses and weights within 1e-5.
 """
 
 import json
@@ -171,3 +175,67 @@ def test_a_new_slot_grows_the_job_up_to_max_workers(tmp_path):
     assert result.returncode == 0, err
     assert [a.slots for a in result.attempts] == [(0,), (0, 1)], err
     assert "world size 1 -> 2" in err and "(2 attempt(s), 0 restarts)" in err
+
+
+# The issue's check: 4 workers at the default global batch (64), one lost for good, the
+# job finishes on 3 (64 = 22/21/21, `tfpar.replica_split`).
+LOSE_ONE = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 30,
+            "steps_per_epoch": 10, "checkpoint_every": 10, "verbose": 0,
+            "collective_timeout_s": 60}
+
+
+def test_four_workers_lose_one_for_good_and_finish_on_three(tmp_path, report_measured):
+    seed = random.randrange(1 << 30)
+    kill_step = random.Random(seed).randrange(LOSE_ONE["checkpoint_every"] + 1,
+                                              2 * LOSE_ONE["checkpoint_every"])
+    cfg = {**LOSE_ONE, "checkpoint_dir": str(tmp_path / "ckpt"),
+           "metrics_json": str(tmp_path / "metrics.json")}
+    # The uninterrupted 4-worker run as 4 replicas in one process (the same global
+    # batches; the test above relies on workers = replicas in one process to 1e-6).
+    base = {**LOSE_ONE, "strategy": "mirrored", "cpu_devices": 4}
+    whole_run = in_background(lambda: run(
+        [sys.executable, CHILD, json.dumps(base), str(tmp_path / "whole")], timeout=360))
+    cmd = [sys.executable, "-m", "tfpar.launch", "--workers=4", "--min_workers=3",
+           "--max_restarts=1", "--lost_after=1", "--grace=30", "--timeout=400", "--",
+           sys.executable, CHILD, json.dumps(cfg), str(tmp_path / "elastic")]
+    out = run(cmd, env={"TFPAR_INJECT_FAULTS": f"3:{kill_step}"}, timeout=460, check=False)
+    whole = last_json_line(whole_run.result().stdout)
+    output = out.stdout + out.stderr
+    context = f"seed {seed}, kill at step {kill_step}\n{output[-4000:]}"
+    assert out.returncode == 0, context
+    assert "worker slot 3 is lost" in output and "world size 4 -> 3" in output, context
+    assert "global batch kept at 64 (22/21/21 per replica)" in output, context
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    assert metrics["workers"] == 3 and metrics["replicas"] == 3, context
+    assert metrics["elastic"] == [{"step": 10, "workers": 3, "replicas": 3}], context
+    chief = _chief_line(out.stdout)
+    # Every rank resumed at the same step and ran the same steps (Horovod's elastic Keras
+    # state restored the wrong epoch on some ranks: its issue 2844).
+    for i in range(3):
+        rank = last_json_line("\n".join(line.split("] ", 1)[1] for line in
+                                        out.stdout.splitlines()
+                                        if line.startswith(f"[worker {i}] {{")))
+        assert (rank["resumed_from_step"], rank["steps"], rank["workers"]) == (10, 20, 3), \
+            context
+        assert rank["loss_history"] == chief["loss_history"], context
+    losses = np.array(chief["loss_history"])
+    same = np.array(whole["loss_history"][10:])
+    gaps = np.abs(losses - same) / same
+    survivors = [_weights(tmp_path / f"elastic.worker{i}.npz") for i in range(3)]
+    ranks = max(float(np.max(np.abs(a - b))) for other in survivors[1:]
+                for a, b in zip(survivors[0], other, strict=True))
+    weights = max(float(np.max(np.abs(a - b))) for a, b in zip(
+        survivors[0], _weights(tmp_path / "whole.npz"), strict=True))
+    report_measured(f"elastic 4 -> 3 workers, batch 64 (lost at step {kill_step}, seed "
+                    f"{seed}): final loss {losses[-1]:.6f} vs {same[-1]:.6f} uninterrupted "
+                    f"(relative gap {gaps[-1]:.1e}; largest over steps 10-29 "
+                    f"{gaps.max():.1e}); final weights' largest gap {weights:.1e}; "
+                    f"between the 3 ranks {ranks:.1e}")
+    # The 3 replicas sum the same examples' gradients with the same weights as the 4 did
+    # (padding at weight 0): the runs differ by float32 re-association only, carried on
+    # by Adam (2 -> 1 workers above: 1.1e-7; here measured 8.7e-8, weights 3.0e-8). With
+    # the real examples weighted 1 instead of 66/64 (a gradient 3 % short) this test
+    # measured losses 3.0e-2 apart and weights 2.6e-3 (2026-12-05).
+    assert gaps.max() <= 1e-5, f"{gaps}\n{context}"
+    assert weights <= 1e-5, f"{weights}\n{context}"
+    assert ranks == 0, context  # every rank holds the same weights after the resize

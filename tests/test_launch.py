@@ -197,6 +197,29 @@ def test_python_api():
         tfpar_launch.launch(["true"], workers=0)
 
 
+def test_a_configuration_error_stops_the_job_at_once():
+    # Worker 1 says what `tfpar.train` says of a setting it refuses and exits 2 (after
+    # worker 0 has started): the launcher stops with that line, restarts unspent.
+    code = ("import sys, time, os; print('TFPAR_READY', flush=True); time.sleep(0.5)\n"
+            "if os.environ['TFPAR_WORKER_INDEX'] == '1':\n"
+            "    print('tfpar: error: global_batch_size=31 is invalid: must be divisible by "
+            "the 2 replicas (a pipeline cuts equal per-replica batches into micro-batches); "
+            "try 30 or 32', file=sys.stderr); sys.exit(2)\n"
+            "time.sleep(30)")
+    started = time.monotonic()
+    result = launch("--workers=2", "--min_workers=1", "--max_restarts=3", "--lost_after=1",
+                    "--grace=1", *worker(code))
+    assert result.returncode == 2, result.stderr
+    assert time.monotonic() - started < 15, result.stderr  # not 4 attempts
+    assert "restarting" not in result.stderr and "is lost" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == ("tfpar.launch: failed: worker 1 exited with code 2, a configuration "
+                    "error a restart would repeat (not retried): tfpar: error: "
+                    "global_batch_size=31 is invalid: must be divisible by the 2 replicas (a "
+                    "pipeline cuts equal per-replica batches into micro-batches); try 30 or "
+                    "32 (1 attempt(s), 0 restarts)"), result.stderr
+
+
 def test_free_ports_are_distinct():
     ports = tfpar_launch.free_ports(8)
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)

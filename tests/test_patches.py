@@ -74,10 +74,11 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
 
 
 def _fragment_entries():
-    from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, model_optimization,
-                               multi_worker, tensorflow_runtime)
+    from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, keras_variables,
+                               model_optimization, multi_worker, tensorflow_runtime)
     return [(module, name) for module in (keras_mesh, keras_model, keras_optimizer,
-                                          model_optimization, multi_worker, tensorflow_runtime)
+                                          keras_variables, model_optimization, multi_worker,
+                                          tensorflow_runtime)
             for name in module.FRAGMENTS]
 
 

@@ -97,7 +97,6 @@ ALLOWED = {
     ("tfpar/layout/keras_distribution.py", "_accuracy", "metrics"): (1, INPUT),
     ("tfpar/layout/keras_distribution.py", "_fit", "steps_per_epoch"): (1, INPUT),
     ("tfpar/layout/keras_distribution.py", "_unpack", "validation_data"): (1, INPUT),
-    ("tfpar/layout/keras_distribution.py", "_no_callbacks", "callbacks"): (1, INPUT),
     ("tfpar/layout/mesh.py", "no_all_reduce_combining", "setting"): (1, RUNTIME),
     ("tfpar/layout/pipeline.py", "_cut", "pipeline_stages"): (2, MODEL),
     ("tfpar/layout/pipeline.py", "MeshPipelineTrainer.__init__", "pipeline_stages"): (1, INPUT),

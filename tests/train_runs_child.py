@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from tfpar import ParallelConfig, devices  # noqa: E402
 
 KEYS = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
-        "resumed_from_step", "strategy")
+        "resumed_from_step", "strategy", "validation")
 
 
 def main():

@@ -127,9 +127,15 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
     Checkpoints of it (`tf.train.Checkpoint(optimizer=...)`, `tfpar.callbacks.
     BackupAndRestore`) include the aggregator's state: error-feedback residuals per replica,
     PowerSGD's Q. Create it inside `strategy.scope()`, like any optimizer used there.
-    It serialises with Keras (`get_config`/`from_config`, `model.save`): the config of
-    `optimizer` plus the aggregator's, under the registered name `tfpar>DistributedAdam`
-    (etc.); `import tfpar.api` before loading in a new process.
+    It serialises as the optimizer it copies: `model.save` writes a plain
+    `keras.optimizers.Adam` (etc.: its class, config, step count and slots), so stock
+    `keras.models.load_model` loads the file in a process that never imports tfpar, with
+    the plain optimizer and its state. The compression is not in the file: wrap the loaded
+    model's optimizer again to train on with it (`tfpar.DistributedOptimizer(
+    model.optimizer, ...)`, a fresh copy). With Adam in front of compression (Adam with
+    "powersgd", "topk", "threshold" or "auto" over several replicas) Adam's moments are
+    kept per replica by the aggregator, not in Adam's slots: the file holds Adam's step
+    count with its moments at zero.
 
     Args:
         optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
@@ -178,7 +184,7 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
                         "keras.optimizers.Adam(1e-3) or 'adam'")
     if (isinstance(compression, str) and "adam" not in aggregator_options
             and compression in compression_lib.ADAM_STEP_AGGREGATORS
-            and getattr(type(optimizer), "tfpar_base", type(optimizer)) is keras.optimizers.Adam
+            and _plain_class(optimizer) is keras.optimizers.Adam
             and not optimizer.amsgrad):
         # As the trainer does (`--compress_adam_step`): compress Adam's step, not the
         # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in);
@@ -187,42 +193,38 @@ def DistributedOptimizer(optimizer, compression="powersgd", **aggregator_options
         if compression == "powersgd" and not {"adam_variance", "adam_refresh_every"} & set(
                 aggregator_options):
             aggregator.set_adam_variance("local_debiased")
-    base = getattr(type(optimizer), "tfpar_base", type(optimizer))
-    config = optimizer.get_config()
-    config.pop("compression", None)
-    copy = distributed_class(base).from_config(config)
+    # The copy's class is the mixin over `optimizer`'s own class with that class's name and
+    # module (`wrap_optimizer`), so Keras saves it as the plain optimizer, as Horovod does.
+    copy = _plain_class(optimizer).from_config(optimizer.get_config())
     return compression_lib.wrap_optimizer(copy, aggregator)
+
+
+def _plain_class(optimizer):
+    """The Keras optimizer class under tfpar's aggregating mixin (`optimizer`'s own if
+    none)."""
+    cls = type(optimizer)
+    return cls.__bases__[-1] if issubclass(cls, AggregatingOptimizerMixin) else cls
 
 
 _DISTRIBUTED = {}
 
 
 def distributed_class(base):
-    """The Keras-serialisable class `DistributedOptimizer` makes of optimizer class `base`
-    (registered as `tfpar>Distributed<Base>`; made once per class). Its `get_config` adds
-    the aggregator (`"compression"`); `from_config` rebuilds both, so
-    `keras.optimizers.deserialize(keras.optimizers.serialize(opt))` gives back a
-    distributed optimizer with the same compression."""
+    """The class registered as `tfpar>Distributed<Base>`, for files saved by tfpar before
+    `DistributedOptimizer` saved the plain optimizer: their config holds the aggregator
+    (`"compression"`), and `from_config` gives a `DistributedOptimizer` with it (which saves
+    as the plain optimizer from then on)."""
     if base not in _DISTRIBUTED:
         class Distributed(AggregatingOptimizerMixin, base):
-            tfpar_base = base
-
-            def get_config(self):
-                config = super().get_config()
-                aggregator = self.tfpar_aggregator
-                config["compression"] = {"class_name": type(aggregator).__name__,
-                                         "config": aggregator.get_config()}
-                return config
-
             @classmethod
             def from_config(cls, config, custom_objects=None):
                 config = dict(config)
                 spec = config.pop("compression", None)
-                optimizer = super().from_config(config, custom_objects=custom_objects)
-                if spec is not None:
-                    aggregator = getattr(compression_lib, spec["class_name"])(**spec["config"])
-                    compression_lib.wrap_optimizer(optimizer, aggregator)
-                return optimizer
+                optimizer = base.from_config(config, custom_objects=custom_objects)
+                if spec is None:
+                    return optimizer
+                aggregator = getattr(compression_lib, spec["class_name"])(**spec["config"])
+                return DistributedOptimizer(optimizer, compression=aggregator)
 
         Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
         _DISTRIBUTED[base] = keras.saving.register_keras_serializable(package="tfpar")(
@@ -230,7 +232,7 @@ def distributed_class(base):
     return _DISTRIBUTED[base]
 
 
-# The Keras optimizers, registered at import so a saved model deserialises in a new process.
+# Files saved by earlier versions name these classes; registered at import.
 for _name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "Adafactor", "Nadam",
               "RMSprop", "Ftrl", "Lion", "Lamb", "Muon"):
     if hasattr(keras.optimizers, _name):

@@ -129,10 +129,10 @@ class Checkpointer(keras.callbacks.Callback):
             logging.warning(
                 "tfpar: world size changed at step %d: %d worker(s), %d replica(s) (the "
                 "checkpoint was written by %d worker(s), %d replica(s)); global batch kept at "
-                "%d (%d per replica); residuals re-distributed with their sum kept",
+                "%d (%s per replica); residuals re-distributed with their sum kept",
                 step, self._world["workers"], self._world["replicas"], last["workers"],
                 last["replicas"], self.config.global_batch_size,
-                self.config.global_batch_size // self._world["replicas"])
+                self.config.replica_split(self._world["replicas"], False).describe())
             history.append({"step": step, **self._world})
             if self._is_chief:
                 write_json_atomic(os.path.join(self.directory, WORLD), history)

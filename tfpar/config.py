@@ -12,6 +12,7 @@ from tfpar import compat
 from tfpar.cpu_kernels import CHOICES as CPU_KERNELS
 from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError
+from tfpar.replica_split import split_examples
 
 MODELS = ("mlp", "convnet", "transformer")
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -235,13 +236,27 @@ class ParallelConfig:
             return self.learning_rate
         return self.learning_rate * self.effective_batch_size / self.base_batch_size
 
-    def per_replica_batch(self, replicas):
-        """The batch each replica computes on; raises `ConfigError` if it does not split."""
+    def replica_split(self, replicas, accumulated=True):
+        """How one step's examples (global batch × accumulation steps; without
+        `accumulated` one global batch, as held-out data) go over `replicas` replicas: a
+        `tfpar.replica_split.ReplicaSplit`, as even as possible (22/21/21 for 64 over 3),
+        with padding of weight zero where the replicas do not divide the batch."""
+        if not accumulated:
+            return split_examples(self.global_batch_size, replicas)
+        return split_examples(self.effective_batch_size, replicas, self.grad_accum_steps)
+
+    def per_replica_batch(self, replicas, why=""):
+        """The batch each replica computes on where every replica must take the same number
+        of real examples (`why` says where, for the message); raises `ConfigError` if the
+        replicas do not divide the global batch. Data parallelism on tf.distribute does not
+        need this: it splits any batch (`replica_split`)."""
         if self.global_batch_size % replicas:
+            low = self.global_batch_size // replicas * replicas
+            fits = " or ".join(str(n) for n in (low, low + replicas) if n >= replicas)
             raise ConfigError(
                 "global_batch_size", self.global_batch_size,
-                f"must be divisible by the {replicas} replicas; try "
-                f"{max(replicas, self.global_batch_size // replicas * replicas)}")
+                f"must be divisible by the {replicas} replicas"
+                f"{f' ({why})' if why else ''}; try {fits}")
         return self.global_batch_size // replicas
 
     def replace(self, **changes):

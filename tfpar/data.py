@@ -186,27 +186,57 @@ def pipeline_dataset(config, task, context, start_step=0):
     """The dataset one input pipeline (worker) feeds to its local replicas.
 
     Yields per-replica batches, replica after replica for each step, which is the order in
-    which `distribute_datasets_from_function` hands them to the local replicas.
+    which `distribute_datasets_from_function` hands them to the local replicas. Where the
+    replicas do not divide the step's examples, each batch is padded to one size with
+    examples of weight zero and the real ones are weighted so that the replicas' summed
+    gradient is the whole batch's mean-loss gradient (`tfpar.replica_split`).
     """
     replicas = context.num_replicas_in_sync
     local = replicas // context.num_input_pipelines
-    # Each step a replica takes all its micro-batches at once (see tfpar.accumulation).
-    per_replica = config.per_replica_batch(replicas) * config.grad_accum_steps
     if task.user_fn is not None:
+        config.per_replica_batch(replicas, "a --dataset function yields equal per-replica "
+                                           "batches")
         ds = task.user_fn(context, config).repeat()
         return ds.skip(start_step * local).prefetch(tf.data.AUTOTUNE)
-    first = context.input_pipeline_id * local
-    global_batch = config.effective_batch_size
+    # Each step a replica takes all its micro-batches at once (see tfpar.accumulation).
+    split = config.replica_split(replicas)
+    ds = _replica_batches(split, task.example_fn, context.input_pipeline_id * local, local,
+                          start_step * local, (start_step + _huge_steps()) * local)
+    return ds.prefetch(tf.data.AUTOTUNE)
 
-    def replica_examples(k):
-        step, local_index = k // local, k % local
-        begin = step * global_batch + (first + local_index) * per_replica
-        return tf.data.Dataset.range(begin, begin + per_replica)
 
-    ds = tf.data.Dataset.range(start_step * local, (start_step + _huge_steps()) * local)
-    ds = ds.flat_map(replica_examples)
-    ds = ds.map(task.example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return ds.batch(per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+def _replica_batches(split, example_fn, first, local, begin, end):
+    """Batches `begin … end-1` of this pipeline's `local` replicas (`first` the first of
+    them), replica after replica per step: batch `k` is replica `first + k % local`'s share
+    of step `k // local`, made by `example_fn(i)` for the step's example indices `i`."""
+    if split.even:  # no padding, no weights added: the batches as they always were
+        def replica_examples(k):
+            step, replica = k // local, first + k % local
+            start = step * split.examples + replica * split.padded
+            return tf.data.Dataset.range(start, start + split.padded)
+
+        ds = tf.data.Dataset.range(begin, end).flat_map(replica_examples)
+        ds = ds.map(example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.batch(split.padded, drop_remainder=True)
+    counts = tf.constant(split.counts, tf.int64)
+    offsets = tf.constant(split.offsets, tf.int64)
+
+    def padded_examples(k):
+        step, replica = k // local, first + k % local
+        position = tf.range(split.padded, dtype=tf.int64)
+        real = position < counts[replica]
+        # Padding repeats the step's first example: it always exists, and weight 0.
+        index = step * split.examples + tf.where(real, offsets[replica] + position, 0)
+        weight = tf.where(real, tf.constant(split.weight, tf.float32), 0.0)
+        return tf.data.Dataset.from_tensor_slices((index, weight))
+
+    def weighted(index, weight):
+        x, y, *sample_weight = example_fn(index)
+        return x, y, weight * (sample_weight[0] if sample_weight else 1.0)
+
+    ds = tf.data.Dataset.range(begin, end).flat_map(padded_examples)
+    ds = ds.map(weighted, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.batch(split.padded, drop_remainder=True)
 
 
 def _huge_steps():
@@ -230,18 +260,10 @@ def validation_dataset(config, task, context):
     count = config.validation_steps * local
     if task.validation_fn is not None:
         return task.validation_fn(context, config).take(count).repeat()
-    per_replica = config.per_replica_batch(context.num_replicas_in_sync)
-    first = context.input_pipeline_id * local
-
-    def replica_examples(k):
-        step, local_index = k // local, k % local
-        begin = step * config.global_batch_size + (first + local_index) * per_replica
-        return tf.data.Dataset.range(begin, begin + per_replica)
-
-    ds = tf.data.Dataset.range(count).flat_map(replica_examples)
-    ds = ds.map(lambda i: task.example_fn(-1 - i), num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True)  # indices the training stream (>= 0) never reaches
-    return ds.batch(per_replica, drop_remainder=True).repeat()
+    split = config.replica_split(context.num_replicas_in_sync, accumulated=False)
+    ds = _replica_batches(split, lambda i: task.example_fn(-1 - i),  # indices training
+                          context.input_pipeline_id * local, local, 0, count)  # never reaches
+    return ds.repeat()
 
 
 def distributed_validation(strategy, config, task):

@@ -108,6 +108,17 @@ def check_learning_rate(config):
 
 
 def check_batch(config, replicas):
+    if _splits_any_batch(config):
+        split = config.replica_split(replicas)
+        if not split.even:
+            low = config.global_batch_size // replicas * replicas
+            fits = " or ".join(str(n) for n in (low, low + replicas) if n)
+            return Check("batch split", "WARN",
+                         f"{split.examples} examples a step over {replicas} replicas as "
+                         f"{split.describe()}, each batch padded to {split.padded} with "
+                         f"examples of weight 0 (exact; "
+                         f"{split.padded * replicas / split.examples - 1:.1%} more compute)",
+                         f"use --global_batch_size={fits} to compute no padding")
     need = replicas * config.microbatches * config.grad_accum_steps
     per_replica = config.global_batch_size / replicas
     if config.global_batch_size % replicas or per_replica % config.microbatches:
@@ -323,9 +334,15 @@ def _one_step_peaks(backend, config, runtime, model, task, on_mesh):
     return memory.peak_bytes()
 
 
+def _splits_any_batch(config):
+    """Data parallelism on tf.distribute over generated data splits any batch
+    (`tfpar.replica_split`); other paths need one the replicas divide."""
+    return compat.backend_of(config) == "data_parallel" and config.dataset == "auto"
+
+
 def _splittable(config, replicas):
     """A batch close to the configured one that splits, so later checks can still run."""
-    if config.global_batch_size % replicas == 0:
+    if config.global_batch_size % replicas == 0 or _splits_any_batch(config):
         return config.global_batch_size
     return max(replicas, config.global_batch_size // replicas * replicas)
 

@@ -10,7 +10,13 @@ launcher gets SIGINT/SIGTERM, every worker's process group is signalled, then SI
 --grace seconds, so no process (nor grandchild) is left behind.
 
 Exit status: 0 when every worker exited 0; 1 when a worker failed or a timeout expired;
-2 for bad usage; 128+signal when the launcher itself was interrupted.
+2 for bad usage, or when a worker exited 2; 128+signal when the launcher itself was
+interrupted.
+
+A worker that exits with status 2 had a configuration error (`python -m tfpar.train` exits
+2 for its one-line `tfpar: error:` refusals, 1 for failures a restart may mend): the same
+command would fail the same way, so the job stops at once, its last line naming the worker
+and its error line, instead of spending --max_restarts on it.
 
 Examples:
     python -m tfpar.launch --workers=2 --timeout=600 -- \
@@ -67,6 +73,8 @@ from tfpar import tf_config
 from tfpar.errors import ConfigError, TfparError
 
 READY_MARKER = "TFPAR_READY"
+CONFIG_EXIT = 2  # a worker's configuration error: not retried
+CONFIG_ERROR = "config"  # `_run_attempt`'s kind for it
 _POLL_S = 0.05
 
 FLAGS = flags.FLAGS
@@ -248,7 +256,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
                       f"workers on new ports (restart {restarts} of {max_restarts})")
     summary = _summary(attempts, job, restarts, max_restarts)
     _say(err, summary)
-    returncode = 128 + signalled if signalled else (1 if attempts[-1].failure else 0)
+    returncode = 128 + signalled if signalled else (
+        (2 if kind == CONFIG_ERROR else 1) if attempts[-1].failure else 0)
     return LaunchResult(returncode, tuple(attempts), summary, tuple(job.elastic))
 
 
@@ -472,7 +481,8 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
                  grow_due=None):
     """Starts all workers, watches them, stops them. Returns (exit codes, failure, kind, the
     slot of the worker that failed or None); kind is "retry" (a worker failed: restarting
-    may help), "grow" (stopped because `grow_due()` offered slots) or "" (done, or a
+    may help), `CONFIG_ERROR` (a worker exited `CONFIG_EXIT`: its error line is in the
+    failure), "grow" (stopped because `grow_due()` offered slots) or "" (done, or a
     failure a restart cannot mend)."""
     workers = len(slots)
     hosts = [placement[s].strip("[]") for s in slots]
@@ -480,6 +490,14 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
     ready = [False] * workers
     lock = threading.Lock()
     procs, pumps = [], []
+    error_lines = [""] * workers  # each worker's last `tfpar: error:` line
+
+    def watch_line(index, line):
+        if "tfpar: error:" in line:
+            error_lines[index] = line[line.index("tfpar: error:"):].strip()
+        if on_line is not None:
+            on_line(index, line)
+
     try:
         for i in range(workers):
             worker_env = dict(os.environ if env is None else env)
@@ -502,7 +520,7 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
             logging.info("worker %d: pid %d, address %s", i, proc.pid, addresses[i])
             pumps.append(threading.Thread(
                 target=_pump,
-                args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i, on_line),
+                args=(proc.stdout, f"[worker {i}] ", out, log, lock, ready, i, watch_line),
                 daemon=True))
             pumps[-1].start()
         failure, kind, failed = _watch(procs, ready, deadline, timeout, start_timeout,
@@ -513,7 +531,12 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
         for pump in pumps:
             pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
     blamed = slots[failed] if failed is not None else None
-    return tuple(p.returncode for p in procs), failure, kind, blamed
+    codes = tuple(p.returncode for p in procs)
+    if kind == "retry" and codes[failed] == CONFIG_EXIT:
+        kind = CONFIG_ERROR
+        failure += (f", a configuration error a restart would repeat (not retried): "
+                    f"{error_lines[failed] or 'it printed no tfpar: error: line'}")
+    return codes, failure, kind, blamed
 
 
 def _watch(procs, ready, deadline, timeout, start_timeout, received, grow_due=None):

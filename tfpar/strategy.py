@@ -19,7 +19,7 @@ from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 
 from tfpar import devices, patches, preemption
 from tfpar import tf_config as tf_config_lib
-from tfpar.errors import ConfigError, TfparError
+from tfpar.errors import ConfigError, PeerError
 
 READY_LINE = "TFPAR_READY"  # printed once the strategy is built; tfpar.launch waits for it
 
@@ -196,7 +196,7 @@ def wait_for_workers(name="exit", timeout_s=300.0):
 
     Raises:
         ConfigError: a bad `name` or `timeout_s`.
-        TfparError: the others did not all arrive within `timeout_s` (one line).
+        PeerError: the others did not all arrive within `timeout_s` (one line).
         tf.errors.OpError: the coordination service reported a failed peer.
 
     Examples:
@@ -216,7 +216,7 @@ def wait_for_workers(name="exit", timeout_s=300.0):
     except tf.errors.DeadlineExceededError as err:
         # Other errors (a peer that died: Unavailable, Aborted) pass through as the
         # collective failures they are (`tfpar.train` prints its collective-failure line).
-        raise TfparError(
+        raise PeerError(
             f"workers did not all reach barrier {name!r} (call {calls + 1}) within "
             f"timeout_s={timeout_s:g} ({type(err).__name__}: "
             f"{_first_line(err)}): a worker failed, died or lags; if one is "

@@ -24,7 +24,7 @@ from absl import app  # noqa: E402
 
 from tfpar import compat, cpu_kernels, tf_config  # noqa: E402
 from tfpar import flags as tfpar_flags  # noqa: E402
-from tfpar.errors import TfparError  # noqa: E402
+from tfpar.errors import PeerError, TfparError  # noqa: E402
 
 # TensorFlow (~5 CPU seconds to import) loads only once the command line, the config and
 # TF_CONFIG have passed `check_inputs`: a bad command line ends in its one line at once.
@@ -131,9 +131,10 @@ def _cause(err):
 
 
 def _exit_on(err):
-    """Ends the process with `err`'s one line (exit status 2)."""
+    """Ends the process with `err`'s one line: exit status 2 (`tfpar.launch` does not
+    retry it), or 1 for a `PeerError` (a restart may mend it)."""
     print(f"tfpar: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(1 if isinstance(err, PeerError) else 2)
 
 
 def main(argv):

@@ -40,9 +40,12 @@ class DistributeBackend(Backend):
 
     def build_model(self, config, runtime, task):
         """Builds and compiles the model under the strategy's scope, optimizer built, so a
-        checkpoint can restore every variable before the first step. Raises `ConfigError`
-        first if the global batch does not split over the runtime's replicas."""
-        config.per_replica_batch(runtime.replicas)
+        checkpoint can restore every variable before the first step. Any global batch
+        splits over the replicas (`tfpar.replica_split`); raises `ConfigError` first if a
+        `--dataset` function's equal per-replica batches cannot hold it."""
+        if task.user_fn is not None:
+            config.per_replica_batch(runtime.replicas, "a --dataset function yields equal "
+                                                       "per-replica batches")
         with runtime.strategy.scope():
             model = models.build(config.model, task.input_shape, task.num_classes,
                                  width=config.model_width, depth=config.model_depth)

@@ -30,7 +30,6 @@ class TfKerasBackend(DistributeBackend):
         return runtime
 
     def build_model(self, config, runtime, task):
-        config.per_replica_batch(runtime.replicas)  # the batch splits over the replicas
         return trainer.build_model(config, runtime, task)
 
     def fit(self, config, runtime, model, task, recorder, callbacks):

@@ -33,14 +33,18 @@ metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
 epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight,
 sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size,
 validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
-generators), returning a `History`; `evaluate`, `predict`, `train_on_batch`,
-`test_on_batch`, `predict_on_batch`.
+generators), returning a `History`; `evaluate`, `predict` (with callbacks),
+`train_on_batch`, `test_on_batch`, `predict_on_batch`; Keras's state API
+(`tfpar.layout.keras_state`): `get_weights`, `set_weights`, `variable.assign`, `numpy()`,
+`save_weights`/`load_weights`, `save`/`keras.models.load_model` (loaded under a
+distribution: laid out by its map; without one: a plain model), `summary`, and Keras's
+`ModelCheckpoint` and `BackupAndRestore` in `fit`.
 
 Refused with one line: a layout-map key matching no weight and no layer output; an output
 layout whose rank or split does not fit the output; a batch axis not named
 "batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
-weights were created before `enable()` and `set_distribution`; callbacks in
-`evaluate`/`predict`; Keras's `gradient_accumulation_steps` (use `MeshTrainer`'s
+weights were created before `enable()` and `set_distribution`; Keras's
+`gradient_accumulation_steps` (use `MeshTrainer`'s
 `grad_accum_steps`). `steps_per_execution` and `jit_compile` are not used (one compiled
 step per batch), which is logged.
 """
@@ -59,7 +63,7 @@ from tensorflow.experimental import dtensor
 from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import activations, multi_client, values, variables
+from tfpar.layout import activations, keras_state, multi_client, values, variables
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
 
@@ -75,7 +79,7 @@ def check_targets():
     """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's): the
     `mesh_*` entries of `tfpar.patches.REGISTRY`."""
     return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts",
-                                  "mesh_initialize"])
+                                  "mesh_initialize", "mesh_variable_values"])
 
 
 def enable():
@@ -101,6 +105,7 @@ def enable():
         patches.set_trainer_loop(name, _routed(name))
     patches.set_distribute_tensor(distribute_tensor)
     patches.set_distribution_initialize(multi_client.keras_initialize)
+    keras_state.enable()
     _enabled = True
 
 
@@ -113,6 +118,7 @@ def disable():
     patches.set_distribute_tensor(None)
     patches.set_distribution_initialize(None)
     patches.set_list_devices(patches.LIST_DEVICES)
+    keras_state.disable()
     _enabled = False
 
 
@@ -260,6 +266,8 @@ def _mesh_trainer(model):
                 model.optimizer = optimizer
             stateless_optimizer(optimizer)
             optimizer.build(model.trainable_variables)
+    elif not patches.is_stateless_class(type(optimizer)):  # built by load_model: its state
+        optimizer = model.optimizer = keras_state.rebuilt_optimizer(optimizer, model, scope)
     trainer = MeshTrainer(mesh, model, optimizer, _loss(model), accuracy=_accuracy(model))
     trainer.loss_source = model.loss
     model._tfpar_mesh_trainer = trainer
@@ -347,25 +355,37 @@ def _results(logs, return_dict):
     return logs["loss"] if len(logs) == 1 else list(logs.values())
 
 
-def _no_callbacks(name, callbacks):
-    if callbacks:
-        raise ConfigError("callbacks", callbacks, f"{name} on a mesh takes no callbacks")
+def _callbacks(model, callbacks, verbose, steps):
+    """A `CallbackList` as Keras's `evaluate`/`predict` make one (a progress bar unless
+    `verbose=0`)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    verbose = _verbose(verbose)
+    return keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose,
+                                        epochs=1, steps=steps, model=model)
 
 
 def _evaluate(model, trainer, x, y, batch_size, verbose, sample_weight, steps, callbacks,
               return_dict, kwargs):
-    _no_callbacks("evaluate", callbacks)
     adapter = _adapter(x, y, sample_weight, batch_size, steps)
-    return _results(trainer.evaluate(adapter.get_numpy_iterator(), steps=steps),
-                    return_dict)
+    callbacks = _callbacks(model, callbacks, verbose, steps or adapter.num_batches)
+    callbacks.on_test_begin()
+    logs = trainer.evaluate(adapter.get_numpy_iterator(), steps=steps, callbacks=callbacks)
+    callbacks.on_test_end(logs)
+    return _results(logs, return_dict)
 
 
 def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
-    _no_callbacks("predict", callbacks)
     adapter = _adapter(x, batch_size=batch_size, steps=steps)
+    callbacks = _callbacks(model, callbacks, verbose, steps or adapter.num_batches)
     unpack = keras.utils.unpack_x_y_sample_weight
-    outs = [_predict_batch(trainer, unpack(batch)[0])
-            for batch in itertools.islice(adapter.get_numpy_iterator(), steps)]
+    callbacks.on_predict_begin()
+    outs = []
+    for index, batch in enumerate(itertools.islice(adapter.get_numpy_iterator(), steps)):
+        callbacks.on_predict_batch_begin(index)
+        outs.append(_predict_batch(trainer, unpack(batch)[0]))
+        callbacks.on_predict_batch_end(index, {"outputs": outs[-1]})
+    callbacks.on_predict_end()
     return np.concatenate(outs)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfpar import compat
+from tfpar import compat, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.metrics import STEP_LOSS
 from tfpar.layout import activations, presets, reduction, step, values, variables
@@ -190,7 +190,11 @@ class MeshTrainer:
         history = {}
         iterator = iter(batches)
         self.model.stop_training = False
+        # Keras's BackupAndRestore (and tfpar's) set the epoch to resume from in
+        # on_train_begin; one left from an earlier fit is not this fit's
+        patches.set_initial_epoch(self.model, None)
         callbacks.on_train_begin()
+        initial_epoch = patches.initial_epoch(self.model) or initial_epoch
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)
             sums = _Sums(self.accuracy)
@@ -219,8 +223,13 @@ class MeshTrainer:
         callbacks.on_train_end(logs if epochs > initial_epoch else None)
         return history
 
-    def evaluate(self, batches, steps=None):
+    def evaluate(self, batches, steps=None, callbacks=None):
         """Mean loss and weighted accuracy over `batches` (no variable is written).
+
+        Args:
+            callbacks: a `keras.callbacks.CallbackList` that gets `on_test_batch_begin`
+                and `on_test_batch_end` (the running means) per batch, as under
+                `model.evaluate`; its caller calls `on_test_begin` and `on_test_end`.
 
         Returns:
             `{"loss": float, "accuracy": float}`, loss averaged over batches as Keras does.
@@ -229,7 +238,11 @@ class MeshTrainer:
         for index, batch in enumerate(batches):
             if steps is not None and index >= steps:
                 break
+            if callbacks is not None:
+                callbacks.on_test_batch_begin(index)
             sums.add(_host(self._eval(*self._on_mesh(batch))))
+            if callbacks is not None:
+                callbacks.on_test_batch_end(index, sums.logs())
         return sums.logs()
 
     def predict(self, x, batch_size=None):

@@ -99,7 +99,8 @@ def _batch_arrays(batch, parts):
     for array in arrays:
         if array.shape[0] % parts:
             raise ConfigError("global_batch_size", array.shape[0],
-                              f"must be divisible by data_parallel={parts}")
+                              f"must be divisible by data_parallel={parts} (a mesh shards the "
+                              "batch axis in equal parts)")
     return arrays
 
 

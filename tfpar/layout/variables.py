@@ -137,6 +137,10 @@ def _initialize(self, value):
         return _original_initialize(self, value)
     initial = value() if callable(value) else value
     initial = tf.convert_to_tensor(initial, dtype=self._dtype)
+    if dtensor.is_dtensor(initial):
+        # made next to a DVariable (Keras's TensorFlow optimizer colocates a slot with its
+        # weight, e.g. when load_model builds it): whole on the host, then laid out
+        initial = values.to_host(initial)
     preset = self._layout  # an optimizer slot carries its weight's layout
     self._layout = layout_for(distribution, self.path, initial.shape, preset)
     if (_state_over_batch and preset is not None) or _weights_over_batch:

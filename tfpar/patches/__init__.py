@@ -22,6 +22,8 @@ entries, each described in its module's docstring:
   `data_adapters`, `mesh_initialize`, `mesh_random`.
 - `keras_model`: `function_nodes`, `function_loss`, `train_step_loss`, `loss_tracker`,
   `initial_epoch`, `uninitialized_variables`, `variable_storage`.
+- `keras_variables`: `mesh_variable_values` (a Keras variable on a mesh read to and
+  written from the host, what `tfpar.layout.enable` hooks for `get_weights`, `save` …).
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
   `stateless_optimizer`; and `mix_in`, how an optimizer the user built gets a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `dtensor_started`,
@@ -30,7 +32,8 @@ entries, each described in its module's docstring:
   `tfmot_registry`, `tfmot_quantize_layer`.
 """
 
-from tfpar.patches import keras_mesh, keras_model, keras_optimizer, model_optimization
+from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, keras_variables,
+                           model_optimization)
 from tfpar.patches import multi_worker, tensorflow_runtime
 from tfpar.patches.keras_mesh import (BACKEND_RANDOM, LIST_DEVICES, MESH_LOOPS,
                                       MESH_LOOP_ARGS, VARIABLE_INITIALIZE,
@@ -42,8 +45,9 @@ from tfpar.patches.keras_mesh import (BACKEND_RANDOM, LIST_DEVICES, MESH_LOOPS,
                                       train_validation_split, variable_initialize_replaced,
                                       variable_layout)
 from tfpar.patches.keras_model import (forward_loss, function_loss, functional_of,
-                                       loss_tracker, nodes_by_depth, set_initial_epoch,
-                                       uninitialized_variables_kept, variable_storage)
+                                       initial_epoch, loss_tracker, nodes_by_depth,
+                                       set_initial_epoch, uninitialized_variables_kept,
+                                       variable_storage)
 from tfpar.patches.keras_optimizer import (base_build, built_variables, is_base_optimizer,
                                            is_tf_optimizer,
                                            is_stateless_class, mix_in, stateless_class,
@@ -59,8 +63,8 @@ from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dten
                                               tensor_getitem_replaced)
 from tfpar.patches.versions import WRITTEN_FOR
 
-_MODULES = (multi_worker, keras_mesh, keras_model, keras_optimizer, tensorflow_runtime,
-            model_optimization)
+_MODULES = (multi_worker, keras_mesh, keras_model, keras_optimizer, keras_variables,
+            tensorflow_runtime, model_optimization)
 # patch -> (what it replaces, reads or calls; who in tfpar applies or uses it).
 REGISTRY = {name: entry for module in _MODULES for name, entry in module.ENTRIES.items()}
 # (module, class, method) -> entry: tfpar's overrides of another library's private method,

@@ -16,9 +16,11 @@
   the check looks for those lines in `train_step`.
 - `loss_tracker`: a read. The `Mean` metric that reports `fit`'s loss is the model's
   private `_loss_tracker`; `tfpar.nan_guard` resets it after a skipped step.
-- `initial_epoch`: a write. `fit` starts from the model's private `_initial_epoch` when
-  set (what Keras's own backup-and-restore callback writes); tfpar's checkpoint callback
-  writes it after a restore (`set_initial_epoch`).
+- `initial_epoch`: a write and a read. `fit` starts from the model's private
+  `_initial_epoch` when set (what Keras's own backup-and-restore callback writes); tfpar's
+  checkpoint callback writes it after a restore (`set_initial_epoch`), and the mesh `fit`
+  of `tfpar.layout.enable` reads it after `on_train_begin` as Keras's `fit` does
+  (`initial_epoch`).
 - `uninitialized_variables`: a read and a write. `tfpar.plan.symbolic.deferred_weights`
   keeps Keras from initializing variables a `StatelessScope` created, by restoring Keras's
   global list `uninitialized_variables` (`backend.common.global_state`).
@@ -52,8 +54,8 @@ ENTRIES = {
                         "tfpar.accumulation"),
     "loss_tracker": ("Trainer._loss_tracker, tf_keras's LossesContainer._total_loss_mean "
                      "(read, not replaced)", "tfpar.nan_guard, tfpar.metrics.report_step_loss"),
-    "initial_epoch": ("Trainer._initial_epoch (written, not replaced)",
-                      "tfpar.callbacks (checkpoint restore)"),
+    "initial_epoch": ("Trainer._initial_epoch (written and read, not replaced)",
+                      "tfpar.callbacks (checkpoint restore), tfpar.layout.trainer"),
     "uninitialized_variables": ("keras.src.backend.common.global_state "
                                 "uninitialized_variables (read and written)",
                                 "tfpar.plan.symbolic.deferred_weights"),
@@ -169,6 +171,12 @@ def set_initial_epoch(model, epoch):
     """The epoch the next `model.fit` starts from whatever its `initial_epoch` argument
     (None: the argument's). Registry entry `initial_epoch`."""
     model._initial_epoch = epoch
+
+
+def initial_epoch(model):
+    """The epoch a callback asked the next `fit` to start from (Keras's `BackupAndRestore`
+    writes it in `on_train_begin`), or None. Registry entry `initial_epoch`."""
+    return getattr(model, "_initial_epoch", None)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from absl import logging
 from tfpar import compat
 from tfpar import devices as devices_lib
 from tfpar.dims import ParallelDims
-from tfpar.errors import ConfigError, TfparError
+from tfpar.errors import ConfigError, PeerError
 
 JOB = "worker"
 
@@ -101,7 +101,7 @@ def make_runtime(config, cluster, runtime_class):
     Raises:
         ConfigError: a row of `tfpar.compat.ACROSS_WORKERS` (the workers are not one per
             stage, an evaluator task, a setting the cross-worker pipeline does not honour).
-        TfparError: the chief never came up within `startup_timeout_s` (non-chief).
+        PeerError: the chief never came up within `startup_timeout_s` (non-chief).
     """
     dims = ParallelDims.from_config(config, workers=cluster.num_workers)
     # The replicas are known here (GPUs count): the table's rows with them.
@@ -155,7 +155,7 @@ def _serve_until_chief_exits(spec, cluster, cpu_devices, startup_timeout_s):
             if seen:
                 break
             if time.monotonic() - started > startup_timeout_s:
-                raise TfparError(f"the chief at {host}:{port} did not start within "
+                raise PeerError(f"the chief at {host}:{port} did not start within "
                                  f"startup_timeout_s={startup_timeout_s:g}") from None
         time.sleep(_POLL_S)
     del server  # the process ends next; the server goes with it

@@ -63,7 +63,8 @@ def for_training(model, config, runtime):
             "strategy", "multi_worker",
             "a pipeline across workers runs from one client (worker 0), not under "
             "MultiWorkerMirroredStrategy; let tfpar.train build the runtime (no runtime=)")
-    per_replica = config.per_replica_batch(runtime.replicas)
+    per_replica = config.per_replica_batch(
+        runtime.replicas, "a pipeline cuts equal per-replica batches into micro-batches")
     if per_replica % config.microbatches:
         raise ConfigError(
             "microbatches", config.microbatches,
