@@ -52,9 +52,9 @@ from tfpar.patches.versions import WRITTEN_FOR, check_entries
 # patch -> (what it replaces, what applies it).
 ENTRIES = {
     "multi_worker_fit": ("TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica",
-                         "tfpar.patches.apply"),
+                         "tfpar.patches.apply (tfpar.enable, tfpar.strategy)"),
     "multi_worker_cpu_devices": ("CollectiveAllReduceExtended._initialize_local_devices",
-                                 "tfpar.patches.apply"),
+                                 "tfpar.patches.apply (tfpar.enable, tfpar.strategy)"),
     "coordination_barrier": ("tensorflow.python.eager.context.Context.wait_at_barrier and "
                              ".coordination_service (called, not replaced)",
                              "tfpar.strategy.wait_for_workers"),
