@@ -82,8 +82,8 @@ def _free_ports(n):
 
 
 def _tutorial_workers(tmp_path, n=2, timeout=400):
-    """`multi_worker_tutorial.py` on `n` workers of one TF_CONFIG cluster on localhost, as the tutorial
-    starts them: each worker's JSON line."""
+    """`multi_worker_tutorial.py` on `n` workers of one TF_CONFIG cluster on localhost, as
+    the tutorial starts them: each worker's JSON line."""
     hosts = [f"localhost:{p}" for p in _free_ports(n)]
     procs = []
     for i in range(n):

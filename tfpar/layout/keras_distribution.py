@@ -19,32 +19,36 @@ user code trains on the mesh through tfpar's exact step (`MeshTrainer`):
 ...               loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 >>> history = model.fit(x, y, batch_size=32, epochs=2)
 
-Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name="batch"))` and
-`distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`,
-as Keras defines them; every key must match a weight), layouts of layer outputs (keys
-`<layer path>/output`, e.g. `user_mlp/up/output`: inside the mesh step the layer's output is
-relaid out to that layout, through `tfpar.layout.activations.relayout_value`, by the
-`distribute_tensor` Keras's TensorFlow backend lacks; values unchanged, so the step stays
-exact), `DataParallel` (every weight
-whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
-up to two axes over `keras.distribution.list_devices()`; `compile(optimizer, loss,
-metrics)` with one loss and an accuracy metric (or none), `mixed_bfloat16` and
-`mixed_float16` (the `LossScaleOptimizer` compile adds) policies; `fit(x, y, batch_size,
-epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight,
-sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size,
-validation_freq)` with the data Keras's own adapters accept (arrays, `tf.data`,
-generators), returning a `History`; `evaluate`, `predict` (with callbacks),
-`train_on_batch`, `test_on_batch`, `predict_on_batch`; Keras's state API
-(`tfpar.layout.keras_state`): `get_weights`, `set_weights`, `variable.assign`, `numpy()`,
-`save_weights`/`load_weights`, `save`/`keras.models.load_model` (loaded under a
-distribution: laid out by its map; without one: a plain model), `summary`, and Keras's
-`ModelCheckpoint` and `BackupAndRestore` in `fit`.
+Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name=...))` (the batch axis
+is the mesh axis named "batch", else the first: keras.io's guide names it "data") and
+`distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`, as
+Keras defines them; every key must match a weight or name a layer), layouts of layer
+outputs (keys `<layer path>/output`, e.g. `user_mlp/up/output`: inside the mesh step the
+layer's output is relaid out to that layout, through
+`tfpar.layout.activations.relayout_value`, by the `distribute_tensor` Keras's TensorFlow
+backend lacks; values unchanged, so the step stays exact), `DataParallel` (every weight
+whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of up
+to two axes over `keras.distribution.list_devices()`; `compile(optimizer, loss, metrics)`
+with one loss and an accuracy metric (or none), `mixed_bfloat16` and `mixed_float16` (the
+`LossScaleOptimizer` compile adds) policies; `fit(x, y, batch_size, epochs, verbose,
+callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight,
+initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)`
+with the data Keras's own adapters accept (arrays, `tf.data`, generators), returning a
+`History`; `evaluate`, `predict` (with callbacks), `train_on_batch`, `test_on_batch`,
+`predict_on_batch`; Keras's state API (`tfpar.layout.keras_state`): `get_weights`,
+`set_weights`, `variable.assign`, `numpy()`, `save_weights`/`load_weights`,
+`save`/`keras.models.load_model` (loaded under a distribution: laid out by its map; without
+one: a plain model), `summary`, and Keras's `ModelCheckpoint` and `BackupAndRestore` in
+`fit`; `keras.distribution.initialize()` and `list_devices()` across worker processes
+(`tfpar.layout.multi_client.keras_initialize`); dropout drawn as on one device
+(`tfpar.layout.rng`). A layout-map key for a weight its layer lacks is logged and unused,
+as in Keras.
 
-Refused with one line: a layout-map key matching no weight and no layer output; an output
-layout whose rank or split does not fit the output; a batch axis not named
-"batch"; several inputs, outputs or losses; metrics other than accuracy; a model whose
-weights were created before `enable()` and `set_distribution`; Keras's
-`gradient_accumulation_steps` (use `MeshTrainer`'s
+Refused with one line: a layout-map key matching no weight, no layer and no layer output;
+an output layout whose rank or split does not fit the output; a batch axis other than
+"batch" (or the first axis when none is so named); several inputs, outputs or losses;
+metrics other than accuracy; a model whose weights were created before `enable()` and
+`set_distribution`; Keras's `gradient_accumulation_steps` (use `MeshTrainer`'s
 `grad_accum_steps`). `steps_per_execution` and `jit_compile` are not used (one compiled
 step per batch), which is logged.
 """
