@@ -9,7 +9,8 @@ import pytest
 
 from tests import subproc
 
-PUBLIC = ["tfpar.make_strategy", "tfpar.DistributedOptimizer", "tfpar.PipelineModel",
+PUBLIC = ["tfpar.make_strategy", "tfpar.enable", "tfpar.DistributedOptimizer",
+          "tfpar.PipelineModel",
           "tfpar.wait_for_workers", "tfpar.callbacks.BackupAndRestore",
           "tfpar.callbacks.TensorBoard"]
 

@@ -1,5 +1,7 @@
 """The docs' examples are real: the files under `examples/` appear verbatim in the guide
-"Your own Keras script" (the tests run those files: tests/test_user_script.py), and every
+"Your own Keras script" (the tests run those files: tests/test_user_script.py) or, those
+under `examples/guides/`, in "The Keras guides on TensorFlow" (tests/test_guides.py), whose
+tables list every line marked there `# tfpar:`; and every
 `python -m tfpar.train` command in the README and the docs (guides and benchmarks) parses into a `ParallelConfig`
 that `tfpar.train.check_inputs` accepts: a flag that does not exist, a value out of range or
 a combination `tfpar.compat` refuses fails here. Nothing is trained (no TensorFlow)."""
@@ -15,6 +17,8 @@ from absl import flags
 from tests.subproc import ROOT
 
 GUIDE = os.path.join("docs", "guides", "keras_script.md")
+KERAS_GUIDES = os.path.join("docs", "guides", "keras_guides.md")
+MARKED = re.compile(r"^\s*(.*?)(?:\s+# noqa: E402)?\s+# tfpar:")
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in
                               glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]
 TRAIN = "python -m tfpar.train"
@@ -25,20 +29,34 @@ def _read(path):
         return f.read()
 
 
-def _example_blocks():
-    return re.findall(r"^`(examples/[\w/]+\.py)`[^\n]*\n```python\n(.*?)^```", _read(GUIDE),
+def _example_blocks(page=GUIDE):
+    return re.findall(r"^`(examples/[\w/]+\.py)`[^\n]*\n```python\n(.*?)^```", _read(page),
                       re.M | re.S)
 
 
-def test_guide_code_blocks_equal_the_example_files():
-    blocks = _example_blocks()
-    assert len(blocks) == 5
+@pytest.mark.parametrize("page, count", [(GUIDE, 5), (KERAS_GUIDES, 3)])
+def test_guide_code_blocks_equal_the_example_files(page, count):
+    blocks = _example_blocks(page)
+    assert len(blocks) == count
     for path, code in blocks:
-        assert code == _read(path), f"{GUIDE}: the block for {path} differs from the file"
+        assert code == _read(path), f"{page}: the block for {path} differs from the file"
+
+
+def test_every_line_marked_for_tfpar_is_in_a_table():
+    listed = set(re.findall(r"^\| `(.*?)` \|", _read(KERAS_GUIDES), re.M))
+    marked = []
+    for path, code in _example_blocks(KERAS_GUIDES):
+        for line in code.split("\n"):
+            found = MARKED.match(line)
+            if found:
+                marked.append((path, found.group(1)))
+    assert len(marked) >= 8
+    for path, text in marked:
+        assert text in listed, f"{path}: {text!r} is marked but not in {KERAS_GUIDES}"
 
 
 def test_every_example_is_in_the_guide():
-    shown = {path for path, _ in _example_blocks()}
+    shown = {path for page in (GUIDE, KERAS_GUIDES) for path, _ in _example_blocks(page)}
     files = {os.path.relpath(os.path.join(d, n), ROOT)
              for d, _, names in os.walk(os.path.join(ROOT, "examples")) for n in names
              if n.endswith(".py") and n != "__init__.py"}

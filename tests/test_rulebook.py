@@ -91,6 +91,8 @@ ALLOWED = {
     ("tfpar/layout/activations.py", "_relayout.relaid_call", "layout rule"): (1, MODEL),
     ("tfpar/layout/keras_distribution.py", "check_distribution", "distribution"): (1, INPUT),
     ("tfpar/layout/keras_distribution.py", "check_distribution", "batch_dim_name"): (1, INPUT),
+    ("tfpar/layout/mesh.py", "_distributed", "DeviceMesh.devices"): (1, INPUT),
+    ("tfpar/layout/multi_client.py", "keras_initialize", "job_addresses"): (1, INPUT),
     ("tfpar/layout/keras_distribution.py", "distribute_tensor", "layout_map"): (3, INPUT),
     ("tfpar/layout/keras_distribution.py", "check_layout_map", "layout_map"): (1, INPUT),
     ("tfpar/layout/keras_distribution.py", "_stateless_on_mesh",

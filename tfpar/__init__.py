@@ -9,6 +9,9 @@ From your own Keras script:
                                                            compression="powersgd"), loss=...)
     model.fit(..., callbacks=[tfpar.callbacks.BackupAndRestore("backup", save_freq=50)])
 
+A script that builds its own strategy (`tf.distribute.MultiWorkerMirroredStrategy()`)
+calls `tfpar.enable()` first: Keras 3's `fit` then works under it.
+
 `tfpar.PipelineModel.split(model, stages=2)` pipelines a model over devices. Importing
 `tfpar` loads no TensorFlow; the names above load it on first use.
 """
@@ -55,11 +58,12 @@ from tfpar.config import ParallelConfig  # noqa: E402
 from tfpar.errors import ConfigError, TfparError  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ParallelConfig", "ConfigError", "TfparError", "make_strategy",
+__all__ = ["ParallelConfig", "ConfigError", "TfparError", "make_strategy", "enable",
            "DistributedOptimizer", "PipelineModel", "wait_for_workers", "callbacks"]
 
 # Public names that need TensorFlow, imported on first access (PEP 562).
 _LAZY = {"make_strategy": ("tfpar.api", "make_strategy"),
+         "enable": ("tfpar.api", "enable"),
          "DistributedOptimizer": ("tfpar.api", "DistributedOptimizer"),
          "PipelineModel": ("tfpar.pipeline.model", "PipelineModel"),
          "wait_for_workers": ("tfpar.strategy", "wait_for_workers")}

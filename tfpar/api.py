@@ -1,5 +1,5 @@
-"""The public entry points for a user's own Keras script: `make_strategy` and
-`DistributedOptimizer` (exported at the top of `tfpar`).
+"""The public entry points for a user's own Keras script: `make_strategy`,
+`DistributedOptimizer` and `enable` (exported at the top of `tfpar`).
 
 They build on what `python -m tfpar.train` uses — `tfpar.strategy.make_runtime` and the
 gradient aggregators of `tfpar.compression` — so a script that calls `model.fit` itself gets
@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from tfpar import compression as compression_lib
-from tfpar import devices, nan_guard
+from tfpar import devices, nan_guard, patches
 from tfpar.config import COMPRESSIONS, ON_NAN, STRATEGIES, ParallelConfig
 from tfpar.errors import ConfigError
 from tfpar.compression.keras_hook import AggregatingOptimizerMixin
@@ -78,6 +78,37 @@ def make_strategy(kind="auto", cpu_devices=None, **options):
     runtime.strategy.tfpar_runtime = runtime  # what the callbacks and optimizer read
     runtime.strategy.tfpar_config = config
     return runtime.strategy
+
+
+def enable():
+    """Makes Keras 3's `fit` work under a tf.distribute strategy you build yourself.
+
+    For a script that builds its own `tf.distribute.MultiWorkerMirroredStrategy()` (or
+    `MirroredStrategy`) as tensorflow.org's tutorials do, instead of `make_strategy`. Stock
+    Keras 3 fails there (keras-team/keras#20585): `fit` reduces its input batch across
+    workers and each scalar log along an axis it has not; and under any strategy it builds
+    the model from a batch it then drops, so a shuffled dataset trains in its second
+    order, not the one a single device sees. After `enable()` neither happens. Call it
+    once, before the strategy is built; calling it again does nothing. `make_strategy`
+    calls it for you.
+
+    Raises:
+        TfparError: the installed Keras or TensorFlow is not the version tfpar's fixes
+            were written for (requirements.txt pins it).
+
+    Examples:
+        >>> import numpy as np, keras, tensorflow as tf, tfpar
+        >>> tfpar.enable()
+        >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> x = np.ones((32, 4), "float32")
+        >>> data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)
+        >>> model.fit(data, epochs=1, verbose=0).history["loss"][0] > 0
+        True
+    """
+    patches.apply()
 
 
 def _aggregator(compression_arg, options):

@@ -32,7 +32,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import patches
 from tfpar.errors import ConfigError
-from tfpar.layout.mesh import BATCH
+from tfpar.layout.mesh import batch_axis
 
 OUTPUT, INPUT = "/output", "/input"
 
@@ -154,7 +154,8 @@ def relayout_value(value, layout):
     gathered input DTensor's gradient failed ("EmitAllScatter … not more sharded");
     through the whole layout first both are exact (the reduce, then a local slice).
     """
-    whole = dtensor.Layout([s if s == BATCH else dtensor.UNSHARDED
+    batch = batch_axis(layout.mesh)
+    whole = dtensor.Layout([s if s == batch else dtensor.UNSHARDED
                             for s in layout.sharding_specs], layout.mesh)
     return dtensor.relayout(dtensor.relayout(value, whole), layout)
 

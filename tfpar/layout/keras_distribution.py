@@ -19,9 +19,10 @@ user code trains on the mesh through tfpar's exact step (`MeshTrainer`):
 ...               loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 >>> history = model.fit(x, y, batch_size=32, epochs=2)
 
-Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name="batch"))` and
+Honoured: `set_distribution(ModelParallel(layout_map, batch_dim_name=...))` (the batch axis
+is the mesh axis named "batch", else the first: keras.io's guide names it "data") and
 `distribution.scope()` (the layout map's keys are full-match regexes of `variable.path`,
-as Keras defines them; every key must match a weight), KerasHub's
+as Keras defines them; every key must match a weight or name a layer), KerasHub's
 `Backbone.get_layout_map(mesh)` presets (weights split over `batch` too are gathered where
 used), layouts of layer outputs (keys `<layer path>/output`, e.g. `user_mlp/up/output`:
 inside the mesh step the layer's output is relaid out to that layout, through
@@ -46,11 +47,14 @@ Keras's state API (`tfpar.layout.keras_state`): `get_weights`, `set_weights`,
 `variable.assign`, `numpy()`, `save_weights`/`load_weights`, `save`/
 `keras.models.load_model` (loaded under a distribution: laid out by its map; without
 one: a plain model), `summary`, and Keras's `ModelCheckpoint` and `BackupAndRestore` in
-`fit`.
+`fit`; `keras.distribution.initialize()` and `list_devices()` across worker processes
+(`tfpar.layout.multi_client.keras_initialize`); dropout drawn as on one device
+(`tfpar.layout.rng`). A layout-map key for a weight its layer lacks is logged and unused,
+as in Keras.
 
-Refused with one line: a layout-map key matching no weight and no layer output; an output
-layout whose rank or split does not fit the output; a batch axis not named
-"batch"; a model whose weights were created before `enable()` and `set_distribution`; a
+Refused with one line: a layout-map key matching no weight, no layer and no layer output;
+an output layout whose rank or split does not fit the output; a batch axis other than
+"batch" (or the first axis when none is so named); a model whose weights were created before `enable()` and `set_distribution`; a
 Keras RNN layer without `unroll=True` (DTensor has no layout for the TensorList ops of
 its `tf.while_loop`); a model's own `train_step` with the `mixed_float16` loss scale
 (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`); Keras's
@@ -75,7 +79,7 @@ from tensorflow.experimental import dtensor
 from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import activations, keras_state, values, variables
+from tfpar.layout import activations, keras_state, multi_client, values, variables
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
 
@@ -92,7 +96,7 @@ def check_targets():
     """Problems with the Keras code `enable` hooks (empty when it is keras 3.15.1's): the
     `mesh_*` entries of `tfpar.patches.REGISTRY`."""
     return patches.check_targets(["mesh_variables", "mesh_loops", "mesh_output_layouts",
-                                  "mesh_variable_values"])
+                                  "mesh_initialize", "mesh_variable_values"])
 
 
 def enable():
@@ -117,6 +121,7 @@ def enable():
     for name in _LOOPS:
         patches.set_trainer_loop(name, _routed(name))
     patches.set_distribute_tensor(distribute_tensor)
+    patches.set_distribution_initialize(multi_client.keras_initialize)
     keras_state.enable()
     _enabled = True
 
@@ -128,6 +133,8 @@ def disable():
     for name, fn in _ORIGINAL.items():
         patches.set_trainer_loop(name, fn)
     patches.set_distribute_tensor(None)
+    patches.set_distribution_initialize(None)
+    patches.set_list_devices(patches.LIST_DEVICES)
     keras_state.disable()
     _enabled = False
 
@@ -151,11 +158,13 @@ def check_distribution(distribution):
         raise ConfigError("distribution", type(distribution).__name__,
                           "tfpar honours keras.distribution.ModelParallel and DataParallel")
     mesh = distribution.device_mesh
-    if distribution.batch_dim_name != mesh_lib.BATCH or len(mesh.shape) > 2:
+    batch = mesh_lib.batch_axis(mesh)
+    if distribution.batch_dim_name != batch or len(mesh.shape) > 2:
         raise ConfigError("batch_dim_name", distribution.batch_dim_name,
-                          f"tfpar splits batches over a mesh axis named 'batch' on a mesh "
-                          f"of at most 2 axes (got axes {tuple(mesh.axis_names)}); use "
-                          "DeviceMesh(shape, ['batch', 'model']) and batch_dim_name='batch'")
+                          "tfpar splits batches over the mesh axis named 'batch', else the "
+                          "first axis, on a mesh of at most 2 axes (got axes "
+                          f"{tuple(mesh.axis_names)}); use batch_dim_name={batch!r} on a "
+                          "mesh of 1 or 2 axes")
     mesh_lib.attach_backend_mesh(mesh)
 
 
@@ -194,13 +203,21 @@ def distribute_tensor(tensor, layout):
 def check_layout_map(distribution, model):
     """Raises `ConfigError` naming a `LayoutMap` key that matches none of `model`'s weight
     paths nor any of its layers' `<path>/output` (a typo there would leave the weight whole,
-    or the output as it is, without a word)."""
+    or the output as it is, without a word). A key for a weight its layer does not have
+    (keras.io's guide lays out `d1/bias` of a `Dense(..., use_bias=False, name="d1")`) is
+    logged and left unused, as Keras does."""
     layout_map = patches.layout_map(distribution)
     paths = [v.path for v in model.weights]
-    outputs = [activations.layer_path(layer) + "/output"
-               for layer in patches.sublayers(model)]
+    layers = [activations.layer_path(layer) for layer in patches.sublayers(model)]
+    outputs = [path + "/output" for path in layers]
     for key in layout_map or ():
         if any(key == p or re.fullmatch(key, p) for p in paths + outputs):
+            continue
+        owner = key.rsplit("/", 1)[0]
+        if "/" in key and any(owner == p or re.fullmatch(owner, p) for p in layers):
+            logging.warning("layout_map key %r: layer %r has no such weight (its weights: "
+                            "%s); the key is not used", key, owner,
+                            ", ".join(p for p in paths if p.startswith(owner + "/")) or "none")
             continue
         raise ConfigError("layout_map", key,
                           "matches none of the model's weight paths (full match of "
@@ -314,7 +331,7 @@ def _mesh_of(model):
 def _replicated(mesh):
     """A distribution whose variables are whole on every device of `mesh`."""
     return keras.distribution.ModelParallel(
-        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.BATCH)
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name=mesh_lib.batch_axis(mesh))
 
 
 def _metrics_to_mesh(model, mesh):

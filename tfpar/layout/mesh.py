@@ -87,14 +87,23 @@ def attach_backend_mesh(device_mesh):
     """Gives a user's `keras.distribution.DeviceMesh` its DTensor mesh (in place), built
     with `dtensor.create_mesh` over its devices ("cpu:0" and "/device:CPU:0" alike), since
     Keras's own conversion needs an accelerator system even for CPUs. A mesh that already
-    has one (from `make_mesh`, or under DTensor multi-client) is left alone.
+    has one (from `make_mesh`, or under DTensor multi-client) is left alone. In a job of
+    several processes (`tfpar.layout.multi_client`), the mesh spans every process's
+    devices, process after process (`multi_client.global_devices`, what
+    `keras.distribution.list_devices()` gives there).
 
     Returns:
         The DTensor mesh.
+
+    Raises:
+        ConfigError: across processes, the mesh is not over every device of every process
+            in that order.
     """
     existing = patches.backend_mesh(device_mesh)
     if existing is not None:
         return existing
+    if dtensor.num_clients() > 1:
+        return patches.attach_backend_mesh(device_mesh, _distributed(device_mesh))
     names = []
     for device in np.asarray(device_mesh.devices).ravel():
         spec = tf.DeviceSpec.from_string(str(device) if "/" in str(device)
@@ -102,6 +111,26 @@ def attach_backend_mesh(device_mesh):
         names.append(f"/device:{spec.device_type.upper()}:{spec.device_index}")
     return patches.attach_backend_mesh(device_mesh, dtensor.create_mesh(
         list(zip(device_mesh.axis_names, device_mesh.shape)), devices=names))
+
+
+def _distributed(device_mesh):
+    """The DTensor mesh of a `DeviceMesh` spanning the processes of a multi-client job."""
+    flat = [str(d) for d in np.asarray(device_mesh.devices).ravel()]
+    kind = tf.DeviceSpec.from_string(flat[0] if "/" in flat[0] else "/device:" + flat[0])
+    kind = (kind.device_type or "CPU").upper()
+    local = [f"{kind}:{i}" for i in range(len(dtensor.local_devices(kind)))]
+    clients = dtensor.num_clients()
+    ordered = [f"/job:{dtensor.job_name()}/replica:0/task:{t}/device:{kind}:{i}"
+               for t in range(clients) for i in range(len(local))]
+    if len(flat) != len(ordered) or any(
+            "/task:" in name and tf.DeviceSpec.from_string(name).to_string()
+            != tf.DeviceSpec.from_string(full).to_string() for name, full in zip(flat, ordered)):
+        raise ConfigError("DeviceMesh.devices", f"{len(flat)} devices ({flat[0]}, …)",
+                          f"a mesh across {clients} processes spans all their {len(ordered)} "
+                          f"devices, process after process: keras.distribution.list_devices()")
+    return dtensor.create_distributed_mesh(
+        list(zip(device_mesh.axis_names, device_mesh.shape)), local_devices=local,
+        device_type=kind)
 
 
 def mesh_for_config(config, devices=None):
@@ -114,14 +143,28 @@ def axis_size(mesh, axis):
     return mesh.shape[list(mesh.axis_names).index(axis)]
 
 
+def batch_axis(mesh):
+    """The axis batches split over, of a Keras `DeviceMesh` or a DTensor mesh: the one
+    named "batch", else the first (Keras's `DataParallel` and `ModelParallel` default to
+    the first axis; keras.io's guide names it "data")."""
+    names = list(mesh.axis_names if hasattr(mesh, "axis_names") else mesh.dim_names)
+    return BATCH if BATCH in names else names[0]
+
+
+def batch_parts(mesh):
+    """Devices along the batch axis (`batch_axis`) of a Keras `DeviceMesh`."""
+    return axis_size(mesh, batch_axis(mesh))
+
+
 def replicated(mesh, rank):
     """The DTensor layout of a rank-`rank` tensor held whole on every device."""
     return dtensor.Layout.replicated(mesh.backend_mesh, rank)
 
 
 def batch_sharded(mesh, rank):
-    """The DTensor layout of a batch: first axis split over `batch`, copies over `model`."""
-    return dtensor.Layout.batch_sharded(mesh.backend_mesh, BATCH, rank)
+    """The DTensor layout of a batch: first axis split over the batch axis, copies over the
+    others."""
+    return dtensor.Layout.batch_sharded(mesh.backend_mesh, batch_axis(mesh), rank)
 
 
 def describe(mesh):

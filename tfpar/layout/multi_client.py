@@ -27,15 +27,27 @@ weights after 5 steps are within 1.4e-7 of one device (tests/test_layout_pipelin
 >>> cluster = initialize(cpu_devices=2)       # before any other TensorFlow call
 >>> mesh = distributed_mesh(data_parallel=2, tensor_parallel=2)
 >>> model, trainer = build_on_mesh(mesh, rules, build_model, build_optimizer, loss)
+
+Keras's own API does the same after `tfpar.layout.enable()`: `keras.distribution.initialize()`
+(`keras_initialize`) joins the processes, `keras.distribution.list_devices()` names every
+process's devices (`global_devices`), and a `DeviceMesh` over them spans the processes:
+
+>>> tfpar.devices.split_cpu(2); tfpar.layout.enable()
+>>> keras.distribution.initialize()          # from TF_CONFIG, or job_addresses=...
+>>> mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+...                                      devices=keras.distribution.list_devices())
 """
 
 import os
 
 import keras
+import tensorflow as tf
+from absl import logging
 from tensorflow.experimental import dtensor
 
 from tfpar import compat, patches, tf_config
 from tfpar.dims import ParallelDims
+from tfpar.errors import ConfigError
 from tfpar.layout.mesh import BATCH, MODEL
 
 
@@ -79,6 +91,55 @@ def initialize(cpu_devices=1, environ=None):
     dtensor.initialize_accelerator_system(
         "CPU", num_logical_cpu_devices=cpu_devices if cpu_devices > 1 else None)
     return cluster
+
+
+def keras_initialize(job_addresses=None, num_processes=None, process_id=None):
+    """`keras.distribution.initialize` on TensorFlow (installed by `tfpar.layout.enable`):
+    joins this process to the others as DTensor clients, before TensorFlow initialises its
+    devices, and makes `keras.distribution.list_devices()` name every process's devices
+    (`global_devices`).
+
+    The processes are the arguments (or Keras's `KERAS_DISTRIBUTION_*` variables), else
+    the training processes of `TF_CONFIG` (as `tfpar.launch` or a cluster manager sets
+    it); with neither, a single process has nothing to join (logged). Each process keeps
+    the logical CPUs it was split into (`tfpar.devices.split_cpu`).
+
+    Raises:
+        ConfigError: the arguments do not describe a cluster this process is part of, or a
+            bad `TF_CONFIG`.
+    """
+    given = (job_addresses, num_processes, process_id)
+    if all(v is None for v in given):
+        if initialize(cpu_devices=_logical_cpus()) is None:
+            logging.warning("keras.distribution.initialize: no TF_CONFIG and no "
+                            "job_addresses; one process, nothing to join")
+            return
+    else:
+        addresses = [a.strip() for a in str(job_addresses or "").split(",") if a.strip()]
+        if num_processes != len(addresses) or process_id not in range(len(addresses)):
+            raise ConfigError("job_addresses", job_addresses,
+                              "give every process's host:port, num_processes (their "
+                              f"number; got {num_processes}) and this process_id in 0 … "
+                              f"num_processes - 1 (got {process_id}), or set TF_CONFIG")
+        initialize(cpu_devices=_logical_cpus(),
+                   environ={"TF_CONFIG": tf_config.make(addresses, process_id)})
+    patches.set_list_devices(global_devices)
+
+
+def _logical_cpus():
+    configured = tf.config.get_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0])
+    return len(configured or [None])
+
+
+def global_devices(device_type=None):
+    """Every client's devices of `device_type` ("cpu", "gpu"; default GPUs if there are
+    any), by full name, client after client: the order `create_distributed_mesh` numbers
+    them in, so a `DeviceMesh` over them lays `model` inside a process and `batch` across."""
+    kind = (device_type or ("gpu" if tf.config.list_physical_devices("GPU") else "cpu")).upper()
+    local = len(dtensor.local_devices(kind))
+    return [f"/job:{dtensor.job_name()}/replica:0/task:{task}/device:{kind}:{i}"
+            for task in range(dtensor.num_clients()) for i in range(local)]
 
 
 def stage_meshes(data_parallel, tensor_parallel, stages):

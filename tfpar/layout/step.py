@@ -19,6 +19,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar.errors import TfparError
 from tfpar.zero import fsdp
+from tfpar.layout import rng
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
 
@@ -38,8 +39,12 @@ def _write(variables, layouts, old, new):
         variable.value.assign(dtensor.relayout(tf.cast(after, before.dtype), layout))
 
 
-def _metrics(loss, logits, y, sample_weight):
-    """Loss and the weighted-accuracy sums (Keras's SparseCategoricalAccuracy)."""
+def _metrics(loss, logits, y, sample_weight, accuracy=True):
+    """Loss and the weighted-accuracy sums (Keras's SparseCategoricalAccuracy); without
+    `accuracy` (labels need not be class ids, e.g. `loss="mse"`), `correct` is 0."""
+    if not accuracy:
+        return {"loss": loss, "correct": tf.zeros([], tf.float32),
+                "weight": tf.ones([], tf.float32)}
     match = tf.cast(tf.equal(tf.cast(tf.argmax(logits, axis=-1), y.dtype), y), tf.float32)
     weight = (tf.ones_like(match) if sample_weight is None
               else tf.cast(sample_weight, tf.float32))
@@ -58,7 +63,8 @@ def _forward_loss(model, loss_fn, mapping, x, y, sample_weight, training):
     return logits, loss, scope
 
 
-def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=None):
+def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=None,
+               accuracy=True):
     """A compiled `step(x, y, sample_weight) -> {"loss", "correct", "weight"}`.
 
     Args:
@@ -77,13 +83,14 @@ def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=No
             through it (compression); the step is then called with batches shaped
             `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`). Not with
             `grad_accum_steps > 1` or a `LossScaleOptimizer`.
+        accuracy: count correct argmax predictions of integer labels (else `correct` is 0).
 
     Returns:
         A callable compiled with `tf.function`; call it with batches already on the
         mesh (`batch_to_mesh`), `sample_weight` may be None. It refuses (TfparError) to
         run if its graph touches a variable that is not a DVariable.
     """
-    step = _TrainStep(model, optimizer, loss_fn, grad_accum_steps, reduction)
+    step = _TrainStep(model, optimizer, loss_fn, grad_accum_steps, reduction, accuracy)
     return _checked(mesh, step.step, "the training step")
 
 
@@ -91,8 +98,9 @@ class _TrainStep:
     """`train_step`'s pieces: the variables read once, the gradient by micro-batches,
     per replica (through `reduction`) or whole, and the one write at the end."""
 
-    def __init__(self, model, optimizer, loss_fn, grad_accum_steps, reduction):
+    def __init__(self, model, optimizer, loss_fn, grad_accum_steps, reduction, accuracy):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.accuracy = accuracy
         self.grad_accum_steps, self.reduction = grad_accum_steps, reduction
         self.trainable = list(model.trainable_variables)
         self.non_trainable = list(model.non_trainable_variables)
@@ -119,7 +127,7 @@ class _TrainStep:
                     scaled = self.optimizer.scale_loss(loss)
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, tv)]
         new_ntv = [scope.get_current_value(v) for v in self.non_trainable]
-        return grads, new_ntv, _metrics(loss, logits, y, sample_weight)
+        return grads, new_ntv, _metrics(loss, logits, y, sample_weight, self.accuracy)
 
     def replica_step(self, tv, ntv, x, y, sample_weight):
         """One gradient per data-parallel replica: vectorized over the leading `batch`
@@ -134,7 +142,7 @@ class _TrainStep:
                                                     weight, True)
             grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, tv)]
             new = [scope.get_current_value(v) for v in self.non_trainable]
-            return grads, new, _metrics(loss, logits, yr, weight)
+            return grads, new, _metrics(loss, logits, yr, weight, self.accuracy)
 
         weights = y if sample_weight is None else sample_weight
         grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
@@ -182,15 +190,15 @@ class _TrainStep:
         return out
 
 
-def eval_step(mesh, model, loss_fn):
+def eval_step(mesh, model, loss_fn, accuracy=True):
     """A compiled `step(x, y, sample_weight) -> {"loss", "correct", "weight"}` that writes
-    nothing."""
+    nothing (`accuracy` as in `train_step`)."""
     variables = list(model.trainable_variables) + list(model.non_trainable_variables)
 
     def step(x, y, sample_weight=None):
         mapping = list(zip(variables, _read(variables)))
         logits, loss, _ = _forward_loss(model, loss_fn, mapping, x, y, sample_weight, False)
-        return _metrics(loss, logits, y, sample_weight)
+        return _metrics(loss, logits, y, sample_weight, accuracy)
 
     return _checked(mesh, step, "the evaluation step")
 
@@ -222,13 +230,14 @@ def _checked(mesh, step, what):
     """Compiles `step`; each new trace is checked for plain variables before it runs.
 
     Ops without DTensor inputs (`tf.range`, constants) are placed on `mesh` replicated
-    (without a default mesh DTensor crashes on them).
+    (without a default mesh DTensor crashes on them); Keras's random draws (dropout) are
+    one device's (`tfpar.layout.rng`).
     """
     fn = tf.function(traced_with_expand_dims(step))
     checked = set()
 
     def call(*args):
-        with dtensor.default_mesh(mesh.backend_mesh):
+        with dtensor.default_mesh(mesh.backend_mesh), rng.drawing_whole(mesh.backend_mesh):
             concrete = _trace(fn, args)
             if id(concrete) not in checked:
                 check_dvariables(concrete.graph.variables, what)

@@ -25,7 +25,7 @@ from tfpar.errors import ConfigError, TfparError
 from tfpar.metrics import STEP_LOSS
 from tfpar.layout import (activations, keras_step, presets, reduction, step, values,
                           variables)
-from tfpar.layout.mesh import BATCH, axis_size
+from tfpar.layout.mesh import BATCH, axis_size, batch_parts
 from tfpar.layout.optimizer import stateless_optimizer
 
 
@@ -144,8 +144,8 @@ class MeshTrainer:
             self._predict = self.keras_steps.predict
             return
         self._train = step.train_step(mesh, model, optimizer, loss, self.grad_accum_steps,
-                                      reduction)
-        self._eval = step.eval_step(mesh, model, loss)
+                                      reduction, accuracy=bool(accuracy))
+        self._eval = step.eval_step(mesh, model, loss, accuracy=bool(accuracy))
         self._predict = step.predict_step(mesh, model)
 
     def _on_mesh(self, batch, training=False):
@@ -281,7 +281,7 @@ class MeshTrainer:
         """
         x = np.asarray(x)
         batch_size = batch_size or len(x)
-        parts = axis_size(self.mesh, BATCH)
+        parts = batch_parts(self.mesh)
         if batch_size % parts or len(x) % batch_size:
             raise TfparError(f"predict: batch_size={batch_size} must divide len(x)={len(x)} "
                              f"and be divisible by data_parallel={parts}")

@@ -75,8 +75,7 @@ def batch_to_mesh(batch, mesh):
     Raises:
         ConfigError: the batch size does not split over the `batch` axis.
     """
-    leaves = _batch_arrays(keras.tree.flatten(batch),
-                           mesh_lib.axis_size(mesh, mesh_lib.BATCH))
+    leaves = _batch_arrays(keras.tree.flatten(batch), mesh_lib.batch_parts(mesh))
     on_mesh = [to_mesh(array, mesh_lib.batch_sharded(mesh, array.ndim)) for array in leaves]
     return tuple(keras.tree.pack_sequence_as(batch, on_mesh))
 
@@ -89,7 +88,7 @@ def replica_batches_to_mesh(batch, mesh):
     Raises:
         ConfigError: the batch size does not split over the `batch` axis.
     """
-    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    parts = mesh_lib.batch_parts(mesh)
     out = []
     for array in _batch_arrays(batch, parts):
         stacked = array.reshape((parts, -1) + array.shape[1:])
@@ -119,7 +118,7 @@ def micro_batches_to_mesh(batch, mesh, steps):
         ConfigError: the batch does not split into `steps` micro-batches that each split
             over the `batch` axis.
     """
-    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
+    parts = mesh_lib.batch_parts(mesh)
     out = []
     for array in batch:
         array = np.asarray(array)

@@ -81,13 +81,14 @@ def over_batch(layout, shape):
     """`layout` with its first whole dimension that divides over `batch` split over it
     (unchanged if there is none, or the `batch` axis has one device)."""
     mesh = layout.device_mesh
-    parts = mesh_lib.axis_size(mesh, mesh_lib.BATCH)
-    if parts == 1 or mesh_lib.BATCH in layout.axes:
+    batch = mesh_lib.batch_axis(mesh)
+    parts = mesh_lib.axis_size(mesh, batch)
+    if parts == 1 or batch in layout.axes:
         return layout
     for i, (dim, axis) in enumerate(zip(shape, layout.axes)):
         if axis is None and dim % parts == 0:
             axes = list(layout.axes)
-            axes[i] = mesh_lib.BATCH
+            axes[i] = batch
             return keras.distribution.TensorLayout(axes, mesh)
     return layout
 

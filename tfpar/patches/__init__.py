@@ -19,7 +19,7 @@ entries, each described in its module's docstring:
   `coordination_barrier`, `coordination_config`, `strategy_workers`, `replica_tokens`.
 - `keras_mesh`: `mesh_variables`, `mesh_loops`, `mesh_output_layouts` (what
   `tfpar.layout.enable` hooks), `layer_tree`, `backend_mesh`, `distribution_state`,
-  `symbolic_build`, `data_adapters`.
+  `symbolic_build`, `data_adapters`, `mesh_initialize`, `mesh_random`.
 - `keras_model`: `function_nodes`, `function_loss`, `train_step_loss`, `loss_tracker`,
   `initial_epoch`, `uninitialized_variables`, `variable_storage`.
 - `keras_variables`: `mesh_variable_values` (a Keras variable on a mesh read to and
@@ -35,11 +35,13 @@ entries, each described in its module's docstring:
 from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, keras_variables,
                            model_optimization)
 from tfpar.patches import multi_worker, tensorflow_runtime
-from tfpar.patches.keras_mesh import (MESH_LOOPS, MESH_LOOP_ARGS, VARIABLE_INITIALIZE,
+from tfpar.patches.keras_mesh import (BACKEND_RANDOM, LIST_DEVICES, MESH_LOOPS,
+                                      MESH_LOOP_ARGS, VARIABLE_INITIALIZE,
                                       attach_backend_mesh, backend_mesh, compiled_metrics,
-                                      data_adapter, layout_map, set_distribute_tensor,
-                                      set_trainer_loop, set_variable_initialize, sublayers,
-                                      symbolic_build,
+                                      data_adapter, layout_map, set_backend_random,
+                                      set_distribute_tensor, set_distribution_initialize,
+                                      set_list_devices, set_trainer_loop,
+                                      set_variable_initialize, sublayers, symbolic_build,
                                       train_validation_split, variable_initialize_replaced,
                                       variable_layout)
 from tfpar.patches.keras_model import (forward_loss, function_loss, functional_of,

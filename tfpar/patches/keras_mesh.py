@@ -36,6 +36,20 @@ data-adapter and compile state they need (keras 3.15.1).
 - `data_adapters`: calls. The mesh loops take the same inputs as Keras's (`data_adapter`,
   `train_validation_split`), through Keras's private data-adapter functions; the check
   compares their signatures.
+- `mesh_initialize`: Keras's TensorFlow backend has no `distribution_lib.initialize`
+  (`keras.distribution.initialize()` raises AttributeError); `enable()` adds tfpar's
+  (`set_distribution_initialize`), which joins the worker processes as DTensor clients.
+  Once they are joined, the backend's `list_devices` is replaced (`set_list_devices`): it
+  names devices `cpu:0`, `cpu:1`, … without their process, so a job of 2 × 2 CPUs listed
+  `cpu:0, cpu:1, cpu:0, cpu:1`; tfpar's lists every process's devices by full name. The
+  check: Keras still has no `initialize` of its own, and `list_devices` is the code tfpar
+  replaces.
+- `mesh_random`: Keras's TensorFlow `random.dropout`, `uniform`, `normal` and
+  `truncated_normal` draw with TensorFlow's stateless ops, which DTensor expands shard by
+  shard with a seed changed per shard: on a mesh a `Dropout` drops other units than on one
+  device. While a mesh step is traced, `tfpar.layout.rng` puts wrappers there
+  (`set_backend_random`) that draw the whole tensor on every device, as one device does;
+  the check looks for the stateless op each calls and compares `dropout`'s signature.
 """
 
 import contextlib
@@ -44,6 +58,7 @@ import inspect
 import keras
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
+from keras.src.backend.tensorflow import random as tf_random
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import compile_utils as _compile_utils
 from keras.src.trainers import data_adapters as _data_adapters
@@ -72,6 +87,12 @@ ENTRIES = {
     "data_adapters": ("keras.src.trainers.data_adapters.get_data_adapter, array_slicing."
                       "train_validation_split (called, not replaced)",
                       "tfpar.layout.keras_distribution"),
+    "mesh_initialize": ("keras.src.backend.tensorflow.distribution_lib.initialize (added), "
+                        "list_devices (replaced once processes are joined)",
+                        "tfpar.layout.enable, tfpar.layout.multi_client"),
+    "mesh_random": ("keras.src.backend.tensorflow.random.dropout/uniform/normal/"
+                    "truncated_normal (replaced while a mesh step is traced)",
+                    "tfpar.layout.rng"),
 }
 # The arguments each Keras loop `mesh_loops` routes is written against (keras 3.15.1); a
 # new argument would be ignored on the mesh.
@@ -89,6 +110,14 @@ MESH_LOOP_ARGS = {
 }
 MESH_LOOPS = {name: tf_trainer.TensorFlowTrainer.__dict__[name] for name in MESH_LOOP_ARGS}
 VARIABLE_INITIALIZE = tf_core.Variable._initialize  # Keras's own, before any patch
+LIST_DEVICES = tf_distribution_lib.list_devices  # `mesh_initialize`: Keras's own
+# `mesh_random`: Keras's own, before any patch, and the stateless op each draws with.
+BACKEND_RANDOM = {name: getattr(tf_random, name)
+                  for name in ("dropout", "uniform", "normal", "truncated_normal")}
+_RANDOM_OPS = {"dropout": "tf.nn.experimental.stateless_dropout(",
+               "uniform": "tf.random.stateless_uniform(",
+               "normal": "tf.random.stateless_normal(",
+               "truncated_normal": "tf.random.stateless_truncated_normal("}
 _EXPECTED_INITIALIZE = "self._value = tf.Variable("
 _EXPECTED_FLATTEN_LAYERS = "(self, include_self=True, recursive=True)"  # `layer_tree`
 FRAGMENTS = {
@@ -121,6 +150,15 @@ FRAGMENTS = {
         ("array_slicing.train_validation_split",
          lambda: ("signature", _array_slicing.train_validation_split),
          "(arrays, validation_split)")],
+    "mesh_initialize": [
+        ("tensorflow distribution_lib.list_devices", lambda: ("signature", LIST_DEVICES),
+         "(device_type=None)"),
+        ("tensorflow distribution_lib.list_devices", lambda: LIST_DEVICES,
+         "tf_devices = tf.config.list_logical_devices(device_type=device_type)")],
+    "mesh_random": [(f"tensorflow random.{_name}", lambda _name=_name: BACKEND_RANDOM[_name],
+                     _op) for _name, _op in _RANDOM_OPS.items()] + [
+        ("tensorflow random.dropout", lambda: ("signature", BACKEND_RANDOM["dropout"]),
+         "(inputs, rate, noise_shape=None, seed=None)")],
 }
 
 
@@ -148,6 +186,10 @@ def check(names):
         problems.append(f"keras {keras.__version__} has its own TensorFlow "
                         "distribution_lib.distribute_tensor; tfpar.layout.enable's "
                         "would replace it")
+    if "mesh_initialize" in names and _keras_own(
+            getattr(tf_distribution_lib, "initialize", None)) is not None:
+        problems.append(f"keras {keras.__version__} has its own TensorFlow "
+                        "distribution_lib.initialize; tfpar.layout.enable's would replace it")
     problems += check_entries(names, "keras", FRAGMENTS, ENTRIES)
     return problems
 
@@ -155,10 +197,31 @@ def check(names):
 def keras_distribute_tensor():
     """Keras's own `distribute_tensor` on TensorFlow (None in keras 3.15.1), not the one
     `tfpar.layout.enable` puts there."""
-    fn = getattr(tf_distribution_lib, "distribute_tensor", None)
+    return _keras_own(getattr(tf_distribution_lib, "distribute_tensor", None))
+
+
+def _keras_own(fn):
     if fn is None or getattr(fn, "__module__", "").startswith("tfpar."):
         return None
     return fn
+
+
+def set_distribution_initialize(fn):
+    """Gives Keras's TensorFlow backend `distribution_lib.initialize = fn` (what
+    `keras.distribution.initialize` calls); None takes tfpar's away again. Registry entry
+    `mesh_initialize`."""
+    if fn is not None:
+        tf_distribution_lib.initialize = fn
+    elif _keras_own(getattr(tf_distribution_lib, "initialize", None)) is None and hasattr(
+            tf_distribution_lib, "initialize"):
+        del tf_distribution_lib.initialize
+
+
+def set_list_devices(fn):
+    """Makes Keras's TensorFlow backend `distribution_lib.list_devices` (what
+    `keras.distribution.list_devices` calls) `fn`; `LIST_DEVICES` puts Keras's own back.
+    Registry entry `mesh_initialize`."""
+    tf_distribution_lib.list_devices = fn
 
 
 def set_variable_initialize(fn):
@@ -200,6 +263,14 @@ def set_distribute_tensor(fn):
     elif getattr(getattr(tf_distribution_lib, "distribute_tensor", None), "__module__",
                  "").startswith("tfpar."):
         del tf_distribution_lib.distribute_tensor
+
+
+def set_backend_random(name, fn):
+    """Makes Keras's TensorFlow `random.<name>` (a `BACKEND_RANDOM` name) `fn`
+    (`BACKEND_RANDOM[name]` puts Keras's own back). Registry entry `mesh_random`."""
+    if name not in BACKEND_RANDOM:
+        raise KeyError(name)
+    setattr(tf_random, name, fn)
 
 
 def sublayers(model):

@@ -5,8 +5,8 @@
   accessor for its nodes) and a `Sequential`'s graph through its `_functional`;
   `nodes_by_depth` and `functional_of` are the readers, and the check looks for the
   attributes being built in `keras.src.ops.function.Function` and `Sequential`.
-- `function_loss`: not a replacement but a call. `PipelineModel.compile` wraps a loss
-  given as a function in Keras's own `LossFunctionWrapper` (private; it matches the ranks
+- `function_loss`: not a replacement but a call. `PipelineModel.compile` (and the mesh
+  step of `tfpar.layout.enable`) wraps a loss given as a function in Keras's own `LossFunctionWrapper` (private; it matches the ranks
   of labels and predictions as `compile` does for Keras's models); `function_loss` is the
   one caller, and the check compares the wrapper's signature.
 - `train_step_loss`: not a replacement but Keras's `TensorFlowTrainer.train_step` up to
@@ -46,7 +46,8 @@ ENTRIES = {
                        "Sequential._functional (read, not replaced)",
                        "tfpar.pipeline.partition"),
     "function_loss": ("keras.src.losses.losses.LossFunctionWrapper (called, not replaced)",
-                      "tfpar.pipeline.model.PipelineModel.compile"),
+                      "tfpar.pipeline.model.PipelineModel.compile, "
+                      "tfpar.layout.keras_distribution"),
     "train_step_loss": ("TensorFlowTrainer.train_step's forward pass and loss: "
                         "Model._call_has_training_arg, _compute_loss, _loss_tracker, "
                         "loss.unscale_loss_for_distribution (called, not replaced)",

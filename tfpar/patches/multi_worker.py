@@ -6,7 +6,12 @@ calls of tf.distribute's private code (tensorflow 2.21.0, keras 3.15.1).
   `strategy.reduce("MEAN", batch)` on a PerReplica tuple of data (only shapes are needed,
   and a cross-worker reduce of input data is a collective nobody asked for), and
   `reduce_per_replica` reduces each scalar log with `axis=0`, which a scalar has not.
-  The patch builds from the first local replica's batch and reduces logs element-wise.
+  Under any strategy it also reads that batch from an iterator it then drops, so `fit`
+  trains on the dataset's second iterator: a shuffled dataset's second order, not the one
+  a single device's `fit` sees (tensorflow.org's multi-worker tutorial ended 1.4e-4 from
+  one device after 8 steps). The patch builds from the dataset's element spec (the first
+  local replica's shapes; `TFEpochIterator._distributed_dataset`,
+  `PerReplicaSpec._value_specs`), reading no batch, and reduces logs element-wise.
 - `multi_worker_cpu_devices`: `MultiWorkerMirroredStrategy` uses one CPU device per worker
   whatever the logical-device split. With `cpu_devices(n)` set, each worker runs n
   replicas, one per logical CPU, so several simulated devices per worker work like GPUs.
@@ -35,6 +40,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective
+from tensorflow.python.distribute import values as _values
 from tensorflow.python.distribute import values_util as _values_util
 from tensorflow.python.eager import context as _eager_context
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
@@ -46,9 +52,9 @@ from tfpar.patches.versions import WRITTEN_FOR, check_entries
 # patch -> (what it replaces, what applies it).
 ENTRIES = {
     "multi_worker_fit": ("TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica",
-                         "tfpar.patches.apply"),
+                         "tfpar.patches.apply (tfpar.enable, tfpar.strategy)"),
     "multi_worker_cpu_devices": ("CollectiveAllReduceExtended._initialize_local_devices",
-                                 "tfpar.patches.apply"),
+                                 "tfpar.patches.apply (tfpar.enable, tfpar.strategy)"),
     "coordination_barrier": ("tensorflow.python.eager.context.Context.wait_at_barrier and "
                              ".coordination_service (called, not replaced)",
                              "tfpar.strategy.wait_for_workers"),
@@ -66,6 +72,7 @@ ENTRIES = {
 _EXPECTED = {
     "TensorFlowTrainer._maybe_symbolic_build":
         'self.distribute_strategy.reduce(\n                        "MEAN",',
+    "TFEpochIterator._distributed_dataset": "self._distributed_dataset = dataset",
     "reduce_per_replica": 'strategy.reduce("MEAN", v, axis=0)',
     "CollectiveAllReduceExtended._initialize_local_devices": "num_local_devices = 1",
 }
@@ -75,6 +82,8 @@ _EXPECTED_BARRIER = {"wait_at_barrier": "pywrap_tfe.TFE_WaitAtBarrier(",
                      "coordination_service": "return self._coordination_service_config"}
 # The newer entries: (what, target, fragment) as `versions.check_fragments` takes them.
 FRAGMENTS = {
+    "multi_worker_fit": [("PerReplicaSpec._value_specs", lambda: _values.PerReplicaSpec.__init__,
+                          "self._value_specs = tuple(value_specs)")],
     "coordination_config": [(
         "Context.configure_coordination_service",
         lambda: ("signature", _eager_context.Context.configure_coordination_service),
@@ -123,6 +132,7 @@ def check(names):
 def _check_multi_worker():
     targets = {
         "TensorFlowTrainer._maybe_symbolic_build": _original_maybe_symbolic_build,
+        "TFEpochIterator._distributed_dataset": tf_trainer.TFEpochIterator.__init__,
         "reduce_per_replica": _original_reduce_per_replica,
         "CollectiveAllReduceExtended._initialize_local_devices":
             _original_initialize_local_devices,
@@ -183,15 +193,14 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     if self._distribute_strategy is None:
         return
     if iterator is not None:
-        for _, _, it in iterator:
-            batch = next(it)
-            # Shapes are all the symbolic build needs: take the first local replica's part
-            # instead of reducing input data across workers.
-            data_batch = tree.map_structure(
-                lambda x: (self.distribute_strategy.experimental_local_results(x)[0]
-                           if isinstance(x, tf.distribute.DistributedValues) else x),
-                batch)
-            break
+        # Shapes and dtypes are all the symbolic build needs: the first local replica's,
+        # from the dataset's element spec. Reading a batch (as Keras does, then reducing it
+        # across workers) would start an iterator that fit drops: it would train on the
+        # next one, another order of a shuffled dataset than one device's fit sees.
+        data_batch = tf.nest.map_structure(
+            lambda spec: (spec._value_specs[0] if isinstance(spec, _values.PerReplicaSpec)
+                          else spec),
+            iterator._distributed_dataset.element_spec)
     with self.distribute_strategy.scope():
         self._symbolic_build(data_batch=data_batch)
 
