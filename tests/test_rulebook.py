@@ -51,6 +51,8 @@ ALLOWED = {
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "save_freq"): (1, RANGE),
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "keep"): (1, RANGE),
     ("tfpar/checkpoint.py", "Checkpointer.restore", "checkpoint_dir"): (1, INPUT),
+    ("tfpar/checkpoint.py", "Checkpointer._read", "checkpoint_dir"): (1, INPUT),
+    ("tfpar/checkpoint.py", "published", "checkpoint_dir"): (1, INPUT),
     ("tfpar/checkpoint.py", "check_directory", "checkpoint_dir"): (2, INPUT),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "zero_stage"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "dataset"): (1, RANGE),
