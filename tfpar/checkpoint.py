@@ -210,6 +210,7 @@ class Checkpointer(keras.callbacks.Callback):
         step = self._step
         prefix = os.path.join(self._write_dir, f"ckpt-{step}")
         if self._writer is None:
+            faults.pause_in_save(step, "before_writing")
             # Write callbacks run after the files are written, before the state file
             # names them.
             self._manager.save(checkpoint_number=step, options=tf.train.CheckpointOptions(
@@ -221,6 +222,7 @@ class Checkpointer(keras.callbacks.Callback):
         values = patches.checkpoint_snapshot(self._checkpoint)  # the only blocking part
 
         def write():
+            faults.pause_in_save(step, "before_writing")
             patches.write_checkpoint(values, prefix)
             self._before_publishing(step, prefix)
             patches.publish_checkpoint(self._manager, prefix)
