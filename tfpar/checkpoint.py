@@ -109,6 +109,7 @@ class Checkpointer(keras.callbacks.Callback):
             checkpoint_name="ckpt")
         self._writer = (checkpoint_writer.Writer()
                         if getattr(config, "checkpoint_async", False) else None)
+        self._snapshot_cache = {}
 
     def restore(self):
         """Restores the newest intact published checkpoint of the chief's directory;
@@ -219,7 +220,8 @@ class Checkpointer(keras.callbacks.Callback):
             return
         self._writer.wait()  # one write in flight at most
         self._checkpoint.save_counter.assign_add(1)  # as the manager's save does
-        values = patches.checkpoint_snapshot(self._checkpoint)  # the only blocking part
+        # The only blocking part.
+        values = patches.checkpoint_snapshot(self._checkpoint, self._snapshot_cache)
 
         def write():
             faults.pause_in_save(step, "before_writing")
@@ -227,6 +229,7 @@ class Checkpointer(keras.callbacks.Callback):
             self._before_publishing(step, prefix)
             patches.publish_checkpoint(self._manager, prefix)
             self._written()
+            patches.trace_checkpoint_reads(self._snapshot_cache)  # the next save's reads
         self._writer.submit(step, write)
 
     def wait(self):

@@ -20,9 +20,12 @@ import os
 import time
 
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.checkpoint import checkpoint as _checkpoint
 from tensorflow.python.checkpoint import checkpoint_management as _management
 from tensorflow.python.checkpoint import functional_saver as _functional_saver
+from tensorflow.python.checkpoint import tensor_callable as _tensor_callable
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 from tensorflow.python.training.saving import saveable_object as _saveable_object
 
 from tfpar.patches.versions import check_entries
@@ -57,6 +60,11 @@ FRAGMENTS = {
          "      self._record_state()\n      self._sweep()\n"),
         ("SaveSpec", lambda: ("signature", _saveable_object.SaveSpec.__init__),
          "(self, tensor, slice_spec, name, dtype=None, device=None)"),
+        ("tensor_callable.Callable", lambda: _tensor_callable.Callable,
+         "class Callable(saveable_object.SaveSpec)"),
+        ("BaseResourceVariable._serialize_to_tensors",
+         lambda: _resource_variable_ops.BaseResourceVariable._serialize_to_tensors,
+         "tensor_callable.Callable(\n                _read_variable_closure"),
     ],
 }
 
@@ -66,12 +74,16 @@ def check(names):
     return check_entries(names, "tensorflow", FRAGMENTS, ENTRIES)
 
 
-def snapshot(checkpoint):
+def snapshot(checkpoint, cache):
     """The values `checkpoint` (a `tf.train.Checkpoint`) would write now, read now.
 
     An eager tensor read from a variable keeps its value when the variable is updated
     later (TensorFlow copies a buffer before updating it in place while a reader holds
-    it). Registry entry `checkpoint_snapshot`.
+    it). The variables' reads (TensorFlow defers them to the write, one callable each) run
+    in one `tf.function` kept in `cache` (a dict the caller keeps) while the objects and
+    keys to save stay the same: one call instead of two eager ops per variable. A save
+    whose objects are new reads eagerly; `trace_reads(cache)` (in the writer thread)
+    readies the function for the next. Registry entry `checkpoint_snapshot`.
 
     Raises:
         NotImplementedError: an object saves through a registered saver (written by its
@@ -81,11 +93,53 @@ def snapshot(checkpoint):
     serialized, _, registered, _ = checkpoint._saver._gather_serialized_tensors(None)
     if registered:
         raise NotImplementedError(f"registered savers {sorted(registered)}")
+    deferred = [(tensors, key) for tensors in serialized.values()
+                for key, value in tensors.items() if isinstance(value, _tensor_callable.Callable)]
+    read = _batched_reads(serialized, deferred, cache)
+    if read is not None:
+        for (tensors, key), value in zip(deferred, read):
+            spec = tensors[key]
+            tensors[key] = _saveable_object.SaveSpec(value, spec.slice_spec, spec.name,
+                                                     dtype=spec.dtype, device=spec.device)
     for tensors in serialized.values():
         for key, value in tensors.items():
             tensors[key] = ({spec: _read(v) for spec, v in value.items()}
                             if isinstance(value, dict) else _read(value))
     return serialized
+
+
+def _batched_reads(serialized, deferred, cache):
+    """The deferred reads' values from one `tf.function`, or None where it does not apply
+    (then each callable reads eagerly)."""
+    objects = {id(tensors): trackable for trackable, tensors in serialized.items()}
+    signature = tuple((id(objects[id(tensors)]), key) for tensors, key in deferred)
+    if cache.get("signature") != signature:
+        callables = [tensors[key] for tensors, key in deferred]
+        # The objects are held so that their ids in the signature stay theirs.
+        cache.update(signature=signature, objects=list(serialized), usable=bool(deferred),
+                     traced=False, read=tf.function(lambda: [c.tensor for c in callables]))
+        return None
+    if not (cache["usable"] and cache["traced"]):
+        return None
+    try:
+        return cache["read"]()
+    except Exception as err:  # noqa: BLE001 -- e.g. an uninitialised variable; read eagerly
+        logging.info("checkpoint reads in one function failed (%s); reading one by one", err)
+        cache["usable"] = False
+        return None
+
+
+def trace_reads(cache):
+    """Traces the reads' function of the latest `snapshot` with `cache` (seconds on a large
+    model: off the training thread). Registry entry `checkpoint_snapshot`."""
+    if cache.get("usable") and not cache.get("traced"):
+        try:
+            cache["read"]()  # traced, and instantiated by its first run (values unused)
+            cache["traced"] = True
+        except Exception as err:  # noqa: BLE001 -- reads stay eager
+            logging.info("checkpoint reads in one function failed (%s); reading one by one",
+                         err)
+            cache["usable"] = False
 
 
 def _read(value):
