@@ -62,6 +62,8 @@ FRAGMENTS = {
          "(self, tensor, slice_spec, name, dtype=None, device=None)"),
         ("tensor_callable.Callable", lambda: _tensor_callable.Callable,
          "class Callable(saveable_object.SaveSpec)"),
+        ("SaveSpec.tensor", lambda: _saveable_object.SaveSpec.tensor.fget,
+         "return self._tensor() if callable(self._tensor) else self._tensor"),
         ("BaseResourceVariable._serialize_to_tensors",
          lambda: _resource_variable_ops.BaseResourceVariable._serialize_to_tensors,
          "tensor_callable.Callable(\n                _read_variable_closure"),
@@ -112,7 +114,9 @@ def _batched_reads(serialized, deferred, cache):
     """The deferred reads' values from one `tf.function`, or None where it does not apply
     (then each callable reads eagerly)."""
     objects = {id(tensors): trackable for trackable, tensors in serialized.items()}
-    signature = tuple((id(objects[id(tensors)]), key) for tensors, key in deferred)
+    # The same objects, keys, and what each read captures (a variable's storage).
+    signature = tuple((id(objects[id(tensors)]), key, _captured(tensors[key]))
+                      for tensors, key in deferred)
     if cache.get("signature") != signature:
         callables = [tensors[key] for tensors, key in deferred]
         # The objects are held so that their ids in the signature stay theirs.
@@ -127,6 +131,14 @@ def _batched_reads(serialized, deferred, cache):
         logging.info("checkpoint reads in one function failed (%s); reading one by one", err)
         cache["usable"] = False
         return None
+
+
+def _captured(spec):
+    """The ids of the objects a deferred read's function reads from."""
+    function = spec._tensor
+    cells = getattr(function, "__closure__", None) or ()
+    owner = getattr(function, "__self__", None) or getattr(function, "__code__", function)
+    return (id(owner), *(id(cell.cell_contents) for cell in cells))
 
 
 def trace_reads(cache):
