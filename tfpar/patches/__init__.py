@@ -54,6 +54,7 @@ from tfpar.patches.multi_worker import (apply, configure_coordination_service,
 from tfpar.patches.tensorflow_checkpoint import publish as publish_checkpoint
 from tfpar.patches.tensorflow_checkpoint import snapshot as checkpoint_snapshot
 from tfpar.patches.tensorflow_checkpoint import trace_reads as trace_checkpoint_reads
+from tfpar.patches.tensorflow_checkpoint import wait_for_files as wait_for_checkpoint_files
 from tfpar.patches.tensorflow_checkpoint import write as write_checkpoint
 from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dtensor_started,
                                               no_dependency, no_function_constant_folding,

@@ -25,6 +25,7 @@ from tensorflow.python.checkpoint import checkpoint as _checkpoint
 from tensorflow.python.checkpoint import checkpoint_management as _management
 from tensorflow.python.checkpoint import functional_saver as _functional_saver
 from tensorflow.python.checkpoint import tensor_callable as _tensor_callable
+from tensorflow.python.eager import context as _context
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 from tensorflow.python.training.saving import saveable_object as _saveable_object
 
@@ -62,6 +63,8 @@ FRAGMENTS = {
          "(self, tensor, slice_spec, name, dtype=None, device=None)"),
         ("tensor_callable.Callable", lambda: _tensor_callable.Callable,
          "class Callable(saveable_object.SaveSpec)"),
+        ("Checkpoint._write", lambda: _checkpoint.Checkpoint._write,
+         "    if context.executing_eagerly():\n      context.async_wait()"),
         ("SaveSpec.tensor", lambda: _saveable_object.SaveSpec.tensor.fget,
          "return self._tensor() if callable(self._tensor) else self._tensor"),
         ("BaseResourceVariable._serialize_to_tensors",
@@ -172,6 +175,16 @@ def write(values, prefix):
     with tf.device("/cpu:0"):
         path = tf.constant(prefix)
     saver.save(path)
+    # Returns once the files are complete: DTensor's devices run the save asynchronously
+    # (TensorFlow's own `Checkpoint._write` waits the same way).
+    _context.async_wait()
+
+
+def wait_for_files():
+    """Returns once every save op dispatched so far has finished (DTensor's devices run
+    them asynchronously; `tf.train.CheckpointManager.save` runs its write callbacks
+    before it waits). Registry entry `checkpoint_snapshot`."""
+    _context.async_wait()
 
 
 def publish(manager, prefix):
