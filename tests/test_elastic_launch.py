@@ -31,9 +31,11 @@ import psutil
 from subproc import ROOT, in_background, last_json_line, popen, run
 from test_train import CHILD
 
+# Synchronous saves: the pause inside the save of step 40 must hold the worker at that step
+# (an asynchronous save pauses only its writer thread while training goes on).
 CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 60,
        "steps_per_epoch": 20, "checkpoint_every": 10, "global_batch_size": 24,
-       "verbose": 0, "collective_timeout_s": 60}
+       "verbose": 0, "collective_timeout_s": 60, "checkpoint_async": False}
 GROW_STEP, PAUSE_S = 40, 8
 
 

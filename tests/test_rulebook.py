@@ -52,6 +52,8 @@ ALLOWED = {
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "save_freq"): (1, RANGE),
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "keep"): (1, RANGE),
     ("tfpar/checkpoint.py", "Checkpointer.restore", "checkpoint_dir"): (1, INPUT),
+    ("tfpar/checkpoint.py", "Checkpointer._read", "checkpoint_dir"): (1, INPUT),
+    ("tfpar/checkpoint.py", "published", "checkpoint_dir"): (1, INPUT),
     ("tfpar/checkpoint.py", "check_directory", "checkpoint_dir"): (2, INPUT),
     ("tfpar/checkpoint_tool.py", "resolve", "checkpoint"): (1, INPUT),
     ("tfpar/checkpoint_tool.py", "export", "to"): (2, INPUT),

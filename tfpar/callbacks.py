@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from tfpar import metrics, nan_guard, patches
-from tfpar.checkpoint import Checkpointer
+from tfpar.checkpoint import Checkpointer, newest_intact
 from tfpar.compression import aggregator_of, timing
 from tfpar.errors import ConfigError, TfparError
 from tfpar.preemption import PreemptionGuard
@@ -42,6 +42,7 @@ class _Settings:
     error_feedback: bool = None
     global_batch_size: int = None
     seed: int = None
+    checkpoint_async: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +78,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     of the same script with this callback restores all of it on `fit`'s start and trains
     only the steps that remain. A SIGTERM (a scheduler's preemption) saves at the next
     step and stops training on every worker alike. Files are written by
-    `tf.train.CheckpointManager` (index last: a run killed mid-save keeps the previous
-    checkpoint). A `backup_dir` holding files tfpar did not write is refused, never
+    `tf.train.CheckpointManager`'s format beside training (the step waits only for the
+    copy to host memory; `fit` returns once the last save is published); a run killed
+    mid-save keeps the previous checkpoint, and a damaged newest one is skipped with one
+    line (`tfpar.checkpoint`). A `backup_dir` holding files tfpar did not write is refused, never
     overwritten. Multi-worker: the chief writes, every worker restores from `backup_dir`
     (shared, as on one machine).
 
@@ -151,8 +154,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     @property
     def initial_step(self):
         """The step the next `fit` with this callback resumes at (0 without a checkpoint)."""
-        latest = tf.train.latest_checkpoint(self.backup_dir) if os.path.isdir(
-            self.backup_dir) else None
+        if self._checkpointer is not None:  # a fit that raised may have left a write
+            self._checkpointer.wait()
+        latest = newest_intact(self.backup_dir) if os.path.isdir(self.backup_dir) else None
         return int(latest.rsplit("-", 1)[1]) if latest else 0
 
     def on_train_begin(self, logs=None):
@@ -168,6 +172,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 optimizer.build(model.trainable_variables)
         aggregator = aggregator_of(optimizer)
         every = self.save_freq if self.save_freq != "epoch" else 2 ** 62
+        if self._checkpointer is not None:  # a fit that raised may have left a write
+            self._checkpointer.wait()
         settings = _Settings(
             checkpoint_dir=self.backup_dir, checkpoint_every=every, keep_checkpoints=self.keep,
             model=model.name, optimizer=type(_base_optimizer(optimizer)).__name__,
@@ -216,12 +222,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._guard.restore_handler()
+        self._checkpointer.wait()
         done = self._checkpointer._step >= self.params.get("epochs", 0) * self._steps_per_epoch
         if done and self.delete_checkpoint and not self._guard.preempted:
             if self._checkpointer._is_chief:
                 _delete_own_files(self.backup_dir)
         else:
             self._checkpointer.save()
+            self._checkpointer.wait()  # fit returns with its last save published
 
 
 def _delete_own_files(directory):

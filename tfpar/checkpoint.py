@@ -5,12 +5,22 @@ aggregator state tracked by the optimizer) and the data position (steps done; th
 a function of the step, see `tfpar.data`), under the names of the single-device model
 (`tfpar.state`), so any other layout loads it.
 
-`tf.train.CheckpointManager` publishes a save in two moves: it writes the checkpoint's
-files (`ckpt-S.index`, `ckpt-S.data-*`), then replaces the `checkpoint` state file
-atomically (a rename) so that it names `ckpt-S` as the latest. A run killed before the
-rename leaves files that nothing names: restore reads only what the state file names, so
-it takes the previous complete checkpoint, and the chief deletes the unnamed leftovers
-when it restores. (tests/test_faults.py kills workers inside that window.)
+A save is published in three moves (`tfpar.checkpoint_writer`): the checkpoint's files
+(`ckpt-S.index`, `ckpt-S.data-*`), its manifest (each file's size and CRC32), then the
+`checkpoint` state file of `tf.train.CheckpointManager`, replaced atomically (a rename) so
+that it names `ckpt-S` as the latest. A run killed before the rename leaves files that
+nothing names: restore reads only what the state file names, so it takes the previous
+complete checkpoint, and the chief deletes the unnamed leftovers when it restores.
+(tests/test_faults.py kills workers inside that window.) With `checkpoint_async` (the
+default) the step blocks only while the state is read into host memory; a thread writes
+and publishes it while training goes on, one write at a time; `wait()` (the last save, a
+preemption save) returns once it is published. On a DTensor mesh saves are still written
+within the step.
+
+Restore takes the newest save the state file names whose files match their manifest and
+read back; a damaged one (truncated, changed, missing) is skipped with one line saying
+what is wrong with it. When none is intact the run stops with one line and deletes
+nothing.
 
 Multi-worker: every worker must take part in a save; the chief writes to `checkpoint_dir`,
 the others to a scratch directory they delete afterwards. Every worker restores from the
@@ -40,7 +50,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfpar import faults, state
+from tfpar import checkpoint_writer, faults, patches, state
 from tfpar.errors import ConfigError
 
 MARKER = "tfpar.json"
@@ -63,9 +73,10 @@ def _state_settings(settings):
     return out
 
 
-# What a save writes: ckpt-S.index, ckpt-S.data-K-of-N, and TensorFlow's ckpt-S_temp* while
-# it writes them.
-_CHECKPOINT_FILE = re.compile(r"^(ckpt-\d+)(\.index|\.data-\d+-of-\d+|_temp.*)$")
+# What a save writes: ckpt-S.index, ckpt-S.data-K-of-N, TensorFlow's ckpt-S_temp* while it
+# writes them, and the manifest (and its .tmp while it is written).
+_CHECKPOINT_FILE = re.compile(
+    r"^(ckpt-\d+)(\.index|\.data-\d+-of-\d+|_temp.*|\.manifest\.json(\.tmp)?)$")
 
 
 class Checkpointer(keras.callbacks.Callback):
@@ -73,7 +84,7 @@ class Checkpointer(keras.callbacks.Callback):
 
     Args:
         config: the run's `ParallelConfig` (checkpoint_dir, checkpoint_every,
-            keep_checkpoints).
+            keep_checkpoints, checkpoint_async).
         model: a compiled model whose optimizer is built.
         runtime: the `tfpar.strategy.Runtime` (chief or not, worker index).
     """
@@ -101,25 +112,67 @@ class Checkpointer(keras.callbacks.Callback):
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, self._write_dir, max_to_keep=config.keep_checkpoints,
             checkpoint_name="ckpt")
+        self._writer = (checkpoint_writer.Writer()
+                        if getattr(config, "checkpoint_async", False) else None)
+        if self._writer is not None and patches.dtensor_started():
+            # A write beside a mesh's steps had its collectives cancelled ("CompleteGroup is
+            # cancelled before it starts", tests/test_layout_fit.py): not yet on meshes.
+            logging.warning("tfpar: checkpoint_async: saves on a DTensor mesh are written "
+                            "within the step for now")
+            self._writer = None
+        self._snapshot_cache = {}
 
     def restore(self):
-        """Restores the latest published checkpoint of the chief's directory; returns the
-        step to resume at (0 if there is none). The chief first deletes the files of saves
-        that were cut short (never published)."""
+        """Restores the newest intact published checkpoint of the chief's directory;
+        returns the step to resume at (0 if there is none). A damaged newer one is skipped
+        with one line. The chief then deletes the files of saves that were cut short
+        (never published).
+
+        Raises:
+            ConfigError: no published checkpoint is intact (nothing is deleted), or the
+                intact one does not match this model and optimizer.
+        """
+        restored, damaged = None, []
+        for prefix in published(self.directory):
+            problem = checkpoint_writer.damage(prefix) or self._read(prefix)
+            if problem is None:
+                restored = prefix
+                break
+            name = os.path.basename(prefix)
+            damaged.append(f"{name}: {problem}")
+            logging.warning("tfpar: skipping checkpoint %s of %s: %s; trying the one before",
+                            name, self.directory, problem)
+        if damaged and restored is None:
+            raise ConfigError("checkpoint_dir", self.directory,
+                              f"holds no intact checkpoint ({'; '.join(damaged)}); nothing "
+                              "was changed: restore the files from a copy, or move them "
+                              "away to start afresh")
         if self._is_chief and os.path.isdir(self.directory):
             remove_unpublished(self.directory)
-        latest = tf.train.latest_checkpoint(self.directory)
-        if latest is None:
+        if restored is None:
             return 0
-        try:
-            state.load(latest, self._state, self._others)
-        except (AssertionError, ValueError, tf.errors.NotFoundError) as err:
-            raise ConfigError("checkpoint_dir", self.directory,
-                              f"its checkpoint {os.path.basename(latest)} does not match this "
-                              f"model and optimizer ({str(err).splitlines()[0]})") from None
         self._step = self._saved = int(self.step.numpy())
         self.elastic = self._note_world(self._step)
         return self._step
+
+    def _read(self, prefix):
+        """Restores checkpoint `prefix`; returns None, or what is wrong with its files when
+        TensorFlow cannot read them.
+
+        Raises:
+            ConfigError: it reads, but does not match this model and optimizer.
+        """
+        try:
+            state.load(prefix, self._state, self._others)
+        except (AssertionError, ValueError, tf.errors.NotFoundError) as err:
+            # it reads, but names or shapes differ (files missing are the manifest's)
+            raise ConfigError("checkpoint_dir", self.directory,
+                              f"its checkpoint {os.path.basename(prefix)} does not match this "
+                              f"model and optimizer ({str(err).splitlines()[0]})") from None
+        except (tf.errors.OpError, IndexError) as err:  # a truncated or garbled file
+            return (f"TensorFlow cannot read it ({type(err).__name__}: "
+                    f"{(str(err).splitlines() or [''])[0][:200]})")
+        return None
 
     def _note_world(self, step):
         """Compares the world size with the one the checkpoint was written by; logs and (chief)
@@ -167,13 +220,87 @@ class Checkpointer(keras.callbacks.Callback):
             if self._world and not os.path.exists(os.path.join(self.directory, WORLD)):
                 write_json_atomic(os.path.join(self.directory, WORLD),
                                   [{"step": 0, **self._world}])
-        # Write callbacks run after the files are written, before the state file names
-        # them: the pause (off unless a test asks for it) opens that window to kill in.
         step = self._step
-        self._manager.save(checkpoint_number=step, options=tf.train.CheckpointOptions(
-            experimental_write_callbacks=[lambda: faults.pause_in_save(step)]))
+        prefix = os.path.join(self._write_dir, f"ckpt-{step}")
+        if self._writer is None:
+            faults.pause_in_save(step, "before_writing")
+            # Write callbacks run after the files are written, before the state file
+            # names them.
+            self._manager.save(checkpoint_number=step, options=tf.train.CheckpointOptions(
+                experimental_write_callbacks=[lambda: self._before_publishing(step, prefix)]))
+            self._written()
+            return
+        self._writer.wait()  # one write in flight at most
+        self._checkpoint.save_counter.assign_add(1)  # as the manager's save does
+        # The only blocking part.
+        values = patches.checkpoint_snapshot(self._checkpoint, self._snapshot_cache)
+
+        def write():
+            faults.pause_in_save(step, "before_writing")
+            patches.write_checkpoint(values, prefix)
+            self._before_publishing(step, prefix)
+            patches.publish_checkpoint(self._manager, prefix)
+            self._written()
+            patches.trace_checkpoint_reads(self._snapshot_cache)  # the next save's reads
+        self._writer.submit(step, write)
+
+    def wait(self):
+        """Returns once the newest save is published (at once for a synchronous save).
+
+        Raises:
+            TfparError: its write failed; the previous checkpoint is still the latest.
+        """
+        if self._writer is not None:
+            self._writer.wait()
+
+    def _before_publishing(self, step, prefix):
+        patches.wait_for_checkpoint_files()
+        checkpoint_writer.write_manifest(prefix)
+        # Off unless a test asks for it: a window to kill in, files written, none named.
+        faults.pause_in_save(step)
+
+    def _written(self):
         if not self._is_chief:
             shutil.rmtree(self._write_dir, ignore_errors=True)
+            return
+        # The manager deletes the files of saves past `keep_checkpoints`, not our manifests.
+        kept = {os.path.basename(p) for p in self._manager.checkpoints}
+        for name in os.listdir(self.directory):
+            if (name.endswith(checkpoint_writer.MANIFEST)
+                    and name[:-len(checkpoint_writer.MANIFEST)] not in kept):
+                os.remove(os.path.join(self.directory, name))
+
+
+def published(directory):
+    """The checkpoint prefixes `directory`'s state file names, newest first (none if there
+    is no state file).
+
+    Raises:
+        ConfigError: the state file is unreadable (nothing is deleted).
+    """
+    if not os.path.exists(os.path.join(directory, "checkpoint")):
+        return []
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except Exception as err:  # noqa: BLE001 -- a text-format parse error, any kind
+        raise ConfigError("checkpoint_dir", directory,
+                          f"its state file 'checkpoint' is unreadable ({type(err).__name__}); "
+                          "nothing was changed: restore it from a copy, or move the "
+                          "directory away to start afresh") from None
+    if state is None:
+        return []
+    paths = list(state.all_model_checkpoint_paths)
+    latest = state.model_checkpoint_path
+    ordered = ([latest] if latest else []) + [p for p in reversed(paths) if p != latest]
+    return [p if os.path.isabs(p) else os.path.join(directory, p) for p in ordered]
+
+
+def newest_intact(directory):
+    """The newest published checkpoint of `directory` whose files match its manifest, or
+    None (without reading it: `Checkpointer.restore` also skips one TensorFlow cannot
+    read)."""
+    return next((p for p in published(directory) if checkpoint_writer.damage(p) is None),
+                None)
 
 
 def remove_unpublished(directory):

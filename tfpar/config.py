@@ -79,6 +79,9 @@ class ParallelConfig:
         compression and its parameters: the gradient aggregator (`tfpar.compression`).
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.
+        checkpoint_async: write checkpoints beside training, the step blocking only while
+            the state is copied to host memory (`tfpar.checkpoint`); False writes them
+            within the step (as DTensor meshes still do).
         tensorboard_dir, metrics_json: where to write TensorBoard logs and the metrics JSON.
         measure_comm: after training, time compute-only against full steps and report the
             communication share of a step (`comm.comm_time_fraction`).
@@ -158,6 +161,7 @@ class ParallelConfig:
     checkpoint_dir: str = ""
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
+    checkpoint_async: bool = True
     tensorboard_dir: str = ""
     metrics_json: str = ""
     measure_comm: bool = False

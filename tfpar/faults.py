@@ -6,11 +6,14 @@ checkpoint save open so that a test can kill a worker inside it.
 attempt (`TFPAR_RESTART`, set by `tfpar.launch --max_restarts`), so a restarted job runs on
 past it. Used by tests/test_faults.py and tools/bench_faults.py.
 
-`TFPAR_INJECT_SAVE_PAUSE="S:SECONDS[,S:SECONDS...]"` makes every worker sleep SECONDS inside
-its checkpoint save of step S, after the checkpoint's files are written and before the
-state file names them (`tfpar.checkpoint`); pause k applies only in attempt k, like the
-faults. Each pause prints a line, so that a test killing a worker from outside knows it is
-inside the write.
+`TFPAR_INJECT_SAVE_PAUSE="S:SECONDS[:before_writing][,...]"` makes every worker sleep
+SECONDS inside its checkpoint save of step S, after the checkpoint's files are written and
+before the state file names them (`tfpar.checkpoint`), or with `:before_writing` after the
+state is copied and before any file is written; pause k applies only in attempt k, like
+the faults. With `--checkpoint_async` the pause is in the writer thread and training goes
+on meanwhile, so a fault of the same attempt can kill the worker inside the write. Each
+pause prints a line, so that a test killing a worker from outside knows it is inside the
+write.
 
 Both are off unless their variable is set.
 """
@@ -58,25 +61,34 @@ def injector(start_step, environ=os.environ):
     return _KillAt(start_step, step)
 
 
-def pause_in_save(step, environ=os.environ):
-    """Sleeps if this attempt's `TFPAR_INJECT_SAVE_PAUSE` entry names `step`.
+_MOMENTS = {"before_publishing": "files written, not yet named by the state file",
+            "before_writing": "state copied, no file written yet"}
+
+
+def pause_in_save(step, moment="before_publishing", environ=os.environ):
+    """Sleeps if this attempt's `TFPAR_INJECT_SAVE_PAUSE` entry names `step` and `moment`
+    (`"before_publishing"` or `"before_writing"`).
 
     Raises:
-        ConfigError: the plan is not comma-separated `step:seconds` pairs.
+        ConfigError: the plan is not comma-separated `step:seconds[:before_writing]`.
     """
     text = environ.get(SAVE_PAUSE_ENV, "")
     if not text:
         return
     try:
-        plan = [(int(s), float(t)) for s, t in (item.split(":") for item in text.split(","))]
+        plan = [(int(s), float(t), (where or ["before_publishing"])[0])
+                for s, t, *where in (item.split(":") for item in text.split(","))]
+        if any(where not in _MOMENTS for _, _, where in plan):
+            raise ValueError
     except ValueError:
         raise ConfigError(SAVE_PAUSE_ENV, text,
-                          "use comma-separated step:seconds pairs, e.g. 10:60,20:60") from None
+                          "use comma-separated step:seconds[:before_writing], e.g. "
+                          "10:60,20:60:before_writing") from None
     attempt = int(environ.get("TFPAR_RESTART", "0"))
-    if attempt < len(plan) and plan[attempt][0] == step:
+    if attempt < len(plan) and plan[attempt][0] == step and plan[attempt][2] == moment:
         seconds = plan[attempt][1]
         print(f"tfpar.faults: pausing {seconds:g} s inside the checkpoint save of step {step} "
-              "(files written, not yet named by the state file)", file=sys.stderr, flush=True)
+              f"({_MOMENTS[moment]})", file=sys.stderr, flush=True)
         time.sleep(seconds)
 
 

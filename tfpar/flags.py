@@ -97,6 +97,9 @@ _HELP = {
     "checkpoint_dir": "Directory for checkpoints; a run resumes from its latest one.",
     "checkpoint_every": "Optimizer steps between checkpoints.",
     "keep_checkpoints": "Checkpoints to keep.",
+    "checkpoint_async": "Write checkpoints beside training: a save blocks the step only while "
+                        "the state is copied to host memory (--nocheckpoint_async: the step "
+                        "waits for the files; DTensor meshes still do).",
     "tensorboard_dir": "Directory for TensorBoard logs: Keras's epoch scalars and tfpar's "
                        "per-step tfpar/ scalars (tfpar.callbacks.TensorBoard).",
     "metrics_json": "Write the run's metrics JSON here.",

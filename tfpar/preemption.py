@@ -65,6 +65,7 @@ class PreemptionGuard(keras.callbacks.Callback):
         if self._agreed_signal():
             self.preempted = True
             self.checkpointer.save()
+            self.checkpointer.wait()  # published before the line says so
             self.model.stop_training = True
             # What `tfpar.launch` reads to tell a stop it asked for from a finished job.
             print(f"tfpar: stopping at step {self.checkpointer.saved_step} on SIGTERM: "

@@ -78,7 +78,7 @@ def plot_loss(runs, path, plt):
 # in these are the same configuration at another scale.
 _SCALE_KEYS = {"cpu_devices", "data_parallel", "strategy", "collective", "steps",
                "steps_per_epoch", "checkpoint_dir", "checkpoint_every", "keep_checkpoints",
-               "tensorboard_dir", "metrics_json", "measure_comm", "verbose", "export_dir",
+               "checkpoint_async", "tensorboard_dir", "metrics_json", "measure_comm", "verbose", "export_dir",
                "collective_timeout_s", "heartbeat_timeout_s", "startup_timeout_s"}
 
 

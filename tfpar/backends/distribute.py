@@ -97,6 +97,7 @@ class DistributeBackend(Backend):
         if checkpointer is not None:
             guard.restore_handler()
             checkpointer.save()
+            checkpointer.wait()  # the process ends only with its last save published
         out = {"resumed_from_step": start}
         if guard_nan.skipped:
             out["skipped_steps"] = guard_nan.skipped

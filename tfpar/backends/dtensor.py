@@ -115,6 +115,8 @@ class DTensorBackend(Backend):
                 break
         if checkpointer is not None and start < config.steps:
             checkpointer.save()
+        if checkpointer is not None:
+            checkpointer.wait()  # the process ends only with its last save published
         return {"resumed_from_step": start}
 
     def stats(self, config, runtime, model, task, recorder):

@@ -28,13 +28,14 @@ entries, each described in its module's docstring:
   `stateless_optimizer`; and `mix_in`, how an optimizer the user built gets a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `dtensor_started`,
   `function_constant_folding`, `onednn_enabled`, `tensor_getitem`, `trackable_tensors`.
+- `tensorflow_checkpoint`: `checkpoint_snapshot` (a save read now, written later).
 - `model_optimization` (tfmot, imported on first use): `tfmot_local_mask`,
   `tfmot_registry`, `tfmot_quantize_layer`.
 """
 
 from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, keras_variables,
                            model_optimization)
-from tfpar.patches import multi_worker, tensorflow_runtime
+from tfpar.patches import multi_worker, tensorflow_checkpoint, tensorflow_runtime
 from tfpar.patches.keras_mesh import (BACKEND_RANDOM, LIST_DEVICES, MESH_LOOPS,
                                       MESH_LOOP_ARGS, VARIABLE_INITIALIZE,
                                       attach_backend_mesh, backend_mesh, compiled_metrics,
@@ -57,6 +58,11 @@ from tfpar.patches.model_optimization import (input_quantizers, local_mask_pruni
 from tfpar.patches.multi_worker import (apply, configure_coordination_service,
                                         cpu_devices_per_worker, is_applied, plain_variable,
                                         replica_index, strategy_workers, wait_at_barrier)
+from tfpar.patches.tensorflow_checkpoint import publish as publish_checkpoint
+from tfpar.patches.tensorflow_checkpoint import snapshot as checkpoint_snapshot
+from tfpar.patches.tensorflow_checkpoint import trace_reads as trace_checkpoint_reads
+from tfpar.patches.tensorflow_checkpoint import wait_for_files as wait_for_checkpoint_files
+from tfpar.patches.tensorflow_checkpoint import write as write_checkpoint
 from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dtensor_started,
                                               no_dependency, no_function_constant_folding,
                                               onednn_enabled, tensor_getitem,
@@ -64,7 +70,7 @@ from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dten
 from tfpar.patches.versions import WRITTEN_FOR
 
 _MODULES = (multi_worker, keras_mesh, keras_model, keras_optimizer, keras_variables,
-            tensorflow_runtime, model_optimization)
+            tensorflow_runtime, tensorflow_checkpoint, model_optimization)
 # patch -> (what it replaces, reads or calls; who in tfpar applies or uses it).
 REGISTRY = {name: entry for module in _MODULES for name, entry in module.ENTRIES.items()}
 # (module, class, method) -> entry: tfpar's overrides of another library's private method,

@@ -1,0 +1,122 @@
+"""How a checkpoint reaches the disk, and how a damaged one is recognised.
+
+A save is published in three moves: the checkpoint's files (`ckpt-S.index`,
+`ckpt-S.data-*`), then its manifest `ckpt-S.manifest.json` (each file's size and CRC32),
+then the `checkpoint` state file naming `ckpt-S` (an atomic rename). A save cut short at
+any point leaves the previous published one as the latest; a published one whose files
+were damaged since (a truncated copy, a bad disk) fails `damage()` and is skipped on
+restore (`tfpar.checkpoint`).
+
+`Writer` runs the writing beside training (`--checkpoint_async`): the step blocks while the
+state is read into host memory (`tfpar.patches.tensorflow_checkpoint.snapshot`), a thread
+writes and publishes it. At most one write is in flight: the next save first waits for
+it. The thread is not a daemon: a process that ends (the last save, a preemption save, an
+error) exits only once the write in flight is published.
+"""
+
+import json
+import os
+import re
+import threading
+import zlib
+
+from absl import logging
+
+from tfpar.errors import TfparError
+
+MANIFEST = ".manifest.json"
+_CHUNK = 1 << 22
+
+
+def _files_of(prefix):
+    """The files TensorFlow wrote for checkpoint `prefix`: its index and data shards."""
+    folder, name = os.path.split(prefix)
+    shard = re.compile(re.escape(name) + r"\.data-\d+-of-\d+$")
+    return sorted([name + ".index"] + [f for f in os.listdir(folder) if shard.match(f)])
+
+
+def _crc32(path):
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(prefix):
+    """Records each file of checkpoint `prefix` with its size and CRC32 in
+    `prefix.manifest.json` (written whole, then renamed into place)."""
+    folder = os.path.dirname(prefix)
+    files = {name: {"size": os.path.getsize(os.path.join(folder, name)),
+                    "crc32": _crc32(os.path.join(folder, name))} for name in _files_of(prefix)}
+    tmp = prefix + MANIFEST + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+    os.replace(tmp, prefix + MANIFEST)
+
+
+def damage(prefix):
+    """What is wrong with checkpoint `prefix`'s files, in a few words, or None when they
+    match its manifest. A checkpoint without a manifest (an older tfpar's) is not checked
+    here: reading it is the check."""
+    folder, name = os.path.split(prefix)
+    try:
+        with open(prefix + MANIFEST) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        if not os.path.exists(prefix + ".index"):
+            return f"{name}.index is missing"
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its manifest {name}{MANIFEST} is unreadable ({type(err).__name__})"
+    for file, want in sorted(files.items()):
+        path = os.path.join(folder, file)
+        if not os.path.exists(path):
+            return f"{file} is missing"
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{file} has {size} bytes, {want['size']} were written"
+        if _crc32(path) != want["crc32"]:
+            return f"{file} fails its CRC32 check (its bytes changed since it was written)"
+    return None
+
+
+class Writer:
+    """One background write at a time; its error is raised by the next `wait`."""
+
+    def __init__(self):
+        self._thread = None
+        self._error = None
+
+    def submit(self, step, write):
+        """Runs `write()` (the writing of step `step`'s save) in a new thread, after the
+        previous one finished."""
+        self.wait()
+
+        def run():
+            try:
+                write()
+            except BaseException as err:  # noqa: BLE001 -- raised again by `wait`
+                self._error = (step, err)
+                logging.error("tfpar: the checkpoint write of step %d failed: %s", step, err)
+        self._thread = threading.Thread(target=run, name=f"tfpar-checkpoint-{step}")
+        self._thread.start()
+
+    @property
+    def busy(self):
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self):
+        """Waits for the write in flight, if any.
+
+        Raises:
+            TfparError: that write failed (the previous published save stays the latest).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            (step, err), self._error = self._error, None
+            raise TfparError(f"the checkpoint write of step {step} failed "
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                             "the previous checkpoint is still the latest") from err
