@@ -116,11 +116,11 @@ def test_each_codec_ends_near_the_uncompressed_loss(children, report_measured):
 def test_each_codec_at_its_limit_equals_the_uncompressed_run(children, report_measured):
     runs, none = children["limits"], children["codecs"]["none"]
     worst = {}
-    for codec, run in runs.items():
-        worst[codec] = max(abs(a - b) for a, b in zip(run["loss_history"],
+    for codec, result in runs.items():
+        worst[codec] = max(abs(a - b) for a, b in zip(result["loss_history"],
                                                       none["loss_history"]))
-    for codec, run in runs.items():
-        assert len(run["loss_history"]) == len(none["loss_history"]) == 40
+    for codec, result in runs.items():
+        assert len(result["loss_history"]) == len(none["loss_history"]) == 40
         # Threshold and top-k at their limits send every entry: equal up to re-association.
         # PowerSGD's rank-32 factors carry the summed gradient whole in exact arithmetic;
         # the warm-started power iteration rounds (measured 1.2e-3 after 40 Adam steps).

@@ -32,8 +32,6 @@ next step's gradient (`tfpar.compression.error_feedback`). PowerSGD's residual i
 tf.distribute, the corrected gradient minus the replica's share of the summed approximation.
 """
 
-import math
-
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
