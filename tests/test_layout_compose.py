@@ -104,13 +104,23 @@ def test_trainer_tensor_parallel_across_two_workers_equals_one_device(tmp_path, 
 
 
 def test_compression_on_the_mesh_takes_the_batch_axis_codecs_and_refuses_the_rest():
-    # tfpar.layout.reduction compresses the batch axis's reduction with fp16, bf16 or int8
-    # (tests/test_layout_mesh.py trains them); the tf.distribute aggregators are refused.
+    # tfpar.layout.reduction compresses the batch axis's reduction with fp16, bf16, int8,
+    # topk, threshold and powersgd (tests/test_layout_mesh.py trains them); auto is refused.
     from tfpar.config import ParallelConfig
     from tfpar.errors import ConfigError
-    for codec in ("fp16", "bf16", "int8"):
+    for codec in ("fp16", "bf16", "int8", "topk", "threshold", "powersgd"):
         ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4, compression=codec)
-    for codec in ("topk", "powersgd", "auto"):
-        with pytest.raises(ConfigError, match=f"compression='{codec}'.*fp16, bf16 or int8"):
+    with pytest.raises(ConfigError, match="compression='auto'.*tf.distribute"):
+        ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4, compression="auto")
+    # One replica on `batch` (given, or what --cpu_devices leaves): nothing to compress.
+    for settings in ({"data_parallel": 1}, {"cpu_devices": 2}):
+        with pytest.raises(ConfigError, match="compression='int8'.*--data_parallel>1 or "
+                                              "--compression=none"):
+            ParallelConfig(tensor_parallel=2, compression="int8", **settings)
+    # What the mesh's codecs do not build: refused, not ignored.
+    for codec, settings in (("powersgd", {"powersgd_start_step": 10}),
+                            ("topk", {"topk_warmup_steps": 10})):
+        setting = next(iter(settings))
+        with pytest.raises(ConfigError, match=f"{setting}=10.*DTensor mesh.*{setting}=0"):
             ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4,
-                           compression=codec)
+                           compression=codec, **settings)

@@ -39,10 +39,10 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none", "fp16", "bf16", "int8"),
+        "dtensor": (("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd"),
                     "the mesh's batch-axis reduction (tfpar.layout.reduction) compresses "
-                    "with fp16, bf16 or int8; the other aggregators run on tf.distribute "
-                    "collectives"),
+                    "with fp16, bf16, int8, topk, threshold or powersgd; auto's per-tensor "
+                    "choice runs on tf.distribute collectives only"),
     },
     "sequence_parallel": {
         backend: ((False,), "sequence parallelism splits activations over the model axis "
@@ -137,6 +137,30 @@ MESH_COMPRESSION = Rule(
     "not supported: on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis "
     "reduction runs without fp16 loss scaling, and without --grad_accum_steps unless "
     "pipelined")
+def _mesh_dp_is_one(c):
+    """The mesh's `batch` axis has one replica: `--data_parallel=1`, or left to the
+    devices (0) with `--cpu_devices` all taken by the tensor and pipeline degrees."""
+    if c.data_parallel:
+        return c.data_parallel == 1
+    return c.cpu_devices > 1 and c.cpu_devices == c.tensor_parallel * c.pipeline_stages
+
+
+MESH_COMPRESSION_ONE_REPLICA = Rule(
+    "compression", lambda c: _mesh(c) and c.compression != "none" and _mesh_dp_is_one(c),
+    "a DTensor mesh with one replica on its batch axis has no data-parallel reduction to "
+    "compress (the model axis's collectives are exact); use --data_parallel>1 or "
+    "--compression=none")
+# The mesh's codecs (`tfpar.layout.reduction`) compress from the first step at one density.
+MESH_POWERSGD_START = Rule(
+    "powersgd_start_step", lambda c: _mesh(c) and c.compression == "powersgd"
+    and c.powersgd_start_step > 0,
+    "not supported: PowerSGD on a DTensor mesh compresses from step 0; use "
+    "--powersgd_start_step=0, or --tensor_parallel=1 (tf.distribute)")
+MESH_TOPK_WARMUP = Rule(
+    "topk_warmup_steps", lambda c: _mesh(c) and c.compression == "topk"
+    and c.topk_warmup_steps > 0,
+    "not supported: top-k on a DTensor mesh sends --topk_ratio from step 0; use "
+    "--topk_warmup_steps=0, or --tensor_parallel=1 (tf.distribute)")
 ZB_H1_RECOMPUTE = Rule(
     "recompute", lambda c: backend_of(c) == "pipeline" and c.schedule == "zb_h1"
     and c.recompute in ("full", True),  # True: `PipelineModel(recompute=True)`
@@ -190,6 +214,9 @@ COMBINATIONS = (
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
          "--zero_stage=3 or use --zero_gather=fp32"),
     MESH_COMPRESSION,
+    MESH_COMPRESSION_ONE_REPLICA,
+    MESH_POWERSGD_START,
+    MESH_TOPK_WARMUP,
     MESH_MODEL,
     SEQUENCE_MODEL,
     Rule("sequence_parallel", lambda c: c.sequence_parallel and not c.dims.tp_enabled,

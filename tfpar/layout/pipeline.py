@@ -162,7 +162,8 @@ def build(config, task, meshes, build_optimizer):
         stages.append(stage)
         optimizers.append(optimizer)
         reductions.append(None if codec is None else reduction.BatchAxisReduction(
-            meshes[v % K], stage.trainable_variables, codec, config.error_feedback))
+            meshes[v % K], stage.trainable_variables, codec, config.error_feedback,
+            **reduction.codec_options(config)))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
     model.stage_optimizers = optimizers  # whose state `tfpar.state` saves
     schedule = make_schedule(config.schedule, K, config.microbatches, V)

@@ -13,11 +13,23 @@ collectives inside the `model` axis (tensor parallelism's own) ran exactly as be
   all-reduce over `batch` moves half the bytes,
 - `int8`: one scale per replica and tensor (its max over the `model` shards is an exact
   max-reduce), the int8 codes all-gathered over `batch` (a quarter of fp32) and summed
-  after decoding on every device.
+  after decoding on every device,
+- `topk`: each replica's `ratio` largest-magnitude entries of each tensor (picked over the
+  whole tensor, its `model` shards together, as `tfpar.compression.TopKAggregator` picks
+  them); with `union` (the default) the indices are all-gathered over `batch` and every
+  replica's values at their union all-reduced, else the (value, index) pairs gathered.
+  Tensors whose message would be no smaller go whole, by the same rule,
+- `threshold`: the entries with `|value| >= threshold` kept, the rest left to error
+  feedback; the masked gradient is summed densely (a data-dependent message length is
+  not built on the mesh), so it saves no bytes here,
+- `powersgd`: matrices as rank-r factors (`tfpar.compression.powersgd`): `P = M Q` summed
+  over `batch`, orthogonalised, `Q = Mᵀ P̂` summed, `Q` kept (replicated) to warm-start
+  the next step; vectors and matrices too small to gain sent whole.
 
 Error feedback (`error_feedback=True`, lossy codecs): each replica keeps what its message
 dropped, a DVariable `[data_parallel, *shape]` sharded like its gradient, and adds it to the
-next step's gradient (`tfpar.compression.error_feedback`).
+next step's gradient (`tfpar.compression.error_feedback`). PowerSGD's residual is, as on
+tf.distribute, the corrected gradient minus the replica's share of the summed approximation.
 """
 
 import numpy as np
@@ -25,12 +37,20 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import compat
-from tfpar.compression import codecs, error_feedback
+from tfpar.compression import codecs, error_feedback, powersgd
+from tfpar.compression.sparse import TopKAggregator
 from tfpar.layout import values
 from tfpar.layout.mesh import BATCH, axis_size
 
-CODECS = ("none", "fp16", "bf16", "int8")
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
+
+
+def codec_options(config):
+    """The codec parameters of a `ParallelConfig` that `BatchAxisReduction` takes."""
+    return {"topk_ratio": config.topk_ratio, "topk_union": config.topk_union,
+            "topk_dense_below": config.topk_dense_below, "threshold": config.threshold,
+            "powersgd_rank": config.powersgd_rank, "seed": config.seed}
 
 
 class BatchAxisReduction:
@@ -41,76 +61,129 @@ class BatchAxisReduction:
         variables: the trainable Keras variables (DVariables) the gradients belong to.
         codec: one of `CODECS`.
         error_feedback: keep each replica's dropped part for the next step (lossy codecs).
+        topk_ratio, topk_union, topk_dense_below: top-k's density, whether the replicas
+            send their values at the union of their indices, and the size at or below
+            which a tensor goes whole (`ParallelConfig`'s fields of the same names).
+        threshold: the threshold codec's magnitude.
+        powersgd_rank, seed: PowerSGD's rank, and the seed of its initial `Q`s.
 
     Raises:
         ConfigError: an unknown codec.
     """
 
-    def __init__(self, mesh, variables, codec="none", error_feedback=True):
+    def __init__(self, mesh, variables, codec="none", error_feedback=True, topk_ratio=0.25,
+                 topk_union=True, topk_dense_below=1024, threshold=1e-4, powersgd_rank=16,
+                 seed=0):
         compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
-        self.sizes = [int(np.prod(v.shape)) for v in variables]
+        self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.threshold, self.rank = float(threshold), int(powersgd_rank)
+        # Top-k's k per tensor by `TopKAggregator`'s rule (one policy for both backends).
+        self.topk = TopKAggregator(topk_ratio, dense_below=topk_dense_below,
+                                   union=topk_union, error_feedback=error_feedback)
         # Layouts are taken here, eagerly: inside the traced step DTensor cannot fetch one
         # (`fetch_layout` must be called eagerly). Per variable: its gradient stacked over
-        # replicas `(batch, *layout)`, and the same gathered over `batch`.
-        self.stacked, self.gathered = [], []
+        # replicas `(batch, *layout)`, the same gathered over `batch`, and its own.
+        self.stacked, self.gathered, self.own = [], [], []
         for variable in variables:
             layout = dtensor.fetch_layout(variable.value)
             specs = list(layout.sharding_specs)
+            self.own.append(layout)
             self.stacked.append(dtensor.Layout([BATCH] + specs, layout.mesh))
             self.gathered.append(dtensor.Layout([dtensor.UNSHARDED] + specs, layout.mesh))
+        self._rows = dtensor.Layout([BATCH, dtensor.UNSHARDED], mesh.backend_mesh)
         self.residuals = []
         if codec != "none" and error_feedback:
             for variable, stacked in zip(variables, self.stacked):
                 zeros = values.to_mesh(
                     tf.zeros((self.replicas,) + tuple(variable.shape), tf.float32), stacked)
                 self.residuals.append(dtensor.DVariable(zeros, trainable=False))
+        # PowerSGD's warm-started `Q` per matrix, the same on every device (replicated).
+        self.qs = {}
+        if codec == "powersgd":
+            for i, shape in enumerate(self.shapes):
+                if powersgd.compressible(shape, self.rank):
+                    q = powersgd.initial_q(powersgd.matrix_shape(shape)[1],
+                                           powersgd.effective_rank(shape, self.rank), seed + i)
+                    self.qs[i] = dtensor.DVariable(values.to_mesh(q, dtensor.Layout.replicated(
+                        mesh.backend_mesh, 2)), trainable=False)
+
+    def topk_k(self, index):
+        """Entries top-k sends of tensor `index`; its size when it goes whole (at most
+        `dense_below` entries, or a sparse message no smaller than its values)."""
+        size = self.sizes[index]
+        k = self.topk.k(size)
+        sparse = 4 * k + 4 * k * self.replicas if self.topk.union else 8 * k
+        return size if sparse >= 4 * size else k
+
+    def _wire(self, index):
+        """Bytes one replica hands to the `batch` collectives for tensor `index`."""
+        size = self.sizes[index]
+        if self.codec == "int8":
+            return size + 4
+        if self.codec in _CAST:
+            return 2 * size
+        if self.codec == "topk":
+            k = self.topk_k(index)
+            if k == size:
+                return 4 * size
+            return 4 * k + 4 * k * self.replicas if self.topk.union else 8 * k
+        if self.codec == "powersgd" and index in self.qs:
+            n, m = powersgd.matrix_shape(self.shapes[index])
+            return 4 * (n + m) * powersgd.effective_rank(self.shapes[index], self.rank)
+        return 4 * size  # none, threshold (summed densely), tensors sent whole
 
     def comm_stats(self):
         """Bytes one replica (a position on `batch`, all its `model` shards together) hands
         to the `batch` axis's collectives per step, against fp32: fp16/bf16 2 per entry,
-        int8 1 per entry and a 4-byte scale per tensor, `none` 4 per entry. Static: the
-        message sizes do not change from step to step.
+        int8 1 per entry and a 4-byte scale per tensor, top-k its indices and values,
+        PowerSGD its two factors, `none` and `threshold` 4 per entry. Static: the message
+        sizes do not change from step to step.
 
         Returns:
             `{"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
             "compression_ratio": float}`, as `tfpar.compression.Aggregator.comm_stats`.
         """
         raw = 4 * sum(self.sizes)
-        if self.codec == "int8":
-            wire = sum(self.sizes) + 4 * len(self.sizes)
-        else:
-            wire = sum(self.sizes) * (2 if self.codec in _CAST else 4)
+        wire = sum(self._wire(i) for i in range(len(self.sizes)))
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire}
 
     @property
     def variables(self):
-        """The residual DVariables (empty without error feedback)."""
-        return list(self.residuals)
+        """The state DVariables, as `read()` orders them: the residuals (empty without
+        error feedback), then PowerSGD's `Q`s. Named in checkpoints as aggregator state."""
+        return list(self.residuals) + [self.qs[i] for i in sorted(self.qs)]
 
     def read(self):
-        return [r.read_value() for r in self.residuals]
+        return [v.read_value() for v in self.variables]
 
-    def mean(self, grads, residuals):
-        """`(means, new_residuals)`: the mean over replicas of `grads` (each
-        `[replicas, *shape]`, split on `batch`) through the codec; `residuals` are the
-        values `read()` gave (or [])."""
+    def mean(self, grads, state):
+        """`(means, new_state)`: the mean over replicas of `grads` (each
+        `[replicas, *shape]`, split on `batch`) through the codec; `state` is what `read()`
+        gave, `new_state` its next values in the same order (write them to `variables`)."""
         if len(grads) != len(self.stacked):
             raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
-        means, kept = [], []
+        residuals = list(state[:len(self.residuals)])
+        qs = dict(zip(sorted(self.qs), state[len(self.residuals):]))
+        means, kept, new_qs = [], [], []
         for i, g in enumerate(grads):
             # Pin each replica's gradient to its own shard (a no-op when DTensor already
             # placed it so): nothing over `batch` is summed before the codec.
             x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
-            total, sent = self._sum(x, i)
+            if i in qs:
+                total, sent, q = self._powersgd(x, qs[i])
+                new_qs.append(q)
+            else:
+                total, sent = self._sum(x, i)
             means.append(tf.cast(total / self.replicas, g.dtype))
             if residuals:
                 kept.append(error_feedback.next_residual(x, sent))
-        return means, kept
+        return means, kept + new_qs
 
     def _sum(self, x, index):
         """`(sum over axis 0, what each replica's message decodes to)` for the gradient
@@ -120,6 +193,13 @@ class BatchAxisReduction:
         if self.codec in _CAST:
             sent = tf.cast(x, _CAST[self.codec])
             return tf.cast(tf.reduce_sum(sent, 0), tf.float32), tf.cast(sent, tf.float32)
+        if self.codec == "topk":
+            return self._topk(x, index)
+        if self.codec == "threshold":
+            sent = tf.where(tf.abs(x) >= self.threshold, x, tf.zeros_like(x))
+            return tf.reduce_sum(sent, 0), sent
+        if self.codec == "powersgd":  # a vector or a matrix too small to gain: whole
+            return tf.reduce_sum(x, 0), x
         # int8: one scale per replica, codes gathered over `batch`, summed after decoding.
         dims = list(range(1, x.shape.rank))
         amax = tf.reduce_max(tf.abs(x), axis=dims, keepdims=True)
@@ -127,8 +207,66 @@ class BatchAxisReduction:
         codes = tf.cast(tf.clip_by_value(tf.round(x / scale), -codecs.INT8_MAX,
                                          codecs.INT8_MAX), tf.int8)
         gathered = dtensor.relayout(codes, self.gathered[index])
-        scales = dtensor.relayout(scale, dtensor.Layout.replicated(
-            self.mesh.backend_mesh, scale.shape.rank))
+        scales = dtensor.relayout(scale, self._replicated(scale.shape.rank))
         decoded = tf.cast(gathered, tf.float32) * scales
         summed = tf.add_n(tf.unstack(decoded, num=self.replicas))
         return summed, tf.cast(codes, tf.float32) * scale
+
+    def _densify(self, values, indices, n):
+        """`codecs.densify`, its inputs and output whole on every device: DTensor's scatter
+        would otherwise place global indices into one shard."""
+        return dtensor.relayout(codecs.densify(values, indices, n), self._replicated(1))
+
+    def _replicated(self, rank):
+        return dtensor.Layout.replicated(self.mesh.backend_mesh, rank)
+
+    def _topk(self, x, index):
+        """Top-k over `batch`: each replica's k largest entries (`codecs.topk`'s choice),
+        their indices gathered; with the union, every replica's values at the union's
+        positions summed (as `tfpar.compression.sparse.union_sum`), else the pairs gathered
+        and scattered in replica order."""
+        n, k = self.sizes[index], self.topk_k(index)
+        if k == n:
+            return tf.reduce_sum(x, 0), x
+        # Each replica's row whole (its `model` shards together), split on `batch`.
+        flat = dtensor.relayout(tf.reshape(x, [self.replicas, n]), self._rows)
+        _, indices = tf.math.top_k(tf.abs(flat), k=k, sorted=False)
+        indices = dtensor.relayout(indices, self._replicated(2))  # the all-gather
+        if self.topk.union:
+            order = tf.sort(tf.reshape(indices, [-1]))
+            first = tf.concat([[True], order[1:] != order[:-1]], 0)
+            mine = tf.where(first, tf.gather(flat, order, axis=1), tf.zeros_like(flat[:, :1]))
+            summed = dtensor.relayout(tf.reduce_sum(mine, 0), self._replicated(1))  # all-reduce
+            total = self._densify(summed, order, n)
+            sent = flat * self._densify(tf.cast(first, tf.float32), order, n)  # 0/1: the union
+        else:
+            picked = tf.gather(flat, indices, axis=1, batch_dims=1)
+            picked = dtensor.relayout(picked, self._replicated(2))  # the all-gather
+            rows = [self._densify(v, i, n) for v, i in zip(
+                tf.unstack(picked, num=self.replicas), tf.unstack(indices, num=self.replicas))]
+            total, sent = tf.add_n(rows), tf.stack(rows)  # in replica order
+        shape = (self.replicas,) + self.shapes[index]
+        return (dtensor.relayout(tf.reshape(total, shape[1:]), self.own[index]),
+                dtensor.relayout(tf.reshape(sent, shape), self.stacked[index]))
+
+    def _powersgd(self, x, q):
+        """`(sum, each replica's share of it, new Q)`: one PowerSGD round over `batch`
+        (`tfpar.compression.powersgd`); the residual is formed against the replica's
+        share of the summed approximation, as `PowerSGDAggregator` forms it."""
+        shape = x.shape[1:]
+        m = tf.reshape(x, (self.replicas,) + powersgd.matrix_shape(shape))
+        q = dtensor.relayout(q, self._replicated(2))
+        # The sums over `batch` (the all-reduces) whole on every device: DTensor has no
+        # sharded QR.
+        p_sum = tf.reduce_sum(powersgd.compress_p(m, q), 0)
+        p_hat = powersgd.orthogonalize(dtensor.relayout(p_sum, self._replicated(2)))
+        # `compress_q` per replica: Mᵣᵀ P̂, batched over `batch`, then summed over it.
+        q_sum = tf.reduce_sum(tf.einsum("rnm,nk->rmk", m, p_hat), 0)
+        q_sum = dtensor.relayout(q_sum, self._replicated(2))
+        total = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
+        # An all-zero gradient would leave Q at zero forever: keep the previous Q then.
+        # (The condition as [1, 1]: DTensor crashed on a scalar condition, TF 2.21.)
+        new_q = tf.where(tf.reshape(tf.reduce_any(q_sum != 0), [1, 1]), q_sum, q)
+        share = tf.broadcast_to(total / self.replicas, x.shape)
+        return total, share, new_q
+

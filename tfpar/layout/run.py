@@ -9,7 +9,7 @@ model's presets, model and optimizer built on the mesh. Which settings combine w
 import keras
 
 from tfpar import models, optimizers, recompute
-from tfpar.layout import presets, variables
+from tfpar.layout import presets, reduction, variables
 from tfpar.zero import fsdp
 from tfpar.layout.mesh import mesh_for_config
 from tfpar.layout.trainer import build_on_mesh
@@ -40,7 +40,8 @@ def build(config, task, mesh=None):
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         grad_accum_steps=config.grad_accum_steps,
         compression=None if config.compression == "none" else config.compression,
-        error_feedback=config.error_feedback)
+        error_feedback=config.error_feedback,
+        codec_options=reduction.codec_options(config))
     return mesh, model, trainer
 
 

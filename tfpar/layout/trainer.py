@@ -31,7 +31,7 @@ from tfpar.layout.optimizer import stateless_optimizer
 
 def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
                   shard_optimizer_state=False, grad_accum_steps=1, compression=None,
-                  error_feedback=True):
+                  error_feedback=True, codec_options=None):
     """Builds a model and its optimizer as DVariables on `mesh` and a trainer for them.
 
     Args:
@@ -53,6 +53,8 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
             (`none` forms each replica's gradient and averages in fp32). With one
             replica on `batch` there is nothing to reduce and the exact step runs.
         error_feedback: with a lossy `compression`, carry what it dropped to the next step.
+        codec_options: the codec's parameters (`reduction.codec_options(config)`), or None
+            for `BatchAxisReduction`'s defaults.
 
     Returns:
         `(model, MeshTrainer)`; the model is compiled with `optimizer` and `loss` so that
@@ -80,7 +82,8 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         # `model` axis's collectives are never compressed), so the exact step runs.
         if axis_size(mesh, BATCH) > 1:
             reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
-                                                   compression, error_feedback)
+                                                   compression, error_feedback,
+                                                   **(codec_options or {}))
     return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,
                               reduction=reducer)
 
