@@ -126,6 +126,8 @@ class MeshTrainer:
             functions are set to run eagerly (DTensor cannot differentiate eagerly).
     """
 
+    keras_steps = None  # the model's own Keras steps, when `loss` is None
+
     def __init__(self, mesh, model, optimizer, loss, grad_accum_steps=1,
                  accuracy="accuracy", reduction=None):
         if tf.config.functions_run_eagerly() or getattr(model, "run_eagerly", False):
