@@ -19,6 +19,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar.errors import TfparError
 from tfpar.zero import fsdp
+from tfpar.layout.concat_axis import traced_with_concat_axis_whole
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
 
@@ -222,9 +223,11 @@ def _checked(mesh, step, what):
     """Compiles `step`; each new trace is checked for plain variables before it runs.
 
     Ops without DTensor inputs (`tf.range`, constants) are placed on `mesh` replicated
-    (without a default mesh DTensor crashes on them).
+    (without a default mesh DTensor crashes on them); every `tf.concat` is traced with its
+    concat axis whole (`tfpar.layout.concat_axis`: DTensor's is wrong otherwise).
     """
-    fn = tf.function(traced_with_expand_dims(step))
+    fn = tf.function(traced_with_concat_axis_whole(traced_with_expand_dims(step),
+                                                   mesh.backend_mesh))
     checked = set()
 
     def call(*args):

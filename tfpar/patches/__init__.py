@@ -27,7 +27,8 @@ entries, each described in its module's docstring:
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
   `stateless_optimizer`; and `mix_in`, how an optimizer the user built gets a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `dtensor_started`,
-  `function_constant_folding`, `onednn_enabled`, `tensor_getitem`, `trackable_tensors`.
+  `function_constant_folding`, `onednn_enabled`, `op_callbacks`, `tensor_getitem`,
+  `trackable_tensors`.
 - `model_optimization` (tfmot, imported on first use): `tfmot_local_mask`,
   `tfmot_registry`, `tfmot_quantize_layer`.
 """
@@ -57,7 +58,7 @@ from tfpar.patches.multi_worker import (apply, configure_coordination_service,
                                         replica_index, strategy_workers, wait_at_barrier)
 from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dtensor_started,
                                               no_dependency, no_function_constant_folding,
-                                              onednn_enabled, tensor_getitem,
+                                              onednn_enabled, op_callback_added, tensor_getitem,
                                               tensor_getitem_replaced)
 from tfpar.patches.versions import WRITTEN_FOR
 
