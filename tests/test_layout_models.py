@@ -101,9 +101,7 @@ def test_keras_hub_models_fit_on_their_dict_inputs(cases, name):
 def test_a_keras_hub_preset_loads_onto_the_mesh(cases):
     loaded = _case(cases, "hub")["preset"]
     assert loaded["plain_load_diff"] == 0.0  # the saved preset, loaded on one device
-    if "could not be loaded" in loaded.get("error", ""):
-        # from_preset loads weights with Keras's load_weights, which cannot assign to a
-        # DVariable yet (issue 41, item 1)
-        pytest.xfail(f"from_preset under the distribution: {loaded['error']}")
+    # from_preset loads with Keras's load_weights, which writes to the mesh's variables
+    # by their layouts (tfpar.layout.keras_state)
     assert "error" not in loaded, loaded
     assert loaded["on_mesh"] and loaded["load_diff"] == 0.0

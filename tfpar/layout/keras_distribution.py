@@ -60,9 +60,10 @@ its `tf.while_loop`); a model's own `train_step` with the `mixed_float16` loss s
 (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`); Keras's
 `gradient_accumulation_steps` (use `MeshTrainer`'s `grad_accum_steps`).
 `steps_per_execution` and `jit_compile` are not used (one compiled step per batch), which
-is logged. Not caught: measured on TF 2.21, a `Concatenate` feeding a kernel split on its
-rows (`("model", None)`) trains off by 8e-2 after 4 steps (a DTensor fault; split that
-kernel on its columns, or keep it whole).
+is logged. A `Concatenate` (any `tf.concat`) feeding a kernel split on its rows
+(`("model", None)`) is exact: DTensor alone computes it shard by shard (8e-2 off after 4
+steps on TF 2.21), so the mesh step lays every concat out with its axis whole
+(`tfpar.layout.concat_axis`).
 """
 
 import functools

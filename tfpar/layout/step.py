@@ -20,6 +20,7 @@ from tensorflow.experimental import dtensor
 from tfpar.errors import TfparError
 from tfpar.zero import fsdp
 from tfpar.layout import rng
+from tfpar.layout.concat_axis import traced_with_concat_axis_whole
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
 
@@ -231,9 +232,11 @@ def _checked(mesh, step, what):
 
     Ops without DTensor inputs (`tf.range`, constants) are placed on `mesh` replicated
     (without a default mesh DTensor crashes on them); Keras's random draws (dropout) are
-    one device's (`tfpar.layout.rng`).
+    one device's (`tfpar.layout.rng`); every `tf.concat` is traced with its concat axis
+    whole (`tfpar.layout.concat_axis`: DTensor's is wrong otherwise).
     """
-    fn = tf.function(traced_with_expand_dims(step))
+    fn = tf.function(traced_with_concat_axis_whole(traced_with_expand_dims(step),
+                                                   mesh.backend_mesh))
     checked = set()
 
     def call(*args):

@@ -33,6 +33,13 @@ swaps (tensorflow 2.21.0).
   indexing to `tf.expand_dims` inside `tensor_getitem_replaced`, which swaps
   `tf.Tensor.__getitem__` (TensorFlow's `_slice_helper`) and puts it back after. The
   check compares `_slice_helper`'s signature, which the replacement falls back to.
+- `op_callbacks`: a callback while a step is traced. DTensor lays out a `tf.concat` with a
+  negative axis wrongly (`tfpar.layout.concat_axis` says how); while a mesh step is
+  traced, `op_callback_added` adds TensorFlow's thread-local op callback (the hook tfdbg's
+  `check_numerics` uses), through which each new `ConcatV2`'s output is relaid out, and
+  removes it after. The check compares `add_op_callback`'s and `remove_op_callback`'s
+  signatures and looks for the callbacks' call in `op_def_library._apply_op_helper`,
+  where graph-mode ops are created.
 - `trackable_tensors`: subclasses. `tfpar.compression.aggregator.PerReplicaSlot`,
   `tfpar.zero.ShardedSlot` and `tfpar.state.LayoutState` save per-replica or gathered
   state through TensorFlow's `Trackable` by overriding its `_serialize_to_tensors` / `_restore_from_tensors` (the protocol TensorFlow
@@ -49,6 +56,8 @@ from tensorflow.core.protobuf import config_pb2 as _config_pb2
 from tensorflow.dtensor.python import api as _dtensor_api
 from tensorflow.python.eager import context as _eager_context
 from tensorflow.python.framework import auto_control_deps as _auto_control_deps
+from tensorflow.python.framework import op_callbacks as _op_callbacks
+from tensorflow.python.framework import op_def_library as _op_def_library
 from tensorflow.python.framework import ops as _tf_ops
 from tensorflow.python.ops import tensor_getitem_override as _getitem_override
 from tensorflow.python.trackable import base as _trackable
@@ -70,6 +79,9 @@ ENTRIES = {
                        "replaced)", "tfpar.cpu_kernels.active"),
     "tensor_getitem": ("tf.Tensor.__getitem__ (swapped while a step is traced)",
                        "tfpar.layout.newaxis.expand_dims_for_newaxis"),
+    "op_callbacks": ("tensorflow.python.framework.op_callbacks.add_op_callback/"
+                     "remove_op_callback (called while a step is traced, not replaced)",
+                     "tfpar.layout.concat_axis.concat_axis_whole"),
     "trackable_tensors": ("tensorflow.python.trackable.base.Trackable._serialize_to_tensors/"
                           "_restore_from_tensors (overridden at the OVERRIDES sites), "
                           "data_structures.NoDependency",
@@ -95,6 +107,13 @@ FRAGMENTS = {
         ("tf.Tensor.__getitem__", lambda: ("signature", _TENSOR_GETITEM),
          "(tensor, slice_spec, var=None)"),
         ("tf.Tensor.__getitem__", lambda: _TENSOR_GETITEM, "def _slice_helper(")],
+    "op_callbacks": [
+        ("op_callbacks.add_op_callback",
+         lambda: ("signature", _op_callbacks.add_op_callback), "(callback_fn)"),
+        ("op_callbacks.remove_op_callback",
+         lambda: ("signature", _op_callbacks.remove_op_callback), "(op_callback)"),
+        ("op_def_library._apply_op_helper", lambda: _op_def_library._apply_op_helper,
+         "op_callbacks.invoke_op_callbacks(")],
     "trackable_tensors": [
         ("Trackable._serialize_to_tensors",
          lambda: ("signature", _trackable.Trackable._serialize_to_tensors), "(self)"),
@@ -203,6 +222,18 @@ def tensor_getitem_replaced(getitem):
         yield
     finally:
         tf.Tensor.__getitem__ = previous
+
+
+@contextlib.contextmanager
+def op_callback_added(callback):
+    """Within, on this thread, every op created while a graph is built is handed to
+    `callback(op_type, inputs, attrs, outputs, op_name=None, graph=None)`, which may return
+    tensors that replace the op's outputs. Registry entry `op_callbacks`."""
+    _op_callbacks.add_op_callback(callback)
+    try:
+        yield
+    finally:
+        _op_callbacks.remove_op_callback(callback)
 
 
 def tensor_getitem(tensor, spec):
