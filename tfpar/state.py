@@ -31,6 +31,7 @@ on its device. The file is TensorFlow's checkpoint (a tensor bundle), so
 """
 
 import json
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -241,7 +242,7 @@ def _optimizer_entries(optimizer, trainable):
     paths = {_path(w) for w in trainable}
     out = {}
     for v in optimizer.variables:
-        own = v.name  # without the optimizer's name (a stage's `adam_1`)
+        own = _own_name(v)  # without the optimizer's name (a stage's `adam_1`)
         slot = _slot_of(own, paths)
         name = f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{own}"
         out[name] = _merge(out.get(name), _plain(v))
@@ -257,13 +258,29 @@ def _optimizer_entries(optimizer, trainable):
 
 
 def _path(variable):
-    """A Keras variable's path (`dense_0/kernel`)."""
-    return variable.path
+    """A Keras variable's path (`dense_0/kernel`); a tf_keras variable's name without its
+    `:0`."""
+    path = getattr(variable, "path", None)
+    return path if path is not None else _own_name(variable)
+
+
+def _own_name(variable):
+    """A variable's name without TensorFlow's output index (tf_keras's `iteration:0`)."""
+    name = variable.name
+    return name.rsplit(":", 1)[0] if re.fullmatch(r".*:\d+", name) else name
+
+
+# tf_keras's slot names (`m/<weight>`, `v/<weight>`) as Keras 3 names the same slots.
+_TF_KERAS_SLOTS = {"m": "momentum", "v": "velocity"}
 
 
 def _slot_of(name, paths):
     """`(weight path, slot)` of an optimizer slot variable named `name`, or None: Keras 3
-    names a slot `<path with _>_<slot>` (the longest weight that prefixes it wins)."""
+    names a slot `<path with _>_<slot>` (the longest weight that prefixes it wins), tf_keras
+    `<slot>/<path>` (its `m` and `v` named as Keras 3's `momentum` and `velocity`)."""
+    slot, _, path = name.partition("/")
+    if path in paths:
+        return path, _TF_KERAS_SLOTS.get(slot, slot)
     best = None
     for path in paths:
         prefix = path.replace("/", "_") + "_"
