@@ -246,6 +246,12 @@ def _optimizer_entries(optimizer, trainable):
         slot = _slot_of(own, paths)
         name = f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{own}"
         out[name] = _merge(out.get(name), _plain(v))
+    tf_keras_optimizer = type(optimizer).__module__.startswith("tf_keras")
+    if tf_keras_optimizer and "optimizer/learning_rate" not in out:
+        # tf_keras keeps a constant learning rate outside `variables`; Keras 3 within.
+        rate = optimizer.learning_rate
+        if isinstance(rate, tf.Variable):
+            out["optimizer/learning_rate"] = _plain(rate)
     layout = getattr(optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
     if layout is not None:
         from tfpar.zero import sharded
