@@ -15,6 +15,9 @@ piece of state is named as in the single-device model and saved as one full tens
   `nonfinite_steps`), one per run (every stage optimizer holds the same value); a
   `LossScaleOptimizer`'s own (`dynamic_scale`, `step_counter`, its `iteration`) under
   `optimizer/loss_scale/<name>`;
+- tf_keras (`keras=2`) under the same names: `dense_0/kernel:0` as `model/dense_0/kernel`,
+  its slots `m/<path>`, `v/<path>` as `optimizer/<path>/momentum`, `.../velocity`, its
+  constant learning rate (outside its `variables`) as `optimizer/learning_rate`;
 - `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
   inspect`; never read on load).
 
