@@ -61,10 +61,6 @@ TABLE = {
         "tf_keras": (("mlp", "convnet"), "--keras=2 builds mlp or convnet (the transformer's "
                                          "layers are Keras 3 only)"),
     },
-    "checkpoint_dir": {
-        "tf_keras": (("",), "checkpoint and resume are Keras 3 only; use --export_dir for the "
-                            "final model"),
-    },
     "on_nan": {
         "dtensor": (("stop",), "the DTensor step cannot skip a non-finite update; use "
                                "--on_nan=stop"),

@@ -15,6 +15,9 @@ piece of state is named as in the single-device model and saved as one full tens
   `nonfinite_steps`), one per run (every stage optimizer holds the same value); a
   `LossScaleOptimizer`'s own (`dynamic_scale`, `step_counter`, its `iteration`) under
   `optimizer/loss_scale/<name>`;
+- tf_keras (`keras=2`) under the same names: `dense_0/kernel:0` as `model/dense_0/kernel`,
+  its slots `m/<path>`, `v/<path>` as `optimizer/<path>/momentum`, `.../velocity`, its
+  constant learning rate (outside its `variables`) as `optimizer/learning_rate`;
 - `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
   inspect`; never read on load).
 
@@ -31,6 +34,7 @@ on its device. The file is TensorFlow's checkpoint (a tensor bundle), so
 """
 
 import json
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -241,10 +245,16 @@ def _optimizer_entries(optimizer, trainable):
     paths = {_path(w) for w in trainable}
     out = {}
     for v in optimizer.variables:
-        own = v.name  # without the optimizer's name (a stage's `adam_1`)
+        own = _own_name(v)  # without the optimizer's name (a stage's `adam_1`)
         slot = _slot_of(own, paths)
         name = f"optimizer/{slot[0]}/{slot[1]}" if slot else f"optimizer/{own}"
         out[name] = _merge(out.get(name), _plain(v))
+    tf_keras_optimizer = type(optimizer).__module__.startswith("tf_keras")
+    if tf_keras_optimizer and "optimizer/learning_rate" not in out:
+        # tf_keras keeps a constant learning rate outside `variables`; Keras 3 within.
+        rate = optimizer.learning_rate
+        if isinstance(rate, tf.Variable):
+            out["optimizer/learning_rate"] = _plain(rate)
     layout = getattr(optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
     if layout is not None:
         from tfpar.zero import sharded
@@ -257,13 +267,29 @@ def _optimizer_entries(optimizer, trainable):
 
 
 def _path(variable):
-    """A Keras variable's path (`dense_0/kernel`)."""
-    return variable.path
+    """A Keras variable's path (`dense_0/kernel`); a tf_keras variable's name without its
+    `:0`."""
+    path = getattr(variable, "path", None)
+    return path if path is not None else _own_name(variable)
+
+
+def _own_name(variable):
+    """A variable's name without TensorFlow's output index (tf_keras's `iteration:0`)."""
+    name = variable.name
+    return name.rsplit(":", 1)[0] if re.fullmatch(r".*:\d+", name) else name
+
+
+# tf_keras's slot names (`m/<weight>`, `v/<weight>`) as Keras 3 names the same slots.
+_TF_KERAS_SLOTS = {"m": "momentum", "v": "velocity"}
 
 
 def _slot_of(name, paths):
     """`(weight path, slot)` of an optimizer slot variable named `name`, or None: Keras 3
-    names a slot `<path with _>_<slot>` (the longest weight that prefixes it wins)."""
+    names a slot `<path with _>_<slot>` (the longest weight that prefixes it wins), tf_keras
+    `<slot>/<path>` (its `m` and `v` named as Keras 3's `momentum` and `velocity`)."""
+    slot, _, path = name.partition("/")
+    if path in paths:
+        return path, _TF_KERAS_SLOTS.get(slot, slot)
     best = None
     for path in paths:
         prefix = path.replace("/", "_") + "_"

@@ -11,7 +11,7 @@ gives each worker several logical CPUs is TensorFlow's and applies).
 import tf_keras
 from absl import logging
 
-from tfpar import devices, memory, metrics, optimizers, strategy
+from tfpar import checkpoint, devices, memory, metrics, optimizers, strategy
 from tfpar.backends import tensorboard_dir
 from tfpar.backends.distribute import DistributeBackend, fit_segments
 from tfpar.legacy import options, trainer
@@ -33,9 +33,19 @@ class TfKerasBackend(DistributeBackend):
         return trainer.build_model(config, runtime, task)
 
     def fit(self, config, runtime, model, task, recorder, callbacks):
-        """`callbacks` are tf_keras callbacks. Checkpoints and skipping non-finite steps are
-        refused for `keras=2` (`tfpar.compat`); the model is exported at the end."""
-        callbacks = [trainer.Recorder(recorder), trainer.StopOnNaN(), *callbacks]
+        """`callbacks` are tf_keras callbacks. Checkpoints are `tfpar.checkpoint`'s, the
+        state under the same layout-independent names (`tfpar.state`); skipping non-finite
+        steps is refused for `keras=2` (`tfpar.compat`); the model is exported at the end."""
+        stop_on_nan = trainer.StopOnNaN()
+        callbacks = [trainer.Recorder(recorder), stop_on_nan, *callbacks]
+        start, checkpointer = 0, None
+        if config.checkpoint_dir:
+            checkpointer = checkpoint.Checkpointer(config, model, runtime)
+            start = checkpointer.restore()
+            callbacks.append(trainer.Saver(checkpointer))
+            if start:
+                logging.info("resuming from %s at step %d", config.checkpoint_dir, start)
+        stop_on_nan.step = start
         if options.option(config, "prune_sparsity"):
             from tfpar.legacy import pruning
             callbacks += pruning.pruning_callbacks()
@@ -44,8 +54,12 @@ class TfKerasBackend(DistributeBackend):
                                              update_freq="epoch")
             callbacks.append(self.board)
         self._memory_start = memory.reset_peaks()
-        fit_segments(config, runtime, model, task, callbacks, 0)
-        return {"keras": 2, **trainer.finish(config, runtime, task, model)}
+        fit_segments(config, runtime, model, task, callbacks, start)
+        if checkpointer is not None:
+            checkpointer.save()
+            checkpointer.wait()  # the process ends only with its last save published
+        return {"keras": 2, "resumed_from_step": start,
+                **trainer.finish(config, runtime, task, model)}
 
     def stats(self, config, runtime, model, task, recorder):
         # tf_keras wraps the optimizer in a LossScaleOptimizer at compile under mixed_float16.

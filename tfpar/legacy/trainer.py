@@ -45,6 +45,19 @@ class Recorder(tf_keras.callbacks.Callback):
         self.recorder.on_epoch_end(epoch, logs)
 
 
+class Saver(tf_keras.callbacks.Callback):
+    """Feeds `tf_keras` step ends to a `tfpar.checkpoint.Checkpointer` (a Keras 3 callback,
+    which tf_keras's callback list would not accept): a save every `checkpoint_every`
+    steps."""
+
+    def __init__(self, checkpointer):
+        super().__init__()
+        self.checkpointer = checkpointer
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.checkpointer.on_train_batch_end(batch, logs)
+
+
 class StopOnNaN(tf_keras.callbacks.Callback):
     """`on_nan=stop` for tf_keras: a non-finite loss ends the run, naming the step."""
 
