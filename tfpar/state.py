@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import patches
+from tfpar.errors import TfparError
 from tfpar.compression import aggregator as aggregator_lib
 
 # Where `LayoutState`'s tensors sit in a `tf.train.Checkpoint(state=...)`: TensorFlow keys
@@ -99,7 +100,13 @@ class LayoutState(patches.Trackable):
     def entries(self):
         """`{name: (read, write, shape)}`: `read()` gives the full value as numpy,
         `write(array)` puts a full value into this layout, `shape` is the full value's."""
-        weights = {_path(w): w for w in self._model.weights}
+        weights = {}
+        for w in self._model.weights:
+            other = weights.setdefault(_path(w), w)
+            if other is not w:  # two weights under one name: a checkpoint would hold one
+                raise TfparError(f"two weights of the model are named {_path(w)!r}: a "
+                                 "checkpoint names each weight by its path; give the layers "
+                                 "distinct names")
         out = {f"model/{path}": _plain(w) for path, w in weights.items()}
         for optimizer in optimizers_of(self._model):
             for name, entry in _optimizer_entries(optimizer,
