@@ -126,7 +126,7 @@ def main():
         suffix = f".worker{worker}" if worker is not None else ""
         np.savez(f"{sys.argv[2]}.{i}{suffix}.npz", *arrays)
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
-                "strategy", "mesh", "memory")
+                "strategy", "mesh", "memory", "validation")
         out.append({**{k: result[k] for k in keys if k in result}, **extra})
     # The gathers above (`to_host`) are collectives after train()'s own barrier: worker 0,
     # which hosts the coordination service, must not leave before the others finish them.

@@ -257,8 +257,8 @@ class ParallelConfig:
     def per_replica_batch(self, replicas, why=""):
         """The batch each replica computes on where every replica must take the same number
         of real examples (`why` says where, for the message); raises `ConfigError` if the
-        replicas do not divide the global batch. Data parallelism on tf.distribute does not
-        need this: it splits any batch (`replica_split`)."""
+        replicas do not divide the global batch. Data parallelism on tf.distribute and the
+        unpipelined DTensor mesh do not need this: they split any batch (`replica_split`)."""
         if self.global_batch_size % replicas:
             low = self.global_batch_size // replicas * replicas
             fits = " or ".join(str(n) for n in (low, low + replicas) if n >= replicas)

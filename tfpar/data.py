@@ -243,6 +243,42 @@ def _huge_steps():
     return 1 << 40  # effectively endless; fit is bounded by steps, not by data
 
 
+def mesh_dataset(config, task, parts, start_step=0, validation=False):
+    """Global batches for a mesh whose `batch` axis has `parts` shards, from `start_step`
+    (held-out batches with `validation`): where `parts` does not divide the batch, the
+    `parts` per-replica batches of `pipeline_dataset` (padded to one size, weighted as in
+    `tfpar.replica_split`) placed end to end, so that the mesh's equal shards are exactly
+    those replicas' batches; with accumulation, micro-batch i of every replica, in turn, so
+    that each of the `grad_accum_steps` equal cuts holds every replica's micro-batch i.
+
+    The mesh step reduces the loss over the whole (padded) batch, `sum(w·loss) / (padded·R)`
+    (Keras's `sum_over_batch_size`), the sum the tf.distribute replicas' gradients make:
+    the same weights give the global batch's mean-loss gradient."""
+    split = config.replica_split(parts, accumulated=not validation)
+    if split.even or task.user_fn is not None:  # a --dataset function: whole batches
+        if validation:
+            return validation_dataset(config, task, tf.distribute.InputContext())
+        return pipeline_dataset(config, task, tf.distribute.InputContext(), start_step)
+    context = tf.distribute.InputContext(1, 0, parts)
+    if validation:
+        ds = validation_dataset(config, task, context)
+    else:
+        ds = pipeline_dataset(config, task, context, start_step)
+    micro = 1 if validation else split.microsteps
+
+    def whole(*arrays):
+        # [parts, padded, ...] -> [micro, parts, padded/micro, ...] -> one batch
+        out = []
+        for array in arrays:
+            rest = tf.shape(array)[2:]
+            cut = tf.reshape(array, tf.concat([[parts, micro, -1], rest], 0))
+            perm = [1, 0, 2] + list(range(3, array.shape.rank + 1))
+            out.append(tf.reshape(tf.transpose(cut, perm), tf.concat([[-1], rest], 0)))
+        return tuple(out)
+
+    return ds.batch(parts, drop_remainder=True).map(whole)
+
+
 def distributed_dataset(strategy, config, task, start_step=0):
     """The training data for `strategy`, starting at `start_step`."""
     return strategy.distribute_datasets_from_function(

@@ -335,9 +335,15 @@ def _one_step_peaks(backend, config, runtime, model, task, on_mesh):
 
 
 def _splits_any_batch(config):
-    """Data parallelism on tf.distribute over generated data splits any batch
-    (`tfpar.replica_split`); other paths need one the replicas divide."""
-    return compat.backend_of(config) == "data_parallel" and config.dataset == "auto"
+    """Data parallelism on tf.distribute and the unpipelined DTensor mesh (tensor
+    parallel, ZeRO-3), over generated data, split any batch (`tfpar.replica_split`); other
+    paths (pipelines, the mesh pipeline, a --dataset function) need one the replicas
+    divide."""
+    if config.dataset != "auto":
+        return False
+    backend = compat.backend_of(config)
+    return backend == "data_parallel" or (backend == "dtensor"
+                                          and not config.dims.pp_enabled)
 
 
 def _splittable(config, replicas):

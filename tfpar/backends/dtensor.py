@@ -93,10 +93,16 @@ class DTensorBackend(Backend):
                                              _pipeline_block(config, runtime),
                                              update_freq="epoch"))
         context = tf.distribute.InputContext()
-        batches = iter(data.pipeline_dataset(config, task, context, start))
+        if config.dims.pp_enabled:  # the mesh pipeline: equal micro-batches (compat)
+            batches = iter(data.pipeline_dataset(config, task, context, start))
+            held_out = data.validation_dataset(config, task, context)
+        else:  # any global batch: uneven shares padded and weighted (tfpar.replica_split)
+            parts = runtime.mesh.shape[0]
+            batches = iter(data.mesh_dataset(config, task, parts, start))
+            held_out = data.mesh_dataset(config, task, parts, validation=True)
         validation = {}
         if config.validation_steps:
-            validation = {"validation_data": data.validation_dataset(config, task, context),
+            validation = {"validation_data": held_out,
                           "validation_steps": config.validation_steps}
         self._memory_start = memory.reset_peaks(_mesh_devices(runtime))
         step = start

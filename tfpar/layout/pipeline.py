@@ -296,7 +296,9 @@ class MeshPipelineTrainer(MeshTrainer):
             raise ConfigError("microbatches", self.M,
                               f"the batch of {len(x)} must split into {count} micro-batches "
                               f"(microbatches × grad_accum_steps) divisible by "
-                              f"data_parallel={parts}")
+                              f"data_parallel={parts} (the mesh pipeline's stages hand "
+                              "equal micro-batches on; without --pipeline_stages the mesh "
+                              "takes any batch)")
         if training and self.reductions:  # each micro-batch as [data_parallel, m, ...]
             micro = [np.split(np.asarray(b), count) for b in batch]
             xs = tuple(values.replica_batches_to_mesh((p,), self.meshes[0])[0]
