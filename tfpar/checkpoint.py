@@ -221,7 +221,9 @@ class Checkpointer(keras.callbacks.Callback):
                 write_json_atomic(os.path.join(self.directory, WORLD),
                                   [{"step": 0, **self._world}])
         step = self._step
-        prefix = os.path.join(self._write_dir, f"ckpt-{step}")
+        # absolute: the state file keeps a relative path as given, then reads it relative to
+        # the directory (a relative checkpoint_dir would be named twice)
+        prefix = os.path.abspath(os.path.join(self._write_dir, f"ckpt-{step}"))
         if self._writer is None:
             faults.pause_in_save(step, "before_writing")
             # Write callbacks run after the files are written, before the state file
