@@ -40,7 +40,10 @@ def main():
     keras.mixed_precision.set_global_policy("float32")
     scale = float(optimizer.dynamic_scale.numpy())
     facts = {"steps": 20, "loss_scale": scale,
-             "skipped_steps": round(math.log2(initial_scale / scale)),
+             # steps the loss scale skipped (it halves on each), and steps the inner
+             # DistributedOptimizer skipped for a non-finite all-reduced gradient
+             "skipped_steps": round(math.log2(initial_scale / scale))
+             + int(optimizer.inner_optimizer.nonfinite_steps.numpy()),
              "bytes_on_wire": aggregator_of(optimizer).comm_stats()["bytes_on_wire_per_step"]}
 
     plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])

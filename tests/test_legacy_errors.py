@@ -28,7 +28,6 @@ def refused(**settings):
     ({"keras": 2, "pipeline_stages": 2}, "pipeline_stages", "Keras 3 only"),
     ({"keras": 2, "tensor_parallel": 2}, "tensor_parallel", "Keras 3 only"),
     ({"keras": 2, "grad_accum_steps": 2}, "grad_accum_steps", "accumulate"),
-    ({"keras": 2, "checkpoint_dir": "/tmp/x"}, "checkpoint_dir", "--export_dir"),
     ({"keras": 2, "on_nan": "skip_step"}, "on_nan", "Keras 3 only"),
     ({"keras": 2, "qat": True, "mixed_precision": "bf16"}, "mixed_precision", "--qat"),
     ({"keras": 2, "qat": True, "prune_sparsity": 0.5}, "qat", "choose one"),

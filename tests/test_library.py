@@ -111,7 +111,7 @@ def help_output():
 BACKEND_BASE = {"data_parallel": {}, "pipeline": {"pipeline_stages": 2},
                 "dtensor": {"tensor_parallel": 2, "model": "transformer"},
                 "tf_keras": {"keras": 2}}
-OTHER_VALUE = {"mixed_precision": "fp16", "compression": "topk", "grad_accum_steps": 2,
+OTHER_VALUE = {"mixed_precision": "fp16", "compression": "auto", "grad_accum_steps": 2,
                "pipeline_stages": 2, "tensor_parallel": 2, "strategy": "multi_worker",
                "model": "transformer", "checkpoint_dir": "/tmp/ckpt", "on_nan": "skip_step",
                "tensorboard_dir": "/tmp/tb", "measure_comm": True, "recompute": "full",

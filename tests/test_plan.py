@@ -283,9 +283,10 @@ def test_runnable_mirrors_the_trainers_refusals():
     assert commands.runnable(cost.Candidate(2, 2, 2, 2, "int8"), one, req) is None
     assert "compression='int8'" in commands.runnable(
         cost.Candidate(2, 2, 2, 2, "int8"), one, dataclasses.replace(req, mixed_precision="fp16"))
-    # The mesh compresses its batch-axis reduction with fp16/bf16/int8, not top-k.
+    # The mesh compresses its batch-axis reduction with every codec but auto.
     assert commands.runnable(cost.Candidate(4, 2, 1, 1, "int8"), one, req) is None
-    assert "compression='topk'" in commands.runnable(cost.Candidate(4, 2, 1, 1, "topk"),
+    assert commands.runnable(cost.Candidate(4, 2, 1, 1, "topk"), one, req) is None
+    assert "compression='auto'" in commands.runnable(cost.Candidate(4, 2, 1, 1, "auto"),
                                                      one, req)
     row = {**dataclasses.asdict(cost.Candidate(4, 2, 1, 1, "int8")), "runnable": None}
     assert "--compression=int8" in commands.command(row, req, one)
@@ -368,7 +369,7 @@ def test_commands_only_for_what_the_trainer_runs():
     three_d = [r for r in result["ranked"] if r["tensor"] > 1 and r["pipeline"] > 1]
     assert three_d and all(r["recompute"] for r in three_d)
     for row in three_d:  # refused only for ZeRO or an aggregator the mesh lacks
-        plain = row["zero"] == 0 and row["compression"] in ("none", "fp16", "bf16", "int8")
+        plain = row["zero"] == 0 and row["compression"] != "auto"
         assert (row["runnable"] is None) == plain, row
     try:
         ParallelConfig(data_parallel=8, zero_stage=1)

@@ -18,6 +18,7 @@ import sys
 
 from absl import app, flags
 
+from tfpar import flags as tfpar_flags
 from tfpar.errors import ConfigError, TfparError
 
 FLAGS = flags.FLAGS
@@ -31,6 +32,7 @@ def define_flags():
     """The `--to` flag of `export` (defined by the entry point, not on import)."""
     flags.DEFINE_string("to", "", "export: the file to write, ending .keras or .weights.h5 "
                                   "(never overwritten).")
+    tfpar_flags.declare_key_flags(["to"])  # listed by --help under the console script too
 
 
 def resolve(path):

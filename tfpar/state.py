@@ -173,9 +173,17 @@ def aggregators_of(model):
     with their own objects beside the `LayoutState`)."""
     from tfpar.compression import keras_hook
     found = [a for a in map(keras_hook.aggregator_of, optimizers_of(model)) if a is not None]
-    if len(found) == 1:
-        return {"aggregator": found[0]}
-    return {f"aggregator_{i}": a for i, a in enumerate(found)}
+    out = ({"aggregator": found[0]} if len(found) == 1
+           else {f"aggregator_{i}": a for i, a in enumerate(found)})
+    # ZeRO 1/2 with a codec keeps its error feedback per replica beside its pieces
+    # (`tfpar.zero.sharded`): saved the same way, its sum kept across replica counts.
+    residuals = [getattr(o, "tfpar_zero_residual", None) for o in optimizers_of(model)]
+    residuals = [r for r in residuals if r is not None]
+    if len(residuals) == 1:
+        out["zero_residual"] = residuals[0]
+    else:
+        out.update({f"zero_residual_{i}": r for i, r in enumerate(residuals)})
+    return out
 
 
 def layout_of(config, runtime):
