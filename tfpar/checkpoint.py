@@ -92,7 +92,9 @@ class Checkpointer(keras.callbacks.Callback):
     def __init__(self, config, model, runtime):
         super().__init__()
         self.config = config
-        self.directory = config.checkpoint_dir
+        # absolute: TensorFlow's state file holds paths relative to the directory, and a
+        # relative directory (a user's BackupAndRestore("backup")) made them wrong
+        self.directory = os.path.abspath(config.checkpoint_dir)
         self.every = config.checkpoint_every
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._step = self._saved = 0
