@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from subproc import ROOT, last_json_line, run, run_module
+from tfpar.checkpoint import newest_intact
 from tfpar.checkpoint_writer import MANIFEST, damage, write_manifest
 
 CHILD = f"{ROOT}/tests/train_child.py"
@@ -51,6 +52,19 @@ def test_the_manifest_names_what_changed(tmp_path):
 def _digest(folder):
     return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
             for name in sorted(os.listdir(folder))}
+
+
+def test_a_relative_directory_names_its_checkpoints(tmp_path, monkeypatch):
+    # A user's BackupAndRestore("backup"): the state file's names are relative to the
+    # directory, and the newest intact save is found from the working directory.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "backup").mkdir()
+    for step in (3, 6):
+        _checkpoint_files(tmp_path / "backup", step)
+    (tmp_path / "backup" / "checkpoint").write_text(
+        'model_checkpoint_path: "ckpt-6"\nall_model_checkpoint_paths: "ckpt-3"\n'
+        'all_model_checkpoint_paths: "ckpt-6"\n')
+    assert newest_intact("backup") == str(tmp_path / "backup" / "ckpt-6")
 
 
 def test_a_truncated_newest_checkpoint_resumes_from_the_one_before(tmp_path):

@@ -282,6 +282,9 @@ def published(directory):
     Raises:
         ConfigError: the state file is unreadable (nothing is deleted).
     """
+    # TensorFlow gives the state file's relative names joined to `directory`: absolute
+    # here, so they are the files' paths from any working directory.
+    directory = os.path.abspath(directory)
     if not os.path.exists(os.path.join(directory, "checkpoint")):
         return []
     try:
@@ -296,7 +299,7 @@ def published(directory):
     paths = list(state.all_model_checkpoint_paths)
     latest = state.model_checkpoint_path
     ordered = ([latest] if latest else []) + [p for p in reversed(paths) if p != latest]
-    return [p if os.path.isabs(p) else os.path.join(directory, p) for p in ordered]
+    return ordered
 
 
 def newest_intact(directory):
