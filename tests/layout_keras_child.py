@@ -11,6 +11,7 @@ maps each to its result)
 import json
 import sys
 
+import cases
 from tfpar import devices
 
 devices.split_cpu(4)
@@ -301,20 +302,13 @@ CASES = {"keras_api": keras_api, "bf16": lambda: precision("mixed_bfloat16", BF1
 
 def run_cases(names):
     """Each case in turn in this process (a DTensor mesh can be rebuilt; one TensorFlow start
-    for all): {case: its JSON, or {"error": the traceback} when it raised}, so that one
-    failing case fails only its own tests. `keras_api` switches `layout.enable()` on for
-    the rest of the process: put it last."""
-    import traceback
-    out = {}
-    for name in names:
-        try:
-            out[name] = CASES[name]()
-        except Exception:  # noqa: BLE001 - reported to the test that reads this case
-            out[name] = {"error": traceback.format_exc()[-5000:]}
-        finally:
-            keras.distribution.set_distribution(None)
-            keras.mixed_precision.set_global_policy("float32")
-    return out
+    for all). `keras_api` switches `layout.enable()` on for the rest of the process: put it
+    last."""
+    def reset():
+        keras.distribution.set_distribution(None)
+        keras.mixed_precision.set_global_policy("float32")
+
+    return cases.run_cases(CASES, names, after=reset)
 
 
 if __name__ == "__main__":

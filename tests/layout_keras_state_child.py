@@ -23,6 +23,8 @@ from tensorflow.experimental import dtensor  # noqa: E402
 
 import tfpar  # noqa: E402
 from tfpar import layout  # noqa: E402
+# the comparisons the stock-Keras side makes (that file imports only keras and numpy)
+from keras_stock_load_child import equal, max_diff  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 RNG = np.random.default_rng(0)
@@ -62,14 +64,6 @@ def specs(model):
     return {v.path: [list(v.value.layout.sharding_specs),
                      list(dtensor.unpack(v.value.read_value())[0].shape)]
             for v in model.weights if layout.is_dvariable(v)}
-
-
-def equal(a, b):
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
-
-
-def max_diff(a, b):
-    return float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
 
 
 def weights_api(model):

@@ -11,8 +11,8 @@ Usage: python tests/layout_models_child.py CASE[,CASE...]
 import json
 import sys
 import tempfile
-import traceback
 
+import cases
 from tfpar import devices
 
 devices.split_cpu(4)
@@ -393,15 +393,8 @@ CASES = {"structures": structures, "sequence": sequence, "custom_step": custom_s
 
 def run_cases(names):
     layout.enable()
-    out = {}
-    for name in names:
-        try:
-            out[name] = CASES[name]()
-        except Exception:  # noqa: BLE001 - reported to the test that reads this case
-            out[name] = {"error": traceback.format_exc()[-5000:]}
-        finally:
-            keras.distribution.set_distribution(None)
-    return out
+    return cases.run_cases(CASES, names,
+                           after=lambda: keras.distribution.set_distribution(None))
 
 
 if __name__ == "__main__":

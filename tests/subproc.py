@@ -259,3 +259,30 @@ def in_background(job):
     future = pool.submit(job)
     pool.shutdown(wait=False)
     return future
+
+
+def run_tf_config_workers(argv_of, n=2, timeout=180):
+    """`argv_of(i)` started as worker `i` of `n` of one `TF_CONFIG` cluster on localhost, as
+    a user starts them by hand (no launcher): each worker's last JSON line. Every worker's
+    process group is killed at the end: a hung collective fails the test, never hangs it."""
+    from tfpar.launch import free_ports
+    hosts = [f"localhost:{p}" for p in free_ports(n, "localhost")]
+    procs = []
+    for i in range(n):
+        env = {"TF_CONFIG": json.dumps(
+            {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})}
+        procs.append(popen(argv_of(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
+            outs.append(last_json_line(out))
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return outs

@@ -2,51 +2,18 @@
 own TF_CONFIG, tests/multiworker_child.py): a lossy aggregator keeps both workers' weights
 bit-identical."""
 
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 
-from subproc import ROOT, last_json_line, popen
+from subproc import ROOT, run_tf_config_workers
 
 WORKER = os.path.join(ROOT, "tests", "multiworker_child.py")
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _run_workers(script, n=2, timeout=180):
     """`python script` as each of `n` workers of one TF_CONFIG cluster on localhost: each
     worker's last JSON line."""
-    hosts = [f"localhost:{p}" for p in _free_ports(n)]
-    procs = []
-    for i in range(n):
-        env = {"TF_CONFIG": json.dumps(
-            {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})}
-        procs.append(popen([sys.executable, script], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-            outs.append(last_json_line(out))
-    finally:
-        for p in procs:  # a hung collective must fail the test, never hang it
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return outs
+    return run_tf_config_workers(lambda i: [sys.executable, script], n, timeout)
 
 
 def test_two_workers_end_with_identical_weights():

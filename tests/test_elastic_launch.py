@@ -44,6 +44,11 @@ def _weights(path):
     return [weights[k] for k in sorted(weights, key=lambda k: int(k.split("_")[1]))]
 
 
+def _gap(a, b):
+    """The largest absolute difference between two lists of weights."""
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
 def _chief_line(stdout):
     lines = [line.split("] ", 1)[1] for line in stdout.splitlines()
              if line.startswith("[worker 0] {")]
@@ -123,9 +128,7 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
     losses = np.array(chief["loss_history"])
     same = np.array(reference["loss_history"][GROW_STEP:])
     gaps = np.abs(losses - same) / same
-    weights = max(float(np.max(np.abs(a - b))) for a, b in zip(
-        _weights(tmp_path / "elastic.worker0.npz"), _weights(tmp_path / "whole.npz"),
-        strict=True))
+    weights = _gap(_weights(tmp_path / "elastic.worker0.npz"), _weights(tmp_path / "whole.npz"))
     report_measured(f"elastic 2 -> 1 -> 2 workers (lost at step {kill_step}, seed {seed}): "
                     f"resumed on 1 at step {step} ({kill_step - step} steps repeated) "
                     f"{seconds:.1f} s after the loss was detected; grown back at step "
@@ -224,10 +227,8 @@ def test_four_workers_lose_one_for_good_and_finish_on_three(tmp_path, report_mea
     same = np.array(whole["loss_history"][10:])
     gaps = np.abs(losses - same) / same
     survivors = [_weights(tmp_path / f"elastic.worker{i}.npz") for i in range(3)]
-    ranks = max(float(np.max(np.abs(a - b))) for other in survivors[1:]
-                for a, b in zip(survivors[0], other, strict=True))
-    weights = max(float(np.max(np.abs(a - b))) for a, b in zip(
-        survivors[0], _weights(tmp_path / "whole.npz"), strict=True))
+    ranks = max(_gap(survivors[0], other) for other in survivors[1:])
+    weights = _gap(survivors[0], _weights(tmp_path / "whole.npz"))
     report_measured(f"elastic 4 -> 3 workers, batch 64 (lost at step {kill_step}, seed "
                     f"{seed}): final loss {losses[-1]:.6f} vs {same[-1]:.6f} uninterrupted "
                     f"(relative gap {gaps[-1]:.1e}; largest over steps 10-29 "

@@ -14,18 +14,14 @@ Same seed, same data: weights and losses within 1e-6 after the run (measured: 7.
 3.0e-8; the third's losses within 1e-6).
 """
 
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import subproc
-from subproc import ROOT, last_json_line, popen, run
+from subproc import ROOT, last_json_line, run
 
 GUIDES = os.path.join(ROOT, "examples", "guides")
 TOLERANCE = 1e-6
@@ -71,41 +67,13 @@ def test_keras_io_guide_ends_where_one_device_ends(tmp_path):
         assert alone["history"]["loss"][-1] < alone["history"]["loss"][0]  # it learns
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _tutorial_workers(tmp_path, n=2, timeout=400):
     """`multi_worker_tutorial.py` on `n` workers of one TF_CONFIG cluster on localhost, as
     the tutorial starts them: each worker's JSON line."""
-    hosts = [f"localhost:{p}" for p in _free_ports(n)]
-    procs = []
-    for i in range(n):
-        env = {"TF_CONFIG": json.dumps(
-            {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}})}
-        procs.append(popen([sys.executable, os.path.join(ROOT, "tests",
-                                                         "guides_tutorial_child.py"),
-                            "worker", str(tmp_path / f"worker{i}.npz")],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-            outs.append(last_json_line(out))
-    finally:
-        for p in procs:  # a hung collective must fail the test, never hang it
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return outs
+    child = os.path.join(ROOT, "tests", "guides_tutorial_child.py")
+    return subproc.run_tf_config_workers(
+        lambda i: [sys.executable, child, "worker", str(tmp_path / f"worker{i}.npz")], n,
+        timeout)
 
 
 def test_tensorflow_tutorial_on_two_workers_ends_where_one_device_ends(tmp_path):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-import subproc
+import cases as cases_lib
 from subproc import ROOT, last_json_line, run
 
 EXACT = 1e-5
@@ -37,17 +37,11 @@ CHILDREN = [["accum", "keras_api"], ["bf16", "fp16"]]
 @pytest.fixture(scope="module")
 def cases():
     """{case: its JSON, or the AssertionError its child failed with}."""
-    found = subproc.run_concurrently([lambda c=c: _child(c) for c in CHILDREN],
-                                     keep_failures=True)
-    return {name: (out if isinstance(out, AssertionError) else out[name])
-            for names, out in zip(CHILDREN, found) for name in names}
+    return cases_lib.gather(CHILDREN, _child)
 
 
 def _case(cases, name):
-    result = subproc.outcome(cases[name])
-    if "error" in result:
-        raise AssertionError(f"layout_keras_child.py case {name} raised:\n{result['error']}")
-    return result
+    return cases_lib.case(cases, name, "layout_keras_child.py")
 
 
 @pytest.fixture(scope="module")

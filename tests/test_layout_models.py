@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-import subproc
+import cases as cases_lib
 from subproc import ROOT, last_json_line, run
 
 EXACT = 1e-5
@@ -41,17 +41,12 @@ def _child(names):
 
 @pytest.fixture(scope="module")
 def cases():
-    found = subproc.run_concurrently([lambda c=c: _child(c) for c in CHILDREN],
-                                     keep_failures=True)
-    return {name: (out if isinstance(out, AssertionError) else out[name])
-            for names, out in zip(CHILDREN, found) for name in names}
+    """{case: its JSON, or the AssertionError its child failed with}."""
+    return cases_lib.gather(CHILDREN, _child)
 
 
 def _case(cases, name):
-    result = subproc.outcome(cases[name])
-    if "error" in result:
-        raise AssertionError(f"layout_models_child.py case {name} raised:\n{result['error']}")
-    return result
+    return cases_lib.case(cases, name, "layout_models_child.py")
 
 
 def _assert_exact(run_, label):

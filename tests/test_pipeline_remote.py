@@ -5,7 +5,6 @@ the single-device run. The client and the refusals run in tests/pipeline_remote_
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,23 +14,14 @@ import pytest
 
 from subproc import ROOT, in_background, last_json_line, popen, run, run_module
 from test_train import BASE, CHILD, max_diff, train_child, weights
+from tfpar.launch import free_ports
 
 REMOTE_CHILD = os.path.join(ROOT, "tests", "pipeline_remote_child.py")
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.fixture
 def workers():
-    addresses = [f"localhost:{p}" for p in _free_ports(2)]
+    addresses = [f"localhost:{p}" for p in free_ports(2, "localhost")]
     procs = [popen(
         [sys.executable, "-m", "tfpar.pipeline.remote", "--workers", ",".join(addresses),
          "--task", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
