@@ -267,7 +267,21 @@ def custom_step():
                      distribution({"own/up/kernel": (None, "model"),
                                    "own/head/kernel": ("model", None)}),
                      evaluate=dict(x=x, y=y))
-    return {"own_train_step": run}
+    # its own train_step with fp16 loss scaling: refused in one line (compat's
+    # CUSTOM_TRAIN_STEP_LOSS_SCALE: the LossScaleOptimizer writes inside a tf.cond)
+    keras.distribution.set_distribution(distribution())
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = build()
+        model.compile(**compile_kwargs())
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+        refused = None
+    except Exception as err:  # noqa: BLE001 - the test reads the line
+        refused = f"{type(err).__name__}: {err}"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+        keras.distribution.set_distribution(None)
+    return {"own_train_step": run, "own_train_step_fp16": refused}
 
 
 HUB_CONFIGS = {  # tiny configs, random weights: no preset is downloaded
@@ -275,11 +289,11 @@ HUB_CONFIGS = {  # tiny configs, random weights: no preset is downloaded
                   hidden_dim=16, intermediate_dim=32, head_dim=8),
     "llama": dict(vocabulary_size=96, num_layers=2, num_query_heads=2, num_key_value_heads=2,
                   hidden_dim=16, intermediate_dim=32),
-    # dropout off: a mesh draws its masks per shard, other draws than one device's
+    # their default dropout (0.1): the mesh draws one device's masks (tfpar.layout.rng)
     "gpt2": dict(vocabulary_size=96, num_layers=2, num_heads=2, hidden_dim=16,
-                 intermediate_dim=32, max_sequence_length=16, dropout=0.0),
+                 intermediate_dim=32, max_sequence_length=16),
     "bert": dict(vocabulary_size=96, num_layers=2, num_heads=2, hidden_dim=16,
-                 intermediate_dim=32, max_sequence_length=16, dropout=0.0),
+                 intermediate_dim=32, max_sequence_length=16),
 }
 
 

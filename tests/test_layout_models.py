@@ -83,6 +83,9 @@ def test_a_models_own_train_step_runs_inside_the_mesh_step(cases):
     _assert_exact(run_, "own train_step")
     assert run_["keys"] == ["accuracy", "loss", "own_loss"]  # its own tracked metric
     assert run_["sharded"] == ["own/head/kernel", "own/up/kernel"]  # built by fit
+    refused = _case(cases, "custom_step")["own_train_step_fp16"]
+    assert refused.startswith("ConfigError: mixed_precision='fp16'"), refused
+    assert "own train_step" in refused and "\n" not in refused
 
 
 @pytest.mark.parametrize("name", ["gemma", "llama", "gpt2", "bert", "gpt2_causal_lm"])

@@ -92,8 +92,8 @@ class Checkpointer(keras.callbacks.Callback):
     def __init__(self, config, model, runtime):
         super().__init__()
         self.config = config
-        # absolute: TensorFlow's state file holds paths relative to the directory, and a
-        # relative directory (a user's BackupAndRestore("backup")) made them wrong
+        # Absolute, as the prefixes the async writer publishes are: TensorFlow stores a
+        # prefix relative to the directory only when both are absolute or both relative.
         self.directory = os.path.abspath(config.checkpoint_dir)
         self.every = config.checkpoint_every
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -223,9 +223,7 @@ class Checkpointer(keras.callbacks.Callback):
                 write_json_atomic(os.path.join(self.directory, WORLD),
                                   [{"step": 0, **self._world}])
         step = self._step
-        # absolute: the state file keeps a relative path as given, then reads it relative to
-        # the directory (a relative checkpoint_dir would be named twice)
-        prefix = os.path.abspath(os.path.join(self._write_dir, f"ckpt-{step}"))
+        prefix = os.path.join(self._write_dir, f"ckpt-{step}")  # absolute, as the directory
         if self._writer is None:
             faults.pause_in_save(step, "before_writing")
             # Write callbacks run after the files are written, before the state file
@@ -298,8 +296,7 @@ def published(directory):
         return []
     paths = list(state.all_model_checkpoint_paths)
     latest = state.model_checkpoint_path
-    ordered = ([latest] if latest else []) + [p for p in reversed(paths) if p != latest]
-    return ordered
+    return ([latest] if latest else []) + [p for p in reversed(paths) if p != latest]
 
 
 def newest_intact(directory):

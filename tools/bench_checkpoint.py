@@ -34,11 +34,6 @@ SIDES = ("none", "sync", "async")
 EVERY = 100
 
 
-def loadavg():
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 def timed(checkpointer):
     """A Keras callback: each step's end time, and the time each save blocked the step."""
     import keras
@@ -107,7 +102,7 @@ def main():
     rounds = []
     try:
         for r in range(args.rounds + 1):
-            load = loadavg()
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
             order = SIDES[r % 3:] + SIDES[:r % 3]
             row = {"load": load, "order": list(order)}
             for side in order:
