@@ -11,9 +11,8 @@ its own `train_step`), and KerasHub (Gemma, Llama, GPT-2, BERT backbones with a 
 `History`, and where asked `evaluate` and `predict`, within 1e-5 (a weight's difference
 relative to its largest magnitude where that is above 1: Llama's embedding grows to 3.3 in
 3 steps and differs by 1.1e-5, float32 rounding in sums taken in another order).
-KerasHub's GPT-2 and BERT are built with dropout 0: DTensor draws a dropout mask per
-shard, so its masks are other draws than one device's (measured: GPT-2 with its default
-0.1 off by 0.21 after 2 steps even with every weight whole).
+KerasHub's GPT-2 and BERT keep their default dropout (0.1): the mesh draws one device's
+masks (tfpar.layout.rng; without it GPT-2 was off by 0.21 after 2 steps).
 
 The optimizer is Adam where the model has no embedding, SGD where it has one: on one
 device TensorFlow hands Adam an embedding's gradient as `IndexedSlices` and Keras squares

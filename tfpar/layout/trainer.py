@@ -161,9 +161,9 @@ class MeshTrainer:
             raise TfparError(f"a batch must be (x, y) or (x, y, sample_weight), got "
                              f"{len(batch)} arrays")
         if any(isinstance(b, (dict, list, tuple)) for b in batch):
-            raise TfparError("a batch on a mesh holds one array each for x, y and "
-                             "sample_weight; models with several inputs or outputs are not "
-                             "supported on a mesh yet")
+            raise TfparError("with a loss given, a batch holds one array each for x, y and "
+                             "sample_weight; for several inputs or outputs pass loss=None "
+                             "(the model's own compiled loss, as keras.distribution runs it)")
         if training and self.reduction is not None:
             return values.replica_batches_to_mesh(batch, self.mesh)
         if training and self.grad_accum_steps > 1:
