@@ -41,7 +41,6 @@ import tensorflow as tf
 
 from tfpar import patches
 from tfpar.errors import TfparError
-from tfpar.compression import aggregator as aggregator_lib
 
 # Where `LayoutState`'s tensors sit in a `tf.train.Checkpoint(state=...)`: TensorFlow keys
 # a trackable's own tensors `<object path>/.ATTRIBUTES/<name>`.
@@ -270,14 +269,9 @@ def _optimizer_entries(optimizer, trainable):
         rate = optimizer.learning_rate
         if isinstance(rate, tf.Variable):
             out["optimizer/learning_rate"] = _plain(rate)
-    layout = getattr(optimizer, "_tfpar_layout", None)  # tfpar.zero.sharded
-    if layout is not None:
-        from tfpar.zero import sharded
-        index = {layout.keys[sharded._key(w)]: _path(w) for w in trainable
-                 if sharded._key(w) in layout.keys}
-        for slot, variable in layout.slots.items():
-            for i, entry in enumerate(_zero_entries(layout, variable)):
-                out[f"optimizer/{index[i]}/{slot}"] = entry
+    from tfpar.zero import sharded
+    for weight, slot, entry in sharded.slot_entries(optimizer, trainable):
+        out[f"optimizer/{_path(weight)}/{slot}"] = entry
     return out
 
 
@@ -311,32 +305,3 @@ def _slot_of(name, paths):
         if name.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
             best = (prefix, path)
     return (best[1], name[len(best[0]):]) if best else None
-
-
-def _zero_entries(layout, variable):
-    """Per weight, (read, write, shape) of its part of one ZeRO 1/2 flat slot (`[N, S]`
-    pieces, one per replica). The pieces are gathered once for all weights."""
-    offsets = np.cumsum([0] + layout.sizes)
-    cache, gathered = {}, []
-
-    def flat():
-        if not gathered:
-            gathered.append(np.reshape(aggregator_lib._stack_replicas(variable).numpy(), [-1]))
-        return gathered[0]
-
-    def entry(i):
-        def read():
-            return flat()[offsets[i]:offsets[i + 1]].reshape(layout.shapes[i])
-
-        def write(array):
-            # Assembled over all weights, written once the last one arrives.
-            cache[i] = np.reshape(np.asarray(array, np.float32), [-1])
-            if len(cache) == len(layout.sizes):
-                whole = np.zeros([layout.padded], np.float32)
-                for j, part in cache.items():
-                    whole[offsets[j]:offsets[j + 1]] = part
-                aggregator_lib._restore_replicas(
-                    variable, tf.constant(whole.reshape([layout.replicas, layout.piece])))
-                cache.clear()
-        return read, write, tuple(layout.shapes[i])
-    return [entry(i) for i in range(len(layout.sizes))]

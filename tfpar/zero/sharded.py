@@ -47,7 +47,9 @@ here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.zero.fsdp`, beside this mo
 """
 
 import itertools
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfpar import patches
@@ -261,6 +263,47 @@ def state_variables(optimizer):
     """The sharded slot variables of a ZeRO `optimizer` (empty for any other)."""
     layout = getattr(optimizer, "_tfpar_layout", None)
     return list(layout.slots.values()) if layout is not None else []
+
+
+def slot_entries(optimizer, weights):
+    """`[(weight, slot name, (read, write, shape))]` of a ZeRO 1/2 `optimizer`'s sharded
+    slots cut back into `weights`' shapes (empty for any other optimizer): `read()` gives
+    the weight's whole slot as numpy (the pieces gathered once per call of this function),
+    `write(array)` takes it; the flat slot is written once every weight's part has come
+    (`tfpar.state` names them as a single optimizer's)."""
+    layout = getattr(optimizer, "_tfpar_layout", None)
+    if layout is None:
+        return []
+    by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
+    return [(by_index[i], slot, entry) for slot, variable in layout.slots.items()
+            for i, entry in enumerate(_slot_parts(layout, variable))]
+
+
+def _slot_parts(layout, variable):
+    """Per weight, (read, write, shape) of its part of one flat slot (`[N, S]` pieces)."""
+    offsets = np.cumsum([0] + layout.sizes)
+    cache, gathered = {}, []
+
+    def flat():
+        if not gathered:
+            gathered.append(np.reshape(aggregator_lib._stack_replicas(variable).numpy(), [-1]))
+        return gathered[0]
+
+    def part(i):
+        def read():
+            return flat()[offsets[i]:offsets[i + 1]].reshape(layout.shapes[i])
+
+        def write(array):
+            cache[i] = np.reshape(np.asarray(array, np.float32), [-1])
+            if len(cache) == len(layout.sizes):
+                whole = np.zeros([layout.padded], np.float32)
+                for j, values in cache.items():
+                    whole[offsets[j]:offsets[j + 1]] = values
+                aggregator_lib._restore_replicas(
+                    variable, tf.constant(whole.reshape([layout.replicas, layout.piece])))
+                cache.clear()
+        return read, write, tuple(layout.shapes[i])
+    return [part(i) for i in range(len(layout.sizes))]
 
 
 class FlatLayout:
