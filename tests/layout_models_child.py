@@ -335,7 +335,6 @@ def hub():
                            keras_hub.models.GemmaBackbone.get_layout_map, inputs),
                  "llama": (keras_hub.models.LlamaBackbone,
                            keras_hub.models.LlamaBackbone.get_layout_map, inputs),
-                 "gpt2": (keras_hub.models.GPT2Backbone, gpt2_layout_map, inputs),
                  "bert": (keras_hub.models.BertBackbone, bert_layout_map, bert_inputs)}
     out = {}
     for name, (cls, layout_map, x) in backbones.items():
@@ -357,7 +356,9 @@ def hub():
         out[name], _ = compare(build, compile_kwargs, dict(x=x, y=features),
                                distribution(layout_map=layout_map), **checks)
 
-    # a task model from a backbone, no preprocessor: GPT2CausalLM on token ids
+    # GPT-2 as a task model (its backbone under the user's own layout map, a head, dropout
+    # 0.1): GPT2CausalLM on token ids, no preprocessor. (A GPT-2 backbone with a regression
+    # head was also run here; it added nothing this one does not check.)
     def build_lm():
         backbone = keras_hub.models.GPT2Backbone(**HUB_CONFIGS["gpt2"])
         return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
