@@ -14,7 +14,8 @@ reports, per case:
 - `losses`: the per-step loss, `comm`: the metrics JSON's `comm` block,
 - `replica_gap`: the largest difference between a stage weight's two replica copies,
 - `devices`, `slots`: per stage, the devices of its weights and of its optimizer's
-  variables (aggregator state included).
+  variables (aggregator state included),
+- `seconds`: the case's wall time (building and tracing included).
 """
 
 import json
@@ -82,6 +83,13 @@ def run_case(runtime, config, x, y):
     }
 
 
+def timed(fn, *args):
+    import time
+    start = time.perf_counter()
+    out = fn(*args)
+    return {**out, "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main():
     from tfpar import ParallelConfig
     from tfpar.backends.distribute import DistributeBackend
@@ -97,7 +105,7 @@ def main():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 8)).astype("float32")
     y = rng.normal(size=(16, 3)).astype("float32")
-    cases = {name: (lambda s=settings: run_case(runtime, base.replace(**s), x, y))
+    cases = {name: (lambda s=settings: timed(run_case, runtime, base.replace(**s), x, y))
              for name, settings in CASES.items()}
     out = run_cases(cases, list(CASES))
     out["replicas"] = runtime.replicas

@@ -99,7 +99,7 @@ def make_runtime(config, cluster, runtime_class):
 
     Raises:
         ConfigError: a row of `tfpar.compat.ACROSS_WORKERS` (the workers are not one per
-            stage, an evaluator task, a setting the cross-worker pipeline does not honour).
+            stage, an evaluator task, more replicas than a worker's logical CPUs).
         PeerError: the chief never came up within `startup_timeout_s` (non-chief).
     """
     dims = ParallelDims.from_config(config, workers=cluster.num_workers)
