@@ -61,9 +61,7 @@ def refusals():
     from tfpar.backends.distribute import DistributeBackend
     env = {"TF_CONFIG": tf_config.make(["localhost:1", "localhost:2"], 1)}
     errors = []
-    # cpu_devices first: it must split the CPU before anything initialises TensorFlow.
-    for changes in ({"cpu_devices": 2}, {"pipeline_stages": 3, "microbatches": 2},
-                    {"compression": "fp16"}):
+    for changes in ({"data_parallel": 2}, {"pipeline_stages": 3, "microbatches": 2}):
         try:
             DistributeBackend().build_runtime(ParallelConfig(
                 pipeline_stages=2, microbatches=4, global_batch_size=16).replace(**changes), env)

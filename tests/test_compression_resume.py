@@ -45,3 +45,13 @@ def test_int8_resume_is_exact_per_replica(tmp_path):
                     strict=True):
         np.testing.assert_array_equal(a, b, "resumed run's weights differ from the "
                                             "uninterrupted run's")
+
+
+def test_residuals_restored_where_the_saved_rows_are_counted_only_at_run_time():
+    # A checkpoint spanning several tasks (a pipeline across workers) is restored inside a
+    # tf.function: the replicas compare the rows' count there, not while tracing.
+    out = last_json_line(run([sys.executable, f"{ROOT}/tests/per_replica_restore_child.py"],
+                             timeout=120).stdout)
+    assert out["same"] == [[1, 2, 3], [4, 5, 6]]
+    assert out["other"] == [[12, 15, 18], [0, 0, 0]]
+    assert out["other_average"] == [[4, 5, 6], [4, 5, 6]]

@@ -226,10 +226,12 @@ def test_cluster_rows_are_checked_before_tensorflow():
     pipeline = ParallelConfig(pipeline_stages=2, microbatches=4, global_batch_size=16)
     check_inputs(pipeline, two)  # one stage per worker
     check_inputs(pipeline.replace(checkpoint_dir="ckpt"), two)  # tfpar.state
+    # Each worker runs its stage of every replica, one a logical CPU, compressed or not.
+    check_inputs(pipeline.replace(cpu_devices=2, compression="int8"), two)
+    check_inputs(pipeline.replace(cpu_devices=2, data_parallel=2), two)
     for changes, setting in (({"pipeline_stages": 3, "microbatches": 3,
                                "global_batch_size": 15}, "pipeline_stages"),
-                             ({"cpu_devices": 2}, "data_parallel"),
-                             ({"compression": "fp16"}, "compression"),
+                             ({"data_parallel": 2}, "data_parallel"),
                              ({"strategy": "mirrored"}, "strategy")):
         with pytest.raises(ConfigError) as info:
             check_inputs(pipeline.replace(**changes), two)

@@ -8,9 +8,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 
 - `data_parallel`: Keras 3 on a `tf.distribute` strategy (one device, mirrored, multi-worker),
 - `pipeline`: the same backend with `pipeline_stages > 1` (a `PipelineModel`); under a
-  `TF_CONFIG` of several workers, one stage per worker process (`tfpar.pipeline.remote`;
-  what it does not do across workers, compression and checkpoints, is in
-  `ACROSS_WORKERS`),
+  `TF_CONFIG` of several workers, one stage per worker process, each running that stage
+  of every replica (`tfpar.pipeline.remote`; its rows are in `ACROSS_WORKERS`),
 - `dtensor`: Keras 3 on a DTensor mesh, for `tensor_parallel > 1` and for `zero_stage=3`
   (under a `TF_CONFIG` of several workers the mesh, and with `pipeline_stages > 1` each
   stage's mesh, spans them),
@@ -255,8 +254,11 @@ def spans_workers(config, cluster):
             and cluster.num_workers > 1)
 
 
-def _pipeline_replicas(c, k):
-    return c.data_parallel or max(1, c.cpu_devices)
+def pipeline_replicas(config):
+    """The replicas of a pipeline across workers (`spans_workers`): `--data_parallel`,
+    else `--cpu_devices` (each worker runs its stage of every replica on its logical
+    CPUs)."""
+    return config.data_parallel or max(1, config.cpu_devices)
 
 
 DTENSOR_EVALUATOR = Rule(
@@ -287,15 +289,13 @@ ACROSS_WORKERS = (
          "a pipeline across workers has no evaluator task; give chief/worker tasks only",
          value=lambda c, k: k.task_type, cluster=True),
     DTENSOR_EVALUATOR,
-    Rule("compression", lambda c, k: spans_workers(c, k) and c.compression != "none",
-         "pipelines across worker processes all-reduce inside one client, not with "
-         "tf.distribute collectives between workers; use --compression=none, or one "
-         "process with --cpu_devices", cluster=True),
-    # MirroredStrategy's collectives on the chief hang over cluster devices.
-    Rule("data_parallel", lambda c, k: spans_workers(c, k) and _pipeline_replicas(c, k) > 1,
-         "a pipeline across worker processes runs one replica yet; use --data_parallel=1 "
-         "(and --cpu_devices<=1), or pipeline x data parallel in one process with "
-         "--cpu_devices", value=_pipeline_replicas, cluster=True),
+    # Each worker holds its stage of every replica, one logical CPU a replica.
+    Rule("data_parallel", lambda c, k: spans_workers(c, k)
+         and c.data_parallel > max(1, c.cpu_devices),
+         lambda c, k: f"across worker processes each worker runs its stage of every "
+                      f"replica on its own logical CPUs; use --cpu_devices="
+                      f"{c.data_parallel} (or --data_parallel<={max(1, c.cpu_devices)})",
+         cluster=True),
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",

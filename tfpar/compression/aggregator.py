@@ -97,22 +97,35 @@ def _stack_replicas(variable):
 def _restore_replicas(variable, stacked, average=False):
     strategy, local = _local_components(variable)
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
-    if int(stacked.shape[0]) == replicas:
-        task = tf.DeviceSpec.from_string(local[0].device).task or 0
-        rows = [stacked[task * len(local) + j] for j in range(len(local))]
-    elif average:
-        rows = [tf.reduce_mean(stacked, 0)] * len(local)
-    else:
-        # Another world size: global replica 0 takes the whole sum and the others start at
-        # zero. The sum over replicas is then exactly the saved sum (adding zeros rounds
-        # nothing), where an even split (sum / replicas) rounds when the count is not a
-        # power of two; either way the error still owed is sent within the next steps.
-        task = tf.DeviceSpec.from_string(local[0].device).task or 0
-        total = tf.reduce_sum(stacked, 0)
-        rows = [total if task == 0 and j == 0 else tf.zeros_like(total)
-                for j in range(len(local))]
+    # The global index of this process's first replica: under MultiWorkerMirroredStrategy
+    # each task holds its own replicas; a client holding every replica (a pipeline across
+    # workers, its stages on other tasks' devices) starts at 0.
+    first = 0
+    if replicas != len(local):
+        first = (tf.DeviceSpec.from_string(local[0].device).task or 0) * len(local)
+    saved = stacked.shape[0]
+    if saved is not None:
+        rows = _rows(stacked, int(saved) == replicas, first, len(local), average)
+    else:  # restored in a tf.function (a checkpoint over several tasks): rows unknown
+        rows = tf.cond(tf.equal(tf.shape(stacked)[0], replicas),
+                       lambda: _rows(stacked, True, first, len(local), average),
+                       lambda: _rows(stacked, False, first, len(local), average))
     ops = [v.assign(tf.reshape(tf.cast(r, v.dtype), v.shape)) for v, r in zip(local, rows)]
     return tf.group(ops) if not tf.executing_eagerly() else None
+
+
+def _rows(stacked, same_replicas, first, local, average):
+    """Each local replica's value from the saved rows `stacked`."""
+    if same_replicas:
+        return [stacked[first + j] for j in range(local)]
+    if average:
+        return [tf.reduce_mean(stacked, 0)] * local
+    # Another world size: global replica 0 takes the whole sum and the others start at
+    # zero. The sum over replicas is then exactly the saved sum (adding zeros rounds
+    # nothing), where an even split (sum / replicas) rounds when the count is not a
+    # power of two; either way the error still owed is sent within the next steps.
+    total = tf.reduce_sum(stacked, 0)
+    return [total if first == 0 and j == 0 else tf.zeros_like(total) for j in range(local)]
 
 
 class Aggregator(tf.Module):

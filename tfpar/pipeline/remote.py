@@ -2,7 +2,8 @@
 
 Two ways in. From the trainer, `python -m tfpar.launch --workers=K -- python -m
 tfpar.train --pipeline_stages=K ...` (`make_runtime` below): worker 0 is the client and
-holds stage 0, worker s serves stage s and exits when worker 0 has gone. From Python:
+holds stage 0, worker s serves stage s and exits when worker 0 has gone; with
+`--cpu_devices=R` each worker holds its stage of R replicas, one a logical CPU. From Python:
 
 Each worker process only serves its devices (`python -m tfpar.pipeline.remote
 --workers=HOST:PORT,HOST:PORT --task=I`); one client process connects to all of them,
@@ -25,7 +26,6 @@ import tensorflow as tf
 from absl import logging
 
 from tfpar import compat
-from tfpar import devices as devices_lib
 from tfpar.dims import ParallelDims
 from tfpar.errors import ConfigError, PeerError
 
@@ -89,24 +89,22 @@ def make_runtime(config, cluster, runtime_class):
     """The runtime of a pipeline across the workers of `cluster`: one stage per worker.
 
     On the chief (worker 0) this connects to the cluster and returns a `runtime_class`
-    (`tfpar.strategy.Runtime`) of kind `KIND` with a `OneDeviceStrategy` on the chief's
-    CPU:0: one pipeline, stage s on worker s. (Pipeline x data parallel across workers
-    is refused: a `MirroredStrategy` over the chief's devices hangs in its collectives
-    once the process is connected to a cluster.) Every other worker serves its devices
-    to the chief and ends the process (exit 0) once the chief has gone; a chief that
-    failed says so in its own exit code.
+    (`tfpar.strategy.Runtime`) of kind `KIND` whose strategy (`replica_strategy`) runs R
+    pipelines side by side (R: `--data_parallel`, else `--cpu_devices`): stage s of
+    replica r on logical CPU r of worker s. Every other worker serves its R devices to
+    the chief and ends the process (exit 0) once the chief has gone; a chief that failed
+    says so in its own exit code.
 
     Call after `devices.split_cpu(config.cpu_devices)`, before any TensorFlow op.
 
     Raises:
         ConfigError: a row of `tfpar.compat.ACROSS_WORKERS` (the workers are not one per
-            stage, an evaluator task, a setting the cross-worker pipeline does not honour).
+            stage, an evaluator task, more replicas than a worker's logical CPUs).
         PeerError: the chief never came up within `startup_timeout_s` (non-chief).
     """
     dims = ParallelDims.from_config(config, workers=cluster.num_workers)
-    # The replicas are known here (GPUs count): the table's rows with them.
-    R = dims.dp or devices_lib.local_device_count(config.cpu_devices)
-    compat.check_cluster(compat.view(config, data_parallel=R), cluster)
+    compat.check_cluster(config, cluster)
+    R = compat.pipeline_replicas(config)  # stages run on logical CPUs (GPUs not used)
     jobs = {job: cluster.cluster[job] for job in ("chief", "worker") if job in cluster.cluster}
     spec = tf.train.ClusterSpec(jobs)
     if not cluster.is_chief:
@@ -116,10 +114,26 @@ def make_runtime(config, cluster, runtime_class):
         raise SystemExit(0)
     tf.config.experimental_connect_to_cluster(spec, job_name=cluster.task_type,
                                               task_index=cluster.task_index)
-    strategy = tf.distribute.OneDeviceStrategy(f"{_task_name(cluster, 0)}/device:CPU:0")
+    strategy = replica_strategy(_task_name(cluster, 0), R)
     print("TFPAR_READY", file=sys.stderr, flush=True)  # what tfpar.launch waits for
     return runtime_class(strategy=strategy, kind=KIND, workers=dims.workers, worker_index=0,
                          is_chief=True, collective="none")
+
+
+def replica_strategy(task, replicas):
+    """The chief's strategy over `replicas` pipelines side by side: their lead devices are
+    CPU:0..R-1 of `task` ('/job:J/replica:0/task:T'). With one replica a
+    `OneDeviceStrategy`; with more a `MirroredStrategy` whose reductions are plain copies
+    and sums (`ReductionToOneDevice`): its default ring collectives wait forever once the
+    process is connected to a cluster (their groups are resolved by no leader), while
+    copies and sums run as any other op of the step's graph. Every stage's replicas sit on
+    one worker (`worker_stage_devices`), so each stage's gradients are summed there, and
+    an aggregator's codes (`--compression`) travel between that worker's devices."""
+    if replicas == 1:
+        return tf.distribute.OneDeviceStrategy(f"{task}/device:CPU:0")
+    return tf.distribute.MirroredStrategy(
+        [f"{task}/device:CPU:{r}" for r in range(replicas)],
+        cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def worker_stage_devices(cluster, stages, replicas):
