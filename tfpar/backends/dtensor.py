@@ -92,14 +92,11 @@ class DTensorBackend(Backend):
             callbacks.append(MeshTensorBoard(tensorboard_dir(config, runtime), self.trainer,
                                              _pipeline_block(config, runtime),
                                              update_freq="epoch"))
-        context = tf.distribute.InputContext()
-        if config.dims.pp_enabled:  # the mesh pipeline: equal micro-batches (compat)
-            batches = iter(data.pipeline_dataset(config, task, context, start))
-            held_out = data.validation_dataset(config, task, context)
-        else:  # any global batch: uneven shares padded and weighted (tfpar.replica_split)
-            parts = runtime.mesh.shape[0]
-            batches = iter(data.mesh_dataset(config, task, parts, start))
-            held_out = data.mesh_dataset(config, task, parts, validation=True)
+        # Any global batch: uneven shares padded and weighted (tfpar.replica_split); the
+        # mesh pipeline's stages (each mesh `batch` × `model`) share the batch axis.
+        parts = runtime.mesh.shape[0]
+        batches = iter(data.mesh_dataset(config, task, parts, start))
+        held_out = data.mesh_dataset(config, task, parts, validation=True)
         validation = {}
         if config.validation_steps:
             validation = {"validation_data": held_out,
