@@ -23,8 +23,8 @@ import types
 import tensorflow as tf
 from absl import logging
 
-from tfpar import (checkpoint, compat, data, devices, memory, metrics, optimizers, patches,
-                   strategy, tf_config)
+from tfpar import (checkpoint, compat, data, devices, faults, memory, metrics, optimizers,
+                   patches, strategy, tf_config)
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.callbacks import TensorBoard
 from tfpar.dims import ParallelDims
@@ -88,6 +88,9 @@ class DTensorBackend(Backend):
             checkpointer = checkpoint.Checkpointer(config, model, runtime)
             start = checkpointer.restore()
             callbacks.append(checkpointer)
+        fault = faults.injector(start)  # tests and tools/bench_faults.py: a worker killed
+        if fault is not None:
+            callbacks.append(fault)
         if config.tensorboard_dir:
             callbacks.append(MeshTensorBoard(tensorboard_dir(config, runtime), self.trainer,
                                              _pipeline_block(config, runtime),
