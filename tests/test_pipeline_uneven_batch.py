@@ -88,3 +88,16 @@ def test_an_uneven_pipeline_equals_one_device(runs, name, run_index, reference, 
                                out["one"][reference]["loss_history"], rtol=1e-5)
     if run_index == 0:
         assert wrong > 1e-5, wrong  # the checks above would catch the unweighted split
+
+
+def test_a_dataset_function_on_the_mesh_pipeline_is_refused_before_tensorflow():
+    # Its batches reach the mesh pipeline whole: 30 does not cut into 2 micro-batches × 2
+    # replicas. The refusal is a row of the rulebook, not the first step's.
+    from tfpar import ParallelConfig
+    from tfpar.errors import ConfigError
+    settings = {k: v for k, v in MESH_PIPE.items() if k not in ("steps", "steps_per_epoch")}
+    with pytest.raises(ConfigError, match=r"^global_batch_size=30 is invalid: a --dataset "
+                       r"function's batches .* = 4 equal pieces; use a multiple of 4"):
+        ParallelConfig(**settings, dataset="user_data:global_batches")
+    ParallelConfig(**settings)  # the generated data pads
+    ParallelConfig(**{**settings, "global_batch_size": 32}, dataset="user_data:global_batches")
