@@ -52,8 +52,9 @@ def for_training(model, config, runtime):
         JSON's `pipeline` block.
     Raises:
         ConfigError: a runtime that cannot hold the pipeline, a `--dataset` function's
-            batch the replicas or micro-batches do not split, too few devices. (Settings that do not combine with the pipeline
-            were refused when `config` was built: `tfpar.compat`.)
+            batch the replicas or micro-batches do not split, too few devices. (Settings
+            that do not combine with the pipeline were refused when `config` was built:
+            `tfpar.compat`.)
     """
     K = config.pipeline_stages
     if runtime.kind == "multi_worker":

@@ -308,7 +308,8 @@ def _impossible(t, p, prof, hw, request):
         return f"pp={p}: the model cuts into at most {prof.blocks} stages"
     data = hw.devices // (t * p)
     if data > request.global_batch_size:
-        return f"dp={data} is more replicas than the global batch's {request.global_batch_size} examples"
+        return (f"dp={data} is more replicas than the global batch's "
+                f"{request.global_batch_size} examples")
     return "excluded by a pinned setting"
 
 
