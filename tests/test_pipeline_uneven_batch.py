@@ -10,7 +10,8 @@
   side by side), the real ones weighted 32/30.
 
 Each against one device on the same seed and data, 5 steps: weights within 1e-6, step
-losses within 1e-5 (relative). The same pipelines with the real examples weighted 1 (the
+losses within 1e-5 (relative), held-out loss and accuracy within 1e-6 (not for the
+accumulated run, whose held-out batch would be its global batch of 32). The same pipelines with the real examples weighted 1 (the
 padding still 0) must miss (their gradient is 12.5 % and 6.7 % short).
 """
 
@@ -25,12 +26,14 @@ from subproc import ROOT, run, run_concurrently
 from test_train import max_diff
 
 CHILD = os.path.join(ROOT, "tests", "mesh_uneven_child.py")
-MLP = {"model": "mlp", "optimizer": "adam", "steps": 5, "steps_per_epoch": 5, "verbose": 0}
+MLP = {"model": "mlp", "optimizer": "adam", "steps": 5, "steps_per_epoch": 5, "verbose": 0,
+       "validation_steps": 1}
 ONE_64 = {**MLP, "strategy": "one_device", "global_batch_size": 64}
 ONE_30 = {**MLP, "strategy": "one_device", "global_batch_size": 30}
 PIPE = {**MLP, "strategy": "mirrored", "cpu_devices": 6, "data_parallel": 3,
         "pipeline_stages": 2, "microbatches": 4, "global_batch_size": 64}
-PIPE_ACC = {**PIPE, "microbatches": 2, "global_batch_size": 32, "grad_accum_steps": 2}
+PIPE_ACC = {**PIPE, "microbatches": 2, "global_batch_size": 32, "grad_accum_steps": 2,
+            "validation_steps": 0}
 MESH_PIPE = {**MLP, "cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2,
              "pipeline_stages": 2, "microbatches": 2, "global_batch_size": 30}
 
@@ -53,7 +56,8 @@ def runs(tmp_path_factory):
     names = list(jobs) + ["pipe_unweighted", "mesh_unweighted"]
     results = run_concurrently(
         [lambda n=n: child(str(folder / n), jobs[n]) for n in jobs]
-        + [lambda n=n: child(str(folder / f"{n}_unweighted"), jobs[n][:1], "--unweighted")
+        + [lambda n=n: child(str(folder / f"{n}_unweighted"),
+                             [{**jobs[n][0], "validation_steps": 0}], "--unweighted")
            for n in ("pipe", "mesh")])
     return folder, dict(zip(names, results))
 
@@ -86,6 +90,14 @@ def test_an_uneven_pipeline_equals_one_device(runs, name, run_index, reference, 
     assert diff < 1e-6
     np.testing.assert_allclose(out[name][run_index]["loss_history"],
                                out["one"][reference]["loss_history"], rtol=1e-5)
+    # Held-out batches are padded the same way; the weighted loss ignores the padding.
+    # (The accumulated run, whose held-out batch would be its global batch of 32, holds
+    # out none.)
+    if run_index == 0:
+        held_out, expected_held_out = (out[name][run_index]["validation"],
+                                       out["one"][reference]["validation"])
+        assert abs(held_out["loss"] - expected_held_out["loss"]) < 1e-6
+        assert abs(held_out["accuracy"] - expected_held_out["accuracy"]) < 1e-6
     if run_index == 0:
         assert wrong > 1e-5, wrong  # the checks above would catch the unweighted split
 
