@@ -1,4 +1,4 @@
-"""Child process for tests/test_mesh_uneven_batch.py:
+"""Child process for tests/test_mesh_uneven_batch.py and test_pipeline_uneven_batch.py:
 `python tests/mesh_uneven_child.py [--unweighted] CONFIGS_JSON OUT_PREFIX`.
 
 `tests/train_configs_child.py`'s runs (one runtime, weights to `OUT_PREFIX.<i>.npz`, one

@@ -191,5 +191,6 @@ def test_settings_that_do_not_combine_give_clear_errors(forked):
     out = forked["runs"]["errors"]
     assert out["per_replica"].startswith("ConfigError: microbatches=16 is invalid")
     assert "per-replica batch of 8" in out["per_replica"]
+    assert "of a --dataset function" in out["per_replica"]
     assert out["devices"].startswith("ConfigError: pipeline_stages=3 is invalid")
     assert "need 6 devices, but 4 exist; use --data_parallel=1" in out["devices"]

@@ -100,6 +100,6 @@ def test_every_replica_count_sees_the_one_device_examples():
 
 def test_equal_batches_are_still_required_where_they_are_needed():
     config = ParallelConfig(global_batch_size=64)
-    with pytest.raises(Exception, match=r"divisible by the 3 replicas \(a pipeline cuts .*; "
+    with pytest.raises(Exception, match=r"divisible by the 3 replicas \(a --dataset .*; "
                                         r"try 63 or 66"):
-        config.per_replica_batch(3, "a pipeline cuts equal per-replica batches")
+        config.per_replica_batch(3, "a --dataset function yields equal per-replica batches")

@@ -3,7 +3,8 @@
 Trains each `ParallelConfig(**c)` of the JSON list one after the other in this process,
 on the runtime the first one built (`tfpar.train.train(..., runtime=...)`: one strategy or
 DTensor mesh per process), saves config i's final weights to
-`OUT_PREFIX.<i>[.worker<w>].npz` and prints one JSON line: a list of metric summaries.
+`OUT_PREFIX.<i>[.worker<w>].npz` (its optimizer's variables to `....optimizer.npz`) and
+prints one JSON line: a list of metric summaries.
 Under `tfpar.launch` every worker does the same.
 
 A config may carry `"dense_gradients": true` (not a `ParallelConfig` field): its optimizer
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from tfpar import ParallelConfig, backends, optimizers, wait_for_workers  # noqa: E402
+from tfpar import (ParallelConfig, backends, optimizers, relayout,  # noqa: E402
+                   wait_for_workers)
 from tfpar.train import train  # noqa: E402
 
 DENSE = "dense_gradients"
@@ -102,10 +104,24 @@ def _loss_scaling(trainer):
             "iterations": [int(to_host(o.iterations.value)) for o in optimizers]}
 
 
+def _optimizer_state(model, result):
+    """The model's optimizer variables (step count and slots) as host arrays, gathered on a
+    mesh; None for a model without one (a mesh pipeline's are per stage)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "variables", None):
+        return None
+    if result.get("strategy") == "DTensorMesh":
+        from tfpar.layout.values import to_host
+        return [to_host(v.value) for v in optimizer.variables]
+    return [np.asarray(v) for v in optimizer.variables]
+
+
 def main():
     raw = json.loads(sys.argv[1])
-    configs = [ParallelConfig(**{k: v for k, v in c.items() if k not in (DENSE, NONFINITE)})
-               for c in raw]
+    # As `python -m tfpar.train` does: an elastic launch's new world re-lays out a mesh.
+    configs = [relayout.for_cluster(
+        ParallelConfig(**{k: v for k, v in c.items() if k not in (DENSE, NONFINITE)}))
+        for c in raw]
     runtime = backends.for_config(configs[0]).build_runtime(configs[0])
     worker = os.environ.get("TFPAR_WORKER_INDEX")
     out = []
@@ -125,7 +141,11 @@ def main():
             arrays = [np.asarray(v) for v in model.weights]
         suffix = f".worker{worker}" if worker is not None else ""
         np.savez(f"{sys.argv[2]}.{i}{suffix}.npz", *arrays)
+        slots = _optimizer_state(model, result)
+        if slots is not None:  # each rank's view: compared across ranks after a resize
+            np.savez(f"{sys.argv[2]}.{i}{suffix}.optimizer.npz", *slots)
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
+                "resumed_from_step",
                 "strategy", "mesh", "memory", "validation")
         out.append({**{k: result[k] for k in keys if k in result}, **extra})
     # The gathers above (`to_host`) are collectives after train()'s own barrier: worker 0,

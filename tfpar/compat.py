@@ -191,6 +191,25 @@ ONE_DEVICE_REPLICAS = Rule(
     "the one_device strategy has 1 replica; use --data_parallel=1 (or 0), or "
     "--strategy=mirrored")
 
+def _mesh_pipeline_cuts(c):
+    """Equal pieces a mesh pipeline cuts a step's batch into (micro-batches × accumulation
+    steps × `batch`-axis replicas), when the replicas are known before TensorFlow
+    (`--data_parallel`, or what `--cpu_devices` leaves); else 0."""
+    parts = c.data_parallel or (c.cpu_devices // (c.tensor_parallel * c.pipeline_stages)
+                                if c.cpu_devices > 1 else 0)
+    return c.microbatches * c.grad_accum_steps * parts
+
+
+# The generated data pads each replica's share to whole micro-batches
+# (`tfpar.data.mesh_dataset`); a --dataset function's batches reach the mesh pipeline whole.
+USER_DATA_MESH_PIPELINE = Rule(
+    "global_batch_size", lambda c: c.dataset != "auto" and _mesh(c) and c.dims.pp_enabled
+    and _mesh_pipeline_cuts(c) and c.global_batch_size % _mesh_pipeline_cuts(c),
+    lambda c: f"a --dataset function's batches reach the mesh pipeline whole, cut into "
+              f"microbatches × grad_accum_steps × data parallel = {_mesh_pipeline_cuts(c)} "
+              f"equal pieces; use a multiple of {_mesh_pipeline_cuts(c)}, or the generated "
+              f"data (--dataset=auto), which pads each replica's share")
+
 # A Keras model whose class overrides `train_step` runs it on a mesh with its writes kept
 # until the end of the step (`tfpar.layout.keras_step`); Keras's LossScaleOptimizer
 # writes inside a `tf.cond`, whose branch values cannot leave it.
@@ -233,6 +252,7 @@ COMBINATIONS = (
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,
     ONE_DEVICE_REPLICAS,
+    USER_DATA_MESH_PIPELINE,
     # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
     Rule("prune_sparsity", lambda c: c.keras == 3 and c.prune_sparsity > 0,
          "tensorflow-model-optimization prunes only tf_keras models; add --keras=2"),

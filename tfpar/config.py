@@ -249,16 +249,22 @@ class ParallelConfig:
         """How one step's examples (global batch × accumulation steps; without
         `accumulated` one global batch, as held-out data) go over `replicas` replicas: a
         `tfpar.replica_split.ReplicaSplit`, as even as possible (22/21/21 for 64 over 3),
-        with padding of weight zero where the replicas do not divide the batch."""
+        with padding of weight zero where the replicas do not divide the batch. A
+        pipelined step cuts each replica's batch into `microbatches` (× accumulation
+        steps) equal micro-batches: its `microsteps`, which the padded batch is a
+        multiple of (held-out batches too: the mesh pipeline evaluates by micro-batch)."""
+        micro = self.microbatches if self.dims.pp_enabled else 1
         if not accumulated:
-            return split_examples(self.global_batch_size, replicas)
-        return split_examples(self.effective_batch_size, replicas, self.grad_accum_steps)
+            return split_examples(self.global_batch_size, replicas, micro)
+        return split_examples(self.effective_batch_size, replicas,
+                              self.grad_accum_steps * micro)
 
     def per_replica_batch(self, replicas, why=""):
         """The batch each replica computes on where every replica must take the same number
         of real examples (`why` says where, for the message); raises `ConfigError` if the
-        replicas do not divide the global batch. Data parallelism on tf.distribute and the
-        unpipelined DTensor mesh do not need this: they split any batch (`replica_split`)."""
+        replicas do not divide the global batch. The generated data needs no such split
+        on any backend: it splits any batch (`replica_split`); a `--dataset` function's
+        equal per-replica batches do."""
         if self.global_batch_size % replicas:
             low = self.global_batch_size // replicas * replicas
             fits = " or ".join(str(n) for n in (low, low + replicas) if n >= replicas)

@@ -248,8 +248,9 @@ def mesh_dataset(config, task, parts, start_step=0, validation=False):
     (held-out batches with `validation`): where `parts` does not divide the batch, the
     `parts` per-replica batches of `pipeline_dataset` (padded to one size, weighted as in
     `tfpar.replica_split`) placed end to end, so that the mesh's equal shards are exactly
-    those replicas' batches; with accumulation, micro-batch i of every replica, in turn, so
-    that each of the `grad_accum_steps` equal cuts holds every replica's micro-batch i.
+    those replicas' batches; with accumulation or a pipeline's micro-batches
+    (`split.microsteps`), micro-batch i of every replica, in turn, so that each of the
+    equal cuts the step makes holds every replica's micro-batch i.
 
     The mesh step reduces the loss over the whole (padded) batch, `sum(w·loss) / (padded·R)`
     (Keras's `sum_over_batch_size`), the sum the tf.distribute replicas' gradients make:
@@ -264,7 +265,7 @@ def mesh_dataset(config, task, parts, start_step=0, validation=False):
         ds = validation_dataset(config, task, context)
     else:
         ds = pipeline_dataset(config, task, context, start_step)
-    micro = 1 if validation else split.microsteps
+    micro = split.microsteps
 
     def whole(*arrays):
         # [parts, padded, ...] -> [micro, parts, padded/micro, ...] -> one batch

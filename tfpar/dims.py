@@ -163,6 +163,35 @@ class ParallelDims:
                               f"multiple of {self.workers}")
         return self.per_stage // self.workers
 
+    def fits(self, devices):
+        """True when these degrees fill `devices` devices of `workers` processes
+        (`on_devices`, and `per_worker_stage` across processes) without a `ConfigError`."""
+        try:
+            resolved = self.on_devices(devices, cpu_hint=False)
+            if self.workers > 1:
+                resolved.per_worker_stage()
+        except ConfigError:
+            return False
+        return True
+
+    def for_world(self, devices, workers):
+        """The layouts to try, best first, when a job written for these degrees restarts
+        on `devices` devices of `workers` processes (an elastic launch that lost or gained
+        workers): the model-parallel degrees kept if they fit (`tp` × `pp` divides the
+        devices, `dp` = what they leave), else the largest `tp'` × `pp'` that fits (`tp'`
+        a divisor of `tp`, so the presets' splits still divide; `pp'` <= `pp`; ties to
+        the larger `tp'`), `dp` always what is left. Each divides the devices and splits
+        every stage's mesh evenly over the processes; the caller checks the rest (the
+        rulebook). Resolved `ParallelDims`."""
+        out = []
+        shapes = sorted(((t, p) for t in _divisors(self.tp) for p in range(self.pp, 0, -1)),
+                        key=lambda tp: (-tp[0] * tp[1], -tp[0]))
+        for t, p in shapes:
+            dims = dataclasses.replace(self, dp=0, tp=t, pp=p, devices=0, workers=workers)
+            if devices % (t * p) == 0 and dims.fits(devices):
+                out.append(dims.on_devices(devices, cpu_hint=False))
+        return out
+
     @staticmethod
     def layouts(devices):
         """Every `(dp, tp, pp)` whose product is `devices` (the planner's grid), as

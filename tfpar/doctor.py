@@ -335,15 +335,9 @@ def _one_step_peaks(backend, config, runtime, model, task, on_mesh):
 
 
 def _splits_any_batch(config):
-    """Data parallelism on tf.distribute and the unpipelined DTensor mesh (tensor
-    parallel, ZeRO-3), over generated data, split any batch (`tfpar.replica_split`); other
-    paths (pipelines, the mesh pipeline, a --dataset function) need one the replicas
-    divide."""
-    if config.dataset != "auto":
-        return False
-    backend = compat.backend_of(config)
-    return backend == "data_parallel" or (backend == "dtensor"
-                                          and not config.dims.pp_enabled)
+    """The generated data splits any batch over any replicas, pipelined or not
+    (`tfpar.replica_split`); a --dataset function needs one the replicas divide."""
+    return config.dataset == "auto"
 
 
 def _splittable(config, replicas):

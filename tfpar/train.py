@@ -22,7 +22,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from absl import app  # noqa: E402
 
-from tfpar import compat, cpu_kernels, tf_config  # noqa: E402
+from tfpar import compat, cpu_kernels, relayout, tf_config  # noqa: E402
 from tfpar import flags as tfpar_flags  # noqa: E402
 from tfpar.errors import PeerError, TfparError  # noqa: E402
 
@@ -83,6 +83,8 @@ def train(config, environ=None, callbacks=(), runtime=None):
         TfparError: the run cannot proceed (peers missing, loss not finite, ...);
             `tfpar.oom.OutOfMemoryError` when a device ran out of memory.
     """
+    # An elastic launch's new world: mesh degrees for its devices (else `config` itself).
+    config = relayout.for_cluster(config, environ)
     # Set before TensorFlow starts if it has not; then checked against what it runs.
     kernels = cpu_kernels.apply(config.cpu_kernels)
     import tensorflow as tf
@@ -141,7 +143,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
-        config = tfpar_flags.config_from_flags()
+        config = relayout.for_cluster(tfpar_flags.config_from_flags())
         check_inputs(config)
         cpu_kernels.select(config.cpu_kernels)  # TensorFlow reads it once, when it starts
     except TfparError as err:

@@ -23,8 +23,8 @@ import types
 import tensorflow as tf
 from absl import logging
 
-from tfpar import (checkpoint, compat, data, devices, memory, metrics, optimizers, patches,
-                   strategy, tf_config)
+from tfpar import (checkpoint, compat, data, devices, faults, memory, metrics, optimizers,
+                   patches, strategy, tf_config)
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.callbacks import TensorBoard
 from tfpar.dims import ParallelDims
@@ -88,18 +88,18 @@ class DTensorBackend(Backend):
             checkpointer = checkpoint.Checkpointer(config, model, runtime)
             start = checkpointer.restore()
             callbacks.append(checkpointer)
+        fault = faults.injector(start)  # tests and tools/bench_faults.py: a worker killed
+        if fault is not None:
+            callbacks.append(fault)
         if config.tensorboard_dir:
             callbacks.append(MeshTensorBoard(tensorboard_dir(config, runtime), self.trainer,
                                              _pipeline_block(config, runtime),
                                              update_freq="epoch"))
-        context = tf.distribute.InputContext()
-        if config.dims.pp_enabled:  # the mesh pipeline: equal micro-batches (compat)
-            batches = iter(data.pipeline_dataset(config, task, context, start))
-            held_out = data.validation_dataset(config, task, context)
-        else:  # any global batch: uneven shares padded and weighted (tfpar.replica_split)
-            parts = runtime.mesh.shape[0]
-            batches = iter(data.mesh_dataset(config, task, parts, start))
-            held_out = data.mesh_dataset(config, task, parts, validation=True)
+        # Any global batch: uneven shares padded and weighted (tfpar.replica_split); the
+        # mesh pipeline's stages (each mesh `batch` × `model`) share the batch axis.
+        parts = runtime.mesh.shape[0]
+        batches = iter(data.mesh_dataset(config, task, parts, start))
+        held_out = data.mesh_dataset(config, task, parts, validation=True)
         validation = {}
         if config.validation_steps:
             validation = {"validation_data": held_out,

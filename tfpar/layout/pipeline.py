@@ -297,8 +297,8 @@ class MeshPipelineTrainer(MeshTrainer):
                               f"the batch of {len(x)} must split into {count} micro-batches "
                               f"(microbatches × grad_accum_steps) divisible by "
                               f"data_parallel={parts} (the mesh pipeline's stages hand "
-                              "equal micro-batches on; without --pipeline_stages the mesh "
-                              "takes any batch)")
+                              "equal micro-batches on; tfpar.train's generated data pads "
+                              "each replica's share to fit)")
         if training and self.reductions:  # each micro-batch as [data_parallel, m, ...]
             micro = [np.split(np.asarray(b), count) for b in batch]
             xs = tuple(values.replica_batches_to_mesh((p,), self.meshes[0])[0]

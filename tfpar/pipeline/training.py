@@ -51,9 +51,10 @@ def for_training(model, config, runtime):
         a `PipelineModel` (uncompiled); `model.pipeline_metrics()` gives the metrics
         JSON's `pipeline` block.
     Raises:
-        ConfigError: a runtime that cannot hold the pipeline, a batch the micro-batches do
-            not split, too few devices. (Settings that do not combine with the pipeline
-            were refused when `config` was built: `tfpar.compat`.)
+        ConfigError: a runtime that cannot hold the pipeline, a `--dataset` function's
+            batch the replicas or micro-batches do not split, too few devices. (Settings
+            that do not combine with the pipeline were refused when `config` was built:
+            `tfpar.compat`.)
     """
     K = config.pipeline_stages
     if runtime.kind == "multi_worker":
@@ -63,14 +64,18 @@ def for_training(model, config, runtime):
             "strategy", "multi_worker",
             "a pipeline across workers runs from one client (worker 0), not under "
             "MultiWorkerMirroredStrategy; let tfpar.train build the runtime (no runtime=)")
-    per_replica = config.per_replica_batch(
-        runtime.replicas, "a pipeline cuts equal per-replica batches into micro-batches")
-    if per_replica % config.microbatches:
-        raise ConfigError(
-            "microbatches", config.microbatches,
-            f"must divide the per-replica batch of {per_replica} "
-            f"(global_batch_size={config.global_batch_size} over {runtime.replicas} "
-            f"replicas)")
+    if config.dataset != "auto":
+        # A --dataset function yields equal per-replica batches, cut as they come; the
+        # generated data pads each replica's share to whole micro-batches instead
+        # (`tfpar.data.pipeline_dataset`, `ParallelConfig.replica_split`).
+        per_replica = config.per_replica_batch(
+            runtime.replicas, "a --dataset function yields equal per-replica batches")
+        if per_replica % config.microbatches:
+            raise ConfigError(
+                "microbatches", config.microbatches,
+                f"must divide the per-replica batch of {per_replica} "
+                f"(global_batch_size={config.global_batch_size} over {runtime.replicas} "
+                f"replicas) of a --dataset function")
     leads = list(runtime.strategy.extended.worker_devices)
     across_workers = runtime.kind == remote.KIND
     if across_workers:  # stage s on worker s, replica r on each worker's device r

@@ -146,6 +146,17 @@ def python_calls(row, request, hw):
         if row["microbatches"] > 1:
             lines += ["    from tfpar import accumulation",
                       f"    accumulation.install(model, {row['microbatches']})"]
-        lines += [f"model.fit(dataset)  # per-replica batches of "
-                  f"{request.global_batch_size // row['data']}"]
+        lines += [f"model.fit(dataset)  # per-replica batches of {_per_replica(row, request)}"]
     return lines
+
+
+def _per_replica(row, request):
+    """What each replica's batch holds: `"16"`, or where dp does not divide the batch the
+    real examples and the padding of weight 0 (`tfpar.replica_split`)."""
+    from tfpar.replica_split import split_examples
+
+    split = split_examples(request.global_batch_size, row["data"], row["microbatches"])
+    if split.even:
+        return str(split.padded)
+    return (f"{split.padded} ({split.describe()} real, padded with examples of weight 0 and "
+            f"the real ones weighted {split.weight:g}, as tfpar.replica_split does)")

@@ -39,6 +39,7 @@ import dataclasses
 import math
 
 from tfpar.dims import ParallelDims
+from tfpar.replica_split import split_examples
 
 # Bytes per parameter for weights + gradients + optimizer state, and the optimizer's share.
 # With mixed precision Keras keeps fp32 variables, so the total is the same; Megatron-LM's
@@ -287,7 +288,7 @@ def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
 
 def activation_bytes(profile, c, global_batch, schedule="1f1b"):
     """Activation bytes of the first stage's device at its peak."""
-    micro = global_batch / c.data / c.microbatches
+    micro = padded_batch(global_batch, c) / c.microbatches
     blocks = stage_blocks(profile, c)
     rep = profile.replicated_activation_fraction
     per_block = profile.activation_bytes_per_example / profile.blocks * (
@@ -299,9 +300,23 @@ def activation_bytes(profile, c, global_batch, schedule="1f1b"):
     return micro * stash * blocks * per_block
 
 
+def padded_batch(global_batch, c):
+    """Examples each replica of layout `c` computes on per step: its share of the global
+    batch, padded to whole micro-batches with examples of weight 0 where `c.data` does not
+    divide it (`tfpar.replica_split`, 22/21/21 -> 22 for 64 over 3); `global_batch / data`
+    when it does. The padding's cost is this batch's compute over the real examples."""
+    return split_examples(global_batch, c.data, c.microbatches).padded
+
+
+def padding_fraction(global_batch, c):
+    """Extra examples the padding computes, as a share of the global batch (0 when even)."""
+    return padded_batch(global_batch, c) * c.data / global_batch - 1
+
+
 def step_seconds(profile, hw, c, global_batch):
-    """Predicted seconds per optimizer step, and its parts."""
-    per_replica = global_batch / c.data
+    """Predicted seconds per optimizer step, and its parts (the compute of the padded
+    per-replica batch, `padded_batch`)."""
+    per_replica = padded_batch(global_batch, c)
     micro = per_replica / c.microbatches
     K, V, T = c.pipeline, c.virtual, c.tensor
     edge = profile.last_flops_per_example
@@ -356,21 +371,26 @@ def step_seconds(profile, hw, c, global_batch):
 def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", "topk",
                                                          "powersgd"),
                schedule="1f1b", recompute=(False, True), zero=(0,), virtual=(1, 2, 4)):
-    """Every layout that uses all devices and splits the batch evenly: data × tensor ×
-    pipeline × micro-batches (every divisor of the replica's batch that a schedule can
-    take) × virtual stages (with `schedule="interleaved"`) × aggregator × recomputation ×
-    ZeRO stage. Whether tfpar can run one yet is `tfpar.plan.planner.runnable`'s call."""
+    """Every layout that uses all devices: data × tensor × pipeline × micro-batches × virtual
+    stages (with `schedule="interleaved"`) × aggregator × recomputation × ZeRO stage.
+    Micro-batch counts: every divisor of the replica's batch that a schedule can take;
+    where `data` does not divide the batch (each replica's share padded with examples of
+    weight 0, `padded_batch`), every divisor of the global batch up to the largest share.
+    Whether tfpar can run one yet is `tfpar.plan.planner.runnable`'s call."""
     out = []
     for dims in ParallelDims.layouts(hw.devices):  # dp × tp × pp filling the devices
         data, tensor, pipeline = dims.dp, dims.tp, dims.pp
         if profile.max_tensor_parallel % tensor or pipeline > profile.blocks \
-                or global_batch % data:
+                or data > global_batch:
             continue
-        per_replica = global_batch // data
-        if not dims.pp_enabled:
-            micro_counts, virtuals = _divisors(per_replica), (1,)
+        if global_batch % data == 0:
+            micro_counts = _divisors(global_batch // data)
         else:
-            micro_counts = [m for m in _divisors(per_replica) if m >= pipeline]
+            micro_counts = [m for m in _divisors(global_batch) if m <= -(-global_batch // data)]
+        if not dims.pp_enabled:
+            virtuals = (1,)
+        else:
+            micro_counts = [m for m in micro_counts if m >= pipeline]
             virtuals = [v for v in virtual if v == 1 or (
                 schedule == "interleaved" and pipeline * v <= profile.blocks)]
         for m in micro_counts:

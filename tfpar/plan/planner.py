@@ -241,6 +241,7 @@ def _row(prof, hw, c, request):
     memory = cost.memory_bytes(prof, c, request.global_batch_size, request.optimizer,
                                request.schedule)
     return {**dataclasses.asdict(c), "step_seconds": seconds, "parts": parts,
+            "padding": cost.padding_fraction(request.global_batch_size, c),
             "memory_bytes": memory, "fits": memory <= hw.memory_bytes,
             "runnable": commands.runnable(c, hw, request)}
 
@@ -306,8 +307,9 @@ def _impossible(t, p, prof, hw, request):
     if p > prof.blocks:
         return f"pp={p}: the model cuts into at most {prof.blocks} stages"
     data = hw.devices // (t * p)
-    if request.global_batch_size % data:
-        return f"dp={data} does not divide the global batch {request.global_batch_size}"
+    if data > request.global_batch_size:
+        return (f"dp={data} is more replicas than the global batch's "
+                f"{request.global_batch_size} examples")
     return "excluded by a pinned setting"
 
 
@@ -346,6 +348,8 @@ def label(row):
         text += " recompute"
     if row.get("zero"):
         text += f" zero{row['zero']}"
+    if row.get("padding", 0) > 0:
+        text += f" padding {row['padding']:.0%}"
     return text
 
 

@@ -1,0 +1,76 @@
+"""A mesh job that an elastic launch restarts on another number of workers gets degrees for
+the devices it has now. Imports no TensorFlow.
+
+`tfpar.launch` sets `TFPAR_ELASTIC=1` for the workers of an elastic job (`--min_workers`
+below `--workers`, `--max_workers` above it, or `--discovery`). When such a worker runs a
+DTensor mesh (tensor parallel, 3D, ZeRO-3) whose `--data_parallel` × `--tensor_parallel` ×
+`--pipeline_stages` do not fill the devices of the current cluster (`--cpu_devices` per
+worker × workers), the degrees are chosen again by one rule (`ParallelDims.for_world`):
+keep `tensor_parallel` × `pipeline_stages` if they fit and let `data_parallel` take what
+they leave; else the largest model-parallel degrees that fit (a divisor of
+`tensor_parallel`, at most `pipeline_stages`); the first such layout the rulebook accepts
+(`tfpar.compat`) runs, and one line says what changed. The checkpoint loads onto the new
+layout (`tfpar.state`), and the global batch is kept (`tfpar.replica_split`).
+
+On real devices (`--cpu_devices` 0 or 1) their count is known only once TensorFlow lists
+them: `data_parallel` then becomes 0 (what `tensor_parallel` × `pipeline_stages` leave) and
+those two stay.
+
+>>> from tfpar import ParallelConfig
+>>> config = ParallelConfig(model="mlp", tensor_parallel=2, data_parallel=2, cpu_devices=2)
+>>> env = {"TFPAR_ELASTIC": "1", "TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
+...        '"task": {"type": "worker", "index": 0}}'}
+>>> new = for_cluster(config, env, say=lambda line: None)
+>>> new.data_parallel, new.tensor_parallel
+(1, 2)
+"""
+
+import os
+import sys
+
+from tfpar import compat, tf_config
+from tfpar.dims import ParallelDims
+from tfpar.errors import ConfigError
+
+ELASTIC_ENV = "TFPAR_ELASTIC"
+
+
+def _print(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def for_cluster(config, environ=None, say=_print):
+    """`config` with mesh degrees for the cluster of `environ` (default `os.environ`) when
+    an elastic launch started it and its degrees do not fill the cluster's devices (see
+    the module docstring); else `config` itself. `say` gets the one line."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ELASTIC_ENV) != "1" or compat.backend_of(config) != "dtensor":
+        return config
+    cluster = tf_config.load(environ)
+    workers = cluster.num_workers if cluster is not None else 1
+    dims = ParallelDims.from_config(config, workers=workers)
+    if config.cpu_devices <= 1:  # devices not known before TensorFlow: dp from them
+        if not config.data_parallel:
+            return config
+        return _say(config, config.replace(data_parallel=0), "real devices", say)
+    devices = config.cpu_devices * workers
+    if dims.fits(devices):
+        return config
+    for new in dims.for_world(devices, workers):
+        try:
+            relaid = config.replace(data_parallel=new.dp, tensor_parallel=new.tp,
+                                    pipeline_stages=new.pp)
+            compat.check_inputs(relaid, cluster)
+        except ConfigError:
+            continue
+        return _say(config, relaid, f"{devices} devices of {workers} worker(s)", say)
+    return config  # nothing fits: the trainer's own line names the degree
+
+
+def _say(old, new, where, say):
+    degrees = lambda c: (f"{c.data_parallel or 'auto'}×{c.tensor_parallel}"  # noqa: E731
+                         f"×{c.pipeline_stages}")
+    say(f"tfpar: elastic: data_parallel × tensor_parallel × pipeline_stages "
+        f"{degrees(old)} -> {degrees(new)} for the {where} (tensor × pipeline degrees kept "
+        f"where they fit; the checkpoint reshards onto the new layout)")
+    return new
