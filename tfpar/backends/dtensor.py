@@ -23,8 +23,8 @@ import types
 import tensorflow as tf
 from absl import logging
 
-from tfpar import (checkpoint, compat, data, devices, memory, metrics, optimizers, patches,
-                   strategy, tf_config)
+from tfpar import (checkpoint, compat, data, devices, faults, memory, metrics, optimizers,
+                   patches, strategy, tf_config)
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.callbacks import TensorBoard
 from tfpar.dims import ParallelDims
@@ -92,6 +92,9 @@ class DTensorBackend(Backend):
             callbacks.append(MeshTensorBoard(tensorboard_dir(config, runtime), self.trainer,
                                              _pipeline_block(config, runtime),
                                              update_freq="epoch"))
+        fault = faults.injector(start)  # tests kill a worker at a chosen step
+        if fault is not None:
+            callbacks.append(fault)
         context = tf.distribute.InputContext()
         if config.dims.pp_enabled:  # the mesh pipeline: equal micro-batches (compat)
             batches = iter(data.pipeline_dataset(config, task, context, start))
