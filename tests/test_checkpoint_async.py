@@ -75,3 +75,85 @@ def test_a_worker_killed_inside_an_async_write_resumes_from_the_save_before(tmp_
     reference.result()
     assert max_diff(weights(str(tmp_path / "killed.worker0")), weights(str(tmp_path / "whole"))) \
         == 0.0
+
+
+SNAPSHOT_CHILD = f"{ROOT}/tests/checkpoint_snapshot_child.py"
+RESHARD_CHILD = f"{ROOT}/tests/reshard_child.py"
+MESH = {"model": "mlp", "optimizer": "adam", "tensor_parallel": 2,
+        "data_parallel": 2, "global_batch_size": 16, "steps_per_epoch": 4, "verbose": 0}
+
+
+def test_a_snapshot_of_dtensors_is_written_from_host_memory(tmp_path):
+    # A DVariable's save read in the caller's thread, whole, to host memory: the writer
+    # thread writes one file of host tensors (a save run on the mesh writes one per
+    # device) holding the values of the snapshot, not the ones assigned after it.
+    out = last_json_line(run([sys.executable, SNAPSHOT_CHILD, str(tmp_path)],
+                             timeout=120).stdout)
+    assert out["any_dtensor"] is False
+    assert out["on_mesh"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and out["plain"] == 3.0
+    assert out["gathered"] == [[0, -1, -2, -3], [-4, -5, -6, -7]]
+    assert out["files"] == ["ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+
+
+def test_a_mesh_async_save_holds_its_step_and_resumes_exactly(tmp_path):
+    # dp2×tp2 on 4 logical CPUs, one process. Both saves of step 2 wait 3 s before writing:
+    # the synchronous run inside its step, the asynchronous one beside steps 3 and 4. The
+    # asynchronous checkpoints must equal the synchronous ones bit for bit, and a run
+    # resumed from the asynchronous directory must continue as the uninterrupted run.
+    def ckpt(name, **settings):
+        return [name, {**MESH, "cpu_devices": 4, "checkpoint_dir": str(tmp_path / name),
+                       "checkpoint_every": 2, "keep_checkpoints": 5, **settings}, {}]
+    runs = {"cpu_devices": 4, "runs": [
+        ["ref", {**MESH, "cpu_devices": 4, "steps": 8}, {}],
+        ckpt("sync", steps=4, checkpoint_async=False),
+        ckpt("async", steps=4, checkpoint_async=True),
+        ["resumed", ckpt("async", steps=8, checkpoint_async=True)[1], {}]]}
+    out = run([sys.executable, RESHARD_CHILD, json.dumps(runs), str(tmp_path / "out")],
+              env={"TFPAR_INJECT_SAVE_PAUSE": "2:3:before_writing"}, timeout=400)
+    assert out.stderr.count("pausing 3 s inside the checkpoint save of step 2") == 2, \
+        out.stderr[-3000:]
+    assert "written within the step" not in out.stderr  # no fallback to a synchronous save
+    result = last_json_line(out.stdout)
+    assert result["async"]["loss_history"] == result["sync"]["loss_history"]
+    for step in (2, 4):
+        saved = _tensors(str(tmp_path / "async" / f"ckpt-{step}"))
+        expected = _tensors(str(tmp_path / "sync" / f"ckpt-{step}"))
+        assert sorted(saved) == sorted(expected)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(saved[key], value, f"ckpt-{step} {key}")
+    for step in (2, 4, 6, 8):  # written on the host, not by the mesh's devices
+        assert (tmp_path / "async" / f"ckpt-{step}.data-00000-of-00001").exists()
+    assert int(_tensors(str(tmp_path / "async" / "ckpt-2"))["step/.ATTRIBUTES/VARIABLE_VALUE"]) == 2
+    resumed = result["resumed"]
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["loss_history"] == result["ref"]["loss_history"][4:]
+
+
+def test_a_mesh_worker_killed_inside_an_async_write_resumes_from_the_save_before(tmp_path):
+    # dp2×tp2 over 2 processes of 2 logical CPUs (DTensor's multi-client mesh). The write
+    # of step 4 waits 900 s before its first file on both workers, longer than any timeout
+    # here: the job finishes only if the steps go on beside it. Worker 0 kills itself after
+    # step 5, inside that write. The restart resumes from step 2 (published before step 4's
+    # save began) and ends where the uninterrupted job ends.
+    cfg = {**MESH, "cpu_devices": 2, "steps": 8, "checkpoint_every": 2,
+           "collective_timeout_s": 60}
+
+    def launch(name, settings, env=None, restarts=0):
+        return run_module("tfpar.launch", "--workers=2", f"--max_restarts={restarts}",
+                          "--grace=2", "--timeout=300", "--", sys.executable, CHILD,
+                          json.dumps(settings), str(tmp_path / name), env=env, timeout=420)
+    reference = in_background(lambda: launch("whole", cfg))
+    out = launch("killed", {**cfg, "checkpoint_dir": str(tmp_path / "ckpt")}, restarts=1,
+                 env={"TFPAR_INJECT_FAULTS": "0:5",
+                      "TFPAR_INJECT_SAVE_PAUSE": "4:900:before_writing"})
+    output = out.stdout + out.stderr
+    for line in ("pausing 900 s inside the checkpoint save of step 4 (state copied, no file",
+                 "killing this worker after step 5"):
+        assert line in output, output[-3000:]
+    results = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
+               if line.startswith("[worker ") and "] {" in line]
+    assert [r["resumed_from_step"] for r in results] == [2, 2], output[-3000:]
+    reference.result()
+    for worker in (0, 1):
+        assert max_diff(weights(str(tmp_path / f"killed.worker{worker}")),
+                        weights(str(tmp_path / f"whole.worker{worker}"))) == 0.0

@@ -14,8 +14,9 @@ complete checkpoint, and the chief deletes the unnamed leftovers when it restore
 (tests/test_faults.py kills workers inside that window.) With `checkpoint_async` (the
 default) the step blocks only while the state is read into host memory; a thread writes
 and publishes it while training goes on, one write at a time; `wait()` (the last save, a
-preemption save) returns once it is published. On a DTensor mesh saves are still written
-within the step.
+preemption save) returns once it is published. On a DTensor mesh the same: the state is
+gathered whole to host memory in the step (`tfpar.state`), and the thread writes host
+tensors only, running no op on the mesh's devices.
 
 Restore takes the newest save the state file names whose files match their manifest and
 read back; a damaged one (truncated, changed, missing) is skipped with one line saying
@@ -116,12 +117,6 @@ class Checkpointer(keras.callbacks.Callback):
             checkpoint_name="ckpt")
         self._writer = (checkpoint_writer.Writer()
                         if getattr(config, "checkpoint_async", False) else None)
-        if self._writer is not None and patches.dtensor_started():
-            # A write beside a mesh's steps had its collectives cancelled ("CompleteGroup is
-            # cancelled before it starts", tests/test_layout_fit.py): not yet on meshes.
-            logging.warning("tfpar: checkpoint_async: saves on a DTensor mesh are written "
-                            "within the step for now")
-            self._writer = None
         self._snapshot_cache = {}
 
     def restore(self):
@@ -235,7 +230,8 @@ class Checkpointer(keras.callbacks.Callback):
         self._writer.wait()  # one write in flight at most
         self._checkpoint.save_counter.assign_add(1)  # as the manager's save does
         # The only blocking part.
-        values = patches.checkpoint_snapshot(self._checkpoint, self._snapshot_cache)
+        values = patches.checkpoint_snapshot(self._checkpoint, self._snapshot_cache,
+                                             to_host=_mesh_to_host)
 
         def write():
             faults.pause_in_save(step, "before_writing")
@@ -271,6 +267,12 @@ class Checkpointer(keras.callbacks.Callback):
             if (name.endswith(checkpoint_writer.MANIFEST)
                     and name[:-len(checkpoint_writer.MANIFEST)] not in kept):
                 os.remove(os.path.join(self.directory, name))
+
+
+def _mesh_to_host(value):
+    """A DTensor's whole value as numpy (read in the step, not by the writer thread)."""
+    from tfpar.layout import values
+    return values.to_host(value)
 
 
 def published(directory):

@@ -81,7 +81,7 @@ class ParallelConfig:
             whole training state; a run with an existing checkpoint resumes from it.
         checkpoint_async: write checkpoints beside training, the step blocking only while
             the state is copied to host memory (`tfpar.checkpoint`); False writes them
-            within the step (as DTensor meshes still do).
+            within the step.
         tensorboard_dir, metrics_json: where to write TensorBoard logs and the metrics JSON.
         measure_comm: after training, time compute-only against full steps and report the
             communication share of a step (`comm.comm_time_fraction`).

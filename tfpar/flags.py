@@ -99,7 +99,7 @@ _HELP = {
     "keep_checkpoints": "Checkpoints to keep.",
     "checkpoint_async": "Write checkpoints beside training: a save blocks the step only while "
                         "the state is copied to host memory (--nocheckpoint_async: the step "
-                        "waits for the files; DTensor meshes still do).",
+                        "waits for the files).",
     "tensorboard_dir": "Directory for TensorBoard logs: Keras's epoch scalars and tfpar's "
                        "per-step tfpar/ scalars (tfpar.callbacks.TensorBoard).",
     "metrics_json": "Write the run's metrics JSON here.",

@@ -4,7 +4,8 @@ A preempted job loses no work: a scheduler (Kubernetes, Slurm, `tfpar.launch`) s
 SIGTERM and waits a grace period before SIGKILL. Workers of a synchronous job must stop at
 the same step, or the ones still training would wait in a collective for the ones that
 left; so every `check_every` steps the workers agree (a one-number all-reduce) whether any
-of them was signalled, and all save and stop together.
+of them was signalled, and all save and stop together. A tf_keras run (`keras=2`) feeds
+the same guard through `tfpar.legacy.trainer.Preemption`.
 """
 
 import signal

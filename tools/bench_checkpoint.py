@@ -1,6 +1,8 @@
 """Checkpoint saves during training: asynchronous against synchronous, interleaved.
 
-One process, one device: the zoo's transformer widened (`--width`, `--depth`; Adam, so the
+One process, one device (or a DTensor mesh: `--mesh=2x2` is data_parallel 2 × tensor_parallel
+2 on 4 logical CPUs, its steps run by the mesh trainer, the state gathered whole to host
+memory at each save): the zoo's transformer widened (`--width`, `--depth`; Adam, so the
 checkpoint holds the weights and two slots each) trains in segments of `--segment` steps,
 each segment on one side: `none` (no checkpoint), `sync` (`--nocheckpoint_async`: the step
 waits for the files) and `async` (`--checkpoint_async`: the step waits for the copy to
@@ -54,11 +56,11 @@ def timed(checkpointer):
     return Timed()
 
 
-def segment(model, dataset, checkpointer, steps):
-    """Trains `steps` steps; returns (seconds for steps 2..end plus the wait for the last
-    write, [seconds each save blocked])."""
+def segment(fit, checkpointer, steps):
+    """Trains `steps` steps with `fit(steps, callbacks)`; returns (seconds for steps 2..end
+    plus the wait for the last write, [seconds each save blocked])."""
     clock = timed(checkpointer)
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+    fit(steps, [clock])
     began = time.perf_counter()
     if checkpointer is not None:
         checkpointer.wait()
@@ -73,6 +75,8 @@ def main():
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
+    p.add_argument("--mesh", default="", help="DPxTP: a DTensor mesh of data_parallel × "
+                   "tensor_parallel logical CPUs (default: one device)")
     p.add_argument("--dir", default="", help="where the checkpoints go (default: a new "
                    "temporary directory, deleted at the end)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_checkpoint.json"))
@@ -83,14 +87,32 @@ def main():
     from tfpar.checkpoint import Checkpointer
 
     folder = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
+    layout = {"strategy": "one_device"}
+    if args.mesh:
+        try:
+            dp, tp = (int(n) for n in args.mesh.lower().split("x"))
+        except ValueError:
+            p.error(f"--mesh={args.mesh}: use DPxTP, e.g. 2x2")
+        layout = {"data_parallel": dp, "tensor_parallel": tp, "cpu_devices": dp * tp}
     config = ParallelConfig(model="transformer", model_width=args.width, model_depth=args.depth,
                             optimizer="adam", global_batch_size=args.batch, steps=10 ** 6,
-                            steps_per_epoch=10 ** 6, strategy="one_device", verbose=0)
+                            steps_per_epoch=10 ** 6, verbose=0, **layout)
     backend = backends.for_config(config)
     runtime = backend.build_runtime(config)
     task = data.make_task(config)
     model = backend.build_model(config, runtime, task)
-    dataset = data.distributed_dataset(runtime.strategy, config, task)
+    if args.mesh:
+        batches = iter(data.mesh_dataset(config, task, runtime.mesh.shape[0]))
+
+        def fit(steps, callbacks):
+            backend.trainer.fit(batches, epochs=1, steps_per_epoch=steps, verbose=0,
+                                callbacks=callbacks)
+    else:
+        dataset = data.distributed_dataset(runtime.strategy, config, task)
+
+        def fit(steps, callbacks):
+            model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0,
+                      callbacks=callbacks)
     params = model.count_params()
     checkpointers = {"none": None}
     for side in ("sync", "async"):
@@ -106,7 +128,7 @@ def main():
             order = SIDES[r % 3:] + SIDES[:r % 3]
             row = {"load": load, "order": list(order)}
             for side in order:
-                seconds, blocked = segment(model, dataset, checkpointers[side], args.segment)
+                seconds, blocked = segment(fit, checkpointers[side], args.segment)
                 row[side] = {"ms_per_step": 1000 * seconds / (args.segment - 1),
                              "blocked_ms": [1000 * b for b in blocked]}
             for side in ("sync", "async"):
@@ -138,7 +160,8 @@ def main():
             summary[side].update(overhead=statistics.median(over), overhead_min=min(over),
                                  overhead_max=max(over), blocked_ms=statistics.median(blocked),
                                  blocked_ms_min=min(blocked), blocked_ms_max=max(blocked))
-    print(f"\ntransformer width {args.width} depth {args.depth}, {params:,} parameters, Adam: "
+    print(f"\ntransformer width {args.width} depth {args.depth}, {params:,} parameters, Adam, "
+          f"{'mesh ' + args.mesh if args.mesh else 'one device'}: "
           f"{size / 2 ** 20:.0f} MiB a checkpoint; a save every {EVERY} steps, batch "
           f"{args.batch}; medians over {args.rounds} rounds (min–max)")
     print(f"  {'side':6} {'ms/step':>8} {'overhead %':>22} {'blocked ms per save':>26}")

@@ -11,7 +11,7 @@ gives each worker several logical CPUs is TensorFlow's and applies).
 import tf_keras
 from absl import logging
 
-from tfpar import checkpoint, devices, memory, metrics, optimizers, strategy
+from tfpar import checkpoint, devices, memory, metrics, optimizers, preemption, strategy
 from tfpar.backends import tensorboard_dir
 from tfpar.backends.distribute import DistributeBackend, fit_segments
 from tfpar.legacy import options, trainer
@@ -38,11 +38,14 @@ class TfKerasBackend(DistributeBackend):
         steps is refused for `keras=2` (`tfpar.compat`); the model is exported at the end."""
         stop_on_nan = trainer.StopOnNaN()
         callbacks = [trainer.Recorder(recorder), stop_on_nan, *callbacks]
-        start, checkpointer = 0, None
+        start, checkpointer, guard = 0, None, None
         if config.checkpoint_dir:
             checkpointer = checkpoint.Checkpointer(config, model, runtime)
             start = checkpointer.restore()
-            callbacks.append(trainer.Saver(checkpointer))
+            guard = preemption.PreemptionGuard(checkpointer, runtime.strategy,
+                                               runtime.workers)
+            # In this order: the guard saves the step the saver has counted.
+            callbacks += [trainer.Saver(checkpointer), trainer.Preemption(guard)]
             if start:
                 logging.info("resuming from %s at step %d", config.checkpoint_dir, start)
         stop_on_nan.step = start
@@ -56,8 +59,12 @@ class TfKerasBackend(DistributeBackend):
         self._memory_start = memory.reset_peaks()
         fit_segments(config, runtime, model, task, callbacks, start)
         if checkpointer is not None:
+            guard.restore_handler()
             checkpointer.save()
             checkpointer.wait()  # the process ends only with its last save published
+        if guard is not None and guard.preempted:
+            # Stopped early: no export or pruning/QAT report of an unfinished model.
+            return {"keras": 2, "resumed_from_step": start, "preempted": True}
         return {"keras": 2, "resumed_from_step": start,
                 **trainer.finish(config, runtime, task, model)}
 

@@ -58,6 +58,23 @@ class Saver(tf_keras.callbacks.Callback):
         self.checkpointer.on_train_batch_end(batch, logs)
 
 
+class Preemption(tf_keras.callbacks.Callback):
+    """Feeds `tf_keras` step ends to a `tfpar.preemption.PreemptionGuard` (a Keras 3
+    callback): after SIGTERM the workers agree on a step, save and stop, as a Keras 3 run
+    does. The guard stops the tf_keras model it is given (`stop_training`)."""
+
+    def __init__(self, guard):
+        super().__init__()
+        self.guard = guard
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.guard.set_model(model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.guard.on_train_batch_end(batch, logs)
+
+
 class StopOnNaN(tf_keras.callbacks.Callback):
     """`on_nan=stop` for tf_keras: a non-finite loss ends the run, naming the step."""
 

@@ -21,6 +21,7 @@ import time
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.experimental import dtensor as _dtensor
 from tensorflow.python.checkpoint import checkpoint as _checkpoint
 from tensorflow.python.checkpoint import checkpoint_management as _management
 from tensorflow.python.checkpoint import functional_saver as _functional_saver
@@ -79,7 +80,7 @@ def check(names):
     return check_entries(names, "tensorflow", FRAGMENTS, ENTRIES)
 
 
-def snapshot(checkpoint, cache):
+def snapshot(checkpoint, cache, to_host=None):
     """The values `checkpoint` (a `tf.train.Checkpoint`) would write now, read now.
 
     An eager tensor read from a variable keeps its value when the variable is updated
@@ -88,7 +89,11 @@ def snapshot(checkpoint, cache):
     in one `tf.function` kept in `cache` (a dict the caller keeps) while the objects and
     keys to save stay the same: one call instead of two eager ops per variable. A save
     whose objects are new reads eagerly; `trace_reads(cache)` (in the writer thread)
-    readies the function for the next. Registry entry `checkpoint_snapshot`.
+    readies the function for the next. A value that is a DTensor (on a mesh's devices) is
+    replaced by `to_host(value)`, read here, so that `write` runs no op on a mesh's devices
+    (a mesh's step runs its collectives there meanwhile); the reads' function is then not
+    used, since running it in the writer thread would read on the mesh. Registry entry
+    `checkpoint_snapshot`.
 
     Raises:
         NotImplementedError: an object saves through a registered saver (written by its
@@ -106,10 +111,13 @@ def snapshot(checkpoint, cache):
             spec = tensors[key]
             tensors[key] = _saveable_object.SaveSpec(value, spec.slice_spec, spec.name,
                                                      dtype=spec.dtype, device=spec.device)
+    on_mesh = []
     for tensors in serialized.values():
         for key, value in tensors.items():
-            tensors[key] = ({spec: _read(v) for spec, v in value.items()}
-                            if isinstance(value, dict) else _read(value))
+            tensors[key] = ({spec: _read(v, to_host, on_mesh) for spec, v in value.items()}
+                            if isinstance(value, dict) else _read(value, to_host, on_mesh))
+    if on_mesh:
+        cache["usable"] = False
     return serialized
 
 
@@ -157,14 +165,38 @@ def trace_reads(cache):
             cache["usable"] = False
 
 
-def _read(value):
-    """A SaveSpec whose tensor is read now (a variable's is a callable, read at write)."""
+def _read(value, to_host, on_mesh):
+    """A SaveSpec whose tensor is read now (a variable's is a callable, read at write),
+    on the host (a DTensor through `to_host`, its name appended to `on_mesh`)."""
     if isinstance(value, _saveable_object.SaveSpec):
-        return _saveable_object.SaveSpec(value.tensor, value.slice_spec, value.name,
-                                         dtype=value.dtype, device=value.device)
+        tensor = value.tensor
+        if not (isinstance(tensor, tf.Tensor) and _dtensor.is_dtensor(tensor)):
+            return _saveable_object.SaveSpec(tensor, value.slice_spec, value.name,
+                                             dtype=value.dtype, device=value.device)
+        # A DVariable's: its name and slice are string DTensors too.
+        name, slice_spec = (_text(_host(t, to_host, on_mesh, "a DVariable's name"))
+                            for t in (value.name, value.slice_spec))
+        tensor = _host(tensor, to_host, on_mesh, name)
+        return _saveable_object.SaveSpec(tensor, slice_spec, name, dtype=value.dtype,
+                                         device=tensor.device)
     if isinstance(value, tf.Variable):  # would be read at write time
-        return value.read_value()
-    return value
+        value = value.read_value()
+    return _host(value, to_host, on_mesh, getattr(value, "name", "?"))
+
+
+def _text(value):
+    """A string tensor's value as `str` (a `str` as it is)."""
+    return value.numpy().decode() if isinstance(value, tf.Tensor) else value
+
+
+def _host(tensor, to_host, on_mesh, name):
+    if not (isinstance(tensor, tf.Tensor) and _dtensor.is_dtensor(tensor)):
+        return tensor
+    if to_host is None:
+        raise NotImplementedError(f"{name} is a DTensor: give snapshot a to_host")
+    on_mesh.append(name)
+    with tf.device("/cpu:0"):
+        return tf.constant(to_host(tensor))
 
 
 def write(values, prefix):
@@ -174,10 +206,10 @@ def write(values, prefix):
     saver = _functional_saver.MultiDeviceSaver(values)
     with tf.device("/cpu:0"):
         path = tf.constant(prefix)
+    # `snapshot`'s values are host tensors: the save runs on the host, synchronously, and
+    # returns with its files complete. (No `async_wait` here: it would wait on every
+    # executor of the process, a mesh's in-flight steps included.)
     saver.save(path)
-    # Returns once the files are complete: DTensor's devices run the save asynchronously
-    # (TensorFlow's own `Checkpoint._write` waits the same way).
-    _context.async_wait()
 
 
 def wait_for_files():
