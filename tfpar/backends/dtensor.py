@@ -20,7 +20,6 @@ import os
 import sys
 import types
 
-import tensorflow as tf
 from absl import logging
 
 from tfpar import (checkpoint, compat, data, devices, faults, memory, metrics, optimizers,
