@@ -7,6 +7,8 @@ Usage: python tests/mesh_codec_child.py CASE[,CASE...]
   step whose batch holds one infinite input (on replica 0 only), then one more step; what
   the codec's state (residuals, `Q`s), the weights and the loss scale were around the
   overflowing step.
+- `reshard`: the codecs' state (residuals, `Q`s) saved by `tfpar.state` on a 2×2 mesh and
+  loaded onto a fresh 2×2 mesh and onto a 4×1 one: names, differences, residual sums.
 """
 
 import json
@@ -73,7 +75,53 @@ def fp16_skip():
     return out
 
 
-CASES = {"fp16_skip": fp16_skip}
+def reshard():
+    """The codec state saved by `tfpar.state` on a 2×2 mesh (3 int8 and PowerSGD steps),
+    loaded onto a fresh 2×2 mesh and onto a 4×1 one."""
+    import tempfile
+
+    import tensorflow as tf
+
+    from tfpar import state
+    task, build = task_for("mlp")
+    *_, batches = arrays(task, "mlp", 32, steps=3)
+    out = {}
+    for codec in ("int8", "powersgd"):
+        def built(dp, tp):
+            return layout.build_on_mesh(
+                layout.make_mesh(dp, tp), list(USER_LAYOUTS["mlp"].items()),
+                lambda: seeded(build), lambda: keras.optimizers.SGD(0.1), LOSS,
+                compression=codec, codec_options={"powersgd_rank": 2})
+        model, trainer = built(2, 2)
+        for batch in batches:
+            trainer.train_on_batch(*batch[:2])
+        path = tf.train.Checkpoint(state=state.LayoutState(model)).write(
+            os.path.join(tempfile.mkdtemp(), "ckpt"))
+        saved = {k: v for k, v in state.tensors_of(path).items() if k.startswith("codec/")}
+        same, _ = built(2, 2)
+        state.LayoutState(same).load(path)
+        other, _ = built(4, 1)
+        state.LayoutState(other).load(path)
+        reloaded = [{k: e[0]() for k, e in state.LayoutState(m).entries().items()
+                     if k.startswith("codec/")} for m in (same, other)]
+        residuals = [k for k in saved if k.endswith("/residual")]
+        out[codec] = {
+            "names": sorted(saved),
+            "same_diff": max(float(np.max(np.abs(reloaded[0][k] - v)))
+                             for k, v in saved.items()),
+            "rows": [int(saved[residuals[0]].shape[0]),
+                     int(reloaded[1][residuals[0]].shape[0])],
+            # per residual: its sum over the 4 replicas minus the saved 2 rows' sum
+            "sum_diff": max(float(np.max(np.abs(reloaded[1][k].sum(0) - saved[k].sum(0))))
+                            for k in residuals),
+            "largest": max(float(np.max(np.abs(saved[k]))) for k in residuals),
+            "q_diff": max([float(np.max(np.abs(reloaded[1][k] - v)))
+                           for k, v in saved.items() if k.endswith("/powersgd_q")],
+                          default=None)}
+    return out
+
+
+CASES = {"fp16_skip": fp16_skip, "reshard": reshard}
 
 if __name__ == "__main__":
     print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)

@@ -166,6 +166,7 @@ def build(config, task, meshes, build_optimizer):
             **reduction.codec_options(config)))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
     model.stage_optimizers = optimizers  # whose state `tfpar.state` saves
+    object.__setattr__(model, "tfpar_reductions", tuple(r for r in reductions if r))
     schedule = make_schedule(config.schedule, K, config.microbatches, V)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss,

@@ -77,6 +77,7 @@ class BatchAxisReduction:
         compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
+        self.paths = [v.path for v in variables]  # the state's names in checkpoints
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.threshold, self.rank = float(threshold), int(powersgd_rank)
@@ -156,6 +157,17 @@ class BatchAxisReduction:
         """The state DVariables, as `read()` orders them: the residuals (empty without
         error feedback), then PowerSGD's `Q`s. Named in checkpoints as aggregator state."""
         return list(self.residuals) + [self.qs[i] for i in sorted(self.qs)]
+
+    def named_state(self):
+        """`{name: (DVariable, per_replica)}` of the state under names that do not depend
+        on the layout (`tfpar.state`): `<weight path>/residual` (`[replicas, *shape]`, one
+        row per `batch` replica: `per_replica`) and `<weight path>/powersgd_q`."""
+        out = {}
+        if self.residuals:
+            out.update({f"{path}/residual": (r, True)
+                        for path, r in zip(self.paths, self.residuals)})
+        out.update({f"{self.paths[i]}/powersgd_q": (q, False) for i, q in self.qs.items()})
+        return out
 
     def read(self):
         return [v.read_value() for v in self.variables]
