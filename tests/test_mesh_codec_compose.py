@@ -11,7 +11,9 @@ accumulation, and on dp × tp × pp, each against its uncompressed run on the sa
   `--compression=powersgd --mixed_precision=fp16`, near the uncompressed fp16 run; with an
   infinite gradient on stage 0 every step is skipped and the residuals stay zero.
 
-Three children at once: the fp16 skip case, the 2×2 runs, the 3D runs.
+`model.fit` under Keras's `ModelParallel` with a `tfpar.DistributedOptimizer` is refused in
+one line (`compat.KERAS_MESH_AGGREGATOR`). Three children at once: the fp16 skip and Keras
+cases, the 2×2 runs, the 3D runs.
 """
 
 import os
@@ -55,12 +57,12 @@ RUNS3D = ([ADAM] + [{**ADAM, "compression": c} for c in CODECS3D]
 def children(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mesh_codecs")
     skip, mesh, three_d = subproc.run_concurrently([
-        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"],
+        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip,keras_aggregator"],
                                    timeout=400).stdout),
         lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS]),
         lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D])])
     return {"folder": folder, "skip": skip["fp16_skip"], "mesh": mesh[None],
-            "3d": three_d[None]}
+            "3d": three_d[None], "keras": skip["keras_aggregator"]}
 
 
 def _weights_diff(children, name, i, j):
@@ -106,9 +108,14 @@ def test_fp16_and_accumulation_with_mesh_codecs_equal_the_uncompressed_run(
                 assert abs(result["final_loss"] / plain["final_loss"] - 1) < 0.02
                 assert result["comm"]["compression_ratio"] > 3.9, result["comm"]
                 assert gap > 1e-5, (name, codec, gap)
-            elif codec == "topk@1":  # every entry sent: equal up to re-association
-                assert gap < 1e-5, (name, codec, gap)
-                assert diff < 1e-4, (name, codec, diff)
+            elif codec == "topk@1":  # every entry sent: equal up to the sum's rounding
+                # With fp16 the uncompressed step's sum over `batch` is DTensor's, of the
+                # replicas' fp16 partial gradients in fp16; the reduction sums in fp32:
+                # 2^-11 of a gradient of up to ~2 x lr 0.1 x 10 steps (measured 7.8e-5
+                # loss, 5.0e-5 weights, 2026-12-05); with accumulation (fp32) 3.0e-8.
+                bound = 1e-3 if first == 0 else 1e-5
+                assert gap < bound, (name, codec, gap)
+                assert diff < bound, (name, codec, diff)
             else:  # exact in exact arithmetic; the power iteration rounds (as in 3D below)
                 assert gap < 5e-3, (name, codec, gap)
         # PowerSGD at rank 32 went through its factors, not whole.
@@ -165,3 +172,14 @@ def test_powersgd_with_fp16_on_dp_tp_pp_and_its_skipped_steps(children, report_m
     report_measured("dp=2 x tp=2 x pp=2 --compression=powersgd --mixed_precision=fp16, 20 "
                     f"SGD steps: final loss {gap:+.2%} vs uncompressed fp16 "
                     f"({powersgd['comm']['compression_ratio']:.1f}x fewer bytes)")
+
+
+def test_a_distributed_optimizer_under_keras_model_parallel_is_refused_in_one_line(children):
+    # Keras's own step on a mesh sums gradients over `batch` in DTensor; a tfpar aggregator
+    # reduces over tf.distribute replicas (it failed deep inside Keras's Adam before).
+    out = children["keras"]
+    if "error" in out:
+        raise AssertionError(out["error"])
+    assert out["raised"] == "ConfigError" and out["lines"] == 1, out
+    assert out["line"].startswith("compression='PowerSGDAggregator'"), out
+    assert "--tensor_parallel>1 --compression" in out["line"], out

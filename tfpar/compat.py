@@ -195,9 +195,21 @@ CUSTOM_TRAIN_STEP_LOSS_SCALE = Rule(
     "not supported with a model's own train_step on a mesh (the LossScaleOptimizer "
     "updates inside a tf.cond); use mixed_bfloat16, or Keras's train_step")
 
+# Under `keras.distribution` a model's Keras step (`tfpar.layout.keras_step`) takes its
+# gradients summed over `batch` by DTensor; a `tfpar.DistributedOptimizer`'s aggregator
+# reduces over tf.distribute replicas, which a mesh has none of.
+KERAS_MESH_AGGREGATOR = Rule(
+    "compression", lambda c: c.compression != "none"
+    and getattr(c, "keras_distribution", False),
+    "not supported: a tfpar.DistributedOptimizer compresses over tf.distribute replicas, "
+    "and under keras.distribution (ModelParallel, DataParallel) DTensor sums gradients over "
+    "the mesh's batch axis itself; pass the plain Keras optimizer there, or compress the "
+    "mesh's batch axis with python -m tfpar.train --tensor_parallel>1 --compression")
+
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
+    KERAS_MESH_AGGREGATOR,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,

@@ -50,7 +50,9 @@ gradient). The extra forward per stage and micro-batch is the price.
 With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled by the
 last stage model's scale, and one decision is taken for all: each stage's all-finite flag
 is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
-so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
+so that its own optimizer also skips and halves its scale. With a codec the decision comes
+first: each stage's reduction unscales its gradients before the codec and, on a skipped
+step, leaves its residuals and `Q`s as they were. `--recompute` rematerializes
 the stage models' layers (`tfpar.recompute`). Checkpoints go through `tfpar.state`, which
 gathers each stage's variables to the host first: TensorFlow's own saver, given the
 DVariables of several meshes in one `tf.train.Checkpoint`, fails on TF 2.21 ("All inputs

@@ -26,6 +26,11 @@ collectives inside the `model` axis (tensor parallelism's own) ran exactly as be
   over `batch`, orthogonalised, `Q = Mᵀ P̂` summed, `Q` kept (replicated) to warm-start
   the next step; vectors and matrices too small to gain sent whole.
 
+With fp16 loss scaling the gradients are unscaled before the codec and a step that
+overflowed on any device leaves the codec's state untouched (`mean`'s `scale`, `finite`);
+with accumulation the replicas' micro-batch gradients are averaged first and the codec
+runs once a step (`tfpar.layout.step`).
+
 Error feedback (`error_feedback=True`, lossy codecs): each replica keeps what its message
 dropped, a DVariable `[data_parallel, *shape]` sharded like its gradient, and adds it to the
 next step's gradient (`tfpar.compression.error_feedback`). PowerSGD's residual is, as on
