@@ -55,3 +55,51 @@ def test_residuals_restored_where_the_saved_rows_are_counted_only_at_run_time():
     assert out["same"] == [[1, 2, 3], [4, 5, 6]]
     assert out["other"] == [[12, 15, 18], [0, 0, 0]]
     assert out["other_average"] == [[4, 5, 6], [4, 5, 6]]
+
+
+# The mesh's codecs (tfpar.layout.reduction) on a 2x2 mesh: residuals and PowerSGD's Qs
+# saved under the weights' names (tfpar.state's `codec/...`).
+MESH = {"model": "mlp", "tensor_parallel": 2, "data_parallel": 2, "cpu_devices": 4,
+        "global_batch_size": 32, "steps_per_epoch": 4, "optimizer": "momentum",
+        "learning_rate": 0.05, "verbose": 0}
+
+
+def test_mesh_codec_resume_is_exact(tmp_path):
+    from test_layout_compose import train_configs
+    from test_train import weights
+    codecs = ("int8", "powersgd")
+    configs = {c: {**MESH, "compression": c, "powersgd_rank": 2,
+                   "checkpoint_dir": str(tmp_path / c), "checkpoint_every": 5}
+               for c in codecs}
+    # The first halves and the uninterrupted runs in one child (one mesh per process)...
+    first = train_configs(str(tmp_path / "run"), [
+        {**configs[c], "steps": s} if s == 5 else
+        {k: v for k, v in configs[c].items() if not k.startswith("checkpoint")} | {"steps": s}
+        for c in codecs for s in (5, 10)])[None]
+    # ... the resumes in a fresh process, as a restarted job would run them.
+    resumed = train_configs(str(tmp_path / "resumed"),
+                            [{**configs[c], "steps": 10} for c in codecs])[None]
+    for i, codec in enumerate(codecs):
+        whole, again = first[2 * i + 1], resumed[i]
+        assert again["resumed_from_step"] == 5 and again["steps"] == 5
+        assert whole["comm"]["compression_ratio"] > 1.5  # the codec ran
+        # Without the residuals and Qs restored, the steps after the resume differ.
+        np.testing.assert_array_equal(again["loss_history"], whole["loss_history"][5:])
+        for a, b in zip(weights(str(tmp_path / f"resumed.{i}")),
+                        weights(str(tmp_path / f"run.{2 * i + 1}")), strict=True):
+            np.testing.assert_array_equal(a, b, f"{codec}: resumed weights differ")
+
+
+def test_mesh_codec_state_moves_to_another_batch_axis_with_its_sum():
+    out = last_json_line(run([sys.executable, f"{ROOT}/tests/mesh_codec_child.py", "reshard"],
+                             timeout=300).stdout)["reshard"]
+    if "error" in out:
+        raise AssertionError(out["error"])
+    for codec, result in out.items():
+        assert any(n.endswith("/residual") for n in result["names"]), result["names"]
+        assert result["largest"] > 0  # a residual to carry
+        assert result["same_diff"] == 0.0, (codec, result)  # the same mesh: every entry
+        # 2 rows onto 4: replica 0 takes their sum, the others zero (tfpar.state).
+        assert result["rows"] == [2, 4] and result["sum_diff"] == 0.0, (codec, result)
+    assert any(n.endswith("/powersgd_q") for n in out["powersgd"]["names"])
+    assert out["powersgd"]["q_diff"] == 0.0

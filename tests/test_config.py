@@ -38,17 +38,17 @@ MESH_3D = {"cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2, "pipeline
            "microbatches": 4}
 
 
-def test_dp_tp_pp_takes_every_schedule_and_setting_but_a_codec_with_fp16():
-    # tests/test_layout_pipeline.py trains the accepted ones against one device.
+def test_dp_tp_pp_takes_every_schedule_and_setting():
+    # tests/test_layout_pipeline.py trains the accepted ones against one device, and
+    # tests/test_mesh_codec_compose.py a codec with fp16 against the uncompressed run.
     for changes in ({"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zb_h1"},
                     {"schedule": "gpipe", "grad_accum_steps": 2},
                     {"mixed_precision": "bf16"}, {"mixed_precision": "fp16"},
                     {"compression": "int8", "grad_accum_steps": 2},
+                    {"compression": "powersgd", "mixed_precision": "fp16"},
                     {"recompute": "blocks"},
                     {"recompute": "full"}):
         ParallelConfig(**MESH_3D, **changes)
-    with pytest.raises(ConfigError, match="compression='int8'.*fp16 loss scaling"):
-        ParallelConfig(**MESH_3D, compression="int8", mixed_precision="fp16")
     ParallelConfig(**MESH_3D, checkpoint_dir="ckpt")  # tfpar.state: any layout
 
 

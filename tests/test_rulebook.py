@@ -112,6 +112,7 @@ ALLOWED = {
     ("tfpar/layout/trainer.py", "MeshTrainer.__init__", "grad_accum_steps"): (1, RANGE),
     ("tfpar/layout/values.py", "_batch_arrays", "global_batch_size"): (1, RANGE),
     ("tfpar/layout/values.py", "micro_batches_to_mesh", "grad_accum_steps"): (1, RANGE),
+    ("tfpar/layout/values.py", "micro_replica_batches_to_mesh", "grad_accum_steps"): (1, RANGE),
     ("tfpar/layout/variables.py", "layout_for", "layout"): (1, MODEL),
     ("tfpar/legacy/options.py", "check", "keras"): (1, RANGE),
     ("tfpar/legacy/options.py", "check", "prune_sparsity"): (1, RANGE),

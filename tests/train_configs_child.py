@@ -15,7 +15,8 @@ reference a DTensor mesh's dense gradients are compared with (Keras's Adam squar
 A mesh pipeline's config (dp × tp × pp) may carry `"nonfinite_stage": v`: stage model v
 then passes an infinite gradient back (to its weights and earlier stages) on every step.
 Its result gets the initial weights (`OUT_PREFIX.<i>.initial.npz`); every fp16 mesh
-pipeline's result gets each stage optimizer's `loss_scales` and `iterations`.
+pipeline's result gets each stage optimizer's `loss_scales` and `iterations`, and every
+compressed one the largest entry of its stages' error-feedback residuals (`residual_max`).
 """
 
 import contextlib
@@ -98,9 +99,14 @@ def mesh_pipeline_probe(nonfinite_stage):
 def _loss_scaling(trainer):
     from tfpar.layout.values import to_host
     optimizers = trainer.stage_optimizers
+    codec = {}
+    if trainer.reductions:  # the largest entry of any stage's residuals
+        residuals = [r for reduction in trainer.reductions for r in reduction.residuals]
+        codec = {"residual_max": max(float(np.max(np.abs(to_host(r)))) for r in residuals)}
     if not all(hasattr(o, "inner_optimizer") for o in optimizers):
-        return {}
-    return {"loss_scales": [float(to_host(o.dynamic_scale.value)) for o in optimizers],
+        return codec
+    return {**codec,
+            "loss_scales": [float(to_host(o.dynamic_scale.value)) for o in optimizers],
             "iterations": [int(to_host(o.iterations.value)) for o in optimizers]}
 
 
@@ -145,8 +151,7 @@ def main():
         if slots is not None:  # each rank's view: compared across ranks after a resize
             np.savez(f"{sys.argv[2]}.{i}{suffix}.optimizer.npz", *slots)
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
-                "resumed_from_step",
-                "strategy", "mesh", "memory", "validation")
+                "strategy", "mesh", "memory", "validation", "resumed_from_step")
         out.append({**{k: result[k] for k in keys if k in result}, **extra})
     # The gathers above (`to_host`) are collectives after train()'s own barrier: worker 0,
     # which hosts the coordination service, must not leave before the others finish them.

@@ -16,7 +16,7 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
 `COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
-compression or fp16; on a mesh, compression with fp16 or unpipelined accumulation; the
+compression or fp16; on a mesh, compression with one replica on `batch`; the
 zero-bubble schedule with recomputation; tfmot's settings), `ACROSS_WORKERS` what a
 `TF_CONFIG` cluster excludes (`check_cluster`, from `tfpar.train.check_inputs`). This is
 the one rulebook: nothing else in tfpar raises a `ConfigError` for a combination (a test
@@ -126,12 +126,6 @@ ZERO3_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage == 3 and c.compression != "none",
     "not supported: --zero_stage=3 reduce-scatters fp32 gradients on the mesh; a "
     "compressed one is built for --zero_stage=1|2 (fp16, bf16, int8)")
-MESH_COMPRESSION = Rule(
-    "compression", lambda c: _mesh(c) and c.compression != "none" and (
-        c.mixed_precision == "fp16" or (c.grad_accum_steps > 1 and not c.dims.pp_enabled)),
-    "not supported: on a DTensor mesh (--tensor_parallel>1) the compressed batch-axis "
-    "reduction runs without fp16 loss scaling, and without --grad_accum_steps unless "
-    "pipelined")
 def _mesh_dp_is_one(c):
     """The mesh's `batch` axis has one replica: `--data_parallel=1`, or left to the
     devices (0) with `--cpu_devices` all taken by the tensor and pipeline degrees."""
@@ -219,15 +213,26 @@ CUSTOM_TRAIN_STEP_LOSS_SCALE = Rule(
     "not supported with a model's own train_step on a mesh (the LossScaleOptimizer "
     "updates inside a tf.cond); use mixed_bfloat16, or Keras's train_step")
 
+# Under `keras.distribution` a model's Keras step (`tfpar.layout.keras_step`) takes its
+# gradients summed over `batch` by DTensor; a `tfpar.DistributedOptimizer`'s aggregator
+# reduces over tf.distribute replicas, which a mesh has none of.
+KERAS_MESH_AGGREGATOR = Rule(
+    "compression", lambda c: c.compression != "none"
+    and getattr(c, "keras_distribution", False),
+    "not supported: a tfpar.DistributedOptimizer compresses over tf.distribute replicas, "
+    "and under keras.distribution (ModelParallel, DataParallel) DTensor sums gradients over "
+    "the mesh's batch axis itself; pass the plain Keras optimizer there, or compress the "
+    "mesh's batch axis with python -m tfpar.train --tensor_parallel>1 --compression")
+
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
+    KERAS_MESH_AGGREGATOR,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
          "--zero_stage=3 or use --zero_gather=fp32"),
-    MESH_COMPRESSION,
     MESH_COMPRESSION_ONE_REPLICA,
     MESH_POWERSGD_START,
     MESH_TOPK_WARMUP,

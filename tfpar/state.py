@@ -24,7 +24,11 @@ piece of state is named as in the single-device model and saved as one full tens
 The aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
 beside it by the aggregator's own objects, whose names are its positions in the
 trainable variables: residuals keep one row per replica and move to another replica count
-with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`).
+with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`). A mesh's codecs
+(`tfpar.layout.reduction`, every stage's in a mesh pipeline) are saved here instead:
+`codec/<path>/residual` (`[replicas, ...]`, one row per `batch` replica; onto another
+count replica 0 takes their sum, the others zero, as `PerReplicaSlot` does) and
+`codec/<path>/powersgd_q`.
 
 Loading reads the tensors by name (`tf.train.load_checkpoint`) and assigns each into the
 variable of the running layout: onto a mesh through its layout (`tfpar.layout.values`), onto
@@ -61,8 +65,10 @@ def name_of(checkpoint_key):
     return checkpoint_key[len(PREFIX):].replace("..", ".").replace(".S", "/")
 
 
-# Optimizer variables a checkpoint may lack (kept at their start value): counters only.
+# Optimizer variables a checkpoint may lack (kept at their start value): counters only;
+# and a mesh codec's state (a run that turns a codec on owes no error yet).
 _OPTIONAL = ("optimizer/nonfinite_steps",)
+_OPTIONAL_PREFIX = "codec/"
 
 
 def optimizers_of(model):
@@ -111,6 +117,10 @@ class LayoutState(patches.Trackable):
             for name, entry in _optimizer_entries(optimizer,
                                                   self._model.trainable_weights).items():
                 out[name] = _merge(out.get(name), entry)
+        for reduction in getattr(self._model, "tfpar_reductions", ()):
+            for name, (variable, per_replica) in reduction.named_state().items():
+                out[f"codec/{name}"] = (_per_replica(variable) if per_replica
+                                        else _plain(variable))
         return out
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
@@ -134,7 +144,8 @@ class LayoutState(patches.Trackable):
         reader = tf.train.load_checkpoint(path)
         saved = {name_of(k) for k in reader.get_variable_to_shape_map()} - {None}
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
-        missing = sorted(set(entries) - saved - set(_OPTIONAL))
+        missing = sorted(n for n in set(entries) - saved - set(_OPTIONAL)
+                         if not n.startswith(_OPTIONAL_PREFIX))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -142,7 +153,7 @@ class LayoutState(patches.Trackable):
             if name not in saved:
                 continue
             value = reader.get_tensor(key(name))
-            if tuple(value.shape) != tuple(want):
+            if not _fits(value.shape, want):
                 raise ValueError(f"{name} is {list(value.shape)} there, {list(want)} here")
             write(value)
 
@@ -229,6 +240,28 @@ def _plain(variable):
         else:
             tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
     return (lambda: values.to_host(tf_variable)), write, tuple(tf_variable.shape)
+
+
+def _fits(shape, want):
+    """A saved shape fits `want`, whose None dimensions take any size."""
+    return len(shape) == len(want) and all(w is None or int(d) == w
+                                           for d, w in zip(shape, want))
+
+
+def _per_replica(variable):
+    """(read, write, shape) of a mesh codec's residual `[replicas, ...]`: rows saved as they
+    are; written onto another replica count, replica 0 takes the saved rows' sum and the
+    others zero (the error still owed kept exactly, as `PerReplicaSlot` keeps it)."""
+    read, write, shape = _plain(variable)
+
+    def write_rows(array):
+        array = np.asarray(array)
+        if array.shape[0] != shape[0]:
+            rows = np.zeros(shape, array.dtype)
+            rows[0] = array.sum(0)
+            array = rows
+        write(array)
+    return read, write_rows, (None,) + tuple(shape[1:])
 
 
 def _merge(first, entry):

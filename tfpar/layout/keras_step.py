@@ -85,10 +85,17 @@ class KerasSteps:
     Raises:
         TfparError: a variable is not a DVariable.
         ConfigError: the model overrides `train_step` and its optimizer is a
-            `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`).
+            `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`), or the optimizer
+            compresses through a tfpar aggregator (`compat.KERAS_MESH_AGGREGATOR`).
     """
 
     def __init__(self, mesh, model, optimizer):
+        from tfpar.compression import keras_hook
+        aggregator = keras_hook.aggregator_of(optimizer)
+        if aggregator is not None:
+            compat.enforce(compat.KERAS_MESH_AGGREGATOR, compat.view(
+                backend="dtensor", compression=type(aggregator).__name__,
+                keras_distribution=True))
         self.model, self.optimizer = model, optimizer
         self.trainable = list(model.trainable_variables)
         self.non_trainable = list(model.non_trainable_variables)

@@ -50,7 +50,9 @@ gradient). The extra forward per stage and micro-batch is the price.
 With fp16 every stage's optimizer is a `LossScaleOptimizer`: the loss is scaled by the
 last stage model's scale, and one decision is taken for all: each stage's all-finite flag
 is copied to every mesh, and a stage whose neighbour overflowed gets a non-finite gradient
-so that its own optimizer also skips and halves its scale. `--recompute` rematerializes
+so that its own optimizer also skips and halves its scale. With a codec the decision comes
+first: each stage's reduction unscales its gradients before the codec and, on a skipped
+step, leaves its residuals and `Q`s as they were. `--recompute` rematerializes
 the stage models' layers (`tfpar.recompute`). Checkpoints go through `tfpar.state`, which
 gathers each stage's variables to the host first: TensorFlow's own saver, given the
 DVariables of several meshes in one `tf.train.Checkpoint`, fails on TF 2.21 ("All inputs
@@ -166,6 +168,7 @@ def build(config, task, meshes, build_optimizer):
             **reduction.codec_options(config)))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
     model.stage_optimizers = optimizers  # whose state `tfpar.state` saves
+    object.__setattr__(model, "tfpar_reductions", tuple(r for r in reductions if r))
     schedule = make_schedule(config.schedule, K, config.microbatches, V)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, MeshPipelineTrainer(meshes, model, optimizers, schedule, loss,
@@ -359,13 +362,22 @@ class MeshPipelineTrainer(MeshTrainer):
         # The schedule once per group of M micro-batches (gradient accumulation).
         self._runner.run(step, lambda m: xs[m], groups=self.grad_accum_steps)
         acc = step.acc
+        # fp16: one decision for every stage, taken before the codecs so that a skipped
+        # step leaves their residuals as they were.
+        finite = None if scale is None else self._finite_everywhere(acc)
         if self.reductions is not None:
             for v, reducer in enumerate(self.reductions):
-                acc[v], kept = reducer.mean(acc[v], residuals[v])
+                acc[v], kept = reducer.mean(
+                    acc[v], residuals[v],
+                    scale=None if scale is None else ov[v][self.scale_index[v]],
+                    finite=None if scale is None else finite[v])
                 for residual, value in zip(reducer.variables, kept):
                     residual.assign(dtensor.relayout(value, residual.layout))
         if scale is not None:
-            self._agree_on_finite(acc)
+            for gs, ok in zip(acc, finite):
+                # Divided by 1 (all finite): unchanged; by 0: not finite, so each stage's
+                # optimizer skips its update and halves its scale.
+                gs[0] = gs[0] / tf.cast(ok, gs[0].dtype)
         for v, (stage, optimizer) in enumerate(zip(stages, self.stage_optimizers)):
             new_tv, new_ov = optimizer.stateless_apply(ov[v], acc[v], tv[v])
             _write(stage.trainable_variables, _layouts(stage.trainable_variables), tv[v],
@@ -375,19 +387,19 @@ class MeshPipelineTrainer(MeshTrainer):
                 "correct": tf.add_n([c for c, _ in step.metrics]),
                 "weight": tf.add_n([w for _, w in step.metrics])}
 
-    def _agree_on_finite(self, grads):
-        """fp16: every stage's `LossScaleOptimizer` takes one decision. Each stage's
-        all-finite flag is copied (a replicated scalar) to every mesh; where any stage's
-        is false, the stage's first gradient is divided by 0 so its optimizer too skips
-        the update and halves its scale (the same scale on every stage, as all start equal)."""
-        flags = [tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gs]),
-                         tf.float32) for gs in grads]
-        for v, gs in enumerate(grads):
+    def _finite_everywhere(self, grads):
+        """fp16: every stage's `LossScaleOptimizer` takes one decision. Each stage model's
+        all-finite flag is copied (a replicated scalar) to every mesh; returns, per stage
+        model, on its mesh, whether every stage's gradient is finite (the same scale on
+        every stage, as all start equal and take the same decisions)."""
+        flags = [tf.cast(reduction.all_finite(gs), tf.float32) for gs in grads]
+        out = []
+        for v in range(len(grads)):
             mesh = self.mesh_of(v).backend_mesh
             here = [f if u % self.K == v % self.K else dtensor.copy_to_mesh(
                 f, dtensor.Layout.replicated(mesh, 0)) for u, f in enumerate(flags)]
-            # Divided by 1 (all finite): unchanged; by 0: not finite.
-            gs[0] = gs[0] / tf.cast(tf.reduce_min(tf.stack(here)), gs[0].dtype)
+            out.append(tf.reduce_min(tf.stack(here)) > 0)
+        return out
 
     def _eval_step(self, xs, ys):
         losses, metrics = [], []

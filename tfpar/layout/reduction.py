@@ -26,6 +26,11 @@ collectives inside the `model` axis (tensor parallelism's own) ran exactly as be
   over `batch`, orthogonalised, `Q = Mᵀ P̂` summed, `Q` kept (replicated) to warm-start
   the next step; vectors and matrices too small to gain sent whole.
 
+With fp16 loss scaling the gradients are unscaled before the codec and a step that
+overflowed on any device leaves the codec's state untouched (`mean`'s `scale`, `finite`);
+with accumulation the replicas' micro-batch gradients are averaged first and the codec
+runs once a step (`tfpar.layout.step`).
+
 Error feedback (`error_feedback=True`, lossy codecs): each replica keeps what its message
 dropped, a DVariable `[data_parallel, *shape]` sharded like its gradient, and adds it to the
 next step's gradient (`tfpar.compression.error_feedback`). PowerSGD's residual is, as on
@@ -77,6 +82,7 @@ class BatchAxisReduction:
         compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
+        self.paths = [v.path for v in variables]  # the state's names in checkpoints
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.threshold, self.rank = float(threshold), int(powersgd_rank)
@@ -157,32 +163,60 @@ class BatchAxisReduction:
         error feedback), then PowerSGD's `Q`s. Named in checkpoints as aggregator state."""
         return list(self.residuals) + [self.qs[i] for i in sorted(self.qs)]
 
+    def named_state(self):
+        """`{name: (DVariable, per_replica)}` of the state under names that do not depend
+        on the layout (`tfpar.state`): `<weight path>/residual` (`[replicas, *shape]`, one
+        row per `batch` replica: `per_replica`) and `<weight path>/powersgd_q`."""
+        out = {}
+        if self.residuals:
+            out.update({f"{path}/residual": (r, True)
+                        for path, r in zip(self.paths, self.residuals)})
+        out.update({f"{self.paths[i]}/powersgd_q": (q, False) for i, q in self.qs.items()})
+        return out
+
     def read(self):
         return [v.read_value() for v in self.variables]
 
-    def mean(self, grads, state):
+    def mean(self, grads, state, scale=None, finite=None):
         """`(means, new_state)`: the mean over replicas of `grads` (each
         `[replicas, *shape]`, split on `batch`) through the codec; `state` is what `read()`
-        gave, `new_state` its next values in the same order (write them to `variables`)."""
+        gave, `new_state` its next values in the same order (write them to `variables`).
+
+        With fp16 loss scaling, `scale` is the loss scale the gradients carry (a scalar on
+        this mesh): they are unscaled before the codec, so residuals and `Q`s hold plain
+        gradients whatever the scale, and the means are scaled back (a power of two: exact)
+        for the `LossScaleOptimizer`, which checks and unscales them. `finite` (a boolean
+        scalar on this mesh; default: whether every entry of `grads` is finite) decides
+        the step: when false the codec sees zeros, `new_state` is `state` unchanged and the
+        means are not finite, so the optimizer skips the update and lowers its scale.
+        """
         if len(grads) != len(self.stacked):
             raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
         residuals = list(state[:len(self.residuals)])
         qs = dict(zip(sorted(self.qs), state[len(self.residuals):]))
+        if scale is not None and finite is None:
+            finite = all_finite(grads)
         means, kept, new_qs = [], [], []
         for i, g in enumerate(grads):
             # Pin each replica's gradient to its own shard (a no-op when DTensor already
             # placed it so): nothing over `batch` is summed before the codec.
             x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
+            if scale is not None:
+                x = _where(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
             if i in qs:
                 total, sent, q = self._powersgd(x, qs[i])
-                new_qs.append(q)
+                new_qs.append(q if finite is None else _where(finite, q, qs[i]))
             else:
                 total, sent = self._sum(x, i)
-            means.append(tf.cast(total / self.replicas, g.dtype))
+            mean = total / self.replicas
+            if scale is not None:  # skipped: 0 / 0, not finite
+                mean = mean * tf.cast(scale, tf.float32) / tf.cast(finite, tf.float32)
+            means.append(tf.cast(mean, g.dtype))
             if residuals:
-                kept.append(error_feedback.next_residual(x, sent))
+                new = error_feedback.next_residual(x, sent)
+                kept.append(new if finite is None else _where(finite, new, residuals[i]))
         return means, kept + new_qs
 
     def _sum(self, x, index):
@@ -270,3 +304,14 @@ class BatchAxisReduction:
         share = tf.broadcast_to(total / self.replicas, x.shape)
         return total, share, new_q
 
+
+def all_finite(tensors):
+    """Whether every entry of `tensors` is finite: a boolean scalar, the same on every
+    device of their mesh (the check reduces over every shard)."""
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
+
+
+def _where(condition, a, b):
+    """`tf.where` of a boolean scalar `condition` over tensors `a`, `b` of one shape; the
+    condition shaped `[1] * rank` (DTensor crashed on a scalar condition, TF 2.21)."""
+    return tf.where(tf.reshape(condition, [1] * a.shape.rank), a, b)

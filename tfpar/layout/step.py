@@ -81,9 +81,10 @@ def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=No
             micro-batches (`values.micro_batches_to_mesh`).
         reduction: a `tfpar.layout.reduction.BatchAxisReduction`: each data-parallel
             replica's gradient is formed on its own and averaged over the `batch` axis
-            through it (compression); the step is then called with batches shaped
-            `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`). Not with
-            `grad_accum_steps > 1` or a `LossScaleOptimizer`.
+            through it (compression) once per step; the step is then called with batches
+            shaped `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`; with
+            `grad_accum_steps > 1` a tuple of them). With a `LossScaleOptimizer` the
+            reduction unscales before its codec and a skipped step leaves its state.
         accuracy: count correct argmax predictions of integer labels (else `correct` is 0).
 
     Returns:
@@ -130,9 +131,45 @@ class _TrainStep:
         new_ntv = [scope.get_current_value(v) for v in self.non_trainable]
         return grads, new_ntv, _metrics(loss, logits, y, sample_weight, self.accuracy)
 
-    def replica_step(self, tv, ntv, x, y, sample_weight):
+    def replica_step(self, tv, ntv, ov, x, y, sample_weight):
         """One gradient per data-parallel replica: vectorized over the leading `batch`
-        axis, so DTensor never sums over it; `reduction` does, through its codec."""
+        axis, so DTensor never sums over it; `reduction` does, through its codec, once per
+        step: with `grad_accum_steps` = k, `x`, `y` and `sample_weight` are tuples of k
+        micro-batches, each replica's k gradients averaged first. With fp16 the loss is
+        scaled by the optimizer's scale and the reduction unscales before its codec."""
+        scale = self._scale(ov)
+        if self.grad_accum_steps == 1:
+            x, y = (x,), (y,)
+            sample_weight = None if sample_weight is None else (sample_weight,)
+        k = len(x)
+        grads, new_ntv, outs = None, ntv, []
+        for i in range(k):
+            part, new_ntv, out = self._replica_grads(
+                tv, new_ntv, x[i], y[i], None if sample_weight is None else sample_weight[i],
+                scale)
+            grads = part if grads is None else [a + b for a, b in zip(grads, part)]
+            outs.append(out)
+        if k > 1:
+            grads = [g / k for g in grads]
+        grads, kept = self.reduction.mean(grads, self.reduction.read(), scale=scale)
+        out = {"loss": tf.add_n([o["loss"] for o in outs]) / k,
+               "correct": tf.add_n([o["correct"] for o in outs]),
+               "weight": tf.add_n([o["weight"] for o in outs])}
+        for residual, value in zip(self.reduction.variables, kept):
+            residual.assign(dtensor.relayout(value, residual.layout))
+        return grads, new_ntv, out
+
+    def _scale(self, ov):
+        """The loss scale among this step's optimizer values (fp16), else None."""
+        if not self.scales_loss:
+            return None
+        index = [id(v) for v in self.opt_vars].index(id(self.optimizer.dynamic_scale))
+        return ov[index]
+
+    def _replica_grads(self, tv, ntv, x, y, sample_weight, scale):
+        """Each replica's gradients `[replicas, *shape]` of one batch `[replicas, m, ...]`
+        (of the loss times `scale`, if given), the new non-trainable values (replica 0's)
+        and the batch's metrics."""
         def one(args):
             xr, yr, wr = args
             weight = None if sample_weight is None else wr
@@ -141,7 +178,8 @@ class _TrainStep:
                 logits, loss, scope = _forward_loss(self.model, self.loss_fn,
                                                     self._mapping(tv, ntv), xr, yr,
                                                     weight, True)
-            grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, tv)]
+                scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
+            grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, tv)]
             new = [scope.get_current_value(v) for v in self.non_trainable]
             return grads, new, _metrics(loss, logits, yr, weight, self.accuracy)
 
@@ -150,12 +188,8 @@ class _TrainStep:
         # Non-trainable state (seeds) advances alike on every replica: keep replica 0's.
         new_ntv = [n[0] if n.shape.rank == v.value.shape.rank + 1 else n
                    for n, v in zip(new_ntv, self.non_trainable)]
-        residuals = self.reduction.read()
-        grads, kept = self.reduction.mean(grads, residuals)
         out = {"loss": tf.reduce_mean(out["loss"]), "correct": tf.reduce_sum(out["correct"]),
                "weight": tf.reduce_sum(out["weight"])}
-        for residual, value in zip(self.reduction.variables, kept):
-            residual.assign(dtensor.relayout(value, residual.layout))
         return grads, new_ntv, out
 
     def accumulated_step(self, tv, ntv, ov, x, y, sample_weight):
@@ -179,7 +213,7 @@ class _TrainStep:
     def step(self, x, y, sample_weight=None):
         tv, ntv, ov = _read(self.trainable), _read(self.non_trainable), _read(self.opt_vars)
         if self.reduction is not None:
-            grads, new_ntv, out = self.replica_step(tv, ntv, x, y, sample_weight)
+            grads, new_ntv, out = self.replica_step(tv, ntv, ov, x, y, sample_weight)
         elif self.grad_accum_steps == 1:
             grads, new_ntv, out = self.micro_step(tv, ntv, ov, x, y, sample_weight)
         else:

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfpar import compat, patches
+from tfpar import patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.metrics import STEP_LOSS
 from tfpar.layout import (activations, keras_step, presets, reduction, step, values,
@@ -75,15 +75,14 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
     _refuse_keras_loops(model)
     reducer = None
     if compression is not None:
-        compat.enforce(compat.MESH_COMPRESSION, compat.view(
-            backend="dtensor", compression=compression, grad_accum_steps=grad_accum_steps,
-            mixed_precision="fp16" if hasattr(optimizer, "inner_optimizer") else "none"))
         # One replica on the `batch` axis: no data-parallel reduction to compress (the
         # `model` axis's collectives are never compressed), so the exact step runs.
         if axis_size(mesh, BATCH) > 1:
             reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
                                                    compression, error_feedback,
                                                    **(codec_options or {}))
+    # Where `tfpar.state` finds the codec's state (not an attribute Keras tracks).
+    object.__setattr__(model, "tfpar_reductions", (reducer,) if reducer else ())
     return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,
                               reduction=reducer)
 
@@ -164,6 +163,9 @@ class MeshTrainer:
             raise TfparError("with a loss given, a batch holds one array each for x, y and "
                              "sample_weight; for several inputs or outputs pass loss=None "
                              "(the model's own compiled loss, as keras.distribution runs it)")
+        if training and self.reduction is not None and self.grad_accum_steps > 1:
+            return values.micro_replica_batches_to_mesh(batch, self.mesh,
+                                                        self.grad_accum_steps)
         if training and self.reduction is not None:
             return values.replica_batches_to_mesh(batch, self.mesh)
         if training and self.grad_accum_steps > 1:

@@ -96,6 +96,27 @@ def replica_batches_to_mesh(batch, mesh):
     return tuple(out)
 
 
+def micro_replica_batches_to_mesh(batch, mesh, steps):
+    """`replica_batches_to_mesh` of each of `steps` micro-batches (rows `i*m … (i+1)*m-1`
+    being micro-batch i, as `micro_batches_to_mesh` cuts them): each array becomes a tuple
+    of `steps` DTensors `[data_parallel, m / data_parallel, ...]`.
+
+    Raises:
+        ConfigError: the batch does not split into `steps` micro-batches that each split
+            over the `batch` axis.
+    """
+    parts = mesh_lib.batch_parts(mesh)
+    arrays = [np.asarray(array) for array in batch]
+    for array in arrays:
+        if array.shape[0] % (steps * parts):
+            raise ConfigError("grad_accum_steps", steps,
+                              f"the batch of {array.shape[0]} must split into {steps} "
+                              f"micro-batches divisible by data_parallel={parts}; use a "
+                              f"batch that is a multiple of {steps * parts}")
+    return tuple(tuple(replica_batches_to_mesh((micro,), mesh)[0]
+                       for micro in np.split(array, steps)) for array in arrays)
+
+
 def _batch_arrays(batch, parts):
     """`batch`'s arrays as numpy, each checked to split into `parts` equal rows."""
     arrays = [np.asarray(array) for array in batch]
