@@ -7,7 +7,8 @@ accumulation, and on dp × tp × pp, each against its uncompressed run on the sa
   whole mesh and leaves the codec's residuals and `Q`s as they were;
 - on 2×2×2 (`--pipeline_stages=2`) every codec against the uncompressed 3D run: exact at
   its limit, within the band of tests/test_layout_mesh.py at its defaults, its bytes above
-  0 and below fp32's (threshold apart: summed densely); the issue's check,
+  0 and below fp32's (top-k, PowerSGD; threshold is checked on the 2x2 mesh by
+  tests/test_layout_mesh.py); the issue's check,
   `--compression=powersgd --mixed_precision=fp16`, near the uncompressed fp16 run; with an
   infinite gradient on stage 0 every step is skipped and the residuals stay zero.
 
@@ -42,11 +43,15 @@ MESH_RUNS = ([FP16] + [{**FP16, "compression": c, **o} for c, o in LIMITS.items(
              + [{**FP16, "compression": "int8"}]
              + [ACCUM] + [{**ACCUM, "compression": c, **o} for c, o in LIMITS.items()]
              + [{**ACCUM, "compression": "int8"}])
-MESH3D = {"model": "mlp", "steps": 20, "steps_per_epoch": 20, "verbose": 0,
+# 3D: 12 steps (20 before the suite's time was cut; the gaps below were measured at 20).
+STEPS3D = 12
+MESH3D = {"model": "mlp", "steps": STEPS3D, "steps_per_epoch": STEPS3D, "verbose": 0,
           "global_batch_size": 32, "cpu_devices": 8, "data_parallel": 2,
           "tensor_parallel": 2, "pipeline_stages": 2, "microbatches": 2,
           "schedule": "1f1b"}
-CODECS3D = ("topk", "threshold", "powersgd")
+# threshold runs on the 2x2 mesh in tests/test_layout_mesh.py; on the mesh it is summed
+# densely (fp32's bytes), so 3D adds nothing it does not check there.
+CODECS3D = ("topk", "powersgd")
 RUNS3D = ([ADAM] + [{**ADAM, "compression": c} for c in CODECS3D]
           + [{**ADAM, "compression": c, **o} for c, o in LIMITS.items()]
           + [FP16, {**FP16, "compression": "powersgd"},
@@ -137,9 +142,7 @@ def test_each_codec_on_dp_tp_pp_against_the_uncompressed_3d_run(children, report
         measured.append(f"{codec} {gap:+.2%} ({comm['bytes_on_wire_per_step']} B)")
         assert abs(gap) < DEFAULTS_BAND.get(codec, 0.02), (codec, gap)
         assert comm["bytes_uncompressed_per_step"] == fp32
-        assert 0 < comm["bytes_on_wire_per_step"] <= fp32
-        if codec != "threshold":  # (summed densely on the mesh: fp32's bytes)
-            assert comm["bytes_on_wire_per_step"] < fp32, (codec, comm)
+        assert 0 < comm["bytes_on_wire_per_step"] < fp32, (codec, comm)
         assert _loss_gap(result, plain) > 1e-5, codec  # it ran
     for i, codec in enumerate(LIMITS, 1 + len(CODECS3D)):
         gap = _loss_gap(runs[i], plain)
@@ -149,7 +152,7 @@ def test_each_codec_on_dp_tp_pp_against_the_uncompressed_3d_run(children, report
         # the warm-started power iteration rounds (as in tests/test_layout_mesh.py).
         assert gap < (5e-3 if codec == "powersgd" else 1e-5), (codec, gap)
     assert runs[2 + len(CODECS3D)]["comm"]["compression_ratio"] > 2  # PowerSGD's factors
-    report_measured("mlp on dp=2 x tp=2 x pp=2, 20 Adam steps, vs the uncompressed 3D run: "
+    report_measured(f"mlp on dp=2 x tp=2 x pp=2, {STEPS3D} Adam steps, vs the uncompressed 3D run: "
                     + ", ".join(measured))
 
 
@@ -162,15 +165,15 @@ def test_powersgd_with_fp16_on_dp_tp_pp_and_its_skipped_steps(children, report_m
     assert powersgd["comm"]["compression_ratio"] > 2, powersgd["comm"]
     assert _loss_gap(powersgd, plain) > 1e-5  # PowerSGD ran
     assert len(set(powersgd["loss_scales"])) == 1, powersgd["loss_scales"]
-    # Stage 0's gradient is infinite on every step: both stages skip all 20 updates, halve
-    # their one scale 20 times, and the codec's residuals stay at zero.
+    # Stage 0's gradient is infinite on every step: both stages skip every update, halve
+    # their one scale once a step, and the codec's residuals stay at zero.
     assert injected["iterations"] == [0, 0], injected
-    assert injected["loss_scales"] == [2.0 ** 15 / 2 ** 20] * 2, injected["loss_scales"]
+    assert injected["loss_scales"] == [2.0 ** 15 / 2 ** STEPS3D] * 2, injected["loss_scales"]
     assert injected["residual_max"] == 0.0, injected
     prefix = str(children["folder"] / f"3d.{first + 2}")
     assert max_diff(weights(prefix), weights(prefix + ".initial")) == 0.0
-    report_measured("dp=2 x tp=2 x pp=2 --compression=powersgd --mixed_precision=fp16, 20 "
-                    f"SGD steps: final loss {gap:+.2%} vs uncompressed fp16 "
+    report_measured("dp=2 x tp=2 x pp=2 --compression=powersgd --mixed_precision=fp16, "
+                    f"{STEPS3D} SGD steps: final loss {gap:+.2%} vs uncompressed fp16 "
                     f"({powersgd['comm']['compression_ratio']:.1f}x fewer bytes)")
 
 
