@@ -125,6 +125,7 @@ def _aggregator(compression_arg, options):
                           f"choose one of {', '.join(COMPRESSIONS)} or pass a "
                           "tfpar.compression_lib.Aggregator")
     factories = {"none": compression_lib.NoneAggregator, "int8": compression_lib.Int8Aggregator,
+                 "onebit": compression_lib.OneBitAggregator,
                  "topk": compression_lib.TopKAggregator, "threshold": compression_lib.ThresholdAggregator,
                  "powersgd": compression_lib.PowerSGDAggregator,
                  "auto": compression_lib.AutoAggregator}
@@ -231,8 +232,10 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
         # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in);
         # PowerSGD with each replica's own `v` (`make_aggregator`, docs/benchmarks/compression.md).
         aggregator.adam = (0.9, 0.999, 1e-7)
-        if compression == "powersgd" and not {"adam_variance", "adam_refresh_every"} & set(
-                aggregator_options):
+        # Each replica's own `v` where the trainer takes it (`make_aggregator`): PowerSGD,
+        # 1-bit, and top-k with its momentum synced (at its default ratio).
+        if (compression in ("powersgd", "onebit") or aggregator.adam_sync_momentum) and not {
+                "adam_variance", "adam_refresh_every"} & set(aggregator_options):
             aggregator.set_adam_variance("local_debiased")
     # The copy's class is the mixin over `optimizer`'s own class with that class's name and
     # module (`wrap_optimizer`), so Keras saves it as the plain optimizer, as Horovod does.

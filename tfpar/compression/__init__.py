@@ -13,14 +13,17 @@ Examples:
 
 from absl import logging
 
+from tfpar.config import TOPK_RATIO
+
 from tfpar.compression.aggregator import Aggregator
 from tfpar.compression.auto import AutoAggregator, LossGuard
 from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
 from tfpar.compression.keras_hook import aggregator_of, wrap_optimizer
 from tfpar.compression.lowrank import PowerSGDAggregator
+from tfpar.compression.onebit import OneBitAggregator
 from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
 
-__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator",
+__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator", "OneBitAggregator",
            "PowerSGDAggregator", "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
            "wrap_optimizer"]
 
@@ -28,7 +31,7 @@ __all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAg
 # Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
 # exact Adam for `adam_warmup_steps`, then compressed Adam steps. Without it top-k's error
 # feedback turns gradients into spikes Adam would slow down (docs/guides/compression.md).
-ADAM_STEP_AGGREGATORS = ("topk", "powersgd")
+ADAM_STEP_AGGREGATORS = ("topk", "powersgd", "onebit")
 
 
 def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
@@ -64,9 +67,14 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         return CastAggregator(kind, **common)
     if kind == "int8":
         return Int8Aggregator(**common)
+    if kind == "onebit":
+        if "adam" in common:
+            # As PowerSGD: each replica's `v` of its own exact gradient (docs/guides/compression.md).
+            common["adam_variance"] = "local_debiased"
+        return OneBitAggregator(**common)
     if kind == "topk":
         if config.optimizer == "adam":
-            safe = type(config).__dataclass_fields__["topk_ratio"].default
+            safe = TOPK_RATIO
             if config.topk_ratio < safe or not config.topk_union:
                 # Below the default, the quality suite's tasks ended above fp32's loss
                 # (tools/bench_compression_quality.py; docs/guides/compression.md).
