@@ -17,7 +17,7 @@ from tfpar.devices import split_cpu  # noqa: E402
 import tensorflow as tf  # noqa: E402
 split_cpu(4)
 from tfpar.compression import (  # noqa: E402
-    AutoAggregator, CastAggregator, Int8Aggregator, NoneAggregator, OneBitAggregator,
+    AutoAggregator, CastAggregator, Int8Aggregator, NoneAggregator, LowBitAggregator,
     PowerSGDAggregator, ThresholdAggregator, TopKAggregator)
 
 CKPT_DIR = sys.argv[1]
@@ -70,12 +70,15 @@ for name, agg in [("none", NoneAggregator()), ("fp16", CastAggregator("fp16")),
 # int8 bound: each replica's error is at most half its scale (max|g_r| / 127 / 2).
 res["int8_bound"] = sum(max(float(np.max(np.abs(g[r]))) for g in RANDOM) / 254 for r in range(R))
 
-# 1-bit is exact where every block's entries share one magnitude (each replica its own).
+# Low-bit codes are exact where every block's entries share one magnitude (each replica its
+# own): the sign at 1 bit, the largest code at 3.
 SIGNED = [[(np.sign(g[r]) * (r + 1) * (i + 1)).astype(np.float32) for r in range(R)]
           for i, g in enumerate(RANDOM)]
-agg = OneBitAggregator()
-out, same = stepper(agg, SIGNED)()
-res["onebit_signed"] = {"err": max_err(out, SIGNED), "same": same, "stats": agg.comm_stats()}
+for bits in (1, 3):
+    agg = LowBitAggregator(bits)
+    out, same = stepper(agg, SIGNED)()
+    res[f"lowbit{bits}_signed"] = {"err": max_err(out, SIGNED), "same": same,
+                                   "stats": agg.comm_stats()}
 
 # PowerSGD is exact when the summed gradient has rank <= r; biases go uncompressed.
 agg = PowerSGDAggregator(rank=4)
@@ -94,7 +97,7 @@ for _ in range(3):
 
 # Error feedback under the strategy: Σ outputs + Σ residuals over replicas == Σ gradients.
 for name, agg in [("ef_topk", TopKAggregator(0.05, union=False, dense_below=0)),
-                  ("ef_powersgd", PowerSGDAggregator(rank=1)), ("ef_onebit", OneBitAggregator(64)),
+                  ("ef_powersgd", PowerSGDAggregator(rank=1)), ("ef_lowbit", LowBitAggregator(block=64)),
                   ("ef_threshold", ThresholdAggregator(threshold=1.5)),
                   # auto (rank 1 on a 1 kB/s link): 2 exact steps (residuals emptied), then
                   # compressed, its ranks decided at windows' ends (steps 3 and 5)

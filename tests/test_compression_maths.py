@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tfpar import ParallelConfig
 from tfpar.compression import (PowerSGDAggregator, TopKAggregator, buckets, codecs,
-                               error_feedback, make_aggregator, onebit, powersgd, sparse)
+                               error_feedback, lowbit, make_aggregator, powersgd, sparse)
 from tfpar.errors import ConfigError
 
 
@@ -271,28 +271,28 @@ def test_bucket_single_bucket_when_budget_is_large():
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 1000])
-def test_onebit_bits_pack_into_int32_roundtrip(n):
+def test_lowbit_bits_pack_into_int32_roundtrip(n):
     bits = tf.constant(np.random.default_rng(n).integers(0, 2, n).astype(np.int32))
-    words = onebit.pack_bits(bits)
-    assert words.dtype == tf.int32 and words.shape == (onebit.words_per_plane(n),)
-    assert np.array_equal(onebit.unpack_bits(words, n).numpy(), bits.numpy())
+    words = lowbit.pack_bits(bits)
+    assert words.dtype == tf.int32 and words.shape == (lowbit.words_per_plane(n),)
+    assert np.array_equal(lowbit.unpack_bits(words, n).numpy(), bits.numpy())
     # Rows of gathered words unpack row by row.
-    assert np.array_equal(onebit.unpack_bits(tf.stack([words, words]), n).numpy()[1], bits)
+    assert np.array_equal(lowbit.unpack_bits(tf.stack([words, words]), n).numpy()[1], bits)
 
 
-def test_onebit_blocks_are_cut_per_tensor():
-    assert onebit.block_ids([5, 3], 4).numpy().tolist() == [0, 0, 0, 0, 1, 2, 2, 2]
-    assert onebit.block_count([5, 3], 4) == 3
+def test_lowbit_blocks_are_cut_per_tensor():
+    assert lowbit.block_ids([5, 3], 4).numpy().tolist() == [0, 0, 0, 0, 1, 2, 2, 2]
+    assert lowbit.block_count([5, 3], 4) == 3
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_onebit_codes_decode_within_their_bound(bits):
+def test_lowbit_codes_decode_within_their_bound(bits):
     sizes = [300, 40]  # a kernel and a bias 100x smaller: each keeps its own scale
     x = tf.concat([_rand(300), _rand(40, seed=1) / 100], 0)
-    ids, count = onebit.block_ids(sizes, 64), onebit.block_count(sizes, 64)
-    words, scales = onebit.encode(x, ids, count, bits)
-    assert words.shape == (bits * onebit.words_per_plane(340),) and scales.shape == (count,)
-    y = onebit.decode(words, scales, ids, 340, bits).numpy()
+    ids, count = lowbit.block_ids(sizes, 64), lowbit.block_count(sizes, 64)
+    words, scales = lowbit.encode(x, ids, count, bits)
+    assert words.shape == (bits * lowbit.words_per_plane(340),) and scales.shape == (count,)
+    y = lowbit.decode(words, scales, ids, 340, bits).numpy()
     per_entry = tf.gather(scales, ids).numpy()
     if bits == 1:  # the sign, and each block's L1 norm
         assert np.array_equal(np.sign(y), np.where(x.numpy() >= 0, 1, -1))
@@ -301,14 +301,18 @@ def test_onebit_codes_decode_within_their_bound(bits):
             tf.math.unsorted_segment_sum(np.abs(y), ids, count).numpy(), l1, rtol=1e-5)
     else:  # to nearest: within half a step of the block's own scale
         assert np.all(np.abs(y - x.numpy()) <= per_entry / 2 * (1 + 1e-5))
-        zeros = onebit.decode(*onebit.encode(tf.zeros(70), ids[:70], 2, bits), ids[:70], 70,
+        zeros = lowbit.decode(*lowbit.encode(tf.zeros(70), ids[:70], 2, bits), ids[:70], 70,
                               bits)
         assert not np.any(zeros.numpy())
     assert np.max(np.abs(y[300:])) < 0.1  # the bias did not take the kernel's scale
 
 
-def test_onebit_rejects_bad_settings():
+def test_lowbit_rejects_bad_settings():
     with pytest.raises(ValueError, match="block=0 is invalid"):
-        onebit.OneBitAggregator(block=0)
+        lowbit.LowBitAggregator(block=0)
     with pytest.raises(ValueError, match="bits=8 is invalid"):
-        onebit.OneBitAggregator(bits=8)
+        lowbit.LowBitAggregator(bits=8)
+    with pytest.raises(ConfigError, match="lowbit_bits"):
+        ParallelConfig(compression="lowbit", lowbit_bits=5)
+    agg = make_aggregator(ParallelConfig(compression="lowbit", optimizer="adam"))
+    assert (agg.bits, agg.adam_variance) == (3, "local_debiased")

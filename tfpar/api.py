@@ -10,6 +10,7 @@ import inspect
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfpar import compression as compression_lib
 from tfpar import devices, nan_guard, patches
@@ -125,7 +126,7 @@ def _aggregator(compression_arg, options):
                           f"choose one of {', '.join(COMPRESSIONS)} or pass a "
                           "tfpar.compression_lib.Aggregator")
     factories = {"none": compression_lib.NoneAggregator, "int8": compression_lib.Int8Aggregator,
-                 "onebit": compression_lib.OneBitAggregator,
+                 "lowbit": compression_lib.LowBitAggregator,
                  "topk": compression_lib.TopKAggregator, "threshold": compression_lib.ThresholdAggregator,
                  "powersgd": compression_lib.PowerSGDAggregator,
                  "auto": compression_lib.AutoAggregator}
@@ -232,9 +233,12 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
         # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in);
         # PowerSGD with each replica's own `v` (`make_aggregator`, docs/benchmarks/compression.md).
         aggregator.adam = (0.9, 0.999, 1e-7)
+        if compression == "topk":
+            logging.warning(compression_lib.topk_with_adam_line(aggregator.ratio,
+                                                                aggregator.union))
         # Each replica's own `v` where the trainer takes it (`make_aggregator`): PowerSGD,
-        # 1-bit, and top-k with its momentum synced (at its default ratio).
-        if (compression in ("powersgd", "onebit") or aggregator.adam_sync_momentum) and not {
+        # low-bit, and top-k with its momentum synced (at its default ratio).
+        if (compression in ("powersgd", "lowbit") or aggregator.adam_sync_momentum) and not {
                 "adam_variance", "adam_refresh_every"} & set(aggregator_options):
             aggregator.set_adam_variance("local_debiased")
     # The copy's class is the mixin over `optimizer`'s own class with that class's name and

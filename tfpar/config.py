@@ -19,7 +19,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker")
 COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "onebit", "topk", "threshold", "powersgd",
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd",
                 "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
@@ -34,6 +34,8 @@ TOPK_DENSE_BELOW = 1024
 TOPK_UNION = True
 TOPK_MOMENTUM_CARRY = 0.5
 THRESHOLD = 1e-4
+# `--compression=lowbit`'s bits per entry (`LowBitAggregator`'s default too).
+LOWBIT_BITS = 3
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
@@ -157,6 +159,7 @@ class ParallelConfig:
     topk_union: bool = TOPK_UNION
     topk_momentum_carry: float = TOPK_MOMENTUM_CARRY
     threshold: float = THRESHOLD
+    lowbit_bits: int = LOWBIT_BITS
     powersgd_rank: int = 16
     powersgd_start_step: int = 0
     compress_adam_step: bool = True
@@ -225,6 +228,9 @@ class ParallelConfig:
         _at_least("adam_warmup_steps", self.adam_warmup_steps, 0)
         if not self.threshold > 0:
             raise ConfigError("threshold", self.threshold, "must be > 0")
+        if self.lowbit_bits not in (1, 2, 3, 4):
+            raise ConfigError("lowbit_bits", self.lowbit_bits, "choose 1, 2, 3 or 4 "
+                              "(8 bits: --compression=int8)")
         if not self.auto_budget_ms > 0:
             raise ConfigError("auto_budget_ms", self.auto_budget_ms, "must be > 0, e.g. 20")
         for name in ("auto_link_mbps", "auto_link_latency_ms"):

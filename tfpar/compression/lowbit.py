@@ -1,11 +1,12 @@
-"""1-bit aggregator: each entry's sign, with one fp32 scale per block of a tensor.
+"""Low-bit aggregator: `bits` bits per entry, with one fp32 scale per block of a tensor.
 
-Every replica sends, per block of `block` consecutive entries of one tensor, the signs of
-its entries (1 bit each, 32 to an int32 word) and the block's mean magnitude; the receiver
-decodes `sign · scale`, which keeps the block's L1 norm, and sums the replicas' decodings in
-replica order (every replica gets the same bits). Error feedback carries what the signs
-missed into the next step, as in 1-bit SGD (Seide et al. 2014), EF-SignSGD (Karimireddy et
-al. 2019) and 1-bit Adam (Tang et al. 2021). About 1/28 of fp32's bytes at `block=256`.
+Every replica sends, per block of `block` consecutive entries of one tensor, a code of
+`bits` bits per entry (bit plane by bit plane, 32 to an int32 word) and the block's scale;
+the receiver decodes them and sums the replicas' decodings in replica order (every replica
+gets the same bits). Error feedback carries what the codes missed into the next step, as in
+1-bit SGD (Seide et al. 2014), EF-SignSGD (Karimireddy et al. 2019) and 1-bit Adam (Tang et
+al. 2021). At the default 3 bits and 256 entries per scale: 3/32 + 1/256 of fp32's bytes,
+~10× fewer (`--lowbit_bits`; why 3: docs/benchmarks/compression.md).
 
 Blocks never straddle two tensors, so a bias's scale is its own, not its neighbour kernel's.
 """
@@ -14,6 +15,7 @@ Blocks never straddle two tensors, so a bias's scale is its own, not its neighbo
 import tensorflow as tf
 
 from tfpar.compression import collectives
+from tfpar.config import LOWBIT_BITS
 from tfpar.compression.aggregator import Aggregator
 
 BLOCK = 256
@@ -96,10 +98,12 @@ def decode(words, scales, ids, n, bits=1):
     return tf.cast(q - (2 ** (bits - 1) - 1), tf.float32) * per_entry
 
 
-class OneBitAggregator(Aggregator):
-    """Sends each entry's sign and one mean magnitude per `block` entries of a tensor.
+class LowBitAggregator(Aggregator):
+    """Sends `bits` bits per entry and one fp32 scale per `block` entries of a tensor
+    (`encode`: the sign and the mean magnitude at 1 bit; symmetric codes `-L..L` of the
+    block's largest magnitude over `L = 2^(bits-1) - 1` from 2 bits, 0 among them).
 
-    The codes of every replica are all-gathered (one int32 buffer per bucket: the sign
+    The codes of every replica are all-gathered (one int32 buffer per bucket: the code
     words, then the scales' bits) and summed locally. With Adam in front (the trainer's
     path and `tfpar.DistributedOptimizer`'s with Keras's Adam) each replica moves Adam's
     second moment with its own exact gradient and compresses its gradient over its own
@@ -107,21 +111,23 @@ class OneBitAggregator(Aggregator):
     error feedback holds back is applied later, never lost.
 
     Args:
-        block: entries per scale, in (1, ...]: each tensor is cut into blocks of this many
-            (its last one shorter); a smaller block follows magnitudes more closely for
-            4 B more per block.
+        bits: bits per entry, 1 to 4 (default 3, the trainer's `--lowbit_bits`; int8 is
+            `Int8Aggregator`).
+        block: entries per scale, >= 1: each tensor is cut into blocks of this many (its
+            last one shorter); a smaller block follows magnitudes more closely for 4 B
+            more per block.
         **kwargs: see `Aggregator`.
 
     Examples:
-        >>> agg = OneBitAggregator()
-        >>> agg.block
-        256
+        >>> agg = LowBitAggregator()
+        >>> agg.bits, agg.block
+        (3, 256)
     """
 
     lossy = True
     adam_compresses = "gradient"  # see `Aggregator.adam_compresses`
 
-    def __init__(self, block=BLOCK, bits=1, **kwargs):
+    def __init__(self, bits=LOWBIT_BITS, block=BLOCK, **kwargs):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block={block!r} is invalid: must be an integer >= 1 (entries "
                              "per scale), e.g. 256")
