@@ -19,11 +19,11 @@ from tfpar.compression.aggregator import Aggregator
 from tfpar.compression.auto import AutoAggregator, LossGuard
 from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
 from tfpar.compression.keras_hook import aggregator_of, wrap_optimizer
-from tfpar.compression.lowrank import PowerSGDAggregator
 from tfpar.compression.lowbit import LowBitAggregator
+from tfpar.compression.lowrank import PowerSGDAggregator
 from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
 
-__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator", "LowBitAggregator",
+__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "LowBitAggregator", "NoneAggregator",
            "PowerSGDAggregator", "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
            "wrap_optimizer"]
 
@@ -84,7 +84,8 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         return Int8Aggregator(**common)
     if kind == "lowbit":
         if "adam" in common:
-            # As PowerSGD: each replica's `v` of its own exact gradient (docs/guides/compression.md).
+            # As PowerSGD: each replica's `v` of its own exact gradient
+            # (docs/guides/compression.md).
             common["adam_variance"] = "local_debiased"
         return LowBitAggregator(config.lowbit_bits, **common)
     if kind == "topk":
