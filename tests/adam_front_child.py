@@ -328,7 +328,7 @@ def powersgd_local_variance():
     dense = (g + np.random.default_rng(3).normal(size=g.shape) * 0.1).astype("float32")
     for ratio, grads in ((1.0, g), (0.1, dense)):
         ws, ms, vs = run(grads, "local_debiased", lambda **kw: TopKAggregator(
-            ratio, union=True, adam_momentum_carry=0.5, **kw))
+            ratio, union=True, dense_below=0, adam_momentum_carry=0.5, **kw))
         out[f"topk_{ratio}"] = compare(ws, ms, vs, "local_debiased", grads)
     # One gradient for both replicas, each entry of one magnitude on every step (random
     # signs): each replica's v is the summed gradient's and Adam's denominator stays put, so
