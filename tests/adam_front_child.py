@@ -185,7 +185,8 @@ def topk_union():
             "union_alone": exchange(TopKAggregator(0.05, dense_below=8, union=True,
                                                    bucket_mb=1e-6)),
             "own_whole": exchange(TopKAggregator(0.05, dense_below=8, union=False)),
-            "own_whole_alone": exchange(TopKAggregator(0.05, dense_below=8, bucket_mb=1e-6, union=False)),
+            "own_whole_alone": exchange(TopKAggregator(0.05, dense_below=8, bucket_mb=1e-6,
+                                                       union=False)),
             "own": exchange(TopKAggregator(0.05, union=False, dense_below=0)),
             # 40 %: the union's message (k index + 2k values) would outgrow the values
             # themselves, so both tensors go whole; each replica's own pairs (2k) would not.

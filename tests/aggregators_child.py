@@ -97,7 +97,8 @@ for _ in range(3):
 
 # Error feedback under the strategy: Σ outputs + Σ residuals over replicas == Σ gradients.
 for name, agg in [("ef_topk", TopKAggregator(0.05, union=False, dense_below=0)),
-                  ("ef_powersgd", PowerSGDAggregator(rank=1)), ("ef_lowbit", LowBitAggregator(block=64)),
+                  ("ef_powersgd", PowerSGDAggregator(rank=1)),
+                  ("ef_lowbit", LowBitAggregator(block=64)),
                   ("ef_threshold", ThresholdAggregator(threshold=1.5)),
                   # auto (rank 1 on a 1 kB/s link): 2 exact steps (residuals emptied), then
                   # compressed, its ranks decided at windows' ends (steps 3 and 5)

@@ -42,7 +42,8 @@ def run(agg, steps, lr=0.05, cosine=True):
 out = {}
 # Every entry sent, no masking: the aggregator's velocity is momentum SGD's buffer.
 plain, _ = run(NoneAggregator(), 20, cosine=False)
-dgc_full, _ = run(TopKAggregator(1.0, momentum=0.9, momentum_masking=False, union=False, dense_below=0), 20, cosine=False)
+dgc_full, _ = run(TopKAggregator(1.0, momentum=0.9, momentum_masking=False, union=False,
+                                 dense_below=0), 20, cosine=False)
 out["full_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
                            for a, b in zip(plain.trainable_variables, dgc_full.trainable_variables))
 # With masking (the default) too: at ratio 1 every tensor goes whole, and a tensor sent whole
@@ -50,7 +51,8 @@ out["full_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
 dgc_whole, _ = run(TopKAggregator(1.0, momentum=0.9, union=False, dense_below=0), 20, cosine=False)
 out["whole_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
                             for a, b in zip(plain.trainable_variables, dgc_whole.trainable_variables))
-for name, agg in [("none", None), ("dgc", TopKAggregator(0.01, momentum=0.9, union=False, dense_below=0)),
+for name, agg in [("none", None),
+                  ("dgc", TopKAggregator(0.01, momentum=0.9, union=False, dense_below=0)),
                   ("topk_no_correction", TopKAggregator(0.01, union=False, dense_below=0))]:
     m, out[name] = run(agg, STEPS)
     if agg is not None:

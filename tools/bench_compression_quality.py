@@ -213,7 +213,8 @@ def run_one(base, spec, extra, runtime, smooth, task_seed=None):
             "comm": {k: (result.get("comm") or {}).get(k) for k in (
                 "bytes_on_wire_per_step", "bytes_uncompressed_per_step", "compression_ratio")},
             "config": {k: getattr(config, k) for k in (
-                "topk_ratio", "topk_warmup_steps", "topk_dense_below", "topk_union", "topk_momentum_carry", "threshold", "lowbit_bits", "powersgd_rank",
+                "topk_ratio", "topk_warmup_steps", "topk_dense_below", "topk_union",
+                "topk_momentum_carry", "threshold", "lowbit_bits", "powersgd_rank",
                 "powersgd_start_step", "compress_adam_step", "adam_warmup_steps", "auto_budget_ms",
                 "auto_link_mbps", "error_feedback", "bucket_mb", "steps",
                 "global_batch_size", "optimizer", "learning_rate")}, "options": options}

@@ -23,9 +23,10 @@ from tfpar.compression.lowbit import LowBitAggregator
 from tfpar.compression.lowrank import PowerSGDAggregator
 from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
 
-__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "LowBitAggregator", "NoneAggregator",
-           "PowerSGDAggregator", "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
-           "wrap_optimizer"]
+__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator",
+           "Int8Aggregator", "LowBitAggregator", "NoneAggregator", "PowerSGDAggregator",
+           "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
+           "topk_with_adam_line", "wrap_optimizer"]
 
 
 # Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
