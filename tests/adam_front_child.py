@@ -93,7 +93,7 @@ def topk_momentum():
 
     out = {}
     w, last, agg = run(TopKAggregator(0.2, adam=ADAM, adam_warmup_steps=warm,
-                                      adam_momentum_carry=0.0))
+                                      adam_momentum_carry=0.0, union=False, dense_below=0))
     m = [local(agg.moments["m_0"], r) for r in (0, 1)]
     v = local(agg.moments["v_0"])
     beta_1, beta_2, eps = agg.adam
@@ -107,15 +107,15 @@ def topk_momentum():
     out["m_scale"] = float(np.max(np.abs(m[0])))
     out["sent_share"] = float(np.mean(applied != 0))
     full, _, _ = run(TopKAggregator(1.0, adam=ADAM, adam_warmup_steps=warm,
-                                    adam_momentum_carry=0.0))
+                                    adam_momentum_carry=0.0, union=False, dense_below=0))
     exact, _, _ = run(NoneAggregator(adam=ADAM, adam_warmup_steps=warm))
     out["full_vs_exact"] = float(np.max(np.abs(full - exact)))
     # Momentum carry: β₁ · α of the synced momentum is applied whether or not its entry is sent.
     carried, _, _ = run(TopKAggregator(1.0, adam=ADAM, adam_warmup_steps=warm,
-                                       adam_momentum_carry=0.5))
+                                       adam_momentum_carry=0.5, union=False, dense_below=0))
     out["carry_full_vs_exact"] = float(np.max(np.abs(carried - exact)))
     w, last, agg = run(TopKAggregator(0.2, adam=ADAM, adam_warmup_steps=warm, union=True,
-                                      adam_momentum_carry=0.5))
+                                      adam_momentum_carry=0.5, dense_below=0))
     m = local(agg.moments["m_0"])
     res = local(agg.residuals["0"])
     applied = (last["w"] - w) / lr
@@ -184,13 +184,14 @@ def topk_union():
     return {"union": exchange(TopKAggregator(0.05, dense_below=8, union=True)),
             "union_alone": exchange(TopKAggregator(0.05, dense_below=8, union=True,
                                                    bucket_mb=1e-6)),
-            "own_whole": exchange(TopKAggregator(0.05, dense_below=8)),
-            "own_whole_alone": exchange(TopKAggregator(0.05, dense_below=8, bucket_mb=1e-6)),
-            "own": exchange(TopKAggregator(0.05)),
+            "own_whole": exchange(TopKAggregator(0.05, dense_below=8, union=False)),
+            "own_whole_alone": exchange(TopKAggregator(0.05, dense_below=8, bucket_mb=1e-6,
+                                                       union=False)),
+            "own": exchange(TopKAggregator(0.05, union=False, dense_below=0)),
             # 40 %: the union's message (k index + 2k values) would outgrow the values
             # themselves, so both tensors go whole; each replica's own pairs (2k) would not.
-            "union_dense": exchange(TopKAggregator(0.4, union=True)),
-            "own_dense": exchange(TopKAggregator(0.4))}
+            "union_dense": exchange(TopKAggregator(0.4, union=True, dense_below=0)),
+            "own_dense": exchange(TopKAggregator(0.4, union=False, dense_below=0))}
 
 
 def powersgd_variance():
@@ -328,7 +329,7 @@ def powersgd_local_variance():
     dense = (g + np.random.default_rng(3).normal(size=g.shape) * 0.1).astype("float32")
     for ratio, grads in ((1.0, g), (0.1, dense)):
         ws, ms, vs = run(grads, "local_debiased", lambda **kw: TopKAggregator(
-            ratio, union=True, adam_momentum_carry=0.5, **kw))
+            ratio, union=True, dense_below=0, adam_momentum_carry=0.5, **kw))
         out[f"topk_{ratio}"] = compare(ws, ms, vs, "local_debiased", grads)
     # One gradient for both replicas, each entry of one magnitude on every step (random
     # signs): each replica's v is the summed gradient's and Adam's denominator stays put, so

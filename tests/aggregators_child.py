@@ -17,8 +17,8 @@ from tfpar.devices import split_cpu  # noqa: E402
 import tensorflow as tf  # noqa: E402
 split_cpu(4)
 from tfpar.compression import (  # noqa: E402
-    AutoAggregator, CastAggregator, Int8Aggregator, NoneAggregator, PowerSGDAggregator,
-    ThresholdAggregator, TopKAggregator)
+    AutoAggregator, CastAggregator, Int8Aggregator, NoneAggregator, LowBitAggregator,
+    PowerSGDAggregator, ThresholdAggregator, TopKAggregator)
 
 CKPT_DIR = sys.argv[1]
 R = 4
@@ -61,7 +61,7 @@ res["gmax"] = gmax
 for name, agg in [("none", NoneAggregator()), ("fp16", CastAggregator("fp16")),
                   ("bf16", CastAggregator("bf16")), ("int8", Int8Aggregator()),
                   ("int8_sr", Int8Aggregator(stochastic_rounding=True)),
-                  ("topk_full", TopKAggregator(1.0)),
+                  ("topk_full", TopKAggregator(1.0, union=False, dense_below=0)),
                   ("small_buckets", NoneAggregator(bucket_mb=0.005))]:
     out, same = stepper(agg, RANDOM)()
     res[name] = {"err": max_err(out, RANDOM), "same": same, "stats": agg.comm_stats(),
@@ -69,6 +69,16 @@ for name, agg in [("none", NoneAggregator()), ("fp16", CastAggregator("fp16")),
 
 # int8 bound: each replica's error is at most half its scale (max|g_r| / 127 / 2).
 res["int8_bound"] = sum(max(float(np.max(np.abs(g[r]))) for g in RANDOM) / 254 for r in range(R))
+
+# Low-bit codes are exact where every block's entries share one magnitude (each replica its
+# own): the sign at 1 bit, the largest code at 3.
+SIGNED = [[(np.sign(g[r]) * (r + 1) * (i + 1)).astype(np.float32) for r in range(R)]
+          for i, g in enumerate(RANDOM)]
+for bits in (1, 3):
+    agg = LowBitAggregator(bits)
+    out, same = stepper(agg, SIGNED)()
+    res[f"lowbit{bits}_signed"] = {"err": max_err(out, SIGNED), "same": same,
+                                   "stats": agg.comm_stats()}
 
 # PowerSGD is exact when the summed gradient has rank <= r; biases go uncompressed.
 agg = PowerSGDAggregator(rank=4)
@@ -86,7 +96,9 @@ for _ in range(3):
                                   "bytes": agg.comm_stats()["bytes_on_wire_per_step"]})
 
 # Error feedback under the strategy: Σ outputs + Σ residuals over replicas == Σ gradients.
-for name, agg in [("ef_topk", TopKAggregator(0.05)), ("ef_powersgd", PowerSGDAggregator(rank=1)),
+for name, agg in [("ef_topk", TopKAggregator(0.05, union=False, dense_below=0)),
+                  ("ef_powersgd", PowerSGDAggregator(rank=1)),
+                  ("ef_lowbit", LowBitAggregator(block=64)),
                   ("ef_threshold", ThresholdAggregator(threshold=1.5)),
                   # auto (rank 1 on a 1 kB/s link): 2 exact steps (residuals emptied), then
                   # compressed, its ranks decided at windows' ends (steps 3 and 5)
@@ -109,7 +121,7 @@ for name, agg in [("ef_topk", TopKAggregator(0.05)), ("ef_powersgd", PowerSGDAgg
     if name == "ef_topk":
         # Checkpoint: a restore gives every replica back its own residual.
         path = tf.train.Checkpoint(agg=agg).save(os.path.join(CKPT_DIR, "agg"))
-        fresh = TopKAggregator(0.05)
+        fresh = TopKAggregator(0.05, union=False, dense_below=0)
         with strategy.scope():
             fresh.build(variables)
         tf.train.Checkpoint(agg=fresh).restore(path).assert_existing_objects_matched()
@@ -124,7 +136,7 @@ for name, agg in [("ef_topk", TopKAggregator(0.05)), ("ef_powersgd", PowerSGDAgg
 
 # Top-k density warm-up: each step sends what the schedule says (bytes counted per step),
 # one trace serves every step, and error feedback still conserves the sum.
-agg = TopKAggregator(0.05, warmup_steps=4, warmup_start=0.5)
+agg = TopKAggregator(0.05, warmup_steps=4, warmup_start=0.5, union=False, dense_below=0)
 run = stepper(agg, RANDOM)
 total = [np.zeros(s, np.float32) for s in SHAPES]
 steps = []

@@ -100,7 +100,7 @@ out["planned"] = {"hash": digest(model), "ranks": planned}
 x = np.random.default_rng(7).normal(size=(8, 32, 16)).astype("float32")
 y = (x @ np.linspace(-1, 1, 16).reshape(16, 1)).astype("float32")
 weights = {}
-for name, agg in (("keras", None), ("adam_step", TopKAggregator(1.0))):
+for name, agg in (("keras", None), ("adam_step", TopKAggregator(1.0, union=False, dense_below=0))):
     model, step = build(agg)
     for i in range(len(x)):
         step(tf.constant(x[i]), tf.constant(y[i]))
@@ -132,14 +132,14 @@ def linear_run(agg, steps=300, lr=1e-3):
         step()
     return float(np.mean(np.abs(w.numpy()))) / (steps * lr)
 
-gradient_agg = TopKAggregator(0.01)
-adam_agg = TopKAggregator(0.01)
+gradient_agg = TopKAggregator(0.01, union=False, dense_below=0)
+adam_agg = TopKAggregator(0.01, union=False, dense_below=0)
 adam_agg.adam = (0.9, 0.999, 1e-7)
 out["moved"] = {"keras": linear_run(None), "topk_gradient": linear_run(gradient_agg),
                 "topk_adam_step": linear_run(adam_agg)}
 # 4. After the exact warm-up the second moment is frozen; with a constant gradient Keras's
 # own v̂ stays g², so frozen-variance Adam through top-k at ratio 1 must move as Keras does.
-frozen = TopKAggregator(1.0, adam_warmup_steps=5)
+frozen = TopKAggregator(1.0, adam_warmup_steps=5, union=False, dense_below=0)
 frozen.adam = (0.9, 0.999, 1e-7)
 out["frozen"] = {"keras": linear_run(None, steps=40), "topk": linear_run(frozen, steps=40),
                  "step": int(frozen.step.numpy() if not hasattr(frozen.step, "values")

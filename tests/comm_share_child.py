@@ -93,7 +93,7 @@ def aggregator_state(strategy):
         return [v.numpy() for r in agg.residuals.values()
                 for v in strategy.experimental_local_results(r)] + [agg.step.numpy()]
     out = {}
-    for name, agg in [("none", None), ("topk", TopKAggregator(0.01)),
+    for name, agg in [("none", None), ("topk", TopKAggregator(0.01, union=False, dense_below=0)),
                       ("powersgd", PowerSGDAggregator(rank=4, start_step=10))]:
         with strategy.scope():
             model = keras.Sequential([keras.Input((256,)),

@@ -42,16 +42,18 @@ def run(agg, steps, lr=0.05, cosine=True):
 out = {}
 # Every entry sent, no masking: the aggregator's velocity is momentum SGD's buffer.
 plain, _ = run(NoneAggregator(), 20, cosine=False)
-dgc_full, _ = run(TopKAggregator(1.0, momentum=0.9, momentum_masking=False), 20, cosine=False)
+dgc_full, _ = run(TopKAggregator(1.0, momentum=0.9, momentum_masking=False, union=False,
+                                 dense_below=0), 20, cosine=False)
 out["full_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
                            for a, b in zip(plain.trainable_variables, dgc_full.trainable_variables))
 # With masking (the default) too: at ratio 1 every tensor goes whole, and a tensor sent whole
 # keeps its velocity (masked, it would train as SGD without momentum).
-dgc_whole, _ = run(TopKAggregator(1.0, momentum=0.9), 20, cosine=False)
+dgc_whole, _ = run(TopKAggregator(1.0, momentum=0.9, union=False, dense_below=0), 20, cosine=False)
 out["whole_max_diff"] = max(float(np.max(np.abs(a.numpy() - b.numpy())))
                             for a, b in zip(plain.trainable_variables, dgc_whole.trainable_variables))
-for name, agg in [("none", None), ("dgc", TopKAggregator(0.01, momentum=0.9)),
-                  ("topk_no_correction", TopKAggregator(0.01))]:
+for name, agg in [("none", None),
+                  ("dgc", TopKAggregator(0.01, momentum=0.9, union=False, dense_below=0)),
+                  ("topk_no_correction", TopKAggregator(0.01, union=False, dense_below=0))]:
     m, out[name] = run(agg, STEPS)
     if agg is not None:
         out[name + "_identical"] = all(

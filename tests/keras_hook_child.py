@@ -45,7 +45,7 @@ def fit(make_opt, batch, steps, agg=None):
     return m, h.history["loss"][-1]
 
 # 1. The hook runs, the optimizer stays an Adam, its config and serialisation are unchanged.
-agg = TopKAggregator(0.1)
+agg = TopKAggregator(0.1, union=False, dense_below=0)
 m, _ = fit(lambda: keras.optimizers.Adam(1e-2), 32, 8, agg)
 opt = m.optimizer
 plain = keras.optimizers.Adam(1e-2)
@@ -96,7 +96,7 @@ res["lso"] = {"traced": agg.trace_count, "loss": h.history["loss"], "steps": int
               "same": all(np.array_equal(c[0].numpy(), r.numpy()) for c in copies for r in c)}
 
 # 5. One replica: nothing to communicate, the aggregator is not called.
-agg = TopKAggregator(0.01)
+agg = TopKAggregator(0.01, union=False, dense_below=0)
 m = model()
 m.compile(optimizer=wrap_optimizer(keras.optimizers.SGD(0.05), agg), loss="mse")
 m.fit(x[:64], y[:64], batch_size=32, verbose=0)

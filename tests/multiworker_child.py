@@ -30,7 +30,7 @@ x = rng.normal(size=(20, 32, 16)).astype("float32")
 y = (x @ np.linspace(-1, 1, 16).reshape(16, 1)).astype("float32")
 out = {}
 for name, agg in [("powersgd", PowerSGDAggregator(rank=2, start_step=3)),
-                  ("topk", TopKAggregator(0.05))]:
+                  ("topk", TopKAggregator(0.05, union=False, dense_below=0))]:
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
@@ -62,7 +62,7 @@ for name, agg in [("powersgd", PowerSGDAggregator(rank=2, start_step=3)),
 path = tf.train.Checkpoint(agg=agg).save(os.path.join(tempfile.mkdtemp(), "agg"))
 saved = dict(tf.train.list_variables(path))
 with strategy.scope():
-    fresh = TopKAggregator(0.05)
+    fresh = TopKAggregator(0.05, union=False, dense_below=0)
     fresh.build([v.value for v in model.trainable_variables])
 tf.train.Checkpoint(agg=fresh).restore(path).assert_existing_objects_matched()
 own = [strategy.experimental_local_results(agg.residuals[k])[0].numpy() for k in agg.residuals]

@@ -25,7 +25,7 @@ def make(name):
     if name == "powersgd":
         return PowerSGDAggregator(rank=2, adam_variance="local_debiased", **ADAM)
     if name == "topk":
-        return TopKAggregator(0.1, **ADAM)
+        return TopKAggregator(0.1, union=False, dense_below=0, **ADAM)
     return AutoAggregator(budget_ms=1.0, link=(1e3, 0.0), window=2, start_step=3,
                           adam_variance="local_debiased", **ADAM)
 

@@ -171,3 +171,22 @@ def test_distributed_optimizer_serialises_as_the_plain_optimizer():
         keras.optimizers.SGD(), initial_scale=64.0), compression="fp16")
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
     assert aggregator_of(scaled).dtype_name == "fp16" and scaled.initial_scale == 64.0
+
+
+def test_topk_and_threshold_have_one_default_for_the_api_and_the_trainer():
+    # Issue 43: DistributedOptimizer(compression="topk") sent 1 % without the union where
+    # --compression=topk sent 25 % with it; both now read tfpar.config's defaults.
+    import keras
+
+    import tfpar
+    from tfpar.compression import aggregator_of, make_aggregator
+    keys = ("ratio", "dense_below", "union", "adam_momentum_carry", "warmup_steps",
+            "adam", "adam_warmup_steps", "adam_variance")
+    api = aggregator_of(tfpar.DistributedOptimizer(keras.optimizers.Adam(),
+                                                   compression="topk")).get_config()
+    trainer = make_aggregator(tfpar.ParallelConfig(compression="topk",
+                                                   optimizer="adam")).get_config()
+    assert {k: api[k] for k in keys} == {k: trainer[k] for k in keys}
+    assert (api["ratio"], api["union"], api["adam_variance"]) == (0.25, True, "local_debiased")
+    threshold = aggregator_of(tfpar.DistributedOptimizer("sgd", compression="threshold"))
+    assert threshold.threshold == tfpar.ParallelConfig().threshold

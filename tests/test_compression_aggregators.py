@@ -64,7 +64,18 @@ def test_powersgd_start_step_runs_plain_all_reduce_first(results):
     assert steps[2]["bytes"] == 4 * ((64 + 48) + (36 + 8) + 48)
 
 
-@pytest.mark.parametrize("name", ["ef_topk", "ef_powersgd", "ef_threshold", "ef_auto"])
+@pytest.mark.parametrize("bits", [1, 3])
+def test_lowbit_exact_on_one_magnitude_per_block_and_its_bytes(results, bits):
+    r = results[f"lowbit{bits}_signed"]
+    assert r["same"] and r["err"] <= 1e-5 * 4 * 3, r
+    # Blocks cut per tensor (3072 → 12, 48 → 1, 288 → 2 scales); each bit plane of the 3408
+    # codes in 107 words.
+    assert r["stats"]["bytes_on_wire_per_step"] == 4 * (bits * 107 + 15)
+    assert r["stats"]["compression_ratio"] > {1: 27, 3: 10}[bits]
+
+
+@pytest.mark.parametrize("name", ["ef_topk", "ef_powersgd", "ef_threshold", "ef_auto",
+                                  "ef_lowbit"])
 def test_error_feedback_conserves_sum_across_replicas(results, name):
     r = results[name]
     assert r["same"]

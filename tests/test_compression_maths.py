@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tfpar import ParallelConfig
 from tfpar.compression import (PowerSGDAggregator, TopKAggregator, buckets, codecs,
-                               error_feedback, make_aggregator, powersgd, sparse)
+                               error_feedback, lowbit, make_aggregator, powersgd, sparse)
 from tfpar.errors import ConfigError
 
 
@@ -135,7 +135,7 @@ def test_topk_warmup_density_decays_exponentially_to_the_ratio():
     np.testing.assert_allclose([b / a for a, b in zip(d[:10], d[1:10])], 0.04 ** 0.1)
     assert sparse.warmup_density(0, 0.01, 0) == 0.01  # off
     assert sparse.warmup_density(0, 0.5, 10) == 0.5  # the target is already denser
-    agg = TopKAggregator(0.01, warmup_steps=10)
+    agg = TopKAggregator(0.01, warmup_steps=10, dense_below=0)
     assert [agg.k(1000, s) for s in (0, 5, 10, 1000)] == [250, 50, 10, 10]
     assert agg.k(1000) == 10 and agg.k(3, 0) == 1
 
@@ -268,3 +268,51 @@ def test_bucket_pack_unpack_roundtrip():
 def test_bucket_single_bucket_when_budget_is_large():
     plan = buckets.plan_buckets([(10,), (20, 2), ()], bucket_bytes=25 * 2 ** 20)
     assert len(plan) == 1 and plan[0].size == 51
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 1000])
+def test_lowbit_bits_pack_into_int32_roundtrip(n):
+    bits = tf.constant(np.random.default_rng(n).integers(0, 2, n).astype(np.int32))
+    words = lowbit.pack_bits(bits)
+    assert words.dtype == tf.int32 and words.shape == (lowbit.words_per_plane(n),)
+    assert np.array_equal(lowbit.unpack_bits(words, n).numpy(), bits.numpy())
+    # Rows of gathered words unpack row by row.
+    assert np.array_equal(lowbit.unpack_bits(tf.stack([words, words]), n).numpy()[1], bits)
+
+
+def test_lowbit_blocks_are_cut_per_tensor():
+    assert lowbit.block_ids([5, 3], 4).numpy().tolist() == [0, 0, 0, 0, 1, 2, 2, 2]
+    assert lowbit.block_count([5, 3], 4) == 3
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_lowbit_codes_decode_within_their_bound(bits):
+    sizes = [300, 40]  # a kernel and a bias 100x smaller: each keeps its own scale
+    x = tf.concat([_rand(300), _rand(40, seed=1) / 100], 0)
+    ids, count = lowbit.block_ids(sizes, 64), lowbit.block_count(sizes, 64)
+    words, scales = lowbit.encode(x, ids, count, bits)
+    assert words.shape == (bits * lowbit.words_per_plane(340),) and scales.shape == (count,)
+    y = lowbit.decode(words, scales, ids, 340, bits).numpy()
+    per_entry = tf.gather(scales, ids).numpy()
+    if bits == 1:  # the sign, and each block's L1 norm
+        assert np.array_equal(np.sign(y), np.where(x.numpy() >= 0, 1, -1))
+        l1 = tf.math.unsorted_segment_sum(tf.abs(x), ids, count).numpy()
+        np.testing.assert_allclose(
+            tf.math.unsorted_segment_sum(np.abs(y), ids, count).numpy(), l1, rtol=1e-5)
+    else:  # to nearest: within half a step of the block's own scale
+        assert np.all(np.abs(y - x.numpy()) <= per_entry / 2 * (1 + 1e-5))
+        zeros = lowbit.decode(*lowbit.encode(tf.zeros(70), ids[:70], 2, bits), ids[:70], 70,
+                              bits)
+        assert not np.any(zeros.numpy())
+    assert np.max(np.abs(y[300:])) < 0.1  # the bias did not take the kernel's scale
+
+
+def test_lowbit_rejects_bad_settings():
+    with pytest.raises(ValueError, match="block=0 is invalid"):
+        lowbit.LowBitAggregator(block=0)
+    with pytest.raises(ValueError, match="bits=8 is invalid"):
+        lowbit.LowBitAggregator(bits=8)
+    with pytest.raises(ConfigError, match="lowbit_bits"):
+        ParallelConfig(compression="lowbit", lowbit_bits=5)
+    agg = make_aggregator(ParallelConfig(compression="lowbit", optimizer="adam"))
+    assert (agg.bits, agg.adam_variance) == (3, "local_debiased")

@@ -64,6 +64,7 @@ ALLOWED = {
     ("tfpar/config.py", "ParallelConfig.__post_init__", "topk_ratio"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "topk_momentum_carry"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "threshold"): (1, RANGE),
+    ("tfpar/config.py", "ParallelConfig.__post_init__", "lowbit_bits"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "auto_budget_ms"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "microbatches"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.per_replica_batch", "global_batch_size"): (1, RANGE),

@@ -41,7 +41,7 @@ TABLE = {
         "dtensor": (("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd"),
                     "the mesh's batch-axis reduction (tfpar.layout.reduction) compresses "
                     "with fp16, bf16, int8, topk, threshold or powersgd; auto's per-tensor "
-                    "choice runs on tf.distribute collectives only"),
+                    "choice and lowbit's codes run on tf.distribute collectives only"),
     },
     "sequence_parallel": {
         backend: ((False,), "sequence parallelism splits activations over the model axis "

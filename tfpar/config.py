@@ -19,12 +19,23 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker")
 COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd", "auto")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd",
+                "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 ON_NAN = ("stop", "skip_step")
 RECOMPUTE = ("none", "blocks", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 ZERO_GATHERS = ("fp32", "int8")
+# Top-k's and threshold's defaults, here only: the trainer's `--topk_*` / `--threshold`, and
+# `TopKAggregator()` / `ThresholdAggregator()` (so `tfpar.DistributedOptimizer(compression=
+# "topk")`) read them. Why 25 % with the union: docs/benchmarks/compression.md.
+TOPK_RATIO = 0.25
+TOPK_DENSE_BELOW = 1024
+TOPK_UNION = True
+TOPK_MOMENTUM_CARRY = 0.5
+THRESHOLD = 1e-4
+# `--compression=lowbit`'s bits per entry (`LowBitAggregator`'s default too).
+LOWBIT_BITS = 3
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
@@ -142,12 +153,13 @@ class ParallelConfig:
     zero_gather: str = "fp32"
     # Gradient aggregation.
     compression: str = "none"
-    topk_ratio: float = 0.25
+    topk_ratio: float = TOPK_RATIO
     topk_warmup_steps: int = 0
-    topk_dense_below: int = 1024
-    topk_union: bool = True
-    topk_momentum_carry: float = 0.5
-    threshold: float = 1e-4
+    topk_dense_below: int = TOPK_DENSE_BELOW
+    topk_union: bool = TOPK_UNION
+    topk_momentum_carry: float = TOPK_MOMENTUM_CARRY
+    threshold: float = THRESHOLD
+    lowbit_bits: int = LOWBIT_BITS
     powersgd_rank: int = 16
     powersgd_start_step: int = 0
     compress_adam_step: bool = True
@@ -216,6 +228,9 @@ class ParallelConfig:
         _at_least("adam_warmup_steps", self.adam_warmup_steps, 0)
         if not self.threshold > 0:
             raise ConfigError("threshold", self.threshold, "must be > 0")
+        if self.lowbit_bits not in (1, 2, 3, 4):
+            raise ConfigError("lowbit_bits", self.lowbit_bits, "choose 1, 2, 3 or 4 "
+                              "(8 bits: --compression=int8)")
         if not self.auto_budget_ms > 0:
             raise ConfigError("auto_budget_ms", self.auto_budget_ms, "must be > 0, e.g. 20")
         for name in ("auto_link_mbps", "auto_link_latency_ms"):

@@ -71,7 +71,7 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))  # user_data.py: the user-style 
 
 EXACT = "fp32-exact"  # the reference: fp32 through the exact aggregator
 FROZEN = "frozen-v"  # diagnostic: Adam in front, v frozen, nothing dropped (module docstring)
-LOSSY = ("fp16", "bf16", "int8", "topk", "threshold", "powersgd", "auto")
+LOSSY = ("fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd", "auto")
 TASKS = {"mlp": {"model": "mlp"}, "convnet": {"model": "convnet"},
          "transformer": {"model": "transformer", "task": "lookup"},
          "user": {"model": "mlp", "dataset": "user_data:sign_of_sum", "num_classes": 2},
@@ -213,7 +213,8 @@ def run_one(base, spec, extra, runtime, smooth, task_seed=None):
             "comm": {k: (result.get("comm") or {}).get(k) for k in (
                 "bytes_on_wire_per_step", "bytes_uncompressed_per_step", "compression_ratio")},
             "config": {k: getattr(config, k) for k in (
-                "topk_ratio", "topk_warmup_steps", "topk_dense_below", "topk_union", "topk_momentum_carry", "threshold", "powersgd_rank",
+                "topk_ratio", "topk_warmup_steps", "topk_dense_below", "topk_union",
+                "topk_momentum_carry", "threshold", "lowbit_bits", "powersgd_rank",
                 "powersgd_start_step", "compress_adam_step", "adam_warmup_steps", "auto_budget_ms",
                 "auto_link_mbps", "error_feedback", "bucket_mb", "steps",
                 "global_batch_size", "optimizer", "learning_rate")}, "options": options}

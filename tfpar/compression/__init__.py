@@ -13,22 +13,41 @@ Examples:
 
 from absl import logging
 
+from tfpar.config import TOPK_RATIO
+
 from tfpar.compression.aggregator import Aggregator
 from tfpar.compression.auto import AutoAggregator, LossGuard
 from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
 from tfpar.compression.keras_hook import aggregator_of, wrap_optimizer
+from tfpar.compression.lowbit import LowBitAggregator
 from tfpar.compression.lowrank import PowerSGDAggregator
 from tfpar.compression.sparse import ThresholdAggregator, TopKAggregator
 
-__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator", "Int8Aggregator", "NoneAggregator",
-           "PowerSGDAggregator", "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
-           "wrap_optimizer"]
+__all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAggregator",
+           "Int8Aggregator", "LowBitAggregator", "NoneAggregator", "PowerSGDAggregator",
+           "ThresholdAggregator", "ADAM_STEP_AGGREGATORS", "TopKAggregator", "make_aggregator",
+           "topk_with_adam_line", "wrap_optimizer"]
 
 
 # Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
 # exact Adam for `adam_warmup_steps`, then compressed Adam steps. Without it top-k's error
 # feedback turns gradients into spikes Adam would slow down (docs/guides/compression.md).
-ADAM_STEP_AGGREGATORS = ("topk", "powersgd")
+ADAM_STEP_AGGREGATORS = ("topk", "powersgd", "lowbit")
+
+
+def topk_with_adam_line(ratio, union):
+    """The one line top-k with Adam logs (the trainer's `--compression=topk`,
+    `tfpar.DistributedOptimizer(compression="topk")`): what it sends at `ratio` and `union`,
+    and the aggregator that sends >= 10x fewer bytes than fp32 at fp32's quality
+    (the quality suite, tools/bench_compression_quality.py: docs/benchmarks/compression.md)."""
+    if ratio < TOPK_RATIO or not union:
+        cost = (f"below ratio {TOPK_RATIO:g} or without the union top-k ended above fp32's "
+                "loss on tasks of the quality suite")
+    else:
+        cost = (f"at ratio {ratio:g} with the union top-k sends ~0.76x fp32's bytes at 2 "
+                "replicas (more from 3: then every tensor goes whole), more than fp16 or int8")
+    return (f"compression=topk with Adam: {cost}; compression=lowbit sends ~10x fewer bytes "
+            "than fp32 within fp32's band on the quality suite (docs/benchmarks/compression.md)")
 
 
 def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
@@ -64,16 +83,15 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         return CastAggregator(kind, **common)
     if kind == "int8":
         return Int8Aggregator(**common)
+    if kind == "lowbit":
+        if "adam" in common:
+            # As PowerSGD: each replica's `v` of its own exact gradient
+            # (docs/guides/compression.md).
+            common["adam_variance"] = "local_debiased"
+        return LowBitAggregator(config.lowbit_bits, **common)
     if kind == "topk":
         if config.optimizer == "adam":
-            safe = type(config).__dataclass_fields__["topk_ratio"].default
-            if config.topk_ratio < safe or not config.topk_union:
-                # Below the default, the quality suite's tasks ended above fp32's loss
-                # (tools/bench_compression_quality.py; docs/guides/compression.md).
-                logging.warning("compression=topk with optimizer=adam below --topk_ratio=%g "
-                                "(the default) or without --topk_union ended above fp32's "
-                                "loss on tasks of the quality suite "
-                                "(docs/benchmarks/compression.md)", safe)
+            logging.warning(topk_with_adam_line(config.topk_ratio, config.topk_union))
             if "adam" in common and config.topk_ratio >= 1 - common["adam"][0]:
                 # Each replica's `v` moves with its own exact gradient (it needs the momentum
                 # synced: `TopKAggregator.adam_sync_momentum`); why: docs/guides/compression.md.

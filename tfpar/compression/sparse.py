@@ -11,6 +11,8 @@ import math
 import tensorflow as tf
 
 from tfpar import patches
+from tfpar.config import (THRESHOLD, TOPK_DENSE_BELOW, TOPK_MOMENTUM_CARRY, TOPK_RATIO,
+                          TOPK_UNION)
 from tfpar.compression import codecs, collectives
 from tfpar.compression.aggregator import (Aggregator, PerReplicaSlot, check_count,
                                          per_replica_variable)
@@ -147,13 +149,16 @@ class TopKAggregator(Aggregator):
 
     Args:
         ratio: fraction of entries sent, in (0, 1]; 0.01 sends ~2 % of fp32's bytes (a
-            value and an index per entry).
+            value and an index per entry). Default 0.25, the trainer's `--topk_ratio`
+            (this and the other defaults: `tfpar.config.TOPK_*`).
         momentum: DGC momentum correction in [0, 1); 0 = off. Needs error feedback.
         momentum_masking: reset the velocity of the entries sent.
         warmup_steps: steps over which the density decays to `ratio`; 0 = off.
         warmup_start: the density at the first step, in (0, 1].
-        dense_below: tensors of at most this many entries are sent whole; 0 = none.
-        union: send every replica's values at the union of all replicas' indices.
+        dense_below: tensors of at most this many entries are sent whole; 0 = none
+            (default 1024).
+        union: send every replica's values at the union of all replicas' indices
+            (default True).
         adam_momentum_carry: with Adam in front and the momentum synced, the share in
             [0, 1] of the synced momentum's continuation applied outside the compression.
         **kwargs: see `Aggregator`.
@@ -175,9 +180,9 @@ class TopKAggregator(Aggregator):
         wait much longer than `1/(1 − β₁)` steps then move slower (docs/guides/compression.md)."""
         return self.adam is not None and self.ratio >= 1 - self.adam[0]
 
-    def __init__(self, ratio=0.01, momentum=0.0, momentum_masking=True, warmup_steps=0,
-                 warmup_start=0.25, dense_below=0, union=False, adam_momentum_carry=0.5,
-                 **kwargs):
+    def __init__(self, ratio=TOPK_RATIO, momentum=0.0, momentum_masking=True, warmup_steps=0,
+                 warmup_start=0.25, dense_below=TOPK_DENSE_BELOW, union=TOPK_UNION,
+                 adam_momentum_carry=TOPK_MOMENTUM_CARRY, **kwargs):
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio={ratio!r} is invalid: must be in (0, 1]")
         if not 0 <= momentum < 1:
@@ -335,7 +340,7 @@ class ThresholdAggregator(Aggregator):
 
     # The trainer's `--threshold` default: 1e-3 ended ~10 % above fp32 with Adam on an
     # embedding + LSTM model where 1e-4 ended +2.7 % (docs/guides/compression.md).
-    def __init__(self, threshold=1e-4, **kwargs):
+    def __init__(self, threshold=THRESHOLD, **kwargs):
         if not threshold > 0:
             raise ValueError(f"threshold={threshold!r} is invalid: must be > 0")
         super().__init__(**kwargs)
