@@ -208,7 +208,7 @@ def check_communication(runtime, model, task, config, steps=5, rounds=3):
     if share > COMM_WARN:
         return Check("communication share", "WARN", detail,
                      "communication-bound: raise the per-replica batch or --grad_accum_steps, "
-                     "or compress gradients (--compression=fp16|int8|topk|powersgd; see "
+                     "or compress gradients (--compression=fp16|int8|lowbit|powersgd; see "
                      "python -m tfpar.plan)"), share
     return Check("communication share", "PASS", detail), share
 

@@ -103,9 +103,10 @@ def main(argv):
 
     try:
         if FLAGS.compression not in ("none", "fp16", "bf16", "int8", "topk", "threshold",
-                                     "powersgd"):
+                                     "powersgd", "lowbit"):
             raise ConfigError("compression", FLAGS.compression,
-                              "choose none, fp16, bf16, int8, topk, threshold or powersgd")
+                              "choose none, fp16, bf16, int8, topk, threshold, powersgd or "
+                              "lowbit")
         element_bytes = 2 if FLAGS.mixed_precision != "none" else 4
         prof, builds_it = model_profile(element_bytes)
         request = planner.Request(

@@ -38,6 +38,7 @@ updated, per pipeline action, per step, per parameter encoded), which is what le
 import dataclasses
 import math
 
+from tfpar.config import LOWBIT_BITS
 from tfpar.dims import ParallelDims
 from tfpar.replica_split import split_examples
 
@@ -48,18 +49,20 @@ STATE_BYTES = {"sgd": 8, "momentum": 12, "adam": 16}
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}
 GRAD_BYTES = 4  # tfpar all-reduces fp32 gradients (mixed precision included)
 # Bytes on the wire per fp32 gradient byte sent; see tfpar.compression.
-COMPRESSION_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 3.9}
+COMPRESSION_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 3.9,
+                     # lowbit at its default bits: bits/32 + one fp32 scale per 256 entries
+                     "lowbit": 1 / (LOWBIT_BITS / 32 + 1 / 256)}
 BUCKET_BYTES = 25 * 2 ** 20  # gradients fused per collective (tfpar's --bucket_mb)
 # Encode + decode seconds per gradient parameter of each aggregator, when not calibrated
 # and the device's memory bandwidth is unknown.
 DEFAULT_ENCODE_SECONDS = {"fp16": 2e-9, "bf16": 2e-9, "int8": 2e-9, "topk": 2e-9,
-                          "threshold": 2e-9, "powersgd": 2e-9}
+                          "threshold": 2e-9, "powersgd": 2e-9, "lowbit": 2e-9}
 # Memory traffic of encode + decode per gradient parameter (read fp32, write the wire
 # format, read it back, write fp32; int8 adds a pass for the scale, top-k and threshold
 # a selection pass, PowerSGD two thin matmuls and the error feedback), for devices whose
 # memory bandwidth is given: seconds = bytes / bandwidth.
 ENCODE_BYTES = {"fp16": 12, "bf16": 12, "int8": 14, "topk": 24, "threshold": 20,
-                "powersgd": 24}
+                "powersgd": 24, "lowbit": 14}  # lowbit: int8's passes, codes bit-packed
 
 
 @dataclasses.dataclass(frozen=True)
