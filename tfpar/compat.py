@@ -123,10 +123,18 @@ ZERO_COMPRESSION = Rule(
     and c.compression not in ("none",) + ZERO_CODECS,
     "not supported: --zero_stage=1|2 reduce-scatters gradients in fp16, bf16 or int8; a "
     "sparse or low-rank reduce-scatter is not built (use one of those, or --zero_stage=0)")
+# ZeRO-3's reduce-scatter on the mesh travels in the same (`tfpar.zero.reduce_scatter`).
 ZERO3_COMPRESSION = Rule(
-    "compression", lambda c: c.zero_stage == 3 and c.compression != "none",
-    "not supported: --zero_stage=3 reduce-scatters fp32 gradients on the mesh; a "
-    "compressed one is built for --zero_stage=1|2 (fp16, bf16, int8)")
+    "compression", lambda c: c.zero_stage == 3
+    and c.compression not in ("none",) + ZERO_CODECS,
+    "not supported: --zero_stage=3 reduce-scatters gradients in fp16, bf16 or int8; a "
+    "sparse or low-rank reduce-scatter is not built (use one of those, or --compression=none)")
+ZERO3_COMPRESSION_RECOMPUTE = Rule(
+    "recompute", lambda c: c.zero_stage == 3 and c.compression != "none"
+    and c.recompute != "none",
+    "not supported: ZeRO-3's compressed reduce-scatter forms each replica's gradient in a "
+    "step mapped over replicas, where layers are not recomputed; use --recompute=none, or "
+    "--compression=none")
 MESH_COMPRESSION = Rule(
     "compression", lambda c: _mesh(c) and c.compression != "none" and (
         c.mixed_precision == "fp16" or (c.grad_accum_steps > 1 and not c.dims.pp_enabled)),
@@ -206,6 +214,7 @@ COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
+    ZERO3_COMPRESSION_RECOMPUTE,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
          "--zero_stage=3 or use --zero_gather=fp32"),

@@ -27,6 +27,7 @@ from tfpar.layout import (activations, keras_step, presets, reduction, step, val
                           variables)
 from tfpar.layout.mesh import BATCH, axis_size, batch_parts
 from tfpar.layout.optimizer import stateless_optimizer
+from tfpar.zero import fsdp, reduce_scatter
 
 
 def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
@@ -80,7 +81,11 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
             mixed_precision="fp16" if hasattr(optimizer, "inner_optimizer") else "none"))
         # One replica on the `batch` axis: no data-parallel reduction to compress (the
         # `model` axis's collectives are never compressed), so the exact step runs.
-        if axis_size(mesh, BATCH) > 1:
+        if axis_size(mesh, BATCH) > 1 and fsdp.split_over_batch(
+                model.trainable_variables):  # ZeRO-3: reduce-scattered onto the pieces
+            reducer = reduce_scatter.ShardedReduction(mesh, model.trainable_variables,
+                                                      compression, error_feedback)
+        elif axis_size(mesh, BATCH) > 1:
             reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
                                                    compression, error_feedback,
                                                    **(codec_options or {}))

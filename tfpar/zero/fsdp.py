@@ -43,6 +43,7 @@ expansion, "input and output layout do not agree on non-axis dim 1"), hence the 
 relayouts.
 """
 
+import contextlib
 import functools
 import math
 
@@ -78,11 +79,45 @@ def _split_layout(variable):
     return layout if layout is not None and BATCH in layout.sharding_specs else None
 
 
+def split_over_batch(variables):
+    """Whether any of `variables` is split over `batch` (a ZeRO-3 model's)."""
+    return any(_split_layout(v) is not None for v in variables)
+
+
 def _whole(variable, value, layout=None):
     """`value` of `variable` relayouted whole over `batch` (`layout`: the variable's, read
     beforehand; under a StatelessScope `variable.value` is a tensor without one)."""
     layout = layout or _split_layout(variable)
-    return value if layout is None else dtensor.relayout(value, whole_over_batch(layout))
+    if layout is None:
+        return value
+    if not _PER_REPLICA:
+        return dtensor.relayout(value, whole_over_batch(layout))
+
+    @tf.custom_gradient
+    def gather(piece):  # the gradient left whole: `per_replica_gradients`
+        return dtensor.relayout(piece, whole_over_batch(layout)), lambda dy: dy
+
+    return gather(value)
+
+
+# Set while `per_replica_gradients` traces a step: see there.
+_PER_REPLICA = False
+
+
+@contextlib.contextmanager
+def per_replica_gradients():
+    """Traces the per-layer gathers for a step that forms each replica's own gradient
+    (`tf.vectorized_map` over the batch reshaped `[data_parallel, m, ...]`, as
+    `tfpar.layout.reduction`): a gather's gradient is handed back whole, not reduced onto
+    the piece (`tfpar.zero.reduce_scatter` reduce-scatters it, compressed), and the
+    gathers read no zero from the layer's input (`_after`: inside the map it would make
+    every gather per replica; the gathered weights are the same for every replica)."""
+    global _PER_REPLICA
+    before, _PER_REPLICA = _PER_REPLICA, True
+    try:
+        yield
+    finally:
+        _PER_REPLICA = before
 
 
 def _whole_int8(value, layout):
@@ -103,6 +138,8 @@ def _whole_int8(value, layout):
                * dtensor.relayout(scale, whole))
 
         def grad(dy):
+            if _PER_REPLICA:
+                return tf.cast(dy, piece.dtype)
             return dtensor.relayout_like(tf.cast(dy, piece.dtype), piece)
 
         return tf.cast(out, piece.dtype), grad
@@ -114,10 +151,11 @@ def _quantized(variable, codec):
     return codec == "int8" and len(variable.shape) >= 2
 
 
-def gather_bytes(model, replicas):
-    """Bytes each device hands to the per-layer weight gathers in one step (each layer's
-    gather runs twice: forward and the recomputed forward of the backward), from the
-    weights `gather_per_layer` wrapped; 0 without any."""
+def gather_bytes(model, replicas, passes=2):
+    """Bytes each device hands to the per-layer weight gathers in one step, from the
+    weights `gather_per_layer` wrapped; 0 without any. `passes`: how often each layer's
+    gather runs, 2 (forward and the recomputed forward of the backward), or 1 in a step
+    traced under `per_replica_gradients` (no recomputation there)."""
     total = 0
     for variable in model.trainable_variables:
         codec = getattr(variable, "_tfpar_gathered_per_layer", None)
@@ -128,16 +166,16 @@ def gather_bytes(model, replicas):
         numel = math.prod(shape)
         if _quantized(variable, codec):
             rows = shape[list(layout.sharding_specs).index(BATCH)]
-            total += 2 * (numel + 4 * rows) // replicas
+            total += passes * (numel + 4 * rows) // replicas
         else:
-            total += 2 * 4 * numel // replicas
+            total += passes * 4 * numel // replicas
     return total
 
 
 def _after(value, inputs):
     """`value` + 0.0, the zero computed from `inputs`: `value`, exactly, but only once the
     layer's input exists (NaN if the input is NaN, as the layer's output would be)."""
-    if not inputs:
+    if not inputs or _PER_REPLICA:
         return value
     probe = tf.reduce_max(tf.cast(inputs[0], tf.float32))
     zero = tf.where(probe == probe, 0.0, float("nan"))
@@ -192,6 +230,8 @@ def _wrap(layer, variables, layouts, codec):
             with keras.StatelessScope(state_mapping=list(zip(variables, whole))):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
+        if _PER_REPLICA:
+            return forward(*tensors, *pieces)
         return tf.recompute_grad(forward)(*tensors, *pieces)
 
     object.__setattr__(layer, "call", gathering_call)
