@@ -21,7 +21,9 @@ piece of state is named as in the single-device model and saved as one full tens
 - `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
   inspect`; never read on load).
 
-The aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
+ZeRO-3's error feedback (`--zero_stage=3 --compression=...`) is `aggregator/zero3_residual/
+<path>`: one row per replica, onto another replica count with its sum kept. Any other
+aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
 beside it by the aggregator's own objects, whose names are its positions in the
 trainable variables: residuals keep one row per replica and move to another replica count
 with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`).
@@ -63,6 +65,9 @@ def name_of(checkpoint_key):
 
 # Optimizer variables a checkpoint may lack (kept at their start value): counters only.
 _OPTIONAL = ("optimizer/nonfinite_steps",)
+# ZeRO-3's error feedback (`tfpar.zero.reduce_scatter`): `[replicas, *shape]` per weight,
+# zero when the checkpoint has none (it was written without a codec).
+ZERO3_RESIDUAL = "aggregator/zero3_residual/"
 
 
 def optimizers_of(model):
@@ -111,6 +116,9 @@ class LayoutState(patches.Trackable):
             for name, entry in _optimizer_entries(optimizer,
                                                   self._model.trainable_weights).items():
                 out[name] = _merge(out.get(name), entry)
+        residuals = getattr(self._model, "_tfpar_zero3_residuals", None) or ()
+        for w, residual in zip(self._model.trainable_weights, residuals):
+            out[f"{ZERO3_RESIDUAL}{_path(w)}"] = _per_replica(residual)
         return out
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
@@ -134,7 +142,8 @@ class LayoutState(patches.Trackable):
         reader = tf.train.load_checkpoint(path)
         saved = {name_of(k) for k in reader.get_variable_to_shape_map()} - {None}
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
-        missing = sorted(set(entries) - saved - set(_OPTIONAL))
+        missing = sorted(n for n in set(entries) - saved - set(_OPTIONAL)
+                         if not n.startswith(ZERO3_RESIDUAL))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -142,7 +151,8 @@ class LayoutState(patches.Trackable):
             if name not in saved:
                 continue
             value = reader.get_tensor(key(name))
-            if tuple(value.shape) != tuple(want):
+            rows = 1 if name.startswith(ZERO3_RESIDUAL) else 0  # any replica count
+            if tuple(value.shape[rows:]) != tuple(want[rows:]):
                 raise ValueError(f"{name} is {list(value.shape)} there, {list(want)} here")
             write(value)
 
@@ -229,6 +239,22 @@ def _plain(variable):
         else:
             tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
     return (lambda: values.to_host(tf_variable)), write, tuple(tf_variable.shape)
+
+
+def _per_replica(dvariable):
+    """(read, write, shape) of a residual `[replicas, *shape]` on a mesh: written onto
+    another replica count with its sum kept (row 0 the saved rows' sum, the others zero),
+    as `tfpar.compression.aggregator.PerReplicaSlot` restores."""
+    from tfpar.layout import values
+
+    shape = tuple(dvariable.shape)
+
+    def write(array):
+        if array.shape[0] != shape[0]:
+            array = np.concatenate([array.sum(0, keepdims=True),
+                                    np.zeros((shape[0] - 1,) + shape[1:], array.dtype)])
+        values.assign(dvariable, array)
+    return (lambda: values.to_host(dvariable)), write, shape
 
 
 def _merge(first, entry):
