@@ -148,3 +148,35 @@ def test_zero_refuses_what_it_does_not_compose_with(settings, match):
     assert ParallelConfig(zero_stage=1, optimizer="adam").zero_stage == 1
     assert ParallelConfig(zero_stage=2, optimizer="adam").zero_stage == 2
     assert ParallelConfig(zero_stage=3, optimizer="adam", cpu_devices=4).zero_stage == 3
+
+
+def test_zero_3_with_tensor_parallelism_equals_one_device(tmp_path, report_measured):
+    # ZeRO-3 on a 2 x 2 mesh (data x tensor parallel): a weight the presets split over
+    # `model` is split over `batch` on top; against one device, same seed and data.
+    both = {**BASE, "zero_stage": 3, "cpu_devices": 4, "data_parallel": 2,
+            "tensor_parallel": 2}
+    one = {**BASE, "cpu_devices": 1, "strategy": "one_device"}
+    models = {"mlp-adam": {"model": "mlp", **ADAM},
+              "transformer-momentum": {"model": "transformer", "model_depth": 1, **MOMENTUM}}
+    prefix = str(tmp_path / "tp")
+    mesh_out, one_out = run_concurrently([
+        lambda: run([sys.executable, CHILD, json.dumps(
+            [{"name": f"{m}-z3tp", **both, **s} for m, s in models.items()]), prefix],
+            timeout=600),
+        lambda: run([sys.executable, CHILD, json.dumps(
+            [{"name": f"{m}-one", **one, **s} for m, s in models.items()]), prefix],
+            timeout=600)])
+    results = {**last_json_line(mesh_out.stdout), **last_json_line(one_out.stdout)}
+    for name in models:
+        diff = max_diff(weights(f"{prefix}.{name}-z3tp.npz"), weights(f"{prefix}.{name}-one.npz"))
+        tolerance = 1e-5 if "adam" in name else 1e-6
+        report_measured(f"zero: stage 3 x tensor parallel 2 x 2 {name} vs one device, "
+                        f"max |dw| after 5 steps = {diff:.2e}")
+        assert diff <= tolerance, (name, diff)
+        # Parameters and slots per device: about a quarter (a weight the presets keep
+        # whole over `model` is split over `batch` alone; the mlp's 10-wide bias is whole).
+        for key in ("param_bytes_per_device", "optimizer_state_bytes_per_device"):
+            ratio = max(results[f"{name}-z3tp"][key]) / max(results[f"{name}-one"][key])
+            report_measured(f"zero: stage 3 x tensor parallel {key} / one device = "
+                            f"{ratio:.3f} ({name}, 4 devices)")
+            assert ratio <= 0.3, (name, key, ratio)

@@ -180,7 +180,7 @@ INTERLEAVED_VIRTUAL_STAGES = Rule(
 TENSOR_PARALLEL_MODELS = ("mlp", "transformer")
 SEQUENCE_PARALLEL_MODELS = ("transformer",)
 MESH_MODEL = Rule(
-    "model", lambda c: _mesh(c) and c.zero_stage != 3
+    "model", lambda c: _mesh(c) and (c.zero_stage != 3 or c.dims.tp_enabled)
     and c.model not in TENSOR_PARALLEL_MODELS,
     f"tensor parallelism has presets for {', '.join(TENSOR_PARALLEL_MODELS)}; use "
     "--tensor_parallel=1 or give your own layout rules")
@@ -236,9 +236,14 @@ COMBINATIONS = (
     Rule("mixed_precision", lambda c: c.zero_stage > 0 and c.mixed_precision == "fp16",
          "not supported: fp16 loss scaling runs the update inside a condition the ZeRO "
          "update cannot run in; use bf16"),
-    Rule("tensor_parallel", lambda c: c.zero_stage == 3 and c.dims.tp_enabled,
-         "not supported: --zero_stage=3 splits every weight over the data-parallel axis of a "
-         "DTensor mesh; with tensor parallelism it is not tested (use --zero_stage=0)"),
+    Rule("sequence_parallel", lambda c: c.sequence_parallel and c.zero_stage == 3,
+         "not supported: --zero_stage=3 gathers each layer's weights in a wrapper the "
+         "sequence layouts are not built for; use --zero_stage=0"),
+    Rule("compression", lambda c: c.zero_stage == 3 and c.dims.tp_enabled
+         and c.compression != "none",
+         "not supported: ZeRO-3's compressed reduce-scatter cuts whole gradients into "
+         "blocks, not ones also split over the model axis; use --compression=none with "
+         "--tensor_parallel>1"),
     ZB_H1_RECOMPUTE,
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,

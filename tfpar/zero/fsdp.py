@@ -151,11 +151,20 @@ def _quantized(variable, codec):
     return codec == "int8" and len(variable.shape) >= 2
 
 
-def gather_bytes(model, replicas, passes=2):
-    """Bytes each device hands to the per-layer weight gathers in one step, from the
-    weights `gather_per_layer` wrapped; 0 without any. `passes`: how often each layer's
-    gather runs, 2 (forward and the recomputed forward of the backward), or 1 in a step
-    traced under `per_replica_gradients` (no recomputation there)."""
+def device_share(variable, axes=None):
+    """How many pieces `variable`'s layout cuts it into over the mesh axes `axes` (all
+    its sharded axes if None): the whole over this is one device's part."""
+    layout = dtensor.fetch_layout(getattr(variable, "value", variable))
+    return math.prod(layout.mesh.dim_size(s) for s in layout.sharding_specs
+                     if s != dtensor.UNSHARDED and (axes is None or s in axes))
+
+
+def gather_bytes(model, passes=2):
+    """Bytes each device hands to the per-layer weight gathers in one step (its piece of
+    each weight, also split over `model` with tensor parallelism), from the weights
+    `gather_per_layer` wrapped; 0 without any. `passes`: how often each layer's gather
+    runs, 2 (forward and the recomputed forward of the backward), or 1 in a step traced
+    under `per_replica_gradients` (no recomputation there)."""
     total = 0
     for variable in model.trainable_variables:
         codec = getattr(variable, "_tfpar_gathered_per_layer", None)
@@ -163,12 +172,12 @@ def gather_bytes(model, replicas, passes=2):
         if not codec or layout is None:  # a weight kept whole is not gathered
             continue
         shape = [int(d) for d in variable.shape]
-        numel = math.prod(shape)
-        if _quantized(variable, codec):
+        piece = math.prod(shape) // device_share(variable)
+        if _quantized(variable, codec):  # its rows' scales: over `batch` only
             rows = shape[list(layout.sharding_specs).index(BATCH)]
-            total += passes * (numel + 4 * rows) // replicas
+            total += passes * (piece + 4 * rows // layout.mesh.dim_size(BATCH))
         else:
-            total += passes * 4 * numel // replicas
+            total += passes * 4 * piece
     return total
 
 
