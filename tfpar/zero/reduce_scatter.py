@@ -37,12 +37,12 @@ import math
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import compat
 from tfpar.compression import codecs, error_feedback
-from tfpar.errors import ConfigError
 from tfpar.layout import values
 from tfpar.layout.mesh import BATCH, axis_size
 
-CODECS = ("fp16", "bf16", "int8")
+CODECS = compat.ZERO_CODECS
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 
@@ -60,13 +60,12 @@ class ShardedReduction:
         error_feedback: keep each replica's dropped part for its next step.
 
     Raises:
-        ConfigError: an unknown codec.
+        ConfigError: a codec not in `CODECS` (the rulebook's `ZERO3_COMPRESSION`).
     """
 
     def __init__(self, mesh, variables, codec, error_feedback=True):
-        if codec not in CODECS:
-            raise ConfigError("compression", codec,
-                              f"ZeRO-3 reduce-scatters in one of {', '.join(CODECS)}")
+        compat.enforce(compat.ZERO3_COMPRESSION,
+                       compat.view(backend="dtensor", zero_stage=3, compression=codec))
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
