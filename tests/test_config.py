@@ -27,6 +27,9 @@ from tfpar.errors import ConfigError
     ({"zero_stage": 3, "compression": "powersgd"}, "compression", "fp16, bf16 or int8"),
     ({"zero_stage": 3, "compression": "int8", "recompute": "blocks"}, "recompute",
      "--recompute=none"),
+    ({"zero_stage": 3, "compression": "int8", "model": "convnet"}, "model", "convolution"),
+    ({"zero_stage": 3, "compression": "int8", "tensor_parallel": 2}, "compression",
+     "--compression=none"),
 ])
 def test_bad_values_name_the_setting(changes, setting, hint):
     with pytest.raises(ConfigError) as err:

@@ -129,6 +129,12 @@ ZERO3_COMPRESSION = Rule(
     and c.compression not in ("none",) + ZERO_CODECS,
     "not supported: --zero_stage=3 reduce-scatters gradients in fp16, bf16 or int8; a "
     "sparse or low-rank reduce-scatter is not built (use one of those, or --compression=none)")
+ZERO3_COMPRESSION_MODEL = Rule(
+    "model", lambda c: c.zero_stage == 3 and c.compression != "none"
+    and c.model not in TENSOR_PARALLEL_MODELS,
+    "not supported: ZeRO-3's compressed reduce-scatter maps the step over replicas, where "
+    "TensorFlow vectorizes a convolution's filter gradient as a loop a DTensor mesh cannot "
+    "run (TF 2.21); use --model=mlp or transformer, or --compression=none")
 ZERO3_COMPRESSION_RECOMPUTE = Rule(
     "recompute", lambda c: c.zero_stage == 3 and c.compression != "none"
     and c.recompute != "none",
@@ -215,6 +221,7 @@ COMBINATIONS = (
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,
+    ZERO3_COMPRESSION_MODEL,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
          "--zero_stage=3 or use --zero_gather=fp32"),
