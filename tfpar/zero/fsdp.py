@@ -51,6 +51,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import patches
 from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
 
@@ -226,6 +227,7 @@ def _wrap(layer, variables, layouts, codec):
         positions = [i for i, a in enumerate(flat) if tf.is_tensor(a) and a.dtype.is_floating]
         tensors = [flat[i] for i in positions]
         others = [a for a in flat if tf.is_tensor(a) and not a.dtype.is_floating]
+        autocast = patches.autocast_scope()  # mixed precision: replayed in the backward
 
         def forward(*inputs):
             given, own = inputs[:len(positions)], inputs[len(positions):]
@@ -236,7 +238,8 @@ def _wrap(layer, variables, layouts, codec):
                      if layout is not None and _quantized(v, codec)
                      else _whole(v, _after(p, list(given) or others), layout)
                      for v, p, layout in zip(variables, own, layouts)]
-            with keras.StatelessScope(state_mapping=list(zip(variables, whole))):
+            with keras.StatelessScope(state_mapping=list(zip(variables, whole))), \
+                    patches.autocasting(autocast):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
         if _PER_REPLICA:
