@@ -51,7 +51,9 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         grad_accum_steps: micro-batches per step (see `MeshTrainer`).
         compression: None (DTensor's own fp32 sum over `batch`), or a codec of
             `tfpar.layout.reduction.CODECS` for the data-parallel gradient reduction
-            (`none` forms each replica's gradient and averages in fp32). With one
+            (`none` forms each replica's gradient and averages in fp32); for a model
+            whose weights are split over `batch` (ZeRO-3) one of
+            `tfpar.zero.reduce_scatter.CODECS`, reduce-scattered onto the pieces. With one
             replica on `batch` there is nothing to reduce and the exact step runs.
         error_feedback: with a lossy `compression`, carry what it dropped to the next step.
         codec_options: the codec's parameters (`reduction.codec_options(config)`), or None

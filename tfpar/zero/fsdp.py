@@ -35,6 +35,13 @@ optimizer and the gradient stay fp32: the backward pass hands the gradient of th
 dequantized weight straight to the fp32 piece (`relayout_like`, the relayout's own
 gradient). `gather_bytes` counts what each device hands to these gathers per step.
 
+With `--compression=fp16|bf16|int8` (`tfpar.zero.reduce_scatter`) the step forms each
+replica's gradient under `per_replica_gradients`: a gather's gradient comes back whole
+(the codec's reduce-scatter puts it onto the pieces), and the layers run without
+`tf.recompute_grad` (the per-replica map cannot vectorize its replay: DTensor's `Relayout`
+has no vectorized form, TF 2.21), so each layer gathers once a step and keeps its whole weights
+for the backward pass.
+
 Layers not wrapped (no weights split over `batch`, or non-trainable state that a
 recomputation would update twice) have their split weights relayouted whole at the start
 of the step (`gathered`). DTensor does not gather a split weight by itself for every op
@@ -242,7 +249,7 @@ def _wrap(layer, variables, layouts, codec):
                     patches.autocasting(autocast):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
-        if _PER_REPLICA:
+        if _PER_REPLICA:  # not recomputed (module docstring)
             return forward(*tensors, *pieces)
         return tf.recompute_grad(forward)(*tensors, *pieces)
 
