@@ -24,7 +24,12 @@ from tfpar.errors import ConfigError
     ({"pipeline_stages": 2, "schedule": "interleaved"}, "virtual_stages", ">= 2"),
     ({"zero_gather": "int8"}, "zero_gather", "--zero_stage=3"),
     ({"zero_stage": 2, "compression": "topk"}, "compression", "fp16, bf16 or int8"),
-    ({"zero_stage": 3, "compression": "int8"}, "compression", "--zero_stage=1|2"),
+    ({"zero_stage": 3, "compression": "powersgd"}, "compression", "fp16, bf16 or int8"),
+    ({"zero_stage": 3, "compression": "int8", "recompute": "blocks"}, "recompute",
+     "--recompute=none"),
+    ({"zero_stage": 3, "compression": "int8", "model": "convnet"}, "model", "convolution"),
+    ({"zero_stage": 3, "compression": "int8", "tensor_parallel": 2}, "compression",
+     "--compression=none"),
 ])
 def test_bad_values_name_the_setting(changes, setting, hint):
     with pytest.raises(ConfigError) as err:

@@ -1,6 +1,7 @@
 """ZeRO with compressed collectives (ZeRO++): stages 1/2 with a compressed gradient
 reduce-scatter (`--zero_stage=1|2 --compression=fp16|bf16|int8`, `tfpar.zero.sharded`),
-stage 3 with an int8 weight gather (`--zero_gather=int8`, `tfpar.zero.fsdp`).
+stage 3 with an int8 weight gather (`--zero_gather=int8`, `tfpar.zero.fsdp`) and a
+compressed gradient reduce-scatter (`tfpar.zero.reduce_scatter`).
 
 The codecs' pieces are checked without a strategy; training runs one child process
 (tests/zero_child.py) on 2 replicas: each codec's weights after 5 steps against
@@ -8,7 +9,9 @@ uncompressed ZeRO (itself equal to plain data parallelism, tests/test_zero.py) o
 same seed and data within the codec's tolerance, its bytes on the wire per step from the
 metrics JSON's `comm` block, and a resumed int8 run (weights, slots, residual) against the
 uninterrupted one. ZeRO-3's int8 gather runs against the fp32 gather on a 2-device mesh
-(weights, final loss, bytes per step).
+(weights, final loss, bytes per step), and ZeRO-3's compressed reduce-scatter against
+DTensor's fp32 reduction (weights, final loss, bytes per step against plain ZeRO-3's, a
+resumed int8 run against the uninterrupted one).
 """
 
 import json
@@ -153,3 +156,61 @@ def test_zero3_int8_weight_gather_trains_as_fp32_gather(tmp_path, report_measure
         # Two fp32 gathers of half of each weight (a bias that 2 does not divide stays whole).
         assert raw + 0.99 * raw <= plain <= 2 * raw, (plain, raw)
         assert raw + 0.24 * raw < wire < raw + 0.3 * raw, (wire, raw)
+
+
+def test_zero3_compressed_reduce_scatter_trains_as_zero3(tmp_path, report_measured):
+    # ZeRO-3 on a 2-device mesh with its gradients reduce-scattered in each codec
+    # (`tfpar.zero.reduce_scatter`) against DTensor's own fp32 reduction, same seed and
+    # data: the mlp with momentum, the transformer (an embedding, attention) with Adam.
+    base = {**BASE, "cpu_devices": 2, "zero_stage": 3}
+    mlp = {**base, "model": "mlp", **MOMENTUM}
+    tr = {**base, "model": "transformer", "model_depth": 1, **ADAM}
+    ckpt = str(tmp_path / "ckpt")
+    cases = [{"name": "mlp-none", **mlp},
+             {"name": "mlp-fp16", **mlp, "compression": "fp16"},
+             {"name": "mlp-int8", **mlp, "compression": "int8", "checkpoint_dir": ckpt},
+             {"name": "mlp-int8-int8", **mlp, "compression": "int8", "zero_gather": "int8"},
+             {"name": "tr-none", **tr},
+             {"name": "tr-int8-int8", **tr, "compression": "int8", "zero_gather": "int8"}]
+    # mlp-int8 saved its 5 steps: "resumed" goes on to 10 against "whole" (the residuals
+    # are checkpointed).
+    long = {**mlp, "compression": "int8", "steps": 10}
+    cases += [{"name": "whole", **long}, {"name": "resumed", **long, "checkpoint_dir": ckpt}]
+    prefix = str(tmp_path / "z3c")
+    out = run([sys.executable, CHILD, json.dumps(cases), prefix], timeout=900)
+    results = last_json_line(out.stdout)
+
+    def diff(a, b):
+        return max_diff(weights(f"{prefix}.{a}.npz"), weights(f"{prefix}.{b}.npz"))
+
+    for name, ref in (("mlp-fp16", "mlp-none"), ("mlp-int8", "mlp-none"),
+                      ("mlp-int8-int8", "mlp-none"),
+                      ("tr-int8-int8", "tr-none")):
+        codec = name.split("-")[1]
+        d = diff(name, ref)
+        loss, ref_loss = results[name]["final_loss"], results[ref]["final_loss"]
+        report_measured(f"zero-3 compressed reduce-scatter: {name} vs {ref}, max |dw| after "
+                        f"5 steps = {d:.2e}, final loss {loss:.4f} vs {ref_loss:.4f}")
+        assert 0 < d <= TOLERANCE[codec], (name, d)
+        assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (name, loss, ref_loss)
+
+    # The bytes: plain ZeRO-3 hands two fp32 gathers of its pieces (forward and the
+    # recomputed forward) and its whole fp32 gradient; with a codec each layer gathers
+    # once (no recomputation in the per-replica step) and the gradient travels in the codec.
+    raw = results["mlp-none"]["comm"]["bytes_uncompressed_per_step"]
+    plain = results["mlp-none"]["comm"]["bytes_on_wire_per_step"]
+    gather = (plain - raw) // 2  # one fp32 gather of each device's pieces
+    assert results["mlp-fp16"]["comm"]["bytes_on_wire_per_step"] == gather + raw // 2
+    int8 = results["mlp-int8"]["comm"]["bytes_on_wire_per_step"]
+    assert gather + raw // 4 < int8 < gather + 0.3 * raw, (int8, gather, raw)
+    for model in ("mlp", "tr"):
+        wire = results[f"{model}-int8-int8"]["comm"]["bytes_on_wire_per_step"]
+        plain = results[f"{model}-none"]["comm"]["bytes_on_wire_per_step"]
+        report_measured(f"zero-3 int8 gather + int8 reduce-scatter: {model} {wire} B/step vs "
+                        f"{plain} plain ZeRO-3 ({wire / plain:.3f}x, 2 devices)")
+        assert wire <= 0.3 * plain, (model, wire, plain)
+
+    assert results["resumed"]["resumed_from_step"] == 5
+    assert diff("resumed", "whole") == 0
+    np.testing.assert_array_equal(results["resumed"]["loss_history"],
+                                  results["whole"]["loss_history"][5:])

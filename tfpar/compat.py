@@ -122,10 +122,30 @@ ZERO_COMPRESSION = Rule(
     and c.compression not in ("none",) + ZERO_CODECS,
     "not supported: --zero_stage=1|2 reduce-scatters gradients in fp16, bf16 or int8; a "
     "sparse or low-rank reduce-scatter is not built (use one of those, or --zero_stage=0)")
+# ZeRO-3's reduce-scatter on the mesh travels in the same (`tfpar.zero.reduce_scatter`).
 ZERO3_COMPRESSION = Rule(
-    "compression", lambda c: c.zero_stage == 3 and c.compression != "none",
-    "not supported: --zero_stage=3 reduce-scatters fp32 gradients on the mesh; a "
-    "compressed one is built for --zero_stage=1|2 (fp16, bf16, int8)")
+    "compression", lambda c: c.zero_stage == 3
+    and c.compression not in ("none",) + ZERO_CODECS,
+    "not supported: --zero_stage=3 reduce-scatters gradients in fp16, bf16 or int8; a "
+    "sparse or low-rank reduce-scatter is not built (use one of those, or --compression=none)")
+ZERO3_COMPRESSION_MODEL = Rule(
+    "model", lambda c: c.zero_stage == 3 and c.compression != "none"
+    and c.model not in TENSOR_PARALLEL_MODELS,
+    "not supported: ZeRO-3's compressed reduce-scatter maps the step over replicas, where "
+    "TensorFlow vectorizes a convolution's filter gradient as a loop a DTensor mesh cannot "
+    "run (TF 2.21); use --model=mlp or transformer, or --compression=none")
+ZERO3_COMPRESSION_RECOMPUTE = Rule(
+    "recompute", lambda c: c.zero_stage == 3 and c.compression != "none"
+    and c.recompute != "none",
+    "not supported: ZeRO-3's compressed reduce-scatter forms each replica's gradient in a "
+    "step mapped over replicas, where layers are not recomputed; use --recompute=none, or "
+    "--compression=none")
+ZERO3_COMPRESSION_SCALING = Rule(
+    "compression", lambda c: c.zero_stage == 3 and c.compression != "none" and (
+        c.mixed_precision == "fp16" or c.grad_accum_steps > 1),
+    "not supported: ZeRO-3's compressed reduce-scatter forms each replica's gradient "
+    "without fp16 loss scaling and without --grad_accum_steps (the mesh codecs of "
+    "--tensor_parallel>1 have both); use --compression=none with ZeRO-3 there")
 def _mesh_dp_is_one(c):
     """The mesh's `batch` axis has one replica: `--data_parallel=1`, or left to the
     devices (0) with `--cpu_devices` all taken by the tensor and pipeline degrees."""
@@ -165,7 +185,7 @@ INTERLEAVED_VIRTUAL_STAGES = Rule(
 TENSOR_PARALLEL_MODELS = ("mlp", "transformer")
 SEQUENCE_PARALLEL_MODELS = ("transformer",)
 MESH_MODEL = Rule(
-    "model", lambda c: _mesh(c) and c.zero_stage != 3
+    "model", lambda c: _mesh(c) and (c.zero_stage != 3 or c.dims.tp_enabled)
     and c.model not in TENSOR_PARALLEL_MODELS,
     f"tensor parallelism has presets for {', '.join(TENSOR_PARALLEL_MODELS)}; use "
     "--tensor_parallel=1 or give your own layout rules")
@@ -230,6 +250,9 @@ COMBINATIONS = (
     KERAS_MESH_AGGREGATOR,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
+    ZERO3_COMPRESSION_RECOMPUTE,
+    ZERO3_COMPRESSION_MODEL,
+    ZERO3_COMPRESSION_SCALING,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
          "--zero_stage=3 or use --zero_gather=fp32"),
@@ -247,12 +270,17 @@ COMBINATIONS = (
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.compression != "none",
          "not supported: the compressed batch-axis reduction maps the step over replicas, "
          "where the sequence layouts are not built; use --compression=none"),
-    Rule("mixed_precision", lambda c: c.zero_stage > 0 and c.mixed_precision == "fp16",
-         "not supported: fp16 loss scaling runs the update inside a condition the ZeRO "
-         "update cannot run in; use bf16"),
-    Rule("tensor_parallel", lambda c: c.zero_stage == 3 and c.dims.tp_enabled,
-         "not supported: --zero_stage=3 splits every weight over the data-parallel axis of a "
-         "DTensor mesh; with tensor parallelism it is not tested (use --zero_stage=0)"),
+    Rule("mixed_precision", lambda c: c.zero_stage in (1, 2) and c.mixed_precision == "fp16",
+         "not supported: fp16 loss scaling runs the update inside a condition the ZeRO 1/2 "
+         "update cannot run in; use bf16, or --zero_stage=3"),
+    Rule("sequence_parallel", lambda c: c.sequence_parallel and c.zero_stage == 3,
+         "not supported: --zero_stage=3 gathers each layer's weights in a wrapper the "
+         "sequence layouts are not built for; use --zero_stage=0"),
+    Rule("compression", lambda c: c.zero_stage == 3 and c.dims.tp_enabled
+         and c.compression != "none",
+         "not supported: ZeRO-3's compressed reduce-scatter cuts whole gradients into "
+         "blocks, not ones also split over the model axis; use --compression=none with "
+         "--tensor_parallel>1"),
     ZB_H1_RECOMPUTE,
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,

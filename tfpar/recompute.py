@@ -35,6 +35,8 @@ import inspect
 import keras
 import tensorflow as tf
 
+from tfpar import patches
+
 MODES = ("none", "blocks", "full")
 
 # The zoo's block names (stable, see tfpar/models): transformer, mlp, convnet.
@@ -111,13 +113,14 @@ def rematerialize(layer):
         flat = tf.nest.flatten(args)
         positions = [i for i, a in enumerate(flat) if tf.is_tensor(a)]
         tensors = [flat[i] for i in positions]
+        autocast = patches.autocast_scope()  # mixed precision: replayed in the backward
 
         def forward(*inputs):
             values = list(flat)
             for i, tensor in zip(positions, inputs[:len(positions)]):
                 values[i] = tensor
             mapping = list(zip(variables, inputs[len(positions):]))
-            with keras.StatelessScope(state_mapping=mapping):
+            with keras.StatelessScope(state_mapping=mapping), patches.autocasting(autocast):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
         return tf.recompute_grad(forward)(*tensors, *weights)

@@ -18,6 +18,8 @@ shows as a higher final loss.
     python tools/bench_compression_quality.py      # everything: 2 seeds x 4 tasks x 8 runs
     python tools/bench_compression_quality.py --tasks=mlp --seeds=0 --aggregators=topk
     python tools/bench_compression_quality.py --set topk_ratio=0.05  # try other settings
+    python tools/bench_compression_quality.py --base zero_stage=3 --reference=keras \
+        --aggregators=int8 --set zero_gather=int8   # ZeRO-3 with ZeRO++'s collectives
 
 The reference is fp32 twice: the trainer's `--compression=none` (Keras's own all-reduce) and
 `fp32-exact`, the same sums through the exact fp32 aggregator (`NoneAggregator`, what every
@@ -114,6 +116,10 @@ def parse_args(argv=None):
                    "takes Adam in front of compression)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ParallelConfig field for the lossy runs (repeatable)")
+    p.add_argument("--base", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a ParallelConfig field for every run, fp32's too (repeatable), "
+                        "e.g. zero_stage=3 (with --reference=keras: the exact aggregator "
+                        "is tf.distribute's)")
     p.add_argument("--out", default="runs/compression_quality.json")
     return p.parse_args(argv)
 
@@ -272,7 +278,7 @@ def main(argv=None):
     # Before TensorFlow starts in this process, as `python -m tfpar.train` does.
     cpu_kernels.select(extra.get("cpu_kernels", "auto"))
     common = {"cpu_devices": args.cpu_devices, "validation_steps": args.validation_steps,
-              "verbose": 0}
+              "verbose": 0, **overrides(args.base)}
     if args.steps:
         common["steps"] = args.steps
     if args.global_batch_size:

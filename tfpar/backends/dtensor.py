@@ -127,7 +127,7 @@ class DTensorBackend(Backend):
     def stats(self, config, runtime, model, task, recorder):
         comm = mesh_comm_stats(self.trainer)
         if config.zero_stage == 3:
-            comm = zero3_comm_stats(model, runtime.meshes[0].backend_mesh.size)
+            comm = zero3_comm_stats(model, runtime.mesh.shape[0], self.trainer.reduction)
         result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model),
                                    comm=comm,
                                    pipeline=_pipeline_block(config, runtime))
@@ -163,16 +163,25 @@ def _pipeline_block(config, runtime):
                                      dims.virtual)
 
 
-def zero3_comm_stats(model, replicas):
-    """The metrics JSON's `comm` block of a ZeRO-3 step on `replicas` devices: the weights
-    each device hands to the per-layer gathers (`tfpar.zero.fsdp.gather_bytes`, in
-    `--zero_gather`'s codec) and its whole fp32 gradient into DTensor's reduction over
-    `batch`, against the plain fp32 all-reduce of the gradients."""
+def zero3_comm_stats(model, replicas, reduction=None):
+    """The metrics JSON's `comm` block of a ZeRO-3 step with `replicas` devices on the
+    mesh's `batch` axis: the weights each device hands to the per-layer gathers
+    (`tfpar.zero.fsdp.gather_bytes`, in `--zero_gather`'s codec) and its gradient into
+    the reduction over `batch` (whole over `batch`, split over `model` like the weight;
+    fp32 into DTensor's, or with `--compression` what `reduction`, a
+    `tfpar.zero.reduce_scatter.ShardedReduction`, sends: its gathers then run once a step),
+    against the plain fp32 all-reduce of the gradients."""
+    from tfpar.layout.mesh import MODEL
     from tfpar.zero import fsdp
-    fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
     if replicas == 1:
         return None
-    wire = fsdp.gather_bytes(model, replicas) + fp32
+    fp32 = 4 * sum(math.prod(v.shape) // fsdp.device_share(v, (MODEL,))
+                   for v in model.trainable_variables)
+    if reduction is None:
+        wire = fsdp.gather_bytes(model) + fp32
+    else:
+        wire = (fsdp.gather_bytes(model, passes=1)
+                + reduction.comm_stats()["bytes_on_wire_per_step"])
     return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": fp32,
             "compression_ratio": fp32 / wire}
 

@@ -28,9 +28,11 @@ def build(config, task, mesh=None):
         from tfpar.layout import pipeline
         model, trainer = pipeline.build(config, task, mesh, lambda: _optimizer(config))
         return mesh, model, trainer
-    rules = ([] if config.zero_stage == 3  # every weight over `batch`: _build_model
+    # ZeRO-3 without tensor parallelism: no `model` axis to lay out; with it each weight
+    # split over `model` by the presets is split over `batch` on top (_build_model).
+    rules = ([] if config.zero_stage == 3 and not config.dims.tp_enabled
              else presets.preset_rules(presets.model_presets(config.model,
-                                                                config.sequence_parallel)))
+                                                             config.sequence_parallel)))
     mesh = mesh or mesh_for_config(config)
     keras.utils.set_random_seed(config.seed)
     model, trainer = build_on_mesh(

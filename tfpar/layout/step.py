@@ -184,7 +184,8 @@ class _TrainStep:
             return grads, new, _metrics(loss, logits, yr, weight, self.accuracy)
 
         weights = y if sample_weight is None else sample_weight
-        grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
+        with fsdp.per_replica_gradients():  # ZeRO-3's gathers: gradients left whole
+            grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
         # Non-trainable state (seeds) advances alike on every replica: keep replica 0's.
         new_ntv = [n[0] if n.shape.rank == v.value.shape.rank + 1 else n
                    for n, v in zip(new_ntv, self.non_trainable)]

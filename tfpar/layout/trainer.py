@@ -27,6 +27,7 @@ from tfpar.layout import (activations, keras_step, presets, reduction, step, val
                           variables)
 from tfpar.layout.mesh import BATCH, axis_size, batch_parts
 from tfpar.layout.optimizer import stateless_optimizer
+from tfpar.zero import fsdp, reduce_scatter
 
 
 def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
@@ -50,7 +51,9 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
         grad_accum_steps: micro-batches per step (see `MeshTrainer`).
         compression: None (DTensor's own fp32 sum over `batch`), or a codec of
             `tfpar.layout.reduction.CODECS` for the data-parallel gradient reduction
-            (`none` forms each replica's gradient and averages in fp32). With one
+            (`none` forms each replica's gradient and averages in fp32); for a model
+            whose weights are split over `batch` (ZeRO-3) one of
+            `tfpar.zero.reduce_scatter.CODECS`, reduce-scattered onto the pieces. With one
             replica on `batch` there is nothing to reduce and the exact step runs.
         error_feedback: with a lossy `compression`, carry what it dropped to the next step.
         codec_options: the codec's parameters (`reduction.codec_options(config)`), or None
@@ -77,7 +80,13 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
     if compression is not None:
         # One replica on the `batch` axis: no data-parallel reduction to compress (the
         # `model` axis's collectives are never compressed), so the exact step runs.
-        if axis_size(mesh, BATCH) > 1:
+        if axis_size(mesh, BATCH) > 1 and fsdp.split_over_batch(
+                model.trainable_variables):  # ZeRO-3: reduce-scattered onto the pieces
+            reducer = reduce_scatter.ShardedReduction(mesh, model.trainable_variables,
+                                                      compression, error_feedback)
+            # Its residuals are checkpointed beside the model (`tfpar.state`).
+            object.__setattr__(model, "_tfpar_zero3_residuals", reducer.variables)
+        elif axis_size(mesh, BATCH) > 1:
             reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
                                                    compression, error_feedback,
                                                    **(codec_options or {}))

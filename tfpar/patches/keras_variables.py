@@ -11,7 +11,14 @@ host (keras 3.15.1 on tensorflow 2.21.0).
   `tfpar.layout.keras_state` (gathered to the host; laid out by the variable's layout, as
   Keras's JAX backend's `_direct_assign` does with `distribute_tensor`) and every other
   variable to Keras's own code. The check looks for the lines they stand in for.
+- `autocast_scope`: Keras's mixed-precision cast of a layer's float variables to its
+  compute dtype is a global `AutocastScope` that `Layer.__call__` enters. A layer's
+  forward replayed by `tf.recompute_grad` in the backward pass runs outside that call, so
+  `tfpar.zero.fsdp` and `tfpar.recompute` read the scope when the layer runs
+  (`autocast_scope`) and enter one of its dtype in the replay (`autocasting`).
 """
+
+import contextlib
 
 import keras
 from keras.src.backend.common import variables as _common_variables
@@ -23,6 +30,8 @@ ENTRIES = {
     "mesh_variable_values": ("keras.src.backend.tensorflow.core.Variable.numpy, __array__, "
                              "_direct_assign (replaced while enabled)",
                              "tfpar.layout.keras_state, tfpar.layout.enable"),
+    "autocast_scope": ("keras.src.backend.common.variables.get_autocast_scope, "
+                       "AutocastScope (read, entered)", "tfpar.zero.fsdp, tfpar.recompute"),
 }
 # Keras's own, before any patch: what `set_variable_values(None)` puts back.
 NUMPY = _tf_core.Variable.__dict__["numpy"]
@@ -38,6 +47,12 @@ FRAGMENTS = {
          "return np.array(self)"),
         ("KerasVariable.assign", lambda: _common_variables.Variable.assign,
          "self._direct_assign(value)"),
+    ],
+    "autocast_scope": [
+        ("KerasVariable._maybe_autocast", lambda: _common_variables.Variable._maybe_autocast,
+         "autocast_scope = get_autocast_scope()"),
+        ("AutocastScope.__enter__", lambda: _common_variables.AutocastScope.__enter__,
+         'global_state.set_global_attribute("autocast_scope", self)'),
     ],
 }
 
@@ -81,3 +96,21 @@ def keras_direct_assign(variable, value):
     """Keras's own write of an already converted `value` into `variable`."""
     DIRECT_ASSIGN(variable, value)
 
+
+
+def autocast_scope():
+    """The dtype Keras casts float variables to now (a layer's compute dtype under mixed
+    precision), or None. Registry entry `autocast_scope`."""
+    scope = _common_variables.get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+@contextlib.contextmanager
+def autocasting(dtype):
+    """Within, Keras casts float variables to `dtype` (None: a no-op), as inside the
+    `Layer.__call__` that read it with `autocast_scope`. Registry entry `autocast_scope`."""
+    if dtype is None:
+        yield
+        return
+    with _common_variables.AutocastScope(dtype):
+        yield

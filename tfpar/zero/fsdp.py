@@ -35,6 +35,13 @@ optimizer and the gradient stay fp32: the backward pass hands the gradient of th
 dequantized weight straight to the fp32 piece (`relayout_like`, the relayout's own
 gradient). `gather_bytes` counts what each device hands to these gathers per step.
 
+With `--compression=fp16|bf16|int8` (`tfpar.zero.reduce_scatter`) the step forms each
+replica's gradient under `per_replica_gradients`: a gather's gradient comes back whole
+(the codec's reduce-scatter puts it onto the pieces), and the layers run without
+`tf.recompute_grad` (the per-replica map cannot vectorize its replay: DTensor's `Relayout`
+has no vectorized form, TF 2.21), so each layer gathers once a step and keeps its whole weights
+for the backward pass.
+
 Layers not wrapped (no weights split over `batch`, or non-trainable state that a
 recomputation would update twice) have their split weights relayouted whole at the start
 of the step (`gathered`). DTensor does not gather a split weight by itself for every op
@@ -43,6 +50,7 @@ expansion, "input and output layout do not agree on non-axis dim 1"), hence the 
 relayouts.
 """
 
+import contextlib
 import functools
 import math
 
@@ -50,6 +58,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import patches
 from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
 
@@ -78,11 +87,45 @@ def _split_layout(variable):
     return layout if layout is not None and BATCH in layout.sharding_specs else None
 
 
+def split_over_batch(variables):
+    """Whether any of `variables` is split over `batch` (a ZeRO-3 model's)."""
+    return any(_split_layout(v) is not None for v in variables)
+
+
 def _whole(variable, value, layout=None):
     """`value` of `variable` relayouted whole over `batch` (`layout`: the variable's, read
     beforehand; under a StatelessScope `variable.value` is a tensor without one)."""
     layout = layout or _split_layout(variable)
-    return value if layout is None else dtensor.relayout(value, whole_over_batch(layout))
+    if layout is None:
+        return value
+    if not _PER_REPLICA:
+        return dtensor.relayout(value, whole_over_batch(layout))
+
+    @tf.custom_gradient
+    def gather(piece):  # the gradient left whole: `per_replica_gradients`
+        return dtensor.relayout(piece, whole_over_batch(layout)), lambda dy: dy
+
+    return gather(value)
+
+
+# Set while `per_replica_gradients` traces a step: see there.
+_PER_REPLICA = False
+
+
+@contextlib.contextmanager
+def per_replica_gradients():
+    """Traces the per-layer gathers for a step that forms each replica's own gradient
+    (`tf.vectorized_map` over the batch reshaped `[data_parallel, m, ...]`, as
+    `tfpar.layout.reduction`): a gather's gradient is handed back whole, not reduced onto
+    the piece (`tfpar.zero.reduce_scatter` reduce-scatters it, compressed), and the
+    gathers read no zero from the layer's input (`_after`: inside the map it would make
+    every gather per replica; the gathered weights are the same for every replica)."""
+    global _PER_REPLICA
+    before, _PER_REPLICA = _PER_REPLICA, True
+    try:
+        yield
+    finally:
+        _PER_REPLICA = before
 
 
 def _whole_int8(value, layout):
@@ -103,6 +146,8 @@ def _whole_int8(value, layout):
                * dtensor.relayout(scale, whole))
 
         def grad(dy):
+            if _PER_REPLICA:
+                return tf.cast(dy, piece.dtype)
             return dtensor.relayout_like(tf.cast(dy, piece.dtype), piece)
 
         return tf.cast(out, piece.dtype), grad
@@ -114,10 +159,20 @@ def _quantized(variable, codec):
     return codec == "int8" and len(variable.shape) >= 2
 
 
-def gather_bytes(model, replicas):
-    """Bytes each device hands to the per-layer weight gathers in one step (each layer's
-    gather runs twice: forward and the recomputed forward of the backward), from the
-    weights `gather_per_layer` wrapped; 0 without any."""
+def device_share(variable, axes=None):
+    """How many pieces `variable`'s layout cuts it into over the mesh axes `axes` (all
+    its sharded axes if None): the whole over this is one device's part."""
+    layout = dtensor.fetch_layout(getattr(variable, "value", variable))
+    return math.prod(layout.mesh.dim_size(s) for s in layout.sharding_specs
+                     if s != dtensor.UNSHARDED and (axes is None or s in axes))
+
+
+def gather_bytes(model, passes=2):
+    """Bytes each device hands to the per-layer weight gathers in one step (its piece of
+    each weight, also split over `model` with tensor parallelism), from the weights
+    `gather_per_layer` wrapped; 0 without any. `passes`: how often each layer's gather
+    runs, 2 (forward and the recomputed forward of the backward), or 1 in a step traced
+    under `per_replica_gradients` (no recomputation there)."""
     total = 0
     for variable in model.trainable_variables:
         codec = getattr(variable, "_tfpar_gathered_per_layer", None)
@@ -125,19 +180,19 @@ def gather_bytes(model, replicas):
         if not codec or layout is None:  # a weight kept whole is not gathered
             continue
         shape = [int(d) for d in variable.shape]
-        numel = math.prod(shape)
-        if _quantized(variable, codec):
+        piece = math.prod(shape) // device_share(variable)
+        if _quantized(variable, codec):  # its rows' scales: over `batch` only
             rows = shape[list(layout.sharding_specs).index(BATCH)]
-            total += 2 * (numel + 4 * rows) // replicas
+            total += passes * (piece + 4 * rows // layout.mesh.dim_size(BATCH))
         else:
-            total += 2 * 4 * numel // replicas
+            total += passes * 4 * piece
     return total
 
 
 def _after(value, inputs):
     """`value` + 0.0, the zero computed from `inputs`: `value`, exactly, but only once the
     layer's input exists (NaN if the input is NaN, as the layer's output would be)."""
-    if not inputs:
+    if not inputs or _PER_REPLICA:
         return value
     probe = tf.reduce_max(tf.cast(inputs[0], tf.float32))
     zero = tf.where(probe == probe, 0.0, float("nan"))
@@ -179,6 +234,7 @@ def _wrap(layer, variables, layouts, codec):
         positions = [i for i, a in enumerate(flat) if tf.is_tensor(a) and a.dtype.is_floating]
         tensors = [flat[i] for i in positions]
         others = [a for a in flat if tf.is_tensor(a) and not a.dtype.is_floating]
+        autocast = patches.autocast_scope()  # mixed precision: replayed in the backward
 
         def forward(*inputs):
             given, own = inputs[:len(positions)], inputs[len(positions):]
@@ -189,9 +245,12 @@ def _wrap(layer, variables, layouts, codec):
                      if layout is not None and _quantized(v, codec)
                      else _whole(v, _after(p, list(given) or others), layout)
                      for v, p, layout in zip(variables, own, layouts)]
-            with keras.StatelessScope(state_mapping=list(zip(variables, whole))):
+            with keras.StatelessScope(state_mapping=list(zip(variables, whole))), \
+                    patches.autocasting(autocast):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
+        if _PER_REPLICA:  # not recomputed (module docstring)
+            return forward(*tensors, *pieces)
         return tf.recompute_grad(forward)(*tensors, *pieces)
 
     object.__setattr__(layer, "call", gathering_call)

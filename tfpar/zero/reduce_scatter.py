@@ -1,0 +1,205 @@
+"""ZeRO-3's gradient reduce-scatter in fp16, bf16 or int8 (`--zero_stage=3
+--compression=fp16|bf16|int8`; ZeRO++'s quantized gradient reduce-scatter, qgZ).
+
+Without a codec DTensor reduces ZeRO-3's gradients itself, in fp32, inside the backward
+pass (`tfpar.zero.fsdp`: the gradient of each layer's weight gather). With one, the step
+forms each data-parallel replica's own gradient first, as the mesh's codecs do
+(`tfpar.layout.reduction`: `tf.vectorized_map` over the batch reshaped
+`[data_parallel, m, ...]`, the gathers' gradients left whole by
+`fsdp.per_replica_gradients`): a `[data_parallel, *shape]` tensor, row r on replica r.
+`ShardedReduction.mean` then sends each row in the codec and leaves on each device the
+mean of its own piece only:
+
+- a weight split over `batch` (its axis `a`): each replica's gradient is cut into blocks
+  (int8: one fp32 scale per index of axis `a`, the maximum over the weight's other axes,
+  as `fsdp`'s int8 gather scales; a 1-D weight one scale per destination piece), the
+  codes moved so that each device receives every replica's codes of its own piece (a
+  relayout from split on the replica axis to split on axis `a`: an all-to-all), decoded
+  and summed in fp32 on the device that owns the piece;
+- a weight kept whole (no axis divides by the replicas, e.g. a small bias): each
+  replica's codes gathered (int8: one scale per replica and tensor) and summed after
+  decoding on every device.
+
+Error feedback (`error_feedback=True`, the default of `--error_feedback`): each replica
+keeps what its message dropped, a DVariable `[data_parallel, *shape]` split on the
+replica axis, added to its next gradient (`tfpar.compression.error_feedback`), as
+ZeRO-1/2's `zero_residual` does. It costs each device one whole gradient's worth of
+memory, and so does the per-replica gradient itself (the fp32 path reduces layer by
+layer instead): `--error_feedback=false` drops the first.
+
+`comm_stats` counts what each replica hands to these collectives per step: int8 one byte
+per entry (each row padded to whole 4-byte words: the all-to-all moves int32) and 4 per
+scale, fp16/bf16 2 per entry.
+"""
+
+import math
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import compat
+from tfpar.compression import codecs, error_feedback
+from tfpar.layout import values
+from tfpar.layout.mesh import BATCH, axis_size
+
+CODECS = compat.ZERO_CODECS
+_CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
+
+
+class ShardedReduction:
+    """Each replica's gradient reduce-scattered onto ZeRO-3's pieces through a codec.
+
+    The interface of `tfpar.layout.reduction.BatchAxisReduction` (`read`, `mean`,
+    `variables`, `comm_stats`), which the mesh step calls the same way.
+
+    Args:
+        mesh: the `keras.distribution.DeviceMesh`.
+        variables: the trainable Keras variables (DVariables, split over `batch` by
+            `tfpar.layout.variables.weights_over_batch`, or whole).
+        codec: one of `CODECS`.
+        error_feedback: keep each replica's dropped part for its next step.
+
+    Raises:
+        ConfigError: a codec not in `CODECS` (the rulebook's `ZERO3_COMPRESSION`).
+    """
+
+    def __init__(self, mesh, variables, codec, error_feedback=True):
+        compat.enforce(compat.ZERO3_COMPRESSION,
+                       compat.view(backend="dtensor", zero_stage=3, compression=codec))
+        self.mesh, self.codec = mesh, codec
+        self.replicas = axis_size(mesh, BATCH)
+        self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        # Per variable, taken eagerly (see BatchAxisReduction): its own layout, the axis
+        # split over `batch` (None: kept whole), and the specs with that axis whole.
+        self.own, self.axes, self.whole = [], [], []
+        for variable in variables:
+            layout = dtensor.fetch_layout(variable.value)
+            specs = list(layout.sharding_specs)
+            self.own.append(layout)
+            self.axes.append(specs.index(BATCH) if BATCH in specs else None)
+            self.whole.append([dtensor.UNSHARDED if s == BATCH else s for s in specs])
+        self.residuals = []
+        if error_feedback:
+            for i, shape in enumerate(self.shapes):
+                zeros = values.to_mesh(tf.zeros((self.replicas,) + shape, tf.float32),
+                                       self._layout([BATCH] + self.whole[i]))
+                self.residuals.append(dtensor.DVariable(zeros, trainable=False))
+
+    @property
+    def variables(self):
+        """The residuals (empty without error feedback), named in checkpoints as
+        aggregator state."""
+        return list(self.residuals)
+
+    def read(self):
+        return [v.read_value() for v in self.residuals]
+
+    def _layout(self, specs):
+        return dtensor.Layout(list(specs), self.mesh.backend_mesh)
+
+    def _blocks(self, index):
+        """`(rows, columns)` of the int8 blocks of tensor `index`: one scale a row."""
+        shape, axis = self.shapes[index], self.axes[index]
+        size = math.prod(shape)
+        if axis is None:
+            return 1, size
+        if len(shape) == 1:
+            return self.replicas, size // self.replicas
+        return shape[axis], size // shape[axis]
+
+    def _wire(self, index):
+        size = math.prod(self.shapes[index])
+        if self.codec == "int8":  # each row's codes padded to whole int32 words
+            rows, columns = self._blocks(index)
+            return rows * (4 * -(-columns // 4) + 4)
+        return 2 * size
+
+    def comm_stats(self):
+        """Bytes one replica hands to the reduce-scatters (and the gathers of weights kept
+        whole) per step, against fp32 (4 per entry): the same dict as
+        `tfpar.compression.Aggregator.comm_stats`."""
+        raw = 4 * sum(math.prod(s) for s in self.shapes)
+        wire = sum(self._wire(i) for i in range(len(self.shapes)))
+        return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+                "compression_ratio": raw / wire}
+
+    def mean(self, grads, state):
+        """`(means, new_state)`: the mean over replicas of `grads` (each
+        `[replicas, *shape]`, split on `batch`), each in its variable's own layout (its
+        piece on each device); `state` is what `read()` gave, `new_state` the next
+        residuals (write them to `variables`)."""
+        if len(grads) != len(self.shapes):
+            raise ValueError(f"{len(grads)} gradients for {len(self.shapes)} variables")
+        means, kept = [], []
+        for i, g in enumerate(grads):
+            x = dtensor.relayout(tf.cast(g, tf.float32),
+                                 self._layout([BATCH] + self.whole[i]))
+            if state:
+                x = error_feedback.corrected(x, state[i])
+            total, sent = self._reduce(x, i)
+            means.append(tf.cast(dtensor.relayout(total / self.replicas, self.own[i]),
+                                 g.dtype))
+            if state:
+                kept.append(error_feedback.next_residual(x, sent))
+        return means, kept
+
+    def _reduce(self, x, index):
+        """`(sum over replicas in the variable's layout, each replica's decoded
+        message)` for `x` = `[replicas, *shape]`."""
+        axis, shape = self.axes[index], self.shapes[index]
+        # Blocks `[replicas, rows, columns]` with the split axis (if any) first.
+        perm = list(range(len(shape)))
+        if axis is not None:
+            perm = [axis] + [d for d in perm if d != axis]
+        moved = tf.transpose(x, [0] + [d + 1 for d in perm])
+        rows, columns = self._blocks(index)
+        blocks = dtensor.relayout(tf.reshape(moved, [self.replicas, rows, columns]),
+                                  self._layout([BATCH, dtensor.UNSHARDED, dtensor.UNSHARDED]))
+        # Where the codes go: each device every replica's rows of its piece (split
+        # weights: an all-to-all), or every replica's whole message (an all-gather).
+        target = self._layout([dtensor.UNSHARDED, BATCH if axis is not None
+                               else dtensor.UNSHARDED, dtensor.UNSHARDED])
+        if self.codec in _CAST:
+            codes = tf.cast(blocks, _CAST[self.codec])
+            decoded_own = tf.cast(codes, tf.float32)
+            summed = tf.reduce_sum(tf.cast(dtensor.relayout(codes, target), tf.float32), 0)
+        else:
+            amax = tf.reduce_max(tf.abs(blocks), axis=2, keepdims=True)
+            scale = tf.where(amax > 0, amax / codecs.INT8_MAX, tf.ones_like(amax))
+            codes = tf.cast(tf.clip_by_value(tf.round(blocks / scale), -codecs.INT8_MAX,
+                                             codecs.INT8_MAX), tf.int8)
+            decoded_own = tf.cast(codes, tf.float32) * scale
+            # The all-to-all moves no int8: the codes travel packed 4 to an int32 word
+            # (shifts and masks: packed with tf.bitcast, the step crashed, SIGSEGV, TF 2.21).
+            words = dtensor.relayout(_pack(codes), target)
+            codes = _unpack(words, columns)
+            scales = dtensor.relayout(scale, target)
+            summed = tf.reduce_sum(tf.cast(codes, tf.float32) * scales, 0)
+        inverse = [perm.index(d) for d in range(len(shape))]
+        moved_shape = [shape[d] for d in perm]
+        total = tf.transpose(tf.reshape(summed, moved_shape), inverse)
+        sent = tf.transpose(tf.reshape(decoded_own, [self.replicas] + moved_shape),
+                            [0] + [d + 1 for d in inverse])
+        return total, sent
+
+
+def _pack(codes):
+    """int8 `[..., n]` as int32 `[..., ceil(n / 4)]`, code j of a word in its byte j."""
+    n = int(codes.shape[-1])
+    padded = tf.pad(tf.cast(codes, tf.int32), [[0, 0]] * (codes.shape.rank - 1)
+                    + [[0, (-n) % 4]])
+    parts = tf.reshape(padded, padded.shape[:-1] + [-(-n // 4), 4])
+    words = tf.bitwise.bitwise_and(parts[..., 0], 0xFF)
+    for j in (1, 2, 3):
+        words = tf.bitwise.bitwise_or(words, tf.bitwise.left_shift(
+            tf.bitwise.bitwise_and(parts[..., j], 0xFF), 8 * j))
+    return words
+
+
+def _unpack(words, n):
+    """Inverse of `_pack`: the first `n` codes, as int32 `[..., n]` (sign kept by the
+    arithmetic right shift)."""
+    parts = [tf.bitwise.right_shift(tf.bitwise.left_shift(words, 24 - 8 * j), 24)
+             for j in range(4)]
+    codes = tf.stack(parts, -1)
+    return tf.reshape(codes, words.shape[:-1] + [4 * int(words.shape[-1])])[..., :n]
