@@ -86,8 +86,8 @@ class PreemptionGuard(keras.callbacks.Callback):
         if self.workers == 1:
             return bool(local)
         if hasattr(self.strategy, "backend_mesh"):  # a DTensor mesh spanning the workers
-            from tfpar.layout import values
-            return values.sum_over_devices(local, self.strategy) > 0
+            from tfpar.layout.values import sum_over_devices
+            return sum_over_devices(local, self.strategy) > 0
         values = self.strategy.experimental_distribute_values_from_function(
             lambda _: tf.constant(local))
         return float(np.asarray(self.strategy.reduce("SUM", values, axis=None))) > 0
