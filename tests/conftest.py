@@ -51,6 +51,7 @@ LONGEST_FIRST = [
     "test_elastic.py", "test_uneven_batch.py", "test_zero.py", "test_layout_pipeline.py", "test_pipeline_training.py",
     "test_layout_compose.py", "test_layout_pipeline_workers.py", "test_api.py",
     "test_layout_keras_state.py", "test_checkpoint_async.py", "test_legacy_preemption.py",
+    "test_mesh_preemption.py",
     "test_pipeline_remote_dp.py", "test_pipeline_remote.py", "test_compression_timing.py",
     "test_validation.py",
     "test_fuzz.py", "test_tensorboard_cli.py", "test_packaging.py",

@@ -5,7 +5,9 @@ SIGTERM and waits a grace period before SIGKILL. Workers of a synchronous job mu
 the same step, or the ones still training would wait in a collective for the ones that
 left; so every `check_every` steps the workers agree (a one-number all-reduce) whether any
 of them was signalled, and all save and stop together. A tf_keras run (`keras=2`) feeds
-the same guard through `tfpar.legacy.trainer.Preemption`.
+the same guard through `tfpar.legacy.trainer.Preemption`; a DTensor mesh run
+(`tfpar.backends.dtensor`) gives it its mesh, over which the number is summed instead
+(`tfpar.layout.values.sum_over_devices`: every process of a multi-client mesh takes part).
 """
 
 import signal
@@ -40,7 +42,9 @@ class PreemptionGuard(keras.callbacks.Callback):
 
     Args:
         checkpointer: the run's `tfpar.checkpoint.Checkpointer`.
-        strategy: the run's strategy (used to agree across workers).
+        strategy: the run's strategy, or its Keras `DeviceMesh` on DTensor (used to agree
+            across workers).
+        workers: the number of training processes.
         check_every: steps between agreements when there are several workers (a single
             process checks every step: it needs no collective).
     """
@@ -81,6 +85,9 @@ class PreemptionGuard(keras.callbacks.Callback):
         local = 1.0 if self._signalled.is_set() else 0.0
         if self.workers == 1:
             return bool(local)
+        if hasattr(self.strategy, "backend_mesh"):  # a DTensor mesh spanning the workers
+            from tfpar.layout.values import sum_over_devices
+            return sum_over_devices(local, self.strategy) > 0
         values = self.strategy.experimental_distribute_values_from_function(
             lambda _: tf.constant(local))
         return float(np.asarray(self.strategy.reduce("SUM", values, axis=None))) > 0

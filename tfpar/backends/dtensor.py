@@ -23,7 +23,7 @@ import types
 from absl import logging
 
 from tfpar import (checkpoint, compat, data, devices, faults, memory, metrics, optimizers,
-                   patches, strategy, tf_config)
+                   patches, preemption, strategy, tf_config)
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.callbacks import TensorBoard
 from tfpar.dims import ParallelDims
@@ -61,6 +61,9 @@ class DTensorBackend(Backend):
                                         "a mesh pipeline's step could hang")
             # Every training process of TF_CONFIG is a DTensor client; the mesh spans them.
             cluster = multi_client.initialize(config.cpu_devices, environ)
+            # A SIGTERM from here to the run's PreemptionGuard (`tfpar.launch` sends it as
+            # soon as every worker is ready) saves and stops at the first agreed step.
+            preemption.hold_sigterm(bool(config.checkpoint_dir))
         else:
             devices.split_cpu(config.cpu_devices)
         meshes = _meshes(dims)
@@ -82,11 +85,13 @@ class DTensorBackend(Backend):
 
     def fit(self, config, runtime, model, task, recorder, callbacks):
         callbacks = [recorder, *callbacks]
-        start, checkpointer = 0, None
+        start, checkpointer, guard = 0, None, None
         if config.checkpoint_dir:
             checkpointer = checkpoint.Checkpointer(config, model, runtime)
             start = checkpointer.restore()
-            callbacks.append(checkpointer)
+            # SIGTERM: the workers agree on a step over the mesh, save it and stop.
+            guard = preemption.PreemptionGuard(checkpointer, runtime.mesh, runtime.workers)
+            callbacks += [checkpointer, guard]  # in this order: the guard saves the step done
         fault = faults.injector(start)  # tests and tools/bench_faults.py: a worker killed
         if fault is not None:
             callbacks.append(fault)
@@ -118,11 +123,15 @@ class DTensorBackend(Backend):
             step += length
             if model.stop_training:
                 break
-        if checkpointer is not None and start < config.steps:
-            checkpointer.save()
         if checkpointer is not None:
+            guard.restore_handler()
+            if start < config.steps:
+                checkpointer.save()
             checkpointer.wait()  # the process ends only with its last save published
-        return {"resumed_from_step": start}
+        out = {"resumed_from_step": start}
+        if guard is not None and guard.preempted:
+            out["preempted"] = True  # `tfpar.train` exits 143
+        return out
 
     def stats(self, config, runtime, model, task, recorder):
         comm = mesh_comm_stats(self.trainer)

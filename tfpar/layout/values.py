@@ -60,6 +60,21 @@ def to_host(value):
     return dtensor.unpack(value)[0].numpy()
 
 
+def sum_over_devices(value, mesh):
+    """`value` put on each of this process's devices of `mesh` (a Keras `DeviceMesh`),
+    summed over all of the mesh's devices, as a float. On a mesh spanning several processes
+    every process must call it at the same point, each with its own `value`: the sum is
+    one all-reduce over them (e.g. whether any process was signalled): with 4 devices,
+    one process, `sum_over_devices(1.0, mesh)` is 4.0.
+    """
+    backend = mesh.backend_mesh
+    shape = [backend.dim_size(name) for name in backend.dim_names]
+    layout = dtensor.Layout(list(backend.dim_names), backend)  # one element per device
+    local = [tf.fill([1] * len(shape), tf.constant(float(value)))
+             for _ in backend.local_device_ids()]
+    return float(to_host(tf.reduce_sum(dtensor.pack(local, layout))))
+
+
 def assign(variable, array):
     """Assigns a host `array` to a Keras variable whose value is a DVariable."""
     dvariable = variable.value if isinstance(variable, keras.Variable) else variable
