@@ -270,9 +270,6 @@ COMBINATIONS = (
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.compression != "none",
          "not supported: the compressed batch-axis reduction maps the step over replicas, "
          "where the sequence layouts are not built; use --compression=none"),
-    Rule("mixed_precision", lambda c: c.zero_stage in (1, 2) and c.mixed_precision == "fp16",
-         "not supported: fp16 loss scaling runs the update inside a condition the ZeRO 1/2 "
-         "update cannot run in; use bf16, or --zero_stage=3"),
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.zero_stage == 3,
          "not supported: --zero_stage=3 gathers each layer's weights in a wrapper the "
          "sequence layouts are not built for; use --zero_stage=0"),

@@ -147,8 +147,10 @@ def comm_stats(model, replicas):
     if replicas == 1:
         return None
     fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
-    layout = getattr(model.optimizer, "_tfpar_layout", None)
-    if layout is not None:
+    from tfpar.zero import sharded
+    zero = sharded.zero_of(model.optimizer)
+    if zero is not None:
+        layout = zero._tfpar_layout
         # ZeRO (tfpar.zero): the padded gradients into an all-reduce or reduce-scatter (in
         # its codec, as the step traced it), then this replica's piece of the weights into
         # the all-gather.

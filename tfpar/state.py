@@ -195,7 +195,9 @@ def aggregators_of(model):
            else {f"aggregator_{i}": a for i, a in enumerate(found)})
     # ZeRO 1/2 with a codec keeps its error feedback per replica beside its pieces
     # (`tfpar.zero.sharded`): saved the same way, its sum kept across replica counts.
-    residuals = [getattr(o, "tfpar_zero_residual", None) for o in optimizers_of(model)]
+    from tfpar.zero import sharded
+    residuals = [getattr(sharded.zero_of(o), "tfpar_zero_residual", None)
+                 for o in optimizers_of(model)]
     residuals = [r for r in residuals if r is not None]
     if len(residuals) == 1:
         out["zero_residual"] = residuals[0]

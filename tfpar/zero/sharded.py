@@ -38,6 +38,17 @@ sums them in fp32 (`reduce_scatter_encoded`); with error feedback each replica k
 its message dropped in `zero_residual` (the unpadded flat length, checkpointed per replica
 through `PerReplicaSlot`). The weights' all-gather stays fp32.
 
+With `--mixed_precision=fp16` Keras's `LossScaleOptimizer` (`tfpar.nan_guard.
+ConsistentLossScaleOptimizer`) wraps this optimizer and unscales each replica's gradients
+in fp32 before this update, so the reduce-scatter carries unscaled gradients. Before, not
+after: the overflow decision is taken on the local gradients (all-reduced as one flag) so
+an overflowing step is skipped by every replica before any piece is sent, and no shard,
+slot or residual moves; the residual of error feedback stays in the gradient's units, valid
+whatever the scale becomes (a scaled residual would be off by the factor the scale changed
+by). The codec's range is not at stake: int8's blocks carry their own scale, bf16 has
+fp32's exponent, and fp16 on the wire drops entries below 6e-8, which error feedback
+keeps. Helpers that read a ZeRO optimizer look through the wrapper (`zero_of`).
+
 Checkpoints save the slots whole: `ShardedSlot` gathers every replica's piece (from every
 worker) into one `[N, S]` tensor; a restore onto the same replica count gives each its row
 back, onto another count it re-cuts the flat vector.
@@ -259,10 +270,20 @@ def _adam(opt, param, grad, slots, lr, square=None):
     return param - (m * alpha) / (tf.sqrt(v) + opt.epsilon), {"momentum": m, "velocity": v}
 
 
+def zero_of(optimizer):
+    """The ZeRO 1/2 optimizer `optimizer` is or wraps (fp16's `LossScaleOptimizer` holds it
+    as `inner_optimizer`), or None."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return zero_of(inner)
+    return optimizer if getattr(optimizer, "_tfpar_layout", None) is not None else None
+
+
 def state_variables(optimizer):
-    """The sharded slot variables of a ZeRO `optimizer` (empty for any other)."""
-    layout = getattr(optimizer, "_tfpar_layout", None)
-    return list(layout.slots.values()) if layout is not None else []
+    """The sharded slot variables of a ZeRO `optimizer`, or of the one it wraps (empty for
+    any other)."""
+    zero = zero_of(optimizer)
+    return list(zero._tfpar_layout.slots.values()) if zero is not None else []
 
 
 def slot_entries(optimizer, weights):
