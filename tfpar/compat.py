@@ -15,8 +15,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   stage's mesh, spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
-`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with
-compression or fp16; on a mesh, compression with one replica on `batch`; the
+`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with a
+sparse or low-rank codec; on a mesh, compression with one replica on `batch`; the
 zero-bubble schedule with recomputation; tfmot's settings), `ACROSS_WORKERS` what a
 `TF_CONFIG` cluster excludes (`check_cluster`, from `tfpar.train.check_inputs`). This is
 the one rulebook: nothing else in tfpar raises a `ConfigError` for a combination (a test
