@@ -76,6 +76,15 @@ TABLE = {
                             "stages 1 and 2 run on tf.distribute (--tensor_parallel=1)"),
         "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
+    "offload": {
+        "pipeline": (("none",), "a pipeline's stage optimizers update on their stages' "
+                                "devices; the host update is built for one data-parallel "
+                                "optimizer"),
+        "dtensor": (("none",), "a DTensor mesh updates its sharded weights in the mesh's "
+                               "step; the host update runs on tf.distribute (data "
+                               "parallelism, --zero_stage=1|2)"),
+        "tf_keras": (("none",), "offload is built on Keras 3's optimizer"),
+    },
     "adam_warmup_steps": {
         "tf_keras": ((50,), "tf_keras optimizers keep Adam behind the aggregator (no "
                             "Adam in front of it)"),
@@ -201,6 +210,25 @@ CUSTOM_TRAIN_STEP_LOSS_SCALE = Rule(
     "not supported with a model's own train_step on a mesh (the LossScaleOptimizer "
     "updates inside a tf.cond); use mixed_bfloat16, or Keras's train_step")
 
+# `--offload` (`tfpar.offload`): what its host update does not run with.
+OFFLOAD_RULES = (
+    Rule("offload", lambda c: c.offload == "optimizer+params",
+         "not built: parameters held on the host between gathers are ZeRO-3's, whose "
+         "update runs in a DTensor mesh's step; use --offload=optimizer (data parallelism, "
+         "--zero_stage=1|2)"),
+    Rule("offload", lambda c: c.offload != "none" and c.optimizer == "sgd",
+         "plain SGD keeps no optimizer state to offload; use --optimizer=momentum or adam, "
+         "or --offload=none"),
+    Rule("compression", lambda c: c.offload != "none" and c.compression != "none"
+         and not (c.zero_stage in (1, 2) and c.compression in ZERO_CODECS),
+         "not supported with --offload: the gradient aggregators update through Keras's "
+         "device-side step; use --compression=none, or with --zero_stage=1|2 fp16, bf16 "
+         "or int8"),
+    Rule("fused_update", lambda c: c.offload != "none" and c.fused_update,
+         "the fused kernel updates on the device; --offload updates on the host: use "
+         "--nofused_update"),
+)
+
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
@@ -234,6 +262,7 @@ COMBINATIONS = (
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,
     ONE_DEVICE_REPLICAS,
+    *OFFLOAD_RULES,
     # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
     Rule("prune_sparsity", lambda c: c.keras == 3 and c.prune_sparsity > 0,
          "tensorflow-model-optimization prunes only tf_keras models; add --keras=2"),

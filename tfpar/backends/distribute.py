@@ -145,6 +145,10 @@ class DistributeBackend(Backend):
         result = metrics.summarize(config, runtime, recorder, params, comm=comm,
                                    pipeline=pipeline_block)
         result["memory"].update(memory.memory_block(model, getattr(self, "_memory_start", None)))
+        from tfpar import offload
+        offloaded = offload.stats(model.optimizer)
+        if offloaded is not None:
+            result["offload"] = offloaded
         return result
 
 
