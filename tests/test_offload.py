@@ -2,11 +2,11 @@
 
 Offload moves where the slots live and where the update runs, not the maths: weights after
 5 steps must equal the device-resident run on the same replicas (data parallelism, ZeRO 1
-and 2, ZeRO's int8 reduce-scatter, fp16 loss scaling) within 1e-6 (momentum) / 1e-5 (Adam); the devices must
-hold no slots; a checkpoint written from the host must resume on the devices and the
-other way round with the next steps equal to the uninterrupted run. The runs are in child
-processes (tests/zero_child.py); the host formulas are checked against Keras's own update
-in this process.
+and 2, ZeRO's int8 reduce-scatter, fp16 loss scaling) within 1e-6 (momentum) / 1e-5
+(Adam); the devices must hold no slots; a checkpoint written from the host must resume on
+the devices and the other way round with the next steps equal to the uninterrupted run.
+The runs are in child processes (tests/zero_child.py); the host formulas are checked
+against Keras's own update in this process.
 """
 
 import json
@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from subproc import ROOT, last_json_line, run, run_concurrently
+from subproc import ROOT, last_json_line, run, run_concurrently, run_module
 from tfpar import ParallelConfig, offload
 from tfpar.errors import ConfigError
 
@@ -157,3 +157,28 @@ def test_offload_refuses_what_it_does_not_run_with(settings, match):
         ParallelConfig(**settings)
     assert ParallelConfig(offload="optimizer", zero_stage=2, compression="int8").offload \
         == "optimizer"
+
+
+def test_offload_on_two_workers_equals_the_device_resident_run(tmp_path):
+    # Every worker's host keeps the whole state and computes the same update.
+    where = {**BASE, "strategy": "multi_worker", "cpu_devices": 1, "model": "mlp", **ADAM}
+    cases = [{"name": "devices", **where}, {"name": "host", **where, "offload": "optimizer"}]
+    prefix = str(tmp_path / "mw")
+    out = run_module("tfpar.launch", "--workers=2", "--timeout=240", "--", sys.executable,
+                     CHILD, json.dumps(cases), prefix, timeout=300)
+    lines = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines()
+             if "] {" in line]
+    assert [r["host"]["workers"] for r in lines] == [2, 2]
+    host = weights(f"{prefix}.host.worker0.npz")
+    assert max_diff(host, weights(f"{prefix}.host.worker1.npz")) == 0.0
+    assert max_diff(host, weights(f"{prefix}.devices.worker0.npz")) <= 1e-5
+
+
+def test_offload_with_zero_across_workers_is_refused_before_tensorflow():
+    from tfpar import compat, tf_config
+    cluster = tf_config.parse(json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                                          "task": {"type": "worker", "index": 0}}))
+    config = ParallelConfig(offload="optimizer", zero_stage=1, strategy="multi_worker")
+    with pytest.raises(ConfigError, match="offload='optimizer'.*across worker processes"):
+        compat.check_cluster(config, cluster)
+    compat.check_cluster(config.replace(zero_stage=0), cluster)

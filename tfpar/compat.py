@@ -320,6 +320,12 @@ ACROSS_WORKERS = (
          "pipelines across worker processes all-reduce inside one client, not with "
          "tf.distribute collectives between workers; use --compression=none, or one "
          "process with --cpu_devices", cluster=True),
+    Rule("offload", lambda c, k: c.offload != "none" and c.zero_stage in (1, 2)
+         and k is not None and k.num_workers > 1,
+         "not supported across worker processes with --zero_stage=1|2: each worker's host "
+         "holds its own replicas' pieces and a checkpoint reads them in one process; use "
+         "--zero_stage=0 with --offload (every worker's host keeps the whole state), or one "
+         "worker", cluster=True),
     # MirroredStrategy's collectives on the chief hang over cluster devices.
     Rule("data_parallel", lambda c, k: spans_workers(c, k) and _pipeline_replicas(c, k) > 1,
          "a pipeline across worker processes runs one replica yet; use --data_parallel=1 "
