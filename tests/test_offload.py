@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from subproc import ROOT, last_json_line, run, run_concurrently, run_module
+from subproc import ROOT, last_json_line, run, run_cli_cases, run_concurrently, run_module
 from tfpar import ParallelConfig, offload
 from tfpar.errors import ConfigError
 
@@ -182,3 +182,27 @@ def test_offload_with_zero_across_workers_is_refused_before_tensorflow():
     with pytest.raises(ConfigError, match="offload='optimizer'.*across worker processes"):
         compat.check_cluster(config, cluster)
     compat.check_cluster(config.replace(zero_stage=0), cluster)
+
+
+def test_a_non_finite_step_is_skipped_on_the_host_or_stops(tmp_path):
+    # Replica 0's batch of step 3 holds a NaN: skipped (the host slots untouched, training
+    # goes on) or the run stops naming the step, with the state on the host.
+    base = ["--dataset=user_data:sign_of_sum_nan_at_step_3", "--num_classes=2",
+            "--cpu_devices=2", "--steps=30", "--verbose=0", "--learning_rate=0.01",
+            "--optimizer=adam", "--offload=optimizer"]
+    flags = {"skip": ["--on_nan=skip_step"], "skip_zero2": ["--on_nan=skip_step",
+                                                            "--zero_stage=2"], "stop": []}
+    outs = run_cli_cases([([*base, f"--metrics_json={tmp_path / name}.json", *more], None)
+                          for name, more in flags.items()],
+                         env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=300)
+    for name, out in zip(flags, outs):
+        if name == "stop":
+            assert out.returncode == 2 and "Traceback" not in out.stderr
+            assert "tfpar: error: gradients became non-finite at step 3" in out.stderr
+            continue
+        assert out.returncode == 0, out.stderr[-2000:]
+        metrics = json.loads((tmp_path / f"{name}.json").read_text())
+        assert metrics["skipped_steps"] == [3] and "offload" in metrics, name
+        losses = metrics["loss_history"]
+        assert np.all(np.isfinite(np.delete(losses, 3))), (name, losses)
+        assert np.mean(losses[-5:]) < 0.8 * losses[0], (name, losses)
