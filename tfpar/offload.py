@@ -35,7 +35,6 @@ and device-resident runs. Which settings combine with offload is the rulebook's
 """
 
 import functools
-import threading
 
 import keras
 import numpy as np
@@ -89,7 +88,6 @@ class HostSlots:
         self.names = tuple(names)
         self.arrays = {n: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
                        for n in self.names}
-        self.lock = threading.Lock()
 
     @property
     def nbytes(self):
@@ -104,19 +102,19 @@ class HostSlots:
         grads, squares = tensors[:n], (tensors[n:] or [None] * n)
         if skip and not finite:
             return [np.zeros_like(g) for g in grads]
+        # No lock: each call updates its own keys (ZeRO's replicas their own pieces, in
+        # parallel where NumPy releases the GIL).
         out = []
-        with self.lock:
-            for key, grad, square in zip(keys, grads, squares):
-                if square is not None and square.size == 0:
-                    square = None
-                if "velocity" in self.arrays:
-                    out.append(adam_step(self.arrays["momentum"][key],
-                                         self.arrays["velocity"][key], grad, square, scalar,
-                                         optimizer.beta_1, optimizer.beta_2,
-                                         optimizer.epsilon))
-                else:
-                    out.append(momentum_step(self.arrays["momentum"][key], grad, scalar,
-                                             optimizer.momentum, optimizer.nesterov))
+        for key, grad, square in zip(keys, grads, squares):
+            if square is not None and square.size == 0:
+                square = None
+            if "velocity" in self.arrays:
+                out.append(adam_step(self.arrays["momentum"][key], self.arrays["velocity"][key],
+                                     grad, square, scalar, optimizer.beta_1, optimizer.beta_2,
+                                     optimizer.epsilon))
+            else:
+                out.append(momentum_step(self.arrays["momentum"][key], grad, scalar,
+                                         optimizer.momentum, optimizer.nesterov))
         return [np.asarray(o, np.float32) for o in out]
 
 
