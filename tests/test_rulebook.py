@@ -167,6 +167,7 @@ ALLOWED = {
     ("tfpar/tf_config.py", "_check_task", "TF_CONFIG.task.index"): (2, TF_CONFIG),
     ("tfpar/zero/sharded.py", "wrap_optimizer", "zero_stage"): (3, INPUT),
     ("tfpar/zero/sharded.py", "wrap_optimizer", "compression"): (1, INPUT),
+    ("tfpar/offload.py", "wrap_optimizer", "offload"): (3, INPUT),
 }
 # The rulebook itself: the table (compat) and the degrees against the devices (dims).
 RULEBOOK = {"tfpar/compat.py", "tfpar/dims.py", "tfpar/errors.py"}

@@ -5,7 +5,7 @@ turn on one runtime (TensorFlow allows one strategy per process; every case must
 the same devices and run on the same backend: tf.distribute, or a DTensor mesh for
 `zero_stage=3`), saves each case's final weights to `OUT_PREFIX.NAME[.worker<i>].npz`
 and prints one JSON line: per case the losses, the step it resumed from, the optimizer
-state per device, the median step time and the `comm` block.
+state per device, the median step time, the `comm` and `offload` blocks.
 """
 
 import json
@@ -44,7 +44,7 @@ def main():
                          result["memory"]["optimizer_state_bytes_per_device"],
                      "param_bytes_per_device": result["memory"]["param_bytes_per_device"],
                      "step_time_ms": result["step_time_ms"]["median"],
-                     "comm": result.get("comm")}
+                     "comm": result.get("comm"), "offload": result.get("offload")}
     print(json.dumps(out), flush=True)
 
 

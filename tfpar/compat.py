@@ -75,6 +75,15 @@ TABLE = {
                             "stages 1 and 2 run on tf.distribute (--tensor_parallel=1)"),
         "tf_keras": ((0,), "ZeRO is built on Keras 3's optimizer"),
     },
+    "offload": {
+        "pipeline": (("none",), "a pipeline's stage optimizers update on their stages' "
+                                "devices; the host update is built for one data-parallel "
+                                "optimizer"),
+        "dtensor": (("none",), "a DTensor mesh updates its sharded weights in the mesh's "
+                               "step; the host update runs on tf.distribute (data "
+                               "parallelism, --zero_stage=1|2)"),
+        "tf_keras": (("none",), "offload is built on Keras 3's optimizer"),
+    },
     "adam_warmup_steps": {
         "tf_keras": ((50,), "tf_keras optimizers keep Adam behind the aggregator (no "
                             "Adam in front of it)"),
@@ -244,6 +253,25 @@ KERAS_MESH_AGGREGATOR = Rule(
     "the mesh's batch axis itself; pass the plain Keras optimizer there, or compress the "
     "mesh's batch axis with python -m tfpar.train --tensor_parallel>1 --compression")
 
+# `--offload` (`tfpar.offload`): what its host update does not run with.
+OFFLOAD_RULES = (
+    Rule("offload", lambda c: c.offload == "optimizer+params",
+         "not built: parameters held on the host between gathers are ZeRO-3's, whose "
+         "update runs in a DTensor mesh's step; use --offload=optimizer (data parallelism, "
+         "--zero_stage=1|2)"),
+    Rule("offload", lambda c: c.offload != "none" and c.optimizer == "sgd",
+         "plain SGD keeps no optimizer state to offload; use --optimizer=momentum or adam, "
+         "or --offload=none"),
+    Rule("compression", lambda c: c.offload != "none" and c.compression != "none"
+         and not (c.zero_stage in (1, 2) and c.compression in ZERO_CODECS),
+         "not supported with --offload: the gradient aggregators update through Keras's "
+         "device-side step; use --compression=none, or with --zero_stage=1|2 fp16, bf16 "
+         "or int8"),
+    Rule("fused_update", lambda c: c.offload != "none" and c.fused_update,
+         "the fused kernel updates on the device; --offload updates on the host: use "
+         "--nofused_update"),
+)
+
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
@@ -283,6 +311,7 @@ COMBINATIONS = (
     INTERLEAVED_MICROBATCHES,
     ONE_DEVICE_REPLICAS,
     USER_DATA_MESH_PIPELINE,
+    *OFFLOAD_RULES,
     # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
     Rule("prune_sparsity", lambda c: c.keras == 3 and c.prune_sparsity > 0,
          "tensorflow-model-optimization prunes only tf_keras models; add --keras=2"),
@@ -346,6 +375,12 @@ ACROSS_WORKERS = (
                       f"replica on its own logical CPUs; use --cpu_devices="
                       f"{c.data_parallel} (or --data_parallel<={max(1, c.cpu_devices)})",
          cluster=True),
+    Rule("offload", lambda c, k: c.offload != "none" and c.zero_stage in (1, 2)
+         and k is not None and k.num_workers > 1,
+         "not supported across worker processes with --zero_stage=1|2: each worker's host "
+         "holds its own replicas' pieces and a checkpoint reads them in one process; use "
+         "--zero_stage=0 with --offload (every worker's host keeps the whole state), or one "
+         "worker", cluster=True),
 )
 
 _NAMES = {"data_parallel": "data parallelism", "pipeline": "--pipeline_stages>1",

@@ -36,6 +36,7 @@ TOPK_MOMENTUM_CARRY = 0.5
 THRESHOLD = 1e-4
 # `--compression=lowbit`'s bits per entry (`LowBitAggregator`'s default too).
 LOWBIT_BITS = 3
+OFFLOADS = ("none", "optimizer", "optimizer+params")
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
@@ -87,6 +88,10 @@ class ParallelConfig:
             `tfpar.zero.fsdp`). See `tfpar.compat` for where it is honoured.
         zero_gather: `"fp32"`, or `"int8"`: ZeRO-3 gathers each weight as int8 codes
             with an fp32 scale per row (ZeRO++'s qwZ); the sharded weights stay fp32.
+        offload: `"none"`, or `"optimizer"`: the optimizer's slots in host memory and its
+            update run there (`tfpar.offload`, ZeRO-Offload's design), on data
+            parallelism and ZeRO 1/2. `"optimizer+params"` (ZeRO-3's parameters held on
+            the host between gathers) is named so the rulebook can say it is not built.
         compression and its parameters: the gradient aggregator (`tfpar.compression`).
         checkpoint_dir, checkpoint_every, keep_checkpoints: periodic checkpoints of the
             whole training state; a run with an existing checkpoint resumes from it.
@@ -151,6 +156,7 @@ class ParallelConfig:
     recompute: str = "none"
     zero_stage: int = 0
     zero_gather: str = "fp32"
+    offload: str = "none"
     # Gradient aggregation.
     compression: str = "none"
     topk_ratio: float = TOPK_RATIO
@@ -200,6 +206,7 @@ class ParallelConfig:
         _one_of("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
         _one_of("recompute", self.recompute, RECOMPUTE)
         _one_of("zero_gather", self.zero_gather, ZERO_GATHERS)
+        _one_of("offload", self.offload, OFFLOADS)
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError("zero_stage", self.zero_stage, "choose one of 0, 1, 2, 3")
         if not _DATASET_RE.match(self.dataset):

@@ -124,6 +124,10 @@ _HELP = {
                   "the other codecs are refused with it.",
     "zero_gather": "ZeRO-3's weight all-gather: fp32, or int8 (codes with an fp32 scale "
                    "per row, ZeRO++'s qwZ; the sharded master weights stay fp32).",
+    "offload": "CPU offload: none, or optimizer (momentum SGD's or Adam's slots in host "
+               "memory, the update on the host: the gradient copied down and the step up "
+               "each step; data parallelism and --zero_stage=1|2). optimizer+params is "
+               "refused (not built).",
     **{name: help_text for name, (_, help_text) in legacy_options.FIELDS.items()},
 }
 
@@ -131,7 +135,7 @@ _CHOICES = {
     "model": config_lib.MODELS, "optimizer": config_lib.OPTIMIZERS,
     "strategy": config_lib.STRATEGIES, "collective": config_lib.COLLECTIVES,
     "mixed_precision": config_lib.PRECISIONS, "compression": config_lib.COMPRESSIONS,
-    "zero_gather": config_lib.ZERO_GATHERS,
+    "zero_gather": config_lib.ZERO_GATHERS, "offload": config_lib.OFFLOADS,
     "schedule": config_lib.SCHEDULES, "on_nan": config_lib.ON_NAN,
     "recompute": config_lib.RECOMPUTE, "cpu_kernels": config_lib.CPU_KERNELS,
 }

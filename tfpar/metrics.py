@@ -26,6 +26,12 @@ outside checks read; keys that do not apply to a run are omitted:
 `memory`'s per-device lists follow `memory.devices` (`tfpar.memory` says what each figure
 means; on CPU logical devices share one allocator, so `peak_bytes_scope` is "process").
 
+`offload` (with `--offload=optimizer`, `tfpar.offload.stats`): `{"mode": str,
+"host_state_bytes": int, "bytes_to_host_per_step": int, "bytes_to_device_per_step": int}`:
+the slots held in host memory, and what one step copies over the process's local replicas
+(the gradient down, the step up to every replica; on CPU both sides are the same RAM).
+Its slots then count in neither `optimizer_state_bytes_per_device` nor the allocator's peak.
+
 `cpu_kernels` is what TensorFlow ran (`tfpar.cpu_kernels.active`), whatever `--cpu_kernels`
 asked for. (Added by `tfpar.train.train`, after `summarize`.)
 

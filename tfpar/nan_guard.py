@@ -121,8 +121,10 @@ def skip_nonfinite_updates(optimizer, skip=True):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
     optimizer.tfpar_skip_nonfinite = skip
-    if hasattr(optimizer, "tfpar_zero_stage"):
-        return optimizer  # a ZeRO update (tfpar.zero) counts and skips on its own pieces
+    if hasattr(optimizer, "tfpar_zero_stage") or hasattr(optimizer, "tfpar_offload"):
+        # A ZeRO update (tfpar.zero) counts and skips on its own pieces, an offloaded one
+        # (tfpar.offload) on the host.
+        return optimizer
     patches.mix_in(optimizer, SkipNonFiniteMixin)
     return optimizer
 

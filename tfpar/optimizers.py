@@ -104,7 +104,7 @@ def always_bucketed():
 
 def make_optimizer(config, bucketed=None):
     """The Keras optimizer for `config`: learning-rate rule, ZeRO sharding (`tfpar.zero.sharded`),
-    aggregator, fp16 loss scaling. Call under the strategy's scope.
+    aggregator, CPU offload (`tfpar.offload`), fp16 loss scaling. Call under the strategy's scope.
 
     With `bucketed`, `--compression=none` also goes through an aggregator (the exact fp32
     all-reduce in `--bucket_mb` buckets, last layers first), so the first buckets' sums
@@ -126,6 +126,10 @@ def make_optimizer(config, bucketed=None):
     elif config.compression != "none" or bucketed:
         from tfpar import compression
         optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
+    if config.offload != "none":
+        # Slots and update on the host (`tfpar.offload`); with ZeRO, each replica's piece.
+        from tfpar import offload
+        optimizer = offload.wrap_optimizer(optimizer, config.offload)
     if config.mixed_precision == "fp16":
         optimizer = nan_guard.ConsistentLossScaleOptimizer(optimizer)
     return optimizer

@@ -10,7 +10,7 @@ piece of state is named as in the single-device model and saved as one full tens
   gathered, a pipeline stage's weights under their own paths);
 - `optimizer/<path>/<slot>`: an optimizer slot by its weight (`optimizer/dense_0/kernel/
   momentum`), whole (ZeRO 1/2's flat pieces cut back into shapes; a stage optimizer's slots
-  under the same names as a single optimizer's);
+  under the same names as a single optimizer's; `--offload`'s host arrays likewise);
 - `optimizer/<name>`: the optimizer's other variables (`iteration`, `learning_rate`,
   `nonfinite_steps`), one per run (every stage optimizer holds the same value); a
   `LossScaleOptimizer`'s own (`dynamic_scale`, `step_counter`, its `iteration`) under
@@ -312,8 +312,10 @@ def _optimizer_entries(optimizer, trainable):
         rate = optimizer.learning_rate
         if isinstance(rate, tf.Variable):
             out["optimizer/learning_rate"] = _plain(rate)
+    from tfpar import offload
     from tfpar.zero import sharded
-    for weight, slot, entry in sharded.slot_entries(optimizer, trainable):
+    for weight, slot, entry in (sharded.slot_entries(optimizer, trainable)
+                                + offload.slot_entries(optimizer, trainable)):
         out[f"optimizer/{_path(weight)}/{slot}"] = entry
     return out
 

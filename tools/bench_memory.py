@@ -3,14 +3,16 @@
     python tools/bench_memory.py                        # 4 devices, 96 MB each
     python tools/bench_memory.py --quick                # a smoke run, a few minutes
 
-For each configuration — plain data parallelism, ZeRO-1/2/3, tensor parallelism, each
+For each configuration — plain data parallelism, ZeRO-1/2/3, tensor parallelism, plain
+and ZeRO-1/2 with the optimizer state offloaded to the host (`--offload=optimizer`), each
 without and with `--recompute=blocks` — it searches a ladder of transformers (width ×
 depth, ordered by parameters) for the largest that trains `--steps` steps under the cap,
 and reports it with its step time (median) and its measured peak per device. A
 configuration `tfpar.compat` refuses is printed as "refused: <reason>".
 
-`--overhead` instead times plain, ZeRO-1, ZeRO-2 and ZeRO-3 on one size, uncapped, the
-four alternating in each of `--rounds` rounds (side by side in one run). Step times of
+`--overhead` instead times plain, ZeRO-1, ZeRO-2, ZeRO-3 and the offloaded plain, ZeRO-1
+and ZeRO-2 on one size, uncapped, alternating in each of `--rounds` rounds (side by side in
+one run), with the bytes an offloaded step copies device -> host and host -> device. Step times of
 the ladder with `--quick` (2 steps) include the first step's tracing: use `--overhead`
 for step times.
 
@@ -27,12 +29,21 @@ here as every configuration is SPMD (each device runs the same program on pieces
 same size, in step through the collectives), but a device whose peak came earlier than
 the others' could borrow from their share unnoticed.
 
+Offload on this CPU-only machine (`tfpar.offload`): the host's slots are NumPy arrays of
+the child process, outside TensorFlow's allocator, so they do not count against the cap;
+everything TensorFlow allocates (weights, gradients, activations, the gradient handed to
+the host and the step handed back) does. The cap thus separates device memory from host
+memory as a GPU's would; what it cannot show is a real link's copy time (both sides are
+the same RAM here): a step's cost is its time here plus its bytes copied over your link.
+
 Parameters (`params`, `x plain`) are the ladder's 12 x width^2 x depth (the blocks; the
 small embeddings and head are left out alike for every configuration).
 
 Output: a table, and JSON under runs/ (or --json): {"benchmark": "memory", "cap_mb",
 "devices", "rows": [{"name", "flags", "refused" | "largest": {"width", "depth", "params",
-"step_ms", "peak_mb_per_device"}, "tried": [...]}]}.
+"step_ms", "peak_mb_per_device"}, "tried": [...]}]}. An offloaded probe adds
+"host_state_mb", "copied_to_host_mb_per_step", "copied_to_device_mb_per_step" and every
+probe "peak_rss_mb" (the whole process: devices' and host's memory).
 """
 
 import json
@@ -77,7 +88,20 @@ CONFIGS = [  # name, trainer flags
     ("zero2", ["--zero_stage=2"]),
     ("zero3", ["--zero_stage=3"]),
     ("tensor", ["--tensor_parallel={tp}", "--data_parallel=1"]),
+    ("plain+offload", ["--offload=optimizer"]),
+    ("zero1+offload", ["--zero_stage=1", "--offload=optimizer"]),
+    ("zero2+offload", ["--zero_stage=2", "--offload=optimizer"]),
 ]
+# `--overhead`'s configurations, timed side by side.
+OVERHEAD_CONFIGS = [("plain", ["--strategy=mirrored"]),
+                    ("zero1", ["--strategy=mirrored", "--zero_stage=1"]),
+                    ("zero2", ["--strategy=mirrored", "--zero_stage=2"]),
+                    ("zero3", ["--zero_stage=3"]),
+                    ("plain+offload", ["--strategy=mirrored", "--offload=optimizer"]),
+                    ("zero1+offload", ["--strategy=mirrored", "--zero_stage=1",
+                                       "--offload=optimizer"]),
+                    ("zero2+offload", ["--strategy=mirrored", "--zero_stage=2",
+                                       "--offload=optimizer"])]
 
 
 def refusal(flag_list, devices):
@@ -126,7 +150,14 @@ def probe(flag_list, width, depth, capped=True):
                peak_mb_per_device=round(peak / 2 ** 20, 2),
                param_mb_per_device=round(max(memory["param_bytes_per_device"]) / 2 ** 20, 2),
                optimizer_mb_per_device=round(
-                   max(memory["optimizer_state_bytes_per_device"]) / 2 ** 20, 2))
+                   max(memory["optimizer_state_bytes_per_device"]) / 2 ** 20, 2),
+               peak_rss_mb=memory.get("peak_rss_mb"))
+    if "offload" in metrics:
+        host = metrics["offload"]
+        out.update(host_state_mb=round(host["host_state_bytes"] / 2 ** 20, 2),
+                   copied_to_host_mb_per_step=round(host["bytes_to_host_per_step"] / 2 ** 20, 2),
+                   copied_to_device_mb_per_step=round(
+                       host["bytes_to_device_per_step"] / 2 ** 20, 2))
     out["fits"] = peak <= FLAGS.cap_mb * 2 ** 20
     if not out["fits"]:
         out["error"] = (f"measured peak {out['peak_mb_per_device']} MB per device over the "
@@ -176,13 +207,10 @@ def probe_limit():
 
 
 def overhead():
-    """Step time (median of each run's steps) of plain, ZeRO-1, ZeRO-2 and ZeRO-3 on one
-    size, uncapped; the four alternate within each round so that a slower spell of the
-    machine hits all of them. Returns the rows for the JSON."""
-    configs = [("plain", ["--strategy=mirrored"]),
-               ("zero1", ["--strategy=mirrored", "--zero_stage=1"]),
-               ("zero2", ["--strategy=mirrored", "--zero_stage=2"]),
-               ("zero3", ["--zero_stage=3"])]
+    """Step time (median of each run's steps) of `OVERHEAD_CONFIGS` (or those `--only`
+    names) on one size, uncapped; they alternate within each round so that a slower spell
+    of the machine hits all of them. Returns the rows for the JSON."""
+    configs = [c for c in OVERHEAD_CONFIGS if not FLAGS.only or c[0] in FLAGS.only]
     width, depth = FLAGS.overhead_width, FLAGS.overhead_depth
     print(f"step time: transformer width {width} depth {depth}, {FLAGS.devices} logical "
           f"CPUs, global batch {FLAGS.batch}, {FLAGS.optimizer}, {FLAGS.steps} steps per "
@@ -195,19 +223,25 @@ def overhead():
             if "step_ms" not in result:
                 raise SystemExit(f"{name}: {result.get('error')}")
             times[name].append(result["step_ms"])
-            memory[name] = {k: result[k] for k in ("param_mb_per_device",
-                                                   "optimizer_mb_per_device")}
+            memory[name] = {k: result[k] for k in (
+                "param_mb_per_device", "optimizer_mb_per_device", "host_state_mb",
+                "copied_to_host_mb_per_step", "copied_to_device_mb_per_step") if k in result}
             print(f"  round {round_ + 1} {name}: {result['step_ms']:.1f} ms", flush=True)
-    base = statistics.median(times["plain"])
-    print(f"\n{'configuration':<14}{'median ms':>10}{'vs plain':>10}{'rounds (ms)':>30}"
-          f"{'params MB/dev':>15}{'opt. state MB/dev':>19}")
+    base = statistics.median(times[configs[0][0]])
+    print(f"\n{'configuration':<15}{'median ms':>10}{'vs ' + configs[0][0]:>10}"
+          f"{'rounds (ms)':>30}{'params MB/dev':>15}{'opt. state MB/dev':>19}"
+          f"{'host MB':>9}{'copied MB/step':>16}")
     rows = []
     for name, _ in configs:
         med = statistics.median(times[name])
         rounds = " ".join(f"{t:.1f}" for t in times[name])
-        print(f"{name:<14}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
-              f"{memory[name]['param_mb_per_device']:>15.2f}"
-              f"{memory[name]['optimizer_mb_per_device']:>19.2f}")
+        mem = memory[name]
+        copied = (f"{mem['copied_to_host_mb_per_step']:.2f}+"
+                  f"{mem['copied_to_device_mb_per_step']:.2f}"
+                  if "host_state_mb" in mem else "-")
+        print(f"{name:<15}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
+              f"{mem['param_mb_per_device']:>15.2f}{mem['optimizer_mb_per_device']:>19.2f}"
+              f"{mem.get('host_state_mb', 0):>9.2f}{copied:>16}")
         rows.append({"name": name, "step_ms_rounds": times[name], "step_ms_median": med,
                      "overhead_vs_plain": med / base - 1, **memory[name]})
     return rows
@@ -260,21 +294,25 @@ def main(argv):
             rows.append(row)
     plain = next((r.get("largest") for r in rows if r["name"] == "plain"), None)
     print()
-    print(f"{'configuration':<20}{'largest that trains':>22}{'params':>12}{'x plain':>9}"
-          f"{'step ms':>9}{'peak MB/dev':>13}")
+    print(f"{'configuration':<26}{'largest that trains':>22}{'params':>12}{'x plain':>9}"
+          f"{'step ms':>9}{'peak MB/dev':>13}{'host MB':>9}{'copied MB/step':>16}")
     for row in rows:
         if "refused" in row:
-            print(f"{row['name']:<20}refused: {row['refused']}")
+            print(f"{row['name']:<26}refused: {row['refused']}")
             continue
         best = row["largest"]
         if best is None:
-            print(f"{row['name']:<20}{'nothing on the ladder':>22}")
+            print(f"{row['name']:<26}{'nothing on the ladder':>22}")
             continue
         params = best["ladder_params"]
         ratio = f"{params / plain['ladder_params']:.2f}" if plain else "-"
-        print(f"{row['name']:<20}{'width %d depth %d' % (best['width'], best['depth']):>22}"
+        copied = (f"{best['copied_to_host_mb_per_step']:.2f}+"
+                  f"{best['copied_to_device_mb_per_step']:.2f}" if "host_state_mb" in best
+                  else "-")
+        print(f"{row['name']:<26}{'width %d depth %d' % (best['width'], best['depth']):>22}"
               f"{params:>12,}{ratio:>9}{best['step_ms']:>9.1f}"
-              f"{best['peak_mb_per_device']:>13.1f}")
+              f"{best['peak_mb_per_device']:>13.1f}{best.get('host_state_mb', 0):>9.1f}"
+              f"{copied:>16}")
     path = FLAGS.json or os.path.join(ROOT, "runs",
                                       time.strftime("bench_memory_%Y%m%d_%H%M%S.json"))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

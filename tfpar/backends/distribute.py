@@ -15,7 +15,7 @@ from absl import logging
 from tfpar import (accumulation, checkpoint, data, devices, faults, memory, metrics,
                    nan_guard, optimizers, pipeline, preemption, recompute, strategy,
                    tf_config)
-from tfpar import models
+from tfpar import models, patches
 from tfpar.backends import Backend, tensorboard_dir
 from tfpar.pipeline import remote
 
@@ -26,6 +26,10 @@ class DistributeBackend(Backend):
     board = None  # the run's `tfpar.callbacks.TensorBoard` with `tensorboard_dir`
 
     def build_runtime(self, config, environ=None, runtime=None):
+        if config.offload != "none":
+            # Before TensorFlow starts: a capped offloaded run near the cap ended in SIGSEGV
+            # instead of the out-of-memory line (docs/benchmarks/memory.md), as ZeRO-3 did.
+            patches.no_function_constant_folding()
         devices.split_cpu(config.cpu_devices)
         keras.utils.set_random_seed(config.seed)
         optimizers.set_policy(config.mixed_precision)
@@ -145,6 +149,10 @@ class DistributeBackend(Backend):
         result = metrics.summarize(config, runtime, recorder, params, comm=comm,
                                    pipeline=pipeline_block)
         result["memory"].update(memory.memory_block(model, getattr(self, "_memory_start", None)))
+        from tfpar import offload
+        offloaded = offload.stats(model.optimizer)
+        if offloaded is not None:
+            result["offload"] = offloaded
         return result
 
 

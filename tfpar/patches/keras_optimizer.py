@@ -13,7 +13,7 @@ how an optimizer the user built gets a mixin (keras 3.15.1 on tensorflow 2.21.0)
   `_backend_update_step` sums gradients with, and re-runs
   `BaseOptimizer._backend_apply_gradients`'s accumulate-or-update choice through
   `replica_cond` (with its accumulators, `_get_variable_index`, `_clip_gradients`);
-  `tfpar.nan_guard` and `tfpar.zero` re-implement `_backend_update_step` around that
+  `tfpar.nan_guard`, `tfpar.zero` and `tfpar.offload` re-implement `_backend_update_step` around that
   hook. The private methods these mixins call through `self` are listed in `SELF_CALLS`.
   The check compares the overridden and called methods' signatures and looks for the lines
   the overrides re-implement.
@@ -45,9 +45,11 @@ ENTRIES = {
     "optimizer_hooks": ("TFOptimizer._all_reduce_sum_gradients, _backend_update_step, "
                         "BaseOptimizer._backend_apply_gradients (overridden at the "
                         "OVERRIDES sites)",
-                        "tfpar.compression.keras_hook, tfpar.nan_guard, tfpar.zero"),
+                        "tfpar.compression.keras_hook, tfpar.nan_guard, tfpar.zero, "
+                        "tfpar.offload"),
     "optimizer_base_build": ("keras.src.optimizers.base_optimizer.BaseOptimizer.build "
-                             "(called, not replaced)", "tfpar.zero.sharded.ZeroMixin.build"),
+                             "(called, not replaced)",
+                             "tfpar.zero.sharded.ZeroMixin.build, tfpar.offload"),
     "stateless_optimizer": ("TFOptimizer's overrides of BaseOptimizer methods (the class "
                             "swapped for BaseOptimizer's)",
                             "tfpar.layout.optimizer.stateless_optimizer"),
@@ -61,6 +63,7 @@ OVERRIDES = {
      "_backend_apply_gradients"): "optimizer_hooks",
     ("tfpar.nan_guard", "SkipNonFiniteMixin", "_backend_update_step"): "optimizer_hooks",
     ("tfpar.zero.sharded", "ZeroMixin", "_backend_update_step"): "optimizer_hooks",
+    ("tfpar.offload", "OffloadMixin", "_backend_update_step"): "optimizer_hooks",
 }
 # (module, class, method) -> entry: private Keras optimizer methods tfpar's optimizer mixins
 # call through `self` (reached through the optimizer they are mixed into).
@@ -70,6 +73,7 @@ SELF_CALLS = {
                     "_backend_update_step", "_backend_reset_gradient_accumulators",
                     "_backend_increment_gradient_accumulators")},
     ("tfpar.nan_guard", "SkipNonFiniteMixin", "_all_reduce_sum_gradients"): "optimizer_hooks",
+    ("tfpar.offload", "OffloadMixin", "_all_reduce_sum_gradients"): "optimizer_hooks",
     ("tfpar.nan_guard", "SkipNonFiniteMixin", "_distributed_tf_update_step"):
         "optimizer_hooks",
     ("tfpar.optimizers", "FusedMomentumMixin", "_get_variable_index"): "fused_momentum",

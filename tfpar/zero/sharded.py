@@ -102,7 +102,8 @@ class ZeroMixin:
             self._tfpar_layout.tokens = ordering_tokens(strategy)
             slots = {name: aggregator_lib.per_replica_variable(
                 tf.zeros([self._tfpar_layout.piece]), f"zero_{name}",
-                tf.VariableAggregation.ONLY_FIRST_REPLICA) for name in slot_names(self)}
+                tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                for name in self._tfpar_slot_names()}
         # Held by a plain object, so neither Keras nor TensorFlow tracks the variables
         # (a checkpoint of an ON_READ variable keeps one replica's piece): each is saved
         # through a ShardedSlot, which keeps every replica's.
@@ -206,7 +207,7 @@ class ZeroMixin:
         param_piece = _own(params, ctx, n) if n > 1 else params
         slots = {k: tf.convert_to_tensor(v) for k, v in layout.slots.items()}
         new_piece, new_slots = self._tfpar_update(param_piece, grad_piece, slots,
-                                                  learning_rate, square_piece)
+                                                  learning_rate, square_piece, finite)
         if getattr(self, "tfpar_skip_nonfinite", False):
             new_piece = tf.where(finite, new_piece, param_piece)
             new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
@@ -222,7 +223,12 @@ class ZeroMixin:
             variable.assign(tf.cast(value, variable.dtype))
         self.nonfinite_steps.assign_add(bad)
 
-    def _tfpar_update(self, param, grad, slots, learning_rate, square=None):
+    def _tfpar_slot_names(self):
+        # The slots held on the devices (`tfpar.offload` keeps them on the host instead).
+        return slot_names(self)
+
+    def _tfpar_update(self, param, grad, slots, learning_rate, square=None, finite=None):
+        del finite  # the caller keeps the old values where it is False
         lr = tf.cast(learning_rate, tf.float32)
         if isinstance(self, keras.optimizers.Adam):
             return _adam(self, param, grad, slots, lr, square)
