@@ -307,6 +307,25 @@ def test_lowbit_codes_decode_within_their_bound(bits):
     assert np.max(np.abs(y[300:])) < 0.1  # the bias did not take the kernel's scale
 
 
+@pytest.mark.parametrize("bits", [1, 3])
+@pytest.mark.parametrize("n", [40, 64, 150])
+def test_lowbit_rows_encode_as_each_row_alone(bits, n):
+    # The mesh codes each replica's row of one tensor at once (blocks by reshape: DTensor
+    # has no segment reductions); each row's words and scales are its own message's.
+    rows = tf.stack([_rand(n, seed=s) * (s + 1) for s in range(3)])
+    ids, count = lowbit.block_ids([n], 64), lowbit.block_count([n], 64)
+    words, scales = lowbit.encode(rows, ids, count, bits, block=64)
+    assert words.shape == (3, bits * lowbit.words_per_plane(n)) and scales.shape == (3, count)
+    for r in range(3):
+        own_words, own_scales = lowbit.encode(rows[r], ids, count, bits)
+        assert np.array_equal(words[r].numpy(), own_words.numpy()), r
+        # 1 bit: a block's mean magnitude, summed in another order (a padded reshape).
+        np.testing.assert_allclose(scales[r].numpy(), own_scales.numpy(),
+                                   rtol=1e-6 if bits == 1 else 0)
+    np.testing.assert_array_equal(lowbit.decode(words, scales, ids, n, bits)[2].numpy(),
+                                  lowbit.decode(words[2], scales[2], ids, n, bits).numpy())
+
+
 def test_lowbit_rejects_bad_settings():
     with pytest.raises(ValueError, match="block=0 is invalid"):
         lowbit.LowBitAggregator(block=0)

@@ -67,7 +67,7 @@ MESH = {"model": "mlp", "tensor_parallel": 2, "data_parallel": 2, "cpu_devices":
 def test_mesh_codec_resume_is_exact(tmp_path):
     from test_layout_compose import train_configs
     from test_train import weights
-    codecs = ("int8", "powersgd")
+    codecs = ("int8", "powersgd", "lowbit")
     configs = {c: {**MESH, "compression": c, "powersgd_rank": 2,
                    "checkpoint_dir": str(tmp_path / c), "checkpoint_every": 5}
                for c in codecs}

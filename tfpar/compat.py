@@ -38,10 +38,11 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
     "compression": {
-        "dtensor": (("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd"),
+        "dtensor": (("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold",
+                     "powersgd"),
                     "the mesh's batch-axis reduction (tfpar.layout.reduction) compresses "
-                    "with fp16, bf16, int8, topk, threshold or powersgd; auto's per-tensor "
-                    "choice and lowbit's codes run on tf.distribute collectives only"),
+                    "with fp16, bf16, int8, lowbit, topk, threshold or powersgd; auto's "
+                    "per-tensor choice runs on tf.distribute collectives only"),
     },
     "sequence_parallel": {
         backend: ((False,), "sequence parallelism splits activations over the model axis "

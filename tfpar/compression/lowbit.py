@@ -45,10 +45,13 @@ def block_ids(sizes, block):
 
 
 def pack_bits(bits):
-    """1-D int32 0/1 `bits` → int32 words, bit j of word w = `bits[32 w + j]`."""
-    n = int(bits.shape[0])
-    bits = tf.reshape(tf.pad(tf.cast(bits, tf.int64), [[0, (-n) % 32]]), [-1, 32])
-    words = tf.reduce_sum(tf.bitwise.left_shift(bits, tf.range(32, dtype=tf.int64)), axis=1)
+    """int32 0/1 `bits` `[..., n]` → int32 words `[..., ceil(n / 32)]`, bit j of word w =
+    `bits[..., 32 w + j]`."""
+    n = int(bits.shape[-1])
+    pad = [[0, 0]] * (bits.shape.rank - 1) + [[0, (-n) % 32]]
+    bits = tf.pad(tf.cast(bits, tf.int64), pad)
+    bits = tf.reshape(bits, tf.concat([tf.shape(bits)[:-1], [-1, 32]], 0))
+    words = tf.reduce_sum(tf.bitwise.left_shift(bits, tf.range(32, dtype=tf.int64)), axis=-1)
     return tf.bitcast(tf.cast(words, tf.uint32), tf.int32)
 
 
@@ -64,8 +67,26 @@ def words_per_plane(n):
     return -(-n // 32)
 
 
-def encode(x, ids, count, bits=1):
-    """`(words, scales)` of 1-D `x` in `bits` bits per entry, one scale per block.
+def _per_block(reduce, x, ids, count, block):
+    """`reduce` ("max" or "mean") of `x` over each block: `[n]` by `ids` (blocks cut per
+    tensor), or `[rows, n]`, each row one tensor cut into blocks of `block` entries (a
+    DTensor mesh has no segment reductions: padded and reshaped there)."""
+    if x.shape.rank == 1:
+        op = tf.math.unsorted_segment_max if reduce == "max" else tf.math.unsorted_segment_mean
+        return op(x, ids, count)
+    n = int(x.shape[-1])
+    blocks = tf.reshape(tf.pad(x, [[0, 0], [0, count * block - n]]), [-1, count, block])
+    if reduce == "max":  # magnitudes: the zeros padded in change no maximum
+        return tf.reduce_max(blocks, -1)
+    lengths = [block] * (count - 1) + [n - (count - 1) * block]
+    return tf.reduce_sum(blocks, -1) / tf.constant(lengths, tf.float32)
+
+
+def encode(x, ids, count, bits=1, block=None):
+    """`(words, scales)` of `x` in `bits` bits per entry, one scale per block: `x` is one
+    message `[n]` (blocks by `ids`), or one per row `[rows, n]`, each row one tensor in
+    blocks of `block` entries (the mesh's replicas, `tfpar.layout.reduction`); `words`
+    `[..., bits · words_per_plane(n)]`, `scales` `[..., count]`.
 
     1 bit: the sign, decoded as `± scale` with `scale` the block's mean magnitude (the
     block's L1 norm kept). More bits: symmetric codes `-L..L` (`L = 2^(bits-1) - 1`) of
@@ -75,12 +96,13 @@ def encode(x, ids, count, bits=1):
     """
     magnitude = tf.abs(x)
     if bits == 1:
-        scales = tf.math.unsorted_segment_mean(magnitude, ids, count)
+        scales = _per_block("mean", magnitude, ids, count, block)
         return pack_bits(tf.cast(x >= 0, tf.int32)), scales
     top = 2 ** (bits - 1) - 1
-    amax = tf.math.unsorted_segment_max(magnitude, ids, count)
+    amax = _per_block("max", magnitude, ids, count, block)
     scales = tf.where(amax > 0, amax / top, tf.ones_like(amax))
-    q = tf.cast(tf.clip_by_value(tf.round(x / tf.gather(scales, ids)), -top, top), tf.int32) + top
+    q = tf.cast(tf.clip_by_value(tf.round(x / tf.gather(scales, ids, axis=-1)), -top, top),
+                tf.int32) + top
     planes = [pack_bits(tf.bitwise.bitwise_and(tf.bitwise.right_shift(q, j), 1))
               for j in range(bits)]
     return tf.concat(planes, -1), scales

@@ -14,6 +14,13 @@ collectives inside the `model` axis (tensor parallelism's own) ran exactly as be
 - `int8`: one scale per replica and tensor (its max over the `model` shards is an exact
   max-reduce), the int8 codes all-gathered over `batch` (a quarter of fp32) and summed
   after decoding on every device,
+- `lowbit`: each replica's row (its `model` shards together) in `lowbit_bits` bits per
+  entry and one fp32 scale per 256 entries (`tfpar.compression.lowbit`'s `encode`, packed
+  into int32 words), words and scales all-gathered over `batch` and summed after decoding
+  in replica order on every device (~0.1× fp32's bytes at 3 bits). tf.distribute puts Adam
+  in front of it (each replica's own second moment); the mesh has no Adam in front of any
+  codec, so here it compresses the plain gradient, error feedback carrying what the codes
+  missed, and the optimizer (Adam too) runs after the sum,
 - `topk`: each replica's `ratio` largest-magnitude entries of each tensor (picked over the
   whole tensor, its `model` shards together, as `tfpar.compression.TopKAggregator` picks
   them); with `union` (the default) the indices are all-gathered over `batch` and every
@@ -42,12 +49,13 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import compat
-from tfpar.compression import codecs, error_feedback, powersgd
+from tfpar.compression import codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
+from tfpar.config import LOWBIT_BITS
 from tfpar.layout import values
 from tfpar.layout.mesh import BATCH, axis_size
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
+CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 
@@ -55,7 +63,8 @@ def codec_options(config):
     """The codec parameters of a `ParallelConfig` that `BatchAxisReduction` takes."""
     return {"topk_ratio": config.topk_ratio, "topk_union": config.topk_union,
             "topk_dense_below": config.topk_dense_below, "threshold": config.threshold,
-            "powersgd_rank": config.powersgd_rank, "seed": config.seed}
+            "powersgd_rank": config.powersgd_rank, "lowbit_bits": config.lowbit_bits,
+            "seed": config.seed}
 
 
 class BatchAxisReduction:
@@ -71,6 +80,7 @@ class BatchAxisReduction:
             which a tensor goes whole (`ParallelConfig`'s fields of the same names).
         threshold: the threshold codec's magnitude.
         powersgd_rank, seed: PowerSGD's rank, and the seed of its initial `Q`s.
+        lowbit_bits: lowbit's bits per entry (1-4, `--lowbit_bits`).
 
     Raises:
         ConfigError: an unknown codec.
@@ -78,7 +88,7 @@ class BatchAxisReduction:
 
     def __init__(self, mesh, variables, codec="none", error_feedback=True, topk_ratio=0.25,
                  topk_union=True, topk_dense_below=1024, threshold=1e-4, powersgd_rank=16,
-                 seed=0):
+                 lowbit_bits=LOWBIT_BITS, seed=0):
         compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
@@ -86,6 +96,7 @@ class BatchAxisReduction:
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.threshold, self.rank = float(threshold), int(powersgd_rank)
+        self.bits = int(lowbit_bits)
         # Top-k's k per tensor by `TopKAggregator`'s rule (one policy for both backends).
         self.topk = TopKAggregator(topk_ratio, dense_below=topk_dense_below,
                                    union=topk_union, error_feedback=error_feedback)
@@ -129,6 +140,9 @@ class BatchAxisReduction:
         size = self.sizes[index]
         if self.codec == "int8":
             return size + 4
+        if self.codec == "lowbit":
+            return 4 * (self.bits * lowbit.words_per_plane(size)
+                        + lowbit.block_count([size], lowbit.BLOCK))
         if self.codec in _CAST:
             return 2 * size
         if self.codec == "topk":
@@ -144,7 +158,8 @@ class BatchAxisReduction:
     def comm_stats(self):
         """Bytes one replica (a position on `batch`, all its `model` shards together) hands
         to the `batch` axis's collectives per step, against fp32: fp16/bf16 2 per entry,
-        int8 1 per entry and a 4-byte scale per tensor, top-k its indices and values,
+        int8 1 per entry and a 4-byte scale per tensor, lowbit its int32 code words and
+        a 4-byte scale per 256 entries, top-k its indices and values,
         PowerSGD its two factors, `none` and `threshold` 4 per entry. Static: the message
         sizes do not change from step to step.
 
@@ -229,6 +244,8 @@ class BatchAxisReduction:
             return tf.cast(tf.reduce_sum(sent, 0), tf.float32), tf.cast(sent, tf.float32)
         if self.codec == "topk":
             return self._topk(x, index)
+        if self.codec == "lowbit":
+            return self._lowbit(x, index)
         if self.codec == "threshold":
             sent = tf.where(tf.abs(x) >= self.threshold, x, tf.zeros_like(x))
             return tf.reduce_sum(sent, 0), sent
@@ -282,6 +299,24 @@ class BatchAxisReduction:
         shape = (self.replicas,) + self.shapes[index]
         return (dtensor.relayout(tf.reshape(total, shape[1:]), self.own[index]),
                 dtensor.relayout(tf.reshape(sent, shape), self.stacked[index]))
+
+    def _lowbit(self, x, index):
+        """Lowbit over `batch`: each replica's row coded by `lowbit.encode` (blocks of 256
+        entries of this tensor), code words and scales all-gathered (int32 and fp32: DTensor
+        moves neither as int8) and decoded on every device, summed in replica order."""
+        n, shape = self.sizes[index], self.shapes[index]
+        ids, count = lowbit.block_ids([n], lowbit.BLOCK), lowbit.block_count([n], lowbit.BLOCK)
+        # Each replica's row whole (its `model` shards together), split on `batch`.
+        flat = dtensor.relayout(tf.reshape(x, [self.replicas, n]), self._rows)
+        words, scales = lowbit.encode(flat, ids, count, self.bits, lowbit.BLOCK)
+        all_words = dtensor.relayout(words, self._replicated(2))  # the all-gathers
+        all_scales = dtensor.relayout(scales, self._replicated(2))
+        decoded = lowbit.decode(all_words, all_scales, ids, n, self.bits)
+        total = tf.add_n(tf.unstack(decoded, num=self.replicas))  # in replica order
+        sent = lowbit.decode(words, scales, ids, n, self.bits)
+        return (dtensor.relayout(tf.reshape(total, shape), self.own[index]),
+                dtensor.relayout(tf.reshape(sent, (self.replicas,) + shape),
+                                 self.stacked[index]))
 
     def _powersgd(self, x, q):
         """`(sum, each replica's share of it, new Q)`: one PowerSGD round over `batch`
