@@ -27,6 +27,12 @@ def main():
     else:
         arrays = [np.asarray(v) for v in model.weights]
     np.savez(path, *arrays)
+    if result.get("strategy") == "DTensorMesh" and result.get("workers", 1) > 1:
+        # The gathers above are collectives after train()'s own barrier: worker 0, which
+        # hosts the coordination service, must not leave before the others finish them
+        # (a loaded run saw worker 1's gather reset by worker 0's exit).
+        from tfpar.strategy import wait_for_workers
+        wait_for_workers("gathered", timeout_s=120)
     keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
             "resumed_from_step", "strategy")
     print(json.dumps({k: result[k] for k in keys if k in result}), flush=True)

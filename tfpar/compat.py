@@ -299,6 +299,12 @@ COMBINATIONS = (
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.compression != "none",
          "not supported: the compressed batch-axis reduction maps the step over replicas, "
          "where the sequence layouts are not built; use --compression=none"),
+    # ZeRO-3 x tensor parallelism runs on one mesh; the mesh pipeline's stages (3D) each
+    # build their own, where ZeRO-3's per-layer gathers are not wired.
+    Rule("zero_stage", lambda c: c.zero_stage == 3 and c.dims.pp_enabled,
+         "not supported with --pipeline_stages>1: ZeRO-3 gathers each layer inside one "
+         "mesh's step, and the mesh pipeline's stages are meshes of their own; use "
+         "--zero_stage=0 in 3D, or ZeRO-3 with --tensor_parallel and no pipeline"),
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.zero_stage == 3,
          "not supported: --zero_stage=3 gathers each layer's weights in a wrapper the "
          "sequence layouts are not built for; use --zero_stage=0"),

@@ -123,11 +123,15 @@ class ShardedReduction:
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire}
 
-    def mean(self, grads, state):
+    def mean(self, grads, state, scale=None):
         """`(means, new_state)`: the mean over replicas of `grads` (each
         `[replicas, *shape]`, split on `batch`), each in its variable's own layout (its
         piece on each device); `state` is what `read()` gave, `new_state` the next
-        residuals (write them to `variables`)."""
+        residuals (write them to `variables`). `scale` is the mesh step's fp16 loss scale,
+        always None here: `compat.ZERO3_COMPRESSION_SCALING` refuses fp16 with this."""
+        if scale is not None:
+            raise ValueError("ZeRO-3's compressed reduce-scatter takes no fp16 loss scale "
+                             "(tfpar.compat.ZERO3_COMPRESSION_SCALING)")
         if len(grads) != len(self.shapes):
             raise ValueError(f"{len(grads)} gradients for {len(self.shapes)} variables")
         means, kept = [], []
