@@ -47,6 +47,14 @@ class ConsistentLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return tf.equal(overflowed, 0.0)
 
 
+def add_counter(optimizer):
+    """`optimizer.nonfinite_steps`, the count of steps skipped for non-finite gradients
+    (created once, in `build`; tfpar's, kept out of Keras's saved file)."""
+    if not hasattr(optimizer, "nonfinite_steps"):
+        optimizer.nonfinite_steps = optimizer.add_variable(
+            (), "zeros", "float32", aggregation="only_first_replica", name="nonfinite_steps")
+
+
 class SkipNonFiniteMixin:
     """Overrides Keras's TF optimizer `_backend_update_step` (keras 3.15.1): the same
     all-reduce and update, each variable's update guarded by "all reduced gradients are
@@ -54,9 +62,7 @@ class SkipNonFiniteMixin:
 
     def build(self, variables):
         super().build(variables)
-        if not hasattr(self, "nonfinite_steps"):
-            self.nonfinite_steps = self.add_variable(
-                (), "zeros", "float32", aggregation="only_first_replica", name="nonfinite_steps")
+        add_counter(self)
 
     # Keras's file (`model.save`, `save_weights`) holds the plain optimizer's variables only,
     # so stock Keras loads its state (the counter is tfpar's; checkpoints keep it).

@@ -40,7 +40,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar import patches
+from tfpar import nan_guard, patches
 from tfpar.errors import ConfigError
 
 MODES = ("none", "optimizer", "optimizer+params")
@@ -164,10 +164,7 @@ class OffloadMixin:
     def build(self, variables):
         # The base build only (iterations, variable indices): no slots on the devices.
         patches.base_build(self, variables)
-        if not hasattr(self, "nonfinite_steps"):
-            self.nonfinite_steps = self.add_variable(
-                (), "zeros", "float32", aggregation="only_first_replica",
-                name="nonfinite_steps")
+        nan_guard.add_counter(self)
         self._tfpar_host_keys = {_key(v): i for i, v in enumerate(variables)}
         self._tfpar_host = HostSlots(slot_names(self), {
             i: tuple(int(d) for d in v.shape) for i, v in enumerate(variables)})

@@ -63,7 +63,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar import patches
+from tfpar import nan_guard, patches
 from tfpar.compression import aggregator as aggregator_lib
 from tfpar.compression import codecs
 from tfpar.compression.collectives import nbytes as collectives_nbytes
@@ -91,10 +91,7 @@ class ZeroMixin:
     def build(self, variables):
         # The base build only (iterations, variable indices): no full-size slots.
         patches.base_build(self, variables)
-        if not hasattr(self, "nonfinite_steps"):
-            self.nonfinite_steps = self.add_variable(
-                (), "zeros", "float32", aggregation="only_first_replica",
-                name="nonfinite_steps")
+        nan_guard.add_counter(self)
         strategy = tf.distribute.get_strategy()
         self._tfpar_layout = FlatLayout(variables, strategy.num_replicas_in_sync)
         self._tfpar_layout.instance = next(_INSTANCES)
