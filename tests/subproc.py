@@ -286,3 +286,21 @@ def run_tf_config_workers(argv_of, n=2, timeout=180):
             except ProcessLookupError:
                 pass
     return outs
+
+
+def sigterm_when_ready(cmd, workers=2, timeout=200, env=None):
+    """Start `cmd` (a `tfpar.launch` of `workers` workers), send it SIGTERM as soon as every
+    worker has printed TFPAR_READY (their strategies built), and return all it printed
+    (stdout and stderr) once it ends within `timeout`; its process group is killed if not."""
+    proc = popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if sum("TFPAR_READY" in seen for seen in lines) == workers:
+                proc.send_signal(signal.SIGTERM)
+                break
+        return "".join(lines) + proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from subproc import (ROOT, in_background, popen, processes_with, run_cli_cases,
+                     sigterm_when_ready,
                      run_module)
 from test_train import BASE, CHILD, max_diff, train_runs, weights
 
@@ -307,18 +308,7 @@ def test_sigterm_right_after_start_up_still_saves_and_stops(tmp_path):
     cmd = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--grace=20", "--timeout=150",
            "--", sys.executable, "-m", "tfpar.train", "--strategy=multi_worker", "--verbose=0",
            "--steps=100000", f"--checkpoint_dir={ckpt}", "--checkpoint_every=100000"]
-    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in proc.stdout:  # both strategies built: signal at once
-            lines.append(line)
-            if sum("TFPAR_READY" in seen for seen in lines) == 2:
-                proc.send_signal(signal.SIGTERM)
-                break
-        output = "".join(lines) + proc.communicate(timeout=170)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    output = sigterm_when_ready(cmd, timeout=170)  # both strategies built: signal at once
     for worker in (0, 1):
         assert f"[worker {worker}] tfpar: stopping at step 5 on SIGTERM" in output, output[-3000:]
     saved = [name for name in os.listdir(ckpt) if name.endswith(".index")]

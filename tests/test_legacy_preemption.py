@@ -10,11 +10,9 @@ the resumed job must equal the uninterrupted one exactly.
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
-from subproc import in_background, popen, run_module
+from subproc import in_background, run_module, sigterm_when_ready
 from test_faults import worker_summary
 from test_train import BASE, CHILD, max_diff, weights
 
@@ -33,19 +31,8 @@ def test_sigterm_saves_a_keras2_job_and_the_same_command_resumes_it_exactly(tmp_
     reference = in_background(lambda: run_module(
         "tfpar.launch", "--workers=2", "--timeout=200", "--", sys.executable, CHILD,
         json.dumps(CFG), str(tmp_path / "whole"), timeout=240))
-    proc = popen(_launch(settings, str(tmp_path / "stopped")), stdout=subprocess.PIPE,
-                 stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in proc.stdout:  # both strategies built: signal at once
-            lines.append(line)
-            if sum("TFPAR_READY" in seen for seen in lines) == 2:
-                proc.send_signal(signal.SIGTERM)
-                break
-        output = "".join(lines) + proc.communicate(timeout=200)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # both strategies built: signal at once
+    output = sigterm_when_ready(_launch(settings, str(tmp_path / "stopped")), timeout=200)
     for worker in (0, 1):
         assert f"[worker {worker}] tfpar: stopping at step 5 on SIGTERM" in output, \
             output[-3000:]
