@@ -21,13 +21,12 @@ piece of state is named as in the single-device model and saved as one full tens
 - `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
   inspect`; never read on load).
 
-ZeRO-3's error feedback (`--zero_stage=3 --compression=...`) is `aggregator/zero3_residual/
-<path>`: one row per replica, onto another replica count with its sum kept. Any other
-aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
+An aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
 beside it by the aggregator's own objects, whose names are its positions in the
 trainable variables: residuals keep one row per replica and move to another replica count
 with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`). A mesh's codecs
-(`tfpar.layout.reduction`, every stage's in a mesh pipeline) are saved here instead:
+(`tfpar.layout.reduction`, every stage's in a mesh pipeline; ZeRO-3's compressed
+reduce-scatter, `tfpar.zero.reduce_scatter`) are saved here instead:
 `codec/<path>/residual` (`[replicas, ...]`, one row per `batch` replica; onto another
 count replica 0 takes their sum, the others zero, as `PerReplicaSlot` does) and
 `codec/<path>/powersgd_q`.
@@ -71,9 +70,6 @@ def name_of(checkpoint_key):
 # and a mesh codec's state (a run that turns a codec on owes no error yet).
 _OPTIONAL = ("optimizer/nonfinite_steps",)
 _OPTIONAL_PREFIX = "codec/"
-# ZeRO-3's error feedback (`tfpar.zero.reduce_scatter`): `[replicas, *shape]` per weight,
-# zero when the checkpoint has none (it was written without a codec).
-ZERO3_RESIDUAL = "aggregator/zero3_residual/"
 
 
 def optimizers_of(model):
@@ -126,9 +122,6 @@ class LayoutState(patches.Trackable):
             for name, (variable, per_replica) in reduction.named_state().items():
                 out[f"codec/{name}"] = (_per_replica(variable) if per_replica
                                         else _plain(variable))
-        residuals = getattr(self._model, "_tfpar_zero3_residuals", None) or ()
-        for w, residual in zip(self._model.trainable_weights, residuals):
-            out[f"{ZERO3_RESIDUAL}{_path(w)}"] = _per_replica(residual)
         return out
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
@@ -153,7 +146,7 @@ class LayoutState(patches.Trackable):
         saved = {name_of(k) for k in reader.get_variable_to_shape_map()} - {None}
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
         missing = sorted(n for n in set(entries) - saved - set(_OPTIONAL)
-                         if not n.startswith((_OPTIONAL_PREFIX, ZERO3_RESIDUAL)))
+                         if not n.startswith(_OPTIONAL_PREFIX))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))

@@ -84,8 +84,6 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
                 model.trainable_variables):  # ZeRO-3: reduce-scattered onto the pieces
             reducer = reduce_scatter.ShardedReduction(mesh, model.trainable_variables,
                                                       compression, error_feedback)
-            # Its residuals are checkpointed beside the model (`tfpar.state`).
-            object.__setattr__(model, "_tfpar_zero3_residuals", reducer.variables)
         elif axis_size(mesh, BATCH) > 1:
             reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
                                                    compression, error_feedback,

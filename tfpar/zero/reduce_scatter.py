@@ -66,7 +66,11 @@ class ShardedReduction:
     def __init__(self, mesh, variables, codec, error_feedback=True):
         compat.enforce(compat.ZERO3_COMPRESSION,
                        compat.view(backend="dtensor", zero_stage=3, compression=codec))
+        if codec not in CODECS:  # "none" passes the rulebook's row: no codec to run here
+            raise ValueError(f"codec={codec!r}: ShardedReduction runs one of {CODECS}; "
+                             "without a codec DTensor's own reduction runs")
         self.mesh, self.codec = mesh, codec
+        self.paths = [v.path for v in variables]  # the state's names in checkpoints
         self.replicas = axis_size(mesh, BATCH)
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         # Per variable, taken eagerly (see BatchAxisReduction): its own layout, the axis
@@ -87,9 +91,14 @@ class ShardedReduction:
 
     @property
     def variables(self):
-        """The residuals (empty without error feedback), named in checkpoints as
-        aggregator state."""
+        """The residuals (empty without error feedback)."""
         return list(self.residuals)
+
+    def named_state(self):
+        """`{name: (DVariable, per_replica)}` under layout-independent names, as
+        `BatchAxisReduction.named_state`: `<weight path>/residual`, one row per `batch`
+        replica (`tfpar.state` saves them as `codec/...`)."""
+        return {f"{path}/residual": (r, True) for path, r in zip(self.paths, self.residuals)}
 
     def read(self):
         return [v.read_value() for v in self.residuals]
