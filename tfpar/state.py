@@ -145,8 +145,13 @@ class LayoutState(patches.Trackable):
         reader = tf.train.load_checkpoint(path)
         saved = {name_of(k) for k in reader.get_variable_to_shape_map()} - {None}
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
+        # A codec's state is optional where the checkpoint holds none of its kind (written
+        # without that codec); where it holds some, a name it lacks is a mismatch, not an
+        # error owed of zero.
+        kinds = {n.rsplit("/", 1)[-1] for n in saved if n.startswith(_OPTIONAL_PREFIX)}
         missing = sorted(n for n in set(entries) - saved - set(_OPTIONAL)
-                         if not n.startswith(_OPTIONAL_PREFIX))
+                         if not (n.startswith(_OPTIONAL_PREFIX)
+                                 and n.rsplit("/", 1)[-1] not in kinds))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
