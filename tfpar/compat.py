@@ -130,14 +130,14 @@ ZERO_CODECS = ("fp16", "bf16", "int8")
 ZERO_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage in (1, 2)
     and c.compression not in ("none",) + ZERO_CODECS,
-    "not supported: --zero_stage=1|2 reduce-scatters gradients in fp16, bf16 or int8; a "
-    "sparse or low-rank reduce-scatter is not built (use one of those, or --zero_stage=0)")
+    "not supported: --zero_stage=1|2 reduce-scatters gradients in fp16, bf16 or int8; "
+    "no other codec's reduce-scatter is built (use one of those, or --zero_stage=0)")
 # ZeRO-3's reduce-scatter on the mesh travels in the same (`tfpar.zero.reduce_scatter`).
 ZERO3_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage == 3
     and c.compression not in ("none",) + ZERO_CODECS,
-    "not supported: --zero_stage=3 reduce-scatters gradients in fp16, bf16 or int8; a "
-    "sparse or low-rank reduce-scatter is not built (use one of those, or --compression=none)")
+    "not supported: --zero_stage=3 reduce-scatters gradients in fp16, bf16 or int8; "
+    "no other codec's reduce-scatter is built (use one of those, or --compression=none)")
 ZERO3_COMPRESSION_MODEL = Rule(
     "model", lambda c: c.zero_stage == 3 and c.compression != "none"
     and c.model not in TENSOR_PARALLEL_MODELS,

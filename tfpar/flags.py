@@ -119,9 +119,10 @@ _HELP = {
     "zero_stage": "ZeRO sharding over data-parallel replicas: 0 = none, 1 = optimizer "
                   "state (each replica keeps 1/N of the SGD/Adam slots; mirrored, "
                   "multi_worker), 2 = also gradients reduce-scattered, 3 = also parameters "
-                  "(on a DTensor mesh). Stages 1-2 take --compression=fp16|bf16|int8 "
-                  "(a compressed reduce-scatter); fp16, pipelines, tensor parallelism and "
-                  "the other codecs are refused with it.",
+                  "(on a DTensor mesh, also with --tensor_parallel). Every stage takes "
+                  "--compression=fp16|bf16|int8 (a compressed reduce-scatter) and "
+                  "--mixed_precision=fp16 (ZeRO-3: not both); pipelines and the other codecs "
+                  "are refused with it.",
     "zero_gather": "ZeRO-3's weight all-gather: fp32, or int8 (codes with an fp32 scale "
                    "per row, ZeRO++'s qwZ; the sharded master weights stay fp32).",
     "offload": "CPU offload: none, or optimizer (momentum SGD's or Adam's slots in host "

@@ -122,8 +122,9 @@ class MeshTrainer:
             one after the other in the step, their mean gradient applied in one update:
             the same update as one step on the whole batch, with the activations of one
             micro-batch at a time (the batch must divide by k × data_parallel).
-        reduction: a `tfpar.layout.reduction.BatchAxisReduction` that averages each
-            replica's own gradient over the `batch` axis (compression), or None.
+        reduction: a `tfpar.layout.reduction.BatchAxisReduction` (or ZeRO-3's
+            `ShardedReduction`) that averages each replica's own gradient over the `batch`
+            axis (compression), or None.
         accuracy: the name under which logs report the (sample-weighted) accuracy of the
             argmax of the logits against integer labels; None leaves it out.
 

@@ -1,6 +1,7 @@
 """ZeRO stage 3 (`--zero_stage=3`): every weight split over a DTensor mesh's `batch` axis.
 
-FSDP-style data parallelism on the mesh (`tensor_parallel=1`, `batch` = all devices):
+FSDP-style data parallelism on the mesh (`batch` = the data-parallel replicas; with
+`tensor_parallel>1` a weight already split over `model` is split over `batch` on top):
 `tfpar.layout.run.build` creates each weight inside `variables.weights_over_batch`, so it
 is split over `batch` on its first dimension that divides by the replicas
 (`variables.over_batch`; a weight with no such dimension, e.g. a bias of 18 over 4, stays
