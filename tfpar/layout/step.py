@@ -82,7 +82,8 @@ def train_step(mesh, model, optimizer, loss_fn, grad_accum_steps=1, reduction=No
         reduction: a `tfpar.layout.reduction.BatchAxisReduction` (or ZeRO-3's
             `tfpar.zero.reduce_scatter.ShardedReduction`): each data-parallel replica's
             gradient is formed on its own and averaged over the `batch` axis through it
-            (compression) once per step; the step is then called with batches shaped `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`; with
+            (compression) once per step; the step is then called with batches shaped
+            `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`; with
             `grad_accum_steps > 1` a tuple of them). With a `LossScaleOptimizer` the
             reduction unscales before its codec and a skipped step leaves its state.
         accuracy: count correct argmax predictions of integer labels (else `correct` is 0).
