@@ -202,8 +202,9 @@ class BatchAxisReduction:
         gradients whatever the scale, and the means are scaled back (a power of two: exact)
         for the `LossScaleOptimizer`, which checks and unscales them. `finite` (a boolean
         scalar on this mesh; default: whether every entry of `grads` is finite) decides
-        the step: when false the codec sees zeros, `new_state` is `state` unchanged and the
-        means are not finite, so the optimizer skips the update and lowers its scale.
+        the step: when false the codec's output is discarded (it encoded only the
+        residuals), `new_state` is `state` unchanged and the means are not finite, so the
+        optimizer skips the update and lowers its scale.
         """
         if len(grads) != len(self.stacked):
             raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
