@@ -9,8 +9,10 @@ layers) is fitted for `STEPS` steps on 2 logical-CPU replicas from the same init
 twice, with `keras.optimizers.Adam` and with the offloaded copy; each model is saved
 (`model.save`) to DIR/{plain,offload}.keras and its weights file (`save_weights`) next to
 it; a third model with an offloaded Adam loads the plain run's weights file (Adam's state
-onto the host). Prints the weights' largest difference, the optimizer bytes on each device,
-the host slots' bytes and the loaded host slots' difference from the plain Adam's.
+onto the host); two more fits see a NaN label in step 2, with `on_nan="skip_step"` and
+"stop" and `tfpar.callbacks.NaNGuard()`. Prints the weights' largest difference, the
+optimizer bytes on each device, the host slots' bytes, the loaded host slots' difference
+from the plain Adam's, and what each NaN run skipped or where it stopped.
 
 `stock`: loads both `.keras` files with stock Keras and prints the largest difference
 between their optimizers' variables (the offloaded file holds Adam's state as Adam's).
@@ -89,6 +91,29 @@ def train(folder):
     out["loaded_slots_max_diff"] = max(float(np.max(np.abs(a - b)))
                                        for a, b in zip(host, resident))
     out["loaded_iterations"] = int(optimizer.iterations.numpy())
+
+    # A NaN label in one sample of step 2 (0-based): skipped on the host, or fit stops.
+    bad = y.copy()
+    bad[2 * BATCH + 5] = np.nan
+    for on_nan in ("skip_step", "stop"):
+        with strategy.scope():
+            model = build()
+            model.set_weights(start)
+            model.compile(optimizer=tfpar.DistributedOptimizer(
+                keras.optimizers.Adam(0.01), offload="optimizer", on_nan=on_nan), loss="mse")
+        guard = tfpar.callbacks.NaNGuard()
+        try:
+            model.fit(x, bad, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[guard])
+            stopped = None
+        except tfpar.TfparError as err:
+            stopped = str(err)
+        out[on_nan] = {"skipped": guard.skipped, "stopped": stopped,
+                       "nonfinite_steps": float(model.optimizer.nonfinite_steps.numpy()),
+                       "finite": all(bool(np.all(np.isfinite(w))) for w in model.get_weights()),
+                       "slots_finite": all(bool(np.all(np.isfinite(read()))) for _, _, (
+                           read, _, _) in offload.slot_entries(model.optimizer,
+                                                               model.trainable_weights))}
     print(json.dumps(out), flush=True)
 
 

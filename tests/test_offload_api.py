@@ -1,7 +1,7 @@
 """`tfpar.DistributedOptimizer(opt, offload="optimizer")` in a user's own `model.fit`
 (`tfpar.offload`): the weights equal plain Adam's on the same 2 replicas, the devices hold
 no slots, `model.save` writes Adam's state so stock Keras loads it, a Keras weights file
-loads into the host slots; what it does not run with is refused by `tfpar.compat`'s rows
+loads into the host slots, `on_nan` skips or stops on a NaN step; what it does not run with is refused by `tfpar.compat`'s rows
 in one line naming the API's arguments."""
 
 import os
@@ -30,6 +30,11 @@ def test_offloaded_fit_equals_plain_adam_and_saves_adams_state(tmp_path, report_
     # A plain Adam's weights file into host slots: 5 weights x (m, v), equal.
     assert (out["loaded_slots"], out["loaded_iterations"]) == (10, 6), out
     assert out["loaded_slots_max_diff"] == 0.0, out
+    # A NaN label in step 2: skipped with the host slots untouched, or fit stops there.
+    skip, stop = out["skip_step"], out["stop"]
+    assert (skip["skipped"], skip["stopped"], skip["nonfinite_steps"]) == ([2], None, 1.0), out
+    assert stop["stopped"].startswith("gradients became non-finite at step 2 (on_nan=stop)")
+    assert all(r["finite"] and r["slots_finite"] for r in (skip, stop)), out
 
     # Stock Keras (no tfpar in the process) loads both files: the same Adam state.
     stock = last_json_line(run([sys.executable, CHILD, "stock", str(tmp_path)], timeout=300,
