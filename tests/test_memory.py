@@ -234,13 +234,37 @@ def test_out_of_memory_line_names_what_would_fit():
     assert "would fit by tfpar.plan's memory model: " in line
     # Every suggestion is a setting tfpar.compat accepts, and fits by the model's estimate.
     for flags in line.split("memory model: ")[1].split("; or "):
-        changes = dict(f[2:].split("=") for f in flags.split())
+        changes = dict(f[2:].split("=") for f in flags.split(" (")[0].split())
         variant = config.replace(**{k: int(v) if v.isdigit() else v
                                     for k, v in changes.items()})
         assert oom.estimate(variant, 1) <= 0.7 * need, flags
     # Nothing fits a device 100x too small: the line says what to do instead.
     tiny = oom.explain(message, config, 1, 1, in_use=int(need), available=int(need / 100))
     assert "would fit" not in tiny and "--global_batch_size" in tiny
+
+
+def test_out_of_memory_line_offers_offload_with_the_bytes_it_moves():
+    """Adam's state (8 bytes a parameter) dominates a wide MLP at batch 8: neither
+    recomputation nor accumulation fits 70 % of the device, `--offload=optimizer` does, and
+    the line says how much leaves the device (the profile's parameters x 8 bytes)."""
+    from tfpar.plan import profile
+    message = ("OOM when allocating tensor with shape[64] and type float on "
+               "/job:localhost/replica:0/task:0/device:CPU:0")
+    config = ParallelConfig(model="mlp", model_width=1024, model_depth=4,
+                            global_batch_size=8, optimizer="adam")
+    need = oom.estimate(config, 1)
+    line = oom.explain(message, config, 1, 1, in_use=int(need), available=int(need * 0.7))
+    state = 8 * profile.builtin_profile("mlp", 1024, 4).params
+    assert line.endswith(f"would fit by tfpar.plan's memory model: --offload=optimizer (the "
+                         f"optimizer state, {state / 2 ** 20:.1f} MB a device, to host "
+                         f"memory; a host update each step)"), line
+    # Offered only where tfpar.compat runs it: not for plain SGD (no state), tensor
+    # parallelism, or a run already offloaded.
+    for other in (config.replace(optimizer="sgd"), config.replace(offload="optimizer"),
+                  config.replace(model="transformer", tensor_parallel=2, cpu_devices=2)):
+        assert "--offload" not in " ".join(f for f, _ in oom.variants(other, 1, 2)), other
+    assert "--offload=optimizer" in [f for f, _ in oom.variants(
+        config.replace(zero_stage=2, cpu_devices=4), 4, 4)]
 
 
 def test_doctor_memory_check_uses_the_device_and_the_run_settings():

@@ -48,6 +48,7 @@ ALLOWED = {
     ("tfpar/api.py", "_aggregator", "name"): (2, INPUT),
     ("tfpar/api.py", "_aggregator", "compression"): (2, RANGE),
     ("tfpar/api.py", "DistributedOptimizer", "on_nan"): (1, RANGE),
+    ("tfpar/api.py", "DistributedOptimizer", "offload"): (1, RANGE),
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "backup_dir"): (1, INPUT),
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "save_freq"): (1, RANGE),
     ("tfpar/callbacks.py", "BackupAndRestore.__init__", "keep"): (1, RANGE),

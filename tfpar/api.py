@@ -13,8 +13,9 @@ import tensorflow as tf
 from absl import logging
 
 from tfpar import compression as compression_lib
-from tfpar import devices, nan_guard, patches
-from tfpar.config import COMPRESSIONS, ON_NAN, STRATEGIES, ParallelConfig
+from tfpar import compat, devices, nan_guard, patches
+from tfpar import offload as offload_lib
+from tfpar.config import COMPRESSIONS, OFFLOADS, ON_NAN, STRATEGIES, ParallelConfig
 from tfpar.errors import ConfigError
 from tfpar.compression.keras_hook import AggregatingOptimizerMixin
 from tfpar.strategy import make_runtime
@@ -150,8 +151,8 @@ def _aggregator(compression_arg, options):
         raise ConfigError("compression", compression_arg, str(err)) from None
 
 
-def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # noqa: N802
-                         **aggregator_options):
+def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N802
+                         offload="none", **aggregator_options):
     """A new Keras optimizer like `optimizer` that sums gradients over replicas through a
     tfpar aggregator (compressed all-reduce), as Horovod's `DistributedOptimizer` does.
 
@@ -175,7 +176,8 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
         optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
             `keras.optimizers.LossScaleOptimizer` (its inner optimizer aggregates).
         compression: "none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold",
-            "powersgd", "auto", or a `tfpar.compression_lib.Aggregator` instance. With Adam,
+            "powersgd", "auto", or a `tfpar.compression_lib.Aggregator` instance; None (the
+            default): "powersgd", or "none" with `offload` (the only one it runs with). With Adam,
             "lowbit" (3 bits per entry) sends ~10x fewer bytes than fp32 at fp32's quality
             on the quality suite; "topk" at its default (ratio 0.25 with the replicas'
             union, as the trainer's `--topk_ratio`) ~0.76x at 2 replicas, and logs so.
@@ -185,6 +187,14 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
             `tfpar.callbacks.NaNGuard()` in `model.fit`, "stop" (the default) then ends
             `fit` with one line naming the step, "skip_step" logs the step and trains on.
             (Without the callback both skip such steps silently; none trains on NaN.)
+        offload: "none", or "optimizer": the optimizer's slots (Adam's m and v, SGD's
+            momentum) live in host memory (NumPy) and its update runs there, as
+            `--offload=optimizer` (`tfpar.offload`): the devices keep the weights only,
+            which equal the device-resident run's. For `keras.optimizers.Adam` or `SGD`
+            with momentum (no amsgrad, EMA or Keras accumulation) under data parallelism
+            (`tfpar.make_strategy`), with `compression="none"`. `model.save` writes the host
+            slots as the plain optimizer's, so stock Keras loads them; a checkpoint
+            (`tfpar.callbacks.BackupAndRestore`) keeps them too.
         **aggregator_options: arguments of that aggregator's constructor, e.g. `rank=2`
             and `start_step=10` for PowerSGD, `ratio=0.01` for top-k, `bucket_mb`,
             `error_feedback`, `timeout_s` (default: the strategy's `collective_timeout_s`
@@ -195,8 +205,9 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
         `comm_stats()`: bytes on the wire per step).
 
     Raises:
-        ConfigError: an unknown compression or option, a bad option value, or `on_nan`
-            not "stop" or "skip_step".
+        ConfigError: an unknown compression or option, a bad option value, `on_nan`
+            not "stop" or "skip_step", or an `offload` the optimizer or compression does
+            not run with (`tfpar.compat`'s offload rows).
         TypeError: `optimizer` is not a Keras 3 optimizer on the TensorFlow backend.
 
     Examples:
@@ -217,17 +228,33 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
     """
     if on_nan not in ON_NAN:
         raise ConfigError("on_nan", on_nan, f"choose one of {', '.join(ON_NAN)}")
-    aggregator = _aggregator(compression, dict(aggregator_options))
+    if offload not in OFFLOADS:
+        raise ConfigError("offload", offload, f"choose one of {', '.join(OFFLOADS)}")
+    if compression is None:
+        compression = "powersgd" if offload == "none" else "none"
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
+    if offload != "none" and isinstance(optimizer, keras.optimizers.Optimizer) \
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        _check_offload(optimizer, compression, offload)
+    aggregator = _aggregator(compression, dict(aggregator_options))
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         config = optimizer.get_config()
         config.pop("inner_optimizer")
-        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator, on_nan=on_nan)
+        inner = DistributedOptimizer(optimizer.inner_optimizer, aggregator, on_nan=on_nan,
+                                     offload=offload)
         return type(optimizer)(inner, **config)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is not a Keras optimizer; pass e.g. "
                         "keras.optimizers.Adam(1e-3) or 'adam'")
+    if offload != "none":
+        # No aggregator: the offloaded step all-reduces as Keras does, then updates on the
+        # host (`tfpar.offload.OffloadMixin`), which also counts and skips non-finite steps.
+        copy = _plain_class(optimizer).from_config(optimizer.get_config())
+        wrapped = offload_lib.wrap_optimizer(copy, offload)
+        nan_guard.skip_nonfinite_updates(wrapped)
+        wrapped.tfpar_on_nan = on_nan
+        return wrapped
     if (isinstance(compression, str) and "adam" not in aggregator_options
             and compression in compression_lib.ADAM_STEP_AGGREGATORS
             and _plain_class(optimizer) is keras.optimizers.Adam
@@ -255,11 +282,29 @@ def DistributedOptimizer(optimizer, compression="powersgd", on_nan="stop",  # no
     return wrapped
 
 
+def _check_offload(optimizer, compression, offload):
+    """`tfpar.compat`'s offload rows for the API's arguments (a `view(api=True)`, whose
+    lines name the API's arguments): `optimizer` as the trainer's `--optimizer`, an
+    `Aggregator` instance by its class."""
+    plain = _plain_class(optimizer)
+    kind = ("adam" if issubclass(plain, keras.optimizers.Adam) else
+            "momentum" if getattr(optimizer, "momentum", 0) else
+            "sgd" if issubclass(plain, keras.optimizers.SGD) else "adam")  # others: wrap's line
+    if isinstance(compression, compression_lib.NoneAggregator):
+        compression = "none"
+    elif not isinstance(compression, str):
+        compression = type(compression).__name__
+    config = compat.view(api=True, offload=offload, compression=compression, optimizer=kind)
+    for rule in compat.OFFLOAD_RULES:
+        compat.enforce(rule, config)
+
+
 def _plain_class(optimizer):
-    """The Keras optimizer class under tfpar's aggregating mixin (`optimizer`'s own if
-    none)."""
+    """The Keras optimizer class under tfpar's aggregating or offloading mixin (`optimizer`'s
+    own if none)."""
     cls = type(optimizer)
-    return cls.__bases__[-1] if issubclass(cls, AggregatingOptimizerMixin) else cls
+    mixed = issubclass(cls, (AggregatingOptimizerMixin, offload_lib.OffloadMixin))
+    return cls.__bases__[-1] if mixed else cls
 
 
 _DISTRIBUTED = {}

@@ -254,20 +254,39 @@ KERAS_MESH_AGGREGATOR = Rule(
     "the mesh's batch axis itself; pass the plain Keras optimizer there, or compress the "
     "mesh's batch axis with python -m tfpar.train --tensor_parallel>1 --compression")
 
-# `--offload` (`tfpar.offload`): what its host update does not run with.
+# The same under keras.distribution: the mesh's step updates DVariables itself, where the
+# host update of `tfpar.DistributedOptimizer(offload=...)` (tf.distribute's merge) is not.
+KERAS_MESH_OFFLOAD = Rule(
+    "offload", lambda c: c.offload != "none" and getattr(c, "keras_distribution", False),
+    "not supported under keras.distribution (ModelParallel, DataParallel): the host update "
+    "runs on tf.distribute replicas (tfpar.make_strategy); pass offload='none' there")
+
+# `--offload` (`tfpar.offload`): what its host update does not run with. The same rows
+# check `tfpar.DistributedOptimizer(offload=...)` (a `view` with `api=True`), each saying
+# what works in the API's words there.
+def _say(c, flag, argument):
+    """`flag` (the trainer's) or, for a `view(api=True)`, `argument` (the API's)."""
+    return argument if getattr(c, "api", False) else flag
+
+
 OFFLOAD_RULES = (
     Rule("offload", lambda c: c.offload == "optimizer+params",
-         "not built: parameters held on the host between gathers are ZeRO-3's, whose "
-         "update runs in a DTensor mesh's step; use --offload=optimizer (data parallelism, "
-         "--zero_stage=1|2)"),
+         lambda c: "not built: parameters held on the host between gathers are ZeRO-3's, "
+                   "whose update runs in a DTensor mesh's step; use "
+                   + _say(c, "--offload=optimizer (data parallelism, --zero_stage=1|2)",
+                          "offload='optimizer' (data parallelism)")),
     Rule("offload", lambda c: c.offload != "none" and c.optimizer == "sgd",
-         "plain SGD keeps no optimizer state to offload; use --optimizer=momentum or adam, "
-         "or --offload=none"),
+         lambda c: _say(c, "plain SGD keeps no optimizer state to offload; use "
+                           "--optimizer=momentum or adam, or --offload=none",
+                        "SGD without momentum keeps no optimizer state to offload; use "
+                        "keras.optimizers.SGD(momentum=0.9) or Adam, or offload='none'")),
     Rule("compression", lambda c: c.offload != "none" and c.compression != "none"
          and not (c.zero_stage in (1, 2) and c.compression in ZERO_CODECS),
-         "not supported with --offload: the gradient aggregators update through Keras's "
-         "device-side step; use --compression=none, or with --zero_stage=1|2 fp16, bf16 "
-         "or int8"),
+         lambda c: "not supported with " + _say(c, "--offload", f"offload={c.offload!r}")
+                   + ": the gradient aggregators update through Keras's device-side step; "
+                   + _say(c, "use --compression=none, or with --zero_stage=1|2 fp16, bf16 "
+                             "or int8",
+                          "use compression='none' (the default with offload)")),
     Rule("fused_update", lambda c: c.offload != "none" and c.fused_update,
          "the fused kernel updates on the device; --offload updates on the host: use "
          "--nofused_update"),
@@ -277,6 +296,7 @@ OFFLOAD_RULES = (
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
     KERAS_MESH_AGGREGATOR,
+    KERAS_MESH_OFFLOAD,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,

@@ -232,7 +232,7 @@ def check_memory(config, replicas, memory_bytes, where="", measured=None):
             replicas, config.tensor_parallel, config.pipeline_stages,
             config.microbatches if config.dims.pp_enabled else config.grad_accum_steps,
             config.compression, recompute=config.recompute != "none",
-            zero=config.zero_stage)
+            zero=config.zero_stage, offload=config.offload != "none")
         need = cost.memory_bytes(prof, candidate, config.global_batch_size,
                                  config.optimizer, config.schedule)
         how = "planner's estimate"

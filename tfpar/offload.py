@@ -170,6 +170,39 @@ class OffloadMixin:
             i: tuple(int(d) for d in v.shape) for i, v in enumerate(variables)})
         self._tfpar_copied = {"to_host": 0, "to_device": 0}
 
+    # Keras's file (`model.save`, `save_weights`) holds what the plain optimizer's would:
+    # its own variables without tfpar's counter, then the host slots in Keras's order (per
+    # weight, as `add_optimizer_variables` interleaves them: momentum, velocity), so stock
+    # Keras loads the state and a device-resident run can read the file, and back.
+    def _tfpar_file_entries(self):
+        counter = getattr(self, "nonfinite_steps", None)
+        own = [(lambda v=v: v.numpy(), v.assign) for v in self.variables if v is not counter]
+        slots = []
+        for i, var in enumerate(patches.built_variables(self)):
+            if getattr(var, "overwrite_with_gradient", False):
+                continue  # Keras keeps no slot for it either
+            for slot in self._tfpar_host.names:
+                array = self._tfpar_host.arrays[slot][i]
+
+                def write(value, array=array):
+                    array[...] = np.reshape(np.asarray(value, np.float32), array.shape)
+                slots.append((lambda array=array: array.copy(), write))
+        return own + slots
+
+    def save_own_variables(self, store):
+        if getattr(self, "_tfpar_host", None) is None:
+            return super().save_own_variables(store)
+        for i, (read, _) in enumerate(self._tfpar_file_entries()):
+            store[str(i)] = read()
+
+    def load_own_variables(self, store):
+        entries = (self._tfpar_file_entries()
+                   if getattr(self, "_tfpar_host", None) is not None else [])
+        if not entries or len(store.keys()) != len(entries):  # Keras warns and skips
+            return super().load_own_variables(store)
+        for i, (_, write) in enumerate(entries):
+            write(store[str(i)])
+
     # Keras's private step, overridden: registry entry `optimizer_hooks` of tfpar.patches.
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = [v.value if isinstance(v, keras.Variable) else v

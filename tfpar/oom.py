@@ -9,7 +9,8 @@
 
 The settings suggested are variants of the run's config that `tfpar.compat` accepts (so
 each is a command that runs), ranked by what they cost in step time (recomputation first,
-then ZeRO stages, accumulation, tensor parallelism, a smaller batch), whose memory by
+then ZeRO stages, accumulation, `--offload=optimizer` with the optimizer state's bytes it
+takes off each device, tensor parallelism, a smaller batch), whose memory by
 `tfpar.plan.cost.memory_bytes` scaled to this run fits: the model's estimate of the
 failed config is taken to be what the run had in use when it failed (a lower bound of
 what it needed), and a variant fits if its estimate on that scale is under the device's
@@ -19,6 +20,8 @@ memory.
 import re
 
 from tfpar.errors import ConfigError, TfparError
+
+OFFLOAD_FLAG = "--offload=optimizer"
 
 _DTYPE_BYTES = {"float": 4, "float32": 4, "int32": 4, "double": 8, "float64": 8,
                 "int64": 8, "half": 2, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
@@ -78,6 +81,8 @@ def variants(config, replicas, devices):
         accum = config.grad_accum_steps * k
         if per_replica % accum == 0 and not config.dims.pp_enabled:
             add(f"--grad_accum_steps={accum}", grad_accum_steps=accum)
+    if config.offload == "none":  # compat: momentum or Adam, data parallel or ZeRO 1/2
+        add(OFFLOAD_FLAG, offload="optimizer")
     for tp in (2, 4):
         if tp > config.tensor_parallel and devices % tp == 0 and not config.dims.pp_enabled:
             add(f"--tensor_parallel={tp} --data_parallel={devices // tp}",
@@ -104,7 +109,8 @@ def estimate(config, replicas):
     micro = config.microbatches if config.dims.pp_enabled else config.grad_accum_steps
     candidate = cost.Candidate(data, config.tensor_parallel, config.pipeline_stages, micro,
                                config.compression, config.virtual_stages,
-                               config.recompute != "none", config.zero_stage)
+                               config.recompute != "none", config.zero_stage,
+                               config.offload != "none")
     return cost.memory_bytes(prof, candidate, config.global_batch_size, config.optimizer,
                              config.schedule)
 
@@ -155,6 +161,9 @@ def _fitting(config, replicas, devices, needed, available, most=3):
                       if variant.tensor_parallel != config.tensor_parallel else replicas)
         need = estimate(variant, v_replicas)
         if need is not None and need * scale <= available:
+            if flags == OFFLOAD_FLAG:  # what leaves the device, by the same model
+                flags += (f" (the optimizer state, {_mb(base - need)} a device, to host "
+                          "memory; a host update each step)")
             out.append(flags)
             if len(out) == most:
                 break

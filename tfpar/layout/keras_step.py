@@ -86,7 +86,8 @@ class KerasSteps:
         TfparError: a variable is not a DVariable.
         ConfigError: the model overrides `train_step` and its optimizer is a
             `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`), or the optimizer
-            compresses through a tfpar aggregator (`compat.KERAS_MESH_AGGREGATOR`).
+            compresses through a tfpar aggregator (`compat.KERAS_MESH_AGGREGATOR`) or
+            keeps its state on the host (`compat.KERAS_MESH_OFFLOAD`).
     """
 
     def __init__(self, mesh, model, optimizer):
@@ -96,6 +97,11 @@ class KerasSteps:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR, compat.view(
                 backend="dtensor", compression=type(aggregator).__name__,
                 keras_distribution=True))
+        offloaded = getattr(getattr(optimizer, "inner_optimizer", optimizer),
+                            "tfpar_offload", "none")
+        if offloaded != "none":
+            compat.enforce(compat.KERAS_MESH_OFFLOAD, compat.view(
+                backend="dtensor", offload=offloaded, keras_distribution=True))
         self.model, self.optimizer = model, optimizer
         self.trainable = list(model.trainable_variables)
         self.non_trainable = list(model.non_trainable_variables)

@@ -23,7 +23,8 @@ the data-parallel gradient all-reduce after the last backward (not overlapped). 
   scatters it over the tensor group), once per virtual stage.
 - Memory per device (`memory_bytes`, the first stage, which stashes the most) = training
   state of its shard (`STATE_BYTES` per parameter; ZeRO splits over data-parallel
-  peers the optimizer's part (stage 1), the gradients (2) and the weights (3)) +
+  peers the optimizer's part (stage 1), the gradients (2) and the weights (3);
+  `--offload=optimizer` keeps the optimizer's part in host memory, off the device) +
   activations of the micro-batches its schedule keeps alive (`stashed_microbatches`):
   whole blocks without recomputation, only each block's input with it, plus one block
   being recomputed. Tensor parallelism splits the matrices and the activations between
@@ -166,6 +167,7 @@ class Candidate:
     virtual: int = 1       # interleaved schedule: model chunks per device
     recompute: bool = False
     zero: int = 0          # ZeRO stage (0-3)
+    offload: bool = False  # --offload=optimizer: the optimizer state in host memory
 
 
 def ring_allreduce_seconds(nbytes, n, bandwidth, latency=0.0):
@@ -268,11 +270,13 @@ def state_bytes(profile, c, optimizer="adam"):
     """Bytes of training state one device of the first stage holds: weights, gradients
     and optimizer state of its shard. ZeRO splits over the data-parallel peers the
     optimizer state (stage 1), also the gradients (2), also the weights (3, which then
-    gathers one block's weights at a time while it runs)."""
+    gathers one block's weights at a time while it runs). With `c.offload` the optimizer
+    state is in host memory (`tfpar.offload`): none of it on the device."""
     shard = stage_params(profile, c)
     weight = STATE_BYTES[optimizer] - OPTIMIZER_BYTES[optimizer] - GRAD_BYTES
     split = c.data if c.data > 1 else 1
-    opt = OPTIMIZER_BYTES[optimizer] * shard / (split if c.zero >= 1 else 1)
+    opt = 0.0 if c.offload else OPTIMIZER_BYTES[optimizer] * shard / (
+        split if c.zero >= 1 else 1)
     grads = GRAD_BYTES * shard / (split if c.zero >= 2 else 1)
     if c.zero >= 3:
         gathered = profile.block_params / max(1, profile.blocks) / c.tensor
