@@ -288,10 +288,10 @@ BAD_TF_CONFIGS = [
     ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}',
      "TF_CONFIG.cluster.worker[0]"),
 ]
-# Any batch splits over data-parallel replicas (tests/test_uneven_batch.py); a pipeline's
-# replicas (4 CPUs / 2 stages) still need equal batches.
-BAD_SETTINGS = [("--cpu_devices=4", "--pipeline_stages=2", "--global_batch_size=31",
-                 "--steps=1"),
+# Any batch splits over data-parallel replicas, a pipeline's too (tests/test_uneven_batch.py,
+# test_pipeline_uneven_batch.py); its micro-batches must still divide the global batch.
+BAD_SETTINGS = [("--cpu_devices=4", "--pipeline_stages=2", "--microbatches=4",
+                 "--global_batch_size=30", "--steps=1"),
                 ("--collective=nccl", "--steps=1"), ("--steps=0",)]
 
 
@@ -368,7 +368,7 @@ def test_bad_tf_config_is_one_clear_error(cli_runs, tf_config, field):
 
 def test_bad_settings_are_one_clear_error(cli_runs):
     line = error_line(cli_runs[BAD_SETTINGS[0]])
-    assert "global_batch_size=31" in line and "2 replicas (a pipeline" in line
+    assert "microbatches=4 is invalid: must divide global_batch_size=30" in line, line
     line = error_line(cli_runs[BAD_SETTINGS[1]])
     assert "collective='nccl'" in line and "ring" in line
     line = error_line(cli_runs[BAD_SETTINGS[2]])
