@@ -316,9 +316,6 @@ COMBINATIONS = (
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.dims.pp_enabled,
          "not supported: sequence layouts are built for the unpipelined mesh step; use "
          "--pipeline_stages=1"),
-    Rule("sequence_parallel", lambda c: c.sequence_parallel and c.compression != "none",
-         "not supported: the compressed batch-axis reduction maps the step over replicas, "
-         "where the sequence layouts are not built; use --compression=none"),
     # ZeRO-3 x tensor parallelism runs on one mesh; the mesh pipeline's stages (3D) each
     # build their own, where ZeRO-3's per-layer gathers are not wired.
     Rule("zero_stage", lambda c: c.zero_stage == 3 and c.dims.pp_enabled,

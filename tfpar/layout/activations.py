@@ -19,6 +19,14 @@ error), and without the head layouts it tried to all-to-all the boolean causal m
 failed; gathering the sequence explicitly at the attention's input (`…/attn/input`)
 is exact.
 
+In the per-replica step of a compressed batch-axis reduction (`tfpar.layout.reduction`:
+`tf.vectorized_map` over the batch reshaped `[data_parallel, m, ...]`) the relayouts are
+traced under `per_replica`: each is vectorized into one relayout of the stacked value, the
+replicas' dimension split on `batch` and the rule's `batch` entry whole (the examples of
+one replica stay on its device). TF 2.21 has no vectorized relayout: `vectorized_map`
+falls back to a `while_loop`, which crashes DTensor when the step runs (a segmentation
+fault; `tfpar.patches` entry `vectorized_relayout`).
+
 Activation axes name every dimension, the batch included: `("batch", "model", None)` is
 a `[batch, sequence, width]` activation split on the sequence over the `model` axis (see
 `tfpar.layout.presets.sequence_parallel`).
@@ -93,6 +101,21 @@ def apply(model, mesh, rules):
                               "matches no layer of the model (full match of the layer's "
                               f"path, e.g. {', '.join(paths[:4])})")
     return laid_out
+
+
+def per_replica():
+    """A context in which relayouts traced inside `tf.vectorized_map` over the
+    data-parallel replicas (split on the mesh's batch axis) are vectorized (see the module
+    docstring)."""
+    return patches.relayouts_vectorized(stacked_over_replicas)
+
+
+def stacked_over_replicas(layout):
+    """`layout` of one replica's value, of the values of all replicas stacked in front:
+    that dimension split on the batch axis, the batch axis taken out of the others."""
+    batch = batch_axis(layout.mesh)
+    specs = [dtensor.UNSHARDED if spec == batch else spec for spec in layout.sharding_specs]
+    return dtensor.Layout([batch] + specs, layout.mesh)
 
 
 def laid_out(model):

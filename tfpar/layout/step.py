@@ -19,7 +19,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar.errors import TfparError
 from tfpar.zero import fsdp
-from tfpar.layout import rng
+from tfpar.layout import activations, rng
 from tfpar.layout.concat_axis import traced_with_concat_axis_whole
 from tfpar.layout.newaxis import traced_with_expand_dims
 from tfpar.layout.variables import check_dvariables
@@ -185,7 +185,8 @@ class _TrainStep:
             return grads, new, _metrics(loss, logits, yr, weight, self.accuracy)
 
         weights = y if sample_weight is None else sample_weight
-        with fsdp.per_replica_gradients():  # ZeRO-3's gathers: gradients left whole
+        # ZeRO-3's gathers: gradients left whole; activation layouts: vectorized relayouts.
+        with fsdp.per_replica_gradients(), activations.per_replica():
             grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
         # Non-trainable state (seeds) advances alike on every replica: keep replica 0's.
         new_ntv = [n[0] if n.shape.rank == v.value.shape.rank + 1 else n

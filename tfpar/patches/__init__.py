@@ -29,7 +29,7 @@ entries, each described in its module's docstring:
   `stateless_optimizer`; and `mix_in`, how an optimizer the user built gets a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `dtensor_started`,
   `function_constant_folding`, `onednn_enabled`, `op_callbacks`, `tensor_getitem`,
-  `trackable_tensors`.
+  `trackable_tensors`, `vectorized_relayout`.
 - `tensorflow_checkpoint`: `checkpoint_snapshot` (a save read now, written later).
 - `model_optimization` (tfmot, imported on first use): `tfmot_local_mask`,
   `tfmot_registry`, `tfmot_quantize_layer`.
@@ -68,7 +68,8 @@ from tfpar.patches.tensorflow_checkpoint import wait_for_files as wait_for_check
 from tfpar.patches.tensorflow_checkpoint import write as write_checkpoint
 from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dtensor_started,
                                               no_dependency, no_function_constant_folding,
-                                              onednn_enabled, op_callback_added, tensor_getitem,
+                                              onednn_enabled, op_callback_added,
+                                              relayouts_vectorized, tensor_getitem,
                                               tensor_getitem_replaced)
 from tfpar.patches.versions import WRITTEN_FOR
 

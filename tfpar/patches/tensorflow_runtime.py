@@ -40,6 +40,16 @@ swaps (tensorflow 2.21.0).
   removes it after. The check compares `add_op_callback`'s and `remove_op_callback`'s
   signatures and looks for the callbacks' call in `op_def_library._apply_op_helper`,
   where graph-mode ops are created.
+- `vectorized_relayout`: converters registered in `tf.vectorized_map`'s registry. TF 2.21
+  has none for DTensor's `Relayout` and `RelayoutLike` (its gradient): `vectorized_map`
+  turns each into a `while_loop` over the iterations, and DTensor's expansion of that loop
+  crashes the process when the step runs (a segmentation fault, no Python traceback: the
+  mesh's per-replica step with `--sequence_parallel`'s activation layouts). Within
+  `relayouts_vectorized(stacked_layout)` the stacked value is relaid out once, to
+  `stacked_layout(layout)` (the per-iteration layout with the loop's dimension in front);
+  outside it the converters raise pfor's `ConversionNotImplementedError`, on which pfor
+  falls back to its `while_loop` as before. The check looks for the registry lookup and
+  that fallback in `PFor._convert_helper`, and for no converter of TensorFlow's own.
 - `trackable_tensors`: subclasses. `tfpar.compression.aggregator.PerReplicaSlot`,
   `tfpar.zero.ShardedSlot` and `tfpar.state.LayoutState` save per-replica or gathered
   state through TensorFlow's `Trackable` by overriding its `_serialize_to_tensors` / `_restore_from_tensors` (the protocol TensorFlow
@@ -52,13 +62,16 @@ import contextlib
 import inspect
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 from tensorflow.core.protobuf import config_pb2 as _config_pb2
 from tensorflow.dtensor.python import api as _dtensor_api
+from tensorflow.dtensor.python import gen_dtensor_ops as _dtensor_ops
 from tensorflow.python.eager import context as _eager_context
 from tensorflow.python.framework import auto_control_deps as _auto_control_deps
 from tensorflow.python.framework import op_callbacks as _op_callbacks
 from tensorflow.python.framework import op_def_library as _op_def_library
 from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.python.ops.parallel_for import pfor as _pfor
 from tensorflow.python.ops import tensor_getitem_override as _getitem_override
 from tensorflow.python.trackable import base as _trackable
 from tensorflow.python.trackable import data_structures as _data_structures
@@ -82,6 +95,9 @@ ENTRIES = {
     "op_callbacks": ("tensorflow.python.framework.op_callbacks.add_op_callback/"
                      "remove_op_callback (called while a step is traced, not replaced)",
                      "tfpar.layout.concat_axis.concat_axis_whole"),
+    "vectorized_relayout": ("tensorflow.python.ops.parallel_for.pfor's converter registry "
+                            "(Relayout, RelayoutLike added, nothing replaced)",
+                            "tfpar.layout.activations.per_replica"),
     "trackable_tensors": ("tensorflow.python.trackable.base.Trackable._serialize_to_tensors/"
                           "_restore_from_tensors (overridden at the OVERRIDES sites), "
                           "data_structures.NoDependency",
@@ -114,6 +130,14 @@ FRAGMENTS = {
          lambda: ("signature", _op_callbacks.remove_op_callback), "(op_callback)"),
         ("op_def_library._apply_op_helper", lambda: _op_def_library._apply_op_helper,
          "op_callbacks.invoke_op_callbacks(")],
+    "vectorized_relayout": [
+        ("pfor.PFor._convert_helper", lambda: _pfor.PFor._convert_helper,
+         "converter = _pfor_converter_registry.get(y_op.type, None)"),
+        ("pfor.PFor._convert_helper", lambda: _pfor.PFor._convert_helper,
+         "except ConversionNotImplementedError as e:"),
+        ("pfor.RegisterPFor", lambda: ("signature", _pfor.RegisterPFor), "(op_type)"),
+        ("pfor._PforInput.stack_inputs", lambda: ("signature", _pfor._PforInput.stack_inputs),
+         "(self, stack_indices=None, tile_variants=False)")],
     "trackable_tensors": [
         ("Trackable._serialize_to_tensors",
          lambda: ("signature", _trackable.Trackable._serialize_to_tensors), "(self)"),
@@ -151,6 +175,10 @@ def check(names):
         problems.append(f"tensorflow {tf.__version__}: tf.Tensor.__getitem__ is no longer "
                         "tensor_getitem_override._slice_helper (registry entry "
                         "tensor_getitem)")
+    if "vectorized_relayout" in names and not _relayout_converters_ours():
+        problems.append(f"tensorflow {tf.__version__} has its own vectorized Relayout or "
+                        "RelayoutLike (registry entry vectorized_relayout); tfpar's were "
+                        f"written for tensorflow {WRITTEN_FOR['tensorflow']}, which had none")
     problems += check_entries(names, "tensorflow", FRAGMENTS, ENTRIES)
     return problems
 
@@ -249,3 +277,66 @@ def no_dependency(value):
     """`value` held by a trackable without being tracked (not saved in its checkpoint).
     Registry entry `trackable_tensors`."""
     return _data_structures.NoDependency(value)
+
+
+# `vectorized_relayout`: the stacked layout of a relayout inside `relayouts_vectorized`.
+_STACKED_LAYOUT = None
+_RELAYOUT_OPS = ("Relayout", "RelayoutLike")
+
+
+@contextlib.contextmanager
+def relayouts_vectorized(stacked_layout):
+    """Within, `tf.vectorized_map` vectorizes DTensor's `Relayout` of a value that differs
+    per iteration into one relayout of the stacked value to `stacked_layout(layout)` (a
+    `dtensor.Layout` of one more dimension, the loop's first), and its gradient
+    `RelayoutLike` into one of the stacked values. Registry entry `vectorized_relayout`.
+
+    Args:
+        stacked_layout: `dtensor.Layout -> dtensor.Layout`, the per-iteration layout to
+            the stacked value's.
+    """
+    global _STACKED_LAYOUT
+    _register_relayout_converters()
+    before, _STACKED_LAYOUT = _STACKED_LAYOUT, stacked_layout
+    try:
+        yield
+    finally:
+        _STACKED_LAYOUT = before
+
+
+def _register_relayout_converters():
+    """tfpar's converters, where TensorFlow has none (`check` reports one of its own)."""
+    for op, mine in zip(_RELAYOUT_OPS, _CONVERTERS):
+        if op not in _pfor._pfor_converter_registry:
+            _pfor.RegisterPFor(op)(mine)
+
+
+def _relayout_converters_ours():
+    """No converter for the relayout ops but tfpar's (none before tfpar registers)."""
+    return all(_pfor._pfor_converter_registry.get(op) in (None, mine)
+               for op, mine in zip(_RELAYOUT_OPS, _CONVERTERS))
+
+
+def _outside():
+    # pfor falls back to its `while_loop` on this error, as it did with no converter.
+    return _pfor.ConversionNotImplementedError(
+        "a relayout vectorized outside tfpar's relayouts_vectorized")
+
+
+def _vectorized_relayout(pfor_input):
+    if _STACKED_LAYOUT is None:
+        raise _outside()
+    layout = dtensor.Layout.from_string(pfor_input.get_attr("layout"))
+    stacked = _STACKED_LAYOUT(layout)
+    return _pfor.wrap(dtensor.relayout(pfor_input.stacked_input(0), stacked), True)
+
+
+def _vectorized_relayout_like(pfor_input):
+    if _STACKED_LAYOUT is None:
+        raise _outside()
+    pfor_input.stack_inputs()  # the value and the tensor whose layout it takes
+    value, like = pfor_input.stacked_input(0), pfor_input.stacked_input(1)
+    return _pfor.wrap(_dtensor_ops.relayout_like(value, layout_input=like), True)
+
+
+_CONVERTERS = (_vectorized_relayout, _vectorized_relayout_like)
