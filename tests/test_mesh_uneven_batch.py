@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from subproc import ROOT, last_json_line, run, run_concurrently
+from subproc import ROOT, run, run_concurrently
 from test_train import max_diff
 
 CHILD = os.path.join(ROOT, "tests", "mesh_uneven_child.py")
