@@ -115,7 +115,8 @@ OTHER_VALUE = {"mixed_precision": "fp16", "compression": "auto", "grad_accum_ste
                "pipeline_stages": 2, "tensor_parallel": 2, "strategy": "multi_worker",
                "model": "transformer", "checkpoint_dir": "/tmp/ckpt", "on_nan": "skip_step",
                "tensorboard_dir": "/tmp/tb", "measure_comm": True, "recompute": "full",
-               "zero_stage": 1, "sequence_parallel": True, "adam_warmup_steps": 10}
+               "zero_stage": 1, "sequence_parallel": True, "adam_warmup_steps": 10,
+               "offload": "optimizer"}
 REFUSALS = [(setting, backend) for setting, rules in compat.TABLE.items() for backend in rules]
 
 
