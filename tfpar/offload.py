@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from tfpar import nan_guard, patches
 from tfpar.errors import ConfigError
+from tfpar.zero import sharded
 
 MODES = ("none", "optimizer", "optimizer+params")
 
@@ -354,30 +355,17 @@ def _piece_entries(optimizer, host, weights):
     """ZeRO's host pieces cut back into weights' shapes (re-cut on write for this replica
     count)."""
     layout = optimizer._tfpar_layout
-    offsets = np.cumsum([0] + layout.sizes)
     by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
     out = []
     for slot in host.names:
         pieces = host.arrays[slot]
-        cache = {}
 
         def flat(pieces=pieces):
             return np.concatenate([pieces[r] for r in sorted(pieces)])
 
-        def part(i, pieces=pieces, cache=cache):
-            def read():
-                return flat(pieces)[offsets[i]:offsets[i + 1]].reshape(layout.shapes[i])
-
-            def write(array):
-                cache[i] = np.reshape(np.asarray(array, np.float32), [-1])
-                if len(cache) == len(layout.sizes):
-                    whole = np.zeros([layout.padded], np.float32)
-                    for j, values in cache.items():
-                        whole[offsets[j]:offsets[j + 1]] = values
-                    for r in sorted(pieces):
-                        pieces[r][...] = whole[r * layout.piece:(r + 1) * layout.piece]
-                    cache.clear()
-            return read, write, tuple(layout.shapes[i])
-        out += [(by_index[i], slot, part(i)) for i in range(len(layout.sizes))
-                if i in by_index]
+        def write_whole(whole, pieces=pieces):
+            for r in sorted(pieces):
+                pieces[r][...] = whole[r * layout.piece:(r + 1) * layout.piece]
+        parts = sharded.flat_parts(layout, flat, write_whole)
+        out += [(by_index[i], slot, parts[i]) for i in range(len(parts)) if i in by_index]
     return out

@@ -305,13 +305,26 @@ def slot_entries(optimizer, weights):
 
 def _slot_parts(layout, variable):
     """Per weight, (read, write, shape) of its part of one flat slot (`[N, S]` pieces)."""
-    offsets = np.cumsum([0] + layout.sizes)
-    cache, gathered = {}, []
+    gathered = []
 
     def flat():
         if not gathered:
             gathered.append(np.reshape(aggregator_lib._stack_replicas(variable).numpy(), [-1]))
         return gathered[0]
+
+    def write_whole(whole):
+        aggregator_lib._restore_replicas(
+            variable, tf.constant(whole.reshape([layout.replicas, layout.piece])))
+    return flat_parts(layout, flat, write_whole)
+
+
+def flat_parts(layout, flat, write_whole):
+    """Per weight of `layout` (a `FlatLayout`), `(read, write, shape)` of its part of one
+    flat slot: `read()` cuts it from `flat()` (the whole padded slot as numpy); `write`
+    keeps each part until every weight's has come, then hands the padded whole to
+    `write_whole` (ZeRO's pieces on the devices, or offload's on the host)."""
+    offsets = np.cumsum([0] + layout.sizes)
+    cache = {}
 
     def part(i):
         def read():
@@ -323,8 +336,7 @@ def _slot_parts(layout, variable):
                 whole = np.zeros([layout.padded], np.float32)
                 for j, values in cache.items():
                     whole[offsets[j]:offsets[j + 1]] = values
-                aggregator_lib._restore_replicas(
-                    variable, tf.constant(whole.reshape([layout.replicas, layout.piece])))
+                write_whole(whole)
                 cache.clear()
         return read, write, tuple(layout.shapes[i])
     return [part(i) for i in range(len(layout.sizes))]
