@@ -9,9 +9,10 @@ restore (`tfpar.checkpoint`).
 
 `Writer` runs the writing beside training (`--checkpoint_async`): the step blocks while the
 state is read into host memory (`tfpar.patches.tensorflow_checkpoint.snapshot`), a thread
-(at the lowest CPU priority: the step keeps the cores) writes and publishes it. At most one write is in flight: the next save first waits for
-it. The thread is not a daemon: a process that ends (the last save, a preemption save, an
-error) exits only once the write in flight is published.
+(at the lowest CPU priority: the step keeps the cores) writes and publishes it. At most
+one write is in flight: the next save first waits for it. The thread is not a daemon: a
+process that ends (the last save, a preemption save, an error) exits only once the write
+in flight is published.
 """
 
 import json
