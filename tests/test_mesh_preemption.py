@@ -2,7 +2,8 @@
 command resumes to the uninterrupted run's losses and state, bit for bit.
 
 dp2×tp2 with Adam (the checkpoint must carry the slots): on 4 logical CPUs of one process,
-the signal sent by the process to itself after step 5 (tests/mesh_preemption_child.py);
+the signal sent by the process to itself after step 5 (tests/mesh_preemption_child.py),
+and the same after step 3 for ZeRO-3 (dp4) and 3D (dp2×tp2×pp2, the mesh pipeline);
 and over 2 processes × 2 logical CPUs (DTensor's multi-client mesh) of `python -m
 tfpar.train`, where worker 1 alone gets SIGTERM as soon as both workers report their mesh
 built (`TFPAR_READY`): it holds the signal (`tfpar.preemption.hold_sigterm`) and both stop
@@ -17,6 +18,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from subproc import ROOT, in_background, last_json_line, popen, run
@@ -33,15 +35,17 @@ def _tensors(prefix):
             if k != "_CHECKPOINTABLE_OBJECT_GRAPH" and not k.startswith("save_counter")}
 
 
-def test_sigterm_on_a_mesh_in_one_process_saves_and_the_run_resumes_exactly(tmp_path):
-    settings = {**MESH, "cpu_devices": 4, "steps": 12, "steps_per_epoch": 4}
-    out = run([sys.executable, CHILD, json.dumps(settings), str(tmp_path), "5"], timeout=300)
+def _stops_and_resumes_exactly(settings, tmp_path, after):
+    """Runs the child: a SIGTERM after step `after` saves that step only, and the resumed
+    run's losses and final state (Adam's slots among them) equal the uninterrupted run's."""
+    out = run([sys.executable, CHILD, json.dumps(settings), str(tmp_path), str(after)],
+              timeout=300)
     result = last_json_line(out.stdout)
     stopped, resumed, whole = result["stopped"], result["resumed"], result["whole"]
-    assert "tfpar: stopping at step 5 on SIGTERM: checkpoint saved" in out.stdout
-    assert stopped["preempted"] is True and stopped["steps"] == 5, stopped
-    assert stopped["saved"] == ["ckpt-5.index"], stopped
-    assert resumed["resumed_from_step"] == 5 and not resumed["preempted"], resumed
+    assert f"tfpar: stopping at step {after} on SIGTERM: checkpoint saved" in out.stdout
+    assert stopped["preempted"] is True and stopped["steps"] == after, stopped
+    assert stopped["saved"] == [f"ckpt-{after}.index"], stopped
+    assert resumed["resumed_from_step"] == after and not resumed["preempted"], resumed
     assert stopped["loss_history"] + resumed["loss_history"] == whole["loss_history"]
     final = np.load(tmp_path / "resumed.npz")
     expected = np.load(tmp_path / "whole.npz")
@@ -49,6 +53,22 @@ def test_sigterm_on_a_mesh_in_one_process_saves_and_the_run_resumes_exactly(tmp_
     assert any("optimizer" in name for name in final.files), final.files  # Adam's slots
     for name in expected.files:
         np.testing.assert_array_equal(final[name], expected[name], name)
+
+
+def test_sigterm_on_a_mesh_in_one_process_saves_and_the_run_resumes_exactly(tmp_path):
+    _stops_and_resumes_exactly({**MESH, "cpu_devices": 4, "steps": 12, "steps_per_epoch": 4},
+                               tmp_path, 5)
+
+
+@pytest.mark.parametrize("layout", [
+    {"tensor_parallel": 1, "data_parallel": 4, "zero_stage": 3, "cpu_devices": 4},
+    {"tensor_parallel": 2, "data_parallel": 2, "pipeline_stages": 2, "cpu_devices": 8},
+], ids=["zero3-dp4", "3d-dp2-tp2-pp2"])
+def test_sigterm_on_zero3_and_3d_saves_and_the_run_resumes_exactly(layout, tmp_path):
+    """ZeRO-3's sharded weights and slots, and the mesh pipeline's stage meshes, through
+    the same stop and resume (each its own layout of the state)."""
+    _stops_and_resumes_exactly({**MESH, **layout, "steps": 6, "steps_per_epoch": 3},
+                               tmp_path, 3)
 
 
 def _workers(ckpt, metrics):
