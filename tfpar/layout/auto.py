@@ -18,7 +18,8 @@ optimizer, Adam too, runs after the sum, as behind every mesh codec.
 DTensor propagates layouts only through static shapes, so a rank is not a dynamic slice
 of `Q` as on tf.distribute: each matrix's step is a chain of `tf.cond`s, one branch per
 rank it can take (1, 2, 4, … up to its largest) and one for the exact start, each with
-static shapes; only the taken branch's collectives run.
+static shapes (none below the budget's floor, which no rank goes under); only the taken
+branch's collectives run.
 
 State, every piece sharded like what it belongs to and saved by `tfpar.state` under
 `codec/<path>/…`: `residual` (`[replicas, *shape]`, one row per replica), per matrix
@@ -228,7 +229,7 @@ class AutoReduction(BatchAxisReduction):
                         tf.norm(q_sum), auto.beyond_shares(q_sum, r, r_max))
             return branch
 
-        ranks = auto.levels(r_max)[1:]
+        ranks = [r for r in auto.levels(r_max)[1:] if r >= floor]  # never below it
         chosen = tf.where(compressing, rank, 0)
         branches = [(0, exact)] + [(r, at_rank(r)) for r in ranks]
 
