@@ -13,7 +13,7 @@ run against its uncompressed run on the same seed:
 - with `--mixed_precision=fp16` and with `--grad_accum_steps=2`, near their uncompressed
   runs and finite.
 
-Four children at once (tests/train_configs_child.py), each its runs on one mesh; the
+Two children at once (tests/train_configs_child.py), each its runs on one mesh; the
 resume in the child of the run it must equal.
 """
 
@@ -44,16 +44,16 @@ STOP = 25
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Four children (two at a time), each on its own mesh; `name -> metrics + "weights"`."""
+    """Two children at once, each on its own mesh; `name -> metrics + "weights"`."""
     folder = tmp_path_factory.mktemp("mesh_auto")
     ckpt = str(folder / "ckpt")
     groups = [[{**ADAM, **AUTO},
                {**ADAM, **AUTO, "steps": STOP, "checkpoint_dir": ckpt,
                 "checkpoint_every": STOP},
                {**ADAM, **AUTO, "checkpoint_dir": ckpt, "checkpoint_every": 1000}],
-              [ADAM, {**ADAM, **FAST}], [FP16, {**FP16, **AUTO}], [ACCUM, {**ACCUM, **AUTO}]]
-    names = [["auto", "stop", "resume"], ["plain", "fast"], ["fp16", "fp16_auto"],
-             ["accum", "accum_auto"]]
+              [ADAM, {**ADAM, **FAST}, FP16, {**FP16, **AUTO}, ACCUM, {**ACCUM, **AUTO}]]
+    names = [["auto", "stop", "resume"],
+             ["plain", "fast", "fp16", "fp16_auto", "accum", "accum_auto"]]
     outs = subproc.run_concurrently([
         lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g) for i, g in enumerate(groups)])
     results = {}
