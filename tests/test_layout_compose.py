@@ -105,13 +105,12 @@ def test_trainer_tensor_parallel_across_two_workers_equals_one_device(tmp_path, 
 
 def test_compression_on_the_mesh_takes_the_batch_axis_codecs_and_refuses_the_rest():
     # tfpar.layout.reduction compresses the batch axis's reduction with fp16, bf16, int8,
-    # topk, threshold and powersgd (tests/test_layout_mesh.py trains them); auto is refused.
+    # lowbit, topk, threshold, powersgd (tests/test_layout_mesh.py trains them) and auto
+    # (tfpar.layout.auto, tests/test_mesh_auto.py).
     from tfpar.config import ParallelConfig
     from tfpar.errors import ConfigError
-    for codec in ("fp16", "bf16", "int8", "topk", "threshold", "powersgd"):
+    for codec in ("fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd", "auto"):
         ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4, compression=codec)
-    with pytest.raises(ConfigError, match="compression='auto'.*tf.distribute"):
-        ParallelConfig(tensor_parallel=2, data_parallel=2, cpu_devices=4, compression="auto")
     # One replica on `batch` (given, or what --cpu_devices leaves): nothing to compress.
     for settings in ({"data_parallel": 1}, {"cpu_devices": 2}):
         with pytest.raises(ConfigError, match="compression='int8'.*--data_parallel>1 or "

@@ -37,13 +37,6 @@ BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 # setting -> {backend: (the values that backend honours, why it honours no other)}.
 # A setting or backend not listed is honoured with every valid value.
 TABLE = {
-    "compression": {
-        "dtensor": (("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold",
-                     "powersgd"),
-                    "the mesh's batch-axis reduction (tfpar.layout.reduction) compresses "
-                    "with fp16, bf16, int8, lowbit, topk, threshold or powersgd; auto's "
-                    "per-tensor choice runs on tf.distribute collectives only"),
-    },
     "sequence_parallel": {
         backend: ((False,), "sequence parallelism splits activations over the model axis "
                             "of --tensor_parallel>1")

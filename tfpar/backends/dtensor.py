@@ -207,8 +207,13 @@ def mesh_comm_stats(trainer):
     stats = [r.comm_stats() for r in reductions]
     wire = sum(s["bytes_on_wire_per_step"] for s in stats)
     raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
-    return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
-            "compression_ratio": raw / wire}
+    out = {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+           "compression_ratio": raw / wire}
+    autos = [r for r in reductions if hasattr(r, "ranks")]  # `tfpar.layout.auto`
+    if autos:  # each matrix's rank now (0: exact), as tf.distribute's `comm.auto.ranks`
+        out["auto"] = {"r_budget": autos[0].r_budget,
+                       "ranks": {k: v for r in autos for k, v in r.ranks().items()}}
+    return out
 
 
 class MeshTensorBoard(TensorBoard):

@@ -96,7 +96,7 @@ def _agreed_times(strategy, small, large, repeats):
     return float(t_small), float(t_large)
 
 
-def measure_link(strategy, sizes=(256, 262144), repeats=5, max_floats=1 << 24):
+def measure_link(strategy, sizes=(256, 262144), repeats=5, max_floats=1 << 24, times=None):
     """Latency (s) and bandwidth (bytes/s) of `strategy`'s fp32 all-reduce, the slowest
     replica's, identical on every replica (call in cross-replica context on every worker).
 
@@ -105,12 +105,17 @@ def measure_link(strategy, sizes=(256, 262144), repeats=5, max_floats=1 << 24):
     loaded machine, and a difference lost in noise is no bandwidth. Every replica grows alike
     (the decision is on the agreed figures), so all issue the same collectives.
 
+    `times(small, large, repeats)`, if given, times the two sums instead of `strategy`'s
+    all-reduce (the mesh's sum over `batch`: `tfpar.layout.auto`), the figures agreed as
+    `_agreed_times` agrees them.
+
     Returns:
         `(bytes_per_s, latency_s)`.
     """
     small, large = sizes
     while True:
-        t0, t1 = _agreed_times(strategy, small, large, repeats)
+        t0, t1 = (_agreed_times(strategy, small, large, repeats) if times is None
+                  else times(small, large, repeats))
         if t1 >= 2 * t0 or 4 * large > max_floats:
             break
         large *= 4
@@ -213,15 +218,20 @@ class AutoAggregator(PowerSGDAggregator):
             self.adam = None
         else:
             self.rank = self.r_budget
-            # Per matrix: the largest rank whose factors are smaller than the matrix, and the
-            # budget's rank (the floor: spending the budget costs no time).
-            self.r_max = {i: max(r for r in RANKS if powersgd.compressible(s, r))
-                          for i, s in enumerate(shapes) if powersgd.compressible(s, 1)}
-            self.r_floor = {i: min(self.r_budget, r) for i, r in self.r_max.items()}
+            self.r_max, self.r_floor = self.matrix_ranks(shapes, self.r_budget)
             self.r_start = {i: r if start_rank is None else
                             min(r, max(self.r_floor[i], _power_of_two(start_rank)))
                             for i, r in self.r_max.items()}
         super().build(variables)
+
+    @staticmethod
+    def matrix_ranks(shapes, r_budget):
+        """`(r_max, r_floor)`, `{position: rank}` over the matrices among `shapes`: the
+        largest rank whose factors are smaller than the matrix, and the budget's rank
+        `r_budget` (not above that: the floor, since spending the budget costs no time)."""
+        r_max = {i: max(r for r in RANKS if powersgd.compressible(s, r))
+                 for i, s in enumerate(shapes) if powersgd.compressible(s, 1)}
+        return r_max, {i: min(r_budget, r) for i, r in r_max.items()}
 
     def plan(self, shapes):
         """The budget's rank (the largest power of two ≤ 64 whose factors fit) for variables
@@ -277,7 +287,7 @@ class AutoAggregator(PowerSGDAggregator):
 
     def _levels(self, position):
         """The ranks layer `position` can take, with 0 first (nothing sent)."""
-        return [0] + [r for r in RANKS if r <= self.r_max[position]]
+        return levels(self.r_max[position])
 
     def top_share_of(self, position):
         """The last window's mean share of the summed gradient's sent energy carried by the
@@ -463,25 +473,11 @@ class AutoAggregator(PowerSGDAggregator):
         return summed, list(summed), p_bytes + q_bytes
 
     def _beyond(self, p, q, rank):
-        """Per level of `_levels(p)`, the share of the energy that rank `rank` sends (the
-        columns of `q`, at most `r_max`: `||q[:, c]||²`) carried by the columns beyond it;
-        all zeros when nothing is sent."""
-        sum_e = tf.cumsum(tf.pad(tf.reduce_sum(tf.square(q), 0),
-                                 [[0, self.r_max[p] - tf.shape(q)[1]]]))
-        sent = sum_e[rank - 1]
-        beyond = tf.concat([[1.0], 1.0 - tf.gather(sum_e, [lv - 1 for lv in
-                                                       self._levels(p)[1:]]) /
-                            tf.maximum(sent, 1e-30)], 0)
-        return tf.where(sent > 0, tf.maximum(beyond, 0.0), 0.0)
+        return beyond_shares(q, rank, self.r_max[p])
 
     def _lowest(self, p, mean_beyond, rank_now):
-        """The smallest level of `_levels(p)`, not below the floor nor above `rank_now`,
-        whose columns beyond carried at most `down_share` on `mean_beyond`; else
-        `rank_now`."""
-        levels = tf.constant(self._levels(p))
-        enough = ((levels >= self._floor(p)) & (levels <= rank_now)
-                  & (mean_beyond <= self.down_share))
-        return tf.reduce_min(tf.where(enough, levels, rank_now))
+        return lowest_rank(self.r_max[p], self._floor(p), rank_now, mean_beyond,
+                           self.down_share)
 
     def _accumulate(self, p, norm, errors, beyond):
         """Adds one compressed step's figures of layer `p` to its window's sums: the summed
@@ -505,15 +501,8 @@ class AutoAggregator(PowerSGDAggregator):
             mean = self.norm_sum[key] / self.window
             mean_beyond = self.beyond_sum[key] / self.window
             prev = self.norm_prev[key]
-            critical = tf.logical_or(prev <= 0, tf.abs(mean - prev) >= self.eta * prev)
-            levels = tf.constant(self._levels(p))
-            at = tf.argmax(tf.cast(tf.equal(levels, rank_now), tf.int32),
-                           output_type=tf.int32)
-            up = tf.logical_and(mean_beyond[at - 1] >= self.up_share, rank_now < self.r_max[p])
-            new = tf.where(up, tf.minimum(2 * rank_now, self.r_max[p]),
-                           tf.where(critical, rank_now,
-                                    self._lowest(p, mean_beyond, rank_now)))
-            self.ranks[key].assign(new)
+            self.ranks[key].assign(self.next_rank(self.r_max[p], self._floor(p), rank_now,
+                                                  mean, prev, mean_beyond))
             self.window_rank[key].assign(rank_now)
             prev.assign(mean)
             self.error_last[key].assign(self.error_sum[key] / self.window)
@@ -521,6 +510,25 @@ class AutoAggregator(PowerSGDAggregator):
             for total in (self.norm_sum[key], self.error_sum[key], self.beyond_sum[key]):
                 total.assign(tf.zeros_like(total))
         return tf.constant(0)
+
+    def next_rank(self, r_max, floor, rank_now, mean_norm, prev_norm, mean_beyond):
+        """A layer's rank for the next window (tensors, the same on every replica): doubled
+        (up to `r_max`) when the top half of its columns carried at least `up_share` of
+        the energy it sent (`mean_beyond`, the window's mean per level of
+        `levels(r_max)`); else the smallest rank (not below `floor`) whose columns beyond
+        carried at most `down_share`, unless the layer is in a critical regime (Accordion:
+        its summed gradient's mean norm `mean_norm` moved by >= `eta` from `prev_norm`,
+        the previous window's, <= 0 when none), which keeps `rank_now`. The mesh's `auto`
+        (`tfpar.layout.auto`) decides with this too."""
+        critical = tf.logical_or(prev_norm <= 0,
+                                 tf.abs(mean_norm - prev_norm) >= self.eta * prev_norm)
+        at = tf.argmax(tf.cast(tf.equal(tf.constant(levels(r_max)), rank_now), tf.int32),
+                       output_type=tf.int32)
+        up = tf.logical_and(mean_beyond[at - 1] >= self.up_share, rank_now < r_max)
+        return tf.where(up, tf.minimum(2 * rank_now, r_max),
+                        tf.where(critical, rank_now,
+                                 lowest_rank(r_max, floor, rank_now, mean_beyond,
+                                             self.down_share)))
 
     def _take_path_of(self, source):
         # Also `source`'s ranks and floor (a fresh copy starts at each layer's largest).
@@ -581,6 +589,31 @@ class AutoAggregator(PowerSGDAggregator):
                                           if steps else 0.0)
             out["history"] = self.history
         return out
+
+
+def levels(r_max):
+    """The ranks a layer whose largest rank is `r_max` can take, with 0 first (nothing
+    sent)."""
+    return [0] + [r for r in RANKS if r <= r_max]
+
+
+def beyond_shares(q, rank, r_max):
+    """Per level of `levels(r_max)`, the share of the energy that rank `rank` sends (the
+    columns of `q`, at most `r_max`: `||q[:, c]||²`) carried by the columns beyond it; all
+    zeros when nothing is sent."""
+    sum_e = tf.cumsum(tf.pad(tf.reduce_sum(tf.square(q), 0), [[0, r_max - tf.shape(q)[1]]]))
+    sent = sum_e[rank - 1]
+    beyond = tf.concat([[1.0], 1.0 - tf.gather(sum_e, [lv - 1 for lv in levels(r_max)[1:]])
+                        / tf.maximum(sent, 1e-30)], 0)
+    return tf.where(sent > 0, tf.maximum(beyond, 0.0), 0.0)
+
+
+def lowest_rank(r_max, floor, rank_now, mean_beyond, down_share):
+    """The smallest level of `levels(r_max)`, not below `floor` nor above `rank_now`, whose
+    columns beyond carried at most `down_share` on `mean_beyond`; else `rank_now`."""
+    ranks = tf.constant(levels(r_max))
+    enough = (ranks >= floor) & (ranks <= rank_now) & (mean_beyond <= down_share)
+    return tf.reduce_min(tf.where(enough, ranks, rank_now))
 
 
 def _power_of_two(n):

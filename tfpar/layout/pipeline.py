@@ -163,7 +163,7 @@ def build(config, task, meshes, build_optimizer):
         _refuse_keras_loops(stage)
         stages.append(stage)
         optimizers.append(optimizer)
-        reductions.append(None if codec is None else reduction.BatchAxisReduction(
+        reductions.append(None if codec is None else reduction.for_codec(
             meshes[v % K], stage.trainable_variables, codec, config.error_feedback,
             **reduction.codec_options(config)))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")

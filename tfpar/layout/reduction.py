@@ -48,23 +48,37 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import compat
 from tfpar.compression import codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
 from tfpar.config import LOWBIT_BITS
 from tfpar.layout import values
 from tfpar.layout.mesh import BATCH, axis_size
 
-CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd")
+CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd", "auto")
+# `auto`'s parameters in `codec_options` (`tfpar.layout.auto.AutoReduction` takes them).
+_AUTO_OPTIONS = ("budget_ms", "link")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 
 def codec_options(config):
     """The codec parameters of a `ParallelConfig` that `BatchAxisReduction` takes."""
+    link = None
+    if config.auto_link_mbps:  # as `tfpar.compression.make_aggregator` reads them
+        link = (config.auto_link_mbps * 1e6 / 8, config.auto_link_latency_ms / 1000)
     return {"topk_ratio": config.topk_ratio, "topk_union": config.topk_union,
             "topk_dense_below": config.topk_dense_below, "threshold": config.threshold,
             "powersgd_rank": config.powersgd_rank, "lowbit_bits": config.lowbit_bits,
-            "seed": config.seed}
+            "seed": config.seed, "budget_ms": config.auto_budget_ms, "link": link}
+
+
+def for_codec(mesh, variables, codec, error_feedback=True, **options):
+    """The reduction over `batch` of `codec`: `auto`'s (`tfpar.layout.auto`) or a
+    `BatchAxisReduction`; `options` as `codec_options` gives them."""
+    if codec == "auto":
+        from tfpar.layout.auto import AutoReduction
+        return AutoReduction(mesh, variables, error_feedback, **options)
+    options = {k: v for k, v in options.items() if k not in _AUTO_OPTIONS}
+    return BatchAxisReduction(mesh, variables, codec, error_feedback, **options)
 
 
 class BatchAxisReduction:
@@ -83,13 +97,15 @@ class BatchAxisReduction:
         lowbit_bits: lowbit's bits per entry (1-4, `--lowbit_bits`).
 
     Raises:
-        ConfigError: an unknown codec.
+        ValueError: an unknown codec (`auto` is `tfpar.layout.auto.AutoReduction`, made by
+            `for_codec`).
     """
 
     def __init__(self, mesh, variables, codec="none", error_feedback=True, topk_ratio=0.25,
                  topk_union=True, topk_dense_below=1024, threshold=1e-4, powersgd_rank=16,
                  lowbit_bits=LOWBIT_BITS, seed=0):
-        compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
+        if codec not in CODECS:
+            raise ValueError(f"codec={codec!r} is invalid: use one of {', '.join(CODECS)}")
         self.mesh, self.codec = mesh, codec
         self.replicas = axis_size(mesh, BATCH)
         self.paths = [v.path for v in variables]  # the state's names in checkpoints

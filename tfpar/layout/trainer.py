@@ -85,9 +85,8 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
             reducer = reduce_scatter.ShardedReduction(mesh, model.trainable_variables,
                                                       compression, error_feedback)
         elif axis_size(mesh, BATCH) > 1:
-            reducer = reduction.BatchAxisReduction(mesh, model.trainable_variables,
-                                                   compression, error_feedback,
-                                                   **(codec_options or {}))
+            reducer = reduction.for_codec(mesh, model.trainable_variables, compression,
+                                          error_feedback, **(codec_options or {}))
     # Where `tfpar.state` finds the codec's state (not an attribute Keras tracks).
     object.__setattr__(model, "tfpar_reductions", (reducer,) if reducer else ())
     return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,

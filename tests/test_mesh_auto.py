@@ -1,0 +1,124 @@
+"""`--compression=auto` on the DTensor mesh (`tfpar.layout.auto`), dp2×tp2, the mlp, each
+run against its uncompressed run on the same seed:
+
+- Adam, 40 steps, as on a 10 Mbit/s link (`--auto_link_mbps`): final loss within the
+  mesh codecs' band (tests/test_layout_mesh.py, 2 %) and keeping at least 40 % of the
+  uncompressed run's drop (tests/test_compression_nan_free.py's criterion for tf.distribute's
+  `auto`); its mean bytes per step below fp32's, its ranks in the metrics JSON;
+- on a link fast enough for fp32 it sends everything exactly: the uncompressed run's
+  weights (up to re-association);
+- stopped at step 25 (mid-window: the window's sums, the ranks and `Q`s are in the
+  checkpoint under `codec/<path>/…`) and resumed to 40: the uninterrupted run's weights
+  exactly;
+- with `--mixed_precision=fp16` and with `--grad_accum_steps=2`, near their uncompressed
+  runs and finite.
+
+Two children at once (tests/train_configs_child.py), each its runs on one mesh; the
+resume in the child of the run it must equal.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import subproc
+
+from test_layout_compose import train_configs
+from test_train import max_diff, weights
+
+MESH = {"model": "mlp", "verbose": 0, "global_batch_size": 32, "tensor_parallel": 2,
+        "data_parallel": 2, "cpu_devices": 4}
+ADAM = {**MESH, "optimizer": "adam", "learning_rate": 1e-3, "steps": 40,
+        "steps_per_epoch": 40}
+# 10 Mbit/s: a 20 ms step's budget (22.5 kB) is below fp32's 307 kB, so every matrix is
+# compressed after the exact start (10 steps), its rank adapting by window (10 steps).
+AUTO = {"compression": "auto", "auto_link_mbps": 10}
+FAST = {"compression": "auto", "auto_link_mbps": 1e6}  # fp32 fits the budget
+SHORT = {"steps": 20, "steps_per_epoch": 20}  # the exact start and one compressed window
+FP16 = {**MESH, **SHORT, "optimizer": "sgd", "learning_rate": 0.1, "mixed_precision": "fp16"}
+ACCUM = {**MESH, **SHORT, "optimizer": "adam", "learning_rate": 1e-3, "grad_accum_steps": 2}
+BAND = 0.02  # tests/test_layout_mesh.py's DEFAULTS_BAND for codecs without their own
+STOP = 25
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two children at once, each on its own mesh; `name -> metrics + "weights"`."""
+    folder = tmp_path_factory.mktemp("mesh_auto")
+    ckpt = str(folder / "ckpt")
+    groups = [[{**ADAM, **AUTO},
+               {**ADAM, **AUTO, "steps": STOP, "checkpoint_dir": ckpt,
+                "checkpoint_every": STOP},
+               {**ADAM, **AUTO, "checkpoint_dir": ckpt, "checkpoint_every": 1000}],
+              [ADAM, {**ADAM, **FAST}, FP16, {**FP16, **AUTO}, ACCUM, {**ACCUM, **AUTO}]]
+    names = [["auto", "stop", "resume"],
+             ["plain", "fast", "fp16", "fp16_auto", "accum", "accum_auto"]]
+    outs = subproc.run_concurrently([
+        lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g) for i, g in enumerate(groups)])
+    results = {}
+    for i, (group, out) in enumerate(zip(names, outs)):
+        for j, name in enumerate(group):
+            results[name] = {**out[None][j], "weights": str(folder / f"g{i}.{j}")}
+    return folder, results
+
+
+def _gap(r, plain):
+    return r["final_loss"] / plain["final_loss"] - 1
+
+
+def test_auto_on_the_mesh_ends_near_uncompressed_with_fewer_bytes(runs, report_measured):
+    folder, r = runs
+    plain, auto = r["plain"], r["auto"]
+    gap = _gap(auto, plain)
+    comm = auto["comm"]
+    report_measured(f"mesh auto (dp2×tp2 mlp, Adam, 40 steps, 10 Mbit/s link): final loss "
+                    f"{gap:+.2%} vs uncompressed, {comm['compression_ratio']:.2f}× fewer "
+                    f"bytes than fp32 over the run, ranks {comm['auto']['ranks']}")
+    assert math.isfinite(auto["final_loss"]) and abs(gap) < BAND, (gap, auto, plain)
+    drop = plain["loss_history"][0] - plain["final_loss"]
+    assert auto["loss_history"][0] - auto["final_loss"] > 0.4 * drop, (auto, plain)
+    # It ran: below fp32's bytes, every matrix at a rank, the run not the uncompressed one.
+    assert comm["bytes_on_wire_per_step"] < comm["bytes_uncompressed_per_step"], comm
+    assert comm["auto"]["r_budget"] is not None, comm
+    ranks = comm["auto"]["ranks"]
+    assert set(ranks) == {"dense_0/kernel", "dense_1/kernel", "logits/kernel"}, ranks
+    assert all(1 <= k <= 64 for k in ranks.values()), ranks
+    assert max_diff(weights(plain["weights"]), weights(auto["weights"])) > 1e-4
+
+
+def test_auto_on_a_fast_link_sends_fp32_exactly(runs):
+    folder, r = runs
+    comm = r["fast"]["comm"]
+    assert comm["auto"]["r_budget"] is None and comm["compression_ratio"] == 1.0, comm
+    assert max_diff(weights(r["plain"]["weights"]), weights(r["fast"]["weights"])) < 1e-5
+
+
+def test_auto_on_the_mesh_resumes_exactly_with_its_ranks(runs):
+    folder, r = runs
+    from tfpar import state
+    assert r["stop"]["steps"] == STOP
+    saved = state.tensors_of(str(folder / "ckpt" / f"ckpt-{STOP}"))
+    codec = {k for k in saved if k.startswith("codec/")}
+    for path in ("dense_0/kernel", "dense_1/kernel", "logits/kernel"):
+        for kind in ("powersgd_q", "auto_rank", "auto_norm_sum", "auto_norm_prev",
+                     "auto_beyond_sum", "residual"):
+            assert f"codec/{path}/{kind}" in codec, (path, kind, sorted(codec))
+    assert saved["codec/dense_0/kernel/residual"].shape[0] == 2  # one row per replica
+    assert int(saved["codec/dense_0/kernel/auto_step"]) == STOP
+    # Mid-window: the window's sums are saved, not zero.
+    assert float(saved["codec/dense_0/kernel/auto_norm_sum"]) > 0
+    resumed, whole = r["resume"], r["auto"]
+    assert resumed["comm"]["auto"]["ranks"] == whole["comm"]["auto"]["ranks"]
+    assert max_diff(weights(whole["weights"]), weights(resumed["weights"])) == 0.0
+
+
+@pytest.mark.parametrize("plain,auto", [("fp16", "fp16_auto"), ("accum", "accum_auto")],
+                         ids=["fp16", "accumulation"])
+def test_auto_on_the_mesh_with_fp16_and_accumulation(runs, plain, auto):
+    folder, r = runs
+    gap = _gap(r[auto], r[plain])
+    assert math.isfinite(r[auto]["final_loss"]) and abs(gap) < BAND, (gap, r[auto])
+    comm = r[auto]["comm"]
+    assert comm["bytes_on_wire_per_step"] < comm["bytes_uncompressed_per_step"], comm
+    assert all(np.all(np.isfinite(w)) for w in weights(r[auto]["weights"]))
