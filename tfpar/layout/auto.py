@@ -5,8 +5,8 @@ The rules are `AutoAggregator`'s, called from there (`plan`, `matrix_ranks`, `ne
 `beyond_shares`, `lowest_rank`): the link's budget gives each matrix's floor rank (an
 fp32 budget that fits the whole model sends everything exactly); the first `start_step`
 steps average exactly, the last `window` of them running PowerSGD's subspace iteration on
-the exact sum (no bytes) to warm `Q` and pick each matrix's first rank; after that each
-step sends rank-r factors, and at each window's end a matrix's rank doubles, drops or
+the exact sum (no bytes over `batch`) to warm `Q` and pick each matrix's first rank; after
+that each step sends rank-r factors, and at each window's end a matrix's rank doubles, drops or
 stays by the summed gradient's energy along `Q`'s columns and its norm's change. Vectors
 and matrices too small to gain go whole in fp32.
 
@@ -148,9 +148,6 @@ class AutoReduction(BatchAxisReduction):
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire}
 
-    def _factor_bytes(self, index, rank):
-        return 4 * sum(powersgd.matrix_shape(self.shapes[index])) * rank
-
     def mean(self, grads, state, scale=None, finite=None):
         """As `BatchAxisReduction.mean`: `(means, new_state)` in `variables`' order."""
         if len(grads) != len(self.stacked):
@@ -245,8 +242,8 @@ class AutoReduction(BatchAxisReduction):
         nbytes = tf.where(compressing, 4 * tf.cast(sum(powersgd.matrix_shape(shape)), tf.int64)
                           * tf.cast(rank, tf.int64), tf.constant(4 * self.sizes[i], tf.int64))
         # The exact start's last `window` steps: one subspace iteration on the exact sum
-        # (every device holds it: no bytes) warms Q and measures the spectrum; at its last
-        # step the first rank is the lowest whose columns beyond carried <= down_share.
+        # (every device holds it: no bytes over `batch`) warms Q and measures the spectrum;
+        # at its last step the first rank is the lowest whose columns beyond carried <= down_share.
         count = min(self.window, self.start)
         if count:
             def plan():
