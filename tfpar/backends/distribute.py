@@ -56,9 +56,13 @@ class DistributeBackend(Backend):
             recompute.apply(model, config)
             if config.dims.pp_enabled:
                 model = pipeline.for_training(model, config, runtime)
-            # `--compression=none` stays on Keras's own all-reduce: fp32 buckets were
-            # not faster on a shaped link (docs/benchmarks/compression.md).
-            optimizer = optimizers.make_optimizer(config)
+            # Across workers `--compression=none` sums in `--bucket_mb` buckets, last
+            # layers first, so the first buckets cross the link while backward still runs;
+            # in one process (no link to hide) it stays on Keras's one all-reduce
+            # (docs/benchmarks/compression_link.md, "Overlap").
+            optimizer = optimizers.make_optimizer(
+                config, bucketed=True if runtime.kind == "multi_worker" and runtime.workers > 1
+                else None)
             # Before compile: a PipelineModel copies the optimizer, guard included, per stage.
             nan_guard.skip_nonfinite_updates(optimizer, skip=config.on_nan == "skip_step")
             model.compile(
