@@ -59,10 +59,11 @@ class DistributeBackend(Backend):
             # Across workers `--compression=none` sums in `--bucket_mb` buckets, last
             # layers first, so the first buckets cross the link while backward still runs;
             # in one process (no link to hide) it stays on Keras's one all-reduce
-            # (docs/benchmarks/compression_link.md, "Overlap").
+            # (docs/benchmarks/compression_link.md, "Overlap"). Not under `--offload`,
+            # whose host update `tfpar.compat` keeps apart from every aggregator.
+            across = runtime.kind == "multi_worker" and runtime.workers > 1
             optimizer = optimizers.make_optimizer(
-                config, bucketed=True if runtime.kind == "multi_worker" and runtime.workers > 1
-                else None)
+                config, bucketed=True if across and config.offload == "none" else None)
             # Before compile: a PipelineModel copies the optimizer, guard included, per stage.
             nan_guard.skip_nonfinite_updates(optimizer, skip=config.on_nan == "skip_step")
             model.compile(
