@@ -12,7 +12,8 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
   waits for;
 - `timing`: `measure_comm_fraction` (the metrics JSON's `comm` keys) of both, `rounds`
   times, alternating (0 in the test: on a loaded 2-core machine the medians swing by more
-  than the effect; docs/benchmarks/compression_link.md, "Overlap").
+  than the effect; docs/benchmarks/compression_link.md, "Uncompressed buckets across
+  workers").
 
     python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
 """

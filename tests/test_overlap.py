@@ -8,8 +8,8 @@ whatever the machine's load: the sums are bit-equal to Keras's, and each bucket'
 waits only for the forward pass and backward down to its own layers. How much of the
 exchange then hides behind backward is timing, measured on a shaped link by
 `tools/profile_overlap.py` and `measure_comm_fraction` (the metrics JSON's
-`comm.overlap_fraction`, `--measure_comm`): docs/benchmarks/compression_link.md, "Overlap",
-which says why > 0.5 is not asserted here.
+`comm.overlap_fraction`, `--measure_comm`): docs/benchmarks/compression_link.md,
+"Uncompressed buckets across workers", which says why > 0.5 is not asserted here.
 """
 
 import dataclasses

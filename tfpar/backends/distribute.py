@@ -57,10 +57,11 @@ class DistributeBackend(Backend):
             if config.dims.pp_enabled:
                 model = pipeline.for_training(model, config, runtime)
             # Across workers `--compression=none` sums in `--bucket_mb` buckets, last
-            # layers first, so the first buckets cross the link while backward still runs;
-            # in one process (no link to hide) it stays on Keras's one all-reduce
-            # (docs/benchmarks/compression_link.md, "Overlap"). Not under `--offload`,
-            # whose host update `tfpar.compat` keeps apart from every aggregator.
+            # layers first, so the first buckets can cross the link while backward still
+            # runs; in one process (no link to hide) it stays on Keras's one all-reduce
+            # (docs/benchmarks/compression_link.md, "Uncompressed buckets across
+            # workers"). Not under `--offload`, whose host update `tfpar.compat` keeps
+            # apart from every aggregator.
             across = runtime.kind == "multi_worker" and runtime.workers > 1
             optimizer = optimizers.make_optimizer(
                 config, bucketed=True if across and config.offload == "none" else None)
