@@ -188,7 +188,10 @@ def aggregators_of(model):
     """`{name: aggregator}` of the tfpar gradient aggregators of `model`'s optimizers (saved
     with their own objects beside the `LayoutState`)."""
     from tfpar.compression import keras_hook
-    found = [a for a in map(keras_hook.aggregator_of, optimizers_of(model)) if a is not None]
+    # An aggregator with no state a step reads (fp32 buckets: `checkpointed` False) is
+    # left out, so its checkpoints load where Keras's own all-reduce ran and the reverse.
+    found = [a for a in map(keras_hook.aggregator_of, optimizers_of(model))
+             if a is not None and a.checkpointed]
     out = ({"aggregator": found[0]} if len(found) == 1
            else {f"aggregator_{i}": a for i, a in enumerate(found)})
     # ZeRO 1/2 with a codec keeps its error feedback per replica beside its pieces

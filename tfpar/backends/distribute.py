@@ -56,9 +56,15 @@ class DistributeBackend(Backend):
             recompute.apply(model, config)
             if config.dims.pp_enabled:
                 model = pipeline.for_training(model, config, runtime)
-            # `--compression=none` stays on Keras's own all-reduce: fp32 buckets were
-            # not faster on a shaped link (docs/benchmarks/compression.md).
-            optimizer = optimizers.make_optimizer(config)
+            # Across workers `--compression=none` sums in `--bucket_mb` buckets, last
+            # layers first, so the first buckets can cross the link while backward still
+            # runs; in one process (no link to hide) it stays on Keras's one all-reduce
+            # (docs/benchmarks/compression_link.md, "Uncompressed buckets across
+            # workers"). Not under `--offload`, whose host update `tfpar.compat` keeps
+            # apart from every aggregator.
+            across = runtime.kind == "multi_worker" and runtime.workers > 1
+            optimizer = optimizers.make_optimizer(
+                config, bucketed=True if across and config.offload == "none" else None)
             # Before compile: a PipelineModel copies the optimizer, guard included, per stage.
             nan_guard.skip_nonfinite_updates(optimizer, skip=config.on_nan == "skip_step")
             model.compile(

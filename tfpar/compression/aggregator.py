@@ -145,6 +145,8 @@ class Aggregator(tf.Module):
     """
 
     lossy = False
+    # Whether a checkpoint holds this aggregator's state (`tfpar.state.aggregators_of`).
+    checkpointed = True
     # With Adam in front and its second moment frozen: "step" compresses each replica's Adam
     # step (momentum of its own gradient; top-k), "gradient" compresses the gradient scaled
     # by Adam's frozen denominator and takes the momentum of the sum (PowerSGD). Both are

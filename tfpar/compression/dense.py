@@ -15,6 +15,13 @@ class NoneAggregator(Aggregator):
         >>> optimizer = wrap_optimizer(keras.optimizers.Adam(), NoneAggregator())  # doctest: +SKIP
     """
 
+    @property
+    def checkpointed(self):
+        # Without Adam in front its state (a step counter, a byte count) changes no result:
+        # a multi-worker `--compression=none` run (bucketed) and a one-process run (Keras's
+        # all-reduce) then load each other's checkpoints.
+        return self.adam is not None
+
     def _exchange_bucket(self, flat, bucket):
         total, nbytes = collectives.sum_all(flat, self.collective_options)
         return total, None, nbytes

@@ -74,6 +74,9 @@ def define_flags(flag_values=FLAGS):
                        lower_bound=0, **f)
     flags.DEFINE_float("memory_gbps", 0.0, "Device memory bandwidth, GB/s, for the cost of "
                        "encoding gradients (0: a CPU-like default).", lower_bound=0, **f)
+    flags.DEFINE_float("dp_overlap", 0.0, "Share of the data-parallel gradient all-reduce "
+                       "hidden behind backward: a run's comm.overlap_fraction (--measure_comm).",
+                       lower_bound=0, upper_bound=1, **f)
     flags.DEFINE_bool("calibrate", False, "Measure this machine (on --cpu_devices logical "
                       "CPUs) instead of the hardware flags: all-reduce bandwidth and "
                       "latency, then per-unit costs fitted to short training runs of "
@@ -133,7 +136,7 @@ def main(argv):
             hardware = planner.hardware_from(
                 FLAGS.devices, FLAGS.memory_gb, FLAGS.tflops, FLAGS.intra_gbps,
                 FLAGS.inter_gbps, FLAGS.devices_per_machine, FLAGS.latency_us,
-                FLAGS.memory_gbps)
+                FLAGS.memory_gbps, FLAGS.dp_overlap)
         result = planner.plan(prof, hardware, request)
         if calibration is not None:
             result["calibration"] = calibration

@@ -8,7 +8,8 @@ neighbours, data-parallel peers next, pipeline stages outermost.
 Step time (`step_seconds`) = fixed costs (per step, per parameter updated) + the pipeline
 (`(M + (K-1)/V)` slots of the slowest stage, each slot the stage's forward and backward
 compute on one micro-batch, its tensor-parallel all-reduces and its stage-to-stage sends) +
-the data-parallel gradient all-reduce after the last backward (not overlapped). The model:
+the data-parallel gradient all-reduce after the last backward, less the share
+`Hardware.dp_overlap` of it that hides behind backward (0 unless measured). The model:
 
 - Compute runs at `Hardware.flops` (a sustained matmul rate, not the peak) on 3× the
   forward FLOPs (4× for the blocks with recomputation). The last stage also runs the
@@ -91,8 +92,15 @@ class Hardware:
     step_overhead: float = 0.0    # fixed cost of a training step (loop, callbacks, launches)
     update_seconds_per_param: float = 0.0  # optimizer update of one parameter of the shard
     shared_cores: bool = False    # devices are slices of the same cores (logical CPUs)
+    # Share of the data-parallel gradient all-reduce hidden behind backward: a run's
+    # measured `comm.overlap_fraction` (`--measure_comm`); 0 = none hides. A constant
+    # share keeps the step linear in the per-unit costs (`tfpar.plan.calibration`).
+    dp_overlap: float = 0.0
 
     def __post_init__(self):
+        if not 0 <= self.dp_overlap <= 1:
+            raise ValueError(f"dp_overlap={self.dp_overlap!r} is invalid: must be in [0, 1] "
+                             "(a run's comm.overlap_fraction)")
         if self.encode_seconds_per_param is None:
             encode = dict(DEFAULT_ENCODE_SECONDS) if not self.memory_bandwidth else {
                 k: v / self.memory_bandwidth for k, v in ENCODE_BYTES.items()}
@@ -362,6 +370,7 @@ def step_seconds(profile, hw, c, global_batch):
     # Top-k that sends every tensor whole (`TopKAggregator.sends_whole`) selects nothing.
     if c.compression != "none" and c.data > 1 and not (c.compression == "topk" and ratio == 1):
         dp += hw.encode_seconds_per_param[c.compression] * shard
+    dp *= 1 - hw.dp_overlap  # the gradients' exchange only, not ZeRO-3's gathers below
     if c.zero >= 3:
         # The weights all-gathered for the forward and again for the backward: two
         # all-gathers of (n-1)/n·S each, the volume of one all-reduce.

@@ -56,9 +56,10 @@ class Request:
 
 
 def hardware_from(devices, memory_gb, tflops, intra_gbps, inter_gbps, devices_per_machine=0,
-                  latency_us=20.0, memory_gbps=0.0):
+                  latency_us=20.0, memory_gbps=0.0, dp_overlap=0.0):
     """A `cost.Hardware` from the units people quote (GB, TFLOP/s, Gbit/s per device, µs
-    per collective step, GB/s of device memory; 0: unknown).
+    per collective step, GB/s of device memory; 0: unknown), and the share of the gradient
+    all-reduce a run measured hidden behind backward (`comm.overlap_fraction`).
 
     Raises:
         ConfigError: no devices given.
@@ -69,7 +70,7 @@ def hardware_from(devices, memory_gb, tflops, intra_gbps, inter_gbps, devices_pe
                          intra_bandwidth=intra_gbps * 1e9 / 8,
                          inter_bandwidth=inter_gbps * 1e9 / 8,
                          devices_per_machine=devices_per_machine, latency=latency_us * 1e-6,
-                         memory_bandwidth=memory_gbps * 1e9)
+                         memory_bandwidth=memory_gbps * 1e9, dp_overlap=dp_overlap)
 
 
 def calibrate(config, devices, steps=30):

@@ -1,0 +1,107 @@
+"""Child of tests/test_overlap.py, run as both workers of a 2-worker `TF_CONFIG` cluster
+(one CPU replica each): the trainer's multi-worker `--compression=none` path in buckets
+against Keras's one all-reduce, printed as one JSON line by each worker.
+
+- `bucketed_by_default`: the distribute backend's `build_model` (what `tfpar.train` runs)
+  gives a multi-worker `--compression=none` run the fp32 bucket aggregator;
+- `bit_equal`: 3 `fit` steps from the same weights on the same batches, bucketed
+  (`--bucket_mb`, one layer a bucket) and through Keras's one all-reduce: weights compared
+  with `array_equal` (2 workers: each sum is `a + b` in either layout);
+- `checkpointed_aggregators`: none (fp32 buckets keep no state a step reads);
+- `matmuls_before_collective`: per all-reduce of the traced bucketed step, the MatMuls it
+  waits for;
+- `timing`: `measure_comm_fraction` (the metrics JSON's `comm` keys) of both, `rounds`
+  times, alternating (0 in the test: on a loaded 2-core machine the medians swing by more
+  than the effect; docs/benchmarks/compression_link.md, "Uncompressed buckets across
+  workers").
+
+    python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar import ParallelConfig, compression, data, optimizers, state
+from tfpar.backends.distribute import DistributeBackend
+from tfpar.compression.timing import measure_comm_fraction
+
+
+def matmuls_before_collectives(strategy, model, batch, bucket_mb):
+    """For each all-reduce of the traced bucketed step, in program order (last layer's
+    bucket first), how many MatMuls (forward and backward) it waits for through data or
+    control edges: a bucket that waits for fewer than all backward's MatMuls can cross the
+    link while backward still runs."""
+    aggregator = compression.NoneAggregator(bucket_mb=bucket_mb)
+    variables = [v.value for v in model.trainable_variables]
+    with strategy.scope():
+        aggregator.build(variables)
+    x, y = (strategy.experimental_local_results(t)[0] for t in batch[:2])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+        summed = aggregator.all_reduce_sum(tape.gradient(loss, variables), variables)
+        return tf.add_n([tf.reduce_sum(s) for s in summed])
+
+    graph = tf.function(lambda: strategy.run(step)).get_concrete_function().graph
+    counts = []
+    for op in graph.get_operations():
+        if op.type.startswith("CollectiveReduce"):
+            seen, stack = set(), [op]
+            while stack:
+                node = stack.pop()
+                for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+                    if parent not in seen:
+                        seen.add(parent)
+                        stack.append(parent)
+            counts.append(sum(o.type == "MatMul" for o in seen))
+    return counts
+
+
+def main(settings, rounds, timed_steps):
+    config = ParallelConfig(strategy="multi_worker", model="mlp", optimizer="sgd",
+                            verbose=0, **settings)
+    backend = DistributeBackend()
+    runtime = backend.build_runtime(config)
+    task = data.make_task(config)
+    bucketed = backend.build_model(config, runtime, task)
+    plain = backend.build_model(config, runtime, task)
+    with runtime.strategy.scope():
+        plain.compile(optimizer=optimizers.make_optimizer(config, bucketed=False),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plain.set_weights(bucketed.get_weights())
+    out = {"bucketed_by_default":
+           compression.aggregator_of(bucketed.optimizer) is not None,
+           "plain_has_aggregator": compression.aggregator_of(plain.optimizer) is not None,
+           # fp32 buckets keep no state a step reads: nothing beside the model in a checkpoint
+           "checkpointed_aggregators": sorted(state.aggregators_of(bucketed)),
+           "grad_bytes": 4 * sum(int(np.prod(v.shape)) for v in bucketed.trainable_variables)}
+
+    def dataset():
+        return data.distributed_dataset(runtime.strategy, config, task)
+
+    for model in (bucketed, plain):
+        model.fit(dataset(), steps_per_epoch=3, epochs=1, verbose=0)
+    pairs = list(zip(bucketed.get_weights(), plain.get_weights()))
+    out["bit_equal"] = all(np.array_equal(a, b) for a, b in pairs)
+    out["max_abs_diff"] = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+    out["trace_count"] = compression.aggregator_of(bucketed.optimizer).trace_count
+    out["matmuls_before_collective"] = matmuls_before_collectives(
+        runtime.strategy, bucketed, next(iter(dataset())), config.bucket_mb)
+    out["timing"] = {"bucketed": [], "plain": []}
+    for _ in range(rounds):
+        for name, model in (("bucketed", bucketed), ("plain", plain)):
+            _, times = measure_comm_fraction(runtime.strategy, model, dataset(),
+                                             steps=timed_steps)
+            out["timing"][name].append(times)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    main(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
