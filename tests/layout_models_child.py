@@ -284,15 +284,18 @@ def custom_step():
     return {"own_train_step": run, "own_train_step_fp16": refused}
 
 
-HUB_CONFIGS = {  # tiny configs, random weights: no preset is downloaded
-    "gemma": dict(vocabulary_size=96, num_layers=2, num_query_heads=2, num_key_value_heads=2,
+# Tiny configs, random weights: no preset is downloaded. One layer each: every layout map
+# matches its layers by one pattern (`transformer_layer_\d+`, `decoder_block.*`), so a
+# second layer traced the same rules again.
+HUB_CONFIGS = {
+    "gemma": dict(vocabulary_size=96, num_layers=1, num_query_heads=2, num_key_value_heads=2,
                   hidden_dim=16, intermediate_dim=32, head_dim=8),
-    "llama": dict(vocabulary_size=96, num_layers=2, num_query_heads=2, num_key_value_heads=2,
+    "llama": dict(vocabulary_size=96, num_layers=1, num_query_heads=2, num_key_value_heads=2,
                   hidden_dim=16, intermediate_dim=32),
     # their default dropout (0.1): the mesh draws one device's masks (tfpar.layout.rng)
-    "gpt2": dict(vocabulary_size=96, num_layers=2, num_heads=2, hidden_dim=16,
+    "gpt2": dict(vocabulary_size=96, num_layers=1, num_heads=2, hidden_dim=16,
                  intermediate_dim=32, max_sequence_length=16),
-    "bert": dict(vocabulary_size=96, num_layers=2, num_heads=2, hidden_dim=16,
+    "bert": dict(vocabulary_size=96, num_layers=1, num_heads=2, hidden_dim=16,
                  intermediate_dim=32, max_sequence_length=16),
 }
 

@@ -9,8 +9,9 @@ per-output sample weights, an activity and a kernel regularizer; `class_weight`;
 its own `train_step`), and KerasHub (Gemma, Llama, BERT backbones with a head,
 `GPT2CausalLM`, a preset saved and loaded). Each compares the weights after `fit`, the
 `History`, and where asked `evaluate` and `predict`, within 1e-5 (a weight's difference
-relative to its largest magnitude where that is above 1: Llama's embedding grows to 3.3 in
-3 steps and differs by 1.1e-5, float32 rounding in sums taken in another order).
+relative to its largest magnitude where that is above 1: with two layers Llama's embedding
+grew to 3.3 in 3 steps and differed by 1.1e-5, float32 rounding in sums taken in another
+order; the KerasHub models now have one layer each, see the child).
 KerasHub's GPT-2 and BERT keep their default dropout (0.1): the mesh draws one device's
 masks (tfpar.layout.rng; without it GPT-2 was off by 0.21 after 2 steps).
 

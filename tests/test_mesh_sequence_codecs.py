@@ -7,7 +7,9 @@ TF 2.21's own fallback, a `while_loop`, crashed the process). Top-k at ratio 1 s
 entry: equal to the uncompressed run up to the sum's re-association, which checks the
 vectorized relayouts and their gradients; the others at their defaults end within
 tests/test_layout_mesh.py's band, each with its bytes in the metrics JSON. Two children at
-once, three runs each.
+once (three runs, two runs). fp16 is not run here: an elementwise cast of the per-replica
+gradient that top-k at ratio 1 already holds exact under these layouts, run on the 2×2 mesh
+by tests/test_layout_mesh.py (each run here costs a DTensor expansion of the whole step).
 """
 
 import pytest
@@ -24,10 +26,10 @@ SEQ = {"model": "transformer", "steps": STEPS, "steps_per_epoch": STEPS, "verbos
        "sequence_parallel": True, "model_depth": 1}  # one block: each run traces ~1 min
 # (the uncompressed run first; run i's weights are `<child>.<i>`)
 FIRST = [{}, {"compression": "topk", "topk_ratio": 1.0}, {"compression": "int8"}]
-SECOND = [{"compression": "powersgd"}, {"compression": "topk"}, {"compression": "fp16"}]
+SECOND = [{"compression": "powersgd"}, {"compression": "topk"}]
 # (lowbit and threshold share the reduction path and are not traced again here: each run
 # costs a DTensor expansion of the whole step)
-LOSSY = ["int8", "powersgd", "topk", "fp16"]
+LOSSY = ["int8", "powersgd", "topk"]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +74,6 @@ def test_each_codec_ends_near_the_uncompressed_sequence_parallel_run(runs, repor
         assert abs(gap) < DEFAULTS_BAND.get(codec, 0.02), (codec, gap)
         assert comm["bytes_uncompressed_per_step"] == fp32, (codec, comm)
         assert 0 < comm["bytes_on_wire_per_step"] < fp32, (codec, comm)
-        if codec == "fp16":  # it ran: half fp32's bytes (its rounding moves 10 Adam
-            # steps' losses by ~3e-6 here, too little to tell from re-association)
-            assert comm["bytes_on_wire_per_step"] * 2 == fp32, comm
-        else:
-            assert _loss_gap(result, plain) > 1e-5, codec  # it ran: the losses moved
+        assert _loss_gap(result, plain) > 1e-5, codec  # it ran: the losses moved
     report_measured(f"--sequence_parallel transformer 2x2, {STEPS} Adam steps, final loss "
                     f"vs uncompressed (fp32 {fp32} B/step): " + ", ".join(measured))

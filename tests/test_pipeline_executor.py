@@ -15,7 +15,7 @@ from subproc import ROOT, last_json_line, outcome, run, run_concurrently
 CHILD = os.path.join(ROOT, "tests", "pipeline_executor_child.py")
 
 
-def _run(K, timeout=150):
+def _run(K, timeout=400):  # a hang's bound: the K=2 child took over 150 s under load
     return last_json_line(run([sys.executable, CHILD, str(K)], timeout=timeout).stdout)
 
 
@@ -36,9 +36,9 @@ def k4(children):
     return outcome(children[1])
 
 
-@pytest.mark.parametrize("opt,tol", [("sgd", 1e-6), ("adam", 1e-5)])
+# SGD with K=2 only (the child says why); Adam with K=2 and 4.
+@pytest.mark.parametrize("K,opt,tol", [(2, "sgd", 1e-6), (2, "adam", 1e-5), (4, "adam", 1e-5)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1"])
-@pytest.mark.parametrize("K", [2, 4])
 def test_weights_after_3_steps_equal_single_device(k2, k4, K, schedule, opt, tol):
     assert {2: k2, 4: k4}[K][f"{opt}/{schedule}"] < tol
 
