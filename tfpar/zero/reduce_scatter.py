@@ -39,7 +39,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import compat
 from tfpar.compression import codecs, error_feedback
-from tfpar.layout import values
+from tfpar.layout import reduction, values
 from tfpar.layout.mesh import BATCH, axis_size
 
 CODECS = compat.ZERO_CODECS
@@ -132,28 +132,32 @@ class ShardedReduction:
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire}
 
-    def mean(self, grads, state, scale=None):
+    def mean(self, grads, state, scale=None, finite=None):
         """`(means, new_state)`: the mean over replicas of `grads` (each
         `[replicas, *shape]`, split on `batch`), each in its variable's own layout (its
         piece on each device); `state` is what `read()` gave, `new_state` the next
-        residuals (write them to `variables`). `scale` is the mesh step's fp16 loss scale,
-        always None here: `compat.ZERO3_COMPRESSION_SCALING` refuses fp16 with this."""
-        if scale is not None:
-            raise ValueError("ZeRO-3's compressed reduce-scatter takes no fp16 loss scale "
-                             "(tfpar.compat.ZERO3_COMPRESSION_SCALING)")
+        residuals (write them to `variables`).
+
+        With fp16 loss scaling `scale` is the loss scale the gradients carry and
+        `finite` the step's decision (default: every entry of `grads` finite), as in
+        `tfpar.layout.reduction.BatchAxisReduction.mean`: the codec sends unscaled
+        gradients, the means come back scaled for the `LossScaleOptimizer`, and a
+        skipped step (not finite) leaves the residuals as they were."""
         if len(grads) != len(self.shapes):
             raise ValueError(f"{len(grads)} gradients for {len(self.shapes)} variables")
+        finite = reduction.step_finite(grads, scale, finite)
         means, kept = [], []
         for i, g in enumerate(grads):
-            x = dtensor.relayout(tf.cast(g, tf.float32),
-                                 self._layout([BATCH] + self.whole[i]))
+            x = reduction.unscaled(dtensor.relayout(
+                tf.cast(g, tf.float32), self._layout([BATCH] + self.whole[i])), scale, finite)
             if state:
                 x = error_feedback.corrected(x, state[i])
             total, sent = self._reduce(x, i)
-            means.append(tf.cast(dtensor.relayout(total / self.replicas, self.own[i]),
-                                 g.dtype))
+            mean = reduction.rescaled(total / self.replicas, scale, finite)
+            means.append(tf.cast(dtensor.relayout(mean, self.own[i]), g.dtype))
             if state:
-                kept.append(error_feedback.next_residual(x, sent))
+                kept.append(reduction.kept_if(finite, error_feedback.next_residual(x, sent),
+                                              state[i]))
         return means, kept
 
     def _reduce(self, x, index):
