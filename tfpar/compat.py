@@ -320,11 +320,6 @@ COMBINATIONS = (
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.zero_stage == 3,
          "not supported: --zero_stage=3 gathers each layer's weights in a wrapper the "
          "sequence layouts are not built for; use --zero_stage=0"),
-    Rule("compression", lambda c: c.zero_stage == 3 and c.dims.tp_enabled
-         and c.compression != "none",
-         "not supported: ZeRO-3's compressed reduce-scatter cuts whole gradients into "
-         "blocks, not ones also split over the model axis; use --compression=none with "
-         "--tensor_parallel>1"),
     ZB_H1_RECOMPUTE,
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,
