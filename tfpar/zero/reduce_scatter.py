@@ -20,6 +20,12 @@ mean of its own piece only:
   replica's codes gathered (int8: one scale per replica and tensor) and summed after
   decoding on every device.
 
+With tensor parallelism (a weight also split over `model`) no reshape merges a dimension
+split over `model`: each device codes its own `model` shard (`_reduce_model_split`), the
+blocks laid out `[replicas, destination, piece rows, *other dimensions]` and moved by an
+all-to-all over `batch` only; int8 takes one scale per row (its maximum over the row's
+`model` shards, a max-reduce of one float a row) and packs the codes four rows to a word.
+
 Error feedback (`error_feedback=True`, the default of `--error_feedback`): each replica
 keeps what its message dropped, a DVariable `[data_parallel, *shape]` split on the
 replica axis, added to its next gradient (`tfpar.compression.error_feedback`), as
@@ -27,9 +33,9 @@ ZeRO-1/2's `zero_residual` does. It costs each device one whole gradient's worth
 memory, and so does the per-replica gradient itself (the fp32 path reduces layer by
 layer instead): `--error_feedback=false` drops the first.
 
-`comm_stats` counts what each replica hands to these collectives per step: int8 one byte
-per entry (each row padded to whole 4-byte words: the all-to-all moves int32) and 4 per
-scale, fp16/bf16 2 per entry.
+`comm_stats` counts what each device hands to these collectives per step (its `model`
+shard of each gradient): int8 one byte per entry (padded to whole 4-byte words: the
+all-to-all moves int32) and 4 per scale, fp16/bf16 2 per entry.
 """
 
 import math
