@@ -28,12 +28,6 @@ from tfpar.errors import ConfigError
     ({"zero_stage": 3, "compression": "int8", "recompute": "blocks"}, "recompute",
      "--recompute=none"),
     ({"zero_stage": 3, "compression": "int8", "model": "convnet"}, "model", "convolution"),
-    ({"zero_stage": 3, "compression": "int8", "tensor_parallel": 2}, "compression",
-     "--compression=none"),
-    ({"zero_stage": 3, "compression": "int8", "mixed_precision": "fp16"}, "compression",
-     "fp16 loss scaling"),
-    ({"zero_stage": 3, "compression": "int8", "grad_accum_steps": 2}, "compression",
-     "--grad_accum_steps"),
     ({"zero_stage": 3, "cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2,
       "pipeline_stages": 2}, "zero_stage", "--pipeline_stages>1"),
 ])

@@ -143,12 +143,8 @@ ZERO3_COMPRESSION_RECOMPUTE = Rule(
     "not supported: ZeRO-3's compressed reduce-scatter forms each replica's gradient in a "
     "step mapped over replicas, where layers are not recomputed; use --recompute=none, or "
     "--compression=none")
-ZERO3_COMPRESSION_SCALING = Rule(
-    "compression", lambda c: c.zero_stage == 3 and c.compression != "none" and (
-        c.mixed_precision == "fp16" or c.grad_accum_steps > 1),
-    "not supported: ZeRO-3's compressed reduce-scatter forms each replica's gradient "
-    "without fp16 loss scaling and without --grad_accum_steps (the mesh codecs of "
-    "--tensor_parallel>1 have both); use --compression=none with ZeRO-3 there")
+
+
 def _mesh_dp_is_one(c):
     """The mesh's `batch` axis has one replica: `--data_parallel=1`, or left to the
     devices (0) with `--cpu_devices` all taken by the tensor and pipeline degrees."""
@@ -294,7 +290,6 @@ COMBINATIONS = (
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,
     ZERO3_COMPRESSION_MODEL,
-    ZERO3_COMPRESSION_SCALING,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
          "--zero_stage=3 or use --zero_gather=fp32"),
@@ -318,11 +313,6 @@ COMBINATIONS = (
     Rule("sequence_parallel", lambda c: c.sequence_parallel and c.zero_stage == 3,
          "not supported: --zero_stage=3 gathers each layer's weights in a wrapper the "
          "sequence layouts are not built for; use --zero_stage=0"),
-    Rule("compression", lambda c: c.zero_stage == 3 and c.dims.tp_enabled
-         and c.compression != "none",
-         "not supported: ZeRO-3's compressed reduce-scatter cuts whole gradients into "
-         "blocks, not ones also split over the model axis; use --compression=none with "
-         "--tensor_parallel>1"),
     ZB_H1_RECOMPUTE,
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,

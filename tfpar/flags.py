@@ -121,7 +121,7 @@ _HELP = {
                   "multi_worker), 2 = also gradients reduce-scattered, 3 = also parameters "
                   "(on a DTensor mesh, also with --tensor_parallel). Every stage takes "
                   "--compression=fp16|bf16|int8 (a compressed reduce-scatter) and "
-                  "--mixed_precision=fp16 (ZeRO-3: not both); pipelines and the other codecs "
+                  "--mixed_precision=fp16, also both; pipelines and the other codecs "
                   "are refused with it.",
     "zero_gather": "ZeRO-3's weight all-gather: fp32, or int8 (codes with an fp32 scale "
                    "per row, ZeRO++'s qwZ; the sharded master weights stay fp32).",

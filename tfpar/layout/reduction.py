@@ -226,29 +226,24 @@ class BatchAxisReduction:
             raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
         residuals = list(state[:len(self.residuals)])
         qs = dict(zip(sorted(self.qs), state[len(self.residuals):]))
-        if scale is not None and finite is None:
-            finite = all_finite(grads)
+        finite = step_finite(grads, scale, finite)
         means, kept, new_qs = [], [], []
         for i, g in enumerate(grads):
             # Pin each replica's gradient to its own shard (a no-op when DTensor already
             # placed it so): nothing over `batch` is summed before the codec.
-            x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
-            if scale is not None:
-                x = _where(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
+            x = unscaled(dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i]),
+                         scale, finite)
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
             if i in qs:
                 total, sent, q = self._powersgd(x, qs[i])
-                new_qs.append(q if finite is None else _where(finite, q, qs[i]))
+                new_qs.append(kept_if(finite, q, qs[i]))
             else:
                 total, sent = self._sum(x, i)
-            mean = total / self.replicas
-            if scale is not None:  # skipped: 0 / 0, not finite
-                mean = mean * tf.cast(scale, tf.float32) / tf.cast(finite, tf.float32)
-            means.append(tf.cast(mean, g.dtype))
+            means.append(tf.cast(rescaled(total / self.replicas, scale, finite), g.dtype))
             if residuals:
-                new = error_feedback.next_residual(x, sent)
-                kept.append(new if finite is None else _where(finite, new, residuals[i]))
+                kept.append(kept_if(finite, error_feedback.next_residual(x, sent),
+                                    residuals[i]))
         return means, kept + new_qs
 
     def _sum(self, x, index):
@@ -355,6 +350,39 @@ class BatchAxisReduction:
         new_q = tf.where(tf.reshape(tf.reduce_any(q_sum != 0), [1, 1]), q_sum, q)
         share = tf.broadcast_to(total / self.replicas, x.shape)
         return total, share, new_q
+
+
+# A codec's step under fp16 loss scaling, shared by every reduction of a mesh step (this
+# module's and ZeRO-3's `tfpar.zero.reduce_scatter`): `step_finite` decides the step once,
+# `unscaled` feeds the codec plain gradients (zeros on a skipped step: it then encodes only
+# the residuals), `rescaled` hands the optimizer its scaled mean (not finite when skipped),
+# `kept_if` keeps the codec's state as it was on a skipped step.
+def step_finite(grads, scale, finite=None):
+    """The step's decision: `finite` if given, else with a `scale` whether every entry of
+    `grads` is finite, else None (no loss scaling: nothing to decide)."""
+    if scale is not None and finite is None:
+        return all_finite(grads)
+    return finite
+
+
+def unscaled(x, scale, finite):
+    """`x / scale` (fp32), or zeros where the step is skipped; `x` without a `scale`."""
+    if scale is None:
+        return x
+    return _where(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
+
+
+def rescaled(mean, scale, finite):
+    """`mean * scale` (a power of two: exact) for the `LossScaleOptimizer`, which checks
+    and unscales it; 0 / 0 (not finite: the optimizer skips) on a skipped step."""
+    if scale is None:
+        return mean
+    return mean * tf.cast(scale, tf.float32) / tf.cast(finite, tf.float32)
+
+
+def kept_if(finite, new, old):
+    """The codec's next state `new`, or `old` unchanged on a skipped step."""
+    return new if finite is None else _where(finite, new, old)
 
 
 def all_finite(tensors):

@@ -143,8 +143,11 @@ def _whole_int8(value, layout):
         scale = tf.where(amax > 0, amax / codecs.INT8_MAX, tf.ones_like(amax))
         codes = tf.cast(tf.clip_by_value(tf.round(x / scale), -codecs.INT8_MAX,
                                          codecs.INT8_MAX), tf.int8)
+        # The scales whole on every device: with tensor parallelism `whole` keeps `model`
+        # on a dimension the max reduced to size 1, which DTensor cannot split.
+        replicated = dtensor.Layout.replicated(layout.mesh, len(layout.sharding_specs))
         out = (tf.cast(dtensor.relayout(codes, whole), tf.float32)
-               * dtensor.relayout(scale, whole))
+               * dtensor.relayout(scale, replicated))
 
         def grad(dy):
             if _PER_REPLICA:
