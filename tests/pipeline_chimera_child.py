@@ -3,8 +3,8 @@
 Splits the CPU into 4 logical devices, then checks Chimera's two pipelines against the
 single-device model: weights after 3 steps with SGD and Adam on 2 and 4 stages (and with
 gradient accumulation, recomputation, a residual model), that each stage's two weight
-copies stay equal bit for bit, predict, and the Keras round trip (`get_config`, weights
-file). Prints one JSON line.
+copies stay equal bit for bit, predict, the Keras round trip (`get_config`, weights
+file) and the trainer's checkpoint onto 1F1B and Chimera. Prints one JSON line.
 """
 
 import json
@@ -27,11 +27,12 @@ from tfpar.pipeline.model import PipelineModel  # noqa: E402
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
 
-def mlp(seed=0):
-    keras.utils.set_random_seed(seed)
+def mlp(seed=0):  # named layers: a checkpoint names weights by path, as one process's
+    keras.utils.set_random_seed(seed)  # trainer would (Keras numbers unnamed ones per build)
     return keras.Sequential([keras.Input((8,))]
-                            + [keras.layers.Dense(16, activation="tanh") for _ in range(7)]
-                            + [keras.layers.Dense(3)], name="mlp")
+                            + [keras.layers.Dense(16, activation="tanh", name=f"dense_{i}")
+                               for i in range(8)]
+                            + [keras.layers.Dense(3, name="head")], name="mlp")
 
 
 def residual(seed=0):  # a functional chain whose residual branches stay inside a stage
@@ -108,5 +109,22 @@ fresh.load_weights(os.path.join(saved, "chimera.weights.h5"))
 out["reload"] = [len(fresh.stages), len(fresh.devices),
                  float(np.abs(fresh.predict(x, verbose=0) - pm.predict(x, verbose=0)).max())]
 out["metrics"] = pm.pipeline_metrics()
+
+# The trainer's checkpoint (`tfpar.state`): each weight once, by its single-device path;
+# loaded onto 1F1B (one copy) and onto Chimera (both copies written).
+import tensorflow as tf  # noqa: E402
+
+from tfpar import state as state_lib  # noqa: E402
+
+path = tf.train.Checkpoint(state=state_lib.LayoutState(pm)).write(os.path.join(saved, "state"))
+names = [n for n in state_lib.tensors_of(path) if n.startswith("model/")]
+loaded = {}
+for schedule in ("1f1b", "chimera"):
+    other = PipelineModel.split(mlp(seed=1), 2, schedule, 4, devices=DEVICES[:2])
+    other.compile(optimizer="adam", loss="mse")
+    state_lib.LayoutState(other).load(path)
+    loaded[schedule] = float(np.abs(flat(other.stages) - flat(pm.stages[:len(other.stages)])).max())
+out["state"] = {"names": len(names), "weights": sum(len(s.weights) for s in pm.stages[:2]),
+                **loaded}
 out["odd_microbatches"] = error(lambda: PipelineModel.split(mlp(), 2, "chimera", 3))
 print(json.dumps(out))

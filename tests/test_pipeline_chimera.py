@@ -83,6 +83,12 @@ def test_keras_round_trip_and_metrics(child):
     assert child["odd_microbatches"].startswith("ConfigError: microbatches=3 is invalid")
 
 
+def test_checkpoint_holds_each_weight_once_and_loads_onto_both_schedules(child):
+    state = child["state"]
+    assert state["names"] == state["weights"]  # the second copies add no name
+    assert state["1f1b"] == 0 and state["chimera"] == 0
+
+
 def test_memory_estimate_holds_two_copies_and_the_simulated_stash():
     from tfpar.plan import cost
     prof = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,

@@ -207,6 +207,14 @@ class PipelineModel(keras.Model):
             block["timeline_measured"] = timeline_block(self.measured_timeline)
         return block
 
+    def copied_weights(self):
+        """The weights of Chimera's second pipeline (stage models K..2K-1): copies of the
+        first's, equal to them after every step (a checkpoint holds each once,
+        `tfpar.state`); empty for other schedules."""
+        K = len(self.devices)
+        return [w for stage in self.stages[K:] for w in stage.weights] \
+            if self.schedule_name == "chimera" else []
+
     def params_per_stage(self):
         """Parameter count each stage's device holds (all its chunks)."""
         K = len(self.devices)
