@@ -60,7 +60,7 @@ def test_rulebook_rows():
 
 @pytest.fixture(scope="module")
 def child():
-    return last_json_line(run([sys.executable, CHILD], timeout=400).stdout)
+    return last_json_line(run([sys.executable, CHILD], timeout=600).stdout)
 
 
 @pytest.mark.parametrize("case,tol", [("sgd/K2", 1e-6), ("adam/K2", 1e-5),
