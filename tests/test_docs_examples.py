@@ -186,7 +186,8 @@ PROBES = {"`--compression`": {"compression": "int8"},
           "`--checkpoint_dir`": {"checkpoint_dir": "runs/ckpt"},
           "`--on_nan=skip_step`": {"on_nan": "skip_step"},
           "`--tensorboard_dir`": {"tensorboard_dir": "runs/tb"},
-          "`--measure_comm`": {"measure_comm": True}}
+          "`--measure_comm`": {"measure_comm": True},
+          "`--schedule=chimera`": {"schedule": "chimera", "microbatches": 2}}
 BACKEND_WORDS = {"data_parallel": "tf.distribute", "pipeline": "tf.distribute",
                  "dtensor": "DTensor", "tf_keras": "tf_keras"}
 

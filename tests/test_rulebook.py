@@ -128,6 +128,7 @@ ALLOWED = {
     ("tfpar/pipeline/executor.py", "PipelineExecutor.__init__", "devices"): (1, INPUT),
     ("tfpar/pipeline/executor.py", "PipelineExecutor.check_batch", "microbatches"): (1, RANGE),
     ("tfpar/pipeline/model.py", "PipelineModel.__init__", "virtual_stages"): (1, INPUT),
+    ("tfpar/pipeline/model.py", "PipelineModel.__init__", "stages"): (1, INPUT),
     ("tfpar/pipeline/model.py", "PipelineModel.__init__", "grad_accum_steps"): (1, RANGE),
     ("tfpar/pipeline/model.py", "PipelineModel.fit", "microbatches"): (1, RANGE),
     ("tfpar/pipeline/partition.py", "partition", "setting"): (1, MODEL),

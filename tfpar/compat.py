@@ -17,7 +17,8 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
 
 `COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with a
 sparse or low-rank codec; on a mesh, compression with one replica on `batch`; the
-zero-bubble schedule with recomputation; tfmot's settings), `ACROSS_WORKERS` what a
+zero-bubble schedule with recomputation; Chimera with an odd micro-batch count or on the
+mesh pipeline; tfmot's settings), `ACROSS_WORKERS` what a
 `TF_CONFIG` cluster excludes (`check_cluster`, from `tfpar.train.check_inputs`). This is
 the one rulebook: nothing else in tfpar raises a `ConfigError` for a combination (a test
 walks the source). Code a Python caller reaches without a `ParallelConfig` (the pipeline
@@ -199,6 +200,20 @@ INTERLEAVED_MICROBATCHES = Rule(
     lambda c: f"the interleaved schedule needs a multiple of pipeline_stages="
               f"{c.pipeline_stages}, e.g. "
               f"{c.pipeline_stages * max(1, round(c.microbatches / c.pipeline_stages))}")
+CHIMERA_MICROBATCHES = Rule(
+    "microbatches", lambda c: c.schedule == "chimera" and c.dims.pp_enabled
+    and c.microbatches % 2,
+    lambda c: f"the chimera schedule sends half the micro-batches down the pipeline and "
+              f"half up; use an even number, e.g. {c.microbatches + 1}")
+# The mesh pipeline (`tfpar.layout.pipeline`) builds one copy of each stage on its mesh;
+# Chimera's second pipeline needs a second copy on the mirrored mesh and the sum of both
+# copies' gradients across meshes, which it does not build.
+CHIMERA_MESH = Rule(
+    "schedule", lambda c: c.schedule == "chimera" and _mesh(c) and c.dims.pp_enabled,
+    "not supported on the mesh pipeline (--tensor_parallel>1 or --zero_stage=3 with "
+    "--pipeline_stages>1): it holds one copy of each stage, and chimera's second pipeline "
+    "needs a second; use 1f1b, interleaved or zb_h1 there, or chimera with "
+    "--tensor_parallel=1")
 ONE_DEVICE_REPLICAS = Rule(
     "data_parallel", lambda c: c.strategy == "one_device" and c.data_parallel > 1,
     "the one_device strategy has 1 replica; use --data_parallel=1 (or 0), or "
@@ -316,6 +331,8 @@ COMBINATIONS = (
     ZB_H1_RECOMPUTE,
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,
+    CHIMERA_MICROBATCHES,
+    CHIMERA_MESH,
     ONE_DEVICE_REPLICAS,
     USER_DATA_MESH_PIPELINE,
     *OFFLOAD_RULES,

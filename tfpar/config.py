@@ -21,7 +21,7 @@ COLLECTIVES = ("auto", "ring", "nccl")
 PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd",
                 "auto")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "chimera")
 ON_NAN = ("stop", "skip_step")
 RECOMPUTE = ("none", "blocks", "full")
 ZERO_STAGES = (0, 1, 2, 3)

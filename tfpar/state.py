@@ -7,7 +7,8 @@ optimizers, ZeRO's flat pieces and a mesh's sharded variables are other objects.
 piece of state is named as in the single-device model and saved as one full tensor:
 
 - `model/<path>`: a weight by its Keras path (`dense_0/kernel`), whole (a mesh's shards
-  gathered, a pipeline stage's weights under their own paths);
+  gathered, a pipeline stage's weights under their own paths, once for Chimera's two
+  copies of a stage, loaded into both);
 - `optimizer/<path>/<slot>`: an optimizer slot by its weight (`optimizer/dense_0/kernel/
   momentum`), whole (ZeRO 1/2's flat pieces cut back into shapes; a stage optimizer's slots
   under the same names as a single optimizer's; `--offload`'s host arrays likewise);
@@ -107,13 +108,22 @@ class LayoutState(patches.Trackable):
         """`{name: (read, write, shape)}`: `read()` gives the full value as numpy,
         `write(array)` puts a full value into this layout, `shape` is the full value's."""
         weights = {}
+        # Chimera's second copy of each stage (`PipelineModel.copied_weights`): saved once,
+        # loaded into both copies.
+        copied = {id(w) for w in getattr(self._model, "copied_weights", lambda: [])()}
         for w in self._model.weights:
-            other = weights.setdefault(_path(w), w)
-            if other is not w:  # two weights under one name: a checkpoint would hold one
+            other = weights.setdefault(_path(w), [w])
+            if other[0] is w:
+                continue
+            if id(w) not in copied:  # two weights under one name: a checkpoint holds one
                 raise TfparError(f"two weights of the model are named {_path(w)!r}: a "
                                  "checkpoint names each weight by its path; give the layers "
                                  "distinct names")
-        out = {f"model/{path}": _plain(w) for path, w in weights.items()}
+            other.append(w)
+        out = {}
+        for path, copies in weights.items():
+            for w in copies:
+                out[f"model/{path}"] = _merge(out.get(f"model/{path}"), _plain(w))
         for optimizer in optimizers_of(self._model):
             for name, entry in _optimizer_entries(optimizer,
                                                   self._model.trainable_weights).items():

@@ -28,6 +28,7 @@ Examples:
 """
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
@@ -43,8 +44,16 @@ from tfpar.pipeline.schedule import chunks_of, has_weight_passes
 class PipelineExecutor:
     """One training step of a pipeline schedule over stage models.
 
+    With Chimera's schedule (`tfpar.pipeline.schedule.chimera_schedule`) each stage holds
+    two stage models, one per direction: stage s's chunk 0 (model s) is virtual stage s,
+    its chunk 1 (model K + s) a copy of virtual stage K - 1 - s, which must start with the
+    same weights (`PipelineModel.split` builds them so). Each copy's gradients are summed
+    with its partner's (both sums on their own stage's device, same order, so equal bit
+    for bit) before the update: the two copies stay equal, as one model's would.
+
     Args:
-        stages: K*V callables (keras models); virtual stage v = c*K + s runs on stage s.
+        stages: K*V callables (keras models); stage model v = c*K + s runs on stage s
+            (Chimera: V = 2, the second pipeline's copies in chunk 1).
         devices: K placements, one per stage: a device name, or one device per replica
             of the current strategy (`tfpar.pipeline.placement`); under a
             MirroredStrategy each replica runs its micro-batches through its own devices.
@@ -101,6 +110,13 @@ class PipelineExecutor:
         self.units = [_chain_units(s) for s in self.stages] if self.split else None
         # Trace order and the messages between virtual stages: `tfpar.pipeline.runner`.
         self._runner = ScheduleRunner(schedule)
+        # The stage models a micro-batch passes, input end first (Chimera: the first
+        # pipeline's), and the copies of each virtual stage (Chimera: two).
+        by_position = {}
+        for v in range(self.K * self.V):
+            by_position.setdefault(self._runner.position(v), []).append(v)
+        self.path = [by_position[p][0] for p in sorted(by_position)]
+        self.copies = [by_position[self._runner.position(v)] for v in range(self.K * self.V)]
 
     def stage_variables(self, s):
         """Trainable variables of all chunks on stage s."""
@@ -150,7 +166,7 @@ class PipelineExecutor:
             concatenated in batch order, and per stage the summed gradients for
             `stage_variables(s)` (the gradient of the full-batch mean loss).
         """
-        K, V, last = self.K, self.V, self.K * self.V - 1
+        K, V, last = self.K, self.V, self.path[-1]
         count = self.M * self.groups  # micro-batches in the step
         self.check_batch(x)
         devices = [current_device(p) for p in self.devices]
@@ -174,8 +190,21 @@ class PipelineExecutor:
         with tf.device(devices[last % K]):
             loss = tf.add_n(step.losses)
             y_pred = tf.concat(step.preds, axis=0)
-        grads = [[g for c in range(V) for g in step.acc[c * K + s]] for s in range(K)]
+        acc = self._sum_copies(step.acc, devices)
+        grads = [[g for c in range(V) for g in acc[c * K + s]] for s in range(K)]
         return loss, y_pred, grads
+
+    def _sum_copies(self, acc, devices):
+        """Each stage model's gradients summed with those of the other copies of its
+        virtual stage (Chimera), in model order, on its own stage's device."""
+        if all(len(c) == 1 for c in self.copies):
+            return acc
+        summed = []
+        for v, copies in enumerate(self.copies):
+            with tf.device(devices[v % self.K]):
+                summed.append([functools.reduce(_add, gs) for gs in
+                               zip(*(acc[c] for c in copies))])
+        return summed
 
     def weight_grads(self, v, tape, ys, out_grads):
         """W pass: each unit's weight gradients from its output gradient, in the order of
@@ -227,9 +256,9 @@ class PipelineExecutor:
 
     def predict(self, x, training=False):
         """The stages in sequence on the whole batch, each on its device."""
-        for v, stage in enumerate(self.stages):
+        for v in self.path:
             with tf.device(current_device(self.devices[v % self.K])):
-                x = stage(x, training=training)
+                x = self.stages[v](x, training=training)
         return x
 
 
@@ -243,7 +272,8 @@ class _StepActions:
         self.ex, self.devices, self.labels, self.weights = executor, devices, labels, weights
         self.scale = scale                         # fp16: the loss scale, else None
         n = executor.K * executor.V
-        self.last = n - 1
+        self.position = executor._runner.position  # stage model -> virtual stage
+        self.last = executor._runner.last
         self.count = executor.M * executor.groups  # micro-batches in the step
         self.acc = [None] * n                      # summed grads per virtual stage
         self.losses, self.preds = [None] * self.count, [None] * self.count
@@ -275,7 +305,8 @@ class _StepActions:
         ex, split = self.ex, self.ex.split
         with tf.GradientTape(persistent=split) as tape:
             h = tf.identity(x)  # the copy onto this device
-            if v > 0 or split:
+            first = self.position(v) == 0
+            if not first or split:
                 tape.watch(h)
             if split:
                 ys = [h]  # each unit's output, from the stage input on
@@ -284,7 +315,7 @@ class _StepActions:
                 out = ys[-1]
             else:
                 out = ex.calls[v](h)
-            if v == self.last:
+            if self.position(v) == self.last:
                 self.preds[m] = out
                 # Mean of per-micro-batch means / (k·M) = mean over the full batch.
                 args = (self.labels[m], out) + (
@@ -299,13 +330,13 @@ class _StepActions:
     def backward(self, s, v, m, upstream):
         tape, h, out = self.tapes.pop((v, m))
         variables = self.ex.stages[v].trainable_variables
-        sources = variables + ([h] if v > 0 else [])
+        first = self.position(v) == 0
+        sources = variables + ([] if first else [h])
         grads = tape.gradient(out, sources, output_gradients=upstream,
                               unconnected_gradients="zero")
-        grad_in = grads.pop() if v > 0 else None
+        grad_in = None if first else grads.pop()
         self._accumulate(v, grads)
-        self.marks = [_dense_part(g) for g in self.acc[v]] + (
-            [grad_in] if v > 0 else [])
+        self.marks = [_dense_part(g) for g in self.acc[v]] + ([] if first else [grad_in])
         return grad_in
 
     def backward_input(self, s, v, m, upstream):
@@ -313,14 +344,15 @@ class _StepActions:
         Returns the stage input's gradient and what W needs (the units' output
         gradients)."""
         tape, ys, out = self.tapes[(v, m)]
+        first = self.position(v) == 0
         g = tape.gradient(out, ys[-1], output_gradients=upstream)
         out_grads = [g]
-        for i in range(len(ys) - 1, 1 if v == 0 else 0, -1):
+        for i in range(len(ys) - 1, 1 if first else 0, -1):
             g = tape.gradient(ys[i], ys[i - 1], output_gradients=g)
             out_grads.append(g)
         out_grads.reverse()  # out_grads[i]: gradient of units[i]'s output
         self.marks = [out_grads[0]]
-        return (out_grads[0] if v > 0 else None), out_grads[-len(self.ex.units[v]):]
+        return (None if first else out_grads[0]), out_grads[-len(self.ex.units[v]):]
 
     def backward_weight(self, s, v, m, out_grads):
         """Zero-bubble W: the weights' gradients from the units' output gradients."""

@@ -30,7 +30,10 @@ class PipelineModel(keras.Model):
     Args:
         stages: K*V built keras models; virtual stage v = c*K + s runs on device s. Their
             variables should already live on their stage's device (see `split`).
-        schedule: 'gpipe', '1f1b', 'interleaved' or 'zb_h1' (zero bubble).
+        schedule: 'gpipe', '1f1b', 'interleaved', 'zb_h1' (zero bubble) or 'chimera'
+            (two pipelines in opposite directions: `stages` holds K stage models, then
+            their copies for the second pipeline, copy K + s on device s holding virtual
+            stage K - 1 - s; `split` builds them).
         microbatches: M, micro-batches per training batch; must divide the batch size.
         virtual_stages: V, model chunks per stage (interleaved only; 1 otherwise).
         devices: K placements: device names, or per stage one device per replica of
@@ -72,7 +75,12 @@ class PipelineModel(keras.Model):
         if len(stages) % V:
             raise ConfigError("virtual_stages", virtual_stages,
                               f"must divide the number of stage models ({len(stages)})")
-        K = len(stages) // V
+        if schedule == "chimera" and len(stages) % 2:
+            raise ConfigError("stages", len(stages), "the chimera schedule takes 2·K stage "
+                              "models (K stages and their copies); build it with split")
+        K = len(stages) // _models_per_stage(schedule, V)
+        # The stage models a micro-batch passes (Chimera: the first pipeline's).
+        self._path = list(range(K)) if schedule == "chimera" else list(range(len(stages)))
         self.stages = list(stages)
         for v, stage in enumerate(self.stages):
             # Named attributes are what tf.train.Checkpoint follows (lists are not).
@@ -85,7 +93,7 @@ class PipelineModel(keras.Model):
         self._probe = None
         self._devices_arg = _placements(devices) if devices else None
         self.devices = self._devices_arg or default_devices(K)
-        self._schedule = schedule_lib.make_schedule(schedule, K, microbatches, V)
+        schedule_lib.make_schedule(schedule, K, microbatches, V)  # sizes it cannot take fail here
         self._executor = None
         self.built = True  # the stages are built models
 
@@ -104,6 +112,10 @@ class PipelineModel(keras.Model):
         parts = partition(model, stages * V, costs=costs,
                           devices=[devices[v % stages] for v in range(stages * V)],
                           setting="pipeline_stages" if V == 1 else "pipeline_stages*virtual_stages")
+        if schedule == "chimera":  # the second pipeline's copies: virtual stage p on K-1-p
+            copies = partition(model, stages, costs=costs,
+                               devices=[devices[stages - 1 - p] for p in range(stages)])
+            parts += copies[::-1]
         return cls(parts, schedule, microbatches, V, devices, recompute, **kwargs)
 
     @classmethod
@@ -125,7 +137,11 @@ class PipelineModel(keras.Model):
             # A Loss reduces to the mean and divides by the replicas, as Keras's own
             # train_step expects of the loss whose gradients are all-reduced as a sum.
             loss_fn = patches.function_loss(loss_fn)
-        self._executor = PipelineExecutor(self.stages, self.devices, self._schedule,
+        # Built here, not kept from __init__: Keras would wrap an attribute's lists in its
+        # own (losing a `BidirectionalSchedule`'s type, which says which way chunks run).
+        schedule = schedule_lib.make_schedule(self.schedule_name, len(self.devices),
+                                              self.microbatches, self.virtual_stages)
+        self._executor = PipelineExecutor(self.stages, self.devices, schedule,
                                           loss_fn, recompute=self.recompute,
                                           grad_accum_steps=self.grad_accum_steps)
         self.stage_optimizers = self._executor.build_optimizers(self.optimizer)
@@ -161,9 +177,9 @@ class PipelineModel(keras.Model):
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def call(self, x, training=False):
-        for v, stage in enumerate(self.stages):
+        for v in self._path:
             with tf.device(current_device(self.devices[v % len(self.devices)])):
-                x = stage(x, training=training)
+                x = self.stages[v](x, training=training)
         return x
 
     def train_step(self, data):
@@ -191,6 +207,14 @@ class PipelineModel(keras.Model):
             block["timeline_measured"] = timeline_block(self.measured_timeline)
         return block
 
+    def copied_weights(self):
+        """The weights of Chimera's second pipeline (stage models K..2K-1): copies of the
+        first's, equal to them after every step (a checkpoint holds each once,
+        `tfpar.state`); empty for other schedules."""
+        K = len(self.devices)
+        return [w for stage in self.stages[K:] for w in stage.weights] \
+            if self.schedule_name == "chimera" else []
+
     def params_per_stage(self):
         """Parameter count each stage's device holds (all its chunks)."""
         K = len(self.devices)
@@ -211,13 +235,18 @@ class PipelineModel(keras.Model):
     def from_config(cls, config):
         config = dict(config)
         V = config.get("virtual_stages", 1)
-        K = len(config["stages"]) // V
+        K = len(config["stages"]) // _models_per_stage(config.get("schedule"), V)
         devices = _placements(config.get("devices")) or default_devices(K)
         stages = []
         for v, stage in enumerate(config.pop("stages")):
             with variables_on(devices[v % K]):  # variables are created on the stage's device
                 stages.append(keras.saving.deserialize_keras_object(stage))
         return cls(stages, **config)
+
+
+def _models_per_stage(schedule, virtual_stages):
+    """Stage models each stage holds: V (interleaved), 2 (chimera's two directions), 1."""
+    return 2 if schedule == "chimera" else virtual_stages
 
 
 def _placements(devices):

@@ -9,12 +9,15 @@ output to the next virtual stage's forward, a backward's input gradient to the p
 virtual stage's backward, and what `B` leaves for its `W`. What an action computes, and
 where it runs, is the executor's: `tfpar.pipeline.executor.PipelineExecutor` (stages on
 tf.distribute devices) and `tfpar.layout.pipeline.MeshPipelineTrainer` (stages on DTensor
-meshes) each hand the runner an object with these methods:
+meshes) each hand the runner an object with these methods, where `v` is the stage model
+(chunk · K + s) and `ScheduleRunner.position(v)` its virtual stage on the micro-batch's
+path (the same number, except on Chimera's second pipeline,
+`tfpar.pipeline.schedule.BidirectionalSchedule`):
 
-- `forward(s, v, m, x)`: virtual stage `v` (on stage `s`) on micro-batch `m`'s input `x`;
+- `forward(s, v, m, x)`: stage model `v` (on stage `s`) on micro-batch `m`'s input `x`;
   returns its output (the last virtual stage's is not passed on).
 - `backward(s, v, m, upstream)`: the whole backward; `upstream` is the output's gradient
-  (None on the last virtual stage); returns the input's gradient (ignored for `v == 0`).
+  (None on the last virtual stage); returns the input's gradient (ignored on the first).
 - `backward_input(s, v, m, upstream)` and `backward_weight(s, v, m, pending)`: a zero-bubble
   schedule's `B` returns `(input gradient, pending)`, and its `W` gets that `pending`.
 - `scope(s, action, m)`: a context manager around every action (devices, control edges,
@@ -30,7 +33,8 @@ Examples:
     [(0, 'F', 0), (0, 'F', 1), (1, 'F', 0), (1, 'B', 0)]
 """
 
-from tfpar.pipeline.schedule import chunks_of, has_weight_passes, simulate
+from tfpar.pipeline.schedule import (chunks_of, has_weight_passes, path_length, simulate,
+                                     virtual_stage)
 
 
 def trace_order(schedule):
@@ -50,7 +54,8 @@ class ScheduleRunner:
         schedule: a list of K action lists (`tfpar.pipeline.schedule.make_schedule`).
 
     Attributes:
-        K: stages. V: virtual stages (chunks) per stage. M: micro-batches.
+        K: stages. V: stage models (chunks) per stage. M: micro-batches.
+        last: the last virtual stage on a micro-batch's path (K·V − 1; K − 1 on Chimera).
         split: whether backwards are split into `B` and `W` (zero-bubble schedules).
         order: the actions in trace order, `(start, stage, action)`.
     """
@@ -60,11 +65,17 @@ class ScheduleRunner:
         self.M = 1 + max(a.microbatch for a in schedule[0])
         self.split = has_weight_passes(schedule)
         self.order = trace_order(schedule)
+        self.last = path_length(schedule) - 1
+        self._positions = {a.chunk * self.K + s: virtual_stage(schedule, s, a)
+                           for s, actions in enumerate(schedule) for a in actions}
 
     def virtual_stage(self, s, action):
-        """The virtual stage (stage model index) an action of stage `s` runs:
-        chunk · K + s."""
+        """The stage model an action of stage `s` runs: chunk · K + s."""
         return action.chunk * self.K + s
+
+    def position(self, v):
+        """Stage model `v`'s virtual stage on its micro-batches' path (0: the input end)."""
+        return self._positions[v]
 
     def run(self, actions, inputs, groups=1):
         """Traces the schedule `groups` times (gradient accumulation: group g runs
@@ -75,25 +86,27 @@ class ScheduleRunner:
             inputs: `inputs(m)`, the first virtual stage's input for micro-batch `m`.
             groups: how many times the schedule runs in this step.
         """
-        last = self.K * self.V - 1
+        last = self.last
         for g in range(groups):
+            # Keyed by (virtual stage, micro-batch): what the neighbour on the path takes.
             outputs, input_grads, pending = {}, {}, {}
             for _, s, a in self.order:
                 v, m = self.virtual_stage(s, a), g * self.M + a.microbatch
+                p = self._positions[v]
                 with actions.scope(s, a, m):
                     if a.kind == "F":
-                        x = inputs(m) if v == 0 else outputs.pop((v - 1, m))
+                        x = inputs(m) if p == 0 else outputs.pop((p - 1, m))
                         out = actions.forward(s, v, m, x)
-                        if v < last:
-                            outputs[(v, m)] = out
+                        if p < last:
+                            outputs[(p, m)] = out
                         continue
                     if a.kind == "W":
                         actions.backward_weight(s, v, m, pending.pop((v, m)))
                         continue
-                    upstream = None if v == last else input_grads.pop((v + 1, m))
+                    upstream = None if p == last else input_grads.pop((p + 1, m))
                     if self.split:
                         grad, pending[(v, m)] = actions.backward_input(s, v, m, upstream)
                     else:
                         grad = actions.backward(s, v, m, upstream)
-                    if v > 0:
-                        input_grads[(v, m)] = grad
+                    if p > 0:
+                        input_grads[(p, m)] = grad

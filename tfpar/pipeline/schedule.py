@@ -3,7 +3,9 @@
 A schedule is `list[list[Action]]`: entry `s` is what stage `s` does, in order. Stage `s`
 holds `V` model chunks; chunk `c` of stage `s` is global virtual stage `c * K + s`, so a
 micro-batch flows through stages 0..K-1 once per chunk (Megatron's interleaving). With
-`V = 1` a virtual stage is just a stage.
+`V = 1` a virtual stage is just a stage. Chimera (`chimera_schedule`) is the exception: a
+`BidirectionalSchedule` whose chunk 1 is a second pipeline running the other way, so that
+chunk 1 of stage `s` is virtual stage `K - 1 - s` (`virtual_stage` maps both).
 
 Pure Python, no TensorFlow: schedules can be printed, checked and simulated alone.
 
@@ -16,11 +18,34 @@ import dataclasses
 from tfpar import compat
 from tfpar.errors import ConfigError, TfparError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "chimera")
 
 
 class ScheduleError(TfparError):
     """A schedule that cannot run: deadlock, missing or duplicate action."""
+
+
+class BidirectionalSchedule(list):
+    """A schedule of two pipelines over the same K stages (Chimera): chunk 0 of stage `s`
+    is virtual stage `s` of the "down" pipeline, chunk 1 is virtual stage `K - 1 - s` of
+    the "up" one. Each micro-batch takes one of them; the two chunks of one virtual stage
+    are copies of the same weights (the executor sums their gradients)."""
+
+
+def virtual_stage(schedule, s, action):
+    """Where stage `s`'s `action` sits in its micro-batch's path through the model: the
+    virtual stage it runs (0 is the model's input end). `chunk * K + s`, except on a
+    `BidirectionalSchedule`'s chunk 1: `K - 1 - s`."""
+    K = len(schedule)
+    if isinstance(schedule, BidirectionalSchedule) and action.chunk == 1:
+        return K - 1 - s
+    return action.chunk * K + s
+
+
+def path_length(schedule):
+    """The virtual stages a micro-batch passes: K·V, or K for a `BidirectionalSchedule`."""
+    return len(schedule) * (1 if isinstance(schedule, BidirectionalSchedule)
+                            else chunks_of(schedule))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +198,78 @@ def zero_bubble_h1_schedule(K, M):
     return schedule
 
 
+def chimera_schedule(K, M):
+    """Chimera (Li and Hoefler, SC'21): two 1F1B pipelines in opposite directions over the
+    same K stages. Stage `s` holds virtual stage `s` of the "down" pipeline (chunk 0) and a
+    copy of virtual stage `K - 1 - s` for the "up" one (chunk 1); even micro-batches go
+    down, odd ones up. One pipeline's warm-up and drain fall where the other has work, so
+    the bubble is below 1F1B's at the cost of a second copy of the weights per stage
+    (`tfpar.pipeline.executor` sums both copies' gradients, so they stay equal).
+
+    Built by list scheduling with a forward of cost 1 and a backward of cost 2: whenever a
+    stage is free it runs the forward (of either pipeline) whose input arrived first, if
+    that pipeline has fewer than K - p micro-batches between forward and backward on its
+    virtual stage p here (1F1B's limit, per pipeline), else the backward whose inputs
+    arrived first (each pipeline's in micro-batch order). The bubble is about half of
+    1F1B's (`simulate`: K=4, M=8 0.143 against 0.273; K=8, M=16 0.238 against 0.304); a
+    stage stashes up to K + 1 micro-batches (1F1B: K), both pipelines together.
+
+    Args:
+        K: number of stages. M: number of micro-batches, even (half go each way).
+    Returns:
+        a `BidirectionalSchedule` of K action lists, each with M forwards and M backwards
+        (chunk 0 for even micro-batches, 1 for odd).
+    Raises:
+        ConfigError: M is odd (`tfpar.compat.CHIMERA_MICROBATCHES`).
+    """
+    _check_sizes(K, M)
+    compat.enforce(compat.CHIMERA_MICROBATCHES, compat.view(
+        schedule="chimera", pipeline_stages=max(K, 2), microbatches=M))
+    schedule = BidirectionalSchedule([] for _ in range(K))
+    done = {}  # (kind, mb, virtual stage) -> end time
+    free = [0] * K
+    issued = [[0, 0] for _ in range(K)]  # per stage and direction: forwards issued
+    stashed = [[[], []] for _ in range(K)]  # per stage and direction: mbs awaiting B
+    never = float("inf")
+    clock, remaining = 0, 2 * M * K
+    while remaining:
+        for s in range(K):
+            if free[s] > clock:
+                continue
+            best = None  # (ready time, kind, direction, micro-batch)
+            for d in (0, 1):
+                p, m = s if d == 0 else K - 1 - s, 2 * issued[s][d] + d
+                if m < M and len(stashed[s][d]) < K - p:
+                    ready = done.get(("F", m, p - 1), never) if p > 0 else 0
+                    if ready <= clock and (best is None or ready < best[0]):
+                        best = (ready, "F", d, m)
+            for d in (0, 1) if best is None else ():
+                p, queue = s if d == 0 else K - 1 - s, stashed[s][d]
+                if queue:
+                    m = queue[0]
+                    ready = max([done.get(("F", m, p), never)] + (
+                        [done.get(("B", m, p + 1), never)] if p < K - 1 else []))
+                    if ready <= clock and (best is None or ready < best[0]):
+                        best = (ready, "B", d, m)
+            if best is None:
+                continue
+            _, kind, d, m = best
+            if kind == "F":
+                issued[s][d] += 1
+                stashed[s][d].append(m)
+            else:
+                stashed[s][d].pop(0)
+            schedule[s].append(Action(kind, m, d))
+            p = s if d == 0 else K - 1 - s
+            free[s] = done[(kind, m, p)] = clock + (1 if kind == "F" else 2)
+            remaining -= 1
+        clock += 1
+    return schedule
+
+
 def make_schedule(name, K, M, V=1):
-    """The schedule called `name` ('gpipe', '1f1b', 'interleaved' or 'zb_h1') for K stages,
-    M micro-batches and V virtual stages (V is used by 'interleaved' only).
+    """The schedule called `name` ('gpipe', '1f1b', 'interleaved', 'zb_h1' or 'chimera')
+    for K stages, M micro-batches and V virtual stages (V is used by 'interleaved' only).
 
     Raises:
         ConfigError: unknown name, or sizes the schedule cannot take.
@@ -188,6 +282,8 @@ def make_schedule(name, K, M, V=1):
         return interleaved_schedule(K, M, V)
     if name == "zb_h1":
         return zero_bubble_h1_schedule(K, M)
+    if name == "chimera":
+        return chimera_schedule(K, M)
     raise ConfigError("schedule", name, f"choose one of {', '.join(SCHEDULES)}")
 
 
@@ -201,10 +297,13 @@ def theory_bubble(K, M, V=1, name=None):
 
     For 'zb_h1' it is the bubble of the schedule simulated with F, B and W of equal cost
     (B+W is 1F1B's backward): (K-1) / (3M + K-1) for K=2, more for deeper pipelines,
-    where the schedule's memory limit leaves some idle time.
+    where the schedule's memory limit leaves some idle time. For 'chimera' it is the
+    bubble of the schedule simulated with a backward twice a forward.
     """
     if name == "zb_h1":
         return simulate(zero_bubble_h1_schedule(K, M), K, M, 1, 1.0, 2.0).bubble
+    if name == "chimera":
+        return simulate(chimera_schedule(K, M), K, M, 2, 1.0, 2.0).bubble
     return (K - 1) / (V * M + K - 1)
 
 
@@ -233,7 +332,10 @@ def _validate(schedule, K, M, V):
     if len(schedule) != K:
         raise ScheduleError(f"schedule has {len(schedule)} stage lists, expected {K}")
     kinds = "FBW" if has_weight_passes(schedule) else "FB"
-    want = {(k, m, c) for k in kinds for m in range(M) for c in range(V)}
+    if isinstance(schedule, BidirectionalSchedule):  # micro-batch m takes chunk m % 2
+        want = {(k, m, m % 2) for k in kinds for m in range(M)}
+    else:
+        want = {(k, m, c) for k in kinds for m in range(M) for c in range(V)}
     for s, actions in enumerate(schedule):
         seen = set()
         for a in actions:
@@ -251,13 +353,15 @@ def _validate(schedule, K, M, V):
 def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0, w_cost=None):
     """Runs the per-stage lists against the cross-stage dependencies and times them.
 
-    Each stage runs its actions in order, one at a time. Forward of virtual stage v needs
+    Each stage runs its actions in order, one at a time. Forward of virtual stage v
+    (`virtual_stage`) needs
     the forward of v-1 (same micro-batch); backward of v needs its own forward and the
     backward of v+1; a weight pass W needs its own B. Transfers are free. A micro-batch
     stays stashed from its F to its last backward action (W where there is one).
 
     Args:
-        schedule: list of K action lists. K, M, V: stages, micro-batches, chunks per stage.
+        schedule: list of K action lists. K, M, V: stages, micro-batches, chunks per stage
+            (a `BidirectionalSchedule`'s two directions need no V: it is ignored).
         f_cost, b_cost: time of one forward / whole backward of one chunk: a number, or one
             per stage (a list of K: stages of unequal cost).
         w_cost: with W actions, the part of `b_cost` the W pass takes (a number or one per
@@ -276,7 +380,7 @@ def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0, w_cost=None):
         per_stage[2] = [b / 2 for b in per_stage[1]]
     cost = [{"F": f, "B": b - w if split else b, "W": w} for f, b, w in zip(*per_stage)]
     releases = "W" if split else "B"
-    last = K * V - 1
+    last = path_length(schedule) - 1
     done = {}  # (kind, mb, virtual stage) -> end time
     pos, free = [0] * K, [0.0] * K
     timeline = [[] for _ in range(K)]
@@ -287,7 +391,7 @@ def simulate(schedule, K, M, V=1, f_cost=1.0, b_cost=2.0, w_cost=None):
         for s in range(K):
             while pos[s] < len(schedule[s]):
                 a = schedule[s][pos[s]]
-                v = a.chunk * K + s
+                v = virtual_stage(schedule, s, a)
                 if a.kind == "F":
                     deps = [("F", a.microbatch, v - 1)] if v > 0 else []
                 elif a.kind == "W":

@@ -261,11 +261,16 @@ def stashed_microbatches(c, schedule="1f1b"):
     """Micro-batches whose activations the first stage holds at its peak, in units of a
     whole stage (an interleaved chunk is 1/V of one). Matches `tfpar.pipeline.schedule`:
     without a pipeline one (accumulation runs micro-batches one after another); GPipe
-    all M; 1F1B min(K, M); interleaved (warm-up forwards + 1) chunks."""
+    all M; 1F1B min(K, M); interleaved (warm-up forwards + 1) chunks; Chimera its
+    simulated peak over both pipelines (up to K + 1)."""
     if c.pipeline == 1:
         return 1
     if schedule == "gpipe":
         return c.microbatches
+    if schedule == "chimera":
+        from tfpar.pipeline import schedule as schedule_lib  # pure Python, no TensorFlow
+        K, M = c.pipeline, c.microbatches
+        return max(schedule_lib.simulate(schedule_lib.chimera_schedule(K, M), K, M).peak_stash)
     if c.virtual > 1:
         total = c.microbatches * c.virtual
         warmup = total if c.microbatches == c.pipeline else min(
@@ -296,9 +301,11 @@ def state_bytes(profile, c, optimizer="adam"):
 
 def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
     """Bytes one device of the first stage needs: its shard's training state
-    (`state_bytes`) + the activations its schedule keeps alive."""
-    return state_bytes(profile, c, optimizer) + activation_bytes(profile, c, global_batch,
-                                                                schedule)
+    (`state_bytes`; twice with Chimera, whose stages each hold two copies of a stage) +
+    the activations its schedule keeps alive."""
+    copies = 2 if schedule == "chimera" and c.pipeline > 1 else 1
+    return copies * state_bytes(profile, c, optimizer) + activation_bytes(
+        profile, c, global_batch, schedule)
 
 
 def activation_bytes(profile, c, global_batch, schedule="1f1b"):
@@ -406,7 +413,8 @@ def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", 
         if not dims.pp_enabled:
             virtuals = (1,)
         else:
-            micro_counts = [m for m in micro_counts if m >= pipeline]
+            micro_counts = [m for m in micro_counts if m >= pipeline
+                            and (schedule != "chimera" or m % 2 == 0)]  # half each way
             virtuals = [v for v in virtual if v == 1 or (
                 schedule == "interleaved" and pipeline * v <= profile.blocks)]
         for m in micro_counts:

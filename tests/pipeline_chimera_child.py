@@ -1,0 +1,130 @@
+"""Child process for tests/test_pipeline_chimera.py: `python tests/pipeline_chimera_child.py`.
+
+Splits the CPU into 4 logical devices, then checks Chimera's two pipelines against the
+single-device model: weights after 3 steps with SGD and Adam on 2 and 4 stages (and with
+gradient accumulation, recomputation, a residual model), that each stage's two weight
+copies stay equal bit for bit, predict, the Keras round trip (`get_config`, weights
+file) and the trainer's checkpoint onto 1F1B and Chimera. Prints one JSON line.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tfpar.devices import split_cpu  # noqa: E402
+
+split_cpu(4)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfpar.errors import TfparError  # noqa: E402
+from tfpar.pipeline.model import PipelineModel  # noqa: E402
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def mlp(seed=0):  # named layers: a checkpoint names weights by path, as one process's
+    keras.utils.set_random_seed(seed)  # trainer would (Keras numbers unnamed ones per build)
+    return keras.Sequential([keras.Input((8,))]
+                            + [keras.layers.Dense(16, activation="tanh", name=f"dense_{i}")
+                               for i in range(8)]
+                            + [keras.layers.Dense(3, name="head")], name="mlp")
+
+
+def residual(seed=0):  # a functional chain whose residual branches stay inside a stage
+    keras.utils.set_random_seed(seed)
+    x = inp = keras.Input((8,))
+    x = keras.layers.Dense(16, activation="tanh")(x)
+    for _ in range(3):
+        x = keras.layers.Add()([x, keras.layers.Dense(16, activation="tanh")(x)])
+    return keras.Model(inp, keras.layers.Dense(3)(x), name="residual")
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(16, 8)).astype("float32")
+y = rng.normal(size=(16, 3)).astype("float32")
+OPTS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+def flat(models):
+    return np.concatenate([w.ravel() for m in models for w in m.get_weights()])
+
+
+def reference(build, opt, steps=3):
+    ref = build()
+    ref.compile(optimizer=OPTS[opt](), loss="mse", jit_compile=False)
+    for _ in range(steps):
+        ref.train_on_batch(x, y)
+    return flat([ref]), ref.predict(x, verbose=0)
+
+
+def case(build, opt, K, M, steps=3, **kwargs):
+    """Max |weights - one device's| after `steps` steps over the first pipeline's stages,
+    the max |copy - its partner| over all of them, and max |predict - one device's|."""
+    pm = PipelineModel.split(build(), K, "chimera", M, devices=DEVICES[:K], **kwargs)
+    pm.compile(optimizer=OPTS[opt](), loss="mse")
+    before = [flat([pm.stages[p]]) - flat([pm.stages[2 * K - 1 - p]]) for p in range(K)]
+    assert max(np.abs(d).max() for d in before) == 0  # the copies start equal
+    for _ in range(steps):
+        pm.train_on_batch(x, y)
+    want, want_pred = reference(build, opt, steps)
+    # Stage model K + s on device s is the copy of virtual stage K - 1 - s.
+    copies = [pm.stages[2 * K - 1 - p] for p in range(K)]
+    homes = [sorted({v.value.device[-5:] for v in m.weights}) for m in pm.stages]
+    assert homes == [[f"CPU:{v % K}"] for v in range(2 * K)], homes
+    return {"weights": float(np.abs(flat(pm.stages[:K]) - want).max()),
+            "copies": float(np.abs(flat(pm.stages[:K]) - flat(copies)).max()),
+            "predict": float(np.abs(pm.predict(x, verbose=0) - want_pred).max()),
+            "moved": float(np.abs(flat(pm.stages[:K]) - flat([build()])).max())}
+
+
+def error(fn):
+    try:
+        fn()
+    except TfparError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+out = {}
+for K, M in ((2, 4), (4, 8)):
+    for opt in ("sgd", "adam"):
+        out[f"{opt}/K{K}"] = case(mlp, opt, K, M)
+out["accum/adam/K2"] = case(mlp, "adam", 2, 2, grad_accum_steps=2)
+out["recompute/adam/K2"] = case(mlp, "adam", 2, 4, recompute=True)
+out["residual/adam/K2"] = case(residual, "adam", 2, 4)
+
+# The Keras round trip: config (2·K stage models back onto K devices) and weights file.
+pm = PipelineModel.split(mlp(), 2, "chimera", 4, devices=DEVICES[:2])
+pm.compile(optimizer="adam", loss="mse")
+pm.fit(x, y, batch_size=8, epochs=2, verbose=0)
+saved = tempfile.mkdtemp(prefix="tfpar-chimera-")
+pm.save_weights(os.path.join(saved, "chimera.weights.h5"))
+fresh = PipelineModel.from_config(json.loads(json.dumps(pm.get_config())))
+fresh.load_weights(os.path.join(saved, "chimera.weights.h5"))
+out["reload"] = [len(fresh.stages), len(fresh.devices),
+                 float(np.abs(fresh.predict(x, verbose=0) - pm.predict(x, verbose=0)).max())]
+out["metrics"] = pm.pipeline_metrics()
+
+# The trainer's checkpoint (`tfpar.state`): each weight once, by its single-device path;
+# loaded onto 1F1B (one copy) and onto Chimera (both copies written).
+import tensorflow as tf  # noqa: E402
+
+from tfpar import state as state_lib  # noqa: E402
+
+path = tf.train.Checkpoint(state=state_lib.LayoutState(pm)).write(os.path.join(saved, "state"))
+names = [n for n in state_lib.tensors_of(path) if n.startswith("model/")]
+loaded = {}
+for schedule in ("1f1b", "chimera"):
+    other = PipelineModel.split(mlp(seed=1), 2, schedule, 4, devices=DEVICES[:2])
+    other.compile(optimizer="adam", loss="mse")
+    state_lib.LayoutState(other).load(path)
+    loaded[schedule] = float(np.abs(flat(other.stages) - flat(pm.stages[:len(other.stages)])).max())
+out["state"] = {"names": len(names), "weights": sum(len(s.weights) for s in pm.stages[:2]),
+                **loaded}
+out["odd_microbatches"] = error(lambda: PipelineModel.split(mlp(), 2, "chimera", 3))
+print(json.dumps(out))

@@ -1,0 +1,105 @@
+"""Chimera's bidirectional pipelines: the schedule as data (no TensorFlow) and the executor
+against the single-device model (one child process, tests/pipeline_chimera_child.py)."""
+
+import os
+import sys
+
+import pytest
+
+from subproc import ROOT, last_json_line, run
+from tfpar import ParallelConfig
+from tfpar.errors import ConfigError
+from tfpar.pipeline.schedule import (chimera_schedule, one_f_one_b_schedule, simulate,
+                                     theory_bubble, virtual_stage)
+
+CHILD = os.path.join(ROOT, "tests", "pipeline_chimera_child.py")
+
+
+@pytest.mark.parametrize("K,M", [(2, 2), (2, 8), (3, 4), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_schedule_runs_each_microbatch_one_way_and_beats_1f1b(K, M):
+    sched = chimera_schedule(K, M)
+    sim = simulate(sched, K, M)  # raises on a missing action or a deadlock
+    for s, actions in enumerate(sched):
+        # Even micro-batches go down (chunk 0, virtual stage s), odd ones up (K-1-s).
+        assert sorted((a.kind, a.microbatch, a.chunk) for a in actions) == sorted(
+            (k, m, m % 2) for k in "FB" for m in range(M))
+        assert {virtual_stage(sched, s, a) for a in actions if a.chunk} == {K - 1 - s}
+    # Its dependencies held in the simulated timeline: forward after the previous virtual
+    # stage's, backward after the next one's.
+    end = {(a.kind, a.microbatch, virtual_stage(sched, s, a)): (b, e)
+           for s, row in enumerate(sim.timeline) for a, b, e in row}
+    for (kind, m, p), (start, _) in end.items():
+        dep = ("F", m, p - 1) if kind == "F" else ("B", m, p + 1)
+        if dep in end:
+            assert start >= end[dep][1]
+    one_f = simulate(one_f_one_b_schedule(K, M), K, M)
+    assert sim.bubble < one_f.bubble
+    assert sim.bubble == theory_bubble(K, M, name="chimera")
+    assert max(sim.peak_stash) <= K + 1
+
+
+def test_two_stages_have_no_bubble():
+    # K=2: each device starts one pipeline's first stage at once; nothing waits.
+    assert simulate(chimera_schedule(2, 4), 2, 4).bubble == 0
+
+
+def test_rulebook_rows():
+    with pytest.raises(ConfigError, match="microbatches=3 is invalid: the chimera schedule "
+                                          "sends half"):
+        ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=3,
+                       global_batch_size=48)
+    with pytest.raises(ConfigError, match="schedule='chimera' is invalid: not supported on "
+                                          "the mesh pipeline"):
+        ParallelConfig(pipeline_stages=2, tensor_parallel=2, schedule="chimera",
+                       microbatches=4, cpu_devices=4)
+    with pytest.raises(ConfigError, match="zero_stage=1 is invalid"):
+        ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4, zero_stage=1)
+    assert ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4).schedule \
+        == "chimera"
+
+
+@pytest.fixture(scope="module")
+def child():
+    return last_json_line(run([sys.executable, CHILD], timeout=600).stdout)
+
+
+@pytest.mark.parametrize("case,tol", [("sgd/K2", 1e-6), ("adam/K2", 1e-5),
+                                      ("sgd/K4", 1e-6), ("adam/K4", 1e-5),
+                                      ("accum/adam/K2", 1e-5), ("recompute/adam/K2", 1e-5),
+                                      ("residual/adam/K2", 1e-5)])
+def test_weights_after_3_steps_equal_single_device(child, case, tol):
+    got = child[case]
+    assert got["moved"] > 1e-2  # the steps changed the weights
+    assert got["weights"] < tol and got["predict"] < tol
+    assert got["copies"] == 0  # both pipelines' copies of a stage: equal bit for bit
+
+
+def test_keras_round_trip_and_metrics(child):
+    stages, devices, diff = child["reload"]
+    assert (stages, devices) == (4, 2) and diff == 0
+    metrics = child["metrics"]
+    assert metrics["schedule"] == "chimera" and metrics["bubble_theory"] == 0
+    assert metrics["peak_stashed_microbatches"] == 3
+    assert child["odd_microbatches"].startswith("ConfigError: microbatches=3 is invalid")
+
+
+def test_checkpoint_holds_each_weight_once_and_loads_onto_both_schedules(child):
+    state = child["state"]
+    assert state["names"] == state["weights"]  # the second copies add no name
+    assert state["1f1b"] == 0 and state["chimera"] == 0
+
+
+def test_memory_estimate_holds_two_copies_and_the_simulated_stash():
+    from tfpar.plan import cost
+    prof = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,
+                        activation_bytes_per_example=1e4, boundary_bytes_per_example=1e3,
+                        blocks=4, tp_syncs_per_block=4, max_tensor_parallel=4,
+                        matrix_shapes=((1000, 1000),))
+    c = cost.Candidate(data=1, tensor=1, pipeline=2, microbatches=8, compression="none")
+    # Adam's 16 B/param over two copies of half the params + 3 (= K + 1) stashed
+    # micro-batches of 64/8 examples over half the layers (1F1B: one copy, 2 stashed).
+    expected = 2 * 16 * 500_000 + 1e4 / 2 * (64 / 8) * 3
+    assert cost.memory_bytes(prof, c, 64, "adam", "chimera") == pytest.approx(expected)
+    assert all(m % 2 == 0 for m in {x.microbatches for x in cost.candidates(
+        prof, cost.Hardware(devices=4, memory_bytes=1e9, flops=1e12, intra_bandwidth=1e9,
+                            inter_bandwidth=1e8), 64, schedule="chimera") if x.pipeline > 1})
