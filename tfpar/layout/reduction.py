@@ -53,7 +53,7 @@ from tfpar.compression import codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
 from tfpar.config import LOWBIT_BITS
 from tfpar.layout import values
-from tfpar.layout.mesh import BATCH, axis_size
+from tfpar.layout.mesh import batch_axis, batch_parts
 
 CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
@@ -91,7 +91,8 @@ class BatchAxisReduction:
                  lowbit_bits=LOWBIT_BITS, seed=0):
         compat.enforce_honoured("compression", compat.view(compression=codec), "dtensor")
         self.mesh, self.codec = mesh, codec
-        self.replicas = axis_size(mesh, BATCH)
+        self.replicas = batch_parts(mesh)
+        axis = batch_axis(mesh)  # "batch", or keras.distribution's first axis ("data")
         self.paths = [v.path for v in variables]  # the state's names in checkpoints
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
@@ -108,9 +109,9 @@ class BatchAxisReduction:
             layout = dtensor.fetch_layout(variable.value)
             specs = list(layout.sharding_specs)
             self.own.append(layout)
-            self.stacked.append(dtensor.Layout([BATCH] + specs, layout.mesh))
+            self.stacked.append(dtensor.Layout([axis] + specs, layout.mesh))
             self.gathered.append(dtensor.Layout([dtensor.UNSHARDED] + specs, layout.mesh))
-        self._rows = dtensor.Layout([BATCH, dtensor.UNSHARDED], mesh.backend_mesh)
+        self._rows = dtensor.Layout([axis, dtensor.UNSHARDED], mesh.backend_mesh)
         self.residuals = []
         if codec != "none" and error_feedback:
             for variable, stacked in zip(variables, self.stacked):
@@ -218,12 +219,12 @@ class BatchAxisReduction:
             # placed it so): nothing over `batch` is summed before the codec.
             x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
             if scale is not None:
-                x = _where(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
+                x = where_scalar(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
             if i in qs:
                 total, sent, q = self._powersgd(x, qs[i])
-                new_qs.append(q if finite is None else _where(finite, q, qs[i]))
+                new_qs.append(q if finite is None else where_scalar(finite, q, qs[i]))
             else:
                 total, sent = self._sum(x, i)
             mean = total / self.replicas
@@ -232,7 +233,7 @@ class BatchAxisReduction:
             means.append(tf.cast(mean, g.dtype))
             if residuals:
                 new = error_feedback.next_residual(x, sent)
-                kept.append(new if finite is None else _where(finite, new, residuals[i]))
+                kept.append(new if finite is None else where_scalar(finite, new, residuals[i]))
         return means, kept + new_qs
 
     def _sum(self, x, index):
@@ -341,13 +342,73 @@ class BatchAxisReduction:
         return total, share, new_q
 
 
+def for_variables(mesh, variables, codec, error_feedback=True, options=None):
+    """The reduction that averages `variables`' per-replica gradients over the batch axis
+    through `codec`: `BatchAxisReduction`, or for weights split over `batch` too (ZeRO-3)
+    `tfpar.zero.reduce_scatter.ShardedReduction` (reduce-scattered onto the pieces); None
+    with one replica on the batch axis (nothing to reduce: the `model` axis's collectives
+    are never compressed, so the exact step runs).
+
+    Args:
+        mesh, variables, codec, error_feedback: as `BatchAxisReduction`'s.
+        options: the codec's parameters (`codec_options(config)`, `codec_of`), or None for
+            `BatchAxisReduction`'s defaults.
+    """
+    from tfpar.zero import fsdp, reduce_scatter  # reduce_scatter imports tfpar.layout
+    if batch_parts(mesh) == 1:
+        return None
+    if fsdp.split_over_batch(variables):
+        return reduce_scatter.ShardedReduction(mesh, variables, codec, error_feedback)
+    return BatchAxisReduction(mesh, variables, codec, error_feedback, **(options or {}))
+
+
+def codec_of(aggregator):
+    """`(codec, error_feedback, options)` of `for_variables` for a tfpar aggregator (a
+    `tfpar.DistributedOptimizer`'s): its class as a codec of `CODECS`, its parameters as
+    `BatchAxisReduction`'s (PowerSGD's rank and seed, top-k's ratio, union and dense
+    size, threshold's magnitude, lowbit's bits).
+
+    Raises:
+        ConfigError: what the mesh does not run (`tfpar.compat`'s rows): `auto` or an
+            aggregator of the user's own class, PowerSGD's `start_step`, top-k's
+            `warmup_steps` or DGC `momentum`.
+    """
+    from tfpar import compression as lib
+    kind = type(aggregator)
+    names = {lib.NoneAggregator: "none", lib.Int8Aggregator: "int8",
+             lib.LowBitAggregator: "lowbit", lib.TopKAggregator: "topk",
+             lib.ThresholdAggregator: "threshold", lib.PowerSGDAggregator: "powersgd",
+             lib.AutoAggregator: "auto"}
+    codec = (aggregator.dtype_name if kind is lib.CastAggregator
+             else names.get(kind, kind.__name__))
+    view = compat.view(backend="dtensor", compression=codec, keras_distribution=True,
+                       powersgd_start_step=getattr(aggregator, "start_step", 0),
+                       topk_warmup_steps=getattr(aggregator, "warmup_steps", 0),
+                       topk_momentum=getattr(aggregator, "momentum", 0.0))
+    compat.enforce_honoured("compression", view, "dtensor")
+    for rule in (compat.MESH_POWERSGD_START, compat.MESH_TOPK_WARMUP,
+                 compat.MESH_TOPK_MOMENTUM):
+        compat.enforce(rule, view)
+    options = {}
+    if codec == "powersgd":
+        options = {"powersgd_rank": aggregator.rank, "seed": aggregator.seed}
+    elif codec == "topk":
+        options = {"topk_ratio": aggregator.ratio, "topk_union": aggregator.union,
+                   "topk_dense_below": aggregator.dense_below}
+    elif codec == "threshold":
+        options = {"threshold": aggregator.threshold}
+    elif codec == "lowbit":
+        options = {"lowbit_bits": aggregator.bits}
+    return codec, aggregator.error_feedback, options
+
+
 def all_finite(tensors):
     """Whether every entry of `tensors` is finite: a boolean scalar, the same on every
     device of their mesh (the check reduces over every shard)."""
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
-def _where(condition, a, b):
+def where_scalar(condition, a, b):
     """`tf.where` of a boolean scalar `condition` over tensors `a`, `b` of one shape; the
     condition shaped `[1] * rank` (DTensor crashed on a scalar condition, TF 2.21)."""
     return tf.where(tf.reshape(condition, [1] * a.shape.rank), a, b)
