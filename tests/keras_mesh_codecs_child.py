@@ -13,6 +13,8 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
   `LossScaleOptimizer` (`compile` adds it), uncompressed and with PowerSGD at rank 1.
 - `save`: PowerSGD at rank 1 for some steps, then `model.save`/`load_model`, Keras's
   `BackupAndRestore` and tfpar's: what each file holds of the codec's state.
+- `nan`: an infinite input with `on_nan="skip_step"` (the step skipped and counted, the
+  codec's state kept) and with tfpar's `NaNGuard` ("stop": one line).
 - `refusals`: a model's own `train_step` with a compressing optimizer; `auto`.
 """
 
@@ -187,6 +189,43 @@ def save():
     return out
 
 
+def nan():
+    """A batch with an infinite input on replica 0: with `on_nan="skip_step"` the update
+    and the codec's state are skipped and counted; with "stop" tfpar's `NaNGuard` ends
+    `fit` with one line."""
+    from tfpar.errors import TfparError
+    model, _ = fit(lambda: tfpar.DistributedOptimizer(adam(), compression="int8",
+                                                      on_nan="skip_step"))
+    reduction = model.tfpar_reductions[0]
+    before = [host(model), [np.asarray(layout.to_host(v)) for v in reduction.variables]]
+    x, y = data(1)
+    x["features"][0, 0] = np.inf
+    model.train_on_batch(x, y)
+    after = [host(model), [np.asarray(layout.to_host(v)) for v in reduction.variables]]
+    out = {"weights_moved": max(float(np.max(np.abs(after[0][k] - before[0][k])))
+                                for k in before[0]),
+           "state_moved": max(float(np.max(np.abs(a - b)))
+                              for a, b in zip(after[1], before[1])),
+           "state_max_abs": max(float(np.max(np.abs(b))) for b in before[1]),
+           "skipped": float(layout.to_host(model.optimizer.nonfinite_steps.value))}
+    model.train_on_batch(*data(1))  # and trains on
+    out["moved_after"] = max(float(np.max(np.abs(host(model)[k] - after[0][k])))
+                             for k in after[0])
+    keras.utils.set_random_seed(0)
+    model = user_model()
+    model.compile(optimizer=tfpar.DistributedOptimizer(adam(), compression="int8"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    xs, ys = data(3)
+    xs["features"][2 * BATCH, 0] = np.inf  # the third step
+    try:
+        model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=[tfpar.callbacks.NaNGuard()])
+        out["stop"] = None
+    except TfparError as err:
+        out["stop"] = str(err)
+    return out
+
+
 def refusals():
     from tfpar.errors import ConfigError
 
@@ -212,7 +251,7 @@ def refusals():
     return out
 
 
-CASES = {"codecs": codecs, "fp16": fp16, "save": save, "refusals": refusals}
+CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan, "refusals": refusals}
 
 if __name__ == "__main__":
     layout.enable()

@@ -2,7 +2,7 @@
 `ModelParallel` (2×2: `batch` × `model`, 4 logical CPUs): the step forms each replica's
 gradient and averages it through the mesh trainer's batch-axis reduction
 (`tfpar.layout.reduction`), against the uncompressed run (plain Adam, DTensor's own sum)
-on the same seed and batches. One child, four cases (tests/keras_mesh_codecs_child.py).
+on the same seed and batches. One child, five cases (tests/keras_mesh_codecs_child.py).
 
 Bands, measured 2026-12-05 (one run each, deterministic on this seed; mean of the last 5
 step losses over 40 Adam steps, lr 1e-2): int8 -0.1 %, PowerSGD rank 1 +2.6 %, PowerSGD
@@ -25,7 +25,7 @@ BAND = 0.04
 
 @pytest.fixture(scope="module")
 def results():
-    return last_json_line(run([sys.executable, CHILD, "codecs,fp16,save,refusals"],
+    return last_json_line(run([sys.executable, CHILD, "codecs,fp16,save,nan,refusals"],
                               timeout=900).stdout)
 
 
@@ -86,3 +86,15 @@ def test_what_the_mesh_does_not_compress_is_refused_in_one_line(results):
     assert "own train_step" in out["train_step"]["line"]
     assert out["auto"]["raised"] == "ConfigError" and out["auto"]["lines"] == 1
     assert out["auto"]["line"].startswith("compression='auto'")
+
+
+def test_a_non_finite_step_is_skipped_with_the_codec_state_or_stops_in_one_line(results):
+    out = _case(results, "nan")
+    # on_nan="skip_step": weights, slots and the codec's residuals stay, the step is counted
+    assert out["state_max_abs"] > 0  # there was state to spoil
+    assert out["weights_moved"] == 0.0 and out["state_moved"] == 0.0, out
+    assert out["skipped"] == 1.0
+    assert out["moved_after"] > 0  # and it trains on
+    # on_nan="stop" (the default) with tfpar's NaNGuard: one line naming the step
+    assert out["stop"] is not None and len(out["stop"].splitlines()) == 1, out["stop"]
+    assert "step 2" in out["stop"], out["stop"]

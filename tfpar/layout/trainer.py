@@ -108,7 +108,8 @@ class MeshTrainer:
         loss: a `keras.losses.Loss` called as `loss(y, logits, sample_weight)`; or None:
             the model's own compiled loss, metrics and steps (`keras_step.KerasSteps`:
             any input and output structure, `train_step`, `test_step`, `predict_step`;
-            logs are the model's metrics; `grad_accum_steps` and `reduction` unused).
+            logs are the model's metrics; `grad_accum_steps` and `reduction` unused: a
+            `tfpar.DistributedOptimizer`'s codec makes the Keras steps' own reduction).
         grad_accum_steps: k > 1 cuts every training batch into k micro-batches that run
             one after the other in the step, their mean gradient applied in one update:
             the same update as one step on the whole batch, with the activations of one
