@@ -15,6 +15,8 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
   `BackupAndRestore` and tfpar's: what each file holds of the codec's state.
 - `nan`: an infinite input with `on_nan="skip_step"` (the step skipped and counted, the
   codec's state kept) and with tfpar's `NaNGuard` ("stop": one line).
+- `data_parallel`: `keras.distribution.DataParallel` on 4 replicas: top-k at ratio 1
+  against plain Adam, PowerSGD rank 1's bytes.
 - `refusals`: a model's own `train_step` with a compressing optimizer; `auto`.
 """
 
@@ -121,20 +123,23 @@ RUNS = {"plain": adam, "none": distributed("none"),
 
 
 def codecs():
-    out = {}
+    """Exact runs: 4 steps against plain Adam's weights; lossy runs: 40 steps against plain
+    Adam's 40 (weights and the mean of the last 5 losses)."""
+    out, plain = {}, {}
     for name, make in RUNS.items():
-        steps = FAR_STEPS if name in ("plain", "int8", "powersgd_rank_1") else STEPS
-        model, losses = fit(make, steps=STEPS)
+        lossy = name in ("int8", "powersgd_rank_1")
+        steps = FAR_STEPS if lossy else STEPS
+        model, losses = fit(make, steps=steps)
         weights = host(model)
         if name == "plain":
-            plain = weights
-        out[name] = {"diff": max(float(np.max(np.abs(weights[k] - plain[k])))
-                                 for k in plain),
+            plain[STEPS] = weights
+            far_model, far = fit(make, steps=FAR_STEPS)
+            plain[FAR_STEPS], plain_far = host(far_model), float(np.mean(far[-5:]))
+        out[name] = {"diff": max(float(np.max(np.abs(weights[k] - plain[steps][k])))
+                                 for k in weights),
                      "losses": losses, "state": codec_state(model),
                      "optimizer": type(model.optimizer).__name__}
-        if steps != STEPS:  # the long run for the band of the lossy codecs
-            _, far = fit(make, steps=steps)
-            out[name]["far_loss"] = float(np.mean(far[-5:]))
+        out[name]["far_loss"] = float(np.mean(losses[-5:])) if lossy else plain_far
     return out
 
 
@@ -226,6 +231,22 @@ def nan():
     return out
 
 
+def data_parallel():
+    """The same under `keras.distribution.DataParallel` (4 replicas, one mesh axis): top-k
+    at ratio 1 against plain Adam, and PowerSGD rank 1's bytes and state."""
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()))
+    try:
+        plain = host(fit(adam)[0])
+        exact = fit(distributed("topk", ratio=1.0))[0]
+        lossy, losses = fit(distributed("powersgd", rank=1))
+        return {"diff": max(float(np.max(np.abs(host(exact)[k] - plain[k]))) for k in plain),
+                "replicas": exact.tfpar_reductions[0].replicas,
+                "state": codec_state(lossy), "losses": losses}
+    finally:
+        keras.distribution.set_distribution(distribution())
+
+
 def refusals():
     from tfpar.errors import ConfigError
 
@@ -251,7 +272,8 @@ def refusals():
     return out
 
 
-CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan, "refusals": refusals}
+CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
+         "data_parallel": data_parallel, "refusals": refusals}
 
 if __name__ == "__main__":
     layout.enable()

@@ -2,7 +2,7 @@
 `ModelParallel` (2×2: `batch` × `model`, 4 logical CPUs): the step forms each replica's
 gradient and averages it through the mesh trainer's batch-axis reduction
 (`tfpar.layout.reduction`), against the uncompressed run (plain Adam, DTensor's own sum)
-on the same seed and batches. One child, five cases (tests/keras_mesh_codecs_child.py).
+on the same seed and batches. One child, six cases (tests/keras_mesh_codecs_child.py).
 
 Bands, measured 2026-12-05 (one run each, deterministic on this seed; mean of the last 5
 step losses over 40 Adam steps, lr 1e-2): int8 -0.1 %, PowerSGD rank 1 +2.6 %, PowerSGD
@@ -25,7 +25,7 @@ BAND = 0.04
 
 @pytest.fixture(scope="module")
 def results():
-    return last_json_line(run([sys.executable, CHILD, "codecs,fp16,save,nan,refusals"],
+    return last_json_line(run([sys.executable, CHILD, "codecs,fp16,save,nan,data_parallel,refusals"],
                               timeout=900).stdout)
 
 
@@ -98,3 +98,11 @@ def test_a_non_finite_step_is_skipped_with_the_codec_state_or_stops_in_one_line(
     # on_nan="stop" (the default) with tfpar's NaNGuard: one line naming the step
     assert out["stop"] is not None and len(out["stop"].splitlines()) == 1, out["stop"]
     assert "step 2" in out["stop"], out["stop"]
+
+
+def test_data_parallel_runs_the_same_reduction(results):
+    out = _case(results, "data_parallel")
+    assert out["replicas"] == 4
+    assert out["diff"] <= 1e-5, out["diff"]  # top-k at ratio 1: plain Adam's weights
+    assert out["state"]["max_abs"] > 0
+    assert out["state"]["bytes"]["compression_ratio"] > 5, out["state"]["bytes"]
