@@ -172,6 +172,16 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
     moments are kept per replica by the aggregator, not in Adam's slots: the file holds
     Adam's step count with its moments at zero.
 
+    Under `keras.distribution` (`ModelParallel`, `DataParallel` after
+    `tfpar.layout.enable()`) the codec compresses the mesh's batch axis instead
+    (`tfpar.layout.reduction`: each replica's gradient, error feedback sharded like it,
+    with a `LossScaleOptimizer` too): the options it takes are PowerSGD's `rank` and `seed`,
+    top-k's `ratio`, `union` and `dense_below`, threshold's, lowbit's `bits` and
+    `error_feedback`; `auto`, PowerSGD's `start_step`, top-k's `warmup_steps` and
+    `momentum`, and a model's own `train_step` are refused. The optimizer (Adam too) runs
+    after the compressed sum, and the codec's state is in `tfpar.callbacks.BackupAndRestore`'s
+    checkpoint, not in `model.save`'s file.
+
     Args:
         optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
             `keras.optimizers.LossScaleOptimizer` (its inner optimizer aggregates).

@@ -165,6 +165,12 @@ MESH_POWERSGD_START = Rule(
     and c.powersgd_start_step > 0,
     "not supported: PowerSGD on a DTensor mesh compresses from step 0; use "
     "--powersgd_start_step=0, or --tensor_parallel=1 (tf.distribute)")
+# DGC's momentum (`TopKAggregator(momentum=...)`) is tf.distribute's top-k's.
+MESH_TOPK_MOMENTUM = Rule(
+    "momentum", lambda c: _mesh(c) and c.compression == "topk"
+    and getattr(c, "topk_momentum", 0.0) > 0,
+    "not supported: top-k on a DTensor mesh has no DGC momentum; use momentum=0.0 (the "
+    "optimizer's own momentum runs after the sum), or tf.distribute (tfpar.make_strategy)")
 MESH_TOPK_WARMUP = Rule(
     "topk_warmup_steps", lambda c: _mesh(c) and c.compression == "topk"
     and c.topk_warmup_steps > 0,
@@ -247,16 +253,15 @@ CUSTOM_TRAIN_STEP_LOSS_SCALE = Rule(
     "not supported with a model's own train_step on a mesh (the LossScaleOptimizer "
     "updates inside a tf.cond); use mixed_bfloat16, or Keras's train_step")
 
-# Under `keras.distribution` a model's Keras step (`tfpar.layout.keras_step`) takes its
-# gradients summed over `batch` by DTensor; a `tfpar.DistributedOptimizer`'s aggregator
-# reduces over tf.distribute replicas, which a mesh has none of.
-KERAS_MESH_AGGREGATOR = Rule(
+# Under `keras.distribution` a `tfpar.DistributedOptimizer`'s codec compresses the mesh's
+# batch axis (`tfpar.layout.keras_step` forms each replica's gradient); a model's own
+# `train_step` takes its gradients itself, already summed over `batch` by DTensor.
+KERAS_MESH_AGGREGATOR_TRAIN_STEP = Rule(
     "compression", lambda c: c.compression != "none"
-    and getattr(c, "keras_distribution", False),
-    "not supported: a tfpar.DistributedOptimizer compresses over tf.distribute replicas, "
-    "and under keras.distribution (ModelParallel, DataParallel) DTensor sums gradients over "
-    "the mesh's batch axis itself; pass the plain Keras optimizer there, or compress the "
-    "mesh's batch axis with python -m tfpar.train --tensor_parallel>1 --compression")
+    and getattr(c, "keras_distribution", False) and getattr(c, "custom_train_step", False),
+    "not supported with a model's own train_step under keras.distribution (its "
+    "tape.gradient is summed over the mesh's batch axis by DTensor before any codec could "
+    "see a replica's gradient); pass the plain Keras optimizer, or use Keras's train_step")
 
 # The same under keras.distribution: the mesh's step updates DVariables itself, where the
 # host update of `tfpar.DistributedOptimizer(offload=...)` (tf.distribute's merge) is not.
@@ -299,7 +304,7 @@ OFFLOAD_RULES = (
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
-    KERAS_MESH_AGGREGATOR,
+    KERAS_MESH_AGGREGATOR_TRAIN_STEP,
     KERAS_MESH_OFFLOAD,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,
@@ -311,6 +316,7 @@ COMBINATIONS = (
     MESH_COMPRESSION_ONE_REPLICA,
     MESH_POWERSGD_START,
     MESH_TOPK_WARMUP,
+    MESH_TOPK_MOMENTUM,
     MESH_MODEL,
     SEQUENCE_MODEL,
     Rule("sequence_parallel", lambda c: c.sequence_parallel and not c.dims.tp_enabled,

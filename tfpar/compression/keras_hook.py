@@ -26,7 +26,11 @@ class AggregatingOptimizerMixin:
         super().build(variables)
         # Create the aggregator's per-replica state now, in cross-replica context under the
         # strategy scope, rather than lazily inside the first traced step.
-        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        # Under keras.distribution the mesh's step compresses through its own reduction
+        # (`tfpar.layout.reduction`, state laid out like the gradients): none built here.
+        on_mesh = keras.distribution.distribution() is not None
+        if not on_mesh and (not tf.distribute.has_strategy()
+                            or tf.distribute.in_cross_replica_context()):
             self.tfpar_aggregator.build(
                 [v.value if isinstance(v, keras.Variable) else v for v in variables])
 

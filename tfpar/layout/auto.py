@@ -38,7 +38,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar.compression import auto, error_feedback, powersgd
 from tfpar.layout import values
-from tfpar.layout.reduction import BatchAxisReduction, _where, all_finite
+from tfpar.layout.reduction import BatchAxisReduction, all_finite, where_scalar
 
 
 class AutoReduction(BatchAxisReduction):
@@ -172,7 +172,7 @@ class AutoReduction(BatchAxisReduction):
         for i, g in enumerate(grads):
             x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
             if scale is not None:
-                x = _where(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
+                x = where_scalar(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
             if i in mats:
@@ -195,7 +195,7 @@ class AutoReduction(BatchAxisReduction):
                         "auto_bytes_total": counters["auto_bytes_total"] + wire}
         new_state += [new_counters[k] for k in sorted(self.counters)]
         if finite is not None:  # a skipped step leaves every piece of state as it was
-            new_state = [_where(finite, new, old) for new, old in zip(new_state, state)]
+            new_state = [where_scalar(finite, new, old) for new, old in zip(new_state, state)]
         return means, new_state
 
     def _matrix(self, i, x, st, compressing, planning, window_end, step):
@@ -253,8 +253,8 @@ class AutoReduction(BatchAxisReduction):
                 q_new = tf.where(tf.reshape(tf.reduce_any(q_new != 0), [1, 1]), q_new, q)
                 return q_new, auto.beyond_shares(q_new, r_max, r_max)
             q_plan, beyond_plan = tf.cond(planning, plan, lambda: (q, zeros_b))
-            new["powersgd_q"] = _where(planning, q_plan, new_q)
-            beyond = _where(planning, beyond_plan, beyond)
+            new["powersgd_q"] = where_scalar(planning, q_plan, new_q)
+            beyond = where_scalar(planning, beyond_plan, beyond)
             last = tf.equal(step, self.start - 1)
             sums = st["auto_beyond_sum"] + beyond
             first = auto.lowest_rank(r_max, floor, r_max, sums / count,
@@ -271,5 +271,5 @@ class AutoReduction(BatchAxisReduction):
                                          st["auto_norm_prev"])
         reset = window_end | last
         new["auto_norm_sum"] = tf.where(reset, 0.0, norm_sum)
-        new["auto_beyond_sum"] = _where(reset, tf.zeros_like(sums), sums)
+        new["auto_beyond_sum"] = where_scalar(reset, tf.zeros_like(sums), sums)
         return total, sent, new, nbytes

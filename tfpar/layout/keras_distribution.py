@@ -47,7 +47,9 @@ Keras's state API (`tfpar.layout.keras_state`): `get_weights`, `set_weights`,
 `variable.assign`, `numpy()`, `save_weights`/`load_weights`, `save`/
 `keras.models.load_model` (loaded under a distribution: laid out by its map; without
 one: a plain model), `summary`, and Keras's `ModelCheckpoint` and `BackupAndRestore` in
-`fit`; `keras.distribution.initialize()` and `list_devices()` across worker processes
+`fit`; a `tfpar.DistributedOptimizer`'s compression of the batch axis
+(`tfpar.layout.keras_step`, through the mesh trainer's `tfpar.layout.reduction`);
+`keras.distribution.initialize()` and `list_devices()` across worker processes
 (`tfpar.layout.multi_client.keras_initialize`); dropout drawn as on one device
 (`tfpar.layout.rng`). A layout-map key for a weight its layer lacks is logged and unused,
 as in Keras.
@@ -77,7 +79,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
 
-from tfpar import patches
+from tfpar import nan_guard, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import activations, keras_state, multi_client, values, variables
@@ -272,6 +274,8 @@ def _mesh_trainer(model, batch=None):
     if not optimizer.built:
         with variables.variable_scope(_replicated(mesh)):
             optimizer.build(model.trainable_variables)
+            if getattr(optimizer, "tfpar_skip_nonfinite", False):  # not behind fp16's
+                nan_guard.add_counter(optimizer)
     key = (optimizer, model.loss, tuple(id(m) for m in model.metrics),
            len(model.metrics_variables))
     cached = getattr(model, "_tfpar_mesh_trainer", None)
@@ -306,11 +310,38 @@ def _stateless_on_mesh(model, mesh):
         optimizer = model.optimizer = keras_state.rebuilt_optimizer(
             optimizer, model, _replicated(mesh))
         return optimizer
+    hooks = _tfpar_hooks(optimizer)
     if not all(variables.is_dvariable(v) for v in optimizer.variables):
         with variables.variable_scope(_replicated(mesh)):
             optimizer = optimizer.__class__.from_config(optimizer.get_config())
         model.optimizer = optimizer
+    _to_mesh_hooks(optimizer, hooks)
     return stateless_optimizer(optimizer)
+
+
+_HOOKS = ("tfpar_aggregator", "tfpar_skip_nonfinite", "tfpar_on_nan")
+
+
+def _tfpar_hooks(optimizer):
+    """What `tfpar.DistributedOptimizer` set on `optimizer` (or its inner optimizer)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return {name: getattr(inner, name) for name in _HOOKS if hasattr(inner, name)}
+
+
+def _to_mesh_hooks(optimizer, hooks):
+    """A `tfpar.DistributedOptimizer` on the mesh: its class without tfpar's tf.distribute
+    mixins (the aggregator's all-reduce and the guarded update run on tf.distribute
+    replicas; the mesh step reduces through `tfpar.layout.reduction` and skips
+    non-finite updates itself, `keras_step`), its `hooks` kept."""
+    from tfpar.compression.keras_hook import AggregatingOptimizerMixin
+    from tfpar.nan_guard import SkipNonFiniteMixin
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    cls = type(inner)
+    while issubclass(cls, (AggregatingOptimizerMixin, SkipNonFiniteMixin)):
+        cls = cls.__bases__[-1]  # `patches.mix_in`'s classes: (mixin, the class mixed)
+    inner.__class__ = cls
+    for name, value in hooks.items():
+        setattr(inner, name, value)
 
 
 def _check_layers(model):

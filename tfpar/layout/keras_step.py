@@ -29,8 +29,10 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import compat, patches
+from tfpar.layout import reduction as reduction_lib
+from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
-from tfpar.layout.step import _checked
+from tfpar.layout.step import _checked, first_replica, reduce_over_batch, replica_gradients
 from tfpar.layout.variables import check_dvariables
 from tfpar.zero import fsdp
 
@@ -82,27 +84,31 @@ class KerasSteps:
     step's logs (`model.compute_metrics`'s dict: running values since the last
     `reset_metrics`); `predict` returns the model's output structure.
 
+    With a `tfpar.DistributedOptimizer` (its aggregator's codec, `reduction.codec_of`)
+    and more than one replica on the batch axis, the training step forms each replica's
+    gradient (`step.replica_gradients`) and averages them through the mesh trainer's
+    `tfpar.layout.reduction` (`reduction`, its state in `model.tfpar_reductions`); it is
+    then called with batches `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`).
+    A non-finite mean gradient is never applied: the `LossScaleOptimizer` skips it (fp16),
+    else the weights, slots and codec state stay and `optimizer.nonfinite_steps` counts
+    it, as `tfpar.nan_guard` does on tf.distribute.
+
     Raises:
         TfparError: a variable is not a DVariable.
         ConfigError: the model overrides `train_step` and its optimizer is a
-            `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`), or the optimizer
-            compresses through a tfpar aggregator (`compat.KERAS_MESH_AGGREGATOR`) or
-            keeps its state on the host (`compat.KERAS_MESH_OFFLOAD`).
+            `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`) or compresses
+            (`compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP`); the aggregator is not one the mesh
+            runs (`reduction.codec_of`); or the optimizer keeps its state on the host
+            (`compat.KERAS_MESH_OFFLOAD`).
     """
 
     def __init__(self, mesh, model, optimizer):
-        from tfpar.compression import keras_hook
-        aggregator = keras_hook.aggregator_of(optimizer)
-        if aggregator is not None:
-            compat.enforce(compat.KERAS_MESH_AGGREGATOR, compat.view(
-                backend="dtensor", compression=type(aggregator).__name__,
-                keras_distribution=True))
         offloaded = getattr(getattr(optimizer, "inner_optimizer", optimizer),
                             "tfpar_offload", "none")
         if offloaded != "none":
             compat.enforce(compat.KERAS_MESH_OFFLOAD, compat.view(
                 backend="dtensor", offload=offloaded, keras_distribution=True))
-        self.model, self.optimizer = model, optimizer
+        self.mesh, self.model, self.optimizer = mesh, model, optimizer
         self.trainable = list(model.trainable_variables)
         self.non_trainable = list(model.non_trainable_variables)
         self.metric_vars = list(model.metrics_variables)
@@ -113,10 +119,28 @@ class KerasSteps:
         if self.custom and hasattr(optimizer, "inner_optimizer"):
             compat.enforce(compat.CUSTOM_TRAIN_STEP_LOSS_SCALE, compat.view(
                 backend="dtensor", mixed_precision="fp16", custom_train_step=True))
-        train = self._custom_train if self.custom else self._train
+        self.reduction = self._reduction(mesh)
+        object.__setattr__(model, "tfpar_reductions",
+                           (self.reduction,) if self.reduction else ())
+        train = (self._custom_train if self.custom else
+                 self._replica_train if self.reduction else self._train)
         self.train = _checked(mesh, train, "the training step")
         self.test = _checked(mesh, self._test, "the evaluation step")
         self.predict = _checked(mesh, self._predict, "the predict step")
+
+    def _reduction(self, mesh):
+        """The mesh's batch-axis reduction for the optimizer's aggregator, or None."""
+        from tfpar.compression import keras_hook
+        aggregator = keras_hook.aggregator_of(self.optimizer)
+        if aggregator is None:
+            return None
+        codec, error_feedback, options = reduction_lib.codec_of(aggregator)
+        if self.custom:
+            compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
+                backend="dtensor", compression=codec, keras_distribution=True,
+                custom_train_step=True))
+        return reduction_lib.for_variables(mesh, self.trainable, codec, error_feedback,
+                                           options)
 
     def _train(self, *data):
         """Keras's `train_step` with a stateless update (what Keras's JAX trainer does)."""
@@ -147,6 +171,77 @@ class KerasSteps:
         _write(self.trainable, tv, new_tv)
         _write(state, ntv + mv + ov, new_state)
         return logs
+
+    def _replica_train(self, *data):
+        """`_train` with each replica's gradient averaged through `self.reduction`; `data`
+        is `[data_parallel, m, ...]` (each structure's tensors)."""
+        model, optimizer = self.model, self.optimizer
+        tv, ntv = _read(self.trainable), _read(self.non_trainable)
+        mv, ov = _read(self.metric_vars), _read(self.opt_vars)
+        scale = self._value(ov, getattr(optimizer, "dynamic_scale", None))
+
+        def forward(*replica_data):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(replica_data)
+            mapping = (fsdp.gathered(list(zip(self.trainable, tv))
+                                     + list(zip(self.non_trainable, ntv)))
+                       + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
+            # The loss tracker's update here is this replica's: dropped, made once below.
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                y_pred, loss, _ = patches.forward_loss(model, x, y, sample_weight,
+                                                       _batch_size(x))
+            scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
+            return scaled, (y_pred, loss, _current(scope, self.non_trainable, ntv))
+
+        grads, (y_pred, losses, new_ntv) = replica_gradients(forward, tv, data)
+        new_ntv = first_replica(new_ntv, self.non_trainable)
+        finite = None
+        if scale is None and getattr(optimizer, "tfpar_skip_nonfinite", False):
+            finite = reduction_lib.all_finite([g for g in grads if g is not None])
+        grads = reduce_over_batch(self.reduction, grads, scale, finite)
+        new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
+        if finite is not None:
+            new_tv, new_ov = self._skipped_unless(finite, tv, ov, new_tv, new_ov)
+        # The loss tracker and the metrics after the update, on the whole batch.
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
+            tuple(self._whole_batch(d) for d in data))
+        mapping = (list(zip(self.trainable, new_tv)) + list(zip(self.non_trainable, new_ntv))
+                   + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, new_ov)))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            patches.loss_tracker(model).update_state(tf.reduce_mean(losses),
+                                                     sample_weight=_batch_size(x))
+            logs = model.compute_metrics(x, y, self._whole_batch(y_pred), sample_weight)
+        state = self.non_trainable + self.metric_vars + self.opt_vars
+        new_state = _current(scope, state, new_ntv + mv + new_ov)
+        _write(self.trainable, tv, new_tv)
+        _write(state, ntv + mv + ov, new_state)
+        return logs
+
+    def _whole_batch(self, structure):
+        """Each tensor of `structure` `[data_parallel, m, ...]` as the whole batch
+        `[data_parallel * m, ...]`, split on the batch axis as a batch is."""
+        def merge(t):
+            merged = tf.reshape(t, [-1] + t.shape[2:].as_list())
+            return dtensor.relayout(merged, mesh_lib.batch_sharded(self.mesh,
+                                                                   merged.shape.rank))
+        return keras.tree.map_structure(merge, structure)
+
+    def _value(self, values_, variable):
+        """`variable`'s value among `values_` (this step's reads of `self.opt_vars`), or
+        None when it is None."""
+        if variable is None:
+            return None
+        return values_[[id(v) for v in self.opt_vars].index(id(variable))]
+
+    def _skipped_unless(self, finite, tv, ov, new_tv, new_ov):
+        """The update when `finite`, else the old values with `nonfinite_steps` counted."""
+        keep = lambda new, old: reduction_lib.where_scalar(finite, new, old)  # noqa: E731
+        new_tv = [keep(n, o) for n, o in zip(new_tv, tv)]
+        new_ov = [keep(n, o) for n, o in zip(new_ov, ov)]
+        counter = getattr(self.optimizer, "nonfinite_steps", None)
+        if counter is not None:
+            index = [id(v) for v in self.opt_vars].index(id(counter))
+            new_ov[index] = ov[index] + 1.0 - tf.cast(finite, ov[index].dtype)
+        return new_tv, new_ov
 
     def _custom_train(self, *data):
         """The model's own `train_step(data)`, its writes kept until the end."""

@@ -52,7 +52,7 @@ from tfpar.compression import codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
 from tfpar.config import LOWBIT_BITS
 from tfpar.layout import values
-from tfpar.layout.mesh import BATCH, axis_size
+from tfpar.layout.mesh import batch_axis, batch_parts
 
 CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd", "auto")
 # `auto`'s parameters in `codec_options` (`tfpar.layout.auto.AutoReduction` takes them).
@@ -107,7 +107,8 @@ class BatchAxisReduction:
         if codec not in CODECS:
             raise ValueError(f"codec={codec!r} is invalid: use one of {', '.join(CODECS)}")
         self.mesh, self.codec = mesh, codec
-        self.replicas = axis_size(mesh, BATCH)
+        self.replicas = batch_parts(mesh)
+        axis = batch_axis(mesh)  # "batch", or keras.distribution's first axis ("data")
         self.paths = [v.path for v in variables]  # the state's names in checkpoints
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
@@ -124,9 +125,9 @@ class BatchAxisReduction:
             layout = dtensor.fetch_layout(variable.value)
             specs = list(layout.sharding_specs)
             self.own.append(layout)
-            self.stacked.append(dtensor.Layout([BATCH] + specs, layout.mesh))
+            self.stacked.append(dtensor.Layout([axis] + specs, layout.mesh))
             self.gathered.append(dtensor.Layout([dtensor.UNSHARDED] + specs, layout.mesh))
-        self._rows = dtensor.Layout([BATCH, dtensor.UNSHARDED], mesh.backend_mesh)
+        self._rows = dtensor.Layout([axis, dtensor.UNSHARDED], mesh.backend_mesh)
         self.residuals = []
         if codec != "none" and error_feedback:
             for variable, stacked in zip(variables, self.stacked):
@@ -369,7 +370,7 @@ def unscaled(x, scale, finite):
     """`x / scale` (fp32), or zeros where the step is skipped; `x` without a `scale`."""
     if scale is None:
         return x
-    return _where(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
+    return where_scalar(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
 
 
 def rescaled(mean, scale, finite):
@@ -382,7 +383,67 @@ def rescaled(mean, scale, finite):
 
 def kept_if(finite, new, old):
     """The codec's next state `new`, or `old` unchanged on a skipped step."""
-    return new if finite is None else _where(finite, new, old)
+    return new if finite is None else where_scalar(finite, new, old)
+
+
+def for_variables(mesh, variables, codec, error_feedback=True, options=None):
+    """The reduction that averages `variables`' per-replica gradients over the batch axis
+    through `codec`: `BatchAxisReduction`, or for weights split over `batch` too (ZeRO-3)
+    `tfpar.zero.reduce_scatter.ShardedReduction` (reduce-scattered onto the pieces); None
+    with one replica on the batch axis (nothing to reduce: the `model` axis's collectives
+    are never compressed, so the exact step runs).
+
+    Args:
+        mesh, variables, codec, error_feedback: as `BatchAxisReduction`'s.
+        options: the codec's parameters (`codec_options(config)`, `codec_of`), or None for
+            `BatchAxisReduction`'s defaults.
+    """
+    from tfpar.zero import fsdp, reduce_scatter  # reduce_scatter imports tfpar.layout
+    if batch_parts(mesh) == 1:
+        return None
+    if fsdp.split_over_batch(variables):
+        return reduce_scatter.ShardedReduction(mesh, variables, codec, error_feedback)
+    return for_codec(mesh, variables, codec, error_feedback, **(options or {}))
+
+
+def codec_of(aggregator):
+    """`(codec, error_feedback, options)` of `for_variables` for a tfpar aggregator (a
+    `tfpar.DistributedOptimizer`'s): its class as a codec of `CODECS`, its parameters as
+    `BatchAxisReduction`'s (PowerSGD's rank and seed, top-k's ratio, union and dense
+    size, threshold's magnitude, lowbit's bits).
+
+    Raises:
+        ConfigError: what the mesh does not run (`tfpar.compat`'s rows): `auto` or an
+            aggregator of the user's own class, PowerSGD's `start_step`, top-k's
+            `warmup_steps` or DGC `momentum`.
+    """
+    from tfpar import compression as lib
+    kind = type(aggregator)
+    names = {lib.NoneAggregator: "none", lib.Int8Aggregator: "int8",
+             lib.LowBitAggregator: "lowbit", lib.TopKAggregator: "topk",
+             lib.ThresholdAggregator: "threshold", lib.PowerSGDAggregator: "powersgd",
+             lib.AutoAggregator: "auto"}
+    codec = (aggregator.dtype_name if kind is lib.CastAggregator
+             else names.get(kind, kind.__name__))
+    view = compat.view(backend="dtensor", compression=codec, keras_distribution=True,
+                       powersgd_start_step=getattr(aggregator, "start_step", 0),
+                       topk_warmup_steps=getattr(aggregator, "warmup_steps", 0),
+                       topk_momentum=getattr(aggregator, "momentum", 0.0))
+    compat.enforce_honoured("compression", view, "dtensor")
+    for rule in (compat.MESH_POWERSGD_START, compat.MESH_TOPK_WARMUP,
+                 compat.MESH_TOPK_MOMENTUM):
+        compat.enforce(rule, view)
+    options = {}
+    if codec == "powersgd":
+        options = {"powersgd_rank": aggregator.rank, "seed": aggregator.seed}
+    elif codec == "topk":
+        options = {"topk_ratio": aggregator.ratio, "topk_union": aggregator.union,
+                   "topk_dense_below": aggregator.dense_below}
+    elif codec == "threshold":
+        options = {"threshold": aggregator.threshold}
+    elif codec == "lowbit":
+        options = {"lowbit_bits": aggregator.bits}
+    return codec, aggregator.error_feedback, options
 
 
 def all_finite(tensors):
@@ -391,7 +452,7 @@ def all_finite(tensors):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
-def _where(condition, a, b):
+def where_scalar(condition, a, b):
     """`tf.where` of a boolean scalar `condition` over tensors `a`, `b` of one shape; the
     condition shaped `[1] * rank` (DTensor crashed on a scalar condition, TF 2.21)."""
     return tf.where(tf.reshape(condition, [1] * a.shape.rank), a, b)

@@ -152,12 +152,10 @@ class _TrainStep:
             outs.append(out)
         if k > 1:
             grads = [g / k for g in grads]
-        grads, kept = self.reduction.mean(grads, self.reduction.read(), scale=scale)
+        grads = reduce_over_batch(self.reduction, grads, scale)
         out = {"loss": tf.add_n([o["loss"] for o in outs]) / k,
                "correct": tf.add_n([o["correct"] for o in outs]),
                "weight": tf.add_n([o["weight"] for o in outs])}
-        for residual, value in zip(self.reduction.variables, kept):
-            residual.assign(dtensor.relayout(value, residual.layout))
         return grads, new_ntv, out
 
     def _scale(self, ov):
@@ -171,26 +169,17 @@ class _TrainStep:
         """Each replica's gradients `[replicas, *shape]` of one batch `[replicas, m, ...]`
         (of the loss times `scale`, if given), the new non-trainable values (replica 0's)
         and the batch's metrics."""
-        def one(args):
-            xr, yr, wr = args
+        def forward(xr, yr, wr):
             weight = None if sample_weight is None else wr
-            with tf.GradientTape() as tape:
-                tape.watch(tv)
-                logits, loss, scope = _forward_loss(self.model, self.loss_fn,
-                                                    self._mapping(tv, ntv), xr, yr,
-                                                    weight, True)
-                scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
-            grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, tv)]
+            logits, loss, scope = _forward_loss(self.model, self.loss_fn,
+                                                self._mapping(tv, ntv), xr, yr, weight, True)
+            scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
             new = [scope.get_current_value(v) for v in self.non_trainable]
-            return grads, new, _metrics(loss, logits, yr, weight, self.accuracy)
+            return scaled, (new, _metrics(loss, logits, yr, weight, self.accuracy))
 
         weights = y if sample_weight is None else sample_weight
-        # ZeRO-3's gathers: gradients left whole; activation layouts: vectorized relayouts.
-        with fsdp.per_replica_gradients(), activations.per_replica():
-            grads, new_ntv, out = tf.vectorized_map(one, (x, y, weights))
-        # Non-trainable state (seeds) advances alike on every replica: keep replica 0's.
-        new_ntv = [n[0] if n.shape.rank == v.value.shape.rank + 1 else n
-                   for n, v in zip(new_ntv, self.non_trainable)]
+        grads, (new_ntv, out) = replica_gradients(forward, tv, (x, y, weights))
+        new_ntv = first_replica(new_ntv, self.non_trainable)
         out = {"loss": tf.reduce_mean(out["loss"]), "correct": tf.reduce_sum(out["correct"]),
                "weight": tf.reduce_sum(out["weight"])}
         return grads, new_ntv, out
@@ -226,6 +215,57 @@ class _TrainStep:
         _write(self.non_trainable, self.layouts[1], ntv, new_ntv)
         _write(self.opt_vars, self.layouts[2], ov, new_ov)
         return out
+
+
+def replica_gradients(forward, tv, batch):
+    """Each data-parallel replica's own gradient with respect to `tv`, without DTensor's sum
+    over the batch axis: `forward(*replica_batch) -> (scaled_loss, aux)` runs once per
+    replica, vectorized (`tf.vectorized_map`) over the leading axis of every tensor of
+    `batch` (a tuple of structures of `[replicas, m, ...]` DTensors split on the batch axis).
+
+    Returns:
+        `(grads, aux)`: `grads[i]` is `[replicas, *tv[i].shape]` laid out
+        `(batch, *its layout)`, or None where the loss does not depend on `tv[i]`; `aux`
+        with a leading `[replicas]` axis on every tensor.
+    """
+    unconnected = set()
+
+    def one(args):
+        with tf.GradientTape() as tape:
+            tape.watch(tv)
+            scaled, aux = forward(*args)
+        grads = tape.gradient(scaled, tv)
+        unconnected.update(i for i, g in enumerate(grads) if g is None)
+        # pfor returns tensors only: an unconnected weight's gradient as zeros, None after.
+        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                for g, v in zip(grads, tv)], aux
+
+    # ZeRO-3's gathers: gradients left whole; activation layouts: vectorized relayouts.
+    with fsdp.per_replica_gradients(), activations.per_replica():
+        grads, aux = tf.vectorized_map(one, batch)
+    return [None if i in unconnected else g for i, g in enumerate(grads)], aux
+
+
+def first_replica(new_values, variables):
+    """Non-trainable state (seeds, statistics) formed per replica advances alike on every
+    replica: replica 0's value of each (a value without the replicas' axis as it is)."""
+    return [n[0] if n.shape.rank == v.value.shape.rank + 1 else n
+            for n, v in zip(new_values, variables)]
+
+
+def reduce_over_batch(reduction, grads, scale=None, finite=None):
+    """The mean over the batch axis of each replica's gradients (`replica_gradients`,
+    None kept None) through `reduction`'s codec; its new state (residuals, PowerSGD's
+    `Q`s) is written to its variables here (read once, written once). `scale` and
+    `finite` as in `BatchAxisReduction.mean` (fp16's loss scale; a skipped step)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if len(present) < len(grads):  # the codec takes every variable's: zeros for the rest
+        grads = [tf.zeros((reduction.replicas,) + tuple(shape), tf.float32) if g is None
+                 else g for g, shape in zip(grads, reduction.shapes)]
+    means, kept = reduction.mean(grads, reduction.read(), scale=scale, finite=finite)
+    for variable, value in zip(reduction.variables, kept):
+        variable.assign(dtensor.relayout(value, variable.layout))
+    return [means[i] if i in present else None for i in range(len(means))]
 
 
 def eval_step(mesh, model, loss_fn, accuracy=True):

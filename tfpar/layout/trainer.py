@@ -25,9 +25,8 @@ from tfpar.errors import ConfigError, TfparError
 from tfpar.metrics import STEP_LOSS
 from tfpar.layout import (activations, keras_step, presets, reduction, step, values,
                           variables)
-from tfpar.layout.mesh import BATCH, axis_size, batch_parts
+from tfpar.layout.mesh import BATCH, batch_parts
 from tfpar.layout.optimizer import stateless_optimizer
-from tfpar.zero import fsdp, reduce_scatter
 
 
 def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
@@ -78,15 +77,8 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
     _refuse_keras_loops(model)
     reducer = None
     if compression is not None:
-        # One replica on the `batch` axis: no data-parallel reduction to compress (the
-        # `model` axis's collectives are never compressed), so the exact step runs.
-        if axis_size(mesh, BATCH) > 1 and fsdp.split_over_batch(
-                model.trainable_variables):  # ZeRO-3: reduce-scattered onto the pieces
-            reducer = reduce_scatter.ShardedReduction(mesh, model.trainable_variables,
-                                                      compression, error_feedback)
-        elif axis_size(mesh, BATCH) > 1:
-            reducer = reduction.for_codec(mesh, model.trainable_variables, compression,
-                                          error_feedback, **(codec_options or {}))
+        reducer = reduction.for_variables(mesh, model.trainable_variables, compression,
+                                          error_feedback, codec_options)
     # Where `tfpar.state` finds the codec's state (not an attribute Keras tracks).
     object.__setattr__(model, "tfpar_reductions", (reducer,) if reducer else ())
     return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,
@@ -116,7 +108,8 @@ class MeshTrainer:
         loss: a `keras.losses.Loss` called as `loss(y, logits, sample_weight)`; or None:
             the model's own compiled loss, metrics and steps (`keras_step.KerasSteps`:
             any input and output structure, `train_step`, `test_step`, `predict_step`;
-            logs are the model's metrics; `grad_accum_steps` and `reduction` unused).
+            logs are the model's metrics; `grad_accum_steps` and `reduction` unused: a
+            `tfpar.DistributedOptimizer`'s codec makes the Keras steps' own reduction).
         grad_accum_steps: k > 1 cuts every training batch into k micro-batches that run
             one after the other in the step, their mean gradient applied in one update:
             the same update as one step on the whole batch, with the activations of one
@@ -162,6 +155,8 @@ class MeshTrainer:
     def _on_mesh(self, batch, training=False):
         batch = tuple(b for b in batch if b is not None)
         if self.keras_steps is not None:  # (x,), (x, y) or (x, y, w), each any structure
+            if training and self.keras_steps.reduction is not None:
+                return values.replica_batches_to_mesh(batch, self.mesh)
             return values.batch_to_mesh(batch, self.mesh)
         if len(batch) not in (2, 3):
             raise TfparError(f"a batch must be (x, y) or (x, y, sample_weight), got "

@@ -96,19 +96,20 @@ def batch_to_mesh(batch, mesh):
 
 
 def replica_batches_to_mesh(batch, mesh):
-    """A tuple of host arrays (x, y[, sample_weight]) as `[data_parallel, m, ...]`
-    DTensors split on the `batch` axis: row r is replica r's part of the batch (for a step
-    that forms each replica's gradient, `tfpar.layout.reduction`).
+    """A tuple (x, y[, sample_weight]) of host arrays, or of structures of them, as
+    `[data_parallel, m, ...]` DTensors split on the `batch` axis: row r is replica r's
+    part of the batch (for a step that forms each replica's gradient,
+    `tfpar.layout.reduction`); the structure is kept.
 
     Raises:
         ConfigError: the batch size does not split over the `batch` axis.
     """
     parts = mesh_lib.batch_parts(mesh)
     out = []
-    for array in _batch_arrays(batch, parts):
+    for array in _batch_arrays(keras.tree.flatten(batch), parts):
         stacked = array.reshape((parts, -1) + array.shape[1:])
         out.append(to_mesh(stacked, mesh_lib.batch_sharded(mesh, stacked.ndim)))
-    return tuple(out)
+    return tuple(keras.tree.pack_sequence_as(batch, out))
 
 
 def micro_replica_batches_to_mesh(batch, mesh, steps):

@@ -1,0 +1,281 @@
+"""Child process for tests/test_keras_mesh_codecs.py, on 4 logical CPUs: a user's own
+functional Keras model (dict inputs, an embedding) under `keras.distribution.ModelParallel`
+on a 2×2 mesh (`batch` × `model`), trained with `model.fit` and
+`tfpar.DistributedOptimizer(keras.optimizers.Adam(...), compression=...)`; prints one JSON
+line mapping each case to its result.
+
+Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
+- `codecs`: the uncompressed run (plain Adam: DTensor sums over `batch`), then
+  `compression="none"`, PowerSGD at full rank and top-k at ratio 1 (both exact: every
+  tensor goes whole), int8 and PowerSGD at rank 1, the same batches: each run's weight
+  difference to the uncompressed run, losses (and over more steps), bytes and codec state.
+- `fp16`: the same under the `mixed_float16` policy, Adam behind Keras's
+  `LossScaleOptimizer` (`compile` adds it), uncompressed and with PowerSGD at rank 1.
+- `save`: PowerSGD at rank 1 for some steps, then `model.save`/`load_model`, Keras's
+  `BackupAndRestore` and tfpar's: what each file holds of the codec's state.
+- `nan`: an infinite input with `on_nan="skip_step"` (the step skipped and counted, the
+  codec's state kept) and with tfpar's `NaNGuard` ("stop": one line).
+- `data_parallel`: `keras.distribution.DataParallel` on 4 replicas: top-k at ratio 1
+  against plain Adam, PowerSGD rank 1's bytes.
+- `refusals`: a model's own `train_step` with a compressing optimizer; `auto`.
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import cases  # noqa: E402
+from tfpar import devices  # noqa: E402
+
+devices.split_cpu(4)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfpar  # noqa: E402
+from tfpar import layout  # noqa: E402
+
+BATCH, STEPS, FAR_STEPS = 8, 4, 40
+VOCAB, TOKENS, FEATURES, CLASSES = 32, 6, 16, 10
+LAYOUTS = {"up/kernel": (None, "model"), "up/bias": ("model",),
+           "down/kernel": ("model", None), "embed/embeddings": (None, "model")}
+
+
+def user_model():
+    """A user's functional model: dict inputs, an embedding, names of its own."""
+    tokens = keras.Input((TOKENS,), dtype="int32", name="tokens")
+    features = keras.Input((FEATURES,), name="features")
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 8, name="embed")(tokens))
+    h = keras.layers.Concatenate()([embedded, features])
+    h = keras.layers.Dense(32, activation="relu", name="up")(h)
+    h = keras.layers.Dense(16, activation="relu", name="down")(h)
+    out = keras.layers.Dense(CLASSES, name="head")(h)
+    return keras.Model({"tokens": tokens, "features": features}, out, name="user")
+
+
+def data(steps):
+    rng = np.random.default_rng(0)
+    n = BATCH * steps
+    x = {"tokens": rng.integers(0, VOCAB, (n, TOKENS)).astype("int32"),
+         "features": rng.normal(size=(n, FEATURES)).astype("float32")}
+    y = (x["features"][:, :CLASSES] + (x["tokens"][:, :1] == np.arange(CLASSES))).argmax(1)
+    return x, y.astype("int32")
+
+
+def distribution():
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in LAYOUTS.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def fit(optimizer, steps=STEPS, callbacks=(), epochs=1, model=None):
+    """`model.fit` of the user's model (built seeded unless given) with `optimizer`
+    (a function making it): the model and its losses per step."""
+    if model is None:
+        keras.utils.set_random_seed(0)
+        model = user_model()
+        model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), metrics=["accuracy"])
+    x, y = data(steps)
+    losses = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(float(logs["loss"])))
+    seen = []
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[losses, *callbacks])
+    return model, seen
+
+
+def host(model):
+    return {v.path: np.asarray(layout.to_host(v.value), "float64") for v in model.weights}
+
+
+def codec_state(model):
+    """The mesh's codec state: its names, largest magnitude, and bytes per step."""
+    reductions = getattr(model, "tfpar_reductions", ())
+    if not reductions:
+        return {"names": [], "max_abs": 0.0, "bytes": None}
+    reduction = reductions[0]
+    state = reduction.named_state()
+    return {"names": sorted(state),
+            "max_abs": max([float(np.max(np.abs(layout.to_host(v))))
+                            for v, _ in state.values()], default=0.0),
+            "bytes": reduction.comm_stats()}
+
+
+def adam():
+    return keras.optimizers.Adam(1e-2)
+
+
+def distributed(compression, **options):
+    return lambda: tfpar.DistributedOptimizer(adam(), compression=compression, **options)
+
+
+RUNS = {"plain": adam, "none": distributed("none"),
+        "powersgd_full_rank": distributed("powersgd", rank=32),
+        "topk_ratio_1": distributed("topk", ratio=1.0),
+        "int8": distributed("int8"), "powersgd_rank_1": distributed("powersgd", rank=1)}
+
+
+def codecs():
+    """Exact runs: 4 steps against plain Adam's weights; lossy runs: 40 steps against plain
+    Adam's 40 (weights and the mean of the last 5 losses)."""
+    out, plain = {}, {}
+    for name, make in RUNS.items():
+        lossy = name in ("int8", "powersgd_rank_1")
+        steps = FAR_STEPS if lossy else STEPS
+        model, losses = fit(make, steps=steps)
+        weights = host(model)
+        if name == "plain":
+            plain[STEPS] = weights
+            far_model, far = fit(make, steps=FAR_STEPS)
+            plain[FAR_STEPS], plain_far = host(far_model), float(np.mean(far[-5:]))
+        out[name] = {"diff": max(float(np.max(np.abs(weights[k] - plain[steps][k])))
+                                 for k in weights),
+                     "losses": losses, "state": codec_state(model),
+                     "optimizer": type(model.optimizer).__name__}
+        out[name]["far_loss"] = float(np.mean(losses[-5:])) if lossy else plain_far
+    return out
+
+
+def fp16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        out = {}
+        for name, make in (("plain", adam), ("powersgd", distributed("powersgd", rank=1))):
+            model, losses = fit(make, steps=FAR_STEPS)
+            out[name] = {"losses": losses, "state": codec_state(model),
+                         "optimizer": type(model.optimizer).__name__,
+                         "scale": float(layout.to_host(model.optimizer.dynamic_scale.value)),
+                         "finite": bool(all(np.isfinite(w).all()
+                                            for w in host(model).values()))}
+        return out
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def save():
+    import tempfile
+    folder = tempfile.mkdtemp()
+    model, _ = fit(distributed("powersgd", rank=1))
+    saved = {k: np.asarray(layout.to_host(v)) for k, (v, _) in
+             model.tfpar_reductions[0].named_state().items()}
+    path = os.path.join(folder, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    out = {"state_names": sorted(saved),
+           "loaded_optimizer": type(loaded.optimizer).__name__,
+           "loaded_reductions": len(getattr(loaded, "tfpar_reductions", ()))}
+    # tfpar's BackupAndRestore: its checkpoint holds `codec/...` as the mesh trainer's. The
+    # second fit resumes after the finished epoch: no step runs, the state is the file's.
+    backup = os.path.join(folder, "backup")
+    model, _ = fit(distributed("powersgd", rank=1), callbacks=[
+        tfpar.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    first = {k: np.asarray(layout.to_host(v)) for k, (v, _) in
+             model.tfpar_reductions[0].named_state().items()}
+    keras.utils.set_random_seed(0)
+    fresh = user_model()
+    fresh.compile(optimizer=distributed("powersgd", rank=1)(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _, steps = fit(None, model=fresh, epochs=1, callbacks=[
+        tfpar.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    restored = {k: np.asarray(layout.to_host(v)) for k, (v, _) in
+                fresh.tfpar_reductions[0].named_state().items()}
+    out["resumed_steps"] = len(steps)
+    out["iterations"] = int(layout.to_host(fresh.optimizer.iterations.value))
+    out["first_max_abs"] = max(float(np.max(np.abs(v))) for v in first.values())
+    out["restored_names"] = sorted(restored)
+    out["restored_diff"] = max(float(np.max(np.abs(restored[k] - first[k]))) for k in first)
+    return out
+
+
+def nan():
+    """A batch with an infinite input on replica 0: with `on_nan="skip_step"` the update
+    and the codec's state are skipped and counted; with "stop" tfpar's `NaNGuard` ends
+    `fit` with one line."""
+    from tfpar.errors import TfparError
+    model, _ = fit(lambda: tfpar.DistributedOptimizer(adam(), compression="int8",
+                                                      on_nan="skip_step"))
+    reduction = model.tfpar_reductions[0]
+    before = [host(model), [np.asarray(layout.to_host(v)) for v in reduction.variables]]
+    x, y = data(1)
+    x["features"][0, 0] = np.inf
+    model.train_on_batch(x, y)
+    after = [host(model), [np.asarray(layout.to_host(v)) for v in reduction.variables]]
+    out = {"weights_moved": max(float(np.max(np.abs(after[0][k] - before[0][k])))
+                                for k in before[0]),
+           "state_moved": max(float(np.max(np.abs(a - b)))
+                              for a, b in zip(after[1], before[1])),
+           "state_max_abs": max(float(np.max(np.abs(b))) for b in before[1]),
+           "skipped": float(layout.to_host(model.optimizer.nonfinite_steps.value))}
+    model.train_on_batch(*data(1))  # and trains on
+    out["moved_after"] = max(float(np.max(np.abs(host(model)[k] - after[0][k])))
+                             for k in after[0])
+    keras.utils.set_random_seed(0)
+    model = user_model()
+    model.compile(optimizer=tfpar.DistributedOptimizer(adam(), compression="int8"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    xs, ys = data(3)
+    xs["features"][2 * BATCH, 0] = np.inf  # the third step
+    try:
+        model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=[tfpar.callbacks.NaNGuard()])
+        out["stop"] = None
+    except TfparError as err:
+        out["stop"] = str(err)
+    return out
+
+
+def data_parallel():
+    """The same under `keras.distribution.DataParallel` (4 replicas, one mesh axis): top-k
+    at ratio 1 against plain Adam, and PowerSGD rank 1's bytes and state."""
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()))
+    try:
+        plain = host(fit(adam)[0])
+        exact = fit(distributed("topk", ratio=1.0))[0]
+        lossy, losses = fit(distributed("powersgd", rank=1))
+        return {"diff": max(float(np.max(np.abs(host(exact)[k] - plain[k]))) for k in plain),
+                "replicas": exact.tfpar_reductions[0].replicas,
+                "state": codec_state(lossy), "losses": losses}
+    finally:
+        keras.distribution.set_distribution(distribution())
+
+
+def refusals():
+    from tfpar.errors import ConfigError
+
+    class Own(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    out = {}
+    for name, build, compression in (("train_step", Own, "powersgd"),
+                                     ("auto", None, "auto")):
+        keras.utils.set_random_seed(0)
+        model = user_model()
+        if build is not None:
+            model = build(model.inputs, model.outputs)
+        model.compile(optimizer=tfpar.DistributedOptimizer(adam(), compression=compression),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        try:
+            fit(None, model=model)
+            out[name] = {"raised": None}
+        except ConfigError as err:
+            out[name] = {"raised": "ConfigError", "lines": len(str(err).splitlines()),
+                         "line": str(err).splitlines()[0]}
+    return out
+
+
+CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
+         "data_parallel": data_parallel, "refusals": refusals}
+
+if __name__ == "__main__":
+    layout.enable()
+    keras.distribution.set_distribution(distribution())
+    print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)
