@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import compat
 from tfpar.compression import codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
 from tfpar.config import LOWBIT_BITS
