@@ -103,6 +103,6 @@ def test_a_non_finite_step_is_skipped_with_the_codec_state_or_stops_in_one_line(
 def test_data_parallel_runs_the_same_reduction(results):
     out = _case(results, "data_parallel")
     assert out["replicas"] == 4
-    assert out["diff"] <= 1e-5, out["diff"]  # top-k at ratio 1: plain Adam's weights
+    assert out["diff"] <= 1e-5, out["diff"]  # top-k at ratio 1: plain SGD's weights
     assert out["state"]["max_abs"] > 0
     assert out["state"]["bytes"]["compression_ratio"] > 5, out["state"]["bytes"]

@@ -37,6 +37,8 @@ def test_multi_worker_none_is_bucketed_and_bit_equal_to_keras(measured):
     assert measured["bucketed_by_default"] and not measured["plain_has_aggregator"]
     assert measured["trace_count"] >= 1  # the hook really ran inside Keras's fit
     assert measured["bit_equal"], measured["max_abs_diff"]
+    # with an embedding's IndexedSlices and Adam too (summed densely: 5-9 % off in loss)
+    assert measured["transformer_bit_equal"], measured["transformer_max_abs_diff"]
     # Its checkpoints hold no aggregator, so they load where Keras's all-reduce ran (one
     # process) and the reverse.
     assert measured["checkpointed_aggregators"] == [], measured["checkpointed_aggregators"]

@@ -262,6 +262,17 @@ KERAS_MESH_AGGREGATOR_TRAIN_STEP = Rule(
     "not supported with a model's own train_step under keras.distribution (its "
     "tape.gradient is summed over the mesh's batch axis by DTensor before any codec could "
     "see a replica's gradient); pass the plain Keras optimizer, or use Keras's train_step")
+# A `tfpar.DistributedOptimizer` under keras.distribution runs through the mesh's reduction
+# (`tfpar.layout.reduction.codec_of`): these codecs; `auto` (whose ranks the mesh trainer
+# plans from `--auto_*` flags) and an aggregator class of the user's own are not mapped.
+KERAS_MESH_CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold",
+                     "powersgd")
+KERAS_MESH_AGGREGATOR_CODEC = Rule(
+    "compression", lambda c: getattr(c, "keras_distribution", False)
+    and c.compression not in KERAS_MESH_CODECS,
+    "not supported in a user's model.fit under keras.distribution: the mesh's reduction "
+    "takes " + ", ".join(KERAS_MESH_CODECS) + "; use one of those, or --compression=auto "
+    "with python -m tfpar.train --tensor_parallel>1")
 
 # The same under keras.distribution: the mesh's step updates DVariables itself, where the
 # host update of `tfpar.DistributedOptimizer(offload=...)` (tf.distribute's merge) is not.
@@ -305,6 +316,7 @@ OFFLOAD_RULES = (
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
     KERAS_MESH_AGGREGATOR_TRAIN_STEP,
+    KERAS_MESH_AGGREGATOR_CODEC,
     KERAS_MESH_OFFLOAD,
     ZERO_COMPRESSION,
     ZERO3_COMPRESSION,

@@ -109,8 +109,12 @@ def make_optimizer(config, bucketed=None):
     With `bucketed`, `--compression=none` also goes through an aggregator (the exact fp32
     all-reduce in `--bucket_mb` buckets, last layers first), so the first buckets' sums
     start while backward still runs, where Keras's one all-reduce waits for all of it.
-    `None` (the default): off, unless inside `always_bucketed()`.
+    `None` (the default): off, unless inside `always_bucketed()`. `bucketed=True` (the
+    trainer's uncompressed path across workers) sends embeddings' `IndexedSlices` as Keras
+    does (`NoneAggregator.keras_slices`); inside `always_bucketed()` (the quality suite's
+    fp32 reference) they are summed densely, as every lossy aggregator sums them.
     """
+    keras_slices = bucketed is True
     if bucketed is None:
         bucketed = _BUCKETED[0]
     optimizer = plain_optimizer(config)
@@ -125,7 +129,10 @@ def make_optimizer(config, bucketed=None):
                                         config.error_feedback)
     elif config.compression != "none" or bucketed:
         from tfpar import compression
-        optimizer = compression.wrap_optimizer(optimizer, compression.make_aggregator(config))
+        aggregator = compression.make_aggregator(config)
+        if config.compression == "none":
+            aggregator.keras_slices = keras_slices
+        optimizer = compression.wrap_optimizer(optimizer, aggregator)
     if config.offload != "none":
         # Slots and update on the host (`tfpar.offload`); with ZeRO, each replica's piece.
         from tfpar import offload

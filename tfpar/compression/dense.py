@@ -15,6 +15,26 @@ class NoneAggregator(Aggregator):
         >>> optimizer = wrap_optimizer(keras.optimizers.Adam(), NoneAggregator())  # doctest: +SKIP
     """
 
+    # Embeddings' `IndexedSlices` gradients: summed densely in the buckets (False: the path
+    # every lossy aggregator takes, the quality suite's fp32 reference), or (True: the
+    # trainer's bucketed `--compression=none` across workers) through tf.distribute's own
+    # sum as Keras sends them (the slices gathered), so Keras's Adam adds one square per
+    # slice as without buckets (summed densely first, the transformer's loss moved 5-9 %:
+    # docs/guides/compression.md, "The reference is fp32 through the exact aggregator").
+    keras_slices = False
+
+    def all_reduce_sum(self, grads, variables):
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        if not (self.keras_slices and sparse) or self.adam is not None:
+            return super().all_reduce_sum(grads, variables)
+        out = super().all_reduce_sum(
+            [None if i in sparse else g for i, g in enumerate(grads)], variables)
+        summed = collectives.replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse])
+        for i, s in zip(sparse, summed):
+            out[i] = s
+        return out
+
     @property
     def checkpointed(self):
         # Without Adam in front its state (a step counter, a byte count) changes no result:

@@ -187,9 +187,10 @@ class KerasSteps:
                        + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
             # The loss tracker's update here is this replica's: dropped, made once below.
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-                y_pred, loss, _ = patches.forward_loss(model, x, y, sample_weight,
-                                                       _batch_size(x))
-            scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
+                # `scaled`: the optimizer's `scale_loss` (a LossScaleOptimizer's dynamic
+                # scale, any `loss_scale_factor`), which its `apply` divides out again.
+                y_pred, loss, scaled = patches.forward_loss(model, x, y, sample_weight,
+                                                            _batch_size(x))
             return scaled, (y_pred, loss, _current(scope, self.non_trainable, ntv))
 
         grads, (y_pred, losses, new_ntv) = replica_gradients(forward, tv, data)
@@ -198,6 +199,9 @@ class KerasSteps:
         if scale is None and getattr(optimizer, "tfpar_skip_nonfinite", False):
             finite = reduction_lib.all_finite([g for g in grads if g is not None])
         grads = reduce_over_batch(self.reduction, grads, scale, finite)
+        if finite is not None:  # a mean the codec's sum overflowed (fp16) is not applied
+            finite = tf.logical_and(finite, reduction_lib.all_finite(
+                [g for g in grads if g is not None]))
         new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
         if finite is not None:
             new_tv, new_ov = self._skipped_unless(finite, tv, ov, new_tv, new_ov)

@@ -430,9 +430,8 @@ def codec_of(aggregator):
                        powersgd_start_step=getattr(aggregator, "start_step", 0),
                        topk_warmup_steps=getattr(aggregator, "warmup_steps", 0),
                        topk_momentum=getattr(aggregator, "momentum", 0.0))
-    compat.enforce_honoured("compression", view, "dtensor")
-    for rule in (compat.MESH_POWERSGD_START, compat.MESH_TOPK_WARMUP,
-                 compat.MESH_TOPK_MOMENTUM):
+    for rule in (compat.KERAS_MESH_AGGREGATOR_CODEC, compat.MESH_POWERSGD_START,
+                 compat.MESH_TOPK_WARMUP, compat.MESH_TOPK_MOMENTUM):
         compat.enforce(rule, view)
     options = {}
     if codec == "powersgd":
