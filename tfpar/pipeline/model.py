@@ -209,8 +209,10 @@ class PipelineModel(keras.Model):
 
     def copied_weights(self):
         """The weights of Chimera's second pipeline (stage models K..2K-1): copies of the
-        first's, equal to them after every step (a checkpoint holds each once,
-        `tfpar.state`); empty for other schedules."""
+        first's, their trainable weights equal to them after every step (a checkpoint holds
+        each once, `tfpar.state`); empty for other schedules. A layer's non-trainable state
+        (BatchNormalization's moving statistics) is not kept equal: each copy moves its own
+        on its half of the micro-batches, and `predict` and checkpoints use the first's."""
         K = len(self.devices)
         return [w for stage in self.stages[K:] for w in stage.weights] \
             if self.schedule_name == "chimera" else []
