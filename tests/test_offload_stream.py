@@ -39,3 +39,30 @@ def test_offloaded_step_peak_is_below_the_whole_set_all_reduce(tmp_path, report_
     assert host["host_state_bytes"] >= 2 * weights - 64
     assert host["bytes_to_device_per_step"] == 2 * weights
     assert weights <= host["bytes_to_host_per_step"] < 1.1 * weights
+
+
+def test_deposit_then_update_is_the_host_step_and_a_skip_leaves_the_slots():
+    import keras
+    import numpy as np
+
+    from tfpar import offload
+
+    rng = np.random.default_rng(0)
+    grad = rng.normal(size=[4, 3]).astype(np.float32)
+    opt = keras.optimizers.Adam()
+    streamed = offload.HostSlots(("momentum", "velocity"), {0: (4, 3)})
+    whole = offload.HostSlots(("momentum", "velocity"), {0: (4, 3)})
+    total = streamed.deposit(0, grad, np.zeros([0], np.float32))
+    assert total == np.sum(grad, dtype=np.float32)
+    step = streamed.update(opt, 0, False, True, np.float32(0.01))
+    expected = whole.step(opt, [0], False, True, np.float32(0.01), grad,
+                          np.zeros([0], np.float32))[0]
+    np.testing.assert_array_equal(step, expected)
+    np.testing.assert_array_equal(streamed.arrays["velocity"][0], whole.arrays["velocity"][0])
+    assert not streamed.pending
+    # A skipped step: zero step, slots as they were, nothing left pending.
+    before = streamed.arrays["momentum"][0].copy()
+    streamed.deposit(0, grad * np.float32(np.nan), np.zeros([0], np.float32))
+    assert not streamed.update(opt, 0, True, False, np.float32(0.01)).any()
+    np.testing.assert_array_equal(streamed.arrays["momentum"][0], before)
+    assert not streamed.pending
