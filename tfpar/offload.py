@@ -260,8 +260,7 @@ class OffloadMixin:
         host = self._tfpar_host
         device = distribution.extended.worker_devices[0]
         entries, flags, down = [], [], 0
-        # Backward order (the last layers' gradients come first): host calls are stateful
-        # and run in the order they are made.
+        # Backward order (the last layers' gradients come first).
         for g, var in reversed(dense):
             summed = distribution.extended.reduce_to(tf.distribute.ReduceOp.SUM, g,
                                                      destinations=device)
@@ -276,11 +275,15 @@ class OffloadMixin:
         for var, grad, square in entries:
             key = self._tfpar_host_keys[_key(var)]
             keys.append(key)
+            # Not `stateful`: stateful calls run in the order they are made, so a gradient
+            # the backward pass had produced waited for those before it (512x7 fit the cap
+            # chained, 512x8 not: docs/benchmarks/memory.md). Unordered is safe: each call
+            # writes its own key, and the updates read them after `finite`, which needs all.
             with tf.device(device):
                 flags.append(tf.numpy_function(
                     functools.partial(host.deposit, key),
                     [grad, tf.zeros([0]) if square is None else square], tf.float32,
-                    stateful=True))
+                    stateful=False))
             down += 4 * int(grad.shape.num_elements()) * (1 if square is None else 2)
         finite = tf.math.is_finite(tf.add_n(flags))
         scalar = _scalar(self, learning_rate)
