@@ -7,7 +7,7 @@ replica's weights (W, fp32).
 
 The two replicas' weights are 2 W; the whole-set path (the code before streaming) peaked at
 6.25 W on this model (the replicas' gradients, 2 W, and the all-reduce's buffers on top),
-the streamed one at 3.73 W (one run each, 2026-12-05; docs/benchmarks/memory.md has the
+the streamed one at 3.51 W (one run each, 2026-12-05; docs/benchmarks/memory.md has the
 512-wide table). 5 W is between them: a return to whole-set buffers fails it.
 """
 
