@@ -2,18 +2,24 @@
 `cpu_offload` do: the slots (SGD's momentum, Adam's m and v) live in host memory and the
 update runs there; the devices keep the weights and compute forward and backward.
 
-A step, after the backward pass and the gradients' all-reduce (or, with `--zero_stage=1|2`,
-the reduce-scatter):
+A step, after the backward pass:
 
-1. device -> host: the summed gradient (one replica's copy; with ZeRO each replica its own
-   piece), and for Adam with an embedding's `IndexedSlices` gradient its summed squared
-   slices (what Keras adds into `v`, see `tfpar.zero.sharded._adam`);
+1. device -> host: the summed gradient (one copy; with ZeRO each replica its own piece of
+   the reduce-scatter), and for Adam with an embedding's `IndexedSlices` gradient its
+   summed squared slices (what Keras adds into `v`, see `tfpar.zero.sharded._adam`). On
+   one process's replicas (`MirroredStrategy`) this streams, as ZeRO-Offload does: each
+   weight's gradient is summed on the first replica's device by itself and leaves for the
+   host as soon as the backward pass has produced it, so the devices never hold every
+   gradient summed at once, nor the buffers of Keras's all-reduce of the whole set
+   (docs/benchmarks/memory.md measures what that saves). Across workers the whole set is
+   all-reduced first;
 2. on the host, in NumPy, the optimizer's own formulas in Keras's order of operations
    (`adam_step`, `momentum_step`), updating the host slots in place; the scalars they need
    (Adam's `alpha` from the step count) are computed on the device as Keras computes them;
 3. host -> device: the step to add to the weights, which every replica applies to its copy
    (`assign_sub`/`assign_add`, Keras's own last operation), so the weights stay mirrored
-   and equal those of the run without offload.
+   and equal those of the run without offload. Streamed, the steps come back one weight at
+   a time, each applied before the next is asked for (no whole step tensor on a device).
 
 The weights are not copied to the host and back: the host never holds a second copy that a
 checkpoint restore or `set_weights` could leave stale. The bytes copied per step (`stats`)
@@ -89,10 +95,27 @@ class HostSlots:
         self.names = tuple(names)
         self.arrays = {n: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
                        for n in self.names}
+        self.pending = {}  # a streamed step's gradients between its two phases
 
     @property
     def nbytes(self):
         return sum(a.nbytes for per_key in self.arrays.values() for a in per_key.values())
+
+    def deposit(self, key, grad, square=None):
+        """Phase 1 of a streamed step (`streamed_update`): keeps a copy of `key`'s summed
+        gradient (and Adam's `square`; an empty array: the gradient's square) on the host
+        until `update`, and returns its float32 sum (the step's finiteness check)."""
+        self.pending[key] = (np.array(grad, np.float32, copy=True),
+                             None if square is None or square.size == 0
+                             else np.array(square, np.float32, copy=True))
+        return np.asarray(np.sum(self.pending[key][0], dtype=np.float32), np.float32)
+
+    def update(self, optimizer, key, skip, finite, scalar):
+        """Phase 2: `key`'s host update from its deposited gradient; returns the step."""
+        grad, square = self.pending.pop(key)
+        return self.step(optimizer, [key], skip, finite, scalar, grad,
+                         *([np.zeros([0], np.float32) if square is None else square]
+                           if "velocity" in self.arrays else []))[0]
 
     def step(self, optimizer, keys, skip, finite, scalar, *tensors):
         """The host update of the arrays `keys` (NumPy in, NumPy out; run by
@@ -208,12 +231,87 @@ class OffloadMixin:
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = [v.value if isinstance(v, keras.Variable) else v
                      for v in trainable_variables]
-        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
+        pairs = list(zip(grads, variables))
+        if isinstance(self._distribution_strategy, tf.distribute.MirroredStrategy):
+            # Streamed (`_tfpar_streamed_update`); an embedding's rows go through Keras's
+            # all-reduce as on the devices (small, and summed in the same order).
+            sparse = self._all_reduce_sum_gradients(
+                [(g, v) for g, v in pairs if isinstance(g, tf.IndexedSlices)])
+            dense = [(g, v) for g, v in pairs
+                     if g is not None and not isinstance(g, tf.IndexedSlices)]
+            tf.__internal__.distribute.interim.maybe_merge_call(
+                self._tfpar_streamed_update, self._distribution_strategy, sparse, dense,
+                learning_rate)
+            return
+        grads_and_vars = self._all_reduce_sum_gradients(pairs)
         tf.__internal__.distribute.interim.maybe_merge_call(
             self._tfpar_offloaded_update, self._distribution_strategy, grads_and_vars,
             learning_rate)
 
+    def _tfpar_streamed_update(self, distribution, sparse, dense, learning_rate):
+        """One process's replicas (`MirroredStrategy`), as ZeRO-Offload streams: each
+        weight's gradient is summed on the first replica's device by itself (no buffer of
+        every gradient at once) and leaves for the host as soon as the backward pass has
+        produced it (phase 1, `HostSlots.deposit`); once all are on the host and the step's
+        finiteness is known, the steps come back one weight at a time, each applied to
+        every replica's copy before the next is asked for (phase 2, `HostSlots.update`).
+        So the devices never hold the whole gradient set summed, nor the whole step."""
+        adam = isinstance(self, keras.optimizers.Adam)
+        host = self._tfpar_host
+        device = distribution.extended.worker_devices[0]
+        entries, flags, down = [], [], 0
+        # Backward order (the last layers' gradients come first).
+        for g, var in reversed(dense):
+            summed = distribution.extended.reduce_to(tf.distribute.ReduceOp.SUM, g,
+                                                     destinations=device)
+            summed = distribution.experimental_local_results(summed)[0]
+            entries.append((var, tf.reshape(tf.cast(summed, tf.float32), var.shape), None))
+        for g, var in sparse:
+            g = distribution.experimental_local_results(g)[0]
+            entries.append((var, tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32),
+                                            var.shape),
+                            tf.reshape(_slice_squares(g), var.shape) if adam else None))
+        keys = []
+        for var, grad, square in entries:
+            key = self._tfpar_host_keys[_key(var)]
+            keys.append(key)
+            # Not `stateful`: stateful calls run in the order they are made, so a gradient
+            # the backward pass had produced waited for those before it (512x7 fit the cap
+            # chained, 512x8 not: docs/benchmarks/memory.md). Unordered is safe: each call
+            # writes its own key, and the updates read them after `finite`, which needs all.
+            with tf.device(device):
+                flags.append(tf.numpy_function(
+                    functools.partial(host.deposit, key),
+                    [grad, tf.zeros([0]) if square is None else square], tf.float32,
+                    stateful=False))
+            down += 4 * int(grad.shape.num_elements()) * (1 if square is None else 2)
+        finite = tf.math.is_finite(tf.add_n(flags))
+        scalar = _scalar(self, learning_rate)
+        skip = bool(getattr(self, "tfpar_skip_nonfinite", False))
+
+        def apply(var, step):
+            step = tf.cast(step, var.dtype)
+            return (var.assign_sub(step, read_value=False) if adam
+                    else var.assign_add(step, read_value=False))
+
+        done, up = [], 0
+        for (var, grad, _), key in zip(reversed(entries), reversed(keys)):
+            with tf.control_dependencies(done), tf.device(device):
+                step = tf.numpy_function(functools.partial(host.update, self, key, skip),
+                                         [finite, scalar], tf.float32, stateful=True)
+            step.set_shape(grad.shape)
+            done = tf.nest.flatten(distribution.extended.update(var, apply, args=(step,),
+                                                                group=True))
+            up += 4 * int(grad.shape.num_elements())
+        local = len(distribution.extended.worker_devices)
+        self._tfpar_copied = {"to_host": down, "to_device": local * up}
+        distribution.extended.update(
+            self.nonfinite_steps.value,
+            lambda count, finite: count.assign_add(1.0 - tf.cast(finite, tf.float32)),
+            args=(finite,), group=False)
+
     def _tfpar_offloaded_update(self, distribution, grads_and_vars, learning_rate):
+        # The whole set at once: Keras's all-reduce packs it (multi-worker strategies).
         pairs = [(distribution.experimental_local_results(g)[0], v)
                  for g, v in grads_and_vars if g is not None]
         adam = isinstance(self, keras.optimizers.Adam)
