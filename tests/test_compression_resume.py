@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, last_json_line, run, run_concurrently
 
 CHILD = f"{ROOT}/tests/train_child.py"
 RUNS_CHILD = f"{ROOT}/tests/train_runs_child.py"
@@ -24,17 +24,20 @@ def _weights(path):
 
 def test_int8_resume_is_exact_per_replica(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    # The first part and the uninterrupted run in one child (tests/train_runs_child.py); the
-    # resume in a fresh process, as a restarted job would.
-    runs = [["first", {**CONFIG, "steps": 5, "checkpoint_dir": ckpt, "checkpoint_every": 5}],
-            ["whole", {**CONFIG, "steps": 10}]]
-    out = run([sys.executable, RUNS_CHILD, json.dumps(runs), str(tmp_path / "run")],
-              timeout=300)
-    first, whole = (last_json_line(out.stdout)[name] for name in ("first", "whole"))
-    out = run([sys.executable, CHILD, json.dumps({**CONFIG, "steps": 10, "checkpoint_dir": ckpt,
-                                                  "checkpoint_every": 5}),
-               str(tmp_path / "resumed")], timeout=240)
-    resumed = last_json_line(out.stdout)
+    # The first part, then the resume in a fresh process (as a restarted job would run it);
+    # meanwhile the uninterrupted run in a child of its own (tests/train_runs_child.py).
+    def first_then_resumed():
+        first = last_json_line(run([sys.executable, RUNS_CHILD, json.dumps([[
+            "first", {**CONFIG, "steps": 5, "checkpoint_dir": ckpt, "checkpoint_every": 5}]]),
+            str(tmp_path / "run")], timeout=300).stdout)["first"]
+        out = run([sys.executable, CHILD, json.dumps({**CONFIG, "steps": 10,
+                                                      "checkpoint_dir": ckpt,
+                                                      "checkpoint_every": 5}),
+                   str(tmp_path / "resumed")], timeout=240)
+        return first, last_json_line(out.stdout)
+    (first, resumed), whole = run_concurrently([first_then_resumed, lambda: last_json_line(
+        run([sys.executable, RUNS_CHILD, json.dumps([["whole", {**CONFIG, "steps": 10}]]),
+             str(tmp_path / "run")], timeout=300).stdout)["whole"]])
     assert first["replicas"] == 4 and first["steps"] == 5
     assert resumed["resumed_from_step"] == 5 and resumed["steps"] == 5
     # The same replicas, weights, slots, residuals and data position: the same numbers. Each
@@ -67,26 +70,32 @@ MESH = {"model": "mlp", "tensor_parallel": 2, "data_parallel": 2, "cpu_devices":
 def test_mesh_codec_resume_is_exact(tmp_path):
     from test_layout_compose import train_configs
     from test_train import weights
-    codecs = ("int8", "powersgd", "lowbit")
+    # int8's residuals are lowbit's (the same `residual` rows, tfpar.layout.reduction); its
+    # mesh resume, onto another data-parallel degree, is tests/test_reshard.py's int8_dp2.
+    codecs = ("powersgd", "lowbit")
     configs = {c: {**MESH, "compression": c, "powersgd_rank": 2,
                    "checkpoint_dir": str(tmp_path / c), "checkpoint_every": 5}
                for c in codecs}
-    # The first halves and the uninterrupted runs in one child (one mesh per process)...
-    first = train_configs(str(tmp_path / "run"), [
-        {**configs[c], "steps": s} if s == 5 else
-        {k: v for k, v in configs[c].items() if not k.startswith("checkpoint")} | {"steps": s}
-        for c in codecs for s in (5, 10)])[None]
-    # ... the resumes in a fresh process, as a restarted job would run them.
-    resumed = train_configs(str(tmp_path / "resumed"),
-                            [{**configs[c], "steps": 10} for c in codecs])[None]
+    # The first halves, then the resumes in a fresh process (as a restarted job would run
+    # them); meanwhile the uninterrupted runs in a child of their own (one mesh per
+    # process; a run on a fresh runtime equals a later run on a used one, bit for bit:
+    # tests/test_train.py). Three runs' tracing at a time each, not six and then three.
+    def first_then_resumed():
+        train_configs(str(tmp_path / "first"), [{**configs[c], "steps": 5} for c in codecs])
+        return train_configs(str(tmp_path / "resumed"),
+                             [{**configs[c], "steps": 10} for c in codecs])[None]
+    resumed, whole_runs = run_concurrently([first_then_resumed, lambda: train_configs(
+        str(tmp_path / "run"), [{k: v for k, v in configs[c].items()
+                                 if not k.startswith("checkpoint")} | {"steps": 10}
+                                for c in codecs])[None]])
     for i, codec in enumerate(codecs):
-        whole, again = first[2 * i + 1], resumed[i]
+        whole, again = whole_runs[i], resumed[i]
         assert again["resumed_from_step"] == 5 and again["steps"] == 5
         assert whole["comm"]["compression_ratio"] > 1.5  # the codec ran
         # Without the residuals and Qs restored, the steps after the resume differ.
         np.testing.assert_array_equal(again["loss_history"], whole["loss_history"][5:])
         for a, b in zip(weights(str(tmp_path / f"resumed.{i}")),
-                        weights(str(tmp_path / f"run.{2 * i + 1}")), strict=True):
+                        weights(str(tmp_path / f"run.{i}")), strict=True):
             np.testing.assert_array_equal(a, b, f"{codec}: resumed weights differ")
 
 

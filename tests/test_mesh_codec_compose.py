@@ -3,12 +3,12 @@ accumulation, and on dp × tp × pp, each against its uncompressed run on the sa
 
 - on a 2×2 mesh, `--mixed_precision=fp16` and `--grad_accum_steps=2` with top-k at ratio 1
   and PowerSGD at rank 32 (where the codecs are exact) equal the uncompressed run, int8
-  and lowbit end near it; an overflowing step (one infinite input on one replica) is skipped by the
-  whole mesh and leaves the codec's residuals and `Q`s as they were;
-- on 2×2×2 (`--pipeline_stages=2`) every codec against the uncompressed 3D run: exact at
-  its limit, within the band of tests/test_layout_mesh.py at its defaults, its bytes above
-  0 and below fp32's (top-k, PowerSGD; threshold is checked on the 2x2 mesh by
-  tests/test_layout_mesh.py); the issue's check,
+  (fp16) and lowbit end near it; an overflowing step (one infinite input on one replica)
+  is skipped by the whole mesh and leaves the codec's residuals and `Q`s as they were;
+- on 2×2×2 (`--pipeline_stages=2`) the codecs against the uncompressed 3D run: top-k and
+  PowerSGD exact at their limits, top-k and lowbit within the band of
+  tests/test_layout_mesh.py at their defaults, bytes above 0 and below fp32's (threshold
+  is checked on the 2x2 mesh by tests/test_layout_mesh.py); the issue's check,
   `--compression=powersgd --mixed_precision=fp16`, near the uncompressed fp16 run; with an
   infinite gradient on stage 0 every step is skipped and the residuals stay zero.
 
@@ -39,12 +39,16 @@ LIMITS = {"topk": {"topk_ratio": 1.0}, "powersgd": {"powersgd_rank": 32}}
 # (uncompressed run, then the codecs' runs of the same settings)
 FP16 = {**SGD, "mixed_precision": "fp16"}
 ACCUM = {**ADAM, "grad_accum_steps": 2}
-LOSSY = ("int8", "lowbit")  # at their defaults: near the uncompressed run
+# At their defaults: near the uncompressed run. Accumulation sums the micro-batches'
+# gradients before any codec sees them, the same for every codec: lowbit alone there (int8
+# with accumulation was dropped to cut the suite's time; int8's own sum on this mesh is
+# tests/test_layout_mesh.py's, with fp16 above).
+LOSSY = {"fp16": ("int8", "lowbit"), "grad_accum_steps=2": ("lowbit",)}
 MESH_RUNS = ([FP16] + [{**FP16, "compression": c, **o} for c, o in LIMITS.items()]
-             + [{**FP16, "compression": c} for c in LOSSY]
+             + [{**FP16, "compression": c} for c in LOSSY["fp16"]]
              + [ACCUM] + [{**ACCUM, "compression": c, **o} for c, o in LIMITS.items()]
-             + [{**ACCUM, "compression": c} for c in LOSSY])
-ACCUM_FIRST = 1 + len(LIMITS) + len(LOSSY)  # the accumulation runs' uncompressed one
+             + [{**ACCUM, "compression": c} for c in LOSSY["grad_accum_steps=2"]])
+ACCUM_FIRST = 1 + len(LIMITS) + len(LOSSY["fp16"])  # the accumulation runs' uncompressed one
 # 3D: 12 steps (20 before the suite's time was cut; the gaps below were measured at 20).
 STEPS3D = 12
 MESH3D = {"model": "mlp", "steps": STEPS3D, "steps_per_epoch": STEPS3D, "verbose": 0,
@@ -52,8 +56,12 @@ MESH3D = {"model": "mlp", "steps": STEPS3D, "steps_per_epoch": STEPS3D, "verbose
           "tensor_parallel": 2, "pipeline_stages": 2, "microbatches": 2,
           "schedule": "1f1b"}
 # threshold runs on the 2x2 mesh in tests/test_layout_mesh.py; on the mesh it is summed
-# densely (fp32's bytes), so 3D adds nothing it does not check there.
-CODECS3D = ("topk", "powersgd", "lowbit")
+# densely (fp32's bytes), so 3D adds nothing it does not check there. PowerSGD runs on 3D
+# at rank 32 below: the same power iteration and factors as at its default rank (checked
+# on the 2x2 mesh by tests/test_layout_mesh.py), exact there, its bytes counted against
+# fp32's; its default-rank 3D run was dropped to cut the suite's time (2026-12-05). Top-k
+# stays at both: at ratio 1 it sums densely (`topk_k`), its sparse path only at its default.
+CODECS3D = ("topk", "lowbit")
 RUNS3D = ([ADAM] + [{**ADAM, "compression": c} for c in CODECS3D]
           + [{**ADAM, "compression": c, **o} for c, o in LIMITS.items()]
           + [FP16, {**FP16, "compression": "powersgd"},
@@ -63,11 +71,12 @@ RUNS3D = ([ADAM] + [{**ADAM, "compression": c} for c in CODECS3D]
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mesh_codecs")
-    skip, mesh, three_d = subproc.run_concurrently([
+    # The 3D runs (the longest child) first: the other two follow each other beside it.
+    three_d, skip, mesh = subproc.run_concurrently([
+        lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D]),
         lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip,keras_aggregator"],
                                    timeout=400).stdout),
-        lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS]),
-        lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D])])
+        lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS])])
     return {"folder": folder, "skip": skip["fp16_skip"], "mesh": mesh[None],
             "3d": three_d[None], "keras": skip["keras_aggregator"]}
 
@@ -104,14 +113,14 @@ def test_fp16_and_accumulation_with_mesh_codecs_equal_the_uncompressed_run(
         name = "fp16" if first == 0 else "grad_accum_steps=2"
         plain = runs[first]
         assert "comm" not in plain  # DTensor's own sum: no codec
-        for offset, codec in enumerate(["topk@1", "powersgd@32", *LOSSY], 1):
+        for offset, codec in enumerate(["topk@1", "powersgd@32", *LOSSY[name]], 1):
             i = first + offset
             result = runs[i]
             diff = _weights_diff(children, "mesh", first, i)
             gap = _loss_gap(result, plain)
             measured.append(f"{name} {codec}: weights {diff:.1e}, losses {gap:.1e}")
             assert result["comm"]["bytes_on_wire_per_step"] > 0
-            if codec in LOSSY:  # near, and it ran (fewer bytes, moved losses)
+            if codec in LOSSY[name]:  # near, and it ran (fewer bytes, moved losses)
                 final = result["final_loss"] / plain["final_loss"] - 1
                 measured[-1] += f", final loss {final:+.2%}"
                 assert abs(final) < DEFAULTS_BAND.get(codec, 0.02), (name, codec, final)
@@ -152,6 +161,9 @@ def test_each_codec_on_dp_tp_pp_against_the_uncompressed_3d_run(children, report
     for i, codec in enumerate(LIMITS, 1 + len(CODECS3D)):
         gap = _loss_gap(runs[i], plain)
         diff = _weights_diff(children, "3d", 0, i)
+        # Their bytes counted on 3D as at the defaults: every weight once, as fp32.
+        assert runs[i]["comm"]["bytes_uncompressed_per_step"] == fp32, codec
+        assert runs[i]["comm"]["bytes_on_wire_per_step"] > 0, codec
         measured.append(f"{codec} at its limit: losses {gap:.1e}, weights {diff:.1e}")
         # PowerSGD's rank-32 factors carry the summed gradient whole in exact arithmetic;
         # the warm-started power iteration rounds (as in tests/test_layout_mesh.py).
