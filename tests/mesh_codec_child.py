@@ -9,8 +9,6 @@ Usage: python tests/mesh_codec_child.py CASE[,CASE...]
   overflowing step.
 - `reshard`: the codecs' state (residuals, `Q`s) saved by `tfpar.state` on a 2×2 mesh and
   loaded onto a fresh 2×2 mesh and onto a 4×1 one: names, differences, residual sums.
-- `keras_aggregator`: `model.fit` under Keras's `ModelParallel` with a
-  `tfpar.DistributedOptimizer(compression="powersgd")`: the one-line refusal.
 """
 
 import json
@@ -123,37 +121,7 @@ def reshard():
     return out
 
 
-def keras_aggregator():
-    """`model.fit` under Keras's `ModelParallel` with a `tfpar.DistributedOptimizer`: the
-    error it raises (its type and first line)."""
-    import tfpar
-    from tfpar.errors import ConfigError
-    task, build = task_for("mlp")
-    x, y, *_ = arrays(task, "mlp", 32, steps=1)
-    layout.enable()
-    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
-                                         keras.distribution.list_devices())
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for path, axes in USER_LAYOUTS["mlp"].items():
-        layout_map[path] = axes
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"))
-    try:
-        model = seeded(build)
-        model.compile(optimizer=tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-3),
-                                                           compression="powersgd"),
-                      loss=LOSS)
-        try:
-            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-        except ConfigError as err:
-            return {"raised": "ConfigError", "line": str(err).splitlines()[0],
-                    "lines": len(str(err).splitlines())}
-        return {"raised": None}
-    finally:
-        keras.distribution.set_distribution(None)
-
-
-CASES = {"fp16_skip": fp16_skip, "reshard": reshard, "keras_aggregator": keras_aggregator}
+CASES = {"fp16_skip": fp16_skip, "reshard": reshard}
 
 if __name__ == "__main__":
     print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)

@@ -12,9 +12,9 @@ accumulation, and on dp × tp × pp, each against its uncompressed run on the sa
   `--compression=powersgd --mixed_precision=fp16`, near the uncompressed fp16 run; with an
   infinite gradient on stage 0 every step is skipped and the residuals stay zero.
 
-`model.fit` under Keras's `ModelParallel` with a `tfpar.DistributedOptimizer` is refused in
-one line (`compat.KERAS_MESH_AGGREGATOR`). Three children at once: the fp16 skip and Keras
-cases, the 2×2 runs, the 3D runs.
+(A `tfpar.DistributedOptimizer` in `model.fit` under Keras's `ModelParallel` runs through
+the same reduction: tests/test_keras_mesh_codecs.py.) Three children at once: the fp16
+skip case, the 2×2 runs, the 3D runs.
 """
 
 import os
@@ -74,11 +74,11 @@ def children(tmp_path_factory):
     # The 3D runs (the longest child) first: the other two follow each other beside it.
     three_d, skip, mesh = subproc.run_concurrently([
         lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D]),
-        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip,keras_aggregator"],
+        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"],
                                    timeout=400).stdout),
         lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS])])
     return {"folder": folder, "skip": skip["fp16_skip"], "mesh": mesh[None],
-            "3d": three_d[None], "keras": skip["keras_aggregator"]}
+            "3d": three_d[None]}
 
 
 def _weights_diff(children, name, i, j):
@@ -192,14 +192,3 @@ def test_powersgd_with_fp16_on_dp_tp_pp_and_its_skipped_steps(children, report_m
     report_measured("dp=2 x tp=2 x pp=2 --compression=powersgd --mixed_precision=fp16, "
                     f"{STEPS3D} SGD steps: final loss {gap:+.2%} vs uncompressed fp16 "
                     f"({powersgd['comm']['compression_ratio']:.1f}x fewer bytes)")
-
-
-def test_a_distributed_optimizer_under_keras_model_parallel_is_refused_in_one_line(children):
-    # Keras's own step on a mesh sums gradients over `batch` in DTensor; a tfpar aggregator
-    # reduces over tf.distribute replicas (it failed deep inside Keras's Adam before).
-    out = children["keras"]
-    if "error" in out:
-        raise AssertionError(out["error"])
-    assert out["raised"] == "ConfigError" and out["lines"] == 1, out
-    assert out["line"].startswith("compression='PowerSGDAggregator'"), out
-    assert "--tensor_parallel>1 --compression" in out["line"], out

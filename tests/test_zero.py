@@ -133,8 +133,6 @@ def test_zero_on_two_workers_equals_plain_two_workers(tmp_path):
 
 
 @pytest.mark.parametrize("settings,match", [
-    ({"zero_stage": 3, "tensor_parallel": 2, "compression": "int8"},
-     "compression='int8'.*--tensor_parallel>1"),
     ({"zero_stage": 3, "compression": "topk"}, "compression='topk'.*reduce-scatter"),
     ({"zero_stage": 1, "compression": "topk"}, "compression='topk'.*reduce-scatter"),
     ({"zero_stage": 1, "pipeline_stages": 2}, "zero_stage=1.*pipeline"),
