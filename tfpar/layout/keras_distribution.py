@@ -335,11 +335,8 @@ def _to_mesh_hooks(optimizer, hooks):
     non-finite updates itself, `keras_step`), its `hooks` kept."""
     from tfpar.compression.keras_hook import AggregatingOptimizerMixin
     from tfpar.nan_guard import SkipNonFiniteMixin
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    cls = type(inner)
-    while issubclass(cls, (AggregatingOptimizerMixin, SkipNonFiniteMixin)):
-        cls = cls.__bases__[-1]  # `patches.mix_in`'s classes: (mixin, the class mixed)
-    inner.__class__ = cls
+    inner = patches.mix_out(getattr(optimizer, "inner_optimizer", optimizer),
+                            (AggregatingOptimizerMixin, SkipNonFiniteMixin))
     for name, value in hooks.items():
         setattr(inner, name, value)
 

@@ -26,7 +26,8 @@ entries, each described in its module's docstring:
   written from the host, what `tfpar.layout.enable` hooks for `get_weights`, `save` …),
   `autocast_scope` (mixed precision's variable cast, re-entered in a recomputed forward).
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
-  `stateless_optimizer`; and `mix_in`, how an optimizer the user built gets a tfpar mixin.
+  `stateless_optimizer`; and `mix_in`/`mix_out`, how an optimizer the user built gets (or
+  sheds) a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `dtensor_started`,
   `function_constant_folding`, `onednn_enabled`, `op_callbacks`, `tensor_getitem`,
   `trackable_tensors`, `vectorized_relayout`.
@@ -53,7 +54,7 @@ from tfpar.patches.keras_model import (forward_loss, function_loss, functional_o
                                        variable_storage)
 from tfpar.patches.keras_optimizer import (base_build, built_variables, is_base_optimizer,
                                            is_tf_optimizer,
-                                           is_stateless_class, mix_in, stateless_class,
+                                           is_stateless_class, mix_in, mix_out, stateless_class,
                                            to_stateless)
 from tfpar.patches.model_optimization import (input_quantizers, local_mask_pruning,
                                               prunable, prunable_wrappers)

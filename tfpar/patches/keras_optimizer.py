@@ -221,3 +221,13 @@ def mix_in(obj, mixin):
                                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     obj.__class__ = _MIXED[cls, mixin]
     return obj
+
+
+def mix_out(obj, mixins):
+    """Undoes `mix_in` for every class of `mixins` in front of `obj`'s class, in place:
+    `obj` is again an instance of the class those were mixed into."""
+    cls = type(obj)
+    while issubclass(cls, mixins):
+        cls = cls.__bases__[-1]  # `mix_in`'s classes: (mixin, the class mixed)
+    obj.__class__ = cls
+    return obj

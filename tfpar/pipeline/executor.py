@@ -109,14 +109,14 @@ class PipelineExecutor:
         # gradients and W compute each layer's weight gradients from its output gradient.
         self.units = [_chain_units(s) for s in self.stages] if self.split else None
         # Trace order and the messages between virtual stages: `tfpar.pipeline.runner`.
-        self._runner = ScheduleRunner(schedule)
+        self.runner = ScheduleRunner(schedule)
         # The stage models a micro-batch passes, input end first (Chimera: the first
         # pipeline's), and the copies of each virtual stage (Chimera: two).
         by_position = {}
         for v in range(self.K * self.V):
-            by_position.setdefault(self._runner.position(v), []).append(v)
+            by_position.setdefault(self.runner.position(v), []).append(v)
         self.path = [by_position[p][0] for p in sorted(by_position)]
-        self.copies = [by_position[self._runner.position(v)] for v in range(self.K * self.V)]
+        self.copies = [by_position[self.runner.position(v)] for v in range(self.K * self.V)]
 
     def stage_variables(self, s):
         """Trainable variables of all chunks on stage s."""
@@ -186,7 +186,7 @@ class PipelineExecutor:
             scale = (tf.convert_to_tensor(self.optimizers[last % K].dynamic_scale)
                      if self.loss_scaled() else None)
         step = _StepActions(self, devices, labels, ws, scale)
-        self._runner.run(step, lambda m: xs[m], groups=self.groups)
+        self.runner.run(step, lambda m: xs[m], groups=self.groups)
         with tf.device(devices[last % K]):
             loss = tf.add_n(step.losses)
             y_pred = tf.concat(step.preds, axis=0)
@@ -272,8 +272,8 @@ class _StepActions:
         self.ex, self.devices, self.labels, self.weights = executor, devices, labels, weights
         self.scale = scale                         # fp16: the loss scale, else None
         n = executor.K * executor.V
-        self.position = executor._runner.position  # stage model -> virtual stage
-        self.last = executor._runner.last
+        self.position = executor.runner.position  # stage model -> virtual stage
+        self.last = executor.runner.last
         self.count = executor.M * executor.groups  # micro-batches in the step
         self.acc = [None] * n                      # summed grads per virtual stage
         self.losses, self.preds = [None] * self.count, [None] * self.count
