@@ -305,7 +305,12 @@ class Aggregator(tf.Module):
         self.trace_count += 1
         present = [i for i, g in enumerate(grads) if g is not None]
         positions = [self._layout.keys[_key(variables[i])] for i in present]
+        # A dense gradient can reach here without its static shape (the transformer's on
+        # MultiWorkerMirroredStrategy: `(None, 256)` for a `(64, 256)` kernel); the buckets
+        # are planned from static shapes, which are its variable's.
         inputs = [tf.cast(grads[i], tf.float32) for i in present]
+        inputs = [x if isinstance(x, tf.IndexedSlices)
+                  else tf.ensure_shape(x, variables[i].shape) for i, x in zip(present, inputs)]
         if self.adam is None:
             summed, nbytes = self._compress_and_exchange(inputs, positions)
         elif not self.adam_warmup_steps:
