@@ -42,6 +42,8 @@ def pytest_configure(config):
 # other core idle for its whole run. Files not named keep their collection order after them.
 LONGEST_FIRST = [
     "test_faults.py", "test_train.py", "test_memory.py", "test_multihost_netns.py",
+    "test_keras_mesh_codecs.py", "test_zero3_codecs.py", "test_mesh_auto.py",
+    "test_pipeline_chimera.py",
     "test_reshard.py", "test_layout_models.py", "test_compression_nan_free.py",
     "test_zero_compression.py", "test_guides.py",
     "test_layout_keras.py", "test_layout_fit.py", "test_compression_integration.py",
@@ -51,7 +53,7 @@ LONGEST_FIRST = [
     "test_elastic.py", "test_uneven_batch.py", "test_zero.py", "test_layout_pipeline.py", "test_pipeline_training.py",
     "test_layout_compose.py", "test_layout_pipeline_workers.py", "test_api.py",
     "test_layout_keras_state.py", "test_checkpoint_async.py", "test_legacy_preemption.py",
-    "test_mesh_preemption.py",
+    "test_mesh_preemption.py", "test_offload_stream.py", "test_overlap.py",
     "test_pipeline_remote_dp.py", "test_pipeline_remote.py", "test_compression_timing.py",
     "test_validation.py",
     "test_fuzz.py", "test_tensorboard_cli.py", "test_packaging.py",
