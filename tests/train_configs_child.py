@@ -46,8 +46,8 @@ def dense_gradients(on):
     import tensorflow as tf
     make = optimizers.make_optimizer
 
-    def make_dense(config):
-        optimizer = make(config)
+    def make_dense(config, **kwargs):
+        optimizer = make(config, **kwargs)
         apply = optimizer.apply
 
         def apply_dense(grads, trainable_variables=None):
