@@ -9,16 +9,14 @@ restore (`tfpar.checkpoint`).
 
 `Writer` runs the writing beside training (`--checkpoint_async`): the step blocks while the
 state is read into host memory (`tfpar.patches.tensorflow_checkpoint.snapshot`), a thread
-(at the lowest CPU priority: the step keeps the cores) writes and publishes it. At most
-one write is in flight: the next save first waits for it. The thread is not a daemon: a
-process that ends (the last save, a preemption save, an error) exits only once the write
-in flight is published.
+writes and publishes it. At most one write is in flight: the next save first waits for
+it. The thread is not a daemon: a process that ends (the last save, a preemption save, an
+error) exits only once the write in flight is published.
 """
 
 import json
 import os
 import re
-import sys
 import threading
 import zlib
 
@@ -83,19 +81,6 @@ def damage(prefix):
     return None
 
 
-def _yield_to_training():
-    """Lowers the calling thread's CPU priority to the lowest (nice 19), on Linux, where a
-    thread has its own nice value: the write (serialising, CRC32, the file system's copies)
-    then takes the cores only when the training step leaves them idle, instead of sharing
-    them with it. Elsewhere the nice value is the whole process's, so nothing changes."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError as err:  # a container without the permission: the write still runs
-        logging.info("tfpar: the checkpoint writer keeps its priority (%s)", err)
-
-
 class Writer:
     """One background write at a time; its error is raised by the next `wait`."""
 
@@ -109,7 +94,6 @@ class Writer:
         self.wait()
 
         def run():
-            _yield_to_training()
             try:
                 write()
             except BaseException as err:  # noqa: BLE001 -- raised again by `wait`
