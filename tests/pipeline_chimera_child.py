@@ -12,46 +12,20 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # pipeline_models; tfpar
 
 from tfpar.devices import split_cpu  # noqa: E402
 
 split_cpu(4)
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfpar.errors import TfparError  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
 
+from pipeline_models import OPTS, error, flat, mlp, residual, x, y  # noqa: E402
+
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
-
-
-def mlp(seed=0):  # named layers: a checkpoint names weights by path, as one process's
-    keras.utils.set_random_seed(seed)  # trainer would (Keras numbers unnamed ones per build)
-    return keras.Sequential([keras.Input((8,))]
-                            + [keras.layers.Dense(16, activation="tanh", name=f"dense_{i}")
-                               for i in range(8)]
-                            + [keras.layers.Dense(3, name="head")], name="mlp")
-
-
-def residual(seed=0):  # a functional chain whose residual branches stay inside a stage
-    keras.utils.set_random_seed(seed)
-    x = inp = keras.Input((8,))
-    x = keras.layers.Dense(16, activation="tanh")(x)
-    for _ in range(3):
-        x = keras.layers.Add()([x, keras.layers.Dense(16, activation="tanh")(x)])
-    return keras.Model(inp, keras.layers.Dense(3)(x), name="residual")
-
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(16, 8)).astype("float32")
-y = rng.normal(size=(16, 3)).astype("float32")
-OPTS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
-
-
-def flat(models):
-    return np.concatenate([w.ravel() for m in models for w in m.get_weights()])
 
 
 def reference(build, opt, steps=3):
@@ -80,14 +54,6 @@ def case(build, opt, K, M, steps=3, **kwargs):
             "copies": float(np.abs(flat(pm.stages[:K]) - flat(copies)).max()),
             "predict": float(np.abs(pm.predict(x, verbose=0) - want_pred).max()),
             "moved": float(np.abs(flat(pm.stages[:K]) - flat([build()])).max())}
-
-
-def error(fn):
-    try:
-        fn()
-    except TfparError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 out = {}

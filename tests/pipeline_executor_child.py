@@ -12,7 +12,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # pipeline_models; tfpar
 
 K = int(sys.argv[1])
 
@@ -24,31 +25,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfpar.errors import TfparError  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
 from tfpar.pipeline.partition import partition  # noqa: E402
 
-def mlp(layers=8, seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((8,))]
-                            + [keras.layers.Dense(16, activation="tanh") for _ in range(layers)]
-                            + [keras.layers.Dense(3)], name="mlp")
-
-def residual(seed=0):  # a functional chain whose residual branch must stay in one stage
-    keras.utils.set_random_seed(seed)
-    x = inp = keras.Input((8,))
-    x = keras.layers.Dense(16, activation="tanh")(x)
-    for _ in range(3):
-        x = keras.layers.Add()([x, keras.layers.Dense(16, activation="tanh")(x)])
-    return keras.Model(inp, keras.layers.Dense(3)(x), name="residual")
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(16, 8)).astype("float32")
-y = rng.normal(size=(16, 3)).astype("float32")
-OPTS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
-
-def flat(models):
-    return np.concatenate([w.ravel() for m in models for w in m.get_weights()])
+from pipeline_models import OPTS, error, flat, mlp, residual, x, y  # noqa: E402
 
 REFERENCES = {}
 
@@ -72,14 +52,6 @@ def max_diff(build, opt, schedule, M=4, recompute=False, steps=3):
     slots = [sorted({v.value.device[-5:] for v in o.variables}) for o in pm.stage_optimizers]
     assert slots == [[f"CPU:{s}"] for s in range(K)], slots  # Adam's slots sit on their stage
     return float(np.abs(flat(pm.stages) - reference(build, opt, steps)).max())
-
-def error(fn):
-    try:
-        fn()
-    except TfparError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
 
 def numerics(out):
     # SGD with K=2 only: the executor hands each stage optimizer its gradients whatever it

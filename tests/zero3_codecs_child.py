@@ -26,16 +26,6 @@ CONFIG = {"cpu_devices": 2, "zero_stage": 3, "model": "mlp", "optimizer": "momen
           "learning_rate": 0.05, "mixed_precision": "fp16", "global_batch_size": BATCH}
 
 
-def _batches(task, steps):
-    import tensorflow as tf
-    out = []
-    for s in range(steps):
-        pairs = [task.example_fn(tf.constant(s * BATCH + i, tf.int64)) for i in range(BATCH)]
-        out.append((np.stack([p[0].numpy() for p in pairs]),
-                    np.stack([p[1].numpy() for p in pairs])))
-    return out
-
-
 def _moved(a, b):
     return max([float(np.max(np.abs(x - y))) for x, y in zip(a, b)], default=0.0)
 
@@ -60,7 +50,7 @@ def fp16_skip():
                 "scale": float(to_host(opt.dynamic_scale.value)),
                 "iterations": int(to_host(opt.iterations.value))}
 
-    batches = _batches(task, 4)
+    batches = data.global_batches(config, task, 0, 4)
     losses = [trainer.train_on_batch(*batches[i])["loss"] for i in range(2)]
     before = state()
     x, y = batches[2]

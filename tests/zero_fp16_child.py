@@ -28,16 +28,6 @@ BATCH = 32
 CASES = {"z1": {"zero_stage": 1}, "z2-int8": {"zero_stage": 2, "compression": "int8"}}
 
 
-def _batches(task, steps):
-    import tensorflow as tf
-    out = []
-    for s in range(steps):
-        pairs = [task.example_fn(tf.constant(s * BATCH + i, tf.int64)) for i in range(BATCH)]
-        out.append((np.stack([p[0].numpy() for p in pairs]),
-                    np.stack([p[1].numpy() for p in pairs])))
-    return out
-
-
 def _state(model, strategy):
     """Host copies: weights, every replica's slot pieces, every replica's residual, scale,
     step count."""
@@ -68,7 +58,7 @@ def run_case(settings, runtime, backend):
                             global_batch_size=BATCH, **settings)
     task = data.make_task(config)
     strategy = runtime.strategy
-    batches = _batches(task, 4)
+    batches = data.global_batches(config, task, 0, 4)
     model = backend.build_model(config, runtime, task)
     losses = [float(model.train_on_batch(*batches[i])[0]) for i in range(2)]
     before = _state(model, strategy)
