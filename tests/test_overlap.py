@@ -55,12 +55,7 @@ def test_each_bucket_waits_only_for_its_own_layers(measured):
 
 def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
     from tfpar.plan import cost
-    prof = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,
-                        activation_bytes_per_example=1e4, boundary_bytes_per_example=1e3,
-                        blocks=4, tp_syncs_per_block=4, max_tensor_parallel=4,
-                        matrix_shapes=((1000, 1000),))
-    hw = cost.Hardware(devices=4, memory_bytes=1e9, flops=1e12, intra_bandwidth=1e9,
-                       inter_bandwidth=1e8, latency=0.0, action_overhead=0.0)
+    from test_plan import HW as hw, PROFILE as prof
     c = cost.Candidate(data=4, tensor=1, pipeline=1, microbatches=1, compression="none")
     _, none_hidden = cost.step_seconds(prof, hw, c, 64)
     seconds, parts = cost.step_seconds(prof, dataclasses.replace(hw, dp_overlap=0.6), c, 64)
@@ -69,5 +64,4 @@ def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
     assert parts["data_parallel"] == pytest.approx(0.4 * 6e-3)
     assert seconds == pytest.approx(parts["compute"] + parts["data_parallel"])
     with pytest.raises(ValueError, match="dp_overlap=1.5 is invalid"):
-        cost.Hardware(devices=4, memory_bytes=1e9, flops=1e12, intra_bandwidth=1e9,
-                      inter_bandwidth=1e8, dp_overlap=1.5)
+        dataclasses.replace(hw, dp_overlap=1.5)

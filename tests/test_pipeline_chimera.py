@@ -91,15 +91,11 @@ def test_checkpoint_holds_each_weight_once_and_loads_onto_both_schedules(child):
 
 def test_memory_estimate_holds_two_copies_and_the_simulated_stash():
     from tfpar.plan import cost
-    prof = cost.Profile(name="toy", params=1_000_000, flops_per_example=2e6,
-                        activation_bytes_per_example=1e4, boundary_bytes_per_example=1e3,
-                        blocks=4, tp_syncs_per_block=4, max_tensor_parallel=4,
-                        matrix_shapes=((1000, 1000),))
+    from test_plan import HW, PROFILE as prof
     c = cost.Candidate(data=1, tensor=1, pipeline=2, microbatches=8, compression="none")
     # Adam's 16 B/param over two copies of half the params + 3 (= K + 1) stashed
     # micro-batches of 64/8 examples over half the layers (1F1B: one copy, 2 stashed).
     expected = 2 * 16 * 500_000 + 1e4 / 2 * (64 / 8) * 3
     assert cost.memory_bytes(prof, c, 64, "adam", "chimera") == pytest.approx(expected)
     assert all(m % 2 == 0 for m in {x.microbatches for x in cost.candidates(
-        prof, cost.Hardware(devices=4, memory_bytes=1e9, flops=1e12, intra_bandwidth=1e9,
-                            inter_bandwidth=1e8), 64, schedule="chimera") if x.pipeline > 1})
+        prof, HW, 64, schedule="chimera") if x.pipeline > 1})
