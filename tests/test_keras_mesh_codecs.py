@@ -106,3 +106,22 @@ def test_data_parallel_runs_the_same_reduction(results):
     assert out["diff"] <= 1e-5, out["diff"]  # top-k at ratio 1: plain SGD's weights
     assert out["state"]["max_abs"] > 0
     assert out["state"]["bytes"]["compression_ratio"] > 5, out["state"]["bytes"]
+
+
+def test_what_codec_of_cannot_map_is_refused_in_one_line():
+    # The rulebook rows `codec_of` applies to a DistributedOptimizer's aggregator under
+    # keras.distribution (no mesh needed: the mapping refuses before building anything).
+    from tfpar import compression
+    from tfpar.errors import ConfigError
+    from tfpar.layout import reduction
+
+    class Mine(compression.Int8Aggregator):
+        pass
+
+    for aggregator, line in ((compression.TopKAggregator(momentum=0.9), "momentum=0.9"),
+                             (compression.AutoAggregator(), "compression='auto'"),
+                             (Mine(), "compression='Mine'")):
+        with pytest.raises(ConfigError) as err:
+            reduction.codec_of(aggregator)
+        assert str(err.value).startswith(line) and len(str(err.value).splitlines()) == 1
+    assert reduction.codec_of(compression.TopKAggregator(ratio=0.5))[0] == "topk"

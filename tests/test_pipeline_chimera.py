@@ -54,6 +54,11 @@ def test_rulebook_rows():
                        microbatches=4, cpu_devices=4)
     with pytest.raises(ConfigError, match="zero_stage=1 is invalid"):
         ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4, zero_stage=1)
+    with pytest.raises(ConfigError, match="compression='int8' is invalid: not supported with "
+                                          "--schedule=chimera"):
+        ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4,
+                       compression="int8")
+    ParallelConfig(pipeline_stages=2, schedule="1f1b", microbatches=4, compression="int8")
     assert ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4).schedule \
         == "chimera"
 

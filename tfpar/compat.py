@@ -170,7 +170,8 @@ MESH_TOPK_MOMENTUM = Rule(
     "momentum", lambda c: _mesh(c) and c.compression == "topk"
     and getattr(c, "topk_momentum", 0.0) > 0,
     "not supported: top-k on a DTensor mesh has no DGC momentum; use momentum=0.0 (the "
-    "optimizer's own momentum runs after the sum), or tf.distribute (tfpar.make_strategy)")
+    "optimizer's own momentum runs after the sum), or tf.distribute (tfpar.make_strategy)",
+    value=lambda c: c.topk_momentum)  # the aggregator's argument (no ParallelConfig field)
 MESH_TOPK_WARMUP = Rule(
     "topk_warmup_steps", lambda c: _mesh(c) and c.compression == "topk"
     and c.topk_warmup_steps > 0,
