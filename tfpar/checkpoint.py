@@ -121,10 +121,13 @@ class Checkpointer(keras.callbacks.Callback):
         # one (tests/test_user_script.py's BackupAndRestore resumes under load), while the
         # synchronous save resumes it exactly. Until the snapshot reads them as the
         # synchronous save does, exact beats fast.
+        asked = getattr(config, "checkpoint_async", False)
         self._writer = (checkpoint_writer.Writer()
-                        if getattr(config, "checkpoint_async", False)
-                        and set(self._others) == {"step"}
-                        else None)
+                        if asked and set(self._others) == {"step"} else None)
+        if asked and self._writer is None:
+            logging.info("tfpar: checkpoints of %s save synchronously (its aggregator's "
+                         "per-replica state is not yet snapshotted exactly)",
+                         ", ".join(sorted(set(self._others) - {"step"})))
         self._snapshot_cache = {}
 
     def restore(self):

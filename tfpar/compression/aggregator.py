@@ -309,7 +309,7 @@ class Aggregator(tf.Module):
         # MultiWorkerMirroredStrategy: `(None, 256)` for a `(64, 256)` kernel); the buckets
         # are planned from static shapes, which are its variable's.
         inputs = [tf.cast(grads[i], tf.float32) for i in present]
-        inputs = [x if isinstance(x, tf.IndexedSlices)
+        inputs = [x if isinstance(x, tf.IndexedSlices) or x.shape.is_fully_defined()
                   else tf.ensure_shape(x, variables[i].shape) for i, x in zip(present, inputs)]
         if self.adam is None:
             summed, nbytes = self._compress_and_exchange(inputs, positions)
