@@ -151,9 +151,7 @@ class KerasSteps:
         state = self.non_trainable + self.metric_vars + self.opt_vars
         with tf.GradientTape() as tape:
             tape.watch(tv)
-            mapping = (fsdp.gathered(list(zip(self.trainable, tv))
-                                     + list(zip(self.non_trainable, ntv)))
-                       + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
+            mapping = self._mapping(tv, ntv, mv, ov, gathered=True)
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 y_pred, _, scaled = patches.forward_loss(model, x, y, sample_weight,
                                                          _batch_size(x))
@@ -163,8 +161,7 @@ class KerasSteps:
                  for g in tape.gradient(scaled, tv)]
         new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
         # the metrics after the update, as in Keras's train_step
-        mapping = (list(zip(self.trainable, new_tv)) + list(zip(self.non_trainable, new_ntv))
-                   + list(zip(self.metric_vars, new_mv)) + list(zip(self.opt_vars, new_ov)))
+        mapping = self._mapping(new_tv, new_ntv, new_mv, new_ov)
         with keras.StatelessScope(state_mapping=mapping) as scope:
             logs = model.compute_metrics(x, y, y_pred, sample_weight)
         new_state = _current(scope, state, new_ntv + new_mv + new_ov)
@@ -182,9 +179,7 @@ class KerasSteps:
 
         def forward(*replica_data):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(replica_data)
-            mapping = (fsdp.gathered(list(zip(self.trainable, tv))
-                                     + list(zip(self.non_trainable, ntv)))
-                       + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
+            mapping = self._mapping(tv, ntv, mv, ov, gathered=True)
             # The loss tracker's update here is this replica's: dropped, made once below.
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 # `scaled`: the optimizer's `scale_loss` (a LossScaleOptimizer's dynamic
@@ -208,8 +203,7 @@ class KerasSteps:
         # The loss tracker and the metrics after the update, on the whole batch.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
             tuple(self._whole_batch(d) for d in data))
-        mapping = (list(zip(self.trainable, new_tv)) + list(zip(self.non_trainable, new_ntv))
-                   + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, new_ov)))
+        mapping = self._mapping(new_tv, new_ntv, mv, new_ov)
         with keras.StatelessScope(state_mapping=mapping) as scope:
             patches.loss_tracker(model).update_state(tf.reduce_mean(losses),
                                                      sample_weight=_batch_size(x))
@@ -228,6 +222,14 @@ class KerasSteps:
             return dtensor.relayout(merged, mesh_lib.batch_sharded(self.mesh,
                                                                    merged.shape.rank))
         return keras.tree.map_structure(merge, structure)
+
+    def _mapping(self, tv, ntv, mv, ov, gathered=False):
+        """A `StatelessScope`'s state mapping: the model's trainable and non-trainable
+        variables, the metrics' and the optimizer's, to these values; `gathered`: the
+        model's ZeRO-3 pieces whole, for a forward pass (`fsdp.gathered`)."""
+        weights = list(zip(self.trainable, tv)) + list(zip(self.non_trainable, ntv))
+        return ((fsdp.gathered(weights) if gathered else weights)
+                + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
 
     def _value(self, values_, variable):
         """`variable`'s value among `values_` (this step's reads of `self.opt_vars`), or
