@@ -1,10 +1,12 @@
 """The doctor names each planted fault: out-of-sync replica, unscaled learning rate, bad
-TF_CONFIG, unreachable peer, communication-bound step."""
+TF_CONFIG, unreachable peer; the communication share's verdict on given step times."""
 
 import json
 import os
 import socket
 import sys
+
+import pytest
 
 from subproc import ROOT, run
 from tfpar import ParallelConfig
@@ -60,9 +62,20 @@ def test_cli_flags_a_communication_bound_step_and_a_batch_that_does_not_split():
     assert checks["batch split"]["status"] == "WARN"
     assert "as 2/2/1/1, each batch padded to 2" in checks["batch split"]["detail"]
     assert "--global_batch_size=4 or 8" in checks["batch split"]["fix"]
-    assert checks["communication share"]["status"] == "WARN"
-    assert "compress gradients" in checks["communication share"]["fix"]
+    # The share is measured (timing: a loaded machine moves it either side of the
+    # threshold); here only that it was, the threshold's verdict below.
+    share = checks["communication share"]
+    assert share["status"] in ("PASS", "WARN") and "ms with the all-reduce" in share["detail"]
     assert checks["replicas in sync"]["status"] == "PASS"
+
+
+def test_a_communication_share_above_the_threshold_warns_with_what_helps():
+    from tfpar.doctor import COMM_WARN, communication_check
+    check, share = communication_check(0.010, 0.004)
+    assert share == pytest.approx(0.6) and check.status == "WARN"
+    assert "compress gradients" in check.fix and "60% of a step" in check.detail
+    check, share = communication_check(0.010, 0.010 * (1 - COMM_WARN) + 1e-4)
+    assert share < COMM_WARN and check.status == "PASS" and not check.fix
 
 
 def test_cli_checks_a_tensor_parallel_run_on_the_mesh_the_trainer_builds():

@@ -202,9 +202,15 @@ def check_communication(runtime, model, task, config, steps=5, rounds=3):
                 out = fn(batch)
             strategy.experimental_local_results(out)[0].numpy()
             timings[reduce] = min(timings[reduce], (time.perf_counter() - began) / steps)
-    share = max(0.0, 1 - timings[False] / timings[True])
-    detail = (f"{share:.0%} of a step ({1000 * timings[True]:.1f} ms with the all-reduce, "
-              f"{1000 * timings[False]:.1f} ms without)")
+    return communication_check(timings[True], timings[False])
+
+
+def communication_check(with_reduce, without):
+    """`(Check, share)` from a step's seconds with the gradient all-reduce and without it:
+    WARN above `COMM_WARN`, with what would help."""
+    share = max(0.0, 1 - without / with_reduce)
+    detail = (f"{share:.0%} of a step ({1000 * with_reduce:.1f} ms with the all-reduce, "
+              f"{1000 * without:.1f} ms without)")
     if share > COMM_WARN:
         return Check("communication share", "WARN", detail,
                      "communication-bound: raise the per-replica batch or --grad_accum_steps, "
