@@ -31,7 +31,7 @@ from tfpar import ParallelConfig, relayout
 
 CHILD = os.path.join(ROOT, "tests", "elastic_pipeline_child.py")
 CFG = {"model": "mlp", "optimizer": "adam", "learning_rate": 1e-3, "global_batch_size": 32,
-       "pipeline_stages": 3, "microbatches": 2, "steps": 12, "steps_per_epoch": 8,
+       "pipeline_stages": 3, "microbatches": 2, "steps": 16, "steps_per_epoch": 8,
        "checkpoint_every": 4, "checkpoint_async": False, "verbose": 0}
 JOB = "TFPAR_TEST_ELASTIC_PIPELINE"  # marks this test's workers, to find slot 2's process
 
@@ -65,26 +65,32 @@ def _kill_slot_when_published(ckpt, step, marker, done, killed):
         time.sleep(0.05)
 
 
-def test_a_pipeline_across_workers_losing_a_worker_goes_on_with_fewer_stages(
-        tmp_path, report_measured):
-    ckpt, copy = tmp_path / "ckpt", tmp_path / "at_loss"
-    cfg = {**CFG, "checkpoint_dir": str(ckpt)}
-    two = {**CFG, "pipeline_stages": 2, "cpu_devices": 2}
-    references = [{**two, "checkpoint_dir": str(copy)}, two]
-    cmd = [sys.executable, "-m", "tfpar.launch", "--workers=3", "--min_workers=2",
-           "--max_restarts=1", "--lost_after=1", "--grace=5", "--timeout=300", "--",
-           sys.executable, CHILD, json.dumps([cfg]), str(tmp_path / "elastic")]
-    proc = popen(cmd, env={"TFPAR_INJECT_SAVE_PAUSE": "8:60", JOB: str(tmp_path)}, text=True,
-                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    done, killed, lines, reference_run = threading.Event(), [], [], []
-    killer = threading.Thread(target=_kill_slot_when_published,
-                              args=(str(ckpt), 4, str(tmp_path), done, killed), daemon=True)
-    killer.start()
+def _elastic(tmp_path, cfg, launcher_flags, env, at_line, references, watch=None,
+             on_line=None):
+    """Launches the job (`cfg` with `tmp_path/ckpt`) with `launcher_flags`; when the
+    launcher prints a line containing `at_line` (every worker stopped, none restarted),
+    the checkpoint directory is copied and `references` run in one process beside the job,
+    the first from the copy. `watch(done)` runs on a thread meanwhile, `on_line(line)` on
+    every line. Returns (launcher output, the chief's result, the references' results,
+    seconds)."""
+    ckpt, copy = tmp_path / "ckpt", tmp_path / "at_change"
+    cfg = {**cfg, "checkpoint_dir": str(ckpt)}
+    references = [{**references[0], "checkpoint_dir": str(copy)}, *references[1:]]
+    cmd = [sys.executable, "-m", "tfpar.launch", *launcher_flags, "--grace=5",
+           "--timeout=300", "--", sys.executable, CHILD, json.dumps([cfg]),
+           str(tmp_path / "elastic")]
+    proc = popen(cmd, env={**env, JOB: str(tmp_path)}, text=True, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT)
+    done, lines, reference_run = threading.Event(), [], []
+    if watch is not None:
+        threading.Thread(target=watch, args=(done,), daemon=True).start()
 
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if "worker slot 2 is lost" in line:  # all stopped, none restarted yet
+            if on_line is not None:
+                on_line(line)
+            if at_line in line and not reference_run:
                 shutil.copytree(ckpt, copy)
                 reference_run.append(in_background(lambda: run(
                     [sys.executable, CHILD, json.dumps(references), str(tmp_path / "whole")],
@@ -103,43 +109,95 @@ def test_a_pipeline_across_workers_losing_a_worker_goes_on_with_fewer_stages(
     reader.join(timeout=5)
     seconds = time.monotonic() - started
     output = "".join(lines)
-    context = output[-5000:]
-    assert killed, context
-    assert proc.returncode == 0, context
-    assert "world size 3 -> 2" in output, context
-    assert ("tfpar: elastic: data_parallel × tensor_parallel × pipeline_stages auto×1×3 -> "
-            "auto×1×2 for the 2 worker(s) (a pipeline across workers holds one stage per worker; "
-            "the model split into 2 stages, the checkpoint loads onto them)") in output, context
+    assert proc.returncode == 0, output[-5000:]
     (chief,) = json.loads([line.split("] ", 1)[1] for line in output.splitlines()
                            if line.startswith("[worker 0] [{")][-1])
-    whole, scratch = json.loads(reference_run[0].result().stdout.strip().splitlines()[-1])
-    assert (chief["workers"], chief["resumed_from_step"], chief["steps"]) == (2, 4, 8), context
-    assert chief["pipeline"]["stages"] == whole["pipeline"]["stages"] == 2, context
-    assert (whole["resumed_from_step"], whole["steps"]) == (4, 8)
+    wholes = json.loads(reference_run[0].result().stdout.strip().splitlines()[-1])
+    return output, chief, wholes, seconds
+
+
+def _compare(tmp_path, chief, whole, scratch, stages, resumed, context):
+    """The job on its new partition against the uninterrupted run of that partition from
+    the same checkpoint (`whole`) and from step 0 (`scratch`): (largest relative loss gap,
+    weights' gap, optimizer state's gap, loss gap to `scratch`, weights' gap to it)."""
+    steps = CFG["steps"]
+    assert (chief["workers"], chief["resumed_from_step"], chief["steps"]) \
+        == (stages, resumed, steps - resumed), context
+    assert chief["pipeline"]["stages"] == whole["pipeline"]["stages"] == stages, context
+    assert (whole["resumed_from_step"], whole["steps"]) == (resumed, steps - resumed)
     # The new partition: stage s's weights and optimizer state on worker s; every stage
-    # optimizer counted the 4 restored steps and the 8 run since.
-    tasks = [[f"/job:worker/replica:0/task:{s}/CPU:0"] for s in range(2)]
+    # optimizer counted the restored steps and those run since.
+    tasks = [[f"/job:worker/replica:0/task:{s}/CPU:0"] for s in range(stages)]
     assert chief["devices"] == chief["slots"] == tasks, chief
-    assert chief["iterations"] == [12, 12], chief
+    assert chief["iterations"] == [steps] * stages, chief
     losses, same = np.array(chief["loss_history"]), np.array(whole["loss_history"])
-    gaps = np.abs(losses - same) / same
-    weights = _gap(_arrays(tmp_path / "elastic.0.npz"), _arrays(tmp_path / "whole.0.npz"))
-    slots = _gap(_arrays(tmp_path / "elastic.0.optimizer.npz"),
-                 _arrays(tmp_path / "whole.0.optimizer.npz"))
-    # And the state was the job's (weights, Adam's slots and step, data position): the
-    # 2-stage run from step 0, never interrupted, has the same losses (a partition into
-    # other stages re-associates no sum).
-    drift = np.abs(losses - scratch["loss_history"][4:]) / losses
-    scratch_gap = _gap(_arrays(tmp_path / "elastic.0.npz"), _arrays(tmp_path / "whole.1.npz"))
-    report_measured(f"elastic pipeline 3 -> 2 workers (3 stages -> 2, Adam, resumed at "
-                    f"step 4, {seconds:.0f} s in all): steps 4-11 largest relative loss gap "
-                    f"to the uninterrupted 2-stage run from the same checkpoint "
-                    f"{gaps.max():.1e}, final weights' gap {weights:.1e}, Adam state's "
-                    f"{slots:.1e}; vs the 2-stage run from step 0 {drift.max():.1e} "
-                    f"(weights {scratch_gap:.1e})")
-    assert gaps.max() <= 1e-5, f"{gaps}\n{context}"
-    assert weights <= 1e-5 and slots <= 1e-5, context
-    assert drift.max() <= 1e-5 and scratch_gap <= 1e-5, f"{drift}\n{context}"
+    job = _arrays(tmp_path / "elastic.0.npz")
+    # And the state was the job's (weights, Adam's slots and step, data position): the run
+    # from step 0 on the new partition, never interrupted, has the same losses.
+    return (float(np.max(np.abs(losses - same) / same)),
+            _gap(job, _arrays(tmp_path / "whole.0.npz")),
+            _gap(_arrays(tmp_path / "elastic.0.optimizer.npz"),
+                 _arrays(tmp_path / "whole.0.optimizer.npz")),
+            float(np.max(np.abs(losses - scratch["loss_history"][resumed:]) / losses)),
+            _gap(job, _arrays(tmp_path / "whole.1.npz")))
+
+
+def _report(report_measured, what, gaps, seconds):
+    loss, weights, slots, drift, scratch = gaps
+    report_measured(f"{what} ({seconds:.0f} s in all): largest relative loss gap to the "
+                    f"uninterrupted run of the new stages from the same checkpoint "
+                    f"{loss:.1e}, final weights' gap {weights:.1e}, Adam state's "
+                    f"{slots:.1e}; vs that run from step 0 {drift:.1e} (weights "
+                    f"{scratch:.1e})")
+
+
+def test_a_pipeline_across_workers_losing_a_worker_goes_on_with_fewer_stages(
+        tmp_path, report_measured):
+    killed = []
+    two = {**CFG, "pipeline_stages": 2, "cpu_devices": 2}
+    output, chief, (whole, scratch), seconds = _elastic(
+        tmp_path, CFG, ["--workers=3", "--min_workers=2", "--max_restarts=1", "--lost_after=1"],
+        {"TFPAR_INJECT_SAVE_PAUSE": "8:60"}, "worker slot 2 is lost", [two, two],
+        watch=lambda done: _kill_slot_when_published(
+            str(tmp_path / "ckpt"), 4, str(tmp_path), done, killed))
+    context = output[-5000:]
+    assert killed and "world size 3 -> 2" in output, context
+    assert ("tfpar: elastic: data_parallel × tensor_parallel × pipeline_stages auto×1×3 -> "
+            "auto×1×2 for the 2 worker(s) (a pipeline across workers holds one stage per "
+            "worker; the model split into 2 stages, the checkpoint loads onto them)") \
+        in output, context
+    gaps = _compare(tmp_path, chief, whole, scratch, 2, 4, context)
+    _report(report_measured, "elastic pipeline 3 -> 2 workers (3 stages -> 2, Adam, slot 2 "
+            "killed after step 4's checkpoint)", gaps, seconds)
+    assert max(gaps) <= 1e-5, f"{gaps}\n{context}"
+
+
+def test_a_pipeline_across_workers_grows_to_a_stage_per_new_worker(tmp_path,
+                                                                    report_measured):
+    # 2 workers (2 stages), a third slot offered while the chief is paused inside step
+    # 8's save: the launcher's SIGTERM reaches every worker; the stage server keeps
+    # serving until the chief, at the next agreed step (10: the guard agrees every 5
+    # steps), has saved the stages and left. The job resumes there on 3 stages.
+    offers = tmp_path / "offers"
+    offers.write_text("127.0.0.1:2\n")
+    three = {**CFG, "pipeline_stages": 3, "cpu_devices": 3}
+
+    def offer(line):
+        if "inside the checkpoint save of step 8" in line:
+            offers.write_text("127.0.0.1:3\n")
+
+    output, chief, (whole, scratch), seconds = _elastic(
+        tmp_path, {**CFG, "pipeline_stages": 2},
+        ["--workers=2", "--min_workers=1", "--max_workers=3", "--max_restarts=1",
+         f"--discovery=cat {offers}", "--discovery_interval=0.2"],
+        {"TFPAR_INJECT_SAVE_PAUSE": "8:4"}, "to grow: worker slot(s) 2 offered", [three, three], on_line=offer)
+    context = output[-5000:]
+    assert "stopped at step 10 to grow" in output and "world size 2 -> 3" in output, context
+    assert "pipeline_stages auto×1×2 -> auto×1×3 for the 3 worker(s)" in output, context
+    gaps = _compare(tmp_path, chief, whole, scratch, 3, 10, context)
+    _report(report_measured, "elastic pipeline 2 -> 3 workers (2 stages -> 3, Adam, "
+            "stopped to grow at step 10)", gaps, seconds)
+    assert max(gaps) <= 1e-5, f"{gaps}\n{context}"
 
 
 def _cluster(workers):

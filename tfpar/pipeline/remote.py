@@ -18,8 +18,10 @@ Example (client):
 """
 
 import argparse
+import signal
 import socket
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -152,7 +154,16 @@ def _task_name(cluster, worker_index):
 
 def _serve_until_chief_exits(spec, cluster, cpu_devices, startup_timeout_s):
     """Serves this worker's devices until the chief's address stops accepting
-    connections (after it first did)."""
+    connections (after it first did).
+
+    A SIGTERM does not end the serving: the chief got one too (`tfpar.launch` stops every
+    worker alike, e.g. to grow an elastic job), and its preemption save
+    (`tfpar.preemption`) reads this worker's stage; the chief leaves once it is saved, and
+    this worker follows (a launcher's SIGKILL after its grace still ends it)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: logging.info(
+            "pipeline worker %d: SIGTERM; serving until the chief has left",
+            cluster.worker_index))
     server = tf.distribute.Server(
         spec, job_name=cluster.task_type, task_index=cluster.task_index, start=True,
         config=tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices}))
