@@ -1,18 +1,29 @@
-"""An elastic pipeline across workers loses a worker and goes on with one stage per
-survivor (`tfpar.relayout`: `--pipeline_stages` follows the workers).
+"""An elastic pipeline across workers loses or gains a worker and goes on with one stage
+per worker (`tfpar.relayout`: `--pipeline_stages` follows the workers).
 
-`tfpar.launch --workers=3 --min_workers=2 --lost_after=1`: the mlp split into 3 stages, one
-per worker (`tfpar.pipeline.remote`), Adam, 2 micro-batches, a checkpoint every 4 steps
-(mid-epoch: 8 steps an epoch). Once step 4's checkpoint is published the test SIGKILLs
-worker slot 2 (a stage server: it runs no callbacks, so `TFPAR_INJECT_FAULTS` cannot reach
-it); the chief pauses inside step 8's save (`TFPAR_INJECT_SAVE_PAUSE`), so the kill lands
-before another checkpoint is published. The launcher loses the slot and restarts the 2
-survivors with the same command; they re-partition the model into 2 stages and resume
-step 4's checkpoint on them. The checkpoint directory as the loss left it is resumed by the
-uninterrupted 2-stage run in one process (2 logical CPUs). The job's losses, final weights
-and stage optimizers' state (Adam's slots) must equal that run's within 1e-5 (Adam; the
-issue's bar), and each stage's weights and optimizer state sit on its own worker, every
-stage optimizer at step 12.
+Shrinking: `tfpar.launch --workers=3 --min_workers=2 --lost_after=1`, the mlp split into 3
+stages, one per worker (`tfpar.pipeline.remote`), Adam, 2 micro-batches, a checkpoint every
+4 steps (mid-epoch: 8 steps an epoch), 16 steps. Once step 4's checkpoint is published the
+test SIGKILLs worker slot 2 (a stage server: it runs no callbacks, so
+`TFPAR_INJECT_FAULTS` cannot reach it); the chief pauses inside step 8's save
+(`TFPAR_INJECT_SAVE_PAUSE`; synchronous saves, so the pause holds the step), so the kill
+lands before another checkpoint is published. The launcher loses the slot and restarts the
+2 survivors with the same command; they split the model into 2 stages and resume step 4's
+checkpoint on them. The checkpoint directory as the loss left it is resumed by the
+uninterrupted 2-stage run in one process (2 logical CPUs), which then trains from step 0.
+
+Growing: 2 workers (2 stages), `--max_workers=3` and a discovery command that offers a
+third slot while the chief is paused inside step 8's save; every worker gets SIGTERM, the
+chief saves at the next agreed step (10) while the stage server still serves, and 3
+workers resume there on 3 stages, against the 3-stage run in one process (3 logical CPUs).
+
+Both: the job's losses, final weights and stage optimizers' state (Adam's slots) within
+1e-5 of the uninterrupted run of the new stages from the same checkpoint (Adam; the
+issue's bar), its losses within 1e-5 of that run from step 0 (the state was the job's);
+each stage's weights and optimizer state on its own worker, every stage optimizer at step
+16 (every rank's step agrees: in a one-client pipeline a rank's step is its stage
+optimizer's). The rule itself (replicas kept, one worker left) is checked without
+TensorFlow.
 """
 
 import json
@@ -190,7 +201,8 @@ def test_a_pipeline_across_workers_grows_to_a_stage_per_new_worker(tmp_path,
         tmp_path, {**CFG, "pipeline_stages": 2},
         ["--workers=2", "--min_workers=1", "--max_workers=3", "--max_restarts=1",
          f"--discovery=cat {offers}", "--discovery_interval=0.2"],
-        {"TFPAR_INJECT_SAVE_PAUSE": "8:4"}, "to grow: worker slot(s) 2 offered", [three, three], on_line=offer)
+        {"TFPAR_INJECT_SAVE_PAUSE": "8:4"}, "to grow: worker slot(s) 2 offered",
+        [three, three], on_line=offer)
     context = output[-5000:]
     assert "stopped at step 10 to grow" in output and "world size 2 -> 3" in output, context
     assert "pipeline_stages auto×1×2 -> auto×1×3 for the 3 worker(s)" in output, context
@@ -204,3 +216,45 @@ def _cluster(workers):
     return {"TFPAR_ELASTIC": "1", "TF_CONFIG": json.dumps(
         {"cluster": {"worker": [f"localhost:{2000 + i}" for i in range(workers)]},
          "task": {"type": "worker", "index": 0}})}
+
+
+def _relaid(workers, **settings):
+    said = []
+    config = ParallelConfig(model="mlp", microbatches=2, **settings)
+    new = relayout.for_cluster(config, _cluster(workers), say=said.append)
+    return new, said
+
+
+def test_a_pipeline_across_workers_gets_a_stage_per_worker_and_keeps_its_replicas():
+    # 2 replicas of 3 stages, each worker running its stage of both on 2 logical CPUs:
+    # on 2 workers 2 stages, on 4 workers 4; replicas, CPUs and batch as they were.
+    for workers in (2, 4):
+        new, said = _relaid(workers, pipeline_stages=3, data_parallel=2, cpu_devices=2)
+        assert (new.pipeline_stages, new.data_parallel, new.cpu_devices,
+                new.global_batch_size, new.microbatches) == (workers, 2, 2, 64, 2)
+        assert said == [f"tfpar: elastic: data_parallel × tensor_parallel × pipeline_stages "
+                        f"2×1×3 -> 2×1×{workers} for the {workers} worker(s) (a pipeline "
+                        f"across workers holds one stage per worker; the model split into "
+                        f"{workers} stages, the checkpoint loads onto them)"]
+    # The world it was written for: unchanged, nothing said; not elastic: the rulebook's
+    # refusal stands.
+    config = ParallelConfig(model="mlp", pipeline_stages=3, microbatches=2)
+    assert relayout.for_cluster(config, _cluster(3), say=print) is config
+    assert relayout.for_cluster(config, {**_cluster(2), "TFPAR_ELASTIC": "0"}) is config
+
+
+def test_one_worker_left_runs_the_stages_its_cpus_hold_or_data_parallel():
+    # 4 logical CPUs hold 2 replicas of 2 stages (of 3).
+    new, said = _relaid(1, pipeline_stages=3, data_parallel=2, cpu_devices=4)
+    assert (new.pipeline_stages, new.data_parallel, new.cpu_devices) == (2, 2, 4)
+    assert "2×1×3 -> 2×1×2 for the 1 worker(s) (one worker left: its 4 logical CPU(s) hold " \
+           "2 replica(s) of at most 2 stage(s); the model split into 2 stages" in said[0]
+    # 2 logical CPUs, 2 replicas: no room for a second stage, data parallel on both.
+    new, said = _relaid(1, pipeline_stages=3, cpu_devices=2)
+    assert (new.pipeline_stages, new.data_parallel, new.cpu_devices) == (1, 0, 2)
+    assert said[0].endswith("at most 1 stage(s); data parallel, the whole model on each "
+                            "replica; the checkpoint loads onto it)")
+    # 6 CPUs hold 2 replicas of all 3 stages: the run as asked.
+    config = ParallelConfig(model="mlp", pipeline_stages=3, microbatches=2, data_parallel=2,
+                            cpu_devices=6)
+    assert relayout.for_cluster(config, _cluster(1), say=print) is config

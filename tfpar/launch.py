@@ -5,7 +5,8 @@ What `torchrun` is to PyTorch. Worker i runs CMD in its own process group with
     TFPAR_WORKER_INDEX  i
     TFPAR_NUM_WORKERS   N
     TFPAR_RESTART       the attempt number, 0 on the first start
-    TFPAR_ELASTIC       1 in an elastic job (a mesh's degrees follow the world: tfpar.relayout)
+    TFPAR_ELASTIC       1 in an elastic job (a mesh's degrees, a pipeline's stages follow the
+                        world: tfpar.relayout)
 Output lines are prefixed `[worker i] `. When a worker fails, or a timeout expires, or the
 launcher gets SIGINT/SIGTERM, every worker's process group is signalled, then SIGKILLed after
 --grace seconds, so no process (nor grandchild) is left behind.
@@ -233,7 +234,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     with _caught_signals() as received, offers, \
             _worker_tmpdir(env, runner is local_runner) as env:
         if min_workers < workers or max_workers > workers or discovery:
-            # The trainer may re-choose a mesh's degrees for a new world (tfpar.relayout).
+            # The trainer may re-choose a mesh's degrees or a pipeline's stages for a new
+            # world (tfpar.relayout).
             env = {**(os.environ if env is None else env), "TFPAR_ELASTIC": "1"}
         while True:
             watch.new_attempt()

@@ -1,5 +1,5 @@
-"""A mesh job that an elastic launch restarts on another number of workers gets degrees for
-the devices it has now. Imports no TensorFlow.
+"""A mesh job or a pipeline across workers that an elastic launch restarts on another
+number of workers gets degrees for the devices it has now. Imports no TensorFlow.
 
 `tfpar.launch` sets `TFPAR_ELASTIC=1` for the workers of an elastic job (`--min_workers`
 below `--workers`, `--max_workers` above it, or `--discovery`). When such a worker runs a
@@ -15,6 +15,13 @@ layout (`tfpar.state`), and the global batch is kept (`tfpar.replica_split`).
 On real devices (`--cpu_devices` 0 or 1) their count is known only once TensorFlow lists
 them: `data_parallel` then becomes 0 (what `tensor_parallel` × `pipeline_stages` leave) and
 those two stay.
+
+A tf.distribute pipeline across workers holds one stage per worker (`tfpar.pipeline.remote`,
+the rulebook's `ACROSS_WORKERS`): on another number of workers `pipeline_stages` becomes
+the workers (the model split again; the checkpoint names weights and slots by Keras path,
+so it loads onto the new stages); on one worker left, the most stages its logical CPUs
+hold beside the replicas, else data parallel. Its replicas (`--data_parallel`, else
+`--cpu_devices`) and the global batch stay.
 
 >>> from tfpar import ParallelConfig
 >>> config = ParallelConfig(model="mlp", tensor_parallel=2, data_parallel=2, cpu_devices=2)
@@ -40,9 +47,10 @@ def _print(line):
 
 
 def for_cluster(config, environ=None, say=_print):
-    """`config` with mesh degrees for the cluster of `environ` (default `os.environ`) when
-    an elastic launch started it and its degrees do not fill the cluster's devices (see
-    the module docstring); else `config` itself. `say` gets the one line."""
+    """`config` with degrees for the cluster of `environ` (default `os.environ`) when an
+    elastic launch started it and its mesh's degrees do not fill the cluster's devices or
+    its pipeline's stages are not one per worker (see the module docstring); else
+    `config` itself. `say` gets the one line."""
     environ = os.environ if environ is None else environ
     if environ.get(ELASTIC_ENV) != "1":
         return config
