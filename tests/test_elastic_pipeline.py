@@ -36,9 +36,11 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from subproc import ROOT, in_background, popen, processes_with, run
 from tfpar import ParallelConfig, relayout
+from tfpar.errors import ConfigError
 
 CHILD = os.path.join(ROOT, "tests", "elastic_pipeline_child.py")
 CFG = {"model": "mlp", "optimizer": "adam", "learning_rate": 1e-3, "global_batch_size": 32,
@@ -241,6 +243,15 @@ def test_a_pipeline_across_workers_gets_a_stage_per_worker_and_keeps_its_replica
     config = ParallelConfig(model="mlp", pipeline_stages=3, microbatches=2)
     assert relayout.for_cluster(config, _cluster(3), say=print) is config
     assert relayout.for_cluster(config, {**_cluster(2), "TFPAR_ELASTIC": "0"}) is config
+    # A stage count the other settings refuse: their one line, saying why it is needed.
+    config = ParallelConfig(model="mlp", pipeline_stages=2, microbatches=4,
+                            schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ConfigError) as refused:
+        relayout.for_cluster(config, _cluster(3))
+    assert str(refused.value) == (
+        "microbatches=4 is invalid: the interleaved schedule needs a multiple of "
+        "pipeline_stages=3, e.g. 3 (an elastic job on 3 worker(s) needs pipeline_stages=3: "
+        "a pipeline across workers holds one stage per worker)")
 
 
 def test_one_worker_left_runs_the_stages_its_cpus_hold_or_data_parallel():

@@ -50,7 +50,12 @@ def for_cluster(config, environ=None, say=_print):
     """`config` with degrees for the cluster of `environ` (default `os.environ`) when an
     elastic launch started it and its mesh's degrees do not fill the cluster's devices or
     its pipeline's stages are not one per worker (see the module docstring); else
-    `config` itself. `say` gets the one line."""
+    `config` itself. `say` gets the one line.
+
+    Raises:
+        ConfigError: a pipeline's settings refuse the stage count the new world needs
+            (e.g. the interleaved schedule's micro-batches), naming the setting and why.
+    """
     environ = os.environ if environ is None else environ
     if environ.get(ELASTIC_ENV) != "1":
         return config
@@ -100,18 +105,21 @@ def _pipeline_for(config, cluster, workers, say):
         candidates = [*range(most, 1, -1), 1]
         why = (f"one worker left: its {max(1, config.cpu_devices)} logical CPU(s) hold "
                f"{replicas} replica(s) of at most {max(most, 1)} stage(s)")
-    first = None
+    first = refused = None
     for stages in candidates:
         try:
             relaid = config.replace(pipeline_stages=stages)
             first = first or relaid
             compat.check_inputs(relaid, cluster)
-        except ConfigError:
+        except ConfigError as err:
+            refused = refused or err
             continue
         break
     else:  # none accepted: the first runs, so that the trainer's refusal names its setting
-        if first is None:
-            return config
+        if first is None:  # not even a valid config: say what blocks the new stage count
+            raise ConfigError(refused.setting, refused.value,
+                              f"{refused.expected} (an elastic job on {workers} worker(s) "
+                              f"needs pipeline_stages={candidates[0]}: {why})")
         relaid = first
     stages = relaid.pipeline_stages
     how = (f"the model split into {stages} stages, the checkpoint loads onto them"
