@@ -20,6 +20,10 @@ A worker that exits with status 2 had a configuration error (`python -m tfpar.tr
 command would fail the same way, so the job stops at once, its last line naming the worker
 and its error line, instead of spending --max_restarts on it.
 
+A worker that fails after naming another one as not answering (a line `TFPAR_LOST_WORKER
+k`: a pipeline's chief whose stage worker k froze, `tfpar.pipeline.remote.watch_stages`)
+has the failure counted against worker k, so an elastic job loses k's slot.
+
 Examples:
     python -m tfpar.launch --workers=2 --timeout=600 -- \
         python -m tfpar.train --strategy=multi_worker
@@ -75,6 +79,7 @@ from tfpar import tf_config
 from tfpar.errors import ConfigError, TfparError
 
 READY_MARKER = "TFPAR_READY"
+LOST_MARKER = "TFPAR_LOST_WORKER"  # `tfpar.pipeline.remote.LOST_MARKER`
 CONFIG_EXIT = 2  # a worker's configuration error: not retried
 CONFIG_ERROR = "config"  # `_run_attempt`'s kind for it
 _POLL_S = 0.05
@@ -497,10 +502,14 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
     lock = threading.Lock()
     procs, pumps = [], []
     error_lines = [""] * workers  # each worker's last `tfpar: error:` line
+    named = [None] * workers  # the worker each one named as not answering (LOST_MARKER)
 
     def watch_line(index, line):
         if "tfpar: error:" in line:
             error_lines[index] = line[line.index("tfpar: error:"):].strip()
+        if line.startswith(LOST_MARKER):
+            with contextlib.suppress(ValueError):
+                named[index] = int(line.split()[1])
         if on_line is not None:
             on_line(index, line)
 
@@ -536,8 +545,13 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
         _stop(procs, received[0] if received else signal.SIGTERM, grace)
         for pump in pumps:
             pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
-    blamed = slots[failed] if failed is not None else None
     codes = tuple(p.returncode for p in procs)
+    if failed is not None and codes[failed] > 0 and named[failed] in range(workers):
+        # A pipeline's chief gave up on a stage worker that stopped answering (frozen, its
+        # host hung or cut off: `tfpar.pipeline.remote.watch_stages`): that worker is lost.
+        failure += f"; it named worker {named[failed]}, which stopped answering"
+        failed = named[failed]
+    blamed = slots[failed] if failed is not None else None
     if kind == "retry" and codes[failed] == CONFIG_EXIT:
         kind = CONFIG_ERROR
         failure += (f", a configuration error a restart would repeat (not retried): "
