@@ -75,6 +75,19 @@ def lost_slot():
     print("tfpar: world size changed at step 7: 2 worker(s)", file=sys.stderr)
 
 
+def names_a_silent_worker():
+    """Attempt 0: worker 0 names worker 2 (which sleeps: alive, silent) as not answering
+    and exits 1; worker 1 sleeps. Later attempts end at once."""
+    if os.environ["TFPAR_RESTART"] != "0":
+        print(json.dumps({"slot": os.environ["TFPAR_SLOT"]}))
+        return
+    if os.environ["TFPAR_WORKER_INDEX"] == "0":
+        print("tfpar: error: pipeline worker 2 did not answer\nTFPAR_LOST_WORKER 2",
+              flush=True)
+        sys.exit(1)
+    time.sleep(60)
+
+
 def note_pid(folder):
     """Writes a file named by its pid into FOLDER, then sleeps."""
     open(os.path.join(folder, str(os.getpid())), "w").close()
@@ -96,7 +109,8 @@ def leaves_temp_files(*args):
 
 
 CASES = {f.__name__: f for f in (report_env, fail_once_started, killed, ready_on_zero,
-                                 restart, lost_slot, note_pid, leaves_temp_files)}
+                                 restart, lost_slot, names_a_silent_worker, note_pid,
+                                 leaves_temp_files)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]](*sys.argv[2:])

@@ -238,6 +238,17 @@ def test_elastic_job_drops_a_lost_worker_and_goes_on():
         ("0", "0", "2", 2), ("1", "1", "2", 2)]
 
 
+def test_a_worker_named_as_silent_is_the_one_lost():
+    # A pipeline's chief that gave up on a frozen stage worker names it: that slot is lost,
+    # not the chief's, though the chief is the one that exited.
+    result = launch("--workers=3", "--min_workers=2", "--max_restarts=1", "--lost_after=1",
+                    "--grace=1", *child("names_a_silent_worker"))
+    assert result.returncode == 0, result.stderr
+    assert ("worker 0 exited with code 1; it named worker 2, which stopped answering; "
+            "worker slot 2 is lost") in result.stderr
+    assert "world size 3 -> 2" in result.stderr
+
+
 def test_elastic_job_stops_below_min_workers():
     result = launch("--workers=3", "--min_workers=3", "--max_restarts=2", *child("lost_slot"))
     assert result.returncode == 1

@@ -5,7 +5,8 @@ What `torchrun` is to PyTorch. Worker i runs CMD in its own process group with
     TFPAR_WORKER_INDEX  i
     TFPAR_NUM_WORKERS   N
     TFPAR_RESTART       the attempt number, 0 on the first start
-    TFPAR_ELASTIC       1 in an elastic job (a mesh's degrees follow the world: tfpar.relayout)
+    TFPAR_ELASTIC       1 in an elastic job (a mesh's degrees, a pipeline's stages follow the
+                        world: tfpar.relayout)
 Output lines are prefixed `[worker i] `. When a worker fails, or a timeout expires, or the
 launcher gets SIGINT/SIGTERM, every worker's process group is signalled, then SIGKILLed after
 --grace seconds, so no process (nor grandchild) is left behind.
@@ -18,6 +19,10 @@ A worker that exits with status 2 had a configuration error (`python -m tfpar.tr
 2 for its one-line `tfpar: error:` refusals, 1 for failures a restart may mend): the same
 command would fail the same way, so the job stops at once, its last line naming the worker
 and its error line, instead of spending --max_restarts on it.
+
+A worker that fails after naming another one as not answering (a line `TFPAR_LOST_WORKER
+k`: a pipeline's chief whose stage worker k froze, `tfpar.pipeline.remote.watch_stages`)
+has the failure counted against worker k, so an elastic job loses k's slot.
 
 Examples:
     python -m tfpar.launch --workers=2 --timeout=600 -- \
@@ -74,6 +79,7 @@ from tfpar import tf_config
 from tfpar.errors import ConfigError, TfparError
 
 READY_MARKER = "TFPAR_READY"
+LOST_MARKER = "TFPAR_LOST_WORKER"  # `tfpar.pipeline.remote.LOST_MARKER`
 CONFIG_EXIT = 2  # a worker's configuration error: not retried
 CONFIG_ERROR = "config"  # `_run_attempt`'s kind for it
 _POLL_S = 0.05
@@ -233,7 +239,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     with _caught_signals() as received, offers, \
             _worker_tmpdir(env, runner is local_runner) as env:
         if min_workers < workers or max_workers > workers or discovery:
-            # The trainer may re-choose a mesh's degrees for a new world (tfpar.relayout).
+            # The trainer may re-choose a mesh's degrees or a pipeline's stages for a new
+            # world (tfpar.relayout).
             env = {**(os.environ if env is None else env), "TFPAR_ELASTIC": "1"}
         while True:
             watch.new_attempt()
@@ -495,10 +502,14 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
     lock = threading.Lock()
     procs, pumps = [], []
     error_lines = [""] * workers  # each worker's last `tfpar: error:` line
+    named = [None] * workers  # the worker each one named as not answering (LOST_MARKER)
 
     def watch_line(index, line):
         if "tfpar: error:" in line:
             error_lines[index] = line[line.index("tfpar: error:"):].strip()
+        if line.startswith(LOST_MARKER):
+            with contextlib.suppress(ValueError):
+                named[index] = int(line.split()[1])
         if on_line is not None:
             on_line(index, line)
 
@@ -534,8 +545,13 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
         _stop(procs, received[0] if received else signal.SIGTERM, grace)
         for pump in pumps:
             pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
-    blamed = slots[failed] if failed is not None else None
     codes = tuple(p.returncode for p in procs)
+    if failed is not None and codes[failed] > 0 and named[failed] in range(workers):
+        # A pipeline's chief gave up on a stage worker that stopped answering (frozen, its
+        # host hung or cut off: `tfpar.pipeline.remote.watch_stages`): that worker is lost.
+        failure += f"; it named worker {named[failed]}, which stopped answering"
+        failed = named[failed]
+    blamed = slots[failed] if failed is not None else None
     if kind == "retry" and codes[failed] == CONFIG_EXIT:
         kind = CONFIG_ERROR
         failure += (f", a configuration error a restart would repeat (not retried): "

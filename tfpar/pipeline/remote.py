@@ -18,8 +18,11 @@ Example (client):
 """
 
 import argparse
+import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -88,10 +91,11 @@ def spans_workers(config, cluster):
 def make_runtime(config, cluster, runtime_class):
     """The runtime of a pipeline across the workers of `cluster`: one stage per worker.
 
-    On the chief (worker 0) this connects to the cluster and returns a `runtime_class`
-    (`tfpar.strategy.Runtime`) of kind `KIND` whose strategy (`replica_strategy`) runs R
-    pipelines side by side (R: `--data_parallel`, else `--cpu_devices`): stage s of
-    replica r on logical CPU r of worker s. Every other worker serves its R devices to
+    On the chief (worker 0) this connects to the cluster, watches the other workers
+    (`watch_stages`) and returns a `runtime_class` (`tfpar.strategy.Runtime`) of kind
+    `KIND` whose strategy (`replica_strategy`) runs R pipelines side by side (R:
+    `--data_parallel`, else `--cpu_devices`): stage s of replica r on logical CPU r of
+    worker s. Every other worker serves its R devices to
     the chief and ends the process (exit 0) once the chief has gone; a chief that failed
     says so in its own exit code.
 
@@ -115,9 +119,62 @@ def make_runtime(config, cluster, runtime_class):
     tf.config.experimental_connect_to_cluster(spec, job_name=cluster.task_type,
                                               task_index=cluster.task_index)
     strategy = replica_strategy(_task_name(cluster, 0), R)
+    watch_stages(cluster, config.heartbeat_timeout_s, config.startup_timeout_s)
     print("TFPAR_READY", file=sys.stderr, flush=True)  # what tfpar.launch waits for
     return runtime_class(strategy=strategy, kind=KIND, workers=dims.workers, worker_index=0,
                          is_chief=True, collective="none")
+
+
+LOST_MARKER = "TFPAR_LOST_WORKER"  # the chief names a stage worker that stopped answering
+
+
+def watch_stages(cluster, timeout_s, startup_timeout_s):
+    """On the chief: a daemon thread that runs a trivial op on every other worker every
+    `timeout_s` / 4 seconds. A worker that does not answer within 3/4 of `timeout_s` (the
+    first time within `startup_timeout_s`), so at most `timeout_s` after it stopped, is
+    stopped or cut off: a dead one fails the step at once, but a frozen one (SIGSTOP, a
+    hung host, a cut link) would hold the step forever.
+    The chief then ends (exit 1) with one `tfpar: error:` line naming the worker, and
+    `LOST_MARKER <worker index>`, which `tfpar.launch` reads to count the failure against
+    that worker instead of the chief."""
+    if threading.current_thread() is not threading.main_thread() or cluster.num_workers < 2:
+        return
+    others = list(range(1, cluster.num_workers))
+    answered = {w: threading.Event() for w in others}
+
+    def probe(worker):
+        try:
+            with tf.device(f"{_task_name(cluster, worker)}/device:CPU:0"):
+                tf.identity(tf.constant(0)).numpy()
+            answered[worker].set()
+        except tf.errors.OpError:  # gone: the step fails on its own, with its own line
+            pass
+
+    def watch():
+        limit = startup_timeout_s
+        while True:
+            for event in answered.values():
+                event.clear()
+            for w in others:
+                threading.Thread(target=probe, args=(w,), daemon=True).start()
+            started = time.monotonic()
+            for w in others:
+                if not answered[w].wait(max(0.0, limit - (time.monotonic() - started))):
+                    print(f"tfpar: error: pipeline worker {w} "
+                          f"({_address(cluster, w)}) did not answer within "
+                          f"heartbeat_timeout_s={timeout_s:g}: it is stopped, hung or cut "
+                          f"off\n{LOST_MARKER} {w}", file=sys.stderr, flush=True)
+                    os._exit(1)  # the step waits on it and would never return
+            limit = 0.75 * timeout_s
+            time.sleep(0.25 * timeout_s)
+
+    threading.Thread(target=watch, name="tfpar-watch-stages", daemon=True).start()
+
+
+def _address(cluster, worker_index):
+    chiefs = cluster.cluster.get("chief", [])
+    workers = cluster.cluster.get("worker", [])
+    return (chiefs + workers)[worker_index]
 
 
 def replica_strategy(task, replicas):
@@ -152,7 +209,16 @@ def _task_name(cluster, worker_index):
 
 def _serve_until_chief_exits(spec, cluster, cpu_devices, startup_timeout_s):
     """Serves this worker's devices until the chief's address stops accepting
-    connections (after it first did)."""
+    connections (after it first did).
+
+    A SIGTERM does not end the serving: the chief got one too (`tfpar.launch` stops every
+    worker alike, e.g. to grow an elastic job), and its preemption save
+    (`tfpar.preemption`) reads this worker's stage; the chief leaves once it is saved, and
+    this worker follows (a launcher's SIGKILL after its grace still ends it)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: logging.info(
+            "pipeline worker %d: SIGTERM; serving until the chief has left",
+            cluster.worker_index))
     server = tf.distribute.Server(
         spec, job_name=cluster.task_type, task_index=cluster.task_index, start=True,
         config=tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices}))
