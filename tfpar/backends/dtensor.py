@@ -103,10 +103,10 @@ class DTensorBackend(Backend):
         # mesh pipeline's stages (each mesh `batch` × `model`) share the batch axis.
         parts = runtime.mesh.shape[0]
         batches = iter(data.mesh_dataset(config, task, parts, start))
-        held_out = data.mesh_dataset(config, task, parts, validation=True)
         validation = {}
-        if config.validation_steps:
-            validation = {"validation_data": held_out,
+        if config.validation_steps:  # (a --dataset function has held-out data only then)
+            validation = {"validation_data": data.mesh_dataset(config, task, parts,
+                                                               validation=True),
                           "validation_steps": config.validation_steps}
         self._memory_start = memory.reset_peaks(_mesh_devices(runtime))
         step = start
