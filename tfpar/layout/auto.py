@@ -25,7 +25,7 @@ State, every piece sharded like what it belongs to and saved by `tfpar.state` un
 `codec/<path>/…`: `residual` (`[replicas, *shape]`, one row per replica), per matrix
 `powersgd_q` (`[m, r_max]`, replicated: the columns beyond the current rank keep their last
 values for when it grows), `auto_rank`, `auto_norm_sum`, `auto_norm_prev`,
-`auto_beyond_sum` (the window's sums), and the reduction's `auto_step` and
+`auto_beyond_sum` (the window's sums), and the reduction's `auto_step`, `auto_calls` and
 `auto_bytes_total` under its first weight's path.
 """
 
@@ -78,7 +78,10 @@ class AutoReduction(BatchAxisReduction):
                 "auto_norm_prev": scalar(-1.0, tf.float32),
                 "auto_beyond_sum": dtensor.DVariable(values.to_mesh(
                     tf.zeros([len(auto.levels(r_max))]), rep(1)), trainable=False)}
-        self.counters = {"auto_step": scalar(0, tf.int32),
+        # `auto_step`: steps taken (a skipped fp16 step is not: it leaves the codec as it
+        # was); `auto_calls`: steps run, skipped ones too, whose collectives were sent all
+        # the same (`auto_bytes_total` counts them).
+        self.counters = {"auto_step": scalar(0, tf.int32), "auto_calls": scalar(0, tf.int32),
                          "auto_bytes_total": scalar(0, tf.int64)}
 
     def _times(self, small, large, repeats):
@@ -131,10 +134,12 @@ class AutoReduction(BatchAxisReduction):
 
     def comm_stats(self):
         """Bytes one replica handed to the `batch` collectives per step, the mean over the
-        steps run (the rank changes by window): fp32 on the exact start, then each
+        steps run (the rank changes by window), skipped fp16 steps included (their
+        collectives ran, on the residuals alone): fp32 on the exact start, then each
         matrix's factors at its rank and the rest in fp32; before any step, fp32's."""
         raw = 4 * sum(self.sizes)
-        steps = int(values.to_host(self.counters["auto_step"]))
+        # (`auto_step` too: a checkpoint written before `auto_calls` existed loads it as 0.)
+        steps = max(int(values.to_host(self.counters[k])) for k in ("auto_calls", "auto_step"))
         wire = (int(values.to_host(self.counters["auto_bytes_total"])) / steps
                 if steps else raw)
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
@@ -170,13 +175,14 @@ class AutoReduction(BatchAxisReduction):
         for i in sorted(step["mats"]):
             new += [step["new_mats"][i][k] for k in sorted(step["mats"][i])]
             old += [step["mats"][i][k] for k in sorted(step["mats"][i])]
+        # A skipped step leaves the codec's state as it was, and its step count: the
+        # exact start and the windows count steps taken. What it sent is counted.
+        new = [kept_if(finite, a, b) for a, b in zip(new, old)]
         counters = step["counters"]
-        new_counters = {"auto_step": step["step"] + 1,
+        new_counters = {"auto_step": kept_if(finite, step["step"] + 1, step["step"]),
+                        "auto_calls": counters["auto_calls"] + 1,
                         "auto_bytes_total": counters["auto_bytes_total"] + step["wire"]}
-        new += [new_counters[k] for k in sorted(self.counters)]
-        old += [counters[k] for k in sorted(self.counters)]
-        # A skipped step leaves every piece of state as it was.
-        return [kept_if(finite, a, b) for a, b in zip(new, old)]
+        return new + [new_counters[k] for k in sorted(self.counters)]
 
     def _matrix(self, i, x, phase):
         """Matrix `i`'s `(sum, each replica's sent share, new state, bytes)` this step."""
