@@ -4,6 +4,7 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
 
 - `bucketed_by_default`: the distribute backend's `build_model` (what `tfpar.train` runs)
   gives a multi-worker `--compression=none` run the fp32 bucket aggregator;
+  `unbucketed_has_aggregator`: with `--bucket_mb=0` it keeps Keras's one all-reduce;
 - `bit_equal`: 3 `fit` steps from the same weights on the same batches, bucketed
   (`--bucket_mb`, one layer a bucket) and through Keras's one all-reduce: weights compared
   with `array_equal` (2 workers: each sum is `a + b` in either layout);
@@ -20,6 +21,7 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
     python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -97,6 +99,8 @@ def main(settings, rounds, timed_steps):
     out = {"bucketed_by_default":
            compression.aggregator_of(bucketed.optimizer) is not None,
            "plain_has_aggregator": compression.aggregator_of(plain.optimizer) is not None,
+           "unbucketed_has_aggregator": compression.aggregator_of(backend.build_model(
+               dataclasses.replace(config, bucket_mb=0), runtime, task).optimizer) is not None,
            # fp32 buckets keep no state a step reads: nothing beside the model in a checkpoint
            "checkpointed_aggregators": sorted(state.aggregators_of(bucketed)),
            "grad_bytes": 4 * sum(int(np.prod(v.shape)) for v in bucketed.trainable_variables)}

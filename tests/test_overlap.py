@@ -35,6 +35,8 @@ def measured():
 
 def test_multi_worker_none_is_bucketed_and_bit_equal_to_keras(measured):
     assert measured["bucketed_by_default"] and not measured["plain_has_aggregator"]
+    # --bucket_mb=0: Keras's one all-reduce (tools/bench_compression.py's `none_keras`).
+    assert not measured["unbucketed_has_aggregator"]
     assert measured["trace_count"] >= 1  # the hook really ran inside Keras's fit
     assert measured["bit_equal"], measured["max_abs_diff"]
     # with an embedding's IndexedSlices and Adam too (summed densely: 5-9 % off in loss)

@@ -29,7 +29,6 @@ last step can still show when it reaches fp32's final loss.
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -46,12 +45,11 @@ QUICK = ("none", "fp16", "topk", "powersgd")
 # Runs that only show what one setting does; the goals are not checked on them.
 # topk_buckets: one bucket per layer instead of one for the whole model, so the last
 # layers' all-gathers could start while backward still computes the first layers' gradients.
-# none_buckets: fp32 through the exact aggregator in --bucket_mb buckets, last layers first
-# (`optimizers.always_bucketed()`), against Keras's one all-reduce;
-# `bucketed` is the worker's, not a ParallelConfig field.
+# none_keras: fp32 through Keras's one all-reduce (`--bucket_mb=0`), against which `none`
+# (across workers: the exact fp32 sums in --bucket_mb buckets, last layers first) is compared.
 VARIANTS = {"topk_nowarmup": ("topk", {"topk_warmup_steps": 0}),
             "topk_buckets": ("topk", {"bucket_mb": 4.1}),
-            "none_buckets": ("none", {"bucketed": True})}
+            "none_keras": ("none", {"bucket_mb": 0})}
 GOALS = {"powersgd": 15.0, "topk": 8.0, "fp16": 1.9}  # steps/s vs fp32
 PORT = 23456
 
@@ -63,9 +61,7 @@ def worker(config_json, out_path):
     start of training) to `out_path`."""
     from tfpar import ParallelConfig, cpu_kernels
 
-    settings = json.loads(config_json)
-    bucketed = settings.pop("bucketed", False)
-    config = ParallelConfig(**settings)
+    config = ParallelConfig(**json.loads(config_json))
     cpu_kernels.select(config.cpu_kernels)  # before TensorFlow starts, as tfpar.train's CLI
     import keras
 
@@ -96,10 +92,8 @@ def worker(config_json, out_path):
             self.ends.append(time.perf_counter() - self.start)
             self.veth.append(veth_bytes())
 
-    from tfpar import optimizers
     clock = WallClock()
-    with optimizers.always_bucketed() if bucketed else contextlib.nullcontext():
-        result, model = train(config, callbacks=[clock])
+    result, model = train(config, callbacks=[clock])
     # Communication share of a step: compute-only vs full steps on a scratch aggregator
     # (every worker takes part: the collectives are collective).
     comm_steps = int(os.environ.get("TFPAR_BENCH_COMM_STEPS", "3"))
@@ -384,7 +378,7 @@ def main():
           f"load before {load_before['loadavg_1_5_15']}, after "
           f"{machine_load()['loadavg_1_5_15']} on {os.cpu_count()} CPUs\n")
     labels = {"none": "none (fp32)", "topk_nowarmup": "topk, no wu",
-              "topk_buckets": "topk, 4MB bkt", "none_buckets": "fp32, 4MB bkt"}
+              "topk_buckets": "topk, 4MB bkt", "none_keras": "fp32, Keras 1 AR"}
     if args.topk_warmup_steps:
         labels["topk"] = f"topk, wu {args.topk_warmup_steps}"
         print(f"topk: 1 % of the entries, density warm-up 25 % -> 1 % over the first "
