@@ -4,8 +4,9 @@ backward runs.
 Two workers (`TF_CONFIG` on localhost) run tests/overlap_child.py: a multi-worker
 `--compression=none` run sums its fp32 gradients in `--bucket_mb` buckets, last layers
 first (Keras's one all-reduce waits for every gradient). What is asserted is what holds
-whatever the machine's load: the sums are bit-equal to Keras's, and each bucket's all-reduce
-waits only for the forward pass and backward down to its own layers. How much of the
+whatever the machine's load: the sums are bit-equal to Keras's, and in the train function
+`fit` traced (the trainer's own step) each bucket's all-reduce waits only for the forward
+pass and backward down to its own layers. How much of the
 exchange then hides behind backward is timing, measured on a shaped link by
 `tools/profile_overlap.py` and `measure_comm_fraction` (the metrics JSON's
 `comm.overlap_fraction`, `--measure_comm`): docs/benchmarks/compression_link.md,
