@@ -4,14 +4,16 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
 
 - `bucketed_by_default`: the distribute backend's `build_model` (what `tfpar.train` runs)
   gives a multi-worker `--compression=none` run the fp32 bucket aggregator;
+  `unbucketed_has_aggregator`: with `--bucket_mb=0` it keeps Keras's one all-reduce;
 - `bit_equal`: 3 `fit` steps from the same weights on the same batches, bucketed
   (`--bucket_mb`, one layer a bucket) and through Keras's one all-reduce: weights compared
   with `array_equal` (2 workers: each sum is `a + b` in either layout);
 - `transformer_bit_equal`: the same for the transformer with Adam (its token embedding's
   `IndexedSlices` gradient sent as Keras sends it);
 - `checkpointed_aggregators`: none (fp32 buckets keep no state a step reads);
-- `matmuls_before_collective`: per all-reduce of the traced bucketed step, the MatMuls it
-  waits for;
+- `matmuls_before_collective`: per all-reduce in the train function `fit` traced for the
+  bucketed run (the trainer's own step: forward, backward, the buckets, the update), the
+  MatMuls it waits for; `traced_into`: that graph's name;
 - `timing`: `measure_comm_fraction` (the metrics JSON's `comm` keys) of both, `rounds`
   times, alternating (0 in the test: on a loaded 2-core machine the medians swing by more
   than the effect; docs/benchmarks/compression_link.md, "Uncompressed buckets across
@@ -20,6 +22,7 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
     python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -33,26 +36,30 @@ from tfpar.backends.distribute import DistributeBackend
 from tfpar.compression.timing import measure_comm_fraction
 
 
-def matmuls_before_collectives(strategy, model, batch, bucket_mb):
-    """For each all-reduce of the traced bucketed step, in program order (last layer's
-    bucket first), how many MatMuls (forward and backward) it waits for through data or
-    control edges: a bucket that waits for fewer than all backward's MatMuls can cross the
-    link while backward still runs."""
-    aggregator = compression.NoneAggregator(bucket_mb=bucket_mb)
-    variables = [v.value for v in model.trainable_variables]
-    with strategy.scope():
-        aggregator.build(variables)
-    x, y = (strategy.experimental_local_results(t)[0] for t in batch[:2])
+def record_traces(aggregator):
+    """Wraps `aggregator.all_reduce_sum` so that each trace of it records the graph it is
+    traced into (inside `fit`: the trainer's own train function) and the operations it adds
+    there. Returns the list the records go to, `(graph, operations)` each."""
+    traces, inner = [], aggregator.all_reduce_sum
 
-    def step():
-        with tf.GradientTape() as tape:
-            loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
-        summed = aggregator.all_reduce_sum(tape.gradient(loss, variables), variables)
-        return tf.add_n([tf.reduce_sum(s) for s in summed])
+    def all_reduce_sum(grads, variables):
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        out = inner(grads, variables)
+        traces.append((graph, graph.get_operations()[before:]))
+        return out
 
-    graph = tf.function(lambda: strategy.run(step)).get_concrete_function().graph
+    aggregator.all_reduce_sum = all_reduce_sum
+    return traces
+
+
+def matmuls_before_collectives(graph, operations):
+    """For each all-reduce among `operations` (the aggregator's, in `graph`: the train
+    function `fit` traced), in program order (last layer's bucket first), how many MatMuls
+    (forward and backward) it waits for through data or control edges: a bucket that waits
+    for fewer than all backward's MatMuls can cross the link while backward still runs."""
     counts = []
-    for op in graph.get_operations():
+    for op in operations:
         if op.type.startswith("CollectiveReduce"):
             seen, stack = set(), [op]
             while stack:
@@ -97,6 +104,8 @@ def main(settings, rounds, timed_steps):
     out = {"bucketed_by_default":
            compression.aggregator_of(bucketed.optimizer) is not None,
            "plain_has_aggregator": compression.aggregator_of(plain.optimizer) is not None,
+           "unbucketed_has_aggregator": compression.aggregator_of(backend.build_model(
+               dataclasses.replace(config, bucket_mb=0), runtime, task).optimizer) is not None,
            # fp32 buckets keep no state a step reads: nothing beside the model in a checkpoint
            "checkpointed_aggregators": sorted(state.aggregators_of(bucketed)),
            "grad_bytes": 4 * sum(int(np.prod(v.shape)) for v in bucketed.trainable_variables)}
@@ -104,6 +113,7 @@ def main(settings, rounds, timed_steps):
     def dataset():
         return data.distributed_dataset(runtime.strategy, config, task)
 
+    traces = record_traces(compression.aggregator_of(bucketed.optimizer))
     out["bit_equal"], out["max_abs_diff"] = fit_and_compare(runtime, config, task, bucketed,
                                                             plain)
     # The transformer with Adam: its token embedding's gradient is `IndexedSlices`, which
@@ -114,8 +124,8 @@ def main(settings, rounds, timed_steps):
     out["transformer_bit_equal"], out["transformer_max_abs_diff"] = fit_and_compare(
         runtime, words, words_task, *pair(backend, words, runtime, words_task))
     out["trace_count"] = compression.aggregator_of(bucketed.optimizer).trace_count
-    out["matmuls_before_collective"] = matmuls_before_collectives(
-        runtime.strategy, bucketed, next(iter(dataset())), config.bucket_mb)
+    out["matmuls_before_collective"] = matmuls_before_collectives(*traces[-1])
+    out["traced_into"] = traces[-1][0].name  # the train function fit traced
     out["timing"] = {"bucketed": [], "plain": []}
     for _ in range(rounds):
         for name, model in (("bucketed", bucketed), ("plain", plain)):

@@ -11,7 +11,10 @@ run against its uncompressed run on the same seed:
   checkpoint under `codec/<path>/…`) and resumed to 40: the uninterrupted run's weights
   exactly;
 - with `--mixed_precision=fp16` and with `--grad_accum_steps=2`, near their uncompressed
-  runs and finite.
+  runs and finite; an fp16 step skipped for overflowing gradients (one replica's batch
+  1000 times larger, tests/user_data.py) sent its collectives, which its bytes count;
+- in a pipeline, `comm.auto` gives each stage's budget rank (`mesh_comm_stats` on given
+  reductions).
 
 Two children at once (tests/train_configs_child.py), each its runs on one mesh; the
 resume in the child of the run it must equal.
@@ -41,6 +44,11 @@ FP16 = {**MESH, **SHORT, "optimizer": "sgd", "learning_rate": 0.1, "mixed_precis
 ACCUM = {**MESH, **SHORT, "optimizer": "adam", "learning_rate": 1e-3, "grad_accum_steps": 2}
 BAND = 0.02  # tests/test_layout_mesh.py's DEFAULTS_BAND for codecs without their own
 STOP = 25
+# 12 steps on tests/user_data.py's task (8 features, 2 classes), replica 0's batch of step 3
+# overflowing fp16's scaled gradients: skipped, inside the exact start (10 steps taken).
+SKIP = {**MESH, "optimizer": "sgd", "learning_rate": 0.1, "mixed_precision": "fp16",
+        "steps": 12, "steps_per_epoch": 12, "num_classes": 2,
+        "dataset": "user_data:sign_of_sum_fp16_overflow_at_step_3", **AUTO}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +59,10 @@ def runs(tmp_path_factory):
     groups = [[{**ADAM, **AUTO},
                {**ADAM, **AUTO, "steps": STOP, "checkpoint_dir": ckpt,
                 "checkpoint_every": STOP},
-               {**ADAM, **AUTO, "checkpoint_dir": ckpt, "checkpoint_every": 1000}],
+               {**ADAM, **AUTO, "checkpoint_dir": ckpt, "checkpoint_every": 1000},
+               {**SKIP, "checkpoint_dir": str(folder / "skip"), "checkpoint_every": 12}],
               [ADAM, {**ADAM, **FAST}, FP16, {**FP16, **AUTO}, ACCUM, {**ACCUM, **AUTO}]]
-    names = [["auto", "stop", "resume"],
+    names = [["auto", "stop", "resume", "skip"],
              ["plain", "fast", "fp16", "fp16_auto", "accum", "accum_auto"]]
     outs = subproc.run_concurrently([
         lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g) for i, g in enumerate(groups)])
@@ -127,3 +136,45 @@ def test_auto_on_the_mesh_with_fp16_and_accumulation(runs, plain, auto):
     comm = r[auto]["comm"]
     assert comm["bytes_on_wire_per_step"] < comm["bytes_uncompressed_per_step"], comm
     assert all(np.all(np.isfinite(w)) for w in weights(r[auto]["weights"]))
+
+
+def test_a_skipped_fp16_step_counts_the_bytes_it_sent(runs):
+    folder, r = runs
+    from tfpar import state
+    saved = state.tensors_of(str(folder / "skip" / "ckpt-12"))
+    counter = "codec/dense_0/kernel/"
+    # One step skipped (the scale halved), the codec's state and step count left as they
+    # were; the collectives ran on all 12.
+    assert saved["optimizer/loss_scale/dynamic_scale"] == 2.0 ** 14
+    assert int(saved[counter + "auto_step"]) == 11 and int(saved[counter + "auto_calls"]) == 12
+    comm = r["skip"]["comm"]
+    raw, total = comm["bytes_uncompressed_per_step"], int(saved[counter + "auto_bytes_total"])
+    # The exact start's 10 steps and the skipped one sent fp32, the 12th its factors.
+    assert 11 * raw < total < 12 * raw, (total, raw)
+    assert comm["bytes_on_wire_per_step"] == pytest.approx(total / 12), comm
+
+
+class _Stage:
+    """A pipeline stage's `auto` reduction as `mesh_comm_stats` reads it."""
+
+    def __init__(self, r_budget, ranks):
+        self.r_budget, self._ranks = r_budget, ranks
+
+    def ranks(self):
+        return self._ranks
+
+    def comm_stats(self):
+        return {"bytes_on_wire_per_step": 10, "bytes_uncompressed_per_step": 40}
+
+
+def test_a_pipelines_auto_reports_each_stages_budget():
+    from types import SimpleNamespace
+
+    from tfpar.backends.dtensor import mesh_comm_stats
+    stages = [_Stage(4, {"dense_0/kernel": 4}), _Stage(None, {"logits/kernel": 0})]
+    comm = mesh_comm_stats(SimpleNamespace(reductions=stages))
+    assert comm["auto"] == {"r_budget": 4, "r_budget_per_stage": [4, None],
+                            "ranks": {"dense_0/kernel": 4, "logits/kernel": 0}}, comm
+    assert comm["compression_ratio"] == 4.0
+    one = mesh_comm_stats(SimpleNamespace(reductions=stages[:1]))
+    assert "r_budget_per_stage" not in one["auto"], one  # one stage: `r_budget` says it

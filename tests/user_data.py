@@ -28,6 +28,15 @@ def sign_of_sum_overflow_on_worker_1(input_context, config):
     return ds.map(lambda i, xy: (tf.where(i == poison, 6e4 * xy[0], xy[0]), xy[1]))
 
 
+def sign_of_sum_fp16_overflow_at_step_3(input_context, config):
+    """As `sign_of_sum`, but replica 0's batch of step 3 is 1000 times larger: a finite
+    fp16 forward pass whose loss-scaled gradients overflow fp16 (a skipped step)."""
+    local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+    ds = sign_of_sum(input_context, config).enumerate()
+    poison = 3 * local if input_context.input_pipeline_id == 0 else -1
+    return ds.map(lambda i, xy: (tf.where(i == poison, 1e3 * xy[0], xy[0]), xy[1]))
+
+
 def sign_of_sum_validation(input_context, config):
     """Held-out batches for `--dataset=user_data:sign_of_sum --validation_steps=N`: the
     same task on examples the training stream (indices from 0 up) never reaches."""

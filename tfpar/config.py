@@ -174,6 +174,8 @@ class ParallelConfig:
     auto_link_mbps: float = 0.0
     auto_link_latency_ms: float = 1.0
     error_feedback: bool = True
+    # MB a gradient bucket holds before it closes; 0: no buckets (`--compression=none`
+    # keeps Keras's one all-reduce across workers too, a codec sends each tensor alone).
     bucket_mb: float = 4.0
     # Outputs.
     checkpoint_dir: str = ""
@@ -221,10 +223,13 @@ class ParallelConfig:
                      "validation_steps"):
             _at_least(name, getattr(self, name), 0)
         for name in ("learning_rate", "collective_timeout_s", "heartbeat_timeout_s",
-                     "startup_timeout_s", "bucket_mb"):
+                     "startup_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(name, value, "must be a number > 0")
+        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb >= 0:
+            raise ConfigError("bucket_mb", self.bucket_mb,
+                              "must be a number >= 0 (0: no buckets, Keras's all-reduce)")
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError("topk_ratio", self.topk_ratio, "must be in (0, 1], e.g. 0.01 for 1 %")
         _at_least("topk_warmup_steps", self.topk_warmup_steps, 0)

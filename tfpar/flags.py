@@ -95,7 +95,9 @@ _HELP = {
                       "measuring it; 0 = measure.",
     "auto_link_latency_ms": "--compression=auto: the latency that goes with --auto_link_mbps.",
     "error_feedback": "Keep what a lossy aggregator did not send and add it next step.",
-    "bucket_mb": "Fuse small gradients into buckets of this many MB.",
+    "bucket_mb": "Fuse small gradients into buckets of this many MB (0: no buckets: "
+                 "--compression=none keeps Keras's own one all-reduce across workers too, "
+                 "a codec sends each tensor alone).",
     "checkpoint_dir": "Directory for checkpoints; a run resumes from its latest one.",
     "checkpoint_every": "Optimizer steps between checkpoints.",
     "keep_checkpoints": "Checkpoints to keep.",

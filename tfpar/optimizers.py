@@ -92,8 +92,8 @@ _BUCKETED = [False]  # what `make_optimizer(config)` takes for `bucketed` (`alwa
 @contextlib.contextmanager
 def always_bucketed():
     """While open, `make_optimizer` builds every run's optimizer with `bucketed=True`: the
-    benchmarks' fp32-in-buckets runs (`tools/bench_compression.py`'s `none_buckets`,
-    `tools/bench_compression_quality.py`'s `fp32-exact`) go through `tfpar.train` unchanged.
+    benchmarks' fp32-in-buckets runs (`tools/bench_compression_quality.py`'s `fp32-exact`)
+    go through `tfpar.train` unchanged.
     """
     before, _BUCKETED[0] = _BUCKETED[0], True
     try:
@@ -113,10 +113,14 @@ def make_optimizer(config, bucketed=None):
     trainer's uncompressed path across workers) sends embeddings' `IndexedSlices` as Keras
     does (`NoneAggregator.keras_slices`); inside `always_bucketed()` (the quality suite's
     fp32 reference) they are summed densely, as every lossy aggregator sums them.
+    `--bucket_mb=0` turns buckets off: `none` stays on Keras's all-reduce whatever
+    `bucketed` says (the baseline `tools/bench_compression.py`'s `none_keras` runs).
     """
     keras_slices = bucketed is True
     if bucketed is None:
         bucketed = _BUCKETED[0]
+    if config.bucket_mb == 0:
+        bucketed = False
     optimizer = plain_optimizer(config)
     if config.fused_update and config.optimizer == "momentum" and not config.zero_stage:
         fuse_momentum(optimizer)

@@ -29,11 +29,9 @@ last step can still show when it reaches fp32's final loss.
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -46,12 +44,11 @@ QUICK = ("none", "fp16", "topk", "powersgd")
 # Runs that only show what one setting does; the goals are not checked on them.
 # topk_buckets: one bucket per layer instead of one for the whole model, so the last
 # layers' all-gathers could start while backward still computes the first layers' gradients.
-# none_buckets: fp32 through the exact aggregator in --bucket_mb buckets, last layers first
-# (`optimizers.always_bucketed()`), against Keras's one all-reduce;
-# `bucketed` is the worker's, not a ParallelConfig field.
+# none_keras: fp32 through Keras's one all-reduce (`--bucket_mb=0`), against which `none`
+# (across workers: the exact fp32 sums in --bucket_mb buckets, last layers first) is compared.
 VARIANTS = {"topk_nowarmup": ("topk", {"topk_warmup_steps": 0}),
             "topk_buckets": ("topk", {"bucket_mb": 4.1}),
-            "none_buckets": ("none", {"bucketed": True})}
+            "none_keras": ("none", {"bucket_mb": 0})}
 GOALS = {"powersgd": 15.0, "topk": 8.0, "fp16": 1.9}  # steps/s vs fp32
 PORT = 23456
 
@@ -63,9 +60,7 @@ def worker(config_json, out_path):
     start of training) to `out_path`."""
     from tfpar import ParallelConfig, cpu_kernels
 
-    settings = json.loads(config_json)
-    bucketed = settings.pop("bucketed", False)
-    config = ParallelConfig(**settings)
+    config = ParallelConfig(**json.loads(config_json))
     cpu_kernels.select(config.cpu_kernels)  # before TensorFlow starts, as tfpar.train's CLI
     import keras
 
@@ -73,7 +68,9 @@ def worker(config_json, out_path):
     from tfpar.compression.timing import measure_comm_fraction
     from tfpar.train import train
 
-    stats = f"/sys/class/net/{os.environ['TFPAR_BENCH_DEVICE']}/statistics/"
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    device = os.environ["TFPAR_BENCH_DEVICES"].split(",")[index]  # this side's veth end
+    stats = f"/sys/class/net/{device}/statistics/"
 
     def veth_bytes():  # both directions of this namespace's veth end: both workers' traffic
         total = 0
@@ -96,10 +93,8 @@ def worker(config_json, out_path):
             self.ends.append(time.perf_counter() - self.start)
             self.veth.append(veth_bytes())
 
-    from tfpar import optimizers
     clock = WallClock()
-    with optimizers.always_bucketed() if bucketed else contextlib.nullcontext():
-        result, model = train(config, callbacks=[clock])
+    result, model = train(config, callbacks=[clock])
     # Communication share of a step: compute-only vs full steps on a scratch aggregator
     # (every worker takes part: the collectives are collective).
     comm_steps = int(os.environ.get("TFPAR_BENCH_COMM_STEPS", "3"))
@@ -112,7 +107,7 @@ def worker(config_json, out_path):
         result.setdefault("comm", {}).update(
             comm_time_fraction=share, overlap_fraction=times.get("overlap_fraction"),
             comm_timing_ms={k: v for k, v in times.items() if k.endswith("_ms")})
-    if os.environ.get("TFPAR_WORKER_INDEX") == "0":
+    if index == 0:
         import side_resources  # tools/ (this script's directory)
         result["tensorflow_threads"] = side_resources.tensorflow_threads()  # as each worker's
         result["wall_clock_s"] = clock.ends
@@ -251,36 +246,17 @@ def run_one(link, name, settings, out_dir, timeout, extra, comm_steps=3):
                   **changes)
     if name != "none":
         config["steps"] = config["steps_per_epoch"] = round(settings["steps"] * (1 + extra))
-    out_path = os.path.join(out_dir, f"{name}.json")
+    out_path = os.path.abspath(os.path.join(out_dir, f"{name}.json"))
     if os.path.exists(out_path):
         os.remove(out_path)
-    cluster = [f"{link.address(i)}:{PORT}" for i in range(2)]
-    procs = []
-    for i in range(2):
-        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                   TFPAR_WORKER_INDEX=str(i), TFPAR_NUM_WORKERS="2",
-                   TFPAR_BENCH_DEVICE=link.devices[i],
-                   TFPAR_BENCH_COMM_STEPS=str(comm_steps),
-                   TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
-                                         "task": {"type": "worker", "index": i}}))
-        log = open(os.path.join(out_dir, f"{name}.worker{i}.log"), "w")
-        procs.append(link.popen(i, [sys.executable, os.path.abspath(__file__), "--worker",
-                                    json.dumps(config), out_path],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.poll()]
-            if failed or time.monotonic() > deadline:
-                why = (f"worker {failed[0]} exited {procs[failed[0]].returncode}" if failed
-                       else f"timed out after {timeout:.0f}s")
-                raise RuntimeError(f"{name}: {why}; see {out_dir}/{name}.worker*.log")
-            time.sleep(0.2)
-        if any(p.returncode for p in procs) or not os.path.exists(out_path):
-            raise RuntimeError(f"{name}: workers exited {[p.returncode for p in procs]}; "
-                               f"see {out_dir}/{name}.worker*.log")
-    finally:
-        link.kill_all()
+    logs = [os.path.join(out_dir, f"{name}.worker{i}.log") for i in range(2)]
+    codes, _ = link.run_workers(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(config), out_path],
+        PORT, timeout, env={"PYTHONPATH": ROOT, "TFPAR_BENCH_COMM_STEPS": str(comm_steps)},
+        log_paths=logs)
+    if any(codes) or not os.path.exists(out_path):
+        raise RuntimeError(f"{name}: workers exited {codes} (killed, negative: still running "
+                           f"after {timeout:.0f}s); see {out_dir}/{name}.worker*.log")
     with open(out_path) as f:
         return json.load(f)
 
@@ -384,7 +360,7 @@ def main():
           f"load before {load_before['loadavg_1_5_15']}, after "
           f"{machine_load()['loadavg_1_5_15']} on {os.cpu_count()} CPUs\n")
     labels = {"none": "none (fp32)", "topk_nowarmup": "topk, no wu",
-              "topk_buckets": "topk, 4MB bkt", "none_buckets": "fp32, 4MB bkt"}
+              "topk_buckets": "topk, 4MB bkt", "none_keras": "fp32 Keras AR"}
     if args.topk_warmup_steps:
         labels["topk"] = f"topk, wu {args.topk_warmup_steps}"
         print(f"topk: 1 % of the entries, density warm-up 25 % -> 1 % over the first "

@@ -19,8 +19,8 @@ one. A bucket that ends before backward's end crossed the link while backward ra
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -75,8 +75,10 @@ def worker(args):
                         else [round(1000 * float(t), 1) for t in values])
         if i:
             rounds.append(ms)
-    if os.environ.get("TFPAR_PROFILE_INDEX") == "0":
-        print(json.dumps({"settings": vars(args), "rounds_ms": rounds}), flush=True)
+    if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
+        with open(args.worker, "w") as f:
+            json.dump({"settings": {k: v for k, v in vars(args).items() if k != "worker"},
+                       "rounds_ms": rounds}, f)
 
 
 def main():
@@ -86,32 +88,30 @@ def main():
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4096, help="global batch (2 workers)")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for both workers")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the JSON file worker 0 writes
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     sys.path.insert(0, TOOLS)
     from shaped_link import ShapedLink
 
-    argv = sys.argv[1:]
-    with ShapedLink(rate=args.rate) as link:
-        cluster = [f"{link.address(i)}:{PORT}" for i in range(2)]
-        procs = []
-        for i in range(2):
-            env = dict(os.environ, TFPAR_PROFILE_INDEX=str(i), TF_CONFIG=json.dumps(
-                {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}}))
-            procs.append(link.popen(i, [sys.executable, os.path.abspath(__file__), "--worker",
-                                        *argv], env=env, text=True,
-                                    stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL))
-        out = procs[0].communicate(timeout=900)[0]
-        procs[1].wait(timeout=60)
-    result = json.loads(out.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as folder, ShapedLink(rate=args.rate) as link:
+        out = os.path.join(folder, "rounds.json")
+        codes, log = link.run_workers([sys.executable, os.path.abspath(__file__),
+                                       *sys.argv[1:], f"--worker={out}"], PORT, args.timeout)
+        if any(codes):
+            print(f"profile_overlap: workers exited {codes}\n{log}", file=sys.stderr)
+            return 1
+        with open(out) as f:
+            result = json.load(f)
     for r in result["rounds_ms"]:
         print(f"backward ends {r['backward'][0]:7.1f} ms | buckets end "
               f"{', '.join(f'{t:.0f}' for t in r['buckets'])} ms | one pack ends "
               f"{r['one pack'][0]:.0f} ms")
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

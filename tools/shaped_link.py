@@ -109,20 +109,28 @@ class ShapedLink:
         self.procs.append(proc)
         return proc
 
-    def run_workers(self, cmd, port, timeout, env=None):
+    def run_workers(self, cmd, port, timeout, env=None, log_paths=None):
         """Runs `cmd` on both sides as a 2-worker `TF_CONFIG` cluster over this link and waits
-        (at most `timeout` seconds; a worker that fails ends the wait).
+        (at most `timeout` seconds; a worker that fails ends the wait). A worker finds its
+        index in `TF_CONFIG`'s task, and its side's veth in `TFPAR_BENCH_DEVICES` (both
+        sides', comma-separated).
+
+        Args:
+            log_paths: two files to keep the workers' output in (default: temporary ones).
 
         Returns:
-            `(exit codes, the last 3000 characters of the first failed worker's output or "")`.
+            `(exit codes, the last 3000 characters of the first failed worker's output or "")`;
+            a worker still running at the deadline is killed (a negative code).
         """
         cluster = [f"{self.address(i)}:{port}" for i in range(2)]
         logs, procs = [], []
         for i in range(2):
             worker_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}),
+                              TFPAR_BENCH_DEVICES=",".join(self.devices),
                               TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
                                                     "task": {"type": "worker", "index": i}}))
-            logs.append(tempfile.TemporaryFile())  # a pipe could fill and stall the worker
+            # Files: a pipe could fill and stall the worker.
+            logs.append(open(log_paths[i], "w+b") if log_paths else tempfile.TemporaryFile())
             procs.append(self.popen(i, cmd, env=worker_env, stdout=logs[i],
                                     stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout

@@ -103,10 +103,10 @@ class DTensorBackend(Backend):
         # mesh pipeline's stages (each mesh `batch` × `model`) share the batch axis.
         parts = runtime.mesh.shape[0]
         batches = iter(data.mesh_dataset(config, task, parts, start))
-        held_out = data.mesh_dataset(config, task, parts, validation=True)
         validation = {}
-        if config.validation_steps:
-            validation = {"validation_data": held_out,
+        if config.validation_steps:  # (a --dataset function has held-out data only then)
+            validation = {"validation_data": data.mesh_dataset(config, task, parts,
+                                                               validation=True),
                           "validation_steps": config.validation_steps}
         self._memory_start = memory.reset_peaks(_mesh_devices(runtime))
         step = start
@@ -199,7 +199,8 @@ def mesh_comm_stats(trainer):
     """The metrics JSON's `comm` block of a mesh step whose `batch` reduction runs a codec
     (`tfpar.layout.reduction`; a pipeline's summed over its stage models), else None:
     DTensor's own fp32 sum inside the backward is not counted, nor are the `model` axis's
-    collectives."""
+    collectives. With `auto`, `comm.auto`: `r_budget` (the first stage's), `ranks` (every
+    matrix's) and, in a pipeline, `r_budget_per_stage`."""
     reductions = [r for r in (getattr(trainer, "reductions", None) or [trainer.reduction])
                   if r is not None]
     if not reductions:
@@ -213,6 +214,8 @@ def mesh_comm_stats(trainer):
     if autos:  # each matrix's rank now (0: exact), as tf.distribute's `comm.auto.ranks`
         out["auto"] = {"r_budget": autos[0].r_budget,
                        "ranks": {k: v for r in autos for k, v in r.ranks().items()}}
+        if len(autos) > 1:  # a pipeline: each stage plans from its own matrices
+            out["auto"]["r_budget_per_stage"] = [r.r_budget for r in autos]
     return out
 
 

@@ -16,7 +16,7 @@ from absl import logging
 from tfpar.config import TOPK_RATIO
 
 from tfpar.compression.aggregator import Aggregator
-from tfpar.compression.auto import AutoAggregator, LossGuard
+from tfpar.compression.auto import AutoAggregator, LossGuard, link_of
 from tfpar.compression.dense import CastAggregator, Int8Aggregator, NoneAggregator
 from tfpar.compression.keras_hook import aggregator_of, wrap_optimizer
 from tfpar.compression.lowbit import LowBitAggregator
@@ -103,9 +103,7 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
     if kind == "threshold":
         return ThresholdAggregator(config.threshold, **common)
     if kind == "auto":
-        link = None
-        if config.auto_link_mbps:
-            link = (config.auto_link_mbps * 1e6 / 8, config.auto_link_latency_ms / 1000)
+        link = link_of(config.auto_link_mbps, config.auto_link_latency_ms)
         if "adam" in common:
             # Each replica's `v` moves with its own exact gradient, noise counted once
             # (`local_debiased`); why: docs/guides/compression.md.

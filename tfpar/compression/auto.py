@@ -79,14 +79,10 @@ def _agreed_times(strategy, small, large, repeats):
     fns = [tf.function(lambda n=n: strategy.run(
         lambda: tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, tf.ones([n]), options=opts))) for n in (small, large)]
-    best = [float("inf"), float("inf")]
-    for fn in fns:
-        strategy.experimental_local_results(fn())  # trace
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            began = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(fn()))
-            best[i] = min(best[i], time.perf_counter() - began)
+    best = fastest_in_turn(
+        [lambda fn=fn: tf.nest.map_structure(lambda t: t.numpy(),
+                                             strategy.experimental_local_results(fn()))
+         for fn in fns], repeats)
     # tf.distribute has no MAX reduction (`ReduceOp` is SUM or MEAN): gather every replica's
     # figures, then the max.
     agreed = tf.function(lambda: strategy.run(
@@ -94,6 +90,34 @@ def _agreed_times(strategy, small, large, repeats):
             tf.constant([best], tf.float32), axis=0, options=opts), axis=0)))()
     t_small, t_large = strategy.experimental_local_results(agreed)[0].numpy()
     return float(t_small), float(t_large)
+
+
+def fastest_in_turn(calls, repeats):
+    """The fastest of `repeats` timed runs of each of `calls` (functions that run and wait
+    for their result), taken in turn so a burst of load hits all alike; each called once
+    first, untimed (it traces). Seconds, one per call."""
+    for call in calls:
+        call()
+    best = [math.inf] * len(calls)
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            began = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - began)
+    return best
+
+
+def link_of(mbps, latency_ms):
+    """`(bytes_per_s, latency_s)` of `--auto_link_mbps` and `--auto_link_latency_ms`, the
+    `link` `auto` decides on; None without a rate (the link is timed at build)."""
+    return (mbps * 1e6 / 8, latency_ms / 1000) if mbps else None
+
+
+def warm_q(matrix, q):
+    """One step of PowerSGD's subspace iteration on `matrix`, `Mᵀ orth(M Q)` over all
+    columns of `q`: what `auto`'s exact start runs on the exact sum to warm `Q` (zero for a
+    zero `matrix`: keep the old `Q` then, `powersgd.nonzero_or`)."""
+    return powersgd.compress_q(matrix, powersgd.orthogonalize(tf.matmul(matrix, q)))
 
 
 def measure_link(strategy, sizes=(256, 262144), repeats=5, max_floats=1 << 24, times=None):
@@ -394,8 +418,8 @@ class AutoAggregator(PowerSGDAggregator):
             for g, p in todo:
                 m = tf.reshape(g, powersgd.matrix_shape(g.shape))
                 q_var = self.qs[str(p)]
-                q_new = powersgd.compress_q(m, powersgd.orthogonalize(tf.matmul(m, q_var)))
-                q_var.assign(tf.where(tf.reduce_any(q_new != 0), q_new, q_var))
+                q_new = warm_q(m, q_var)
+                q_var.assign(powersgd.nonzero_or(q_new, q_var))
                 top = self.r_max[p]
                 total = self.beyond_sum[str(p)].assign_add(self._beyond(p, q_new, top))
                 first = self._lowest(p, total / count, top)

@@ -132,9 +132,8 @@ class PowerSGDAggregator(NoneAggregator):
                 summed[j], local[j] = self._decode(p_hat, q_sum, q_loc, xs[j].shape)
             else:  # no residuals: this replica's own message is never read
                 summed[j] = local[j] = self._decode_sum(p_hat, q_sum, xs[j].shape)
-            # Warm start from the summed Q; an all-zero gradient would leave Q at zero
-            # forever, so keep the previous Q then.
-            q_var.assign(tf.where(tf.reduce_any(q_sum != 0), q_sum, q_var))
+            # Warm start from the summed Q (the previous one for an all-zero gradient).
+            q_var.assign(powersgd.nonzero_or(q_sum, q_var))
         if in_place:
             # Unused; returning `xs` would keep the residuals' buffers referenced (through a
             # cond's outputs) and make the in-place update copy them.

@@ -78,6 +78,13 @@ def decompress(p_hat, q):
     return tf.matmul(p_hat, q, transpose_b=True)
 
 
+def nonzero_or(q_new, q):
+    """`q_new`, or `q` where `q_new` is all zero: a zero gradient's `Q` would stay zero on
+    every later step. (The condition as [1, 1]: DTensor crashed on a scalar condition,
+    TF 2.21.)"""
+    return tf.where(tf.reshape(tf.reduce_any(q_new != 0), [1, 1]), q_new, q)
+
+
 def approximate(matrix, q):
     """One PowerSGD round trip on a single replica.
 

@@ -25,20 +25,17 @@ State, every piece sharded like what it belongs to and saved by `tfpar.state` un
 `codec/<path>/…`: `residual` (`[replicas, *shape]`, one row per replica), per matrix
 `powersgd_q` (`[m, r_max]`, replicated: the columns beyond the current rank keep their last
 values for when it grows), `auto_rank`, `auto_norm_sum`, `auto_norm_prev`,
-`auto_beyond_sum` (the window's sums), and the reduction's `auto_step` and
+`auto_beyond_sum` (the window's sums), and the reduction's `auto_step`, `auto_calls` and
 `auto_bytes_total` under its first weight's path.
 """
-
-import math
-import time
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar.compression import auto, error_feedback, powersgd
+from tfpar.compression import auto, powersgd
 from tfpar.layout import values
-from tfpar.layout.reduction import BatchAxisReduction, all_finite, where_scalar
+from tfpar.layout.reduction import BatchAxisReduction, kept_if, where_scalar
 
 
 class AutoReduction(BatchAxisReduction):
@@ -81,25 +78,23 @@ class AutoReduction(BatchAxisReduction):
                 "auto_norm_prev": scalar(-1.0, tf.float32),
                 "auto_beyond_sum": dtensor.DVariable(values.to_mesh(
                     tf.zeros([len(auto.levels(r_max))]), rep(1)), trainable=False)}
-        self.counters = {"auto_step": scalar(0, tf.int32),
+        # `auto_step`: steps taken (a skipped fp16 step is not: it leaves the codec as it
+        # was); `auto_calls`: steps run, skipped ones too, whose collectives were sent all
+        # the same (`auto_bytes_total` counts them).
+        self.counters = {"auto_step": scalar(0, tf.int32), "auto_calls": scalar(0, tf.int32),
                          "auto_bytes_total": scalar(0, tf.int64)}
 
     def _times(self, small, large, repeats):
-        """The fastest of `repeats` sums over `batch` of `small` and of `large` floats per
-        replica, taken in turn; the slowest client's (every client decides alike)."""
+        """`measure_link`'s two timings on the mesh: sums over `batch` of `small` and of
+        `large` floats per replica (`auto.fastest_in_turn`), the slowest client's (every
+        client decides alike)."""
         fns = []
         for n in (small, large):
             x = values.to_mesh(np.ones([self.replicas, n], np.float32), self._rows)
             fns.append(tf.function(lambda x=x: dtensor.relayout(tf.reduce_sum(x, 0),
                                                                 self._replicated(1))))
-        best = [math.inf, math.inf]
-        for fn in fns:
-            values.to_host(fn())  # trace
-        for _ in range(repeats):
-            for i, fn in enumerate(fns):
-                began = time.perf_counter()
-                values.to_host(fn())
-                best[i] = min(best[i], time.perf_counter() - began)
+        best = auto.fastest_in_turn([lambda fn=fn: values.to_host(fn()) for fn in fns],
+                                    repeats)
         return tuple(float(t) for t in self._slowest(best))
 
     def _slowest(self, figures):
@@ -139,72 +134,64 @@ class AutoReduction(BatchAxisReduction):
 
     def comm_stats(self):
         """Bytes one replica handed to the `batch` collectives per step, the mean over the
-        steps run (the rank changes by window): fp32 on the exact start, then each
+        steps run (the rank changes by window), skipped fp16 steps included (their
+        collectives ran, on the residuals alone): fp32 on the exact start, then each
         matrix's factors at its rank and the rest in fp32; before any step, fp32's."""
         raw = 4 * sum(self.sizes)
-        steps = int(values.to_host(self.counters["auto_step"]))
+        # (`auto_step` too: a checkpoint written before `auto_calls` existed loads it as 0.)
+        steps = max(int(values.to_host(self.counters[k])) for k in ("auto_calls", "auto_step"))
         wire = (int(values.to_host(self.counters["auto_bytes_total"])) / steps
                 if steps else raw)
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire}
 
-    def mean(self, grads, state, scale=None, finite=None):
-        """As `BatchAxisReduction.mean`: `(means, new_state)` in `variables`' order."""
-        if len(grads) != len(self.stacked):
-            raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
-        state = list(state)
-        residuals = state[:len(self.residuals)]
-        at = len(self.residuals)
-        mats = {}
+    def _begin(self, state):
+        """`BatchAxisReduction.mean`'s step: each matrix's state, the counters, the step's
+        phase (exact start, its planning window, compressed, a window's end)."""
+        at, mats = 0, {}
         for i in sorted(self.matrix_state):
             names = sorted(self.matrix_state[i])
             mats[i] = dict(zip(names, state[at:at + len(names)]))
             at += len(names)
         counters = dict(zip(sorted(self.counters), state[at:]))
         step = counters["auto_step"]
-        if scale is not None and finite is None:
-            finite = all_finite(grads)
         compressing = step >= self.start
-        planning = (step >= self.start - min(self.window, self.start)) & ~compressing
-        window_end = compressing & tf.equal((step - self.start + 1) % self.window, 0)
-        means, kept, new_mats = [], [], {}
-        wire = tf.constant(0, tf.int64)
-        for i, g in enumerate(grads):
-            x = dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i])
-            if scale is not None:
-                x = where_scalar(finite, x / tf.cast(scale, tf.float32), tf.zeros_like(x))
-            if residuals:
-                x = error_feedback.corrected(x, residuals[i])
-            if i in mats:
-                total, sent, new_mats[i], nbytes = self._matrix(
-                    i, x, mats[i], compressing, planning, window_end, step)
-                wire += nbytes
-            else:
-                total, sent = tf.reduce_sum(x, 0), x
-                wire += 4 * self.sizes[i]
-            mean = total / self.replicas
-            if scale is not None:  # skipped: 0 / 0, not finite
-                mean = mean * tf.cast(scale, tf.float32) / tf.cast(finite, tf.float32)
-            means.append(tf.cast(mean, g.dtype))
-            if residuals:
-                kept.append(error_feedback.next_residual(x, sent))
-        new_state = list(kept)
-        for i in sorted(mats):
-            new_state += [new_mats[i][k] for k in sorted(mats[i])]
-        new_counters = {"auto_step": step + 1,
-                        "auto_bytes_total": counters["auto_bytes_total"] + wire}
-        new_state += [new_counters[k] for k in sorted(self.counters)]
-        if finite is not None:  # a skipped step leaves every piece of state as it was
-            new_state = [where_scalar(finite, new, old) for new, old in zip(new_state, state)]
-        return means, new_state
+        return {"mats": mats, "new_mats": {}, "counters": counters, "step": step,
+                "compressing": compressing,
+                "planning": (step >= self.start - min(self.window, self.start)) & ~compressing,
+                "window_end": compressing & tf.equal((step - self.start + 1) % self.window, 0),
+                "wire": tf.constant(0, tf.int64)}
 
-    def _matrix(self, i, x, st, compressing, planning, window_end, step):
+    def _reduce(self, i, x, step):
+        if i not in step["mats"]:  # vectors and small matrices: whole, in fp32
+            step["wire"] += 4 * self.sizes[i]
+            return tf.reduce_sum(x, 0), x
+        total, sent, step["new_mats"][i], nbytes = self._matrix(i, x, step)
+        step["wire"] += nbytes
+        return total, sent
+
+    def _end(self, step, finite):
+        new, old = [], []
+        for i in sorted(step["mats"]):
+            new += [step["new_mats"][i][k] for k in sorted(step["mats"][i])]
+            old += [step["mats"][i][k] for k in sorted(step["mats"][i])]
+        # A skipped step leaves the codec's state as it was, and its step count: the
+        # exact start and the windows count steps taken. What it sent is counted.
+        new = [kept_if(finite, a, b) for a, b in zip(new, old)]
+        counters = step["counters"]
+        new_counters = {"auto_step": kept_if(finite, step["step"] + 1, step["step"]),
+                        "auto_calls": counters["auto_calls"] + 1,
+                        "auto_bytes_total": counters["auto_bytes_total"] + step["wire"]}
+        return new + [new_counters[k] for k in sorted(self.counters)]
+
+    def _matrix(self, i, x, phase):
         """Matrix `i`'s `(sum, each replica's sent share, new state, bytes)` this step."""
+        st, step, compressing = phase["mats"][i], phase["step"], phase["compressing"]
+        planning, window_end = phase["planning"], phase["window_end"]
         r_max, floor = self.r_max[i], self.r_floor[i]
         q = dtensor.relayout(st["powersgd_q"], self._replicated(2))
         rank = tf.maximum(st["auto_rank"], floor)
         shape = self.shapes[i]
-        m = tf.reshape(x, (self.replicas,) + powersgd.matrix_shape(shape))
         zeros_b = tf.zeros([len(auto.levels(r_max))])
 
         def exact():
@@ -213,14 +200,9 @@ class AutoReduction(BatchAxisReduction):
 
         def at_rank(r):
             def branch():
-                p_sum = tf.reduce_sum(tf.einsum("rnm,mk->rnk", m, q[:, :r]), 0)
-                p_hat = powersgd.orthogonalize(dtensor.relayout(p_sum, self._replicated(2)))
-                q_sum = tf.reduce_sum(tf.einsum("rnm,nk->rmk", m, p_hat), 0)
-                q_sum = dtensor.relayout(q_sum, self._replicated(2))
-                total = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
+                total, share, q_sum = self._powersgd(x, q[:, :r])
                 new_q = tf.concat([q_sum, q[:, r:]], 1) if r < r_max else q_sum
                 new_q = tf.where(tf.reshape(tf.reduce_any(q_sum != 0), [1, 1]), new_q, q)
-                share = tf.broadcast_to(total / self.replicas, x.shape)
                 return (dtensor.relayout(total, self.own[i]),
                         dtensor.relayout(share, self.stacked[i]), new_q,
                         tf.norm(q_sum), auto.beyond_shares(q_sum, r, r_max))
@@ -249,8 +231,7 @@ class AutoReduction(BatchAxisReduction):
             def plan():
                 mat = tf.reshape(dtensor.relayout(total, self._replicated(len(shape))),
                                  powersgd.matrix_shape(shape))
-                q_new = powersgd.compress_q(mat, powersgd.orthogonalize(tf.matmul(mat, q)))
-                q_new = tf.where(tf.reshape(tf.reduce_any(q_new != 0), [1, 1]), q_new, q)
+                q_new = powersgd.nonzero_or(auto.warm_q(mat, q), q)
                 return q_new, auto.beyond_shares(q_new, r_max, r_max)
             q_plan, beyond_plan = tf.cond(planning, plan, lambda: (q, zeros_b))
             new["powersgd_q"] = where_scalar(planning, q_plan, new_q)

@@ -49,7 +49,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import compat
-from tfpar.compression import codecs, error_feedback, lowbit, powersgd
+from tfpar.compression import auto, codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
 from tfpar.config import LOWBIT_BITS
 from tfpar.layout import values
@@ -63,9 +63,7 @@ _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 def codec_options(config):
     """The codec parameters of a `ParallelConfig` that `BatchAxisReduction` takes."""
-    link = None
-    if config.auto_link_mbps:  # as `tfpar.compression.make_aggregator` reads them
-        link = (config.auto_link_mbps * 1e6 / 8, config.auto_link_latency_ms / 1000)
+    link = auto.link_of(config.auto_link_mbps, config.auto_link_latency_ms)
     return {"topk_ratio": config.topk_ratio, "topk_union": config.topk_union,
             "topk_dense_below": config.topk_dense_below, "threshold": config.threshold,
             "powersgd_rank": config.powersgd_rank, "lowbit_bits": config.lowbit_bits,
@@ -227,9 +225,9 @@ class BatchAxisReduction:
         if len(grads) != len(self.stacked):
             raise ValueError(f"{len(grads)} gradients for {len(self.stacked)} variables")
         residuals = list(state[:len(self.residuals)])
-        qs = dict(zip(sorted(self.qs), state[len(self.residuals):]))
         finite = step_finite(grads, scale, finite)
-        means, kept, new_qs = [], [], []
+        step = self._begin(state[len(self.residuals):])
+        means, kept = [], []
         for i, g in enumerate(grads):
             # Pin each replica's gradient to its own shard (a no-op when DTensor already
             # placed it so): nothing over `batch` is summed before the codec.
@@ -237,16 +235,30 @@ class BatchAxisReduction:
                          scale, finite)
             if residuals:
                 x = error_feedback.corrected(x, residuals[i])
-            if i in qs:
-                total, sent, q = self._powersgd(x, qs[i])
-                new_qs.append(kept_if(finite, q, qs[i]))
-            else:
-                total, sent = self._sum(x, i)
+            total, sent = self._reduce(i, x, step)
             means.append(tf.cast(rescaled(total / self.replicas, scale, finite), g.dtype))
             if residuals:
                 kept.append(kept_if(finite, error_feedback.next_residual(x, sent),
                                     residuals[i]))
-        return means, kept + new_qs
+        return means, kept + self._end(step, finite)
+
+    # The codec's own state through `mean` (a subclass's too: `tfpar.layout.auto`):
+    # `_begin` reads it from `mean`'s state after the residuals, `_reduce` sums one
+    # gradient and notes its next values, `_end` returns them (as `kept_if` keeps them).
+    def _begin(self, state):
+        return {"qs": dict(zip(sorted(self.qs), state)), "new_qs": {}}
+
+    def _reduce(self, i, x, step):
+        """`(sum over axis 0, what each replica's message decodes to)` of gradient `i`."""
+        if i not in step["qs"]:
+            return self._sum(x, i)
+        q = step["qs"][i]
+        total, sent, q_sum = self._powersgd(x, q)
+        step["new_qs"][i] = powersgd.nonzero_or(q_sum, dtensor.relayout(q, self._replicated(2)))
+        return total, sent
+
+    def _end(self, step, finite):
+        return [kept_if(finite, step["new_qs"][i], step["qs"][i]) for i in sorted(step["qs"])]
 
     def _sum(self, x, index):
         """`(sum over axis 0, what each replica's message decodes to)` for the gradient
@@ -333,9 +345,9 @@ class BatchAxisReduction:
                                  self.stacked[index]))
 
     def _powersgd(self, x, q):
-        """`(sum, each replica's share of it, new Q)`: one PowerSGD round over `batch`
-        (`tfpar.compression.powersgd`); the residual is formed against the replica's
-        share of the summed approximation, as `PowerSGDAggregator` forms it."""
+        """`(sum, each replica's share of it, summed Q)`: one PowerSGD round over `batch`
+        at `q`'s rank (`tfpar.compression.powersgd`); the residual is formed against the
+        replica's share of the summed approximation, as `PowerSGDAggregator` forms it."""
         shape = x.shape[1:]
         m = tf.reshape(x, (self.replicas,) + powersgd.matrix_shape(shape))
         q = dtensor.relayout(q, self._replicated(2))
@@ -347,11 +359,8 @@ class BatchAxisReduction:
         q_sum = tf.reduce_sum(tf.einsum("rnm,nk->rmk", m, p_hat), 0)
         q_sum = dtensor.relayout(q_sum, self._replicated(2))
         total = tf.reshape(powersgd.decompress(p_hat, q_sum), shape)
-        # An all-zero gradient would leave Q at zero forever: keep the previous Q then.
-        # (The condition as [1, 1]: DTensor crashed on a scalar condition, TF 2.21.)
-        new_q = tf.where(tf.reshape(tf.reduce_any(q_sum != 0), [1, 1]), q_sum, q)
         share = tf.broadcast_to(total / self.replicas, x.shape)
-        return total, share, new_q
+        return total, share, q_sum
 
 
 # A codec's step under fp16 loss scaling, shared by every reduction of a mesh step (this
