@@ -126,6 +126,10 @@ ZERO_CODECS = ("fp16", "bf16", "int8")
 # (`sharded.CODECS`), or the aggregator's whole sum of which each replica keeps its piece
 # (`sharded.AGGREGATED`: threshold, PowerSGD, auto).
 ZERO12_CODECS = ZERO_CODECS + ("lowbit", "topk", "threshold", "powersgd")
+# Those whose reduce-scatter leaves the update to the piece's owner alone, which offload
+# moves to the host (`tfpar.offload.OffloadZeroMixin`); threshold's and PowerSGD's
+# aggregator with offload is not tested.
+ZERO_OFFLOAD_CODECS = ZERO_CODECS + ("lowbit", "topk")
 ZERO_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage in (1, 2)
     and c.compression not in ("none",) + ZERO12_CODECS,
@@ -322,11 +326,11 @@ OFFLOAD_RULES = (
                         "SGD without momentum keeps no optimizer state to offload; use "
                         "keras.optimizers.SGD(momentum=0.9) or Adam, or offload='none'")),
     Rule("compression", lambda c: c.offload != "none" and c.compression != "none"
-         and not (c.zero_stage in (1, 2) and c.compression in ZERO_CODECS),
+         and not (c.zero_stage in (1, 2) and c.compression in ZERO_OFFLOAD_CODECS),
          lambda c: "not supported with " + _say(c, "--offload", f"offload={c.offload!r}")
                    + ": the gradient aggregators update through Keras's device-side step; "
-                   + _say(c, "use --compression=none, or with --zero_stage=1|2 fp16, bf16 "
-                             "or int8",
+                   + _say(c, "use --compression=none, or with --zero_stage=1|2 "
+                             + ", ".join(ZERO_OFFLOAD_CODECS),
                           "use compression='none' (the default with offload)")),
     Rule("fused_update", lambda c: c.offload != "none" and c.fused_update,
          "the fused kernel updates on the device; --offload updates on the host: use "

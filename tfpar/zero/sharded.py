@@ -36,7 +36,14 @@ stages reduce-scatter: each replica's pieces travel in the codec (`encode_pieces
 with one fp32 scale per `INT8_BLOCK` entries of each piece) and their owner decodes and
 sums them in fp32 (`reduce_scatter_encoded`); with error feedback each replica keeps what
 its message dropped in `zero_residual` (the unpadded flat length, checkpointed per replica
-through `PerReplicaSlot`). The weights' all-gather stays fp32.
+through `PerReplicaSlot`). `--compression=lowbit|topk` reduce-scatter the same way, each
+piece coded for its owner by `tfpar.zero.piece_codecs`. `--compression=threshold|powersgd`
+cannot travel as equal pieces (a data-dependent count; factors of whole matrices): their
+aggregator (`AGGREGATED`, data parallelism's own, without Adam in front since the moments
+are sharded here) forms the whole approximate sum on every replica, which keeps its piece
+(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does; the
+aggregator's residuals and PowerSGD's Q are checkpointed as `zero_residual` is. The
+weights' all-gather stays fp32.
 
 With `--mixed_precision=fp16` Keras's `LossScaleOptimizer` (`tfpar.nan_guard.
 ConsistentLossScaleOptimizer`) wraps this optimizer and unscales each replica's gradients
@@ -640,6 +647,8 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
 
     Raises:
         ConfigError: another optimizer or option, or stage not 1 or 2.
+        ValueError: `aggregator` given without an `AGGREGATED` codec, or missing with one,
+            or with Adam in front.
     """
     if stage not in (1, 2):
         raise ConfigError("zero_stage", stage, "tf.distribute shards optimizer state (1) and "
@@ -655,12 +664,14 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
     if codec not in ("none",) + CODECS + AGGREGATED:
         raise ConfigError("compression", codec, "ZeRO's reduce-scatter compresses with "
                           f"{', '.join(CODECS + AGGREGATED)} (or none)")
+    # A caller's mistake, not a user's setting (`make_optimizer` passes both).
     if (codec in AGGREGATED) != (aggregator is not None):
-        raise ConfigError("compression", codec, f"an aggregator for {', '.join(AGGREGATED)} "
-                          "only (tfpar.compression.make_aggregator(config, adam_step=False))")
+        raise ValueError(f"codec={codec!r} with aggregator={aggregator!r}: an aggregator "
+                         f"goes with {', '.join(AGGREGATED)} only (tfpar.compression."
+                         "make_aggregator(config, adam_step=False))")
     if getattr(aggregator, "adam", None) is not None:
-        raise ConfigError("compression", codec, "an aggregator without Adam in front: ZeRO "
-                          "shards Adam's moments (make_aggregator(config, adam_step=False))")
+        raise ValueError(f"aggregator={aggregator!r} takes Adam in front: ZeRO shards Adam's "
+                         "moments; build it with make_aggregator(config, adam_step=False)")
     patches.mix_in(optimizer, ZeroMixin)
     optimizer.tfpar_zero_codec = codec
     optimizer.tfpar_zero_codec_options = {"bits": LOWBIT_BITS, "ratio": TOPK_RATIO,
