@@ -75,6 +75,18 @@ def test_piece_codecs_code_each_tensor_part_as_the_codecs_do():
             assert int(tf.math.count_nonzero(got)) == k
             np.testing.assert_array_equal(np.sort(got[got != 0]), np.sort(values))
     assert top.message_words() == 2 * max(sum(k for _, _, k in p) for p in top.parts)
+    # A part over 65 536 entries takes top-k's sampled threshold, seeded by the
+    # optimizer's step (a Keras variable): still exactly its largest entries here.
+    import keras
+    big, piece_big = [300000, 50], 150025
+    rows_big = tf.reshape(tf.random.stateless_normal([2 * piece_big], [5, 6]), [2, -1])
+    top_big = piece_codecs.TopKPieces(big, 2, piece_big, ratio=0.01, dense_below=16)
+    decoded = top_big.decode_own(top_big.encode(rows_big, keras.Variable(3, dtype="int64")))
+    for r in range(2):
+        for offset, length, k in top_big.parts[r]:
+            got = decoded[r][offset:offset + length]
+            values, _ = codecs.topk(rows_big[r][offset:offset + length], k)
+            np.testing.assert_array_equal(np.sort(got[got != 0]), np.sort(values))
     full = piece_codecs.TopKPieces(sizes, n, piece, ratio=1.0, dense_below=0)
     np.testing.assert_array_equal(full.decode_own(full.encode(rows, 0)), rows)
 
