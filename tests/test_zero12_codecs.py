@@ -244,3 +244,15 @@ def test_zero12_refuses_what_is_not_built(settings):
     setting = "topk_warmup_steps" if "topk_warmup_steps" in settings else "compression"
     with pytest.raises(ConfigError, match=setting):
         ParallelConfig(zero_stage=2, **settings)
+
+
+def test_zero12_tells_adam_behind_a_codec_that_failed_the_quality_suite(caplog):
+    import keras
+
+    from tfpar.zero import sharded
+    with caplog.at_level("WARNING"):
+        sharded.wrap_optimizer(keras.optimizers.Adam(), 2, codec="lowbit")
+        sharded.wrap_optimizer(keras.optimizers.SGD(momentum=0.9), 2, codec="lowbit")
+        sharded.wrap_optimizer(keras.optimizers.Adam(), 2, codec="int8")
+    lines = [r.getMessage() for r in caplog.records if "--zero_stage=1|2" in r.getMessage()]
+    assert len(lines) == 1 and "--compression=lowbit with Adam" in lines[0], lines

@@ -67,6 +67,7 @@ here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.zero.fsdp`, beside this mo
 import itertools
 
 import keras
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -491,6 +492,20 @@ _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 INT8_BLOCK = 256  # entries per fp32 scale, as `tfpar.compression.Int8Aggregator`'s
 
 
+# Codecs that failed the quality suite's transformer task with Adam behind them on ZeRO-2
+# (docs/guides/memory.md): ZeRO shards Adam's moments, so no Adam in front of the codec.
+ADAM_BEHIND = ("lowbit", "topk", "powersgd")
+
+
+def adam_behind_line(codec):
+    """The one line ZeRO 1/2 logs for `codec` (one of `ADAM_BEHIND`) with Adam."""
+    return (f"--zero_stage=1|2 --compression={codec} with Adam: the codec compresses the "
+            "raw gradient with Keras's Adam behind it (ZeRO shards Adam's moments, so there "
+            "is no Adam in front as on data parallelism); on the quality suite's transformer "
+            "task it ended 13-18 % above fp32 (docs/guides/memory.md). For Adam on ZeRO use "
+            "int8 or threshold, or --zero_stage=0 for this codec")
+
+
 def encode_pieces(flat, n, codec, step=None):
     """The `n` pieces of the padded flat vector as they go on the wire in `codec`.
 
@@ -672,6 +687,8 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
     if getattr(aggregator, "adam", None) is not None:
         raise ValueError(f"aggregator={aggregator!r} takes Adam in front: ZeRO shards Adam's "
                          "moments; build it with make_aggregator(config, adam_step=False)")
+    if codec in ADAM_BEHIND and isinstance(optimizer, keras.optimizers.Adam):
+        logging.warning(adam_behind_line(codec))
     patches.mix_in(optimizer, ZeroMixin)
     optimizer.tfpar_zero_codec = codec
     optimizer.tfpar_zero_codec_options = {"bits": LOWBIT_BITS, "ratio": TOPK_RATIO,
