@@ -15,8 +15,9 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   stage's mesh, spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
-`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with a
-`auto`; on a mesh, compression with one replica on `batch`; the
+`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO-3 with a
+sparse or low-rank codec, ZeRO 1/2 with `auto`; on a mesh, compression with one replica
+on `batch`; the
 zero-bubble schedule with recomputation; Chimera with an odd micro-batch count or on the
 mesh pipeline; tfmot's settings), `ACROSS_WORKERS` what a
 `TF_CONFIG` cluster excludes (`check_cluster`, from `tfpar.train.check_inputs`). This is
