@@ -23,7 +23,7 @@ from tfpar.errors import ConfigError
     ({"global_batch_size": 30, "microbatches": 4}, "microbatches", "divide"),
     ({"pipeline_stages": 2, "schedule": "interleaved"}, "virtual_stages", ">= 2"),
     ({"zero_gather": "int8"}, "zero_gather", "--zero_stage=3"),
-    ({"zero_stage": 2, "compression": "topk"}, "compression", "fp16, bf16 or int8"),
+    ({"zero_stage": 2, "compression": "auto"}, "compression", "lowbit, topk"),
     ({"zero_stage": 3, "compression": "powersgd"}, "compression", "fp16, bf16 or int8"),
     ({"zero_stage": 3, "compression": "int8", "recompute": "blocks"}, "recompute",
      "--recompute=none"),

@@ -15,8 +15,9 @@ Backends (what `tfpar.train.train` runs a config on, see `tfpar.backends`):
   stage's mesh, spans them),
 - `tf_keras`: `keras=2`, legacy Keras on the `tf.distribute` strategies.
 
-`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO with a
-sparse or low-rank codec; on a mesh, compression with one replica on `batch`; the
+`COMBINATIONS` lists what one setting's value excludes on every backend (ZeRO-3 with a
+sparse or low-rank codec, ZeRO 1/2 with `auto`; on a mesh, compression with one replica
+on `batch`; the
 zero-bubble schedule with recomputation; Chimera with an odd micro-batch count or on the
 mesh pipeline; tfmot's settings), `ACROSS_WORKERS` what a
 `TF_CONFIG` cluster excludes (`check_cluster`, from `tfpar.train.check_inputs`). This is
@@ -119,13 +120,28 @@ def _mesh(c):
     return backend_of(c) == "dtensor"
 
 
-# ZeRO 1/2's reduce-scatter travels in these codecs (`tfpar.zero.sharded.CODECS`).
+# ZeRO-3's reduce-scatter travels in these codecs (`tfpar.zero.reduce_scatter`), and so
+# does ZeRO 1/2's with CPU offload.
 ZERO_CODECS = ("fp16", "bf16", "int8")
+# ZeRO 1/2's (`tfpar.zero.sharded`): the reduce-scatter in fp16/bf16/int8, lowbit or top-k
+# (`sharded.CODECS`), or the aggregator's whole sum of which each replica keeps its piece
+# (`sharded.AGGREGATED`: threshold, PowerSGD, auto).
+ZERO12_CODECS = ZERO_CODECS + ("lowbit", "topk", "threshold", "powersgd")
+# Those whose reduce-scatter leaves the update to the piece's owner alone, which offload
+# moves to the host (`tfpar.offload.OffloadZeroMixin`); threshold's and PowerSGD's
+# aggregator with offload is not tested.
+ZERO_OFFLOAD_CODECS = ZERO_CODECS + ("lowbit", "topk")
 ZERO_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage in (1, 2)
-    and c.compression not in ("none",) + ZERO_CODECS,
-    "not supported: --zero_stage=1|2 reduce-scatters gradients in fp16, bf16 or int8; "
-    "no other codec's reduce-scatter is built (use one of those, or --zero_stage=0)")
+    and c.compression not in ("none",) + ZERO12_CODECS,
+    "not supported: --zero_stage=1|2 compresses gradients with " + ", ".join(ZERO12_CODECS)
+    + "; use one of those, or --zero_stage=0")
+# Top-k on ZeRO 1/2 sends each piece to its owner alone: no warm-up table is built there.
+ZERO_TOPK_WARMUP = Rule(
+    "topk_warmup_steps", lambda c: c.zero_stage in (1, 2) and c.compression == "topk"
+    and c.topk_warmup_steps > 0,
+    "not supported with --zero_stage=1|2: ZeRO's top-k sends --topk_ratio of each "
+    "piece from the first step; use --topk_warmup_steps=0, or --zero_stage=0")
 # ZeRO-3's reduce-scatter on the mesh travels in the same (`tfpar.zero.reduce_scatter`).
 ZERO3_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage == 3
@@ -311,11 +327,11 @@ OFFLOAD_RULES = (
                         "SGD without momentum keeps no optimizer state to offload; use "
                         "keras.optimizers.SGD(momentum=0.9) or Adam, or offload='none'")),
     Rule("compression", lambda c: c.offload != "none" and c.compression != "none"
-         and not (c.zero_stage in (1, 2) and c.compression in ZERO_CODECS),
+         and not (c.zero_stage in (1, 2) and c.compression in ZERO_OFFLOAD_CODECS),
          lambda c: "not supported with " + _say(c, "--offload", f"offload={c.offload!r}")
                    + ": the gradient aggregators update through Keras's device-side step; "
-                   + _say(c, "use --compression=none, or with --zero_stage=1|2 fp16, bf16 "
-                             "or int8",
+                   + _say(c, "use --compression=none, or with --zero_stage=1|2 "
+                             + ", ".join(ZERO_OFFLOAD_CODECS),
                           "use compression='none' (the default with offload)")),
     Rule("fused_update", lambda c: c.offload != "none" and c.fused_update,
          "the fused kernel updates on the device; --offload updates on the host: use "
@@ -329,6 +345,7 @@ COMBINATIONS = (
     KERAS_MESH_AGGREGATOR_CODEC,
     KERAS_MESH_OFFLOAD,
     ZERO_COMPRESSION,
+    ZERO_TOPK_WARMUP,
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,
     ZERO3_COMPRESSION_MODEL,

@@ -128,9 +128,14 @@ def make_optimizer(config, bucketed=None):
         # ZeRO runs its own collectives, compressed in its codec (`tfpar.zero.sharded`;
         # `tfpar.compat` refuses the others): no aggregator around it.
         from tfpar.zero import sharded as zero
-        optimizer = zero.wrap_optimizer(optimizer, config.zero_stage,
-                                        config.collective_timeout_s, config.compression,
-                                        config.error_feedback)
+        aggregator = None
+        if config.compression in zero.AGGREGATED:
+            from tfpar import compression
+            aggregator = compression.make_aggregator(config, adam_step=False)
+        optimizer = zero.wrap_optimizer(
+            optimizer, config.zero_stage, config.collective_timeout_s, config.compression,
+            config.error_feedback, {"bits": config.lowbit_bits, "ratio": config.topk_ratio,
+                                    "dense_below": config.topk_dense_below}, aggregator)
     elif config.compression != "none" or bucketed:
         from tfpar import compression
         aggregator = compression.make_aggregator(config)

@@ -36,7 +36,14 @@ stages reduce-scatter: each replica's pieces travel in the codec (`encode_pieces
 with one fp32 scale per `INT8_BLOCK` entries of each piece) and their owner decodes and
 sums them in fp32 (`reduce_scatter_encoded`); with error feedback each replica keeps what
 its message dropped in `zero_residual` (the unpadded flat length, checkpointed per replica
-through `PerReplicaSlot`). The weights' all-gather stays fp32.
+through `PerReplicaSlot`). `--compression=lowbit|topk` reduce-scatter the same way, each
+piece coded for its owner by `tfpar.zero.piece_codecs`. `--compression=threshold|powersgd`
+cannot travel as equal pieces (a data-dependent count; factors of whole matrices): their
+aggregator (`AGGREGATED`, data parallelism's own, without Adam in front since the moments
+are sharded here) forms the whole approximate sum on every replica, which keeps its piece
+(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does; the
+aggregator's residuals and PowerSGD's Q are checkpointed as `zero_residual` is. The
+weights' all-gather stays fp32.
 
 With `--mixed_precision=fp16` Keras's `LossScaleOptimizer` (`tfpar.nan_guard.
 ConsistentLossScaleOptimizer`) wraps this optimizer and unscales each replica's gradients
@@ -60,14 +67,17 @@ here; `--zero_stage=3` runs on a DTensor mesh (`tfpar.zero.fsdp`, beside this mo
 import itertools
 
 import keras
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
 from tfpar import nan_guard, patches
 from tfpar.compression import aggregator as aggregator_lib
-from tfpar.compression import codecs
+from tfpar.compression import codecs, collectives
 from tfpar.compression.collectives import nbytes as collectives_nbytes
+from tfpar.config import LOWBIT_BITS, TOPK_DENSE_BELOW, TOPK_RATIO
 from tfpar.errors import ConfigError
+from tfpar.zero import piece_codecs
 
 # One collective group of all replicas, with keys far from those tf.distribute hands out
 # (they count up from 1).
@@ -108,7 +118,18 @@ class ZeroMixin:
         for name, variable in slots.items():
             setattr(self, f"tfpar_zero_{name}", ShardedSlot(variable, self._tfpar_layout.size))
         self._tfpar_layout.residual = None
-        if self.tfpar_zero_codec != "none" and self.tfpar_zero_error_feedback:
+        self._tfpar_layout.piece_codec = piece_codecs.make(
+            self.tfpar_zero_codec, self._tfpar_layout.sizes, self._tfpar_layout.replicas,
+            self._tfpar_layout.piece, self.tfpar_zero_codec_options)
+        aggregator = self.tfpar_zero_aggregator
+        self._tfpar_layout.aggregator = aggregator
+        if aggregator is not None:
+            # Its residuals (and PowerSGD's Q) are per replica in its own `PerReplicaSlot`s:
+            # checkpointed as the ZeRO residual is (`tfpar.state.aggregators_of`).
+            aggregator.build([v.value if isinstance(v, keras.Variable) else v
+                              for v in variables])
+            self.tfpar_zero_residual = aggregator
+        elif self.tfpar_zero_codec != "none" and self.tfpar_zero_error_feedback:
             # Error feedback of the compressed reduce-scatter: what this replica's message
             # dropped, over the whole unpadded flat gradient (its length does not depend on
             # the replica count, so a checkpoint restores onto any: `PerReplicaSlot`).
@@ -140,54 +161,8 @@ class ZeroMixin:
                       self, keras.optimizers.Adam) else []
         squares = layout.flatten([_slice_squares(g) for g, _ in sparse],
                                  [v for _, v in sparse]) if sparse else None
-        codec = self.tfpar_zero_codec
-        residual = layout.residual
-        local_bad = None
-        if codec != "none":
-            # A non-finite gradient is caught before the codec sees it (int8's scale of a
-            # NaN is not something to rely on).
-            local_bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(flat_grads)), tf.float32)
-        if residual is not None:
-            flat_grads = flat_grads + tf.pad(tf.convert_to_tensor(residual),
-                                             [[0, layout.padded - layout.size]])
-        new_residual = None
-        if n == 1:
-            grad_piece, square_piece = flat_grads, squares
-            layout.wire_bytes = 0
-        elif codec != "none":
-            # Stages 1 and 2 alike: a compressed reduce-scatter (each replica needs only the
-            # sum of its own piece), the pieces travelling in the codec.
-            sent = encode_pieces(flat_grads, n, codec)
-            grad_piece = reduce_scatter_encoded(sent, n, codec, layout.piece, layout.tokens,
-                                                self.tfpar_zero_timeout_s, layout.instance)
-            if residual is not None:
-                new_residual = (flat_grads - tf.reshape(
-                    decode_pieces(sent, codec, layout.piece), [-1]))[:layout.size]
-            wire = collectives_nbytes(sent)
-            square_piece = None
-            if sparse:
-                # Adam's summed squared slices divide the step: int8 and fp16 would round
-                # a small one to 0 (a step of m / epsilon); bf16 keeps fp32's range.
-                sent_squares = encode_pieces(squares, n, "bf16")
-                square_piece = reduce_scatter_encoded(
-                    sent_squares, n, "bf16", layout.piece, layout.tokens,
-                    self.tfpar_zero_timeout_s, layout.instance + 3)
-                wire += collectives_nbytes(sent_squares)
-            layout.wire_bytes = wire + 4 * layout.piece
-        elif self.tfpar_zero_stage >= 2:
-            grad_piece = reduce_scatter(flat_grads, n, layout.tokens,
-                                        self.tfpar_zero_timeout_s, layout.instance)
-            square_piece = (reduce_scatter(squares, n, layout.tokens,
-                                           self.tfpar_zero_timeout_s, layout.instance + 3)
-                            if sparse else None)
-            layout.wire_bytes = 4 * ((2 if sparse else 1) * layout.padded + layout.piece)
-        else:
-            # One all-reduce of both vectors.
-            both = tf.concat([flat_grads, squares], 0) if sparse else flat_grads
-            both = tf.reshape(ctx.all_reduce(tf.distribute.ReduceOp.SUM, both), [-1])
-            grad_piece = _own(both[:layout.padded], ctx, n)
-            square_piece = _own(both[layout.padded:], ctx, n) if sparse else None
-            layout.wire_bytes = 4 * ((2 if sparse else 1) * layout.padded + layout.piece)
+        grad_piece, square_piece, new_residual, local_bad = self._tfpar_reduce(
+            ctx, grads, variables, flat_grads, squares)
         if sparse:
             mask = layout.flatten([tf.ones(v.shape) for _, v in sparse],
                                   [v for _, v in sparse])
@@ -210,6 +185,7 @@ class ZeroMixin:
             new_slots = {k: tf.where(finite, v, slots[k]) for k, v in new_slots.items()}
         for name, value in new_slots.items():
             layout.slots[name].assign(value)
+        residual = layout.residual
         if residual is not None and new_residual is not None:
             # A step with a non-finite gradient leaves the residual as it was.
             residual.assign(tf.where(finite, new_residual, tf.convert_to_tensor(residual)))
@@ -219,6 +195,67 @@ class ZeroMixin:
         for variable, value in zip(variables, layout.unflatten(full, variables)):
             variable.assign(tf.cast(value, variable.dtype))
         self.nonfinite_steps.assign_add(bad)
+
+    def _tfpar_reduce(self, ctx, grads, variables, flat_grads, squares):
+        """This replica's piece of the summed gradient (and of the summed squared slices,
+        `squares`, if any): `(grad_piece, square_piece, new_residual or None, local_bad or
+        None)`, `local_bad` 1.0 where this replica's own gradient is non-finite."""
+        layout, n, codec = self._tfpar_layout, self._tfpar_layout.replicas, self.tfpar_zero_codec
+        timeout, instance = self.tfpar_zero_timeout_s, layout.instance
+        residual = layout.residual
+        local_bad = None
+        if codec != "none":
+            # A non-finite gradient is caught before the codec sees it (int8's scale of a
+            # NaN is not something to rely on).
+            local_bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(flat_grads)), tf.float32)
+        if residual is not None:
+            flat_grads = flat_grads + tf.pad(tf.convert_to_tensor(residual),
+                                             [[0, layout.padded - layout.size]])
+        if n == 1:
+            layout.wire_bytes = 0
+            return flat_grads, squares, None, local_bad
+        square_piece, new_residual, wire = None, None, 0
+        if layout.aggregator is not None:
+            # The aggregator's all-reduce forms the whole (approximate) sum on every
+            # replica; each keeps its piece.
+            summed = _aggregate(layout.aggregator, ctx, grads, variables, local_bad)
+            grad_piece = _own(layout.flatten(summed, variables), ctx, n)
+        elif codec != "none":
+            # Stages 1 and 2 alike: a compressed reduce-scatter (each replica needs only the
+            # sum of its own piece), the pieces travelling in the codec.
+            piece_codec = layout.piece_codec or codec
+            sent = encode_pieces(flat_grads, n, piece_codec, self.iterations)
+            grad_piece = reduce_scatter_encoded(sent, n, piece_codec, layout.piece,
+                                                layout.tokens, timeout, instance)
+            if residual is not None:
+                new_residual = (flat_grads - tf.reshape(
+                    decode_own(sent, piece_codec, layout.piece), [-1]))[:layout.size]
+            wire = collectives_nbytes(sent)
+        elif self.tfpar_zero_stage >= 2:
+            grad_piece = reduce_scatter(flat_grads, n, layout.tokens, timeout, instance)
+            square_piece = (reduce_scatter(squares, n, layout.tokens, timeout, instance + 3)
+                            if squares is not None else None)
+            layout.wire_bytes = 4 * ((1 if squares is None else 2) * layout.padded
+                                     + layout.piece)
+            return grad_piece, square_piece, None, local_bad
+        else:
+            # One all-reduce of both vectors.
+            both = flat_grads if squares is None else tf.concat([flat_grads, squares], 0)
+            both = tf.reshape(ctx.all_reduce(tf.distribute.ReduceOp.SUM, both), [-1])
+            layout.wire_bytes = 4 * ((1 if squares is None else 2) * layout.padded
+                                     + layout.piece)
+            return (_own(both[:layout.padded], ctx, n),
+                    None if squares is None else _own(both[layout.padded:], ctx, n),
+                    None, local_bad)
+        if squares is not None:
+            # Adam's summed squared slices divide the step: int8 and fp16 would round
+            # a small one to 0 (a step of m / epsilon); bf16 keeps fp32's range.
+            sent_squares = encode_pieces(squares, n, "bf16")
+            square_piece = reduce_scatter_encoded(sent_squares, n, "bf16", layout.piece,
+                                                  layout.tokens, timeout, instance + 3)
+            wire += collectives_nbytes(sent_squares)
+        layout.wire_bytes = wire + 4 * layout.piece
+        return grad_piece, square_piece, new_residual, local_bad
 
     def _tfpar_slot_names(self):
         # The slots held on the devices (`tfpar.offload` keeps them on the host instead).
@@ -348,6 +385,8 @@ class FlatLayout:
 
     def __init__(self, variables, replicas):
         self.slots = {}
+        self.aggregator = None  # set by the optimizer's build (`AGGREGATED` codecs)
+        self._wire = 0
         self.replicas = replicas
         self.keys = {_key(v): i for i, v in enumerate(variables)}
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
@@ -355,6 +394,18 @@ class FlatLayout:
         self.size = sum(self.sizes)
         self.piece = -(-self.size // replicas)
         self.padded = self.piece * replicas
+
+    @property
+    def wire_bytes(self):
+        """Bytes one replica handed to the collectives on the last step traced (with an
+        aggregator: its measured count on the last step run, plus the rest)."""
+        if self.aggregator is None or not self.aggregator.built:
+            return self._wire
+        return self._wire + int(self.aggregator.wire_bytes.numpy())
+
+    @wire_bytes.setter
+    def wire_bytes(self, value):
+        self._wire = value
 
     def flatten(self, tensors, variables):
         """`tensors` (one per `variables`, None = zeros) as one padded fp32 vector."""
@@ -430,21 +481,44 @@ def reduce_scatter(flat, n, tokens, timeout_s, instance_key=_INSTANCE_REDUCE_SCA
     return tf.add_n(tf.unstack(pieces, n))
 
 
-# The codecs of the compressed reduce-scatter (`--compression` with `--zero_stage=1|2`).
-CODECS = ("fp16", "bf16", "int8")
+# The codecs of the compressed reduce-scatter (`--compression` with `--zero_stage=1|2`):
+# cast or int8 here, lowbit and top-k per piece (`tfpar.zero.piece_codecs`).
+CODECS = ("fp16", "bf16", "int8", "lowbit", "topk")
+# The codecs whose message length is data dependent (threshold) or which are linear in
+# the whole matrix (PowerSGD, auto's ranks): their aggregator's all-reduce forms the whole
+# sum on every replica, which keeps its piece (`_aggregate`).
+AGGREGATED = ("threshold", "powersgd", "auto")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 INT8_BLOCK = 256  # entries per fp32 scale, as `tfpar.compression.Int8Aggregator`'s
 
 
-def encode_pieces(flat, n, codec):
+# Codecs that failed the quality suite's transformer task with Adam behind them on ZeRO-2
+# (docs/guides/memory.md): ZeRO shards Adam's moments, so no Adam in front of the codec.
+ADAM_BEHIND = ("lowbit", "topk", "powersgd")
+
+
+def adam_behind_line(codec):
+    """The one line ZeRO 1/2 logs for `codec` (one of `ADAM_BEHIND`) with Adam."""
+    return (f"--zero_stage=1|2 --compression={codec} with Adam: the codec compresses the "
+            "raw gradient with Keras's Adam behind it (ZeRO shards Adam's moments, so there "
+            "is no Adam in front as on data parallelism); on the quality suite's transformer "
+            "task it ended 13-18 % above fp32 (docs/guides/memory.md). For Adam on ZeRO use "
+            "int8 or threshold, or --zero_stage=0 for this codec")
+
+
+def encode_pieces(flat, n, codec, step=None):
     """The `n` pieces of the padded flat vector as they go on the wire in `codec`.
 
     fp16/bf16: each piece cast, `[n, S]`. int8: each piece quantised in blocks of
     `INT8_BLOCK` entries with one fp32 scale each (qgZ's blockwise quantisation), the codes
     packed 4 to an int32 word and the scales' bits appended, `[n, ceil(S/4) + blocks]`
-    int32: every piece carries its own scales, so its receiver decodes it alone.
+    int32: every piece carries its own scales, so its receiver decodes it alone. A piece
+    codec of `tfpar.zero.piece_codecs` (lowbit, top-k): its own `encode` (`step` seeds
+    top-k's sampled threshold).
     """
     rows = tf.reshape(flat, [n, -1])
+    if not isinstance(codec, str):
+        return codec.encode(rows, step)
     if codec in _CAST:
         return tf.cast(rows, _CAST[codec])
     encoded = []
@@ -454,14 +528,22 @@ def encode_pieces(flat, n, codec):
     return tf.stack(encoded)
 
 
-def decode_pieces(encoded, codec, piece):
-    """Inverse of `encode_pieces`: `[n, S]` float32 from `[n, ...]` encoded pieces."""
+def decode_pieces(encoded, codec, piece, rank=None):
+    """Inverse of `encode_pieces`: `[n, S]` float32 from `[n, ...]` encoded pieces (of the
+    piece of `rank`, for a piece codec whose layout depends on it)."""
+    if not isinstance(codec, str):
+        return codec.decode(encoded, rank)
     if codec in _CAST:
         return tf.cast(encoded, tf.float32)
     blocks = codecs.int8_blocks(piece, INT8_BLOCK)
     scales = tf.bitcast(encoded[:, -blocks:], tf.float32)
     return codecs.dequantize_int8_blocks(codecs.unpack_int8(encoded[:, :-blocks], piece),
                                          scales, INT8_BLOCK, piece)
+
+
+def decode_own(sent, codec, piece):
+    """What this replica's own `n` messages (`encode_pieces`) decode to, `[n, S]`."""
+    return decode_pieces(sent, codec, piece) if isinstance(codec, str) else codec.decode_own(sent)
 
 
 def reduce_scatter_encoded(encoded, n, codec, piece, tokens, timeout_s, instance_key):
@@ -471,7 +553,31 @@ def reduce_scatter_encoded(encoded, n, codec, piece, tokens, timeout_s, instance
     received = tf.raw_ops.CollectiveAllToAllV2(
         input=encoded, group_size=n, group_key=_GROUP_KEY, instance_key=instance_key,
         ordering_token=_token(tokens), timeout_seconds=timeout_s or 0)
-    return tf.add_n(tf.unstack(decode_pieces(received, codec, piece), n))
+    rank = tf.distribute.get_replica_context().replica_id_in_sync_group  # = rank: check_ranks
+    return tf.add_n(tf.unstack(decode_pieces(received, codec, piece, rank), n))
+
+
+def _aggregate(aggregator, ctx, grads, variables, local_bad):
+    """The sum of `grads` over replicas through `aggregator`, on every replica; run only
+    when every replica's gradients are finite (one scalar all-reduce decides), so a
+    non-finite step leaves its residuals and PowerSGD's Q as they were, and hands back NaN
+    (the update then skips it)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    dense = tuple(tf.convert_to_tensor(grads[i]) for i in present)
+    subset = [variables[i] for i in present]
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
+
+    def run(*gs):
+        return aggregator.all_reduce_sum(list(gs), subset)
+
+    def skip(*gs):
+        return [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in gs]
+
+    out = collectives.replica_cond(tf.equal(bad, 0.0), run, skip, dense)
+    summed = [None] * len(grads)
+    for i, s in zip(present, out):
+        summed[i] = s
+    return summed
 
 
 def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
@@ -532,7 +638,8 @@ class ShardedSlot(patches.Trackable):
         return aggregator_lib._restore_replicas(self._variable, stacked)
 
 
-def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedback=True):
+def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedback=True,
+                   codec_options=None, aggregator=None):
     """Makes `optimizer` shard its state over replicas (ZeRO `stage` 1 or 2), in place.
 
     Args:
@@ -541,15 +648,22 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
         stage: 1 (optimizer state) or 2 (also gradients reduce-scattered).
         timeout_s: timeout of each collective.
         codec: `"none"` (fp32), or one of `CODECS`: the gradients' reduce-scatter travels
-            in it (at either stage).
+            in it (at either stage); or one of `AGGREGATED`, with `aggregator`.
         error_feedback: with a codec, each replica keeps what its message dropped and
             adds it to its next gradient (as the aggregators do).
+        codec_options: lowbit's and top-k's parameters, `{"bits", "ratio",
+            "dense_below"}` (`tfpar.zero.piece_codecs.make`).
+        aggregator: for an `AGGREGATED` codec, the `tfpar.compression.Aggregator` that
+            sums the whole gradient (built without Adam in front: the moments are
+            sharded here), of which each replica keeps its piece.
 
     Returns:
         the same optimizer.
 
     Raises:
         ConfigError: another optimizer or option, or stage not 1 or 2.
+        ValueError: `aggregator` given without an `AGGREGATED` codec, or missing with one,
+            or with Adam in front.
     """
     if stage not in (1, 2):
         raise ConfigError("zero_stage", stage, "tf.distribute shards optimizer state (1) and "
@@ -562,11 +676,25 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
                           f"Keras accumulation), got {type(optimizer).__name__}")
     if optimizer.built:
         raise ConfigError("zero_stage", stage, "wrap the optimizer before it is built")
-    if codec not in ("none",) + CODECS:
+    if codec not in ("none",) + CODECS + AGGREGATED:
         raise ConfigError("compression", codec, "ZeRO's reduce-scatter compresses with "
-                          f"{', '.join(CODECS)} (or none)")
+                          f"{', '.join(CODECS + AGGREGATED)} (or none)")
+    # A caller's mistake, not a user's setting (`make_optimizer` passes both).
+    if (codec in AGGREGATED) != (aggregator is not None):
+        raise ValueError(f"codec={codec!r} with aggregator={aggregator!r}: an aggregator "
+                         f"goes with {', '.join(AGGREGATED)} only (tfpar.compression."
+                         "make_aggregator(config, adam_step=False))")
+    if getattr(aggregator, "adam", None) is not None:
+        raise ValueError(f"aggregator={aggregator!r} takes Adam in front: ZeRO shards Adam's "
+                         "moments; build it with make_aggregator(config, adam_step=False)")
+    if codec in ADAM_BEHIND and isinstance(optimizer, keras.optimizers.Adam):
+        logging.warning(adam_behind_line(codec))
     patches.mix_in(optimizer, ZeroMixin)
     optimizer.tfpar_zero_codec = codec
+    optimizer.tfpar_zero_codec_options = {"bits": LOWBIT_BITS, "ratio": TOPK_RATIO,
+                                          "dense_below": TOPK_DENSE_BELOW,
+                                          **(codec_options or {})}
+    optimizer.tfpar_zero_aggregator = aggregator
     optimizer.tfpar_zero_error_feedback = bool(error_feedback)
     optimizer.tfpar_zero_stage = stage
     optimizer.tfpar_zero_timeout_s = timeout_s

@@ -1,0 +1,107 @@
+"""Child process for tests/test_zero12_codecs.py: `python tests/zero12_codecs_child.py`, on
+2 logical CPUs under a `MirroredStrategy`; prints one JSON line mapping each case to its
+result.
+
+Each case is ZeRO stage 2 with one of the codecs lifted for stages 1-2 (lowbit and top-k
+reduce-scatters with ZeRO's own residual; threshold and PowerSGD through their aggregator,
+residuals and Q in it), the mlp with Adam under `mixed_float16`, built as the trainer
+builds it: as tests/zero_fp16_child.py (whose helpers it calls), two steps, a step whose
+batch holds one infinite input on replica 0, one more step; how far the weights, the slot
+pieces and the codec's per-replica state (every replica's residuals, PowerSGD's Q) moved
+around the overflowing step; saved with `tfpar.state` and loaded into a second model, the
+largest difference of that state and of the weights after one more step from each.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from tfpar import ParallelConfig, backends, data, devices, state  # noqa: E402
+from zero_fp16_child import BATCH, _largest, _moved, tf_checkpoint_write  # noqa: E402
+
+CASES = {codec: {"zero_stage": 2, "compression": codec}
+         for codec in ("lowbit", "topk", "threshold", "powersgd")}
+
+
+def _codec_state(zero, strategy):
+    """Every replica's residual (ZeRO's, or the aggregator's) and PowerSGD's Qs."""
+    local = strategy.experimental_local_results
+    layout = zero._tfpar_layout
+    variables = [layout.residual] if layout.residual is not None else []
+    if layout.aggregator is not None:
+        variables += list(layout.aggregator.residuals.values())
+        variables += list(getattr(layout.aggregator, "qs", {}).values())
+    return [np.asarray(p) for v in variables for p in local(v)]
+
+
+def _state(model, strategy):
+    from tfpar.zero import sharded
+    opt = model.optimizer
+    zero = sharded.zero_of(opt)
+    local = strategy.experimental_local_results
+    return {"weights": [np.asarray(w.numpy()) for w in model.weights],
+            "slots": [np.asarray(p) for v in zero._tfpar_layout.slots.values()
+                      for p in local(v)],
+            "codec": _codec_state(zero, strategy),
+            "scale": float(opt.dynamic_scale.numpy()),
+            "iterations": int(opt.iterations.numpy())}
+
+
+def run_case(settings, runtime, backend):
+    config = ParallelConfig(strategy="mirrored", cpu_devices=2, model="mlp", optimizer="adam",
+                            learning_rate=1e-3, mixed_precision="fp16",
+                            global_batch_size=BATCH, **settings)
+    task = data.make_task(config)
+    strategy = runtime.strategy
+    batches = data.global_batches(config, task, 0, 4)
+    model = backend.build_model(config, runtime, task)
+    losses = [float(model.train_on_batch(*batches[i])[0]) for i in range(2)]
+    before = _state(model, strategy)
+    x, y = batches[2]
+    x = x.copy()
+    x[0, 0] = np.inf  # the first example: replica 0's half of the batch
+    skipped_loss = float(model.train_on_batch(x, y)[0])
+    after = _state(model, strategy)
+
+    path = tf_checkpoint_write(model)
+    other = backend.build_model(config, runtime, task)
+    state.load(path, state.LayoutState(other), state.aggregators_of(other))
+    loaded = _state(other, strategy)
+
+    losses.append(float(model.train_on_batch(*batches[3])[0]))
+    next_state = _state(model, strategy)
+    other.train_on_batch(*batches[3])
+    return {
+        "losses": losses, "skipped_loss": skipped_loss,
+        "codec_arrays": len(before["codec"]), "codec_largest": _largest(before["codec"]),
+        "slots_largest": _largest(before["slots"]),
+        "weights_moved": _moved(before["weights"], after["weights"]),
+        "slots_moved": _moved(before["slots"], after["slots"]),
+        "codec_moved": _moved(before["codec"], after["codec"]),
+        "scales": [before["scale"], after["scale"]],
+        "iterations": [before["iterations"], after["iterations"]],
+        "weights_moved_next": _moved(after["weights"], next_state["weights"]),
+        "codec_moved_next": _moved(after["codec"], next_state["codec"]),
+        "loaded_diff": max(_moved(after[k], loaded[k]) for k in ("weights", "slots", "codec")),
+        "loaded_scale": loaded["scale"],
+        "resumed_next_diff": _moved(next_state["weights"],
+                                    [w.numpy() for w in other.weights]),
+    }
+
+
+def main():
+    devices.split_cpu(2)
+    first = ParallelConfig(strategy="mirrored", cpu_devices=2, mixed_precision="fp16")
+    backend = backends.for_config(first)
+    runtime = backend.build_runtime(first)
+    out = {name: run_case(settings, runtime, backend) for name, settings in CASES.items()}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
