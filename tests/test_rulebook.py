@@ -153,6 +153,9 @@ ALLOWED = {
     ("tfpar/plan/symbolic.py", "load", "model"): (2, MODEL),
     ("tfpar/plan/symbolic.py", "trace_profile", "model"): (2, MODEL),
     ("tfpar/plan/symbolic.py", "_placeholders", "model"): (2, MODEL),
+    # An elastic pipeline's new stage count refused by a row of the table: that row's
+    # error, passed on with the world that asked for the count.
+    ("tfpar/relayout.py", "_pipeline_for", "refused.setting"): (1, RUNTIME),
     ("tfpar/strategy.py", "choose_collective", "collective"): (1, RUNTIME),
     # multi_worker's replicas (workers × local devices) are counted once TensorFlow runs;
     # one_device's are a row of the table (compat.ONE_DEVICE_REPLICAS).
