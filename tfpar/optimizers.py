@@ -130,6 +130,9 @@ def make_optimizer(config, bucketed=None):
     elif config.compression != "none" or bucketed:
         from tfpar import compression
         aggregator = compression.make_aggregator(config)
+        from tfpar import tf_config
+        from tfpar.compression import hierarchical
+        aggregator.allreduce = hierarchical.choose(config, tf_config.load())  # `--allreduce`
         if config.compression == "none":
             aggregator.keras_slices = keras_slices
         optimizer = compression.wrap_optimizer(optimizer, aggregator)
