@@ -17,7 +17,9 @@ values, Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k
 indices) stay on the flat ring.
 
 Every step is a `CollectiveReduceV2`, in groups tfpar forms itself: one per host (its
-replicas) and one of the leaders. TensorFlow 2.21's broadcast ops take no ordering token
+replicas) and one of the leaders. A collective waits for the one before it that shares its
+ordering token; each replica holds two, one for the steps inside the host and one for the
+step across, so one bucket's sum can cross the link while the next is reduced inside. TensorFlow 2.21's broadcast ops take no ordering token
 (without one, two local replicas' collectives chain in program order and deadlock), so the
 hand-back is an all-reduce inside the host of the leader's total and zeros elsewhere: adding
 zeros rounds nothing, so every replica ends with the same bits, and at two replicas a host
@@ -61,8 +63,8 @@ class Hierarchy:
         hosts: training processes per host (`ClusterInfo.hosts`).
         worker_index: this process's index among them.
         local_replicas: replicas (devices) each worker holds.
-        tokens: one resource per local replica's device, each replica's collectives'
-            ordering token.
+        tokens: per local replica's device a pair of resources, the ordering tokens of its
+            collectives inside the host and of those across hosts.
     """
 
     def __init__(self, hosts, worker_index, local_replicas, tokens):
@@ -78,23 +80,23 @@ class Hierarchy:
         self.traced += 1
         replica = patches.replica_index() or 0
         key = next(_instances[replica])
-        token = [self.tokens[replica].handle]
+        inside_token, across_token = self.tokens[replica]
         inside = _GROUP_KEY + 1 + self.host
 
-        def reduce(x, size, group, instance):
+        def reduce(x, size, group, instance, token):
             if size == 1:
                 return x
             return tf.raw_ops.CollectiveReduceV2(
                 input=x, group_size=size, group_key=group, instance_key=instance,
-                ordering_token=token, merge_op="Add", final_op="Id",
+                ordering_token=[token.handle], merge_op="Add", final_op="Id",
                 timeout_seconds=timeout_s or 0)
 
-        host_total = reduce(flat, self.host_replicas, inside, key)
+        host_total = reduce(flat, self.host_replicas, inside, key, inside_token)
         if self.leader_worker and replica == 0:
-            mine = reduce(host_total, self.num_hosts, _GROUP_KEY, key + 1)
+            mine = reduce(host_total, self.num_hosts, _GROUP_KEY, key + 1, across_token)
         else:
             mine = tf.zeros_like(host_total)
-        return reduce(mine, self.host_replicas, inside, key + 2)
+        return reduce(mine, self.host_replicas, inside, key + 2, inside_token)
 
 
 def for_strategy(strategy, allreduce, cluster=None):
@@ -118,5 +120,5 @@ def for_strategy(strategy, allreduce, cluster=None):
     with tf.init_scope():
         for device in devices:
             with tf.device(device):
-                tokens.append(patches.plain_variable(0.))
+                tokens.append((patches.plain_variable(0.), patches.plain_variable(0.)))
     return Hierarchy(cluster.hosts, cluster.worker_index, len(devices), tokens)
