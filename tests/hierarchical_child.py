@@ -4,24 +4,24 @@ each codec of `CASES`, the trainer's model summing through the hierarchical all-
 the same model on the flat ring, from the same weights, 3 `fit` steps on the same batches.
 Prints one JSON line:
 
-- `auto`: what `--allreduce=auto` resolves to on this cluster (`hierarchical.choose`);
+- `auto`: what `--allreduce=auto` resolves to on this cluster (`compat.resolve_allreduce`);
 - per case: `allreduce` (the aggregators' `comm_stats()`, the metrics JSON's
   `comm.allreduce`) of each model, `traced_sums` (sums the hierarchy traced: it ran, not
   the flat ring), `max_abs_diff` (weights, hierarchical vs flat), `max_step` (the largest
   change of a weight over the 3 steps: what a tolerance is measured against), `weights_sum`
   (of the hierarchical model's weights, as text: equal on every worker).
 
-    python tests/hierarchical_child.py
+    python tests/hierarchical_child.py ['{"cpu_devices": 2}']    # settings for every run
 """
 
 import json
 import os
+import sys
 
 import numpy as np
 
-from tfpar import ParallelConfig, compression, data, tf_config
+from tfpar import ParallelConfig, compat, compression, data, tf_config
 from tfpar.backends.distribute import DistributeBackend
-from tfpar.compression import hierarchical
 
 CASES = {"none": {}, "fp16": {}, "powersgd": {"powersgd_rank": 2}}
 STEPS = 3
@@ -32,12 +32,12 @@ def fit(model, runtime, config, task):
               steps_per_epoch=STEPS, epochs=1, verbose=0)
 
 
-def main():
+def main(settings):
     base = dict(strategy="multi_worker", model="mlp", optimizer="sgd", learning_rate=0.1,
-                global_batch_size=32, verbose=0, seed=0, bucket_mb=0.05)
+                global_batch_size=32, verbose=0, seed=0, bucket_mb=0.05, **settings)
     backend = DistributeBackend()
     runtime = backend.build_runtime(ParallelConfig(**base))
-    out = {"auto": hierarchical.choose(ParallelConfig(**base), tf_config.load())}
+    out = {"auto": compat.resolve_allreduce(ParallelConfig(**base), tf_config.load())}
     for codec, extra in CASES.items():
         models = {}
         for allreduce in ("hierarchical", "flat"):
@@ -62,4 +62,4 @@ def main():
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    main()
+    main(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {})

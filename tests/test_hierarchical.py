@@ -1,12 +1,13 @@
 """The hierarchical all-reduce (`tfpar.compression.hierarchical`) against the flat ring.
 
-Four workers on localhost whose `TF_CONFIG` addresses name two hosts (127.0.0.1 and
-127.0.0.2, both loopback): the groups tfpar forms from them are real TensorFlow collective
+Four workers (two logical CPUs each) on localhost whose `TF_CONFIG` addresses name two
+hosts (127.0.0.1 and 127.0.0.2, both loopback): the groups tfpar forms from them are real TensorFlow collective
 groups, only the link between the "hosts" is not slow (the measured speed-up is
 `tools/bench_hierarchical.py`'s, on network namespaces). The rulebook's rows and the
 choice of `--allreduce=auto` are checked without TensorFlow.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -35,7 +36,10 @@ def two_host_cluster(ports):
 def workers():
     from tfpar.launch import free_ports
     addresses = two_host_cluster(free_ports(4, "localhost"))
-    procs = [popen([sys.executable, CHILD], env={"TF_CONFIG": tf_config.make(addresses, i)},
+    # Two logical CPUs a worker: each host's group holds 4 replicas, 2 of each worker, the
+    # case where a worker's replicas must not chain their collectives (ordering tokens).
+    procs = [popen([sys.executable, CHILD, json.dumps({"cpu_devices": 2})],
+                   env={"TF_CONFIG": tf_config.make(addresses, i)},
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(4)]
     outs = []
@@ -80,16 +84,15 @@ def test_hosts_from_addresses():
 
 
 def test_auto_and_the_rulebook():
-    from tfpar.compression import hierarchical
     two = cluster(two_host_cluster([1, 2, 3, 4]))
     one_each = cluster(["127.0.0.1:1", "127.0.0.2:2"])
     one_host = cluster(["localhost:1", "localhost:2"])
     config = ParallelConfig(strategy="multi_worker")
-    assert hierarchical.choose(config, two) == "hierarchical"
-    assert hierarchical.choose(config, one_each) == "flat"
-    assert hierarchical.choose(config, one_host) == "flat"
-    assert hierarchical.choose(ParallelConfig(compression="int8"), two) == "flat"
-    assert hierarchical.choose(ParallelConfig(zero_stage=1), two) == "flat"
+    assert compat.resolve_allreduce(config, two) == "hierarchical"
+    assert compat.resolve_allreduce(config, one_each) == "flat"
+    assert compat.resolve_allreduce(config, one_host) == "flat"
+    assert compat.resolve_allreduce(ParallelConfig(compression="int8"), two) == "flat"
+    assert compat.resolve_allreduce(ParallelConfig(zero_stage=1), two) == "flat"
     wanted = ParallelConfig(strategy="multi_worker", allreduce="hierarchical")
     compat.check_inputs(wanted, two)
     for k in (one_each, one_host):

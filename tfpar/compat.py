@@ -424,6 +424,18 @@ def several_on_some_host(cluster):
     return len(hosts) > 1 and any(len(h) > 1 for h in hosts)
 
 
+def resolve_allreduce(config, cluster):
+    """"flat" or "hierarchical": `config.allreduce` with "auto" resolved for `cluster` (a
+    parsed `TF_CONFIG`, or None): hierarchical on several hosts, one with several workers,
+    for data parallelism through an aggregator whose messages are summed (not ZeRO 1/2, not
+    `--offload`, not the all-gather codecs)."""
+    if config.allreduce != "auto":
+        return config.allreduce
+    summed = (backend_of(config) == "data_parallel" and not config.zero_stage
+              and config.offload == "none" and config.compression not in GATHER_CODECS)
+    return "hierarchical" if summed and several_on_some_host(cluster) else "flat"
+
+
 def pipeline_replicas(config):
     """The replicas of a pipeline across workers (`spans_workers`): `--data_parallel`,
     else `--cpu_devices` (each worker runs its stage of every replica on its logical

@@ -10,7 +10,7 @@ The steps inside a host use its own fast links.
 Which workers share a host comes from `TF_CONFIG`'s addresses
 (`tfpar.tf_config.ClusterInfo.hosts`: the same host name or IP before the port).
 `--allreduce=auto` (the default) turns it on where it can help: several hosts, one of them
-with several workers (`choose`). It carries every sum an aggregator hands to
+with several workers (`tfpar.compat.resolve_allreduce`). It carries every sum an aggregator hands to
 `collectives.sum_all`: fp32 buckets (`--compression=none` across workers), fp16/bf16
 buckets, PowerSGD's and `auto`'s P and Q sums and uncompressed vectors, top-k's union
 values, Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k's
@@ -31,7 +31,7 @@ import itertools
 
 import tensorflow as tf
 
-from tfpar import compat, patches, tf_config
+from tfpar import patches, tf_config
 
 # The leaders' group; host h's group is `_GROUP_KEY + 1 + h`. Far from the keys tf.distribute
 # hands out (they count up from 1) and from ZeRO's (`tfpar.zero.sharded`, 0x2E40).
@@ -42,18 +42,6 @@ _GROUP_KEY = 0x4E50
 # count separately (they trace one after another, yet meet in the same collectives).
 _FIRST_INSTANCE = 0x4E500
 _instances = collections.defaultdict(lambda: itertools.count(_FIRST_INSTANCE, 3))
-
-
-def choose(config, cluster):
-    """"flat" or "hierarchical": `config.allreduce` with "auto" resolved for `cluster` (a
-    parsed `TF_CONFIG`, or None): hierarchical on several hosts, one with several workers,
-    for data parallelism through an aggregator whose messages are summed (not ZeRO 1/2, not
-    `--offload`, not the all-gather codecs)."""
-    if config.allreduce != "auto":
-        return config.allreduce
-    summed = (compat.backend_of(config) == "data_parallel" and not config.zero_stage
-              and config.offload == "none" and config.compression not in compat.GATHER_CODECS)
-    return "hierarchical" if summed and compat.several_on_some_host(cluster) else "flat"
 
 
 class Hierarchy:
@@ -106,7 +94,7 @@ def for_strategy(strategy, allreduce, cluster=None):
 
     Args:
         strategy: the `tf.distribute` strategy.
-        allreduce: "flat" or "hierarchical" (`choose`'s answer).
+        allreduce: "flat" or "hierarchical" (`tfpar.compat.resolve_allreduce`'s answer).
         cluster: the parsed `TF_CONFIG` (default: read from the environment).
     """
     cluster = tf_config.load() if cluster is None else cluster
