@@ -14,8 +14,11 @@ round to round.
 Needs root (namespaces, tc) and iproute2. Per run: steps/s (1000 / the metrics JSON's
 median step time, first 2 steps left out), the bytes the veth carried across hosts per step
 (both directions, kernel counters over the whole run / steps: startup's handshakes
-included), and `comm.allreduce` as the run reported it. Prints a table and the ratio of
-steps/s per round; writes `--out` (JSON: every run's metrics, the link, the machine's load).
+included), and `comm.allreduce` as the run reported it; beside them the steps/s if the link
+were the only cost (`ceilings`: at 2 hosts × 2 workers the hierarchical ring carries 1/1.5
+of the flat ring's bytes each way, so a bandwidth-bound step gains at most 1.5×; delay
+favours it further, 2 rounds across the link against the flat ring's 6). Prints a table
+and the ratio of steps/s per round; writes `--out` (JSON: every run's metrics, the link, the machine's load).
 """
 
 import argparse
@@ -81,6 +84,24 @@ def run_one(link, mode, args, out_dir):
         return json.load(f), link.tx_bytes(0) + link.tx_bytes(1) - before
 
 
+def link_bytes_per_sec(rate):
+    """tc's rate ("100mbit", "1gbit", "500kbit") in bytes per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale / 8
+    raise SystemExit(f"--rate={rate!r} is invalid: use e.g. 100mbit, 1gbit or 500kbit")
+
+
+def ceilings(grad_bytes, rate, workers=4, hosts=2):
+    """Steps/s if the link between the hosts were the only cost: the flat ring's hops that
+    cross it carry `2 (n - 1) / n` of the gradients each way, the leaders' ring
+    `2 (h - 1) / h`."""
+    per_sec = link_bytes_per_sec(rate)
+    return {"flat": per_sec / (2 * (workers - 1) / workers * grad_bytes),
+            "hierarchical": per_sec / (2 * (hosts - 1) / hosts * grad_bytes)}
+
+
 def machine_load():
     with open("/proc/loadavg") as f:
         return [float(v) for v in f.read().split()[:3]]
@@ -138,19 +159,25 @@ def main():
     except shaped_link.ShapedLinkError as err:
         sys.exit(f"bench_hierarchical: {err}")
     table, ratios = summarize(rounds)
+    grad_bytes = rounds[0]["flat"]["metrics"]["comm"]["bytes_uncompressed_per_step"]
+    ceiling = ceilings(grad_bytes, args.rate)
+    for mode in MODES:
+        table[mode]["link_bound_steps_per_sec"] = ceiling[mode]
     load = {"before": load_before, "after": machine_load(), "cpus": os.cpu_count()}
     print(f"\n2 hosts x 2 workers, {args.rate} + {args.delay_ms:g} ms between hosts, MLP "
           f"width {args.width} depth {args.depth}, fp32 buckets of {args.bucket_mb:g} MB, "
           f"batch {args.batch}, "
           f"{args.steps} steps, {args.rounds} interleaved rounds")
-    print(f"{'allreduce':>13} | steps/s median (min-max) | MB across hosts/step | reported")
+    print(f"{'allreduce':>13} | steps/s median (min-max) | link-bound steps/s | "
+          f"MB across hosts/step | reported")
     for mode in MODES:
         t = table[mode]
         print(f"{mode:>13} | {t['steps_per_sec_median']:6.2f} ({t['steps_per_sec_min']:.2f}-"
-              f"{t['steps_per_sec_max']:.2f})        | "
+              f"{t['steps_per_sec_max']:.2f})        | {t['link_bound_steps_per_sec']:18.2f} | "
               f"{t['bytes_across_hosts_per_step'] / 1e6:20.2f} | {','.join(t['allreduce'])}")
     print(f"hierarchical / flat steps/s per round: {', '.join(f'{x:.2f}' for x in ratios)} "
-          f"(median {statistics.median(ratios):.2f}; goal >= {GOAL})")
+          f"(median {statistics.median(ratios):.2f}; goal >= {GOAL}; link-bound "
+          f"{ceiling['hierarchical'] / ceiling['flat']:.2f})")
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on "
           f"{load['cpus']} CPUs")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
