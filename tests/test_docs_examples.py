@@ -187,6 +187,7 @@ PROBES = {"`--compression`": {"compression": "int8"},
           "`--on_nan=skip_step`": {"on_nan": "skip_step"},
           "`--tensorboard_dir`": {"tensorboard_dir": "runs/tb"},
           "`--measure_comm`": {"measure_comm": True},
+          "`--allreduce=hierarchical`": {"allreduce": "hierarchical"},
           "`--schedule=chimera`": {"schedule": "chimera", "microbatches": 2}}
 BACKEND_WORDS = {"data_parallel": "tf.distribute", "pipeline": "tf.distribute",
                  "dtensor": "DTensor", "tf_keras": "tf_keras"}

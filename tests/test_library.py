@@ -116,7 +116,7 @@ OTHER_VALUE = {"mixed_precision": "fp16", "compression": "auto", "grad_accum_ste
                "model": "transformer", "checkpoint_dir": "/tmp/ckpt", "on_nan": "skip_step",
                "tensorboard_dir": "/tmp/tb", "measure_comm": True, "recompute": "full",
                "zero_stage": 1, "sequence_parallel": True, "adam_warmup_steps": 10,
-               "offload": "optimizer"}
+               "offload": "optimizer", "allreduce": "hierarchical"}
 REFUSALS = [(setting, backend) for setting, rules in compat.TABLE.items() for backend in rules]
 
 

@@ -84,6 +84,14 @@ TABLE = {
         "tf_keras": ((50,), "tf_keras optimizers keep Adam behind the aggregator (no "
                             "Adam in front of it)"),
     },
+    "allreduce": {
+        "pipeline": (("auto", "flat"), "a pipeline's stages run their own collectives; the "
+                                       "hierarchical sum is data parallelism's"),
+        "dtensor": (("auto", "flat"), "a DTensor mesh reduces through DTensor's collectives, "
+                                      "not tf.distribute's groups"),
+        "tf_keras": (("auto", "flat"), "the hierarchical sum is wired into Keras 3's "
+                                       "optimizer hook"),
+    },
     "measure_comm": {
         "pipeline": ((False,), "the communication share is measured on a data-parallel step "
                                "only; a pipeline reports its bubble instead"),
@@ -338,6 +346,28 @@ OFFLOAD_RULES = (
          "--nofused_update"),
 )
 
+# Codecs whose messages travel by all-gather only: nothing of theirs is summed by a
+# collective, so `--allreduce=hierarchical` would change nothing (`auto` keeps them flat).
+GATHER_CODECS = ("int8", "lowbit", "threshold")
+
+
+def _hierarchical(c):
+    return getattr(c, "allreduce", "auto") == "hierarchical"
+
+
+ALLREDUCE_RULES = (
+    Rule("allreduce", lambda c: _hierarchical(c) and c.compression in GATHER_CODECS,
+         lambda c: f"--compression={c.compression} all-gathers its codes (no sum to split "
+                   "by host); use --allreduce=auto or flat, or --compression=none, fp16, "
+                   "bf16, topk, powersgd or auto"),
+    Rule("allreduce", lambda c: _hierarchical(c) and c.zero_stage in (1, 2),
+         "--zero_stage=1|2 reduce-scatters over one group of all replicas "
+         "(tfpar.zero.sharded); use --allreduce=auto or flat"),
+    Rule("allreduce", lambda c: _hierarchical(c) and c.offload != "none",
+         "--offload keeps Keras's one all-reduce (no aggregator to route by host); use "
+         "--allreduce=auto or flat"),
+)
+
 # Settings that a value of another setting excludes, on every backend.
 COMBINATIONS = (
     CUSTOM_TRAIN_STEP_LOSS_SCALE,
@@ -382,6 +412,7 @@ COMBINATIONS = (
     ONE_DEVICE_REPLICAS,
     USER_DATA_MESH_PIPELINE,
     *OFFLOAD_RULES,
+    *ALLREDUCE_RULES,
     # tfmot 0.8 wraps only tf_keras layers (prune_low_magnitude refuses a Keras 3 model).
     Rule("prune_sparsity", lambda c: c.keras == 3 and c.prune_sparsity > 0,
          "tensorflow-model-optimization prunes only tf_keras models; add --keras=2"),
@@ -401,6 +432,25 @@ def spans_workers(config, cluster):
     parsed `TF_CONFIG`, or None): one stage per worker process (`tfpar.pipeline.remote`)."""
     return (backend_of(config) == "pipeline" and cluster is not None
             and cluster.num_workers > 1)
+
+
+def several_on_some_host(cluster):
+    """Several hosts in `cluster` (a parsed `TF_CONFIG`, or None), one with several workers:
+    where `--allreduce=auto` picks the hierarchical sum (`tfpar.compression.hierarchical`)."""
+    hosts = cluster.hosts if cluster is not None else []
+    return len(hosts) > 1 and any(len(h) > 1 for h in hosts)
+
+
+def resolve_allreduce(config, cluster):
+    """"flat" or "hierarchical": `config.allreduce` with "auto" resolved for `cluster` (a
+    parsed `TF_CONFIG`, or None): hierarchical on several hosts, one with several workers,
+    for data parallelism through an aggregator whose messages are summed (not ZeRO 1/2, not
+    `--offload`, not the all-gather codecs)."""
+    if config.allreduce != "auto":
+        return config.allreduce
+    summed = (backend_of(config) == "data_parallel" and not config.zero_stage
+              and config.offload == "none" and config.compression not in GATHER_CODECS)
+    return "hierarchical" if summed and several_on_some_host(cluster) else "flat"
 
 
 def pipeline_replicas(config):
@@ -445,6 +495,12 @@ ACROSS_WORKERS = (
                       f"replica on its own logical CPUs; use --cpu_devices="
                       f"{c.data_parallel} (or --data_parallel<={max(1, c.cpu_devices)})",
          cluster=True),
+    Rule("allreduce", lambda c, k: _hierarchical(c) and not several_on_some_host(k),
+         lambda c, k: ("TF_CONFIG is not set" if k is None else
+                       f"TF_CONFIG puts its {k.num_workers} workers on {len(k.hosts)} "
+                       f"host(s) of {', '.join(str(len(h)) for h in k.hosts)} worker(s)")
+         + ": the hierarchical sum needs several hosts (addresses' host part), one with "
+           "several workers; use --allreduce=auto or flat", cluster=True),
     Rule("offload", lambda c, k: c.offload != "none" and c.zero_stage in (1, 2)
          and k is not None and k.num_workers > 1,
          "not supported across worker processes with --zero_stage=1|2: each worker's host "

@@ -18,6 +18,8 @@ MODELS = ("mlp", "convnet", "transformer")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker")
 COLLECTIVES = ("auto", "ring", "nccl")
+# How gradient sums cross hosts (`tfpar.compression.hierarchical`).
+ALLREDUCE = ("auto", "flat", "hierarchical")
 PRECISIONS = ("none", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd",
                 "auto")
@@ -140,6 +142,7 @@ class ParallelConfig:
     # Where it runs.
     strategy: str = "auto"
     collective: str = "auto"
+    allreduce: str = "auto"
     cpu_devices: int = 0
     collective_timeout_s: float = 120.0
     heartbeat_timeout_s: float = 30.0
@@ -201,6 +204,7 @@ class ParallelConfig:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("strategy", self.strategy, STRATEGIES)
         _one_of("collective", self.collective, COLLECTIVES)
+        _one_of("allreduce", self.allreduce, ALLREDUCE)
         _one_of("mixed_precision", self.mixed_precision, PRECISIONS)
         _one_of("compression", self.compression, COMPRESSIONS)
         _one_of("schedule", self.schedule, SCHEDULES)

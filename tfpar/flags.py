@@ -51,6 +51,10 @@ _HELP = {
                 "mirrored over several local devices, else one_device.",
     "collective": "Collective implementation: auto = NCCL on GPUs, ring on CPUs.",
     "cpu_devices": "Split the CPU into N logical devices (simulated devices); 0 = off.",
+    "allreduce": "How gradient sums cross hosts: hierarchical = inside each host, across "
+                 "hosts over one worker per host, back; flat = one ring over all workers; "
+                 "auto = hierarchical when TF_CONFIG puts several workers on some host "
+                 "of several.",
     "collective_timeout_s": "Seconds before a stalled collective becomes an error.",
     "heartbeat_timeout_s": "Seconds without a heartbeat before a peer counts as dead.",
     "startup_timeout_s": "Seconds for all workers to register before the job fails.",
@@ -137,6 +141,7 @@ _HELP = {
 _CHOICES = {
     "model": config_lib.MODELS, "optimizer": config_lib.OPTIMIZERS,
     "strategy": config_lib.STRATEGIES, "collective": config_lib.COLLECTIVES,
+    "allreduce": config_lib.ALLREDUCE,
     "mixed_precision": config_lib.PRECISIONS, "compression": config_lib.COMPRESSIONS,
     "zero_gather": config_lib.ZERO_GATHERS, "offload": config_lib.OFFLOADS,
     "schedule": config_lib.SCHEDULES, "on_nan": config_lib.ON_NAN,

@@ -9,7 +9,7 @@ outside checks read; keys that do not apply to a run are omitted:
      "cpu_kernels": "onednn" | "eigen",
      "comm": {"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
               "compression_ratio": float, "comm_time_fraction": float,
-              "overlap_fraction": float},
+              "overlap_fraction": float, "allreduce": "flat" | "hierarchical"},
      "pipeline": {"stages": int, "microbatches": int, "schedule": str,
                   "bubble_measured": float, "bubble_theory": float,
                   "peak_stashed_microbatches": int},
@@ -34,6 +34,9 @@ Its slots then count in neither `optimizer_state_bytes_per_device` nor the alloc
 
 `cpu_kernels` is what TensorFlow ran (`tfpar.cpu_kernels.active`), whatever `--cpu_kernels`
 asked for. (Added by `tfpar.train.train`, after `summarize`.)
+
+`comm.allreduce` is how the gradients' sums crossed workers (`--allreduce`, resolved:
+`tfpar.compression.hierarchical`).
 
 `comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
 (`tfpar.compression.timing`). Benchmarks may add keys of their own inside these blocks
@@ -148,8 +151,11 @@ def comm_stats(model, replicas):
         stats = [a.comm_stats() for a in aggregators]
         wire = sum(s["bytes_on_wire_per_step"] for s in stats)
         raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
+        # How the sums crossed hosts (`--allreduce`): "hierarchical" if any stage's did.
+        allreduce = ("hierarchical" if any(s.get("allreduce") == "hierarchical" for s in stats)
+                     else "flat")
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
-                "compression_ratio": raw / wire if wire else 1.0}
+                "compression_ratio": raw / wire if wire else 1.0, "allreduce": allreduce}
     if replicas == 1:
         return None
     fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
@@ -164,7 +170,7 @@ def comm_stats(model, replicas):
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": fp32,
                 "compression_ratio": fp32 / wire}
     return {"bytes_on_wire_per_step": fp32, "bytes_uncompressed_per_step": fp32,
-            "compression_ratio": 1.0}
+            "compression_ratio": 1.0, "allreduce": "flat"}
 
 
 def peak_rss_mb():

@@ -139,6 +139,8 @@ def make_optimizer(config, bucketed=None):
     elif config.compression != "none" or bucketed:
         from tfpar import compression
         aggregator = compression.make_aggregator(config)
+        from tfpar import compat, tf_config
+        aggregator.allreduce = compat.resolve_allreduce(config, tf_config.load())
         if config.compression == "none":
             aggregator.keras_slices = keras_slices
         optimizer = compression.wrap_optimizer(optimizer, aggregator)

@@ -70,6 +70,18 @@ class ClusterInfo:
     def own_address(self):
         return self.cluster[self.task_type][self.task_index]
 
+    @property
+    def hosts(self):
+        """The training processes grouped by host, in order of first appearance: a list of
+        lists of `worker_index`es. Two processes share a host when their addresses name the
+        same host (the text before the port, as written: `localhost` and `127.0.0.1` are
+        two hosts)."""
+        grouped = {}
+        for index, address in enumerate(self.cluster.get("chief", [])
+                                        + self.cluster.get("worker", [])):
+            grouped.setdefault(address.rsplit(":", 1)[0], []).append(index)
+        return list(grouped.values())
+
 
 def load(environ=os.environ):
     """Reads and validates `TF_CONFIG` from `environ`; None if unset or empty.

@@ -17,7 +17,7 @@ list); the base class does bucketing, error feedback and the byte count.
 import tensorflow as tf
 
 from tfpar import patches
-from tfpar.compression import adam_front, buckets, collectives, error_feedback
+from tfpar.compression import adam_front, buckets, collectives, error_feedback, hierarchical
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 # Steps of exact Adam before its second moment freezes (`Aggregator(adam_warmup_steps=)`).
@@ -162,6 +162,10 @@ class Aggregator(tf.Module):
     # With "step" and `adam_sync_momentum`: the share of the synced momentum's continuation
     # (β₁ · m, identical on every replica) applied outside the compression.
     adam_momentum_carry = 0.0
+    # `--allreduce` (`tfpar.compression.hierarchical`): how sums cross hosts, resolved in
+    # `build` ("auto": hierarchical where TF_CONFIG puts several workers on some host).
+    allreduce = "flat"
+    hierarchy = None
 
     def __init__(self, bucket_mb=4.0, error_feedback=True, timeout_s=None, adam=None,
                  adam_warmup_steps=ADAM_WARMUP_STEPS, adam_variance="frozen",
@@ -247,6 +251,7 @@ class Aggregator(tf.Module):
         # A plain object, so tf.Module's tracking does not wrap (and try to save) the dict.
         self._layout = _Layout(variables)
         self._replicas = tf.distribute.get_strategy().num_replicas_in_sync  # for byte counts
+        self.hierarchy = hierarchical.for_strategy(tf.distribute.get_strategy(), self.allreduce)
         with tf.init_scope():
             self.step = per_replica_variable(
                 tf.constant(0, tf.int64), "step", tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -452,7 +457,8 @@ class Aggregator(tf.Module):
 
         Returns:
             `{"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
-            "compression_ratio": float}` (ratio = uncompressed / on the wire: 2.0 for fp16).
+            "compression_ratio": float, "allreduce": "flat" | "hierarchical"}` (ratio =
+            uncompressed / on the wire: 2.0 for fp16; how its sums crossed hosts).
 
         Raises:
             RuntimeError: before `build`.
@@ -462,7 +468,8 @@ class Aggregator(tf.Module):
         raw = sum(_numel(s) * n for s, n in zip(self._layout.shapes, self._layout.itemsizes))
         wire = int(self.wire_bytes.numpy())
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
-                "compression_ratio": raw / wire if wire else 1.0}
+                "compression_ratio": raw / wire if wire else 1.0,
+                "allreduce": "flat" if self.hierarchy is None else "hierarchical"}
 
     def get_config(self):
         """The constructor arguments (for logs and the metrics JSON)."""
@@ -474,7 +481,7 @@ class Aggregator(tf.Module):
 
     @property
     def collective_options(self):
-        return collectives.options(self.timeout_s)
+        return collectives.Route(collectives.options(self.timeout_s), self.hierarchy)
 
 
 class _Layout:

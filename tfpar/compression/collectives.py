@@ -3,9 +3,19 @@
 Everything here is called in replica context and works unchanged under `MirroredStrategy`
 (which routes collectives through `merge_call`) and `MultiWorkerMirroredStrategy` (which
 issues them directly).
+
+An aggregator hands its collectives a `Route`: the `CommunicationOptions` and, across hosts,
+the `tfpar.compression.hierarchical.Hierarchy` its sums go through (`sum_all`); gathers
+stay on tf.distribute's flat ring.
 """
 
+import collections
+
 import tensorflow as tf
+
+# What an aggregator's collectives take: `options` (`CommunicationOptions`) and `hierarchy`
+# (a `hierarchical.Hierarchy`, or None for tf.distribute's flat ring).
+Route = collections.namedtuple("Route", ["options", "hierarchy"])
 
 
 def options(timeout_s=None):
@@ -39,20 +49,31 @@ def nbytes(tensor):
 def sum_all(flat, opts):
     """Sum of `flat` over all replicas (every replica gets the same result).
 
+    Args:
+        flat: this replica's tensor.
+        opts: `CommunicationOptions`, or a `Route` (with a hierarchy: summed inside each
+            host, across hosts, back).
+
     Returns:
-        `(sum, bytes this replica handed to the collective)`.
+        `(sum, bytes of the message this replica sums)` (with a hierarchy too: the same
+        count as the flat ring's, so the compression ratio keeps its meaning).
     """
     ctx = replica_context()
+    if isinstance(opts, Route) and opts.hierarchy is not None:
+        return opts.hierarchy.sum(flat, opts.options.timeout_seconds), nbytes(flat)
+    opts = opts.options if isinstance(opts, Route) else opts
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, flat, options=opts), nbytes(flat)
 
 
 def gather_rows(flat, opts):
-    """Every replica's 1-D `flat` stacked (lengths must agree).
+    """Every replica's 1-D `flat` stacked (lengths must agree); `opts` as `sum_all`'s (a
+    gather always takes tf.distribute's flat ring).
 
     Returns:
         `([replicas, len] tensor, bytes this replica handed to the collective)`.
     """
     ctx = replica_context()
+    opts = opts.options if isinstance(opts, Route) else opts
     gathered = ctx.all_gather(flat, axis=0, options=opts)
     return tf.reshape(gathered, [ctx.num_replicas_in_sync, -1]), nbytes(flat)
 

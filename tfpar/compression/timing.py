@@ -46,6 +46,7 @@ def _scratch_copy(aggregator, variables):
     if "window" in settings:  # auto: no rank decision between the timed calls
         settings["window"] = 1 << 30
     copy = type(aggregator)(**settings)
+    copy.allreduce = aggregator.allreduce  # the run's route across hosts
     copy.build(variables)
     if aggregator.built:  # else the run took no step: nothing reached yet
         # Past Adam's exact warm-up (else every timed call is an fp32 all-reduce), and for

@@ -25,7 +25,8 @@ calls of tf.distribute's private code (tensorflow 2.21.0, keras 3.15.1).
 - `strategy_workers`: not a replacement but a read. The number of workers of a
   tf.distribute strategy without a tfpar runtime is its extended's private
   `_num_workers`; `strategy_workers` is the one reader.
-- `replica_tokens`: not a replacement but calls. ZeRO's collectives take an ordering
+- `replica_tokens`: not a replacement but calls. ZeRO's and the hierarchical sum's
+  (`tfpar.compression.hierarchical`) collectives take an ordering
   token per local replica: a plain `ResourceVariable` per device (not through the
   strategy's variable creator, which `tf.Variable` goes through), picked by the local
   replica index while a step is traced (`values_util.get_current_replica_id_as_int`, how
@@ -65,7 +66,8 @@ ENTRIES = {
                          "tfpar.callbacks"),
     "replica_tokens": ("tensorflow.python.ops.resource_variable_ops.ResourceVariable, "
                        "values_util.get_current_replica_id_as_int (called, not replaced)",
-                       "tfpar.zero.sharded.ordering_tokens"),
+                       "tfpar.zero.sharded.ordering_tokens, "
+                       "tfpar.compression.hierarchical"),
 }
 
 # Fragments of the original source the patches replace; if they vanish, Keras changed.

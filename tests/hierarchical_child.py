@@ -1,0 +1,65 @@
+"""Child of tests/test_hierarchical.py, run as each worker of a 4-worker `TF_CONFIG` cluster
+whose addresses put workers 0-1 on one host and 2-3 on another (one CPU replica each): for
+each codec of `CASES`, the trainer's model summing through the hierarchical all-reduce and
+the same model on the flat ring, from the same weights, 3 `fit` steps on the same batches.
+Prints one JSON line:
+
+- `auto`: what `--allreduce=auto` resolves to on this cluster (`compat.resolve_allreduce`);
+- per case: `allreduce` (the aggregators' `comm_stats()`, the metrics JSON's
+  `comm.allreduce`) of each model, `traced_sums` (sums the hierarchy traced: it ran, not
+  the flat ring), `max_abs_diff` (weights, hierarchical vs flat), `max_step` (the largest
+  change of a weight over the 3 steps: what a tolerance is measured against), `weights_sum`
+  (of the hierarchical model's weights, as text: equal on every worker).
+
+    python tests/hierarchical_child.py ['{"cpu_devices": 2}']    # settings for every run
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from tfpar import ParallelConfig, compat, compression, data, tf_config
+from tfpar.backends.distribute import DistributeBackend
+
+CASES = {"none": {}, "fp16": {}, "powersgd": {"powersgd_rank": 2}}
+STEPS = 3
+
+
+def fit(model, runtime, config, task):
+    model.fit(data.distributed_dataset(runtime.strategy, config, task),
+              steps_per_epoch=STEPS, epochs=1, verbose=0)
+
+
+def main(settings):
+    base = dict(strategy="multi_worker", model="mlp", optimizer="sgd", learning_rate=0.1,
+                global_batch_size=32, verbose=0, seed=0, bucket_mb=0.05, **settings)
+    backend = DistributeBackend()
+    runtime = backend.build_runtime(ParallelConfig(**base))
+    out = {"auto": compat.resolve_allreduce(ParallelConfig(**base), tf_config.load())}
+    for codec, extra in CASES.items():
+        models = {}
+        for allreduce in ("hierarchical", "flat"):
+            config = ParallelConfig(**base, compression=codec, allreduce=allreduce, **extra)
+            task = data.make_task(config)
+            models[allreduce] = backend.build_model(config, runtime, task)
+        start = models["flat"].get_weights()
+        models["hierarchical"].set_weights(start)
+        for model in models.values():
+            fit(model, runtime, config, task)
+        aggs = {k: compression.aggregator_of(m.optimizer) for k, m in models.items()}
+        pairs = list(zip(models["hierarchical"].get_weights(), models["flat"].get_weights()))
+        out[codec] = {
+            "allreduce": {k: a.comm_stats()["allreduce"] for k, a in aggs.items()},
+            "traced_sums": aggs["hierarchical"].hierarchy.traced,
+            "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in pairs),
+            "weights_sum": repr(sum(float(np.sum(a, dtype=np.float64)) for a, _ in pairs)),
+            "max_step": max(float(np.max(np.abs(b - s)))
+                            for (_, b), s in zip(pairs, start))}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    main(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {})
