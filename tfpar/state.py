@@ -66,6 +66,10 @@ from tfpar.errors import TfparError
 # a trackable's own tensors `<object path>/.ATTRIBUTES/<name>`.
 PREFIX = "state/.ATTRIBUTES/"
 LAYOUT = "meta/layout"
+# What a `residual` row holds (module docstring): "replica", each replica's own error in
+# its own gradient's units (a mesh's codecs); "share", its share of what the sum owes
+# (tf.distribute's aggregators: Keras divided the gradient by the replicas).
+UNITS = "meta/residual_units"
 
 
 def key(name):
@@ -87,6 +91,8 @@ _OPTIONAL = ("optimizer/nonfinite_steps",)
 _OPTIONAL_PREFIX = "codec/"
 # A codec's step counters: one a checkpoint lacks takes the optimizer's `iteration`.
 _STEP_KINDS = ("step", "auto_step")
+# Codec state a checkpoint may lack beside others of its kind.
+_NOT_OWED = (*_STEP_KINDS, "residual")
 
 
 def optimizers_of(model):
@@ -144,18 +150,26 @@ class LayoutState(patches.Trackable):
             for name, entry in _optimizer_entries(optimizer,
                                                   self._model.trainable_weights).items():
                 out[name] = _merge(out.get(name), entry)
+        self._units = {}  # residual name -> what its rows hold (`UNITS`)
         for reduction in getattr(self._model, "tfpar_reductions", ()):
             for name, (variable, per_replica) in reduction.named_state().items():
                 out[f"codec/{name}"] = (_per_replica(variable) if per_replica
                                         else _plain(variable))
-        for name, entry in _aggregator_entries(self._model).items():
+                if _kind(name) == "residual":
+                    self._units[f"codec/{name}"] = "replica"
+        for name, (entry, rows) in _aggregator_entries(self._model).items():
             out[f"codec/{name}"] = _merge(out.get(f"codec/{name}"), entry)
+            if rows == "residual":
+                self._units[f"codec/{name}"] = "share"
         return out
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
     def _serialize_to_tensors(self):
         tensors = {name: tf.constant(e[0]()) for name, e in self.entries().items()}
         tensors[LAYOUT] = tf.constant(json.dumps(self._layout, sort_keys=True))
+        units = set(self._units.values())
+        if len(units) == 1:
+            tensors[UNITS] = tf.constant(units.pop())
         return tensors
 
     def _restore_from_tensors(self, restored_tensors):
@@ -176,35 +190,46 @@ class LayoutState(patches.Trackable):
         saved.update(_old_aggregator_names(reader, self._model))
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
         # A codec's state is optional where the checkpoint holds none of its kind (written
-        # without that codec, or by a codec without that kind); where it holds some, a name
-        # it lacks is a mismatch, not an error owed of zero. A step counter is never owed.
+        # without that codec, or by a codec without that kind) and for a residual (the
+        # writer's codec sent that tensor exactly: PowerSGD's vectors on tf.distribute);
+        # otherwise a name it lacks is a mismatch. A step counter is never owed.
         kinds = {_kind(n) for n in saved if n.startswith(_OPTIONAL_PREFIX)}
         missing = sorted(n for n in set(entries) - set(saved) - set(_OPTIONAL)
                          if not (n.startswith(_OPTIONAL_PREFIX)
-                                 and (_kind(n) not in kinds or _kind(n) in _STEP_KINDS)))
+                                 and (_kind(n) not in kinds or _kind(n) in _NOT_OWED)))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        units = (reader.get_tensor(key(UNITS)).decode() if reader.has_tensor(key(UNITS))
+                 else None)
         for name, (_, write, want) in entries.items():
             if name not in saved:
                 continue
             value = reader.get_tensor(saved[name])
             if not _fits(value.shape, want):
                 raise ValueError(f"{name} is {list(value.shape)} there, {list(want)} here")
+            if name in self._units:
+                # Older checkpoints: tf.distribute's rows in its aggregator's objects, a
+                # mesh's under these names.
+                written = units or ("share" if saved[name] != key(name) else "replica")
+                value = _convert_rows(value, written, self._units[name])
             write(value)
         if _OPTIONAL_PREFIX.startswith(only):
-            self._codec_moves(reader, saved, entries, path)
+            self._codec_moves(reader, saved, entries, path, kinds)
 
-    def _codec_moves(self, reader, saved, entries, path):
+    def _codec_moves(self, reader, saved, entries, path, kinds):
         """After a load: says in one line each what codec state did not move as it is (a
         kind with no place here, a kind the checkpoint lacks) and sets a step counter the
         checkpoint lacks from the optimizer's `iteration`."""
         name = os.path.basename(path)
-        unplaced = [n for n in saved if n.startswith(_OPTIONAL_PREFIX) and n not in entries]
+        # (An all-zero residual owes nothing: a mesh's PowerSGD keeps one for its vectors.)
+        unplaced = [n for n in saved if n.startswith(_OPTIONAL_PREFIX) and n not in entries
+                    and not (_kind(n) == "residual" and not reader.get_tensor(saved[n]).any())]
         if unplaced:
             logging.warning("tfpar: checkpoint %s holds codec state this run's codec has no "
                             "place for, not loaded: %s", name, _count_kinds(unplaced))
-        fresh = [n for n in entries if n.startswith(_OPTIONAL_PREFIX) and n not in saved]
+        fresh = [n for n in entries if n.startswith(_OPTIONAL_PREFIX) and n not in saved
+                 and not (_kind(n) == "residual" and _kind(n) in kinds)]
         steps = [n for n in fresh if _kind(n) in _STEP_KINDS]
         if steps and "optimizer/iteration" in saved:
             iteration = reader.get_tensor(saved["optimizer/iteration"])
@@ -282,8 +307,8 @@ def _positions(aggregator, model):
 
 
 def _aggregator_entries(model):
-    """`{name: (read, write, shape)}` of tf.distribute aggregators' state (module
-    docstring: `codec/<path>/<kind>` without `codec/`)."""
+    """`{name: ((read, write, shape), rows)}` of tf.distribute aggregators' state (module
+    docstring: `codec/<path>/<kind>` without `codec/`; `rows` as `named_state`'s)."""
     out = {}
     for aggregator in _aggregators(model).values():
         if not aggregator.built:  # on a mesh the codec runs in the mesh's step instead
@@ -292,7 +317,7 @@ def _aggregator_entries(model):
                 _positions(aggregator, model)).items():
             entry = (_replica_rows(variable, rows == "mean") if rows
                      else _same_on_replicas(variable))
-            out[name] = _merge(out.get(name), entry)
+            out[name] = (_merge(out.get(name, (None,))[0], entry), rows)
     return out
 
 
@@ -372,6 +397,7 @@ def tensors_of(path):
     names = {name_of(k): k for k in reader.get_variable_to_shape_map()}
     names.pop(None, None)
     names.pop(LAYOUT, None)
+    names.pop(UNITS, None)
     return {name: reader.get_tensor(k) for name, k in sorted(names.items())}
 
 
@@ -399,18 +425,30 @@ def _fits(shape, want):
 
 def _per_replica(variable):
     """(read, write, shape) of a mesh codec's residual `[replicas, ...]`: rows saved as they
-    are; written onto another replica count, replica 0 takes the saved rows' sum and the
-    others zero (the error still owed kept exactly, as `PerReplicaSlot` keeps it)."""
+    are; written onto another replica count, replica 0 takes what the saved rows owe and
+    the others zero. A mesh's row is its replica's error in its own gradient's units and
+    the step applies their mean: replica 0 takes the rows' sum × replicas here / replicas
+    there (the sum alone would owe 2/4 of the error going from 2 replicas to 4)."""
     read, write, shape = _plain(variable)
 
     def write_rows(array):
         array = np.asarray(array)
         if array.shape[0] != shape[0]:
             rows = np.zeros(shape, array.dtype)
-            rows[0] = array.sum(0)
+            rows[0] = array.sum(0) * (shape[0] / array.shape[0])
             array = rows
         write(array)
     return read, write_rows, (None,) + tuple(shape[1:])
+
+
+def _convert_rows(rows, written, wanted):
+    """Residual `rows` (`[replicas, ...]`) written in units `written` (`UNITS`) in units
+    `wanted`, for the same replica count (the write moves them onto another): a share is
+    the replica's own error / replicas."""
+    if written == wanted:
+        return rows
+    replicas = rows.shape[0]
+    return rows / replicas if wanted == "share" else rows * replicas
 
 
 def _replica_rows(variable, average):

@@ -317,18 +317,22 @@ class Aggregator(tf.Module):
         them as `codec/<name>`): `<weight path>/<kind>`, counters of the whole aggregator
         under its first weight's path, as `{name: (variable, rows)}`.
 
-        `rows`: "sum" for a per-replica debt (`residual`, DGC's `dgc_velocity`): saved one
-        row per replica, onto another replica count replica 0 takes their sum; "mean" for a
-        per-replica estimate (Adam's `adam_m`, `adam_v` in front of compression): every
-        replica takes their mean there; None for what every replica holds alike (the
-        `step` counter, `powersgd_q`, `auto`'s ranks and window sums). The byte count of the
-        last step is left out (each step sets it).
+        `rows`: "residual" for error feedback's residuals, one row per replica, each this
+        replica's share of what the sum still owes (Keras divided its gradient by the
+        replicas; a mesh's rows are in its own gradient's units instead: `tfpar.state`
+        converts); "sum" for another per-replica debt (DGC's `dgc_velocity`): onto another
+        replica count replica 0 takes the rows' sum; "mean" for a per-replica estimate
+        (Adam's `adam_m`, `adam_v` in front of compression): every replica takes their mean
+        there; None for what every replica holds alike (the `step` counter, `powersgd_q`,
+        `auto`'s ranks and window sums). The last step's byte count is left out (each step
+        sets it).
 
         Args:
             paths: `{position: weight path}` for every position (`positions`).
         """
         out = {f"{paths[0]}/{self.step_kind}": (self.step, None)}
-        out.update({f"{paths[int(p)]}/residual": (v, "sum") for p, v in self.residuals.items()})
+        out.update({f"{paths[int(p)]}/residual": (v, "residual")
+                    for p, v in self.residuals.items()})
         for key, variable in self.moments.items():  # "m_3": Adam's m of position 3
             kind, position = key.split("_")
             out[f"{paths[int(position)]}/adam_{kind}"] = (variable, "mean")
