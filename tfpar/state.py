@@ -27,12 +27,14 @@ piece of state is named as in the single-device model and saved as one full tens
   `Aggregator.named_state`), a mesh's codecs (`tfpar.layout.reduction`, every stage's in a
   mesh pipeline; `tfpar.layout.auto`; ZeRO-3's compressed reduce-scatter,
   `tfpar.zero.reduce_scatter`). A per-replica kind holds one row per replica
-  (`[replicas, ...]`): `residual` and DGC's `dgc_velocity` (debts: onto another replica
-  count replica 0 takes the rows' sum and the others zero, so the error still owed is kept
-  exactly), Adam's `adam_m`, `adam_v` in front of compression (estimates: every replica
-  takes their mean). The others are the same on every replica: `powersgd_q`, `auto`'s
-  `auto_rank`, `auto_norm_sum`, ... and a codec's counters under its first weight's path
-  (`step`, `auto_step`, `auto_bytes_total`). A checkpoint written on one backend so
+  (`[replicas, ...]`): `residual` (a debt: onto another replica count replica 0 takes what
+  the rows owe, the others zero), DGC's `dgc_velocity` (replica 0 takes the rows' sum),
+  Adam's `adam_m`, `adam_v` in front of compression (estimates: every replica takes their
+  mean). A mesh's residual row is its replica's own error (the step applies their mean),
+  tf.distribute's its share (Keras divided the gradient by the replicas: their sum):
+  `meta/residual_units` says which, and a load converts. The others are the same on
+  every replica: `powersgd_q`, `auto`'s `auto_rank`, `auto_norm_sum`, ... and a codec's
+  counters under its first weight's path (`step`, `auto_step`, `auto_bytes_total`). A checkpoint written on one backend so
   resumes on the other: a kind the running codec has no place for (tf.distribute's
   `step` or Adam's moments on a mesh codec, which has neither) is named in one line and
   not loaded; a kind the checkpoint lacks starts at its initial value, said in one line,
