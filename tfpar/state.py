@@ -313,7 +313,9 @@ def _aggregator_entries(model):
     docstring: `codec/<path>/<kind>` without `codec/`; `rows` as `named_state`'s)."""
     out = {}
     for aggregator in _aggregators(model).values():
-        if not aggregator.built:  # on a mesh the codec runs in the mesh's step instead
+        # Not built on a mesh (the codec runs in the mesh's step instead); built for no
+        # variable as a pipeline's step counter's optimizer: no state a step reads.
+        if not aggregator.positions:
             continue
         for name, (variable, rows) in aggregator.named_state(
                 _positions(aggregator, model)).items():
@@ -349,7 +351,7 @@ def _old_aggregator_names(reader, model):
     for match, checkpoint_key in matches:
         owner, attribute, position = match.groups()
         aggregator = running.get(owner)
-        if aggregator is not None and aggregator.built:
+        if aggregator is not None and aggregator.positions:
             paths = _positions(aggregator, model)
             step_kind = aggregator.step_kind
         elif owner == "aggregator":
