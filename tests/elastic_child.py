@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfpar import ParallelConfig, backends, checkpoint, data  # noqa: E402
+from tfpar import ParallelConfig, backends, checkpoint, data, state  # noqa: E402
 
 
 def main():
@@ -31,14 +31,14 @@ def main():
     checkpointer = checkpoint.Checkpointer(config, model, runtime)
     step = checkpointer.restore()
     reader = tf.train.load_checkpoint(config.checkpoint_dir)
-    saved_keys = sorted(k for k in reader.get_variable_to_shape_map() if "per_replica" in k)
     aggregator = model.optimizer.tfpar_aggregator
+    paths = state._positions(aggregator, model)  # the weights' paths name the residuals
     arrays = {}
     for key, variable in sorted(aggregator.residuals.items(), key=lambda kv: int(kv[0])):
         arrays[f"restored_{key}"] = np.stack(
             [np.asarray(v) for v in runtime.strategy.experimental_local_results(variable)])
-        matching = [k for k in saved_keys if f"residual_slots/{key}/" in k]
-        arrays[f"saved_{key}"] = reader.get_tensor(matching[0])
+        arrays[f"saved_{key}"] = reader.get_tensor(
+            state.key(f"codec/{paths[int(key)]}/residual"))
     np.savez(sys.argv[2], **arrays)
     out = {"step": step, "replicas": runtime.replicas, "elastic": checkpointer.elastic}
     if len(sys.argv) > 3:

@@ -8,10 +8,12 @@ Trains several configs one after the other in one process (one CPU split): RUNS_
   records how the state landed: `load_diff`, the largest difference between every state
   tensor of DIR's checkpoint and the same tensor read back from this layout's variables
   (`tfpar.state` names); `placement`, each weight's place (a DTensor's mesh axes and
-  sharding specs, or its devices); `residual_sums`, per error-feedback residual, the sum
-  over this layout's replicas minus the sum of the saved rows (and `residual_rows`, the
-  replica count); `predictions`, on a Keras model (not a mesh), its `predict` of 8 inputs
-  drawn with numpy's `default_rng(0)`; then trains the config (resuming at STEP).
+  sharding specs, or its devices); `residual_sums`, per error-feedback residual, what this
+  layout's rows owe the summed gradient minus what the saved rows owed, the saved rows' largest
+  magnitude and count (and `residual_rows`, this layout's replica count; `old_form_names`,
+  how many names it read from an older checkpoint's aggregator objects); `predictions`,
+  on a Keras model (not a mesh), its `predict` of 8 inputs drawn with numpy's
+  `default_rng(0)`; then trains the config (resuming at STEP).
 - none: trains the config as it is (a run that writes, or the uninterrupted reference).
 
 Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`).
@@ -66,32 +68,47 @@ def landing(model, directory):
     import tensorflow as tf
 
     from tfpar import state
-    from tfpar.compression import aggregator as aggregator_lib
-    from tfpar.compression import keras_hook
     path = tf.train.latest_checkpoint(directory)
     saved = state.tensors_of(path)
     entries = state.LayoutState(model).entries()
-    diff = max(float(np.max(np.abs(saved[n] - e[0]()), initial=0.0))
-               for n, e in entries.items() if n in saved)
-    out = {"load_diff": diff, "loaded": len([n for n in entries if n in saved]),
+    out = {"loaded": len([n for n in entries if n in saved]),
            "placement": {w.path: _placement(w) for w in model.weights}}
     if not any("specs" in p for p in out["placement"].values()):
         # What the loaded model predicts (Keras's own predict, one device or a strategy).
         x = np.random.default_rng(0).normal(size=(8, *model.input_shape[1:]))
         out["predictions"] = model.predict(x.astype("float32"), verbose=0).tolist()
-    aggregator = keras_hook.aggregator_of(model.optimizer) if model.optimizer else None
-    if aggregator is not None and getattr(aggregator, "residuals", None):
-        reader = tf.train.load_checkpoint(path)
-        keys = [k for k in reader.get_variable_to_shape_map() if "per_replica" in k]
-        sums, rows = {}, 0
-        for i, variable in aggregator.residuals.items():
-            rows_now = aggregator_lib._stack_replicas(variable)
-            rows = int(rows_now.shape[0])
-            saved_rows = reader.get_tensor([k for k in keys if f"residual_slots/{i}/" in k][0])
-            # The same reduction both sides: the sum moved, not re-rounded.
-            moved = tf.reduce_sum(rows_now, 0) - tf.reduce_sum(tf.constant(saved_rows), 0)
-            sums[i] = [float(np.max(np.abs(moved))),
-                       float(np.max(np.abs(saved_rows))), int(saved_rows.shape[0])]
+    # Residuals (`codec/<path>/residual`, one row per replica; an older checkpoint's
+    # `aggregator/residual_slots/<position>` read under the same names).
+    reader = tf.train.load_checkpoint(path)
+    old = state._old_aggregator_names(reader, model)
+    saved.update({n: reader.get_tensor(k) for n, k in old.items()})
+    out["old_form_names"] = len(old)
+    # What the rows owe the summed gradient: their sum where each row is a replica's share
+    # (tf.distribute, and every older checkpoint of it), their mean where each is a
+    # replica's own error (a mesh's codecs).
+    units = (reader.get_tensor(state.key(state.UNITS)).decode()
+             if reader.has_tensor(state.key(state.UNITS)) else "share" if old else "replica")
+    units_now = "replica" if getattr(model, "tfpar_reductions", ()) else "share"
+
+    def owed(rows, units):
+        total = tf.reduce_sum(tf.constant(rows), 0)
+        return total / rows.shape[0] if units == "replica" else total
+    # Residual rows moved to another replica count or into other units are compared by
+    # what they owe (`residual_sums`); every other tensor as it was saved.
+    moved_rows = units != units_now
+    read = {n: e[0]() for n, e in entries.items() if n in saved}
+    out["load_diff"] = max(
+        float(np.max(np.abs(saved[n] - v), initial=0.0)) for n, v in read.items()
+        if not (n.endswith("/residual") and (moved_rows or saved[n].shape != v.shape)))
+    sums, rows = {}, 0
+    for name in sorted(n for n in entries if n.endswith("/residual") and n in saved):
+        rows_now = entries[name][0]()
+        rows = int(rows_now.shape[0])
+        saved_rows = saved[name]
+        moved = owed(rows_now, units_now) - owed(saved_rows, units)
+        sums[name] = [float(np.max(np.abs(moved))), float(np.max(np.abs(saved_rows))),
+                      int(saved_rows.shape[0])]
+    if sums:
         out["residual_sums"], out["residual_rows"] = sums, rows
     return out
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from subproc import ROOT, in_background, last_json_line, run, run_module
+from subproc import ROOT, in_background, last_json_line, popen, run, run_module
 from test_train import CHILD, max_diff, weights
 
 RUNS_CHILD = f"{ROOT}/tests/train_runs_child.py"
@@ -42,6 +42,37 @@ def test_an_async_save_holds_the_state_of_its_step(tmp_path):
         for key, value in expected.items():
             np.testing.assert_array_equal(saved[key], value, f"ckpt-{step} {key}")
     assert int(_tensors(str(tmp_path / "async" / "ckpt-10"))["step/.ATTRIBUTES/VARIABLE_VALUE"]) == 10
+
+
+def test_an_async_save_holds_its_aggregators_state_of_its_step_under_load(tmp_path):
+    # A tf.distribute aggregator's state (PowerSGD's residuals and Qs, Adam's moments in
+    # front of it, its step counter: per-replica variables) saved beside training, while
+    # another process keeps a core busy: each checkpoint equals the synchronous run's of
+    # the same step, tensor by tensor (an older tfpar saved such state synchronously).
+    cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "compression": "powersgd",
+           "powersgd_rank": 4, "adam_warmup_steps": 5}
+    runs = [[mode, {**cfg, "checkpoint_dir": str(tmp_path / mode),
+                    "checkpoint_async": mode == "async"}] for mode in ("async", "sync")]
+    burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
+    try:
+        out = run([sys.executable, RUNS_CHILD, json.dumps(runs), str(tmp_path / "run")],
+                  env={"TFPAR_INJECT_SAVE_PAUSE": "10:3:before_writing"}, timeout=300)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert "save synchronously" not in out.stderr
+    assert out.stderr.count("pausing 3 s inside the checkpoint save of step 10") == 2
+    result = last_json_line(out.stdout)
+    assert result["async"]["loss_history"] == result["sync"]["loss_history"]
+    for step in (10, 20, 30):
+        saved = _tensors(str(tmp_path / "async" / f"ckpt-{step}"))
+        expected = _tensors(str(tmp_path / "sync" / f"ckpt-{step}"))
+        assert sorted(saved) == sorted(expected)
+        codec = [k for k in saved if "codec..S" in k]
+        assert {k.rsplit("..S", 1)[-1] for k in codec} >= {
+            "residual", "powersgd_q", "adam_m", "adam_v", "step"}, codec
+        for key, value in expected.items():
+            np.testing.assert_array_equal(saved[key], value, f"ckpt-{step} {key}")
 
 
 def test_a_worker_killed_inside_an_async_write_resumes_from_the_save_before(tmp_path):

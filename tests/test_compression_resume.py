@@ -99,7 +99,7 @@ def test_mesh_codec_resume_is_exact(tmp_path):
             np.testing.assert_array_equal(a, b, f"{codec}: resumed weights differ")
 
 
-def test_mesh_codec_state_moves_to_another_batch_axis_with_its_sum():
+def test_mesh_codec_state_moves_to_another_batch_axis_with_what_it_owes():
     out = last_json_line(run([sys.executable, f"{ROOT}/tests/mesh_codec_child.py", "reshard"],
                              timeout=300).stdout)["reshard"]
     if "error" in out:
@@ -108,7 +108,8 @@ def test_mesh_codec_state_moves_to_another_batch_axis_with_its_sum():
         assert any(n.endswith("/residual") for n in result["names"]), result["names"]
         assert result["largest"] > 0  # a residual to carry
         assert result["same_diff"] == 0.0, (codec, result)  # the same mesh: every entry
-        # 2 rows onto 4: replica 0 takes their sum, the others zero (tfpar.state).
-        assert result["rows"] == [2, 4] and result["sum_diff"] == 0.0, (codec, result)
+        # 2 rows onto 4: replica 0 takes what they owe (their sum x 4 / 2), the others
+        # zero (tfpar.state).
+        assert result["rows"] == [2, 4] and result["owed_diff"] == 0.0, (codec, result)
     assert any(n.endswith("/powersgd_q") for n in out["powersgd"]["names"])
     assert out["powersgd"]["q_diff"] == 0.0

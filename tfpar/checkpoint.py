@@ -1,9 +1,9 @@
 """Checkpoints of the whole training state, and resume at the saved step.
 
-What is saved: model weights, optimizer state (slots, iterations, loss scale, any
-aggregator state tracked by the optimizer) and the data position (steps done; the data is
-a function of the step, see `tfpar.data`), under the names of the single-device model
-(`tfpar.state`), so any other layout loads it.
+What is saved: model weights, optimizer state (slots, iterations, loss scale), a gradient
+codec's state (residuals, PowerSGD's Qs, ...) and the data position (steps done; the data
+is a function of the step, see `tfpar.data`), under the names of the single-device model
+(`tfpar.state`), so any other layout and backend loads it.
 
 A save is published in three moves (`tfpar.checkpoint_writer`): the checkpoint's files
 (`ckpt-S.index`, `ckpt-S.data-*`), its manifest (each file's size and CRC32), then the
@@ -32,8 +32,8 @@ Another world size: a checkpoint written by N workers (or replicas) restores on 
 saved state does not depend on the count: the model and optimizer are the same on every
 replica, the global batch is a setting (`global_batch_size`, checked by the marker), so
 each step consumes the same examples whatever the split (`tfpar.data`: example `i` of step
-`s` is the same for any number of replicas), and the aggregators' per-replica residuals
-are re-distributed with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`).
+`s` is the same for any number of replicas), and a codec's per-replica residuals are
+re-distributed with what they owe kept (`tfpar.state`: replica 0 takes it).
 `world.json` records each change as `{"step", "workers", "replicas"}` (the metrics'
 `elastic` list).
 
@@ -99,8 +99,8 @@ class Checkpointer(keras.callbacks.Callback):
         self.every = config.checkpoint_every
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._step = self._saved = 0
-        # What is written: the state under layout-independent names (`tfpar.state`), so
-        # any layout loads it; the aggregator's own objects beside it.
+        # What is written: the state under layout-independent names (`tfpar.state`, a
+        # codec's too), so any layout loads it; ZeRO 1/2's residual object beside it.
         self._state = state.LayoutState(model, state.layout_of(config, runtime))
         self._others = {"step": self.step, **state.aggregators_of(model)}
         self._checkpoint = tf.train.Checkpoint(state=self._state, **self._others)
@@ -115,19 +115,19 @@ class Checkpointer(keras.callbacks.Callback):
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, self._write_dir, max_to_keep=config.keep_checkpoints,
             checkpoint_name="ckpt")
-        # A tf.distribute aggregator's state (its step counter, residuals, Adam's moments:
-        # per-replica `SyncOnRead` variables) is written synchronously: read into a
-        # snapshot, a resumed PowerSGD + Adam run ended 7e-3..2e-2 from the uninterrupted
-        # one (tests/test_user_script.py's BackupAndRestore resumes under load), while the
-        # synchronous save resumes it exactly. Until the snapshot reads them as the
-        # synchronous save does, exact beats fast.
+        # A tf.distribute aggregator's state is read into the snapshot by `tfpar.state`, in
+        # the step. (Saved as its own `SyncOnRead` variables, TensorFlow deferred their
+        # reads to the writer thread: the first async save held PowerSGD's step counter
+        # and Qs of 10 steps later; tests/test_checkpoint_async.py compares every tensor
+        # with the synchronous save's under load.) ZeRO 1/2's residual object beside the
+        # state has no such test yet: its checkpoints save synchronously.
         asked = getattr(config, "checkpoint_async", False)
         self._writer = (checkpoint_writer.Writer()
                         if asked and set(self._others) == {"step"} else None)
         if asked and self._writer is None:
-            logging.info("tfpar: checkpoints of %s save synchronously (its aggregator's "
-                         "per-replica state is not yet snapshotted exactly)",
-                         ", ".join(sorted(set(self._others) - {"step"})))
+            logging.info("tfpar: checkpoints of %s save synchronously (its per-replica "
+                         "state beside the checkpoint's names is not checked as snapshotted "
+                         "exactly)", ", ".join(sorted(set(self._others) - {"step"})))
         self._snapshot_cache = {}
 
     def restore(self):
@@ -194,7 +194,7 @@ class Checkpointer(keras.callbacks.Callback):
             logging.warning(
                 "tfpar: world size changed at step %d: %d worker(s), %d replica(s) (the "
                 "checkpoint was written by %d worker(s), %d replica(s)); global batch kept at "
-                "%d (%s per replica); residuals re-distributed with their sum kept",
+                "%d (%s per replica); residuals re-distributed with what they owe kept",
                 step, self._world["workers"], self._world["replicas"], last["workers"],
                 last["replicas"], self.config.global_batch_size,
                 self.config.replica_split(self._world["replicas"], False).describe())

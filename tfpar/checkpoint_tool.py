@@ -70,7 +70,7 @@ def inspect(path):
              f"world: {json.dumps(checkpoint.read_world(os.path.dirname(prefix)))}"]
     rows, total = [], 0
     for key in sorted(shapes):
-        if key.split("/")[0] in _BOOKKEEPING or state.name_of(key) == state.LAYOUT:
+        if key.split("/")[0] in _BOOKKEEPING or state.name_of(key) in (state.LAYOUT, state.UNITS):
             continue
         name = state.name_of(key) or key  # the aggregator's tensors keep TensorFlow's key
         size = int(dtypes[key].size * max(1, _count(shapes[key])))

@@ -22,15 +22,29 @@ piece of state is named as in the single-device model and saved as one full tens
 - `meta/layout`: a JSON line of the layout that wrote it (for `python -m tfpar.checkpoint
   inspect`; never read on load).
 
-An aggregator's state (error-feedback residuals, PowerSGD's Q, `auto`'s ranks) is saved
-beside it by the aggregator's own objects, whose names are its positions in the
-trainable variables: residuals keep one row per replica and move to another replica count
-with their sum kept (`tfpar.compression.aggregator.PerReplicaSlot`). A mesh's codecs
-(`tfpar.layout.reduction`, every stage's in a mesh pipeline; ZeRO-3's compressed
-reduce-scatter, `tfpar.zero.reduce_scatter`) are saved here instead:
-`codec/<path>/residual` (`[replicas, ...]`, one row per `batch` replica; onto another
-count replica 0 takes their sum, the others zero, as `PerReplicaSlot` does) and
-`codec/<path>/powersgd_q`.
+- `codec/<path>/<kind>`: a gradient codec's state by the weight it belongs to, under one
+  set of names on every backend: tf.distribute's aggregators (`tfpar.compression`,
+  `Aggregator.named_state`), a mesh's codecs (`tfpar.layout.reduction`, every stage's in a
+  mesh pipeline; `tfpar.layout.auto`; ZeRO-3's compressed reduce-scatter,
+  `tfpar.zero.reduce_scatter`). A per-replica kind holds one row per replica
+  (`[replicas, ...]`): `residual` (a debt: onto another replica count replica 0 takes what
+  the rows owe, the others zero), DGC's `dgc_velocity` (replica 0 takes the rows' sum),
+  Adam's `adam_m`, `adam_v` in front of compression (estimates: every replica takes their
+  mean). A mesh's residual row is its replica's own error (the step applies their mean),
+  tf.distribute's its share (Keras divided the gradient by the replicas: their sum):
+  `meta/residual_units` says which, and a load converts. The others are the same on
+  every replica: `powersgd_q`, `auto`'s `auto_rank`, `auto_norm_sum`, ... and a codec's
+  counters under its first weight's path (`step`, `auto_step`, `auto_bytes_total`). A checkpoint written on one backend so
+  resumes on the other: a kind the running codec has no place for (tf.distribute's
+  `step` or Adam's moments on a mesh codec, which has neither) is named in one line and
+  not loaded; a kind the checkpoint lacks starts at its initial value, said in one line,
+  except a missing `step` counter, which takes the optimizer's `iteration`.
+
+A checkpoint of an older tfpar holds tf.distribute's aggregator state as its objects
+(`aggregator/residual_slots/<position>`, `aggregator/qs/<position>`, ...: positions among
+the trainable variables): read under the names above. ZeRO 1/2's error feedback with a
+codec (`tfpar.zero.sharded`) is still saved by its own object beside the state
+(`aggregators_of`).
 
 Loading reads the tensors by name (`tf.train.load_checkpoint`) and assigns each into the
 variable of the running layout: onto a mesh through its layout (`tfpar.layout.values`), onto
@@ -40,10 +54,12 @@ on its device. The file is TensorFlow's checkpoint (a tensor bundle), so
 """
 
 import json
+import os
 import re
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfpar import patches
 from tfpar.errors import TfparError
@@ -52,6 +68,10 @@ from tfpar.errors import TfparError
 # a trackable's own tensors `<object path>/.ATTRIBUTES/<name>`.
 PREFIX = "state/.ATTRIBUTES/"
 LAYOUT = "meta/layout"
+# What a `residual` row holds (module docstring): "replica", each replica's own error in
+# its own gradient's units (a mesh's codecs); "share", its share of what the sum owes
+# (tf.distribute's aggregators: Keras divided the gradient by the replicas).
+UNITS = "meta/residual_units"
 
 
 def key(name):
@@ -68,9 +88,13 @@ def name_of(checkpoint_key):
 
 
 # Optimizer variables a checkpoint may lack (kept at their start value): counters only;
-# and a mesh codec's state (a run that turns a codec on owes no error yet).
+# and a codec's state (a run that turns a codec on owes no error yet).
 _OPTIONAL = ("optimizer/nonfinite_steps",)
 _OPTIONAL_PREFIX = "codec/"
+# A codec's step counters: one a checkpoint lacks takes the optimizer's `iteration`.
+_STEP_KINDS = ("step", "auto_step")
+# Codec state a checkpoint may lack beside others of its kind.
+_NOT_OWED = (*_STEP_KINDS, "residual")
 
 
 def optimizers_of(model):
@@ -128,16 +152,26 @@ class LayoutState(patches.Trackable):
             for name, entry in _optimizer_entries(optimizer,
                                                   self._model.trainable_weights).items():
                 out[name] = _merge(out.get(name), entry)
+        self._units = {}  # residual name -> what its rows hold (`UNITS`)
         for reduction in getattr(self._model, "tfpar_reductions", ()):
             for name, (variable, per_replica) in reduction.named_state().items():
                 out[f"codec/{name}"] = (_per_replica(variable) if per_replica
                                         else _plain(variable))
+                if _kind(name) == "residual":
+                    self._units[f"codec/{name}"] = "replica"
+        for name, (entry, rows) in _aggregator_entries(self._model).items():
+            out[f"codec/{name}"] = _merge(out.get(f"codec/{name}"), entry)
+            if rows == "residual":
+                self._units[f"codec/{name}"] = "share"
         return out
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
     def _serialize_to_tensors(self):
         tensors = {name: tf.constant(e[0]()) for name, e in self.entries().items()}
         tensors[LAYOUT] = tf.constant(json.dumps(self._layout, sort_keys=True))
+        units = set(self._units.values())
+        if len(units) == 1:
+            tensors[UNITS] = tf.constant(units.pop())
         return tensors
 
     def _restore_from_tensors(self, restored_tensors):
@@ -153,25 +187,63 @@ class LayoutState(patches.Trackable):
                 checkpoint of before this format), or a tensor's shape differs.
         """
         reader = tf.train.load_checkpoint(path)
-        saved = {name_of(k) for k in reader.get_variable_to_shape_map()} - {None}
+        saved = {name_of(k): k for k in reader.get_variable_to_shape_map()}
+        saved.pop(None, None)
+        saved.update(_old_aggregator_names(reader, self._model))
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
         # A codec's state is optional where the checkpoint holds none of its kind (written
-        # without that codec); where it holds some, a name it lacks is a mismatch, not an
-        # error owed of zero.
-        kinds = {n.rsplit("/", 1)[-1] for n in saved if n.startswith(_OPTIONAL_PREFIX)}
-        missing = sorted(n for n in set(entries) - saved - set(_OPTIONAL)
+        # without that codec, or by a codec without that kind) and for a residual (the
+        # writer's codec sent that tensor exactly: PowerSGD's vectors on tf.distribute);
+        # otherwise a name it lacks is a mismatch. A step counter is never owed.
+        kinds = {_kind(n) for n in saved if n.startswith(_OPTIONAL_PREFIX)}
+        missing = sorted(n for n in set(entries) - set(saved) - set(_OPTIONAL)
                          if not (n.startswith(_OPTIONAL_PREFIX)
-                                 and n.rsplit("/", 1)[-1] not in kinds))
+                                 and (_kind(n) not in kinds or _kind(n) in _NOT_OWED)))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
                 f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        units = (reader.get_tensor(key(UNITS)).decode() if reader.has_tensor(key(UNITS))
+                 else None)
         for name, (_, write, want) in entries.items():
             if name not in saved:
                 continue
-            value = reader.get_tensor(key(name))
+            value = reader.get_tensor(saved[name])
             if not _fits(value.shape, want):
                 raise ValueError(f"{name} is {list(value.shape)} there, {list(want)} here")
+            if name in self._units:
+                # Older checkpoints: tf.distribute's rows in its aggregator's objects, a
+                # mesh's under these names.
+                written = units or ("share" if saved[name] != key(name) else "replica")
+                value = _convert_rows(value, written, self._units[name])
             write(value)
+        if _OPTIONAL_PREFIX.startswith(only):
+            self._codec_moves(reader, saved, entries, path, kinds)
+
+    def _codec_moves(self, reader, saved, entries, path, kinds):
+        """After a load: says in one line each what codec state did not move as it is (a
+        kind with no place here, a kind the checkpoint lacks) and sets a step counter the
+        checkpoint lacks from the optimizer's `iteration`."""
+        name = os.path.basename(path)
+        # (An all-zero residual owes nothing: a mesh's PowerSGD keeps one for its vectors.)
+        unplaced = [n for n in saved if n.startswith(_OPTIONAL_PREFIX) and n not in entries
+                    and not (_kind(n) == "residual" and not reader.get_tensor(saved[n]).any())]
+        if unplaced:
+            logging.warning("tfpar: checkpoint %s holds codec state this run's codec has no "
+                            "place for, not loaded: %s", name, _count_kinds(unplaced))
+        fresh = [n for n in entries if n.startswith(_OPTIONAL_PREFIX) and n not in saved
+                 and not (_kind(n) == "residual" and _kind(n) in kinds)]
+        steps = [n for n in fresh if _kind(n) in _STEP_KINDS]
+        if steps and "optimizer/iteration" in saved:
+            iteration = reader.get_tensor(saved["optimizer/iteration"])
+            for n in steps:
+                entries[n][1](iteration)
+            logging.warning("tfpar: checkpoint %s has no step counter of this run's codec "
+                            "(%s): set to the optimizer's iteration, %d", name,
+                            ", ".join(sorted(steps)), int(iteration))
+            fresh = [n for n in fresh if n not in steps]
+        if fresh:
+            logging.warning("tfpar: checkpoint %s holds no codec state of kind %s: it "
+                            "starts at its initial value", name, _count_kinds(fresh))
 
 
 def load(path, layout_state, others):
@@ -195,25 +267,110 @@ def load(path, layout_state, others):
 
 
 def aggregators_of(model):
-    """`{name: aggregator}` of the tfpar gradient aggregators of `model`'s optimizers (saved
-    with their own objects beside the `LayoutState`)."""
-    from tfpar.compression import keras_hook
-    # An aggregator with no state a step reads (fp32 buckets: `checkpointed` False) is
-    # left out, so its checkpoints load where Keras's own all-reduce ran and the reverse.
-    found = [a for a in map(keras_hook.aggregator_of, optimizers_of(model))
-             if a is not None and a.checkpointed]
-    out = ({"aggregator": found[0]} if len(found) == 1
-           else {f"aggregator_{i}": a for i, a in enumerate(found)})
-    # ZeRO 1/2 with a codec keeps its error feedback per replica beside its pieces
-    # (`tfpar.zero.sharded`): saved the same way, its sum kept across replica counts.
+    """`{name: trackable}` saved beside the `LayoutState` by TensorFlow's object graph:
+    ZeRO 1/2's error feedback with a codec (`tfpar.zero.sharded`), per replica, its sum
+    kept across replica counts (`PerReplicaSlot`). A tf.distribute aggregator's state is in
+    the `LayoutState` (`codec/...`)."""
     from tfpar.zero import sharded
     residuals = [getattr(sharded.zero_of(o), "tfpar_zero_residual", None)
                  for o in optimizers_of(model)]
     residuals = [r for r in residuals if r is not None]
     if len(residuals) == 1:
-        out["zero_residual"] = residuals[0]
-    else:
-        out.update({f"zero_residual_{i}": r for i, r in enumerate(residuals)})
+        return {"zero_residual": residuals[0]}
+    return {f"zero_residual_{i}": r for i, r in enumerate(residuals)}
+
+
+def _aggregators(model):
+    """The tfpar aggregators of `model`'s optimizers whose state a step reads, each once,
+    in the order older checkpoints named them (`aggregator`, or `aggregator_<i>`)."""
+    from tfpar.compression import keras_hook
+    # An aggregator with no state a step reads (fp32 buckets: `checkpointed` False) is
+    # left out, so its checkpoints load where Keras's own all-reduce ran and the reverse.
+    found = []
+    for a in map(keras_hook.aggregator_of, optimizers_of(model)):
+        if a is not None and a.checkpointed and all(a is not b for b in found):
+            found.append(a)
+    return ({"aggregator": found[0]} if len(found) == 1
+            else {f"aggregator_{i}": a for i, a in enumerate(found)})
+
+
+def _positions(aggregator, model):
+    """`{position: weight path}` of a built `aggregator`'s variables among `model`'s."""
+    paths = {}
+    for w in model.trainable_weights:
+        position = aggregator.position_of(w)
+        if position is not None:
+            paths.setdefault(position, _path(w))
+    if len(paths) != aggregator.positions:
+        raise TfparError(f"{type(aggregator).__name__} was built for "
+                         f"{aggregator.positions} variables, {len(paths)} of them the model's: "
+                         "a checkpoint names its state by the model's weights")
+    return paths
+
+
+def _aggregator_entries(model):
+    """`{name: ((read, write, shape), rows)}` of tf.distribute aggregators' state (module
+    docstring: `codec/<path>/<kind>` without `codec/`; `rows` as `named_state`'s)."""
+    out = {}
+    for aggregator in _aggregators(model).values():
+        # Not built on a mesh (the codec runs in the mesh's step instead); built for no
+        # variable as a pipeline's step counter's optimizer: no state a step reads.
+        if not aggregator.positions:
+            continue
+        for name, (variable, rows) in aggregator.named_state(
+                _positions(aggregator, model)).items():
+            entry = (_replica_rows(variable, rows == "mean") if rows
+                     else _same_on_replicas(variable))
+            out[name] = (_merge(out.get(name, (None,))[0], entry), rows)
+    return out
+
+
+# Older checkpoints' aggregator objects (`aggregator/<attribute>[/<position>]`) and the
+# kind each holds; `moment_slots/m_<position>` and `v_<position>` are Adam's `adam_m`,
+# `adam_v`; `wire_bytes` (the last step's byte count) is not state.
+_OLD_KINDS = {"residual_slots": "residual", "velocity_slots": "dgc_velocity",
+              "qs": "powersgd_q", "ranks": "auto_rank", "norm_sum": "auto_norm_sum",
+              "norm_prev": "auto_norm_prev", "error_sum": "auto_error_sum",
+              "error_last": "auto_error_last", "beyond_sum": "auto_beyond_sum",
+              "beyond_last": "auto_beyond_last", "window_rank": "auto_window_rank",
+              "raised": "auto_raised", "bytes_total": "auto_bytes_total", "step": "step"}
+_OLD_KEY = re.compile(r"^(aggregator(?:_\d+)?)/(\w+)(?:/(\w+))?/\.ATTRIBUTES/"
+                      r"(?:per_replica|VARIABLE_VALUE)$")
+
+
+def _old_aggregator_names(reader, model):
+    """`{state name: checkpoint key}` of an older checkpoint's aggregator objects, named by
+    the weights of the running model (its aggregator's positions, or without one its
+    trainable weights in order; a pipeline's stage aggregators only onto the same)."""
+    matches = [(m, k) for k in reader.get_variable_to_shape_map()
+               if (m := _OLD_KEY.match(k)) is not None]
+    if not matches:
+        return {}
+    running = _aggregators(model)
+    out = {}
+    for match, checkpoint_key in matches:
+        owner, attribute, position = match.groups()
+        aggregator = running.get(owner)
+        if aggregator is not None and aggregator.positions:
+            paths = _positions(aggregator, model)
+            step_kind = aggregator.step_kind
+        elif owner == "aggregator":
+            paths = dict(enumerate(_path(w) for w in model.trainable_weights))
+            auto = any(m.group(2) == "ranks" for m, _ in matches)
+            step_kind = "auto_step" if auto else "step"
+        else:
+            paths, step_kind = {}, "step"
+        if attribute == "moment_slots":
+            kind, _, position = position.partition("_")
+            kind = f"adam_{kind}"
+        else:
+            kind = _OLD_KINDS.get(attribute)
+        if kind == "step":
+            kind = step_kind
+        index = int(position) if position is not None else 0
+        if kind is None or index not in paths:
+            continue
+        out[f"codec/{paths[index]}/{kind}"] = checkpoint_key
     return out
 
 
@@ -244,6 +401,7 @@ def tensors_of(path):
     names = {name_of(k): k for k in reader.get_variable_to_shape_map()}
     names.pop(None, None)
     names.pop(LAYOUT, None)
+    names.pop(UNITS, None)
     return {name: reader.get_tensor(k) for name, k in sorted(names.items())}
 
 
@@ -271,18 +429,67 @@ def _fits(shape, want):
 
 def _per_replica(variable):
     """(read, write, shape) of a mesh codec's residual `[replicas, ...]`: rows saved as they
-    are; written onto another replica count, replica 0 takes the saved rows' sum and the
-    others zero (the error still owed kept exactly, as `PerReplicaSlot` keeps it)."""
+    are; written onto another replica count, replica 0 takes what the saved rows owe and
+    the others zero. A mesh's row is its replica's error in its own gradient's units and
+    the step applies their mean: replica 0 takes the rows' sum × replicas here / replicas
+    there (the sum alone would owe 2/4 of the error going from 2 replicas to 4)."""
     read, write, shape = _plain(variable)
 
     def write_rows(array):
         array = np.asarray(array)
         if array.shape[0] != shape[0]:
             rows = np.zeros(shape, array.dtype)
-            rows[0] = array.sum(0)
+            rows[0] = array.sum(0) * (shape[0] / array.shape[0])
             array = rows
         write(array)
     return read, write_rows, (None,) + tuple(shape[1:])
+
+
+def _convert_rows(rows, written, wanted):
+    """Residual `rows` (`[replicas, ...]`) written in units `written` (`UNITS`) in units
+    `wanted`, for the same replica count (the write moves them onto another): a share is
+    the replica's own error / replicas."""
+    if written == wanted:
+        return rows
+    replicas = rows.shape[0]
+    return rows / replicas if wanted == "share" else rows * replicas
+
+
+def _replica_rows(variable, average):
+    """(read, write, shape) of a tf.distribute aggregator's per-replica variable: every
+    replica's value as a row (gathered from every worker); onto another replica count
+    `PerReplicaSlot`'s rule (replica 0 the sum, or with `average` every replica the mean)."""
+    from tfpar.compression import aggregator
+
+    def write(array):
+        aggregator.restore_replicas(variable, tf.constant(array), average)
+    shape = tuple(aggregator.local_values(variable)[0].shape)
+    return (lambda: aggregator.stack_replicas(variable).numpy()), write, (None,) + shape
+
+
+def _same_on_replicas(variable):
+    """(read, write, shape) of a tf.distribute aggregator's variable that every replica
+    holds alike: read from this process's first replica, written to each."""
+    from tfpar.compression import aggregator
+    local = aggregator.local_values(variable)
+
+    def write(array):
+        for v in local:
+            v.assign(np.asarray(array, v.dtype.as_numpy_dtype))
+    return (lambda: local[0].read_value().numpy()), write, tuple(local[0].shape)
+
+
+def _kind(name):
+    """The kind of a codec state name (`codec/dense_0/kernel/residual`: `residual`)."""
+    return name.rsplit("/", 1)[-1]
+
+
+def _count_kinds(names):
+    """`residual (3), step (1)`: the kinds of state names, each with its count."""
+    counts = {}
+    for n in names:
+        counts[_kind(n)] = counts.get(_kind(n), 0) + 1
+    return ", ".join(f"{k} ({v})" for k, v in sorted(counts.items()))
 
 
 def _merge(first, entry):

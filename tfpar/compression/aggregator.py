@@ -84,6 +84,26 @@ def _local_components(variable):
     return strategy, list(strategy.experimental_local_results(variable))
 
 
+def local_values(variable):
+    """This process's replicas' own variables of a per-replica `variable` (the variable
+    itself outside a strategy)."""
+    return _local_components(variable)[1]
+
+
+def stack_replicas(variable):
+    """Every replica's value of per-replica `variable`, stacked `[replicas, ...]` in replica
+    order (under `MultiWorkerMirroredStrategy` gathered from every worker: a collective
+    every worker must run)."""
+    return _stack_replicas(variable)
+
+
+def restore_replicas(variable, stacked, average=False):
+    """Gives each local replica of `variable` its row of `stacked` (`[rows, ...]`); onto
+    another replica count replica 0 takes the rows' sum and the others zero (`average`:
+    every replica their mean). See `PerReplicaSlot`."""
+    return _restore_replicas(variable, stacked, average)
+
+
 def _stack_replicas(variable):
     strategy, local = _local_components(variable)
     if strategy is None or strategy.num_replicas_in_sync == len(local):
@@ -282,6 +302,51 @@ class Aggregator(tf.Module):
 
     def _build_state(self):
         """Subclass hook: extra variables, created inside `tf.init_scope`."""
+
+    # ---- state in checkpoints ------------------------------------------------------------
+    # The kind its step counter is saved under (`auto` uses the mesh's name).
+    step_kind = "step"
+
+    @property
+    def positions(self):
+        """How many variables it was built for (0 before `build`)."""
+        return len(self._layout.shapes) if self.built else 0
+
+    def position_of(self, variable):
+        """The position of `variable` (Keras's or TensorFlow's) among the variables it was
+        built for, or None."""
+        return self._layout.keys.get(_key(variable)) if self.built else None
+
+    def named_state(self, paths):
+        """The state a step reads, under the names a mesh's codecs use (`tfpar.state` saves
+        them as `codec/<name>`): `<weight path>/<kind>`, counters of the whole aggregator
+        under its first weight's path, as `{name: (variable, rows)}`.
+
+        `rows`: "residual" for error feedback's residuals, one row per replica, each this
+        replica's share of what the sum still owes (Keras divided its gradient by the
+        replicas; a mesh's rows are in its own gradient's units instead: `tfpar.state`
+        converts); "sum" for another per-replica debt (DGC's `dgc_velocity`): onto another
+        replica count replica 0 takes the rows' sum; "mean" for a per-replica estimate
+        (Adam's `adam_m`, `adam_v` in front of compression): every replica takes their mean
+        there; None for what every replica holds alike (the `step` counter, `powersgd_q`,
+        `auto`'s ranks and window sums). The last step's byte count is left out (each step
+        sets it).
+
+        Args:
+            paths: `{position: weight path}` for every position (`positions`).
+        """
+        out = {f"{paths[0]}/{self.step_kind}": (self.step, None)}
+        out.update({f"{paths[int(p)]}/residual": (v, "residual")
+                    for p, v in self.residuals.items()})
+        for key, variable in self.moments.items():  # "m_3": Adam's m of position 3
+            kind, position = key.split("_")
+            out[f"{paths[int(position)]}/adam_{kind}"] = (variable, "mean")
+        out.update(self._named_state(paths))
+        return out
+
+    def _named_state(self, paths):
+        """Subclass hook: `named_state` of the variables `_build_state` made."""
+        return {}
 
     def _lossy_positions(self):
         """Positions whose transmission is inexact (they get residuals)."""

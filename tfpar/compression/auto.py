@@ -309,6 +309,24 @@ class AutoAggregator(PowerSGDAggregator):
         self.bytes_total = per_replica_variable(tf.constant(0, tf.int64), "auto_bytes_total",
                                                 _FIRST)
 
+    # The mesh's `auto` (`tfpar.layout.auto`) saves its step counter under this kind.
+    step_kind = "auto_step"
+
+    def _named_state(self, paths):
+        out = super()._named_state(paths)  # the Qs
+        if self.r_budget is None:
+            return out
+        per_matrix = {"auto_rank": self.ranks, "auto_norm_sum": self.norm_sum,
+                      "auto_norm_prev": self.norm_prev, "auto_error_sum": self.error_sum,
+                      "auto_error_last": self.error_last, "auto_beyond_sum": self.beyond_sum,
+                      "auto_beyond_last": self.beyond_last,
+                      "auto_window_rank": self.window_rank}
+        for kind, variables in per_matrix.items():
+            out.update({f"{paths[int(p)]}/{kind}": (v, None) for p, v in variables.items()})
+        out[f"{paths[0]}/auto_raised"] = (self.raised, None)
+        out[f"{paths[0]}/auto_bytes_total"] = (self.bytes_total, None)
+        return out
+
     def _levels(self, position):
         """The ranks layer `position` can take, with 0 first (nothing sent)."""
         return levels(self.r_max[position])

@@ -39,8 +39,9 @@ class NoneAggregator(Aggregator):
     def checkpointed(self):
         # Without Adam in front its state (a step counter, a byte count) changes no result:
         # a multi-worker `--compression=none` run (bucketed) and a one-process run (Keras's
-        # all-reduce) then load each other's checkpoints.
-        return self.adam is not None
+        # all-reduce) then load each other's checkpoints. Its lossy subclasses (PowerSGD,
+        # `auto`) keep residuals and Qs: those were left out of checkpoints with SGD.
+        return self.lossy or self.adam is not None
 
     def _exchange_bucket(self, flat, bucket):
         total, nbytes = collectives.sum_all(flat, self.collective_options)
