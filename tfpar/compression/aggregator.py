@@ -341,10 +341,10 @@ class Aggregator(tf.Module):
         for key, variable in self.moments.items():  # "m_3": Adam's m of position 3
             kind, position = key.split("_")
             out[f"{paths[int(position)]}/adam_{kind}"] = (variable, "mean")
-        out.update(self._named_state(paths))
+        out.update(self.own_named_state(paths))
         return out
 
-    def _named_state(self, paths):
+    def own_named_state(self, paths):
         """Subclass hook: `named_state` of the variables `_build_state` made."""
         return {}
 

@@ -312,8 +312,8 @@ class AutoAggregator(PowerSGDAggregator):
     # The mesh's `auto` (`tfpar.layout.auto`) saves its step counter under this kind.
     step_kind = "auto_step"
 
-    def _named_state(self, paths):
-        out = super()._named_state(paths)  # the Qs
+    def own_named_state(self, paths):
+        out = super().own_named_state(paths)  # the Qs
         if self.r_budget is None:
             return out
         per_matrix = {"auto_rank": self.ranks, "auto_norm_sum": self.norm_sum,

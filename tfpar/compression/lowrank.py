@@ -58,7 +58,7 @@ class PowerSGDAggregator(NoneAggregator):
                 f"powersgd_q_{i}", tf.VariableAggregation.ONLY_FIRST_REPLICA)
             for i in self._matrices()}
 
-    def _named_state(self, paths):
+    def own_named_state(self, paths):
         return {f"{paths[int(p)]}/powersgd_q": (q, None) for p, q in self.qs.items()}
 
     def static_wire_bytes(self, positions):

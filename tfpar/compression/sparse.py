@@ -227,7 +227,7 @@ class TopKAggregator(Aggregator):
         self.velocities = patches.no_dependency(velocities)
         self.velocity_slots = {k: PerReplicaSlot(v) for k, v in velocities.items()}
 
-    def _named_state(self, paths):
+    def own_named_state(self, paths):
         return {f"{paths[int(p)]}/dgc_velocity": (v, "sum") for p, v in self.velocities.items()}
 
     def _before_compress(self, xs, positions):
