@@ -22,9 +22,9 @@ over two children):
 - the allocator's peak over 3 steps (BFC, the 4 devices' one allocator) with prefetch is
   within four layers' whole weights (on every device) of the peak without it: the next
   layer's weights and its gather's buffer beside the current layer's, and the spread of
-  the peak without prefetch (12-16 MB on the mlp, 1 layer). Measured 2026-12-05 on the mlp
-  512 x 6: +6.5, +9.5, +11.1 MB over a 4 MB layer; every gather at once would be 10 layers
-  more on the mlp 512 x 10 run here.
+  the peak without prefetch (12-16 MB on an mlp 512 x 6, 1 layer). Measured 2026-12-05:
+  mlp 512 x 6 +6.5, +9.5, +11.1 MB over a 4 MB layer (3 runs), the mlp 512 x 10 here
+  +8.8 MB; every gather at once would be 10 layers more.
 """
 
 import os
