@@ -90,6 +90,8 @@ class ParallelConfig:
             `tfpar.zero.fsdp`). See `tfpar.compat` for where it is honoured.
         zero_gather: `"fp32"`, or `"int8"`: ZeRO-3 gathers each weight as int8 codes
             with an fp32 scale per row (ZeRO++'s qwZ); the sharded weights stay fp32.
+        zero_prefetch: ZeRO-3 issues each layer's gather one layer early, forward and
+            backward (`tfpar.zero.fsdp`); False gathers each just before its layer.
         offload: `"none"`, or `"optimizer"`: the optimizer's slots in host memory and its
             update run there (`tfpar.offload`, ZeRO-Offload's design), on data
             parallelism and ZeRO 1/2. `"optimizer+params"` (ZeRO-3's parameters held on
@@ -159,6 +161,7 @@ class ParallelConfig:
     recompute: str = "none"
     zero_stage: int = 0
     zero_gather: str = "fp32"
+    zero_prefetch: bool = True
     offload: str = "none"
     # Gradient aggregation.
     compression: str = "none"

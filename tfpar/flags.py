@@ -131,6 +131,9 @@ _HELP = {
                   "are refused with it.",
     "zero_gather": "ZeRO-3's weight all-gather: fp32, or int8 (codes with an fp32 scale "
                    "per row, ZeRO++'s qwZ; the sharded master weights stay fp32).",
+    "zero_prefetch": "ZeRO-3: issue each layer's weight gather one layer early, forward "
+                     "and backward, at most two layers' weights whole at a time "
+                     "(--nozero_prefetch: each gather just before its layer).",
     "offload": "CPU offload: none, or optimizer (momentum SGD's or Adam's slots in host "
                "memory, the update on the host: the gradient copied down and the step up "
                "each step; data parallelism and --zero_stage=1|2). optimizer+params is "

@@ -10,7 +10,8 @@ depth, ordered by parameters) for the largest that trains `--steps` steps under 
 and reports it with its step time (median) and its measured peak per device. A
 configuration `tfpar.compat` refuses is printed as "refused: <reason>".
 
-`--overhead` instead times plain, ZeRO-1, ZeRO-2, ZeRO-3 and the offloaded plain, ZeRO-1
+`--overhead` instead times plain, ZeRO-1, ZeRO-2, ZeRO-3 (with its prefetch, the default,
+and without: `zero3-noprefetch`, `--nozero_prefetch`) and the offloaded plain, ZeRO-1
 and ZeRO-2 on one size, uncapped, alternating in each of `--rounds` rounds (side by side in
 one run), with the bytes an offloaded step copies device -> host and host -> device. Step times of
 the ladder with `--quick` (2 steps) include the first step's tracing: use `--overhead`
@@ -96,6 +97,7 @@ CONFIGS = [  # name, trainer flags
 OVERHEAD_CONFIGS = [("plain", ["--strategy=mirrored"]),
                     ("zero1", ["--strategy=mirrored", "--zero_stage=1"]),
                     ("zero2", ["--strategy=mirrored", "--zero_stage=2"]),
+                    ("zero3-noprefetch", ["--zero_stage=3", "--nozero_prefetch"]),
                     ("zero3", ["--zero_stage=3"]),
                     ("plain+offload", ["--strategy=mirrored", "--offload=optimizer"]),
                     ("zero1+offload", ["--strategy=mirrored", "--zero_stage=1",
@@ -228,7 +230,7 @@ def overhead():
                 "copied_to_host_mb_per_step", "copied_to_device_mb_per_step") if k in result}
             print(f"  round {round_ + 1} {name}: {result['step_ms']:.1f} ms", flush=True)
     base = statistics.median(times[configs[0][0]])
-    print(f"\n{'configuration':<15}{'median ms':>10}{'vs ' + configs[0][0]:>10}"
+    print(f"\n{'configuration':<17}{'median ms':>10}{'vs ' + configs[0][0]:>10}"
           f"{'rounds (ms)':>30}{'params MB/dev':>15}{'opt. state MB/dev':>19}"
           f"{'host MB':>9}{'copied MB/step':>16}")
     rows = []
@@ -239,7 +241,7 @@ def overhead():
         copied = (f"{mem['copied_to_host_mb_per_step']:.2f}+"
                   f"{mem['copied_to_device_mb_per_step']:.2f}"
                   if "host_state_mb" in mem else "-")
-        print(f"{name:<15}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
+        print(f"{name:<17}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
               f"{mem['param_mb_per_device']:>15.2f}{mem['optimizer_mb_per_device']:>19.2f}"
               f"{mem.get('host_state_mb', 0):>9.2f}{copied:>16}")
         rows.append({"name": name, "step_ms_rounds": times[name], "step_ms_median": med,

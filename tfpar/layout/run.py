@@ -54,7 +54,7 @@ def _build_model(config, task):
                              width=config.model_width, depth=config.model_depth)
     if config.zero_stage == 3:
         # Before recompute: its layers already recompute.
-        fsdp.gather_per_layer(model, config.zero_gather)
+        fsdp.gather_per_layer(model, config.zero_gather, config.zero_prefetch)
     recompute.apply(model, config)
     return model
 

@@ -20,6 +20,17 @@ start of the step (all pieces are ready there): at any time about one layer's we
 whole. Exact: the same ops on the same values (a weight plus 0.0 is the weight); the cost
 is one extra forward per layer, as `--recompute=full`.
 
+With `--zero_prefetch` (the default; FSDP's forward and backward prefetch) each gather is
+issued one layer early (`_prefetched`): forward, layer i's gather reads the zero of layer
+i-1's input, so TensorFlow may run it beside layer i-1, but not before layer i-2 is done;
+backward, layer i's recomputation also regathers layer i-1's weights, reading the zero of
+layer i's output gradient (not layer i-1's), so that gather runs beside layer i's
+backward. At most two layers' weights are whole at a time (the allocator's peak rises by
+about that plus one gather's buffer: tests/test_zero3_prefetch.py), and the results are
+bit-equal to gathering at each layer. The recomputation is then tfpar's own custom
+gradient (`tf.recompute_grad` adds the output gradient's zero to every input of the
+layer, pieces included, which would hold each gather back to its own layer).
+
 Each layer's weight gradient should be reduced over `batch` as the backward pass reaches
 it, and freed: `tfpar.train` turns DTensor's all-reduce combining off for ZeRO-3 runs
 (`mesh.no_all_reduce_combining`, before DTensor starts). With it on, DTensor may merge
@@ -54,6 +65,8 @@ relayouts.
 import contextlib
 import functools
 import math
+import threading
+import weakref
 
 import keras
 import tensorflow as tf
@@ -203,13 +216,14 @@ def _after(value, inputs):
     return value + tf.cast(zero, value.dtype)
 
 
-def gather_per_layer(model, codec="fp32"):
+def gather_per_layer(model, codec="fp32", prefetch=True):
     """Makes every top-level layer of `model` whose weights are split over `batch` gather
     them whole just before it runs, and again in its backward pass (see the module
     docstring); returns the names of those layers. Marks the layers as recomputed
     (`tfpar.recompute` then leaves them alone: they already are) and their weights as
     gathered per layer (`gathered` leaves them split). `codec`: `"fp32"` or `"int8"`
-    (`--zero_gather`)."""
+    (`--zero_gather`). `prefetch` (`--zero_prefetch`): each gather is issued one layer
+    early, forward and backward (`_prefetched`); the same values either way."""
     names = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.non_trainable_weights:
@@ -218,15 +232,21 @@ def gather_per_layer(model, codec="fp32"):
         layouts = [_split_layout(v) for v in variables]
         if all(layout is None for layout in layouts):
             continue
-        _wrap(layer, variables, layouts, codec)
+        _wrap(layer, variables, layouts, codec, prefetch)
         for variable in variables:
             object.__setattr__(variable, "_tfpar_gathered_per_layer", codec)
         names.append(layer.name)
     return names
 
 
-def _wrap(layer, variables, layouts, codec):
+def _wrap(layer, variables, layouts, codec, prefetch):
     call = layer.call
+    quantized = [layout is not None and _quantized(v, codec)
+                 for v, layout in zip(variables, layouts)]
+
+    def gather(pieces):
+        return [_whole_int8(p, layout) if q else _whole(v, p, layout)
+                for v, p, layout, q in zip(variables, pieces, layouts, quantized)]
 
     @functools.wraps(call)
     def gathering_call(*args, **kwargs):
@@ -240,22 +260,104 @@ def _wrap(layer, variables, layouts, codec):
         others = [a for a in flat if tf.is_tensor(a) and not a.dtype.is_floating]
         autocast = patches.autocast_scope()  # mixed precision: replayed in the backward
 
-        def forward(*inputs):
-            given, own = inputs[:len(positions)], inputs[len(positions):]
+        def run(given, whole):
             values = list(flat)
             for i, tensor in zip(positions, given):
                 values[i] = tensor
-            whole = [_whole_int8(_after(p, list(given) or others), layout)
-                     if layout is not None and _quantized(v, codec)
-                     else _whole(v, _after(p, list(given) or others), layout)
-                     for v, p, layout in zip(variables, own, layouts)]
             with keras.StatelessScope(state_mapping=list(zip(variables, whole))), \
                     patches.autocasting(autocast):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
         if _PER_REPLICA:  # not recomputed (module docstring)
-            return forward(*tensors, *pieces)
+            return run(tensors, gather(pieces))
+        if prefetch:
+            return _prefetched(run, gather, tensors, pieces, tensors or others,
+                               [layout is None for layout in layouts])
+
+        def forward(*inputs):
+            given, own = inputs[:len(positions)], inputs[len(positions):]
+            return run(given, gather([_after(p, list(given) or others) for p in own]))
+
         return tf.recompute_grad(forward)(*tensors, *pieces)
 
     object.__setattr__(layer, "call", gathering_call)
     object.__setattr__(layer, "_tfpar_recomputed", True)
+
+
+class _Link:
+    """One gathering layer's call in a traced graph, for its neighbours' prefetch:
+    `zero` (0.0 computed from its input, None without one), `regather(zero)` (its
+    weights whole again, once `zero` exists), `previous` (the gathering layer called just
+    before it in the same forward pass), `prefetched` (its backward's whole weights, when
+    the layer after it issued them), `done` (its backward was built)."""
+
+    def __init__(self, graph, zero, regather, previous):
+        self.graph, self.zero, self.regather = graph, zero, regather
+        self.previous, self.prefetched, self.done = previous, None, False
+
+
+
+_CHAIN = threading.local()  # `.last()`: the `_Link` of the latest gathering call traced
+
+
+def _zero(tensor):
+    """0.0 computed from `tensor` (NaN if it holds a NaN): a data dependency on it."""
+    probe = tf.reduce_max(tf.cast(tensor, tf.float32))
+    return tf.where(probe == probe, 0.0, float("nan"))
+
+
+def _plus(values, zero):
+    return [v + tf.cast(zero, v.dtype) for v in values]
+
+
+def _prefetched(run, gather, tensors, pieces, probed, kept):
+    """`run(tensors, gather(pieces))` recomputed in the backward pass, as
+    `tf.recompute_grad(forward)` (the same ops on the same values), with each gather
+    issued one layer early: forward, this layer's gather waits on the previous gathering
+    layer's input, not its own, so TensorFlow may run it beside the previous layer;
+    backward, this layer regathers the previous layer's weights as soon as its own
+    output's gradient exists, beside its own recomputation and backward. At most this
+    layer's and the next one's weights are whole at a time. `kept[i]`: piece i is a
+    weight kept whole (its gradient is the whole weight's), else the whole weight's
+    gradient is relayouted onto it (`Relayout`'s gradient, and `_whole_int8`'s)."""
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(_CHAIN, "last", lambda: None)()
+    if previous is None or previous.graph is not graph or previous.done:
+        previous = None  # another graph, or an earlier pass (micro-batch) already done
+    own = _zero(probed[0]) if probed else None
+    ready = previous.zero if previous is not None and previous.zero is not None else own
+    link = _Link(graph, own, lambda zero: gather(_plus(pieces, zero)), previous)
+    _CHAIN.last = weakref.ref(link)  # the graph's gradient functions hold the links
+    n = len(tensors)
+
+    @tf.custom_gradient
+    def recomputed(*args):
+        given, own_pieces = list(args[:n]), list(args[n:])
+        whole = gather(own_pieces if ready is None else _plus(own_pieces, ready))
+
+        def grad(*dys, variables=None):
+            # The recomputation waits for the output's gradient, as tf.recompute_grad's.
+            zero = _zero(tf.reshape(dys[0], [-1])[:1])
+            link.done = True
+            whole = link.prefetched if link.prefetched is not None else link.regather(zero)
+            link.prefetched = None
+            if previous is not None and not previous.done and previous.prefetched is None:
+                previous.prefetched = previous.regather(zero)
+            inputs = _plus(given, zero)
+            extra = list(variables or [])
+            with tf.GradientTape() as tape:
+                tape.watch(inputs + whole + extra)
+                out = run(inputs, whole)
+            grads = tape.gradient(out, inputs + whole + extra, output_gradients=list(dys),
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            d_pieces = [g if whole_weight else
+                        dtensor.relayout_like(tf.cast(g, p.dtype), p)
+                        for g, p, whole_weight in zip(grads[n:n + len(own_pieces)],
+                                                      own_pieces, kept)]
+            if variables:
+                return grads[:n] + d_pieces, grads[n + len(own_pieces):]
+            return grads[:n] + d_pieces
+
+        return run(given, whole), grad
+
+    return recomputed(*tensors, *pieces)

@@ -1,0 +1,164 @@
+"""Child of tests/test_zero3_prefetch.py, on 4 logical CPUs (one DTensor mesh runtime):
+`python tests/zero3_prefetch_child.py CASE[,CASE...]`; prints one JSON line mapping each
+case to its result.
+
+- `equal-<model>-<layout>` (`mlp`/`transformer`, `dp4`/`dp2tp2`): ZeRO-3 built as the
+  trainer builds it, with and without `zero_prefetch`, from the same seed; 3 steps on the
+  same batches. The weights after them compared (`bit_equal`, `max_abs_diff`; `moved`: how
+  far the steps moved them), and the
+  traced step with prefetch and without read for each gathered layer's first split
+  weight: which of the other layers' gathers its forward and backward gathers wait on
+  (`waits`). `equal-mlp-dp4-int8` (`--zero_gather=int8`) and
+  `equal-transformer-dp4-accum-fp16` (two micro-batches, fp16 loss scaling): weights only.
+- `peak-<model>`: the allocator's peak (BFC) during 3 steps above what was resident
+  before, with and without prefetch, a fresh model each from the same seed; the bytes of
+  the largest layer's whole weights.
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import cases  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfpar import ParallelConfig, backends, data, memory  # noqa: E402
+
+BASE = {"cpu_devices": 4, "zero_stage": 3, "optimizer": "adam", "learning_rate": 1e-2,
+        "global_batch_size": 16, "seed": 0, "verbose": 0}
+MODELS = {"mlp": {"model": "mlp", "model_width": 64, "model_depth": 3},
+          "transformer": {"model": "transformer", "model_width": 32, "model_depth": 2}}
+LAYOUTS = {"dp4": {}, "dp2tp2": {"tensor_parallel": 2, "data_parallel": 2}}
+# `peak-<model>`: weights large beside the activations (batch 8), several layers deep.
+PEAK_SIZES = {"mlp": {"model_width": 512, "model_depth": 10},
+              "transformer": {"model_width": 128, "model_depth": 4}}
+_RUNTIME = []
+
+
+def _build(config):
+    """`(model, trainer, task)` of `config` on a mesh of its own degrees, over the one
+    runtime of this process."""
+    from tfpar.layout import run
+    backend = backends.for_config(config)
+    if not _RUNTIME:
+        _RUNTIME.append(backend.build_runtime(config))
+    task = data.make_task(config)
+    _, model, trainer = run.build(config, task)
+    return model, trainer, task
+
+
+def _train(config, steps=3):
+    from tfpar.layout.values import to_host
+    model, trainer, task = _build(config)
+    before = [to_host(v.value) for v in model.trainable_variables]
+    for batch in data.global_batches(config, task, 0, steps):
+        trainer.train_on_batch(*batch)
+    after = [to_host(v.value) for v in model.trainable_variables]
+    return model, trainer, after, max(float(np.max(np.abs(a - b)))
+                                      for a, b in zip(after, before))
+
+
+def _gathers(concrete, model):
+    """`{variable name: [Relayout ops gathering it]}` of the traced step: each gather's
+    input, followed back through adds, casts and identities, is a read of the variable."""
+    handles = {id(external): internal for external, internal in concrete.graph.captures}
+    by_input = {}
+    for variable in model.trainable_variables:
+        internal = handles.get(id(variable.value.handle))
+        if internal is not None:
+            by_input[internal.op.name] = variable.path
+    found = {}
+    for op in concrete.graph.get_operations():
+        if op.type != "Relayout":
+            continue
+        node = op.inputs[0].op
+        while node.type in ("AddV2", "Cast", "Identity") and node.inputs:
+            node = node.inputs[0].op
+        if node.type == "ReadVariableOp" and node.inputs[0].op.name in by_input:
+            found.setdefault(by_input[node.inputs[0].op.name], []).append(op)
+    return found
+
+
+def _ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _waits(model, trainer):
+    """For each gathered layer (in call order), its first split weight's forward and
+    backward gathers: the indices of the layers whose gather of the same kind it waits
+    on (through data edges)."""
+    concrete = trainer._train.python_function._list_all_concrete_functions()[0]
+    gathers = _gathers(concrete, model)
+    layers = []
+    for layer in model.layers:
+        names = [v.path for v in layer.trainable_variables if v.path in gathers]
+        if names:
+            layers.append((layer.name, gathers[names[0]]))
+    kinds = []  # per layer (forward gather, backward gather): the backward waits on both
+    for name, ops in layers:
+        if len(ops) != 2:
+            raise AssertionError(f"{name}: {len(ops)} gathers of one weight, expected 2")
+        first, second = ops
+        kinds.append((first, second) if first in _ancestors(second) else (second, first))
+    out = {"layers": [name for name, _ in layers], "forward": [], "backward": []}
+    for i, (forward, backward) in enumerate(kinds):
+        before_f, before_b = _ancestors(forward), _ancestors(backward)
+        out["forward"].append([j for j, (f, _) in enumerate(kinds) if f in before_f])
+        out["backward"].append([j for j, (_, b) in enumerate(kinds) if b in before_b])
+    return out
+
+
+def equal(model_name, layout, waits=True, **extra):
+    config = ParallelConfig(**{**BASE, **MODELS[model_name], **LAYOUTS[layout], **extra})
+    on_model, on_trainer, on, moved = _train(config)
+    off_model, off_trainer, off, _ = _train(config.replace(zero_prefetch=False))
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(on, off)]
+    return {"bit_equal": all(np.array_equal(a, b) for a, b in zip(on, off)),
+            "max_abs_diff": max(diffs), "moved": moved,
+            "waits": waits and {"on": _waits(on_model, on_trainer),
+                                "off": _waits(off_model, off_trainer)}}
+
+
+def peak(model_name):
+    """Allocator peaks above the start of training, on and off (each a fresh model)."""
+    out = {}
+    for prefetch in (False, True):
+        config = ParallelConfig(**{**BASE, **MODELS[model_name], **PEAK_SIZES[model_name],
+                                   "global_batch_size": 8, "zero_prefetch": prefetch})
+        model, trainer, task = _build(config)
+        batches = data.global_batches(config, task, 0, 3)
+        trainer.train_on_batch(*batches[0])  # traced; its one-time allocations done
+        start = memory.reset_peaks()
+        if start is None:
+            raise AssertionError("the allocator cannot be read: TF_CPU_ALLOCATOR_USE_BFC")
+        for batch in batches[1:]:
+            trainer.train_on_batch(*batch)
+        out["on" if prefetch else "off"] = max(memory.peak_bytes()) - start[0]
+        out["layer_bytes"] = max(
+            4 * sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
+            for layer in model.layers)
+    return out
+
+
+CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
+            for m in MODELS for l in LAYOUTS},
+         # ZeRO++'s int8 gather; two micro-batches (a second forward pass in one step) under
+         # fp16 loss scaling: weights only.
+         "equal-mlp-dp4-int8": lambda: equal("mlp", "dp4", False, zero_gather="int8"),
+         "equal-transformer-dp4-accum-fp16": lambda: equal(
+             "transformer", "dp4", False, grad_accum_steps=2, mixed_precision="fp16"),
+         **{f"peak-{m}": (lambda m=m: peak(m)) for m in MODELS}}
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)
