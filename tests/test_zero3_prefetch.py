@@ -22,7 +22,8 @@ over two children):
 - the allocator's peak over 3 steps (BFC, the 4 devices' one allocator) with prefetch is
   within four layers' whole weights (on every device) of the peak without it: the next
   layer's weights and its gather's buffer beside the current layer's, and the spread of
-  the peak without prefetch (12-16 MB on an mlp 512 x 6, 1 layer). Measured 2026-12-05:
+  the peak without prefetch (12-16 MB on an mlp 512 x 6, 1 layer). Measured 2026-12-05 (the
+  transformer 128 x 4 +2.0 MB over a 3 MB layer, not run in the suite):
   mlp 512 x 6 +6.5, +9.5, +11.1 MB over a 4 MB layer (3 runs), the mlp 512 x 10 here
   +8.8 MB; every gather at once would be 10 layers more.
 """
@@ -36,9 +37,11 @@ import cases
 from subproc import ROOT, last_json_line, run
 
 CHILD = os.path.join(ROOT, "tests", "zero3_prefetch_child.py")
-EQUAL = [f"equal-{m}-{l}" for m in ("mlp", "transformer") for l in ("dp4", "dp2tp2")]
+# Each model on one layout (the other pairing repeats the same gathers: dropped for the
+# suite's time, 2026-12-05); the int8 gather on dp4.
+EQUAL = ["equal-mlp-dp4", "equal-transformer-dp2tp2"]
 ACCUM = "equal-transformer-dp4-accum-fp16"
-PEAK = ["peak-mlp", "peak-transformer"]
+PEAK = ["peak-mlp"]
 DEVICES = 4
 
 
@@ -48,8 +51,8 @@ def results():
         out = run([sys.executable, CHILD, ",".join(names)], timeout=600,
                   env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
         return last_json_line(out.stdout)
-    return cases.gather([EQUAL[:2] + PEAK[:1] + ["equal-mlp-dp4-int8"],
-                         EQUAL[2:] + PEAK[1:] + [ACCUM]], child)
+    return cases.gather([EQUAL[:1] + PEAK + ["equal-mlp-dp4-int8"], EQUAL[1:] + [ACCUM]],
+                        child)
 
 
 @pytest.mark.parametrize("name", EQUAL + ["equal-mlp-dp4-int8"])
