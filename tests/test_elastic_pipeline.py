@@ -92,7 +92,7 @@ def _elastic(tmp_path, cfg, launcher_flags, env, at_line, references, watch=None
     ckpt, copy = tmp_path / "ckpt", tmp_path / "at_change"
     cfg = {**cfg, "checkpoint_dir": str(ckpt)}
     references = [{**references[0], "checkpoint_dir": str(copy)}, *references[1:]]
-    cmd = [sys.executable, "-m", "tfpar.launch", *launcher_flags, "--grace=5",
+    cmd = [sys.executable, "-m", "tfpar.launch", *launcher_flags,
            "--timeout=300", "--", sys.executable, CHILD, json.dumps([cfg]),
            str(tmp_path / "elastic")]
     proc = popen(cmd, env={**env, JOB: str(tmp_path)}, text=True, stdout=subprocess.PIPE,
@@ -177,7 +177,7 @@ def test_a_pipeline_across_workers_losing_a_worker_goes_on_with_fewer_stages(
     two = {**CFG, "pipeline_stages": 2, "cpu_devices": 2}
     try:
         output, chief, (whole, scratch), seconds = _elastic(
-            tmp_path, cfg, ["--workers=3", "--min_workers=2", "--max_restarts=1",
+            tmp_path, cfg, ["--workers=3", "--min_workers=2", "--max_restarts=1", "--grace=5",
                             "--lost_after=1"],
             {"TFPAR_INJECT_SAVE_PAUSE": "8:60"}, "worker slot 2 is lost", [two, two],
             watch=lambda done: _freeze_slot_when_published(
@@ -219,6 +219,10 @@ def test_a_pipeline_across_workers_grows_to_a_stage_per_new_worker(tmp_path,
     output, chief, (whole, scratch), seconds = _elastic(
         tmp_path, {**CFG, "pipeline_stages": 2},
         ["--workers=2", "--min_workers=1", "--max_workers=3", "--max_restarts=1",
+         # The grow's SIGTERM lands in step 8's paused save: the chief still runs to the
+         # agreed step 10 and saves it before the stage servers leave (a SIGKILL would
+         # resume from ckpt-8).
+         "--grace=30",
          f"--discovery=cat {offers}", "--discovery_interval=0.2"],
         {"TFPAR_INJECT_SAVE_PAUSE": "8:4"}, "to grow: worker slot(s) 2 offered",
         [three, three], on_line=offer)

@@ -136,7 +136,9 @@ def watch_stages(cluster, timeout_s, startup_timeout_s):
     hung host, a cut link) would hold the step forever.
     The chief then ends (exit 1) with one `tfpar: error:` line naming the worker, and
     `LOST_MARKER <worker index>`, which `tfpar.launch` reads to count the failure against
-    that worker instead of the chief."""
+    that worker instead of the chief; when two or more workers are probed and none
+    answers, the chief's own side is the likelier fault: the line names none, and the
+    failure is the chief's."""
     if threading.current_thread() is not threading.main_thread() or cluster.num_workers < 2:
         return
     others = list(range(1, cluster.num_workers))
@@ -158,13 +160,21 @@ def watch_stages(cluster, timeout_s, startup_timeout_s):
             for w in others:
                 threading.Thread(target=probe, args=(w,), daemon=True).start()
             started = time.monotonic()
-            for w in others:
-                if not answered[w].wait(max(0.0, limit - (time.monotonic() - started))):
-                    print(f"tfpar: error: pipeline worker {w} "
-                          f"({_address(cluster, w)}) did not answer within "
-                          f"heartbeat_timeout_s={timeout_s:g}: it is stopped, hung or cut "
-                          f"off\n{LOST_MARKER} {w}", file=sys.stderr, flush=True)
-                    os._exit(1)  # the step waits on it and would never return
+            silent = [w for w in others
+                      if not answered[w].wait(max(0.0, limit - (time.monotonic() - started)))]
+            if silent and len(silent) == len(others) > 1:
+                # Nobody answered: the chief's own side (its link, its host) is the likelier
+                # fault; no worker is named, so the launcher counts it against the chief.
+                print(f"tfpar: error: none of the {len(others)} pipeline workers answered "
+                      f"within heartbeat_timeout_s={timeout_s:g}: this chief's link or host "
+                      "is stopped, hung or cut off", file=sys.stderr, flush=True)
+                os._exit(1)  # the step waits on them and would never return
+            if silent:
+                w = silent[0]
+                print(f"tfpar: error: pipeline worker {w} ({_address(cluster, w)}) did not "
+                      f"answer within heartbeat_timeout_s={timeout_s:g}: it is stopped, hung "
+                      f"or cut off\n{LOST_MARKER} {w}", file=sys.stderr, flush=True)
+                os._exit(1)  # the step waits on it and would never return
             limit = 0.75 * timeout_s
             time.sleep(0.25 * timeout_s)
 
