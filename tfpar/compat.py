@@ -355,11 +355,29 @@ def _hierarchical(c):
     return getattr(c, "allreduce", "auto") == "hierarchical"
 
 
+def _gathers(c):
+    """`c`'s codec sends by all-gather only: `GATHER_CODECS`, and top-k without the union
+    of the replicas' indices (each replica's own entries gathered)."""
+    return c.compression in GATHER_CODECS or (c.compression == "topk"
+                                              and not getattr(c, "topk_union", True))
+
+
+def _keras_allreduce(c):
+    """`--compression=none --bucket_mb=0`: Keras's own all-reduce, no aggregator."""
+    return c.compression == "none" and getattr(c, "bucket_mb", 4.0) == 0
+
+
 ALLREDUCE_RULES = (
-    Rule("allreduce", lambda c: _hierarchical(c) and c.compression in GATHER_CODECS,
-         lambda c: f"--compression={c.compression} all-gathers its codes (no sum to split "
-                   "by host); use --allreduce=auto or flat, or --compression=none, fp16, "
-                   "bf16, topk, powersgd or auto"),
+    Rule("allreduce", lambda c: _hierarchical(c) and _gathers(c),
+         lambda c: f"--compression={c.compression}"
+                   + ("" if c.compression in GATHER_CODECS else " --notopk_union")
+                   + " all-gathers its codes (no sum to split by host); use --allreduce=auto "
+                   "or flat, or --compression=none, fp16, bf16, topk (with its union), "
+                   "powersgd or auto"),
+    Rule("allreduce", lambda c: _hierarchical(c) and _keras_allreduce(c),
+         "--compression=none --bucket_mb=0 keeps Keras's one all-reduce (no aggregator to "
+         "route by host); use --bucket_mb>0 with --allreduce=hierarchical, or "
+         "--allreduce=auto or flat"),
     Rule("allreduce", lambda c: _hierarchical(c) and c.zero_stage in (1, 2),
          "--zero_stage=1|2 reduce-scatters over one group of all replicas "
          "(tfpar.zero.sharded); use --allreduce=auto or flat"),
@@ -449,7 +467,8 @@ def resolve_allreduce(config, cluster):
     if config.allreduce != "auto":
         return config.allreduce
     summed = (backend_of(config) == "data_parallel" and not config.zero_stage
-              and config.offload == "none" and config.compression not in GATHER_CODECS)
+              and config.offload == "none" and not _gathers(config)
+              and not _keras_allreduce(config))
     return "hierarchical" if summed and several_on_some_host(cluster) else "flat"
 
 

@@ -534,7 +534,8 @@ class Aggregator(tf.Module):
         wire = int(self.wire_bytes.numpy())
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire if wire else 1.0,
-                "allreduce": "flat" if self.hierarchy is None else "hierarchical"}
+                "allreduce": ("hierarchical" if self.hierarchy is not None
+                              and self.hierarchy.traced else "flat")}
 
     def get_config(self):
         """The constructor arguments (for logs and the metrics JSON)."""

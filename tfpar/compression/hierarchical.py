@@ -19,7 +19,10 @@ indices) stay on the flat ring.
 Every step is a `CollectiveReduceV2`, in groups tfpar forms itself: one per host (its
 replicas) and one of the leaders. A collective waits for the one before it that shares its
 ordering token; each replica holds two, one for the steps inside the host and one for the
-step across, so one bucket's sum can cross the link while the next is reduced inside. TensorFlow 2.21's broadcast ops take no ordering token
+step across. The hand-back shares the inside token, so bucket k+1's reduce inside the host
+still waits for bucket k's hand-back, which waits for its step across: the buckets' sums
+run one after another (a third token for the hand-back would let them overlap; not built,
+not measured). TensorFlow 2.21's broadcast ops take no ordering token
 (without one, two local replicas' collectives chain in program order and deadlock), so the
 hand-back is an all-reduce inside the host of the leader's total and zeros elsewhere: adding
 zeros rounds nothing, so every replica ends with the same bits, and at two replicas a host
