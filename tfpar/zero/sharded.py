@@ -503,7 +503,8 @@ def adam_behind_line(codec):
             "raw gradient with Keras's Adam behind it (ZeRO shards Adam's moments, so there "
             "is no Adam in front as on data parallelism); on the quality suite's transformer "
             "task it ended 13-18 % above fp32 (docs/guides/memory.md). For Adam on ZeRO use "
-            "int8 or threshold, or --zero_stage=0 for this codec")
+            "int8 (4x fewer bytes, within the suite's band), or --zero_stage=0 for this "
+            "codec")
 
 
 def encode_pieces(flat, n, codec, step=None):
