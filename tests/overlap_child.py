@@ -107,7 +107,8 @@ def main(settings, rounds, timed_steps):
            "unbucketed_has_aggregator": compression.aggregator_of(backend.build_model(
                dataclasses.replace(config, bucket_mb=0), runtime, task).optimizer) is not None,
            # fp32 buckets keep no state a step reads: nothing beside the model in a checkpoint
-           "checkpointed_aggregators": sorted(state.aggregators_of(bucketed)),
+           "checkpointed_aggregators": sorted(
+               n for n in state.LayoutState(bucketed).entries() if n.startswith("codec/")),
            "grad_bytes": 4 * sum(int(np.prod(v.shape)) for v in bucketed.trainable_variables)}
 
     def dataset():

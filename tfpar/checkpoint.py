@@ -125,9 +125,10 @@ class Checkpointer(keras.callbacks.Callback):
         self._writer = (checkpoint_writer.Writer()
                         if asked and set(self._others) == {"step"} else None)
         if asked and self._writer is None:
-            logging.info("tfpar: checkpoints of %s save synchronously (its per-replica "
-                         "state beside the checkpoint's names is not checked as snapshotted "
-                         "exactly)", ", ".join(sorted(set(self._others) - {"step"})))
+            beside = ", ".join(sorted(set(self._others) - {"step"}))
+            logging.warning("tfpar: checkpoints of %s save synchronously (its per-replica "
+                            "state beside the checkpoint's names is not checked as "
+                            "snapshotted exactly)", beside)
         self._snapshot_cache = {}
 
     def restore(self):
