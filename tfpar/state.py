@@ -297,7 +297,9 @@ def _aggregators(model):
 def _positions(aggregator, model):
     """`{position: weight path}` of a built `aggregator`'s variables among `model`'s."""
     paths = {}
-    for w in model.trainable_weights:
+    # Every weight, not only the trainable ones: a layer frozen after the aggregator was
+    # built still names its state.
+    for w in model.weights:
         position = aggregator.position_of(w)
         if position is not None:
             paths.setdefault(position, _path(w))
