@@ -204,6 +204,20 @@ def run_cli_cases(cases, timeout=240, env=None):
     return results
 
 
+
+def saved_arrays(path):
+    """The arrays of an `.npz` a child wrote (`w_0`, `w_1`, ...), in their index's order."""
+    import numpy as np
+    data = np.load(path)
+    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two equally long lists of arrays."""
+    import numpy as np
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
 def last_json_line(text):
     """The last line of `text` that parses as a JSON object (how child scripts report)."""
     for line in reversed(text.strip().splitlines()):

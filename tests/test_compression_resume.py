@@ -9,17 +9,13 @@ import sys
 import numpy as np
 
 from subproc import ROOT, last_json_line, run, run_concurrently
+from subproc import saved_arrays as _weights
 
 CHILD = f"{ROOT}/tests/train_child.py"
 RUNS_CHILD = f"{ROOT}/tests/train_runs_child.py"
 CONFIG = {"compression": "int8", "error_feedback": True, "cpu_devices": 4, "strategy": "mirrored",
           "global_batch_size": 64, "steps_per_epoch": 4, "optimizer": "momentum",
           "learning_rate": 0.05, "verbose": 0}
-
-
-def _weights(path):
-    weights = np.load(path)
-    return [weights[k] for k in sorted(weights, key=lambda k: int(k.split("_")[1]))]
 
 
 def test_int8_resume_is_exact_per_replica(tmp_path):

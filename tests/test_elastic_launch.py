@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 
 from subproc import ROOT, in_background, last_json_line, popen, run
+from subproc import max_diff as _gap, saved_arrays as _weights
 from test_train import CHILD
 
 # Synchronous saves: the pause inside the save of step 40 must hold the worker at that step
@@ -37,16 +38,6 @@ CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps":
        "steps_per_epoch": 20, "checkpoint_every": 10, "global_batch_size": 24,
        "verbose": 0, "collective_timeout_s": 60, "checkpoint_async": False}
 GROW_STEP, PAUSE_S = 40, 8
-
-
-def _weights(path):
-    weights = np.load(path)
-    return [weights[k] for k in sorted(weights, key=lambda k: int(k.split("_")[1]))]
-
-
-def _gap(a, b):
-    """The largest absolute difference between two lists of weights."""
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
 
 
 def _chief_line(stdout):

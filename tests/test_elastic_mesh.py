@@ -31,6 +31,7 @@ import threading
 import numpy as np
 
 from subproc import ROOT, in_background, popen, run
+from subproc import max_diff as _gap, saved_arrays as _arrays
 from tfpar import ParallelConfig, relayout
 from tfpar.dims import ParallelDims
 
@@ -38,15 +39,6 @@ CHILD = os.path.join(ROOT, "tests", "train_configs_child.py")
 MESH = {"model": "mlp", "optimizer": "adam", "tensor_parallel": 2, "cpu_devices": 2,
         "steps": 20, "steps_per_epoch": 10, "checkpoint_every": 10, "verbose": 0,
         "collective_timeout_s": 60, "checkpoint_async": False}
-
-
-def _arrays(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def _gap(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
 
 
 def _rank_line(stdout, i):

@@ -42,6 +42,7 @@ import psutil
 import pytest
 
 from subproc import ROOT, in_background, popen, processes_with, run
+from subproc import max_diff as _gap, saved_arrays as _arrays
 from tfpar import ParallelConfig, relayout
 from tfpar.errors import ConfigError
 
@@ -50,15 +51,6 @@ CFG = {"model": "mlp", "optimizer": "adam", "learning_rate": 1e-3, "global_batch
        "pipeline_stages": 3, "microbatches": 2, "steps": 16, "steps_per_epoch": 8,
        "checkpoint_every": 4, "checkpoint_async": False, "verbose": 0}
 JOB = "TFPAR_TEST_ELASTIC_PIPELINE"  # marks this test's workers, to find slot 2's process
-
-
-def _arrays(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def _gap(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
 
 
 def _published(ckpt, step):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from subproc import ROOT, last_json_line, run, run_cli_cases, run_concurrently, run_module
+from subproc import max_diff, saved_arrays as weights
 from tfpar import ParallelConfig, offload
 from tfpar.errors import ConfigError
 
@@ -26,16 +27,6 @@ BASE = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32,
         "strategy": "mirrored", "cpu_devices": 2}
 MOMENTUM = {"optimizer": "momentum", "learning_rate": 0.05}
 ADAM = {"optimizer": "adam", "learning_rate": 1e-3}
-
-
-def weights(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("name", ["adam", "momentum", "nesterov"])

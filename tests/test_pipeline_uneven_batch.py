@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from subproc import ROOT, run, run_concurrently
+from subproc import saved_arrays as weights
 from test_train import max_diff
 
 CHILD = os.path.join(ROOT, "tests", "mesh_uneven_child.py")
@@ -36,11 +37,6 @@ PIPE_ACC = {**PIPE, "microbatches": 2, "global_batch_size": 32, "grad_accum_step
             "validation_steps": 0}
 MESH_PIPE = {**MLP, "cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2,
              "pipeline_stages": 2, "microbatches": 2, "global_batch_size": 30}
-
-
-def weights(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
 
 
 def child(prefix, configs, *flags):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from subproc import ROOT, last_json_line, run, run_concurrently, run_module
+from subproc import max_diff, saved_arrays as weights  # noqa: F401 (imported)
 from tfpar import ParallelConfig
 from tfpar.errors import ConfigError
 
@@ -22,16 +23,6 @@ CHILD = os.path.join(ROOT, "tests", "zero_child.py")
 BASE = {"steps": 5, "steps_per_epoch": 5, "verbose": 0, "global_batch_size": 32}
 MOMENTUM = {"optimizer": "momentum", "learning_rate": 0.05}
 ADAM = {"optimizer": "adam", "learning_rate": 1e-3}
-
-
-def weights(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 def test_zero_1_equals_plain_data_parallel_on_4_replicas(tmp_path, report_measured):

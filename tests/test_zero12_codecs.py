@@ -14,7 +14,6 @@ untouched, and a `tfpar.state` save/load equal to the saved model for each codec
 """
 
 import json
-import math
 import os
 import sys
 
