@@ -176,7 +176,7 @@ class NaNGuard(keras.callbacks.Callback):
 
         Replica 0's (every replica counts the same steps), which is what reading the
         mirrored variable returns, read directly: through the Keras and mirrored wrappers
-        a read took ~3x the host time (0.27 against 0.08 ms, 2026-12-05), every step."""
+        a read took 3x the host time, every step (docs/benchmarks/data_parallel.md)."""
         # A pipeline's stage optimizers update, each counting the same skipped steps.
         optimizer = (getattr(self.model, "stage_optimizers", None) or [None])[-1] \
             or self.model.optimizer
