@@ -211,8 +211,8 @@ def _replica_batches(split, example_fn, first, local, begin, end):
     of step `k // local`, made by `example_fn(i)` for the step's example indices `i`."""
     if split.even and first == 0 and local == split.replicas:
         # One pipeline feeds every replica: batch k is examples k*padded … (k+1)*padded-1,
-        # one range, no dataset made per batch (the flat_map below took tfpar's input from
-        # +4 % to +2 % of stock Keras's CPU time: docs/benchmarks/data_parallel.md).
+        # one range, no dataset made per batch (the flat_map below cost 4 % more CPU time
+        # than stock Keras's input, this 2 %: docs/benchmarks/data_parallel.md).
         ds = tf.data.Dataset.range(begin * split.padded, end * split.padded)
         ds = ds.map(example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.batch(split.padded, drop_remainder=True)
