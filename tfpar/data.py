@@ -209,6 +209,13 @@ def _replica_batches(split, example_fn, first, local, begin, end):
     """Batches `begin … end-1` of this pipeline's `local` replicas (`first` the first of
     them), replica after replica per step: batch `k` is replica `first + k % local`'s share
     of step `k // local`, made by `example_fn(i)` for the step's example indices `i`."""
+    if split.even and first == 0 and local == split.replicas:
+        # One pipeline feeds every replica: batch k is examples k*padded … (k+1)*padded-1,
+        # one range, no dataset made per batch (the flat_map below cost 4 % more CPU time
+        # than stock Keras's input, this 2 %: docs/benchmarks/data_parallel.md).
+        ds = tf.data.Dataset.range(begin * split.padded, end * split.padded)
+        ds = ds.map(example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.batch(split.padded, drop_remainder=True)
     if split.even:  # no padding, no weights added: the batches as they always were
         def replica_examples(k):
             step, replica = k // local, first + k % local

@@ -86,11 +86,14 @@ class SkipNonFiniteMixin:
         variables = [v.value if isinstance(v, keras.Variable) else v
                      for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-        reduced = [g for g, _ in grads_and_vars if g is not None]
-        # One pass per gradient: a NaN or Inf anywhere makes the sum non-finite (a finite
-        # sum overflowing float32 would need gradients near 1e38).
-        finite = tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
-                                             for g in reduced]))
+        if self.tfpar_skip_nonfinite or _checks_the_sums():
+            reduced = [g for g, _ in grads_and_vars if g is not None]
+            # One pass per gradient: a NaN or Inf anywhere makes the sum non-finite (a
+            # finite sum overflowing float32 would need gradients near 1e38).
+            finite = tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
+                                                 for g in reduced]))
+        else:
+            finite = tf.constant(True)  # not read: replica 0's flag counts (_guarded_update)
         tf.__internal__.distribute.interim.maybe_merge_call(
             self._guarded_update, self._distribution_strategy, grads_and_vars, learning_rate,
             finite)
@@ -99,6 +102,8 @@ class SkipNonFiniteMixin:
         if not self.tfpar_skip_nonfinite:
             # Only count (the run stops at this step): no per-variable branch on the hot path.
             self._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
+            # Replica 0's flag for every replica (in a merge; else the replica's own).
+            finite = distribution.experimental_local_results(finite)[0]
         else:
             # `finite` is per replica; `update` hands each device its own (equal) value.
             def step(var, grad, learning_rate, finite):
@@ -113,6 +118,19 @@ class SkipNonFiniteMixin:
             self.nonfinite_steps.value,
             lambda count, finite: count.assign_add(1.0 - tf.cast(finite, tf.float32)),
             args=(finite,), group=False)
+
+
+def _checks_the_sums():
+    """Whether this replica makes the pass over the summed gradients when the run only
+    counts (`skip=False`). Under `MirroredStrategy` (the update goes through `merge_call`)
+    every replica holds the same sums (a NaN or Inf from any replica is in all of them), so
+    replica 0's pass tells all instead of R passes over the same values; without a merge
+    (across workers) each replica checks its own."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return True
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    return replica is None or replica == 0
 
 
 def _as_op(result):
@@ -153,18 +171,31 @@ class NaNGuard(keras.callbacks.Callback):
         self.step = 0  # steps done; set to the resume step before training
         self.skipped = []
 
-    def _counter(self):
+    def _counter_variable(self):
+        """The device copy of the optimizer's `nonfinite_steps` this guard reads, or None.
+
+        Replica 0's (every replica counts the same steps), which is what reading the
+        mirrored variable returns, read directly: through the Keras and mirrored wrappers
+        a read took 3x the host time, every step (docs/benchmarks/data_parallel.md)."""
         # A pipeline's stage optimizers update, each counting the same skipped steps.
         optimizer = (getattr(self.model, "stage_optimizers", None) or [None])[-1] \
             or self.model.optimizer
         counter = getattr(optimizer, "nonfinite_steps", None)
-        return 0.0 if counter is None else float(counter.numpy())
+        if counter is None:
+            return None
+        if isinstance(counter, keras.Variable):
+            counter = counter.value
+        return self.model.distribute_strategy.experimental_local_results(counter)[0]
+
+    def _counter(self):
+        return 0.0 if self._variable is None else float(self._variable.numpy())
 
     def on_train_begin(self, logs=None):
         if self.on_nan is None:
             optimizer = self.model.optimizer
             optimizer = getattr(optimizer, "inner_optimizer", optimizer)
             self.on_nan = getattr(optimizer, "tfpar_on_nan", "stop")
+        self._variable = self._counter_variable()
         self._count = self._counter()
 
     def on_train_batch_end(self, batch, logs=None):

@@ -15,8 +15,16 @@ first alternating). Comparing rounds of one process removes what differs between
 processes (~15 % here from one process to the next on the same command, larger than the
 effect asked about). `--processes` processes repeat the whole thing.
 
+`--without=PIECE[+PIECE],...` adds tfpar sides with pieces of tfpar taken out (`PIECES`:
+the finiteness check, the per-step loss, the per-step callbacks, the input pipeline),
+timed in the same rounds (the order of the sides rotating), each against stock: what each
+piece costs. Beside the wall time, every side's CPU time per step (all the process's
+threads, `time.process_time`) against stock's: waiting for a core held by another process
+is not CPU time, so on a loaded machine it moves much less than the wall time.
+
     python tools/bench_data_parallel.py                  # mlp + transformer, 4 logical CPUs
     python tools/bench_data_parallel.py --quick          # a smoke run in about a minute
+    python tools/bench_data_parallel.py --without=nan_check,data   # what two pieces cost
 
 Overhead of a round = tfpar's median step time / stock's median step time of the same
 round − 1. Reported: the median over rounds with a 95 % bootstrap confidence interval
@@ -26,6 +34,7 @@ runs/bench_data_parallel.json).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,10 +56,11 @@ def step_clock():
     class StepClock(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.ends = []
+            self.ends, self.cpu_ends = [], []
 
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
+            self.cpu_ends.append(time.process_time())
 
     return StepClock()
 
@@ -58,6 +68,15 @@ def step_clock():
 def median_step_ms(clock, warmup):
     gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][max(warmup - 1, 0):]
     return 1000 * statistics.median(gaps)
+
+
+def cpu_step_ms(clock, warmup):
+    """The process's CPU time (every thread: the step's, the input pipeline's) per step,
+    the mean over the steps after `warmup`. Waiting for a core another process holds is not
+    CPU time, so on a loaded machine this moves far less than the wall time."""
+    first = max(warmup - 1, 0)
+    steps = len(clock.cpu_ends) - 1 - first
+    return 1000 * (clock.cpu_ends[-1] - clock.cpu_ends[first]) / steps
 
 
 def stock_dataset(config, task, source):
@@ -101,21 +120,83 @@ def run_stock(config, strategy, task, source, warmup):
     clock = step_clock()
     history = model.fit(dataset, epochs=1, steps_per_epoch=config.steps, callbacks=[clock],
                         verbose=0, shuffle=False)
-    return {"step_ms": median_step_ms(clock, warmup),
+    return {"step_ms": median_step_ms(clock, warmup), "cpu_ms": cpu_step_ms(clock, warmup),
             "mean_loss": float(history.history["loss"][-1])}  # Keras: the epoch's mean
 
 
-def run_tfpar(config, runtime, warmup):
+def run_tfpar(config, runtime, warmup, without=()):
+    """`tfpar.train.train` with the bench's clock; `without`: pieces of tfpar taken out for
+    the run (`ablation`)."""
     from tfpar.train import train
 
     clock = step_clock()
-    metrics = train(config, callbacks=[clock], runtime=runtime)[0]
-    return {"step_ms": median_step_ms(clock, warmup),
-            "mean_loss": float(sum(metrics["loss_history"]) / len(metrics["loss_history"]))}
+    with ablation(without, config):
+        metrics = train(config, callbacks=[clock], runtime=runtime)[0]
+    losses = metrics["loss_history"]
+    return {"step_ms": median_step_ms(clock, warmup), "cpu_ms": cpu_step_ms(clock, warmup),
+            "mean_loss": float(sum(losses) / len(losses)) if losses else float("nan")}
 
 
-def bench_process(settings, rounds, warmup, source):
-    """One process: both strategies once, then `rounds` alternating stock/tfpar rounds."""
+# What `--without` can take out of the tfpar side, one piece at a time, to see what each
+# costs (the run still trains the same steps on the same examples).
+PIECES = {
+    "nan_check": "the optimizer's finiteness check of the summed gradients and its counter "
+                 "(tfpar.nan_guard), and the NaNGuard callback reading it every step",
+    "step_loss": "the per-step loss metric in the train step (metrics.report_step_loss); "
+                 "the recorder reads Keras's running mean instead",
+    "callbacks": "the per-step hooks of tfpar's own callbacks (StepRecorder, NaNGuard)",
+    "data": "tfpar's per-replica input pipeline: the stock side's dataset instead, split "
+            "by Keras",
+}
+
+
+@contextlib.contextmanager
+def ablation(without, config):
+    """Takes `without`'s pieces (keys of `PIECES`) out of tfpar for the duration."""
+    from unittest import mock
+
+    import keras
+
+    from tfpar import data, metrics, nan_guard
+
+    class Quiet(nan_guard.NaNGuard):
+        def on_train_begin(self, logs=None):
+            pass
+
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    def running_loss(self, batch, logs=None):
+        self.step_seconds.append(time.perf_counter() - self._begin)
+        self.batch_losses.append(float(logs["loss"]))
+
+    patches = []
+    if "nan_check" in without:
+        patches += [mock.patch.object(nan_guard, "skip_nonfinite_updates",
+                                      lambda optimizer, skip=True: optimizer),
+                    mock.patch.object(nan_guard, "NaNGuard", Quiet)]
+    if "step_loss" in without:
+        patches += [mock.patch.object(metrics, "report_step_loss", lambda model: None),
+                    mock.patch.object(metrics.StepRecorder, "on_train_batch_end", running_loss)]
+    if "callbacks" in without:
+        patches += [mock.patch.object(metrics.StepRecorder, "on_train_batch_begin",
+                                      keras.callbacks.Callback.on_train_batch_begin),
+                    mock.patch.object(metrics.StepRecorder, "on_train_batch_end",
+                                      keras.callbacks.Callback.on_train_batch_end),
+                    mock.patch.object(nan_guard, "NaNGuard", Quiet)]
+    if "data" in without:
+        def stock_data(strategy, config, task, start_step=0):
+            return stock_dataset(config, task, "generated")
+        patches.append(mock.patch.object(data, "distributed_dataset", stock_data))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def bench_process(settings, rounds, warmup, source, ablations=()):
+    """One process: both strategies once, then `rounds` rounds of every side (stock, tfpar,
+    tfpar without each of `ablations`), the order rotating from round to round."""
     import tensorflow as tf
 
     from tfpar import data, devices, strategy
@@ -129,10 +210,14 @@ def bench_process(settings, rounds, warmup, source):
     task = data.make_task(config)
     sides = {"stock": lambda: run_stock(config, stock, task, source, warmup),
              "tfpar": lambda: run_tfpar(config, runtime, warmup)}
-    out = {"stock": [], "tfpar": []}
+    for pieces in ablations:
+        sides[f"tfpar-{pieces}"] = (
+            lambda pieces=pieces: run_tfpar(config, runtime, warmup, pieces.split("+")))
+    names = list(sides)
+    out = {name: [] for name in names}
     for r in range(rounds):
-        for role in (("stock", "tfpar") if r % 2 == 0 else ("tfpar", "stock")):
-            out[role].append(sides[role]())
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(sides[name]())
     return out
 
 
@@ -163,6 +248,9 @@ def main():
     parser.add_argument("--stock_data", choices=("generated", "arrays"), default="generated",
                         help="the stock pipeline generates each example as tfpar does, or "
                         "reads arrays made beforehand")
+    parser.add_argument("--without", default="",
+                        help="comma-separated extra tfpar sides, each with pieces taken out "
+                        "(joined by +): " + ", ".join(PIECES))
     parser.add_argument("--bootstrap", type=int, default=10000)
     parser.add_argument("--bootstrap_seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 steps, 2 rounds, mlp only")
@@ -170,9 +258,15 @@ def main():
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        ablations = [a for a in args.without.split(",") if a]
         print(json.dumps(bench_process(json.loads(args.child), args.rounds, args.warmup,
-                                       args.stock_data)))
+                                       args.stock_data, ablations)))
         return
+    for side in filter(None, args.without.split(",")):
+        unknown = set(side.split("+")) - set(PIECES)
+        if unknown:
+            parser.error(f"--without={args.without}: {', '.join(sorted(unknown))} is not a "
+                         f"piece; use {', '.join(PIECES)} (joined by + for one side)")
     if args.quick:
         args.models, args.steps, args.rounds, args.processes = "mlp", 20, 2, 1
 
@@ -181,40 +275,55 @@ def main():
         settings = {"model": name, "steps": args.steps, "steps_per_epoch": args.steps,
                     "cpu_devices": args.cpu_devices, "strategy": "mirrored", "verbose": 0,
                     **MODELS[name]}
-        rounds = {"stock": [], "tfpar": []}
+        rounds = {}
         for _ in range(args.processes):
             out = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(settings),
                  f"--rounds={args.rounds}", f"--warmup={args.warmup}",
-                 f"--stock_data={args.stock_data}"],
+                 f"--stock_data={args.stock_data}", f"--without={args.without}"],
                 capture_output=True, text=True, timeout=1800, cwd=ROOT)
             if out.returncode:
                 raise SystemExit(f"bench process failed:\n{out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
-            for role in rounds:
-                rounds[role] += result[role]
+            for role, runs in result.items():
+                rounds.setdefault(role, []).extend(runs)
         per_round = {role: [r["step_ms"] for r in rs] for role, rs in rounds.items()}
-        overheads = [t / s - 1 for t, s in zip(per_round["tfpar"], per_round["stock"])]
-        overhead = float(np.median(overheads))
-        low, high = bootstrap_ci(overheads, np.median, args.bootstrap, args.bootstrap_seed)
+        cpu_per_round = {role: [r["cpu_ms"] for r in rs] for role, rs in rounds.items()}
         median = {role: statistics.median(ms) for role, ms in per_round.items()}
+        sides = {}
+        for role in per_round:
+            if role == "stock":
+                continue
+            overheads = [t / s - 1 for t, s in zip(per_round[role], per_round["stock"])]
+            low, high = bootstrap_ci(overheads, np.median, args.bootstrap, args.bootstrap_seed)
+            cpu = [t / s - 1 for t, s in zip(cpu_per_round[role], cpu_per_round["stock"])]
+            sides[role] = {"overhead_per_round": overheads,
+                           "overhead": float(np.median(overheads)), "ci95": [low, high],
+                           "cpu_overhead_per_round": cpu,
+                           "cpu_overhead": float(np.median(cpu))}
+            rows.append((name, role, median["stock"], median[role], sides[role]["overhead"],
+                         low, high, overheads, sides[role]["cpu_overhead"]))
         report[name] = {"settings": settings, "step_ms_per_round": per_round,
-                        "step_ms": median, "overhead_per_round": overheads,
-                        "overhead": overhead, "ci95": [low, high], "rounds": len(overheads),
+                        "cpu_ms_per_round": cpu_per_round,
+                        "step_ms": median, **sides.pop("tfpar"), "rounds": args.rounds
+                        * args.processes,
                         # The same work on both sides: equal mean losses over the run.
                         "mean_loss": {role: [r["mean_loss"] for r in rs]
                                       for role, rs in rounds.items()}}
-        rows.append((name, median["stock"], median["tfpar"], overhead, low, high, overheads))
+        if sides:
+            report[name]["without"] = sides
 
-    print(f"{'model':<12}{'stock ms':>10}{'tfpar ms':>10}{'overhead':>10}{'95% CI':>20}"
-          f"{'rounds: min … max':>22}{'n':>4}")
-    for name, stock, ours, overhead, low, high, each in rows:
+    print(f"{'model':<12}{'side':<24}{'stock ms':>10}{'side ms':>10}{'overhead':>10}"
+          f"{'95% CI':>20}{'rounds: min … max':>22}{'n':>4}{'CPU':>8}")
+    for name, role, stock, ours, overhead, low, high, each, cpu in rows:
         ci = f"[{low:+.1%}, {high:+.1%}]"
         spread = f"{min(each):+.1%} … {max(each):+.1%}"
-        print(f"{name:<12}{stock:>10.2f}{ours:>10.2f}{overhead:>+10.1%}{ci:>20}{spread:>22}"
-              f"{len(each):>4}")
-    for name, *_, each in rows:
-        print(f"{name} per round: " + " ".join(f"{v:+.1%}" for v in each))
+        print(f"{name:<12}{role:<24}{stock:>10.2f}{ours:>10.2f}{overhead:>+10.1%}{ci:>20}"
+              f"{spread:>22}{len(each):>4}{cpu:>+8.1%}")
+    print("CPU: the median over rounds of the process's CPU time per step against stock's")
+    for name, role, *_, each, _ in rows:
+        print(f"{name} {role} per round: " + " ".join(f"{v:+.1%}" for v in each))
+    for name in report:
         losses = report[name]["mean_loss"]
         gap = max(abs(a - b) for a, b in zip(losses["stock"], losses["tfpar"]))
         print(f"{name} mean loss over a run, largest stock/tfpar gap of a round: {gap:.2e}")

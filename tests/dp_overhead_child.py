@@ -1,0 +1,92 @@
+"""Child of tests/test_dp_overhead.py: the op types of the traced train step (the function
+Keras's `fit` runs each step, with every function it calls) of stock Keras `fit` and of
+tfpar's (`tfpar.train.train`, `--compression=none`, `--on_nan` stop and skip_step) on one
+`MirroredStrategy` of 2 logical CPUs, the same model and batch; and the line a stop-mode
+run ends with when only replica 1's batch of step 1 holds a NaN (only replica 0 checks the
+summed gradients: the NaN must reach it through the sum). Prints one JSON line.
+
+    python tests/dp_overhead_child.py
+"""
+
+import collections
+import json
+
+import tensorflow as tf
+
+from tfpar import ParallelConfig, data, devices, strategy
+from tfpar.errors import TfparError
+from tfpar.train import train
+
+SETTINGS = {"model": "mlp", "model_width": 64, "global_batch_size": 32, "steps": 3,
+            "steps_per_epoch": 3, "cpu_devices": 2, "strategy": "mirrored", "verbose": 0}
+
+
+def op_types(model):
+    """Op type -> count in the step function Keras's `fit` traced for `model` and every
+    function in its library (the replicas' bodies, the optimizer's update)."""
+    fit_function = model.train_function
+    closure = dict(zip(fit_function.__code__.co_freevars,
+                       (cell.cell_contents for cell in fit_function.__closure__)))
+    traced = closure["multi_step_on_iterator"]._list_all_concrete_functions()
+    assert len(traced) == 1, traced
+    graph = traced[0].graph.as_graph_def()
+    counts = collections.Counter(node.op for node in graph.node)
+    for function in graph.library.function:
+        counts.update(node.op for node in function.node_def)
+    return dict(counts)
+
+
+def stock_model(config, stock, task):
+    """What a user writes without tfpar: the same model, compile and fit."""
+    import keras
+    import tensorflow as tf
+
+    from tfpar import models
+
+    examples = tf.data.Dataset.range(config.steps * config.global_batch_size)
+    dataset = examples.map(task.example_fn).batch(config.global_batch_size,
+                                                  drop_remainder=True)
+    with stock.scope():
+        model = models.build(config.model, task.input_shape, task.num_classes,
+                             width=config.model_width)
+        model.compile(optimizer=keras.optimizers.Adam(config.learning_rate),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                      jit_compile=False)
+    model.fit(dataset, epochs=1, steps_per_epoch=config.steps, verbose=0, shuffle=False)
+    return model
+
+
+def nan_on_replica_1(input_context, config):
+    """`--dataset` function: per-replica batches of (x, sign of sum(x)); replica 1's batch
+    of step 1 holds a NaN. (Batch k of this one input pipeline goes to replica k % 2.)"""
+    batch = config.per_replica_batch(input_context.num_replicas_in_sync)
+    ds = tf.data.Dataset.range(1 << 30).map(
+        lambda i: tf.random.stateless_normal([8], seed=tf.stack([i, 7])))
+    ds = ds.map(lambda x: (x, tf.cast(tf.reduce_sum(x) > 0, tf.int32)))
+    ds = ds.batch(batch, drop_remainder=True).enumerate()
+    return ds.map(lambda k, xy: (tf.where(k == 1 * 2 + 1, float("nan"), xy[0]), xy[1]))
+
+
+def main():
+    config = ParallelConfig(**SETTINGS)
+    devices.split_cpu(config.cpu_devices)
+    runtime = strategy.make_runtime(config)
+    stock = tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")][:config.cpu_devices])
+    out = {"stock": op_types(stock_model(config, stock, data.make_task(config)))}
+    for on_nan in ("stop", "skip_step"):
+        model = train(ParallelConfig(**SETTINGS, on_nan=on_nan), runtime=runtime)[1]
+        out[on_nan] = op_types(model)
+    try:
+        train(ParallelConfig(**{**SETTINGS, "steps": 4, "steps_per_epoch": 4},
+                             dataset="dp_overhead_child:nan_on_replica_1", num_classes=2),
+              runtime=runtime)
+        out["nan_on_replica_1"] = "trained on"
+    except TfparError as err:
+        out["nan_on_replica_1"] = str(err)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
