@@ -1,5 +1,5 @@
 """Child of tests/test_hierarchical.py, run as each worker of a 4-worker `TF_CONFIG` cluster
-whose addresses put workers 0-1 on one host and 2-3 on another (one CPU replica each): for
+whose addresses put workers 0-1 on one host and 2-3 on another (2 logical CPUs each, so a host group holds 4 replicas): for
 each codec of `CASES`, the trainer's model summing through the hierarchical all-reduce and
 the same model on the flat ring, from the same weights, 3 `fit` steps on the same batches.
 Prints one JSON line:
