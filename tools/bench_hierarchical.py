@@ -129,8 +129,8 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--bucket_mb", type=float, default=1.0,
-                        help="one kernel a bucket (the sums of the buckets run one after "
-                             "another: tfpar.compression.hierarchical)")
+                        help="one kernel a bucket: a bucket's reduce inside the host may run "
+                             "while the one before crosses (tfpar.compression.hierarchical)")
     parser.add_argument("--rate", default="100mbit", help="between the hosts, each way")
     parser.add_argument("--delay_ms", type=float, default=0.0,
                         help="between the hosts (netem; 0: tbf's rate only)")

@@ -18,12 +18,12 @@ indices) stay on the flat ring.
 
 Every step is a `CollectiveReduceV2`, in groups tfpar forms itself: one per host (its
 replicas) and one of the leaders. A collective waits for the one before it that shares its
-ordering token; each replica holds two, one for the steps inside the host and one for the
-step across. The hand-back shares the inside token, so bucket k+1's reduce inside the host
-still waits for bucket k's hand-back, which waits for its step across: the buckets' sums
-run one after another (a third token for the hand-back would let them overlap; not built,
-not measured). TensorFlow 2.21's broadcast ops take no ordering token
-(without one, two local replicas' collectives chain in program order and deadlock), so the
+ordering token; each replica holds three, one for the reduces inside the host, one for the
+step across and one for the hand-backs, so bucket k+1's reduce inside the host waits only
+for bucket k's reduce inside and may run while bucket k crosses the link (with the
+hand-back on the inside token, as first built, the buckets' sums ran one after another:
+docs/benchmarks/compression_link.md measures both). TensorFlow 2.21's broadcast ops take no
+ordering token (without one, two local replicas' collectives chain in program order and deadlock), so the
 hand-back is an all-reduce inside the host of the leader's total and zeros elsewhere: adding
 zeros rounds nothing, so every replica ends with the same bits, and at two replicas a host
 it moves the bytes a broadcast would.
@@ -54,8 +54,8 @@ class Hierarchy:
         hosts: training processes per host (`ClusterInfo.hosts`).
         worker_index: this process's index among them.
         local_replicas: replicas (devices) each worker holds.
-        tokens: per local replica's device a pair of resources, the ordering tokens of its
-            collectives inside the host and of those across hosts.
+        tokens: per local replica's device three resources, the ordering tokens of its
+            reduces inside the host, of those across hosts and of its hand-backs.
     """
 
     def __init__(self, hosts, worker_index, local_replicas, tokens):
@@ -71,7 +71,7 @@ class Hierarchy:
         self.traced += 1
         replica = patches.replica_index() or 0
         key = next(_instances[replica])
-        inside_token, across_token = self.tokens[replica]
+        inside_token, across_token, back_token = self.tokens[replica]
         inside = _GROUP_KEY + 1 + self.host
 
         def reduce(x, size, group, instance, token):
@@ -87,7 +87,7 @@ class Hierarchy:
             mine = reduce(host_total, self.num_hosts, _GROUP_KEY, key + 1, across_token)
         else:
             mine = tf.zeros_like(host_total)
-        return reduce(mine, self.host_replicas, inside, key + 2, inside_token)
+        return reduce(mine, self.host_replicas, inside, key + 2, back_token)
 
 
 def for_strategy(strategy, allreduce, cluster=None):
@@ -111,5 +111,5 @@ def for_strategy(strategy, allreduce, cluster=None):
     with tf.init_scope():
         for device in devices:
             with tf.device(device):
-                tokens.append((patches.plain_variable(0.), patches.plain_variable(0.)))
+                tokens.append(tuple(patches.plain_variable(0.) for _ in range(3)))
     return Hierarchy(cluster.hosts, cluster.worker_index, len(devices), tokens)
