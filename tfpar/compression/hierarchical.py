@@ -10,8 +10,8 @@ The steps inside a host use its own fast links.
 Which workers share a host comes from `TF_CONFIG`'s addresses
 (`tfpar.tf_config.ClusterInfo.hosts`: the same host name or IP before the port).
 `--allreduce=auto` (the default) turns it on where it can help: several hosts, one of them
-with several workers (`tfpar.compat.resolve_allreduce`). It carries every sum an aggregator hands to
-`collectives.sum_all`: fp32 buckets (`--compression=none` across workers), fp16/bf16
+with several workers (`tfpar.compat.resolve_allreduce`). It carries every sum an
+aggregator hands to `collectives.sum_all`: fp32 buckets (`--compression=none` across workers), fp16/bf16
 buckets, PowerSGD's and `auto`'s P and Q sums and uncompressed vectors, top-k's union
 values, Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k's
 indices) stay on the flat ring.
@@ -23,10 +23,10 @@ step across and one for the hand-backs, so bucket k+1's reduce inside the host w
 for bucket k's reduce inside and may run while bucket k crosses the link (with the
 hand-back on the inside token, as first built, the buckets' sums ran one after another:
 docs/benchmarks/compression_link.md measures both). TensorFlow 2.21's broadcast ops take no
-ordering token (without one, two local replicas' collectives chain in program order and deadlock), so the
-hand-back is an all-reduce inside the host of the leader's total and zeros elsewhere: adding
-zeros rounds nothing, so every replica ends with the same bits, and at two replicas a host
-it moves the bytes a broadcast would.
+ordering token (without one, two local replicas' collectives chain in program order and
+deadlock), so the hand-back is an all-reduce inside the host of the leader's total and
+zeros elsewhere: adding zeros rounds nothing, so every replica ends with the same bits,
+and at two replicas a host it moves the bytes a broadcast would.
 """
 
 import collections
