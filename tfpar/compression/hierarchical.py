@@ -11,9 +11,9 @@ Which workers share a host comes from `TF_CONFIG`'s addresses
 (`tfpar.tf_config.ClusterInfo.hosts`: the same host name or IP before the port).
 `--allreduce=auto` (the default) turns it on where it can help: several hosts, one of them
 with several workers (`tfpar.compat.resolve_allreduce`). It carries every sum an
-aggregator hands to `collectives.sum_all`: fp32 buckets (`--compression=none` across workers), fp16/bf16
-buckets, PowerSGD's and `auto`'s P and Q sums and uncompressed vectors, top-k's union
-values, Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k's
+aggregator hands to `collectives.sum_all`: fp32 buckets (`--compression=none` across
+workers), fp16/bf16 buckets, PowerSGD's and `auto`'s P and Q sums and uncompressed
+vectors, top-k's union values, Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k's
 indices) stay on the flat ring.
 
 Every step is a `CollectiveReduceV2`, in groups tfpar forms itself: one per host (its
