@@ -35,6 +35,8 @@ from tfpar import ParallelConfig, compression, data, optimizers, state
 from tfpar.backends.distribute import DistributeBackend
 from tfpar.compression.timing import measure_comm_fraction
 
+from graph_walk import ancestors
+
 
 def record_traces(aggregator):
     """Wraps `aggregator.all_reduce_sum` so that each trace of it records the graph it is
@@ -61,14 +63,7 @@ def matmuls_before_collectives(graph, operations):
     counts = []
     for op in operations:
         if op.type.startswith("CollectiveReduce"):
-            seen, stack = set(), [op]
-            while stack:
-                node = stack.pop()
-                for parent in [t.op for t in node.inputs] + list(node.control_inputs):
-                    if parent not in seen:
-                        seen.add(parent)
-                        stack.append(parent)
-            counts.append(sum(o.type == "MatMul" for o in seen))
+            counts.append(sum(o.type == "MatMul" for o in ancestors(op)))
     return counts
 
 

@@ -29,6 +29,7 @@ from tfpar.pipeline.model import PipelineModel  # noqa: E402
 from tfpar.pipeline.partition import partition  # noqa: E402
 
 from pipeline_models import OPTS, error, flat, mlp, residual, x, y  # noqa: E402
+from graph_walk import ancestors  # noqa: E402
 
 REFERENCES = {}
 
@@ -126,18 +127,9 @@ def two_stage_checks(out):
         ex.build_optimizers(keras.optimizers.Adam())
         graph = tf.function(ex.train_step).get_concrete_function(x, y).graph
         group = lambda scope: [op for op in graph.get_operations() if op.name.startswith(scope + "/")]
-        def ancestors(ops):
-            seen, todo = set(), list(ops)
-            while todo:
-                op = todo.pop()
-                for p in [t.op for t in op.inputs] + list(op.control_inputs):
-                    if p not in seen:
-                        seen.add(p)
-                        todo.append(p)
-            return seen
         a, b = group("s0_F1_c0"), group("s1_F0_c0")
         assert a and b
-        return bool(set(a) & ancestors(b)) or bool(set(b) & ancestors(a))
+        return bool(set(a) & ancestors(*b)) or bool(set(b) & ancestors(*a))
     out["overlap_dependency"] = [depends(False), depends(True)]
     stateful = {op.type for op in tf.function(pm._executor.train_step).get_concrete_function(
         x[:8], y[:8]).graph.get_operations() if op._is_stateful and "Variable" not in op.type}

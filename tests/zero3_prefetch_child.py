@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import cases  # noqa: E402
+from graph_walk import ancestors  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tfpar import ParallelConfig, backends, data, memory  # noqa: E402
@@ -82,17 +83,6 @@ def _gathers(concrete, model):
     return found
 
 
-def _ancestors(op):
-    seen, stack = set(), [op]
-    while stack:
-        node = stack.pop()
-        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
-
-
 def _waits(model, trainer):
     """For each gathered layer (in call order), its first split weight's forward and
     backward gathers: the indices of the layers whose gather of the same kind it waits
@@ -109,10 +99,10 @@ def _waits(model, trainer):
         if len(ops) != 2:
             raise AssertionError(f"{name}: {len(ops)} gathers of one weight, expected 2")
         first, second = ops
-        kinds.append((first, second) if first in _ancestors(second) else (second, first))
+        kinds.append((first, second) if first in ancestors(second) else (second, first))
     out = {"layers": [name for name, _ in layers], "forward": [], "backward": []}
     for i, (forward, backward) in enumerate(kinds):
-        before_f, before_b = _ancestors(forward), _ancestors(backward)
+        before_f, before_b = ancestors(forward), ancestors(backward)
         out["forward"].append([j for j, (f, _) in enumerate(kinds) if f in before_f])
         out["backward"].append([j for j, (_, b) in enumerate(kinds) if b in before_b])
     return out
