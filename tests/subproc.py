@@ -275,12 +275,14 @@ def in_background(job):
     return future
 
 
-def run_tf_config_workers(argv_of, n=2, timeout=180):
+def run_tf_config_workers(argv_of, n=2, timeout=180, addresses=None):
     """`argv_of(i)` started as worker `i` of `n` of one `TF_CONFIG` cluster on localhost, as
     a user starts them by hand (no launcher): each worker's last JSON line. Every worker's
-    process group is killed at the end: a hung collective fails the test, never hangs it."""
+    process group is killed at the end: a hung collective fails the test, never hangs it.
+    `addresses(ports)`: the workers' "host:port" from `n` free ports (default localhost)."""
     from tfpar.launch import free_ports
-    hosts = [f"localhost:{p}" for p in free_ports(n, "localhost")]
+    ports = free_ports(n, "localhost")
+    hosts = addresses(ports) if addresses else [f"localhost:{p}" for p in ports]
     procs = []
     for i in range(n):
         env = {"TF_CONFIG": json.dumps(

@@ -9,13 +9,11 @@ choice of `--allreduce=auto` are checked without TensorFlow.
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from subproc import ROOT, last_json_line, popen
+from subproc import ROOT, run_tf_config_workers
 from tfpar import ParallelConfig, compat, tf_config
 from tfpar.errors import ConfigError
 
@@ -35,27 +33,11 @@ def two_host_cluster(ports):
 
 @pytest.fixture(scope="module")
 def workers():
-    from tfpar.launch import free_ports
-    addresses = two_host_cluster(free_ports(4, "localhost"))
     # Two logical CPUs a worker: each host's group holds 4 replicas, 2 of each worker, the
     # case where a worker's replicas must not chain their collectives (ordering tokens).
-    procs = [popen([sys.executable, CHILD, json.dumps({"cpu_devices": 2})],
-                   env={"TF_CONFIG": tf_config.make(addresses, i)},
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(4)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=400)
-            assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-            outs.append(last_json_line(out))
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return outs
+    return run_tf_config_workers(
+        lambda i: [sys.executable, CHILD, json.dumps({"cpu_devices": 2})], n=4, timeout=400,
+        addresses=two_host_cluster)
 
 
 @pytest.mark.parametrize("codec", sorted(TOLERANCE))
