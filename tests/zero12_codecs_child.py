@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from tfpar import ParallelConfig, backends, data, devices, state  # noqa: E402
-from zero_fp16_child import BATCH, _largest, _moved, tf_checkpoint_write  # noqa: E402
+from tfpar import ParallelConfig, backends, devices  # noqa: E402
+from zero_fp16_child import _largest, _moved, overflow_and_resume  # noqa: E402
 
 CASES = {codec: {"zero_stage": 2, "compression": codec}
          for codec in ("lowbit", "topk", "threshold", "powersgd")}
@@ -53,29 +53,8 @@ def _state(model, strategy):
 
 
 def run_case(settings, runtime, backend):
-    config = ParallelConfig(strategy="mirrored", cpu_devices=2, model="mlp", optimizer="adam",
-                            learning_rate=1e-3, mixed_precision="fp16",
-                            global_batch_size=BATCH, **settings)
-    task = data.make_task(config)
-    strategy = runtime.strategy
-    batches = data.global_batches(config, task, 0, 4)
-    model = backend.build_model(config, runtime, task)
-    losses = [float(model.train_on_batch(*batches[i])[0]) for i in range(2)]
-    before = _state(model, strategy)
-    x, y = batches[2]
-    x = x.copy()
-    x[0, 0] = np.inf  # the first example: replica 0's half of the batch
-    skipped_loss = float(model.train_on_batch(x, y)[0])
-    after = _state(model, strategy)
-
-    path = tf_checkpoint_write(model)
-    other = backend.build_model(config, runtime, task)
-    state.load(path, state.LayoutState(other), state.aggregators_of(other))
-    loaded = _state(other, strategy)
-
-    losses.append(float(model.train_on_batch(*batches[3])[0]))
-    next_state = _state(model, strategy)
-    other.train_on_batch(*batches[3])
+    losses, skipped_loss, before, after, loaded, next_state, other_weights = \
+        overflow_and_resume(settings, runtime, backend, _state)
     return {
         "losses": losses, "skipped_loss": skipped_loss,
         "codec_arrays": len(before["codec"]), "codec_largest": _largest(before["codec"]),
@@ -89,8 +68,7 @@ def run_case(settings, runtime, backend):
         "codec_moved_next": _moved(after["codec"], next_state["codec"]),
         "loaded_diff": max(_moved(after[k], loaded[k]) for k in ("weights", "slots", "codec")),
         "loaded_scale": loaded["scale"],
-        "resumed_next_diff": _moved(next_state["weights"],
-                                    [w.numpy() for w in other.weights]),
+        "resumed_next_diff": _moved(next_state["weights"], other_weights),
     }
 
 

@@ -52,7 +52,12 @@ def _largest(arrays):
     return max([float(np.max(np.abs(x))) for x in arrays], default=0.0)
 
 
-def run_case(settings, runtime, backend):
+def overflow_and_resume(settings, runtime, backend, state_of):
+    """Two steps, a third with one infinite input on replica 0 (skipped), the state saved
+    and loaded into a second model as the trainer's checkpoints do (tfpar.state names +
+    aggregators), then one more step on both. `state_of(model, strategy)` reads the state
+    compared. Returns (losses, skipped loss, states before / after the skip, loaded, after
+    the next step, the loaded model's weights after its next step)."""
     config = ParallelConfig(strategy="mirrored", cpu_devices=2, model="mlp", optimizer="adam",
                             learning_rate=1e-3, mixed_precision="fp16",
                             global_batch_size=BATCH, **settings)
@@ -61,22 +66,28 @@ def run_case(settings, runtime, backend):
     batches = data.global_batches(config, task, 0, 4)
     model = backend.build_model(config, runtime, task)
     losses = [float(model.train_on_batch(*batches[i])[0]) for i in range(2)]
-    before = _state(model, strategy)
+    before = state_of(model, strategy)
     x, y = batches[2]
     x = x.copy()
     x[0, 0] = np.inf  # the first example: replica 0's half of the batch
     skipped_loss = float(model.train_on_batch(x, y)[0])
-    after = _state(model, strategy)
+    after = state_of(model, strategy)
 
-    # Saved and loaded as the trainer's checkpoints do (tfpar.state names + aggregators).
     path = tf_checkpoint_write(model)
     other = backend.build_model(config, runtime, task)
     state.load(path, state.LayoutState(other), state.aggregators_of(other))
-    loaded = _state(other, strategy)
+    loaded = state_of(other, strategy)
 
     losses.append(float(model.train_on_batch(*batches[3])[0]))
-    next_state = _state(model, strategy)
+    next_state = state_of(model, strategy)
     other.train_on_batch(*batches[3])
+    return (losses, skipped_loss, before, after, loaded, next_state,
+            [w.numpy() for w in other.weights])
+
+
+def run_case(settings, runtime, backend):
+    losses, skipped_loss, before, after, loaded, next_state, other_weights = \
+        overflow_and_resume(settings, runtime, backend, _state)
     return {
         "losses": losses, "skipped_loss": skipped_loss,
         "slot_pieces": len(before["slots"]), "residuals": len(before["residual"]),
@@ -92,8 +103,7 @@ def run_case(settings, runtime, backend):
         "residual_moved_next": _moved(after["residual"], next_state["residual"]),
         "loaded_diff": max(_moved(after[k], loaded[k]) for k in ("weights", "slots", "residual")),
         "loaded_scale": loaded["scale"], "loaded_iterations": loaded["iterations"],
-        "resumed_next_diff": _moved(next_state["weights"],
-                                    [w.numpy() for w in other.weights]),
+        "resumed_next_diff": _moved(next_state["weights"], other_weights),
     }
 
 
