@@ -27,20 +27,8 @@ def test_an_async_save_holds_the_state_of_its_step(tmp_path):
     # Both saves of step 10 wait 3 s before writing: the synchronous run waits in its step,
     # the asynchronous one trains on to step 30 meanwhile (30 steps take ~0.3 s); its
     # checkpoint must still hold step 10's weights, Adam slots and counters, bit for bit.
-    runs = [[mode, {**CONFIG, "checkpoint_dir": str(tmp_path / mode),
-                    "checkpoint_async": mode == "async"}] for mode in ("async", "sync")]
-    out = run([sys.executable, RUNS_CHILD, json.dumps(runs), str(tmp_path / "run")],
-              env={"TFPAR_INJECT_SAVE_PAUSE": "10:3:before_writing"}, timeout=300)
-    assert out.stderr.count("pausing 3 s inside the checkpoint save of step 10") == 2
-    result = last_json_line(out.stdout)
-    assert result["async"]["loss_history"] == result["sync"]["loss_history"]
-    for step in (10, 20, 30):
-        saved = _tensors(str(tmp_path / "async" / f"ckpt-{step}"))
-        expected = _tensors(str(tmp_path / "sync" / f"ckpt-{step}"))
-        assert sorted(saved) == sorted(expected)
+    for saved in _async_equals_sync(tmp_path, CONFIG).values():
         assert any("optimizer..Siteration" in k for k in saved)  # the optimizer's counter
-        for key, value in expected.items():
-            np.testing.assert_array_equal(saved[key], value, f"ckpt-{step} {key}")
     assert int(_tensors(str(tmp_path / "async" / "ckpt-10"))["step/.ATTRIBUTES/VARIABLE_VALUE"]) == 10
 
 
@@ -51,28 +39,39 @@ def test_an_async_save_holds_its_aggregators_state_of_its_step_under_load(tmp_pa
     # the same step, tensor by tensor (an older tfpar saved such state synchronously).
     cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "compression": "powersgd",
            "powersgd_rank": 4, "adam_warmup_steps": 5}
-    runs = [[mode, {**cfg, "checkpoint_dir": str(tmp_path / mode),
-                    "checkpoint_async": mode == "async"}] for mode in ("async", "sync")]
     burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
     try:
-        out = run([sys.executable, RUNS_CHILD, json.dumps(runs), str(tmp_path / "run")],
-                  env={"TFPAR_INJECT_SAVE_PAUSE": "10:3:before_writing"}, timeout=300)
+        checkpoints = _async_equals_sync(tmp_path, cfg)
     finally:
         burner.kill()
         burner.wait()
-    assert "save synchronously" not in out.stderr
+    for saved in checkpoints.values():
+        codec = [k for k in saved if "codec..S" in k]
+        assert {k.rsplit("..S", 1)[-1] for k in codec} >= {
+            "residual", "powersgd_q", "adam_m", "adam_v", "step"}, codec
+
+
+def _async_equals_sync(tmp_path, cfg):
+    """`cfg` run twice, saving asynchronously and synchronously, step 10's write held 3 s
+    in both: the same losses, and each checkpoint (steps 10, 20, 30) the same tensors, bit
+    for bit. Returns `{step: the async checkpoint's tensors}`."""
+    runs = [[mode, {**cfg, "checkpoint_dir": str(tmp_path / mode),
+                    "checkpoint_async": mode == "async"}] for mode in ("async", "sync")]
+    out = run([sys.executable, RUNS_CHILD, json.dumps(runs), str(tmp_path / "run")],
+              env={"TFPAR_INJECT_SAVE_PAUSE": "10:3:before_writing"}, timeout=300)
+    assert "save synchronously" not in out.stderr  # no fallback to a synchronous save
     assert out.stderr.count("pausing 3 s inside the checkpoint save of step 10") == 2
     result = last_json_line(out.stdout)
     assert result["async"]["loss_history"] == result["sync"]["loss_history"]
+    checkpoints = {}
     for step in (10, 20, 30):
         saved = _tensors(str(tmp_path / "async" / f"ckpt-{step}"))
         expected = _tensors(str(tmp_path / "sync" / f"ckpt-{step}"))
         assert sorted(saved) == sorted(expected)
-        codec = [k for k in saved if "codec..S" in k]
-        assert {k.rsplit("..S", 1)[-1] for k in codec} >= {
-            "residual", "powersgd_q", "adam_m", "adam_v", "step"}, codec
         for key, value in expected.items():
             np.testing.assert_array_equal(saved[key], value, f"ckpt-{step} {key}")
+        checkpoints[step] = saved
+    return checkpoints
 
 
 def test_a_worker_killed_inside_an_async_write_resumes_from_the_save_before(tmp_path):
