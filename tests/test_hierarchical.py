@@ -76,6 +76,12 @@ def test_auto_and_the_rulebook():
     assert compat.resolve_allreduce(config, one_host) == "flat"
     assert compat.resolve_allreduce(ParallelConfig(compression="int8"), two) == "flat"
     assert compat.resolve_allreduce(ParallelConfig(zero_stage=1), two) == "flat"
+    # Nothing of theirs is summed: top-k without the union, Keras's own all-reduce.
+    no_union = {"compression": "topk", "topk_union": False}
+    keras_allreduce = {"compression": "none", "bucket_mb": 0}
+    assert compat.resolve_allreduce(ParallelConfig(compression="topk"), two) == "hierarchical"
+    for settings in (no_union, keras_allreduce):
+        assert compat.resolve_allreduce(ParallelConfig(**settings), two) == "flat"
     wanted = ParallelConfig(strategy="multi_worker", allreduce="hierarchical")
     compat.check_inputs(wanted, two)
     for k in (one_each, one_host):
@@ -84,6 +90,7 @@ def test_auto_and_the_rulebook():
             compat.check_inputs(wanted, k)
     for settings in ({"compression": "lowbit"}, {"zero_stage": 2},
                      {"offload": "optimizer", "optimizer": "adam"},
-                     {"tensor_parallel": 2, "cpu_devices": 2}, {"keras": 2}):
+                     {"tensor_parallel": 2, "cpu_devices": 2}, {"keras": 2}, no_union,
+                     keras_allreduce):
         with pytest.raises(ConfigError, match="allreduce='hierarchical' is invalid"):
             ParallelConfig(allreduce="hierarchical", **settings)
