@@ -1,10 +1,17 @@
-"""Child process for tests/test_pipeline_chimera.py: `python tests/pipeline_chimera_child.py`.
+"""Child process for tests/test_pipeline_chimera.py: `python tests/pipeline_chimera_child.py
+[codecs]`.
 
 Splits the CPU into 4 logical devices, then checks Chimera's two pipelines against the
 single-device model: weights after 3 steps with SGD and Adam on 2 and 4 stages (and with
 gradient accumulation, recomputation, a residual model), that each stage's two weight
 copies stay equal bit for bit, predict, the Keras round trip (`get_config`, weights
 file) and the trainer's checkpoint onto 1F1B and Chimera. Prints one JSON line.
+
+With `codecs`: the trainer (`tfpar.train.train`) on 2 stages × 2 replicas with each codec
+(and fp16 loss scaling, gradient accumulation), once with 1F1B and once with Chimera, on
+one runtime; prints per run the first pipeline's weights, the largest difference between
+any copy of a weight (Chimera's second pipeline, every replica) and its first, the
+metrics JSON's `comm` block and the losses.
 """
 
 import json
@@ -55,6 +62,56 @@ def case(build, opt, K, M, steps=3, **kwargs):
             "predict": float(np.abs(pm.predict(x, verbose=0) - want_pred).max()),
             "moved": float(np.abs(flat(pm.stages[:K]) - flat([build()])).max())}
 
+
+
+def codec_runs():
+    """See the module docstring (`codecs`)."""
+    from pipeline_runs_child import runtime_for
+    from tfpar import ParallelConfig
+    from tfpar import train as T
+    base = dict(model="mlp", pipeline_stages=2, microbatches=4, cpu_devices=4,
+                data_parallel=2, optimizer="sgd", learning_rate=0.1, steps=4,
+                global_batch_size=16, verbose=0)
+    runs = [("none", {}), ("fp16", dict(compression="fp16")),
+            ("int8", dict(compression="int8")), ("topk", dict(compression="topk")),
+            ("powersgd", dict(compression="powersgd", powersgd_rank=2)),
+            ("int8/adam", dict(compression="int8", optimizer="adam", learning_rate=1e-2)),
+            ("mp_fp16/int8", dict(compression="int8", mixed_precision="fp16")),
+            ("accum/topk", dict(compression="topk", grad_accum_steps=2, microbatches=2))]
+    out = {}
+    for name, changes in runs:
+        for schedule in ("1f1b", "chimera"):
+            print(f"run {name} {schedule}", file=sys.stderr, flush=True)
+            config = ParallelConfig(**{**base, **changes, "schedule": schedule})
+            result, model = T.train(config, runtime=runtime_for(config))
+            K = len(model.devices)
+            copies = [model.stages[p] for p in range(K)] + (
+                [model.stages[2 * K - 1 - p] for p in range(K)] if schedule == "chimera"
+                else [])
+            # Every replica's value of every copy against replica 0's of the first copy.
+            spread = max(float(np.abs(part.numpy() - first.numpy()).max())
+                         for w, c in zip(flat_vars(copies[:K]), flat_vars(copies[K:])
+                                         or flat_vars(copies[:K]))
+                         for first in [components(w)[0]]
+                         for part in components(w) + components(c))
+            out[f"{name}/{schedule}"] = {
+                "weights": flat(model.stages[:K]).tolist(), "spread": spread,
+                "comm": result.get("comm"), "loss": result["loss_history"]}
+    print(json.dumps(out))
+
+
+def flat_vars(models):
+    return [w for m in models for w in m.weights]
+
+
+def components(w):
+    """Every replica's tf.Variable of Keras variable `w` (itself outside a strategy)."""
+    return list(getattr(w.value, "values", [w.value]))
+
+
+if sys.argv[1:] == ["codecs"]:
+    codec_runs()
+    sys.exit(0)
 
 out = {}
 for K, M in ((2, 4), (4, 8)):
