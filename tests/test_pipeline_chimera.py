@@ -97,9 +97,10 @@ def test_memory_estimate_holds_two_copies_and_the_simulated_stash():
     from tfpar.plan import cost
     from test_plan import HW, PROFILE as prof
     c = cost.Candidate(data=1, tensor=1, pipeline=2, microbatches=8, compression="none")
-    # Adam's 16 B/param over two copies of half the params + 3 (= K + 1) stashed
+    # Two copies of half the params' weights and gradients (8 B/param each) and one Adam
+    # state (8 B/param: only the first copy's optimizer updates) + 3 (= K + 1) stashed
     # micro-batches of 64/8 examples over half the layers (1F1B: one copy, 2 stashed).
-    expected = 2 * 16 * 500_000 + 1e4 / 2 * (64 / 8) * 3
+    expected = (2 * 8 + 8) * 500_000 + 1e4 / 2 * (64 / 8) * 3
     assert cost.memory_bytes(prof, c, 64, "adam", "chimera") == pytest.approx(expected)
     assert all(m % 2 == 0 for m in {x.microbatches for x in cost.candidates(
         prof, HW, 64, schedule="chimera") if x.pipeline > 1})
