@@ -12,7 +12,7 @@ With `codecs`: the trainer (`tfpar.train.train`) on 2 stages × 2 replicas with 
 one runtime; prints per run the first pipeline's weights, the largest difference between
 any copy of a weight (Chimera's second pipeline, every replica) and its first, the
 metrics JSON's `comm` block and the losses (`all`: bf16, lowbit, threshold and `auto`
-too).
+too); then PowerSGD stopped after 2 steps (Chimera, 1F1B) and resumed with Chimera.
 """
 
 import json
@@ -82,25 +82,39 @@ def codec_runs():
     if sys.argv[2:] == ["all"]:  # the other codecs too (docs/benchmarks/pipelines.md)
         runs += [(c, dict(compression=c)) for c in ("bf16", "lowbit", "threshold", "auto")]
     out = {}
+
+    def train(settings):
+        config = ParallelConfig(**settings)
+        result, model = T.train(config, runtime=runtime_for(config))
+        K = len(model.devices)
+        return {"weights": flat(model.stages[:K]).tolist(), "spread": spread(model),
+                "comm": result.get("comm"), "loss": result["loss_history"],
+                "resumed_from_step": result.get("resumed_from_step")}
+
     for name, changes in runs:
         for schedule in ("1f1b", "chimera"):
             print(f"run {name} {schedule}", file=sys.stderr, flush=True)
-            config = ParallelConfig(**{**base, **changes, "schedule": schedule})
-            result, model = T.train(config, runtime=runtime_for(config))
-            K = len(model.devices)
-            copies = [model.stages[p] for p in range(K)] + (
-                [model.stages[2 * K - 1 - p] for p in range(K)] if schedule == "chimera"
-                else [])
-            # Every replica's value of every copy against replica 0's of the first copy.
-            spread = max(float(np.abs(part.numpy() - first.numpy()).max())
-                         for w, c in zip(flat_vars(copies[:K]), flat_vars(copies[K:])
-                                         or flat_vars(copies[:K]))
-                         for first in [components(w)[0]]
-                         for part in components(w) + components(c))
-            out[f"{name}/{schedule}"] = {
-                "weights": flat(model.stages[:K]).tolist(), "spread": spread,
-                "comm": result.get("comm"), "loss": result["loss_history"]}
+            out[f"{name}/{schedule}"] = train({**base, **changes, "schedule": schedule})
+    # PowerSGD's state (Q, residuals) per stage in a checkpoint: stopped after 2 steps
+    # (Chimera, or 1F1B) and resumed with Chimera to step 4.
+    for first in ("chimera", "1f1b"):
+        print(f"run resume from {first}", file=sys.stderr, flush=True)
+        settings = {**base, "compression": "powersgd", "powersgd_rank": 2,
+                    "checkpoint_dir": tempfile.mkdtemp(prefix="tfpar-chimera-codec-"),
+                    "checkpoint_every": 2, "checkpoint_async": False}
+        train({**settings, "schedule": first, "steps": 2})
+        out[f"resume/{first}"] = train({**settings, "schedule": "chimera"})
     print(json.dumps(out))
+
+
+def spread(model):
+    """The largest difference between any replica's value of any copy of a weight
+    (Chimera's second pipeline's too) and replica 0's value of its first copy."""
+    K = len(model.devices)
+    firsts = flat_vars(model.stages[:K])
+    seconds = flat_vars(model.stages[2 * K - 1:K - 1:-1]) if len(model.stages) > K else firsts
+    return max(float(np.abs(part.numpy() - components(w)[0].numpy()).max())
+               for w, c in zip(firsts, seconds) for part in components(w) + components(c))
 
 
 def flat_vars(models):

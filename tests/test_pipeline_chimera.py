@@ -136,3 +136,13 @@ def test_codec_runs_once_per_stage_and_matches_1f1b(codecs, name):
     if name != "none":
         assert chim["comm"]["bytes_on_wire_per_step"] \
             < plain["comm"]["bytes_on_wire_per_step"]
+
+
+@pytest.mark.parametrize("first,tol", [("chimera", 1e-6), ("1f1b", 1e-5)])
+def test_codec_state_resumes_onto_chimera(codecs, first, tol):
+    # PowerSGD's per-stage Q and residuals, checkpointed after 2 steps (by Chimera, or by
+    # 1F1B: the same names) and resumed with Chimera, against its 4 uninterrupted steps.
+    import numpy as np
+    got, want = codecs[f"resume/{first}"], codecs["powersgd/chimera"]
+    assert got["resumed_from_step"] == 2 and got["spread"] == 0
+    assert np.abs(np.array(got["weights"]) - np.array(want["weights"])).max() < tol
