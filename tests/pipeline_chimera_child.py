@@ -1,10 +1,19 @@
-"""Child process for tests/test_pipeline_chimera.py: `python tests/pipeline_chimera_child.py`.
+"""Child process for tests/test_pipeline_chimera.py: `python tests/pipeline_chimera_child.py
+[codecs [all]]`.
 
 Splits the CPU into 4 logical devices, then checks Chimera's two pipelines against the
 single-device model: weights after 3 steps with SGD and Adam on 2 and 4 stages (and with
-gradient accumulation, recomputation, a residual model), that each stage's two weight
-copies stay equal bit for bit, predict, the Keras round trip (`get_config`, weights
-file) and the trainer's checkpoint onto 1F1B and Chimera. Prints one JSON line.
+gradient accumulation, recomputation, a residual model, fp16 loss scaling with a step
+past fp16's range), that each stage's two weight copies stay equal bit for bit, predict,
+the Keras round trip (`get_config`, weights file) and the trainer's checkpoint onto 1F1B
+and Chimera. Prints one JSON line.
+
+With `codecs`: the trainer (`tfpar.train.train`) on 2 stages × 2 replicas with each codec
+(and fp16 loss scaling, gradient accumulation), once with 1F1B and once with Chimera, on
+one runtime; prints per run the first pipeline's weights, the largest difference between
+any copy of a weight (Chimera's second pipeline, every replica) and its first, the
+metrics JSON's `comm` block and the losses (`all`: bf16, lowbit, threshold and `auto`
+too); then PowerSGD stopped after 2 steps (Chimera, 1F1B) and resumed with Chimera.
 """
 
 import json
@@ -56,7 +65,110 @@ def case(build, opt, K, M, steps=3, **kwargs):
             "moved": float(np.abs(flat(pm.stages[:K]) - flat([build()])).max())}
 
 
+
+def codec_runs():
+    """See the module docstring (`codecs`)."""
+    from pipeline_runs_child import runtime_for
+    from tfpar import ParallelConfig
+    from tfpar import train as T
+    base = dict(model="mlp", pipeline_stages=2, microbatches=4, cpu_devices=4,
+                data_parallel=2, optimizer="sgd", learning_rate=0.1, steps=4,
+                global_batch_size=16, verbose=0)
+    runs = [("none", {}), ("fp16", dict(compression="fp16")),
+            ("int8", dict(compression="int8")), ("topk", dict(compression="topk")),
+            ("powersgd", dict(compression="powersgd", powersgd_rank=2)),
+            ("int8/adam", dict(compression="int8", optimizer="adam", learning_rate=1e-2)),
+            ("mp_fp16/int8", dict(compression="int8", mixed_precision="fp16")),
+            ("accum/topk", dict(compression="topk", grad_accum_steps=2, microbatches=2))]
+    if sys.argv[2:] == ["all"]:  # the other codecs too (docs/benchmarks/pipelines.md)
+        runs += [(c, dict(compression=c)) for c in ("bf16", "lowbit", "threshold", "auto")]
+    out = {}
+
+    def train(settings):
+        config = ParallelConfig(**settings)
+        result, model = T.train(config, runtime=runtime_for(config))
+        K = len(model.devices)
+        return {"weights": flat(model.stages[:K]).tolist(), "spread": spread(model),
+                "comm": result.get("comm"), "loss": result["loss_history"],
+                "resumed_from_step": result.get("resumed_from_step")}
+
+    for name, changes in runs:
+        for schedule in ("1f1b", "chimera"):
+            print(f"run {name} {schedule}", file=sys.stderr, flush=True)
+            out[f"{name}/{schedule}"] = train({**base, **changes, "schedule": schedule})
+    # PowerSGD's state (Q, residuals) per stage in a checkpoint: stopped after 2 steps
+    # (Chimera, or 1F1B) and resumed with Chimera to step 4.
+    for first in ("chimera", "1f1b"):
+        print(f"run resume from {first}", file=sys.stderr, flush=True)
+        settings = {**base, "compression": "powersgd", "powersgd_rank": 2,
+                    "checkpoint_dir": tempfile.mkdtemp(prefix="tfpar-chimera-codec-"),
+                    "checkpoint_every": 2, "checkpoint_async": False}
+        train({**settings, "schedule": first, "steps": 2})
+        out[f"resume/{first}"] = train({**settings, "schedule": "chimera"})
+    print(json.dumps(out))
+
+
+def spread(model):
+    """The largest difference between any replica's value of any copy of a weight
+    (Chimera's second pipeline's too) and replica 0's value of its first copy."""
+    K = len(model.devices)
+    firsts = flat_vars(model.stages[:K])
+    seconds = flat_vars(model.stages[2 * K - 1:K - 1:-1]) if len(model.stages) > K else firsts
+    return max(float(np.abs(part.numpy() - components(w)[0].numpy()).max())
+               for w, c in zip(firsts, seconds) for part in components(w) + components(c))
+
+
+def flat_vars(models):
+    return [w for m in models for w in m.weights]
+
+
+def components(w):
+    """Every replica's tf.Variable of Keras variable `w` (itself outside a strategy)."""
+    return list(getattr(w.value, "values", [w.value]))
+
+
+if sys.argv[1:2] == ["codecs"]:
+    codec_runs()
+    sys.exit(0)
+
+def fp16_overflow():
+    """fp16 loss scaling on Chimera against the unpipelined model (same weights) on three
+    batches, the second past fp16's range: per step, the scales (one per stage), whether
+    each model's weights changed, their largest difference, and the copies' (0: equal)."""
+    import keras
+    from tfpar import models, nan_guard, optimizers
+    optimizers.set_policy("fp16")
+    try:
+        keras.utils.set_random_seed(0)
+        ref = models.build("mlp", (32,), 10)
+        pipe = PipelineModel.split(ref, 2, "chimera", 4, devices=DEVICES[:2])
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        for m in (ref, pipe):
+            m.compile(optimizer=nan_guard.ConsistentLossScaleOptimizer(
+                keras.optimizers.SGD(0.1)), loss=loss, jit_compile=False)
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 10, 16))
+                   for _ in range(3)]
+        batches[1][0][3, 5] = 1e5  # inf in float16 (max 65504): gradients not finite
+        steps = []
+        for bx, by in batches:
+            before = {"ref": flat([ref]), "pipe": flat(pipe.stages[:2])}
+            ref.train_on_batch(bx, by)
+            pipe.train_on_batch(bx, by)
+            after = {"ref": flat([ref]), "pipe": flat(pipe.stages[:2])}
+            steps.append({
+                "scales": [float(o.dynamic_scale.numpy()) for o in pipe.stage_optimizers],
+                "ref_scale": float(ref.optimizer.dynamic_scale.numpy()),
+                "changed": {k: bool(np.any(before[k] != after[k])) for k in before},
+                "max_diff": float(np.abs(after["ref"] - after["pipe"]).max()),
+                "copies": float(np.abs(after["pipe"] - flat(pipe.stages[:1:-1])).max())})
+        return steps
+    finally:
+        optimizers.set_policy("none")
+
+
 out = {}
+out["fp16_overflow"] = fp16_overflow()
 for K, M in ((2, 4), (4, 8)):
     for opt in ("sgd", "adam"):
         out[f"{opt}/K{K}"] = case(mlp, opt, K, M)

@@ -54,11 +54,10 @@ def test_rulebook_rows():
                        microbatches=4, cpu_devices=4)
     with pytest.raises(ConfigError, match="zero_stage=1 is invalid"):
         ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4, zero_stage=1)
-    with pytest.raises(ConfigError, match="compression='int8' is invalid: not supported with "
-                                          "--schedule=chimera"):
+    # Every codec and fp16 loss scaling: one aggregation per virtual stage (below).
+    for codec in ("fp16", "int8", "topk", "powersgd", "auto"):
         ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4,
-                       compression="int8")
-    ParallelConfig(pipeline_stages=2, schedule="1f1b", microbatches=4, compression="int8")
+                       compression=codec, mixed_precision="fp16", grad_accum_steps=2)
     assert ParallelConfig(pipeline_stages=2, schedule="chimera", microbatches=4).schedule \
         == "chimera"
 
@@ -98,9 +97,65 @@ def test_memory_estimate_holds_two_copies_and_the_simulated_stash():
     from tfpar.plan import cost
     from test_plan import HW, PROFILE as prof
     c = cost.Candidate(data=1, tensor=1, pipeline=2, microbatches=8, compression="none")
-    # Adam's 16 B/param over two copies of half the params + 3 (= K + 1) stashed
+    # Two copies of half the params' weights and gradients (8 B/param each) and one Adam
+    # state (8 B/param: only the first copy's optimizer updates) + 3 (= K + 1) stashed
     # micro-batches of 64/8 examples over half the layers (1F1B: one copy, 2 stashed).
-    expected = 2 * 16 * 500_000 + 1e4 / 2 * (64 / 8) * 3
+    expected = (2 * 8 + 8) * 500_000 + 1e4 / 2 * (64 / 8) * 3
     assert cost.memory_bytes(prof, c, 64, "adam", "chimera") == pytest.approx(expected)
     assert all(m % 2 == 0 for m in {x.microbatches for x in cost.candidates(
         prof, HW, 64, schedule="chimera") if x.pipeline > 1})
+
+
+# Chimera against 1F1B with the same codec, 2 stages x 2 replicas, 4 SGD steps (Adam:
+# int8/adam). Each virtual stage's gradient is its two copies' halves summed, 1F1B's all
+# micro-batches in turn: the sums differ in their last bits, and a quantizer may round a
+# few entries one code apart (int8: 3.8e-6 with SGD, 1.3e-4 with Adam, which scales a
+# small gradient up, in the run of 2026-12-05).
+CODEC_RUNS = ["none", "fp16", "int8", "topk", "powersgd", "int8/adam", "mp_fp16/int8",
+              "accum/topk"]
+
+
+@pytest.fixture(scope="module")
+def codecs():
+    return last_json_line(run([sys.executable, CHILD, "codecs"], timeout=900).stdout)
+
+
+@pytest.mark.parametrize("name", CODEC_RUNS)
+def test_codec_runs_once_per_stage_and_matches_1f1b(codecs, name):
+    import numpy as np
+    one_f, chim, plain = codecs[f"{name}/1f1b"], codecs[f"{name}/chimera"], codecs["none/1f1b"]
+    # Both copies of every weight, on both replicas: equal bit for bit.
+    assert chim["spread"] == 0 and one_f["spread"] == 0
+    tol = 5e-4 if "adam" in name else 1e-5
+    assert np.abs(np.array(chim["weights"]) - np.array(one_f["weights"])).max() < tol
+    assert np.allclose(chim["loss"], one_f["loss"], rtol=1e-4)
+    # One aggregation per virtual stage: the bytes of 1F1B's stages, the codec's own.
+    assert chim["comm"]["bytes_on_wire_per_step"] == one_f["comm"]["bytes_on_wire_per_step"]
+    assert chim["comm"]["bytes_uncompressed_per_step"] \
+        == plain["comm"]["bytes_uncompressed_per_step"]
+    if name != "none":
+        assert chim["comm"]["bytes_on_wire_per_step"] \
+            < plain["comm"]["bytes_on_wire_per_step"]
+
+
+@pytest.mark.parametrize("first,tol", [("chimera", 1e-6), ("1f1b", 1e-5)])
+def test_codec_state_resumes_onto_chimera(codecs, first, tol):
+    # PowerSGD's per-stage Q and residuals, checkpointed after 2 steps (by Chimera, or by
+    # 1F1B: the same names) and resumed with Chimera, against its 4 uninterrupted steps.
+    import numpy as np
+    got, want = codecs[f"resume/{first}"], codecs["powersgd/chimera"]
+    assert got["resumed_from_step"] == 2 and got["spread"] == 0
+    assert np.abs(np.array(got["weights"]) - np.array(want["weights"])).max() < tol
+
+
+def test_fp16_overflow_skips_the_step_on_both_copies(child):
+    good, bad, after = child["fp16_overflow"]
+    start = 2.0 ** 15  # LossScaleOptimizer's initial scale
+    assert good["scales"] == [start, start] and good["changed"] == {"ref": True, "pipe": True}
+    # The batch past fp16's range: neither copy moves, every stage halves its scale, as
+    # the unpipelined LossScaleOptimizer does.
+    assert bad["changed"] == {"ref": False, "pipe": False}
+    assert bad["scales"] == [start / 2, start / 2] and bad["ref_scale"] == start / 2
+    assert after["changed"] == {"ref": True, "pipe": True}
+    for step in (good, bad, after):
+        assert step["max_diff"] < 1e-4 and step["copies"] == 0

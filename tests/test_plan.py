@@ -402,3 +402,92 @@ def test_python_calls_parse_and_name_the_users_function(candidate):
     ast.parse("\n".join(lines))
     assert lines[0] == "from my_models import my_gpt" and any("my_gpt()" in x for x in lines)
     assert "cpu_devices=4" in lines[3] and "split_cpu" in lines[5]
+
+
+def test_chimera_is_priced_by_its_simulated_bubble_and_two_copies():
+    from tfpar.pipeline.schedule import theory_bubble
+    hw = dataclasses.replace(HW, intra_bandwidth=1e30)
+    one_f = cost.Candidate(1, 1, 4, 8, "none")
+    chim = dataclasses.replace(one_f, schedule="chimera")
+    _, p1 = cost.step_seconds(PROFILE, hw, one_f, 64)
+    _, pc = cost.step_seconds(PROFILE, hw, chim, 64)
+    # Same compute; Chimera's idle share is its simulated schedule's (0.143 at K=4, M=8
+    # against 1F1B's 0.273).
+    assert pc["compute"] == pytest.approx(p1["compute"])
+    assert pc["bubble"] / (pc["bubble"] + pc["compute"]) == pytest.approx(
+        theory_bubble(4, 8, name="chimera"))
+    assert pc["bubble"] < 0.6 * p1["bubble"]
+    # The copies' exchange (gradients in, weights back) is priced on the stage link.
+    slow = dataclasses.replace(HW, intra_bandwidth=1e6)
+    extra = cost.step_seconds(PROFILE, slow, chim, 64)[1]["pipeline_p2p"] \
+        - cost.step_seconds(PROFILE, slow, one_f, 64)[1]["pipeline_p2p"]
+    assert extra == pytest.approx(2 * 4 * 250_000 / 1e6)  # a stage's fp32 gradients, twice
+
+
+def test_planner_offers_chimera_where_it_wins_and_1f1b_where_it_does_not_fit():
+    # Compute-bound 4-stage pipeline (pinned): Chimera's smaller bubble wins ...
+    hw = dataclasses.replace(HW, intra_bandwidth=1e12, memory_bytes=1e9)
+    req = planner.Request(global_batch_size=64, pipeline_stages=4, recompute="off")
+    best = planner.plan(PROFILE, hw, req)["recommended"]
+    assert best["schedule"] == "chimera" and best["runnable"] is None
+    assert "--schedule=chimera" in best["command"]
+    # ... unless its two copies do not fit: a device that holds 1F1B's state but not
+    # Chimera's second copy of the weights and gradients.
+    one_f = planner.plan(PROFILE, hw, dataclasses.replace(req, schedule="1f1b"))["recommended"]
+    need = cost.memory_bytes(PROFILE, cost.Candidate(**{
+        k: one_f[k] for k in ("data", "tensor", "pipeline", "microbatches", "compression")}),
+        64)
+    tight = dataclasses.replace(hw, memory_bytes=need * 1.01)
+    best = planner.plan(PROFILE, tight, req)["recommended"]
+    assert best["schedule"] == "1f1b"
+
+
+def test_hierarchical_allreduce_ranks_first_only_over_a_slow_link():
+    # 2 hosts x 2 workers, data parallelism: the leaders' ring carries 2(h-1)/h = 1x the
+    # gradients over the network, the flat ring 2(n-1)/n = 1.5x.
+    def plan(intra_gbps, inter_gbps, codec="none"):
+        hw = planner.hardware_from(4, 16, 10, intra_gbps, inter_gbps, devices_per_machine=2)
+        return planner.plan(PROFILE, hw, planner.Request(global_batch_size=64, data_parallel=4,
+                                                         compression=codec))
+    slow = plan(100, 0.1)["recommended"]
+    assert slow["allreduce"] == "hierarchical" and slow["runnable"] is None
+    assert "--allreduce=hierarchical" in slow["command"]
+    flat = next(r for r in plan(100, 0.1)["ranked"] if r["allreduce"] == "flat"
+                and r["compression"] == slow["compression"] and r["microbatches"] == 1)
+    ratio = flat["parts"]["data_parallel"] / slow["parts"]["data_parallel"]
+    assert 1.3 < ratio <= 1.5
+    # Equal links: the two hand-offs inside each host cost as much as the network; flat.
+    equal = plan(10, 10)["recommended"]
+    assert equal["allreduce"] == "flat" and "--allreduce=flat" in equal["command"]
+    # int8 all-gathers its codes: no hierarchical variant is offered for it.
+    assert all(r["allreduce"] == "flat" for r in plan(100, 0.1, "int8")["ranked"]
+               if r["compression"] == "int8")
+    # One host: nothing to choose.
+    hw = planner.hardware_from(4, 16, 10, 100, 0.1)
+    assert all(r["allreduce"] == "flat" for r in planner.plan(
+        PROFILE, hw, planner.Request(global_batch_size=64))["ranked"])
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_every_offered_command_passes_the_trainers_checks(hosts):
+    from absl import flags as absl_flags
+    import shlex
+    from tfpar import flags as tfpar_flags
+    from tfpar import tf_config
+    from tfpar.train import check_inputs
+    hw = planner.hardware_from(4, 16, 10, 100, 0.1, devices_per_machine=4 // hosts)
+    result = planner.plan(profile.builtin_profile("mlp"), hw,
+                          planner.Request(global_batch_size=64))
+    rows = [r for r in result["ranked"] if r["runnable"] is None]
+    assert {r["schedule"] for r in rows} >= ({"1f1b", "chimera"} if hosts == 1 else {"1f1b"})
+    if hosts == 2:
+        assert {r["allreduce"] for r in rows} == {"flat", "hierarchical"}
+    for row in rows:
+        commands.attach(row, planner.Request(global_batch_size=64), hw)
+        argv = shlex.split(row["command"].split("#")[0])[3:]  # after python -m tfpar.train
+        values = absl_flags.FlagValues()
+        tfpar_flags.define_flags(values)
+        values(["tfpar.train", *argv])
+        environ = {"TF_CONFIG": tf_config.make(
+            [f"host{i // 2}:{23456 + i}" for i in range(4)], 0)} if hosts == 2 else {}
+        check_inputs(tfpar_flags.config_from_flags(values), environ)

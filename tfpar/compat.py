@@ -236,15 +236,6 @@ CHIMERA_MICROBATCHES = Rule(
     and c.microbatches % 2,
     lambda c: f"the chimera schedule sends half the micro-batches down the pipeline and "
               f"half up; use an even number, e.g. {c.microbatches + 1}")
-# Chimera keeps each stage's two copies equal by one identical update from their summed
-# gradients; each copy's data-parallel sum runs in its own stage's aggregator, where a
-# codec's blocks, seeds and sampled thresholds follow the variable's position there.
-CHIMERA_COMPRESSION = Rule(
-    "compression", lambda c: c.schedule == "chimera" and c.dims.pp_enabled
-    and c.compression != "none",
-    "not supported with --schedule=chimera: a stage's two weight copies are summed by their "
-    "own stages' aggregators, where a codec would code them differently and the copies "
-    "drift apart; use --compression=none with chimera, or 1f1b with a codec")
 # The mesh pipeline (`tfpar.layout.pipeline`) builds one copy of each stage on its mesh;
 # Chimera's second pipeline needs a second copy on the mirrored mesh and the sum of both
 # copies' gradients across meshes, which it does not build.
@@ -425,7 +416,6 @@ COMBINATIONS = (
     INTERLEAVED_VIRTUAL_STAGES,
     INTERLEAVED_MICROBATCHES,
     CHIMERA_MICROBATCHES,
-    CHIMERA_COMPRESSION,
     CHIMERA_MESH,
     ONE_DEVICE_REPLICAS,
     USER_DATA_MESH_PIPELINE,

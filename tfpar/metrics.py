@@ -158,7 +158,9 @@ def comm_stats(model, replicas):
                 "compression_ratio": raw / wire if wire else 1.0, "allreduce": allreduce}
     if replicas == 1:
         return None
-    fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
+    # A pipeline's stage optimizers sum what they update (not Chimera's second copies).
+    reduced = getattr(model, "updated_variables", lambda: model.trainable_variables)()
+    fp32 = 4 * sum(math.prod(v.shape) for v in reduced)
     from tfpar.zero import sharded
     zero = sharded.zero_of(model.optimizer)
     if zero is not None:

@@ -39,7 +39,7 @@ def run(cmd, timeout=900):
 
 def label(r):
     return (f"dp={r['data']} tp={r['tensor']} pp={r['pipeline']} mb={r['microbatches']} "
-            f"{r['compression']}")
+            f"{'chimera ' if r.get('schedule') == 'chimera' else ''}{r['compression']}")
 
 
 def main():
@@ -71,7 +71,7 @@ def main():
     grid += [r for r in ranked[-args.low:] if r not in grid]
     choice = grid[0]
     rows = [{**{k: row[k] for k in ("data", "tensor", "pipeline", "microbatches",
-                                    "compression")},
+                                    "compression", "schedule")},
              "rank": ranked.index(row) + 1, "predicted_ms": 1000 * row["step_seconds"],
              "measured": []} for row in grid]
     for repeat in range(args.repeats):
@@ -80,7 +80,8 @@ def main():
                                                     f"--compression={row['compression']}"]
             if row["pipeline"] > 1:
                 flags += [f"--pipeline_stages={row['pipeline']}",
-                          f"--microbatches={row['microbatches']}"]
+                          f"--microbatches={row['microbatches']}",
+                          f"--schedule={row['schedule']}"]
             elif row["microbatches"] > 1:  # micro-batches without a pipeline: accumulation
                 batch //= row["microbatches"]
                 flags += [f"--grad_accum_steps={row['microbatches']}"]

@@ -47,9 +47,11 @@ class PipelineExecutor:
     With Chimera's schedule (`tfpar.pipeline.schedule.chimera_schedule`) each stage holds
     two stage models, one per direction: stage s's chunk 0 (model s) is virtual stage s,
     its chunk 1 (model K + s) a copy of virtual stage K - 1 - s, which must start with the
-    same weights (`PipelineModel.split` builds them so). Each copy's gradients are summed
-    with its partner's (both sums on their own stage's device, same order, so equal bit
-    for bit) before the update: the two copies stay equal, as one model's would.
+    same weights (`PipelineModel.split` builds them so). The copy's gradients are summed
+    into its virtual stage's home (chunk 0, on stage s for virtual stage s), whose
+    optimizer alone updates it, aggregating over replicas as 1F1B's stage s does (one
+    codec state per virtual stage); the copy then takes the home's new weights. The two
+    copies stay equal bit for bit, as one model's would, whatever the codec.
 
     Args:
         stages: K*V callables (keras models); stage model v = c*K + s runs on stage s
@@ -117,15 +119,21 @@ class PipelineExecutor:
             by_position.setdefault(self.runner.position(v), []).append(v)
         self.path = [by_position[p][0] for p in sorted(by_position)]
         self.copies = [by_position[self.runner.position(v)] for v in range(self.K * self.V)]
+        # The stage model each virtual stage's optimizer updates (its first copy); the
+        # other copies take its weights after the update.
+        self.home = [copies[0] for copies in self.copies]
 
     def stage_variables(self, s):
-        """Trainable variables of all chunks on stage s."""
-        return [v for c in range(self.V) for v in self.stages[c * self.K + s].trainable_variables]
+        """Trainable variables stage s's optimizer updates: of its chunks that are their
+        virtual stage's home (all chunks but Chimera's copies of the second pipeline)."""
+        return [v for c in range(self.V) if self.home[c * self.K + s] == c * self.K + s
+                for v in self.stages[c * self.K + s].trainable_variables]
 
     def build_optimizers(self, optimizer):
         """One copy of `optimizer` per stage, created and built under the stage's device so
         its slots sit next to the variables (the stock optimizer puts them all on the
-        first device). A tfpar gradient aggregator on `optimizer` is copied too: each stage
+        first device), for `stage_variables(s)` (Chimera: one set of slots per virtual
+        stage, for its home copy). A tfpar gradient aggregator on `optimizer` is copied too: each stage
         aggregates its own gradients across the replicas, with its residuals (and
         PowerSGD's Q) on the stage's devices. A `LossScaleOptimizer` (fp16) is copied
         around a copy of its inner optimizer, each stage with its own scale."""
@@ -191,19 +199,21 @@ class PipelineExecutor:
             loss = tf.add_n(step.losses)
             y_pred = tf.concat(step.preds, axis=0)
         acc = self._sum_copies(step.acc, devices)
-        grads = [[g for c in range(V) for g in acc[c * K + s]] for s in range(K)]
+        grads = [[g for c in range(V) if self.home[c * K + s] == c * K + s
+                  for g in acc[c * K + s]] for s in range(K)]
         return loss, y_pred, grads
 
     def _sum_copies(self, acc, devices):
-        """Each stage model's gradients summed with those of the other copies of its
-        virtual stage (Chimera), in model order, on its own stage's device."""
+        """Each home stage model's gradients summed with those of the other copies of
+        its virtual stage (Chimera), in model order, on the home's stage device."""
         if all(len(c) == 1 for c in self.copies):
             return acc
-        summed = []
+        summed = list(acc)
         for v, copies in enumerate(self.copies):
-            with tf.device(devices[v % self.K]):
-                summed.append([functools.reduce(_add, gs) for gs in
-                               zip(*(acc[c] for c in copies))])
+            if self.home[v] == v:
+                with tf.device(devices[v % self.K]):
+                    summed[v] = [functools.reduce(_add, gs) for gs in
+                                 zip(*(acc[c] for c in copies))]
         return summed
 
     def weight_grads(self, v, tape, ys, out_grads):
@@ -230,6 +240,22 @@ class PipelineExecutor:
         for s, (opt, placement) in enumerate(zip(self.optimizers, self.devices)):
             with tf.device(current_device(placement)):
                 opt.apply(grads[s], self.stage_variables(s))
+        self._copy_homes()
+
+    def _copy_homes(self):
+        """Chimera: each copy of the second pipeline takes its home's updated weights, on
+        every replica (the home's value on that replica, copied to the copy's device)."""
+        pairs = [(dst.value, src.value) for v, home in enumerate(self.home) if home != v
+                 for dst, src in zip(self.stages[v].trainable_variables,
+                                     self.stages[home].trainable_variables)]
+        if not pairs:
+            return
+
+        def copy(strategy):
+            for dst, src in pairs:
+                strategy.extended.update(dst, lambda d, value: d.assign(value),
+                                         args=(src,), group=False)
+        tf.__internal__.distribute.interim.maybe_merge_call(copy, tf.distribute.get_strategy())
 
     def _agree_on_finite(self, grads):
         """Where any stage's gradients are not finite, every stage's first gradient is

@@ -217,6 +217,14 @@ class PipelineModel(keras.Model):
         return [w for stage in self.stages[K:] for w in stage.weights] \
             if self.schedule_name == "chimera" else []
 
+    def updated_variables(self):
+        """The trainable variables the stage optimizers update, each summed over the
+        replicas once per step: all but Chimera's second-pipeline copies, which take
+        their first copy's new weights instead (`PipelineExecutor`)."""
+        if self._executor is None:
+            return list(self.trainable_variables)
+        return [v for s in range(len(self.devices)) for v in self._executor.stage_variables(s)]
+
     def params_per_stage(self):
         """Parameter count each stage's device holds (all its chunks)."""
         K = len(self.devices)

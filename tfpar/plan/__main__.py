@@ -43,8 +43,9 @@ def define_flags(flag_values=FLAGS):
     flags.DEFINE_integer("global_batch_size", 64, "Examples per optimizer step.", **f)
     flags.DEFINE_enum("optimizer", "adam", ["sgd", "momentum", "adam"], "Optimizer (its "
                       "state per parameter).", **f)
-    flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "interleaved"],
-                      "Pipeline schedule (interleaved also ranks 2 and 4 virtual stages).", **f)
+    flags.DEFINE_enum("schedule", "auto", ["auto", "gpipe", "1f1b", "interleaved", "chimera"],
+                      "Pipeline schedule (auto: rank 1f1b and chimera; interleaved also ranks "
+                      "2 and 4 virtual stages).", **f)
     flags.DEFINE_enum("mixed_precision", "none", ["none", "bf16", "fp16"],
                       "Activations in 16 bits (weights and gradients stay fp32).", **f)
     flags.DEFINE_integer("data_parallel", 0, "Pin the data-parallel degree (0: free).", **f)
@@ -128,7 +129,9 @@ def main(argv):
             config = ParallelConfig(model=FLAGS.model, model_width=FLAGS.model_width,
                                     model_depth=FLAGS.model_depth,
                                     global_batch_size=FLAGS.global_batch_size,
-                                    optimizer=FLAGS.optimizer, schedule=FLAGS.schedule,
+                                    optimizer=FLAGS.optimizer,
+                                    schedule="1f1b" if FLAGS.schedule == "auto"
+                                    else FLAGS.schedule,
                                     cpu_devices=FLAGS.cpu_devices)
             hardware, calibration = planner.calibrate(
                 config, FLAGS.cpu_devices or FLAGS.devices or 2)

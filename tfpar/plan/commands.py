@@ -16,19 +16,30 @@ def runnable(c, hw, request):
                 f"{hw.machines} machines only data parallelism")
     batch, accum = _batch_and_accumulation(c.pipeline, c.microbatches, request)
     try:
-        compat.check_inputs(ParallelConfig(
+        several = {"strategy": "multi_worker"} if hw.machines > 1 else {}
+        compat.check_inputs(ParallelConfig(**several,
             model=request.model if request.model in MODELS else "transformer",
             global_batch_size=batch, grad_accum_steps=accum, data_parallel=c.data,
             tensor_parallel=c.tensor, pipeline_stages=c.pipeline,
             microbatches=c.microbatches if c.pipeline > 1 else 1,
-            schedule=request.schedule if c.pipeline > 1 else "1f1b",
+            schedule=c.schedule if c.pipeline > 1 else "1f1b", allreduce=c.allreduce,
             virtual_stages=c.virtual, compression=c.compression,
             mixed_precision=request.mixed_precision, optimizer=request.optimizer,
             recompute="blocks" if c.recompute else "none", zero_stage=c.zero,
-            cpu_devices=hw.devices if request.simulated_cpu else 0), None)
+            cpu_devices=hw.devices if request.simulated_cpu else 0), _cluster(hw))
     except ConfigError as err:
         return str(err)
     return None
+
+
+def _cluster(hw):
+    """The parsed `TF_CONFIG` of a worker per device on `hw`'s machines (None on one):
+    what the rulebook's cluster rows (`--allreduce=hierarchical`'s hosts) read."""
+    from tfpar import tf_config
+    if hw.machines == 1:
+        return None
+    return tf_config.parse(tf_config.make(
+        [f"host{d // hw.per_machine}:{23456 + d}" for d in range(hw.devices)], 0))
 
 
 def _batch_and_accumulation(pipeline, microbatches, request):
@@ -68,13 +79,15 @@ def command(row, request, hw):
         parts.append(f"--tensor_parallel={row['tensor']}")
     if row["pipeline"] > 1:
         parts += [f"--pipeline_stages={row['pipeline']}", f"--microbatches={row['microbatches']}",
-                  f"--schedule={request.schedule}"]
+                  f"--schedule={row['schedule']}"]
         if row["virtual"] > 1:
             parts.append(f"--virtual_stages={row['virtual']}")
     if accum > 1:
         parts.append(f"--grad_accum_steps={accum}")
     if row["compression"] != "none":
         parts.append(f"--compression={row['compression']}")
+    if hw.machines > 1 and row["data"] > 1:  # the planner's choice, not `auto`'s
+        parts.append(f"--allreduce={row['allreduce']}")
     if row["recompute"]:
         parts.append("--recompute=blocks")
     if row["zero"]:
@@ -99,11 +112,13 @@ def python_calls(row, request, hw):
               f"data_parallel={row['data']}", f"tensor_parallel={row['tensor']}",
               f"pipeline_stages={row['pipeline']}"]
     if row["pipeline"] > 1:
-        config += [f"microbatches={row['microbatches']}", f"schedule={request.schedule!r}"]
+        config += [f"microbatches={row['microbatches']}", f"schedule={row['schedule']!r}"]
         if row["virtual"] > 1:
             config.append(f"virtual_stages={row['virtual']}")
     if row["compression"] != "none":
         config.append(f"compression={row['compression']!r}")
+    if hw.machines > 1 and row["data"] > 1:
+        config.append(f"allreduce={row['allreduce']!r}")
     if row["zero"]:
         config.append(f"zero_stage={row['zero']}")
     if request.simulated_cpu:

@@ -18,6 +18,12 @@ the data-parallel gradient all-reduce after the last backward, less the share
   the link inside a machine when all peers share one; otherwise the devices' network
   interfaces, each peer group using as many in parallel as it has members per machine
   (NCCL runs one ring per interface): min(intra, members_per_machine · inter).
+- The hierarchical all-reduce (`Candidate.allreduce`, data parallelism over several
+  machines): an all-reduce inside each machine, a ring of one leader per machine on the
+  machine's whole network share, a hand-back inside (`data_parallel_seconds`).
+- Chimera (`Candidate.schedule`): its simulated schedule's idle slots (`idle_slots`),
+  the exchange between a stage and its mirror (`chimera_sync_seconds`), two copies of
+  the weights and gradients with one optimizer state (`memory_bytes`).
 - Tensor parallelism all-reduces a block's output `tp_syncs_per_block` times forward, as
   many backward, and again when the block is recomputed. Stage-to-stage sends carry one
   block output per micro-batch each way (1/tensor of it per device, as Megatron-LM
@@ -38,6 +44,7 @@ updated, per pipeline action, per step, per parameter encoded), which is what le
 """
 
 import dataclasses
+import functools
 import math
 
 from tfpar.config import LOWBIT_BITS
@@ -176,6 +183,8 @@ class Candidate:
     recompute: bool = False
     zero: int = 0          # ZeRO stage (0-3)
     offload: bool = False  # --offload=optimizer: the optimizer state in host memory
+    schedule: str = "1f1b"  # a pipeline's: "1f1b", "interleaved", "gpipe" or "chimera"
+    allreduce: str = "flat"  # the gradients' sum: "flat" ring or "hierarchical" by host
 
 
 def ring_allreduce_seconds(nbytes, n, bandwidth, latency=0.0):
@@ -257,20 +266,19 @@ def stage_blocks(profile, c):
     return math.ceil(profile.blocks / c.pipeline)
 
 
-def stashed_microbatches(c, schedule="1f1b"):
+def stashed_microbatches(c, schedule=None):
     """Micro-batches whose activations the first stage holds at its peak, in units of a
     whole stage (an interleaved chunk is 1/V of one). Matches `tfpar.pipeline.schedule`:
     without a pipeline one (accumulation runs micro-batches one after another); GPipe
     all M; 1F1B min(K, M); interleaved (warm-up forwards + 1) chunks; Chimera its
-    simulated peak over both pipelines (up to K + 1)."""
+    simulated peak over both pipelines (up to K + 1). `schedule` defaults to `c.schedule`."""
+    schedule = schedule or c.schedule
     if c.pipeline == 1:
         return 1
     if schedule == "gpipe":
         return c.microbatches
     if schedule == "chimera":
-        from tfpar.pipeline import schedule as schedule_lib  # pure Python, no TensorFlow
-        K, M = c.pipeline, c.microbatches
-        return max(schedule_lib.simulate(schedule_lib.chimera_schedule(K, M), K, M).peak_stash)
+        return _chimera_simulation(c.pipeline, c.microbatches)[1]
     if c.virtual > 1:
         total = c.microbatches * c.virtual
         warmup = total if c.microbatches == c.pipeline else min(
@@ -279,12 +287,14 @@ def stashed_microbatches(c, schedule="1f1b"):
     return min(c.pipeline, c.microbatches)
 
 
-def state_bytes(profile, c, optimizer="adam"):
+def state_bytes(profile, c, optimizer="adam", copies=1):
     """Bytes of training state one device of the first stage holds: weights, gradients
     and optimizer state of its shard. ZeRO splits over the data-parallel peers the
     optimizer state (stage 1), also the gradients (2), also the weights (3, which then
     gathers one block's weights at a time while it runs). With `c.offload` the optimizer
-    state is in host memory (`tfpar.offload`): none of it on the device."""
+    state is in host memory (`tfpar.offload`): none of it on the device. `copies` of the
+    weights and their gradients share one optimizer state (Chimera: 2, the second
+    pipeline's copy takes its first copy's updated weights)."""
     shard = stage_params(profile, c)
     weight = STATE_BYTES[optimizer] - OPTIMIZER_BYTES[optimizer] - GRAD_BYTES
     split = c.data if c.data > 1 else 1
@@ -296,19 +306,21 @@ def state_bytes(profile, c, optimizer="adam"):
         weights = weight * (shard / split + gathered)
     else:
         weights = weight * shard
-    return weights + grads + opt
+    return copies * (weights + grads) + opt
 
 
-def memory_bytes(profile, c, global_batch, optimizer="adam", schedule="1f1b"):
+def memory_bytes(profile, c, global_batch, optimizer="adam", schedule=None):
     """Bytes one device of the first stage needs: its shard's training state
-    (`state_bytes`; twice with Chimera, whose stages each hold two copies of a stage) +
-    the activations its schedule keeps alive."""
+    (`state_bytes`; with Chimera, whose stages each hold two copies of a stage, two
+    copies of the weights and gradients, one optimizer state) + the activations its
+    schedule (default `c.schedule`) keeps alive."""
+    schedule = schedule or c.schedule
     copies = 2 if schedule == "chimera" and c.pipeline > 1 else 1
-    return copies * state_bytes(profile, c, optimizer) + activation_bytes(
+    return state_bytes(profile, c, optimizer, copies) + activation_bytes(
         profile, c, global_batch, schedule)
 
 
-def activation_bytes(profile, c, global_batch, schedule="1f1b"):
+def activation_bytes(profile, c, global_batch, schedule=None):
     """Activation bytes of the first stage's device at its peak."""
     micro = padded_batch(global_batch, c) / c.microbatches
     blocks = stage_blocks(profile, c)
@@ -362,9 +374,10 @@ def step_seconds(profile, hw, c, global_batch):
                        / p2p_bandwidth)
     slot = work + actions + tp + p2p
     compute = c.microbatches * work
-    # (K-1)/V idle slots on the critical path. Devices that share cores lend them to the
-    # busy ones while idle: the bubble then costs only its actions' fixed costs.
-    idle = (K - 1) / V
+    # (K-1)/V idle slots on the critical path (Chimera: its simulated schedule's). Devices
+    # that share cores lend them to the busy ones while idle: the bubble then costs only
+    # its actions' fixed costs.
+    idle = idle_slots(c)
     bubble = idle * (actions + p2p if hw.shared_cores else slot)
     shard = stage_params(profile, c)
     overhead = hw.step_overhead + hw.update_seconds_per_param * shard + \
@@ -372,8 +385,7 @@ def step_seconds(profile, hw, c, global_batch):
     ratio = compression_ratio(c.compression, profile, replicas=c.data)
     grad_bytes = GRAD_BYTES * shard
     buckets = max(1, math.ceil(grad_bytes / ratio / BUCKET_BYTES))
-    dp = ring_allreduce_seconds(grad_bytes / ratio, c.data, group_bandwidth(hw, c.data, T),
-                                hw.latency * buckets)
+    dp = data_parallel_seconds(hw, c, grad_bytes / ratio, buckets)
     # Top-k that sends every tensor whole (`TopKAggregator.sends_whole`) selects nothing.
     if c.compression != "none" and c.data > 1 and not (c.compression == "topk" and ratio == 1):
         dp += hw.encode_seconds_per_param[c.compression] * shard
@@ -384,22 +396,85 @@ def step_seconds(profile, hw, c, global_batch):
         dp += ring_allreduce_seconds(4 * shard, c.data, group_bandwidth(hw, c.data, T),
                                      hw.latency * buckets)
     tp_total = c.microbatches * tp
-    p2p_total = c.microbatches * p2p
+    p2p_total = c.microbatches * p2p + chimera_sync_seconds(hw, c, grad_bytes)
     total = overhead + compute + bubble + dp + tp_total + p2p_total
     return total, {"overhead": overhead, "compute": compute, "bubble": bubble,
                    "data_parallel": dp, "tensor_parallel": tp_total,
                    "pipeline_p2p": p2p_total}
 
 
+def idle_slots(c):
+    """Idle slots (a slot: one micro-batch's forward and backward on one stage) on the
+    pipeline's critical path: (K-1)/V, or Chimera's from its simulated schedule (a
+    backward twice a forward): M·b/(1-b) for its bubble fraction b."""
+    if c.pipeline == 1:
+        return 0.0
+    if c.schedule == "chimera":
+        b = _chimera_simulation(c.pipeline, c.microbatches)[0]
+        return c.microbatches * b / (1 - b)
+    return (c.pipeline - 1) / c.virtual
+
+
+@functools.lru_cache(maxsize=None)
+def _chimera_simulation(K, M):
+    """(bubble fraction, peak stashed micro-batches) of Chimera's schedule simulated with
+    a backward twice a forward (`tfpar.pipeline.schedule`: pure Python, no TensorFlow)."""
+    from tfpar.pipeline import schedule as schedule_lib
+    sim = schedule_lib.simulate(schedule_lib.chimera_schedule(K, M), K, M, 2, 1.0, 2.0)
+    return sim.bubble, max(sim.peak_stash)
+
+
+def chimera_sync_seconds(hw, c, grad_bytes):
+    """Chimera's exchange between a stage and its mirror (stage K-1-s): the second
+    copy's gradients to the first (`grad_bytes` of the stage), its updated weights back,
+    one after the other; none for the middle stage of an odd K (both copies on it)."""
+    if c.schedule != "chimera" or c.pipeline < 2:
+        return 0.0
+    bandwidth = hw.inter_bandwidth if crosses_machines(hw, 2, c.tensor * c.data) \
+        else hw.intra_bandwidth
+    return 2 * (hw.latency + grad_bytes / c.tensor / bandwidth)
+
+
+def data_parallel_seconds(hw, c, nbytes, buckets=1):
+    """The gradients' sum over the `c.data` replicas (`nbytes` each, in `buckets`
+    collectives). Flat: one ring over all of them (`group_bandwidth`). Hierarchical
+    (`tfpar.compression.hierarchical`, `c.allreduce`): an all-reduce inside each machine,
+    one ring of the machines' leaders across (the leader sending on its machine's whole
+    network: one device's share times the replicas it holds), and a hand-back all-reduce
+    inside; added up (its buckets overlap the phases somewhat: an upper bound)."""
+    latency = hw.latency * buckets
+    if c.allreduce != "hierarchical":
+        return ring_allreduce_seconds(nbytes, c.data, group_bandwidth(hw, c.data, c.tensor),
+                                      latency)
+    local = max(1, min(c.data, hw.per_machine // c.tensor))
+    hosts = math.ceil(c.data / local)
+    inside = ring_allreduce_seconds(nbytes, local, hw.intra_bandwidth, latency)
+    across = ring_allreduce_seconds(nbytes, hosts, local * hw.inter_bandwidth, latency)
+    return 2 * inside + across
+
+
+def hierarchical_applies(hw, c):
+    """Whether `--allreduce=hierarchical` is a distinct choice for layout `c` on `hw`: data
+    parallelism alone over several machines, several replicas on each, through a sum
+    (not ZeRO, not an all-gather codec: `tfpar.compat`'s `allreduce` rows)."""
+    from tfpar import compat  # no TensorFlow
+    return (c.data > 1 and c.tensor == 1 and c.pipeline == 1 and c.zero == 0
+            and not c.offload and c.compression not in compat.GATHER_CODECS
+            and crosses_machines(hw, c.data, 1) and min(c.data, hw.per_machine) > 1)
+
+
 def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", "topk",
                                                          "powersgd"),
                schedule="1f1b", recompute=(False, True), zero=(0,), virtual=(1, 2, 4)):
     """Every layout that uses all devices: data × tensor × pipeline × micro-batches × virtual
-    stages (with `schedule="interleaved"`) × aggregator × recomputation × ZeRO stage.
+    stages (with `schedule="interleaved"`) × aggregator × recomputation × ZeRO stage, and
+    where they differ, the pipeline's schedule (`schedule="auto"`: 1F1B and Chimera) and
+    the flat or hierarchical all-reduce (`hierarchical_applies`).
     Micro-batch counts: every divisor of the replica's batch that a schedule can take;
     where `data` does not divide the batch (each replica's share padded with examples of
     weight 0, `padded_batch`), every divisor of the global batch up to the largest share.
     Whether tfpar can run one yet is `tfpar.plan.planner.runnable`'s call."""
+    schedules = ("1f1b", "chimera") if schedule == "auto" else (schedule,)
     out = []
     for dims in ParallelDims.layouts(hw.devices):  # dp × tp × pp filling the devices
         data, tensor, pipeline = dims.dp, dims.tp, dims.pp
@@ -413,8 +488,7 @@ def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", 
         if not dims.pp_enabled:
             virtuals = (1,)
         else:
-            micro_counts = [m for m in micro_counts if m >= pipeline
-                            and (schedule != "chimera" or m % 2 == 0)]  # half each way
+            micro_counts = [m for m in micro_counts if m >= pipeline]
             virtuals = [v for v in virtual if v == 1 or (
                 schedule == "interleaved" and pipeline * v <= profile.blocks)]
         for m in micro_counts:
@@ -425,8 +499,23 @@ def candidates(profile, hw, global_batch, compressions=("none", "fp16", "int8", 
                 for comp in comps:
                     for rc in recompute:
                         for z in zero if data > 1 else (0,):
-                            out.append(Candidate(data, tensor, pipeline, m, comp, v, rc, z))
+                            for sched in _schedules(schedules, tensor, pipeline, m, v):
+                                c = Candidate(data, tensor, pipeline, m, comp, v, rc, z,
+                                              schedule=sched)
+                                out.append(c)
+                                if hierarchical_applies(hw, c):
+                                    out.append(dataclasses.replace(c, allreduce="hierarchical"))
     return out
+
+
+def _schedules(schedules, tensor, pipeline, microbatches, virtual):
+    """The schedules a pipeline of these sizes can take ("1f1b" without a pipeline)."""
+    if pipeline == 1:
+        return ("1f1b",)
+    # Chimera sends half the micro-batches each way, runs no virtual stages, and not on
+    # the mesh pipeline (`tfpar.compat.CHIMERA_MESH`: one copy of each stage there).
+    return [s for s in schedules if s != "chimera"
+            or (microbatches % 2 == 0 and virtual == 1 and tensor == 1)]
 
 
 def _divisors(n):

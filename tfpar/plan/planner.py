@@ -23,6 +23,8 @@ class Request:
         model: `mlp`, `convnet`, `transformer` or `module:function`.
         trainer_builds_it: `python -m tfpar.train --model=... --model_width --model_depth`
             builds exactly the profiled model (False for other shapes and user models).
+        schedule: the pipeline's schedule; "auto" ranks 1F1B and Chimera (each priced by
+            its simulated bubble, Chimera with two copies of each stage's weights).
         recompute: "auto" (with and without activation recomputation), "on" or "off";
             zero: ZeRO stages to try. Whether `tfpar.train` runs a layout is
             `tfpar.compat`'s answer (`commands.runnable`); one it refuses is marked with
@@ -35,7 +37,7 @@ class Request:
     trainer_builds_it: bool = True
     global_batch_size: int = 64
     optimizer: str = "adam"
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     mixed_precision: str = "none"
     data_parallel: int = 0
     tensor_parallel: int = 1
@@ -198,7 +200,8 @@ def plan(prof, hw, request):
     # Ties go to what runs today, then to fewer moving parts.
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (
         round(r["step_seconds"], 12), r["runnable"] is not None, r["recompute"], r["zero"],
-        r["microbatches"], r["virtual"]))
+        r["microbatches"], r["virtual"], r["schedule"] == "chimera",
+        r["allreduce"] == "hierarchical"))
     if not fitting:
         least = min(rows, key=lambda r: r["memory_bytes"]) if rows else None
         need = (f"the smallest ({label(least)}) needs {least['memory_bytes'] / 1e9:.2f} GB "
@@ -239,8 +242,7 @@ def _pinned(c, request):
 
 def _row(prof, hw, c, request):
     seconds, parts = cost.step_seconds(prof, hw, c, request.global_batch_size)
-    memory = cost.memory_bytes(prof, c, request.global_batch_size, request.optimizer,
-                               request.schedule)
+    memory = cost.memory_bytes(prof, c, request.global_batch_size, request.optimizer)
     return {**dataclasses.asdict(c), "step_seconds": seconds, "parts": parts,
             "padding": cost.padding_fraction(request.global_batch_size, c),
             "memory_bytes": memory, "fits": memory <= hw.memory_bytes,
@@ -263,8 +265,9 @@ _PART_NAMES = {"overhead": "fixed costs", "compute": "compute", "bubble": "pipel
 
 def neighbours(best, rows, prof, hw, request):
     """One line per layout next to `best` (each degree doubled or halved, the data degree
-    taking up the rest; micro-batches doubled or halved; recomputation, compression and
-    interleaving switched) saying why it lost."""
+    taking up the rest; micro-batches doubled or halved; recomputation, compression,
+    interleaving, the schedule (1F1B / Chimera) and the all-reduce (flat / hierarchical)
+    switched) saying why it lost."""
     by_split = {}
     for r in rows:
         by_split.setdefault((r["tensor"], r["pipeline"]), []).append(r)
@@ -287,17 +290,27 @@ def neighbours(best, rows, prof, hw, request):
                  "recompute" if not best["recompute"] else "no recompute"),
                 ("compression", "none", "compression=none"),
                 ("virtual", 1, "virtual=1"), ("virtual", best["virtual"] * 2,
-                                                f"virtual={best['virtual'] * 2}"))
+                                                f"virtual={best['virtual'] * 2}"),
+                ("schedule", _other("schedule", best), f"schedule={_other('schedule', best)}"),
+                ("allreduce", _other("allreduce", best),
+                 f"allreduce={_other('allreduce', best)}"))
     for key, value, name in variants:
         if value == best[key] or not value:
             continue
         keep = {k: best[k] for k in ("microbatches", "recompute", "compression", "virtual",
-                                     "zero") if k != key}
+                                     "zero", "schedule", "allreduce") if k != key}
         options = [r for r in same if r[key] == value and all(
             r[k] == v for k, v in keep.items())]
         if options:
             out.append(_versus(name, options, best, hw))
     return out
+
+
+def _other(key, row):
+    """The alternative to `row`'s schedule (1F1B / Chimera) or all-reduce (flat /
+    hierarchical)."""
+    pairs = {"schedule": ("1f1b", "chimera"), "allreduce": ("flat", "hierarchical")}[key]
+    return pairs[1] if row[key] == pairs[0] else pairs[0]
 
 
 def _impossible(t, p, prof, hw, request):
@@ -344,7 +357,11 @@ def label(row):
             f"mb={row['microbatches']}")
     if row.get("virtual", 1) > 1:
         text += f" v={row['virtual']}"
+    if row.get("schedule") == "chimera":
+        text += " chimera"
     text += f" {row['compression']}"
+    if row.get("allreduce") == "hierarchical":
+        text += " hierarchical"
     if row.get("recompute"):
         text += " recompute"
     if row.get("zero"):
