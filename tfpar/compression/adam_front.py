@@ -27,6 +27,15 @@ from tfpar.compression import buckets, collectives
 LOCAL_VARIANCE = ("local", "local_debiased")
 
 
+def default_variance(codec, topk_ratio, beta_1):
+    """How `v` moves after the warm-up by default, as `tfpar.compression.make_aggregator`
+    picks it: each replica's own, debiased, except top-k below ratio 1 − β₁ (its momentum
+    is not synced there: `v` frozen, and raised per replica)."""
+    if codec == "topk" and topk_ratio < 1 - beta_1:
+        return "frozen"
+    return "local_debiased"
+
+
 # The element-wise rules, one home for both backends: tf.distribute's `AdamFrontStep` below
 # (one replica's tensors; Keras divided its gradient by the replicas) and the mesh's
 # `tfpar.layout.adam_front` (every replica's row at once, `[replicas, *shape]`). `g` is

@@ -45,13 +45,6 @@ CODECS = ("topk", "powersgd", "lowbit")
 VARIANCES = ("frozen", "local", "local_debiased")
 
 
-def default_variance(codec, topk_ratio, beta_1):
-    """How `v` moves after the warm-up by default: each replica's own, debiased, except
-    top-k below ratio 1 − β₁ (its momentum is not synced: `v` frozen and raised)."""
-    if codec == "topk" and topk_ratio < 1 - beta_1:
-        return "frozen"
-    return "local_debiased"
-
 
 class AdamFrontReduction(BatchAxisReduction):
     """`BatchAxisReduction` of `codec` with Adam in front of it (module docstring).
@@ -62,7 +55,7 @@ class AdamFrontReduction(BatchAxisReduction):
         optimizer: the run's `keras.optimizers.Adam` (or a `LossScaleOptimizer` of one):
             its betas and epsilon are read, and it is switched to apply the steps.
         adam_warmup_steps: exact steps first (>= 1).
-        adam_variance: one of `VARIANCES`, or None for `default_variance`.
+        adam_variance: one of `VARIANCES`, or None for `tfpar.compression.adam_front.default_variance`.
         topk_momentum_carry: with top-k's synced momentum, the share of its continuation
             applied outside the codec (`TopKAggregator`'s `adam_momentum_carry`).
         **options: the codec's parameters, as `BatchAxisReduction` takes them.
@@ -90,7 +83,8 @@ class AdamFrontReduction(BatchAxisReduction):
         self.beta_1, self.beta_2, self.eps = (float(adam.beta_1), float(adam.beta_2),
                                               float(adam.epsilon))
         self.warm = int(adam_warmup_steps)
-        variance = adam_variance or default_variance(codec, self.topk.ratio, self.beta_1)
+        variance = adam_variance or adam_front.default_variance(codec, self.topk.ratio,
+                                                                self.beta_1)
         self.compresses = "step" if codec == "topk" else "gradient"
         # Every replica's momentum the same after each step: taken of the sum, or synced.
         self.synced = self.compresses == "gradient" or self.topk.ratio >= 1 - self.beta_1
