@@ -132,7 +132,7 @@ class AdamFrontReduction(BatchAxisReduction):
     # ---- the step, through `BatchAxisReduction.mean`'s hooks -----------------------------
     def _begin(self, state):
         nq, n = len(self.qs), len(self.shapes)
-        step = super()._begin(state[:nq])
+        step = BatchAxisReduction._begin(self, state[:nq])
         count = state[nq]
         t = tf.cast(count + 1, tf.float32)
         step.update(count=count, m=state[nq + 1:nq + 1 + n], v=state[nq + 1 + n:],
@@ -142,7 +142,7 @@ class AdamFrontReduction(BatchAxisReduction):
 
     def _end(self, step, finite):
         count = step["count"]
-        out = super()._end(step, finite) + [kept_if(finite, count + 1, count)]
+        out = BatchAxisReduction._end(self, step, finite) + [kept_if(finite, count + 1, count)]
         out += [kept_if(finite, step["new_m"][i], m) for i, m in enumerate(step["m"])]
         return out + [kept_if(finite, step["new_v"][i], v) for i, v in enumerate(step["v"])]
 
