@@ -13,6 +13,7 @@ and data:
   input on one replica) is skipped by the whole mesh and leaves residuals, moments and
   counter as they were;
 - lowbit's bytes are ~0.1× fp32's and its steps past the warm-up compressed (its counter);
+  a run that ends in the warm-up reports the warm-up's bytes (2× fp32's);
 - a checkpoint of top-k at its defaults (width 64: every kernel compressed, residuals
   held) with Adam in front written on the mesh resumes on tf.distribute and the reverse:
   every tensor read back as saved, Adam's moments and the counter loaded (not "no place"),
@@ -151,6 +152,9 @@ def test_mesh_adam_front(tmp_path):
                 if k.startswith("codec|") and k.endswith("|step")}
     assert list(counters.values()) == [4], counters
     assert out["mesh_topk_ckpt"]["comm"]["compression_ratio"] > 1.2
+    # A run that ended in the warm-up counts its last step's bytes: fp32's twice (the
+    # gradient's mean, then the step's: each replica keeps its own `v`).
+    assert out["mesh_topk_warm"]["comm"]["compression_ratio"] == 0.5, out["mesh_topk_warm"]
 
     # Top-k's checkpoint both ways: every tensor as saved, the moments among them.
     for name, ref in (("dp2_from_mesh", "ref_dp2_topk"), ("mesh_from_dp2", "ref_mesh_topk")):

@@ -129,6 +129,18 @@ class AdamFrontReduction(BatchAxisReduction):
             out[f"{path}/adam_v"] = (v, "mean_rows" if self.v_rows else "mean_whole")
         return out
 
+    def comm_stats(self):
+        """`BatchAxisReduction.comm_stats` as of the last step: the codec's bytes after the
+        warm-up; on a warm-up step fp32's, twice where replicas keep their own moments
+        (the gradient's mean, then the step's: module docstring). Before any step, the
+        codec's."""
+        stats = super().comm_stats()
+        if 0 < int(values.to_host(self.count)) <= self.warm:
+            raw = stats["bytes_uncompressed_per_step"]
+            wire = raw * (2 if self.m_rows or self.v_rows else 1)
+            stats.update(bytes_on_wire_per_step=wire, compression_ratio=raw / wire)
+        return stats
+
     # ---- the step, through `BatchAxisReduction.mean`'s hooks -----------------------------
     def _begin(self, state):
         nq, n = len(self.qs), len(self.shapes)
