@@ -83,8 +83,9 @@ def for_codec(mesh, variables, codec, error_feedback=True, optimizer=None, **opt
     """The reduction over `batch` of `codec`: `auto`'s (`tfpar.layout.auto`), with
     `options["adam_front"]` and the run's `optimizer` Adam in front of it
     (`tfpar.layout.adam_front`, which switches `optimizer` to apply its steps), or a
-    `BatchAxisReduction`; `options` as `codec_options` gives them. Without `optimizer`
-    (the mesh pipeline's stages) Adam stays behind the codec."""
+    `BatchAxisReduction`; `options` as `codec_options` gives them. Without `optimizer` (a
+    `tfpar.DistributedOptimizer` under keras.distribution: `codec_of` passes no
+    `adam_front`) Adam stays behind the codec."""
     adam = {k: options.pop(k) for k in _ADAM_OPTIONS if k in options}
     if codec == "auto":
         from tfpar.layout.auto import AutoReduction
