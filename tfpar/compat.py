@@ -201,6 +201,15 @@ MESH_TOPK_WARMUP = Rule(
     and c.topk_warmup_steps > 0,
     "not supported: top-k on a DTensor mesh sends --topk_ratio from step 0; use "
     "--topk_warmup_steps=0, or --tensor_parallel=1 (tf.distribute)")
+# Adam in front of the mesh's codecs (`tfpar.layout.adam_front`) starts from its exact
+# warm-up; tf.distribute's `--adam_warmup_steps=0` (each replica its own Adam from step 0)
+# is not built there.
+MESH_ADAM_WARMUP = Rule(
+    "adam_warmup_steps", lambda c: _mesh(c) and c.compress_adam_step
+    and c.optimizer == "adam" and c.compression in ("topk", "powersgd", "lowbit")
+    and c.adam_warmup_steps == 0,
+    "not supported on a DTensor mesh: Adam in front of its codec starts from exact steps; "
+    "use --adam_warmup_steps>=1, or --compress_adam_step=false (Adam behind the codec)")
 ZB_H1_RECOMPUTE = Rule(
     "recompute", lambda c: backend_of(c) == "pipeline" and c.schedule == "zb_h1"
     and c.recompute in ("full", True),  # True: `PipelineModel(recompute=True)`
@@ -395,6 +404,7 @@ COMBINATIONS = (
     MESH_POWERSGD_START,
     MESH_TOPK_WARMUP,
     MESH_TOPK_MOMENTUM,
+    MESH_ADAM_WARMUP,
     MESH_MODEL,
     SEQUENCE_MODEL,
     Rule("sequence_parallel", lambda c: c.sequence_parallel and not c.dims.tp_enabled,

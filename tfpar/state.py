@@ -34,10 +34,12 @@ piece of state is named as in the single-device model and saved as one full tens
   tf.distribute's its share (Keras divided the gradient by the replicas: their sum):
   `meta/residual_units` says which, and a load converts. The others are the same on
   every replica: `powersgd_q`, `auto`'s `auto_rank`, `auto_norm_sum`, ... and a codec's
-  counters under its first weight's path (`step`, `auto_step`, `auto_bytes_total`). A checkpoint written on one backend so
-  resumes on the other: a kind the running codec has no place for (tf.distribute's
-  `step` or Adam's moments on a mesh codec, which has neither) is named in one line and
-  not loaded; a kind the checkpoint lacks starts at its initial value, said in one line,
+  counters under its first weight's path (`step`, `auto_step`, `auto_bytes_total`). Adam
+  in front of a mesh codec (`tfpar.layout.adam_front`) holds the same kinds as
+  tf.distribute's (`step`, `adam_m`, `adam_v`, rows saved even where the mesh keeps one
+  value for every replica). A checkpoint written on one backend so resumes on the other:
+  a kind the running codec has no place for (tf.distribute's `step` or Adam's moments on
+  a mesh codec with Adam behind it) is named in one line and not loaded; a kind the checkpoint lacks starts at its initial value, said in one line,
   except a missing `step` counter, which takes the optimizer's `iteration`.
 
 A checkpoint of an older tfpar holds tf.distribute's aggregator state as its objects
@@ -155,8 +157,10 @@ class LayoutState(patches.Trackable):
         self._units = {}  # residual name -> what its rows hold (`UNITS`)
         for reduction in getattr(self._model, "tfpar_reductions", ()):
             for name, (variable, per_replica) in reduction.named_state().items():
-                out[f"codec/{name}"] = (_per_replica(variable) if per_replica
-                                        else _plain(variable))
+                out[f"codec/{name}"] = (
+                    _mean_rows(variable, reduction.replicas, per_replica == "mean_rows")
+                    if per_replica in ("mean_rows", "mean_whole")
+                    else _per_replica(variable) if per_replica else _plain(variable))
                 if _kind(name) == "residual":
                     self._units[f"codec/{name}"] = "replica"
         for name, (entry, rows) in _aggregator_entries(self._model).items():
@@ -445,6 +449,30 @@ def _per_replica(variable):
             array = rows
         write(array)
     return read, write_rows, (None,) + tuple(shape[1:])
+
+
+def _mean_rows(variable, replicas, rows):
+    """(read, write, shape) of Adam's moments in front of a mesh codec
+    (`tfpar.layout.adam_front`), one row per replica as tf.distribute saves them: a
+    variable of `rows` as it is, else its one value repeated; written onto another replica
+    count, or into one value, every replica takes the rows' mean."""
+    read, write, shape = _plain(variable)
+    whole = tuple(shape[1:]) if rows else tuple(shape)
+
+    def read_rows():
+        value = read()
+        return value if rows else np.repeat(value[None], replicas, 0)
+
+    def write_rows(array):
+        array = np.asarray(array)
+        mean = array.mean(0, dtype=np.float64).astype(array.dtype)
+        if not rows:
+            write(array[0] if (array == array[:1]).all() else mean)
+        elif array.shape[0] != replicas:
+            write(np.repeat(mean[None], replicas, 0))
+        else:
+            write(array)
+    return read_rows, write_rows, (None,) + whole
 
 
 def _convert_rows(rows, written, wanted):

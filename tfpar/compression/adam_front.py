@@ -27,9 +27,70 @@ from tfpar.compression import buckets, collectives
 LOCAL_VARIANCE = ("local", "local_debiased")
 
 
+def default_variance(codec, topk_ratio, beta_1):
+    """How `v` moves after the warm-up by default, as `tfpar.compression.make_aggregator`
+    picks it: each replica's own, debiased, except top-k below ratio 1 − β₁ (its momentum
+    is not synced there: `v` frozen, and raised per replica)."""
+    if codec == "topk" and topk_ratio < 1 - beta_1:
+        return "frozen"
+    return "local_debiased"
+
+
+# The element-wise rules, one home for both backends: tf.distribute's `AdamFrontStep` below
+# (one replica's tensors; Keras divided its gradient by the replicas) and the mesh's
+# `tfpar.layout.adam_front` (every replica's row at once, `[replicas, *shape]`). `g` is
+# always a replica's own gradient (its batch's mean), a message is in those units and
+# the step applies the replicas' mean of the messages.
 def denominator(v, c2, eps):
     """Adam's denominator √v̂ + ε with v̂ = v / c2: a step is (m / c1) / denominator."""
     return (tf.sqrt(v) + eps * tf.sqrt(c2)) / tf.sqrt(c2)
+
+
+def moved(x, target, rate):
+    """An Adam moving average: `x + (target − x) · rate` (rate 1 − β)."""
+    return x + (target - x) * rate
+
+
+def exact_step(m, v, c1, c2, eps):
+    """Keras's Adam step of moments `m`, `v` (ε added to the uncorrected √v)."""
+    return m * (tf.sqrt(c2) / c1) / (tf.sqrt(v) + eps)
+
+
+def raised_variance(v, g, beta_2):
+    """A frozen `v` raised where it is below `(1 − β₂) · g²` of a replica's own gradient `g`
+    (`AdamFrontStep.raised_v` says why)."""
+    return tf.maximum(v, (1 - beta_2) * tf.square(g))
+
+
+def own_square(g, replicas, g_hat=None):
+    """What a replica's own `v` averages: `g²` of its own gradient, or debiased with `ĝ`
+    (the momentum's estimate of the replicas' mean gradient) `g² / replicas + (1 − 1 /
+    replicas) · ĝ²`: a replica's gradient carries `replicas` × the mean's noise."""
+    if g_hat is None:
+        return tf.square(g)
+    return tf.square(g) / replicas + (1 - 1 / replicas) * tf.square(g_hat)
+
+
+def frozen_message(m, c1, s, m_old=None, beta_1=0.0, carry=0.0):
+    """A replica's Adam step over the shared denominator `s`, `m / c1 / s`, and the part
+    of it every replica applies alike without sending it (`carry · β₁ · m_old / c1 / s`,
+    the synced momentum's continuation; 0 without a carry): `(message, kept)`."""
+    step = m / c1 / s
+    if not carry:
+        return step, 0.0
+    kept = carry * beta_1 * m_old / c1 / s
+    return step - kept, kept
+
+
+def synced_message(mu, g, s, beta_1, c1, carry=0.0):
+    """With the momentum synced in the scaled units (`mu`, the same on every replica) and
+    each replica's own denominator `s`: `((β₁ μ + (1 − β₁) g / s) / c1 − kept, kept)`,
+    `kept = carry · β₁ · μ / c1` applied alike without being sent."""
+    step = (mu * beta_1 + g / s * (1 - beta_1)) / c1
+    if not carry:
+        return step, 0.0
+    kept = carry * beta_1 * mu / c1
+    return step - kept, kept
 
 
 class AdamFrontStep:
@@ -105,13 +166,13 @@ class AdamFrontStep:
         out = []
         for g, p in zip(sums, self.positions):
             m, v = self.moment("m", p), self.moment("v", p)
-            m_new = m + (g - m) * (1 - beta_1)
-            v_new = v + (tf.square(g) - v) * gain
+            m_new = moved(m, g, 1 - beta_1)
+            v_new = moved(v, tf.square(g), gain)
             if self.rescale and str(p) in agg.residuals:
                 agg.rescale_residual(p, self.scale(v, c2_before), self.scale(v_new, c2))
             m.assign(m_new)
             v.assign(v_new)
-            out.append(m_new * (tf.sqrt(c2) / self.c1) / (tf.sqrt(v_new) + self.eps))
+            out.append(exact_step(m_new, v_new, self.c1, c2, self.eps))
         if agg.observes_exact and agg.adam_compresses == "gradient":
             # What compression will carry: the summed gradient over Adam's denominator.
             agg.on_exact_step([g / self.scale(self.moment("v", p), c2)
@@ -149,7 +210,7 @@ class AdamFrontStep:
         Adam in front (no user's path takes it) stays frozen-`v` Adam itself, the reference
         the tests compare compressed runs with."""
         v = self.moment("v", p)
-        raised = tf.maximum(v, (1 - self.beta_2) * tf.square(g * self.replicas))
+        raised = raised_variance(v, g * self.replicas, self.beta_2)
         v.assign(raised)
         return raised
 
@@ -162,16 +223,13 @@ class AdamFrontStep:
             m = self.moment("m", p)
             m_old = m.read_value()
             # This replica's own gradient is g · replicas; its share of the sum is g.
-            m_new = m_old + (g * replicas - m_old) * (1 - beta_1)
+            m_new = moved(m_old, g * replicas, 1 - beta_1)
             m.assign(m_new)
             # The synced momentum's own continuation (the same on every replica) is
             # applied whether or not its entry is sent; only the rest is compressed.
-            step = m_new / c1 / s / replicas
-            if carry:  # no extra pass over the tensor when nothing is carried
-                k = carry * beta_1 * m_old / c1 / s
-                kept.append(k)
-                step -= k / replicas
-            steps.append(step)
+            step, k = frozen_message(m_new, c1, s, m_old, beta_1, carry)
+            kept.append(k)
+            steps.append(step / replicas)
         summed, nbytes = agg._compress_and_exchange(steps, self.positions)
         if carry:
             summed = [u + k for u, k in zip(summed, kept)]
@@ -192,11 +250,11 @@ class AdamFrontStep:
         for u, s, p in zip(summed, scales, self.positions):
             m = self.moment("m", p)
             g_sum = u * s
-            m_new = m + (g_sum - m) * (1 - beta_1)
+            m_new = moved(m, g_sum, 1 - beta_1)
             m.assign(m_new)
             if self.live:
                 v = self.moment("v", p)
-                v_new = v + (tf.square(g_sum) - v) * (1 - beta_2)
+                v_new = moved(v, tf.square(g_sum), 1 - beta_2)
                 v.assign(v_new)
                 s_new = self.scale(v_new, c2_now)
                 if str(p) in agg.residuals:
@@ -220,11 +278,10 @@ class AdamFrontStep:
             # a `where`: no extra pass over m on every later step).
             g_hat = tf.cond(self.first, lambda: m.read_value(),
                             lambda: m * s_old) / c1_before
-            square = (tf.square(g) * replicas +
-                      (1 - 1 / replicas) * tf.square(g_hat))
+            square = own_square(g * replicas, replicas, g_hat)
         else:
-            square = tf.square(g * replicas)
-        v_new = v + (square - v) * (1 - beta_2)
+            square = own_square(g * replicas, replicas)
+        v_new = moved(v, square, 1 - beta_2)
         v.assign(v_new)
         return s_old, self.scale(v_new, c2_now)
 
@@ -245,12 +302,9 @@ class AdamFrontStep:
         for g, p in zip(gs, self.positions):
             s_old, s_new = self.move_local_v(g, p)
             mu = self.scaled_momentum(p, s_old)
-            step = (mu * beta_1 / replicas + g / s_new * (1 - beta_1)) / c1
-            if carry:
-                k = carry * beta_1 * mu / c1
-                kept.append(k)
-                step -= k / replicas
-            steps.append(step)
+            step, k = synced_message(mu, g * replicas, s_new, beta_1, c1, carry)
+            kept.append(k)
+            steps.append(step / replicas)
         summed, nbytes = self.agg._compress_and_exchange(steps, self.positions)
         if carry:
             summed = [u + k for u, k in zip(summed, kept)]
@@ -277,7 +331,7 @@ class AdamFrontStep:
         out = []
         for u, s_old, p in zip(summed, olds, self.positions):
             m_old = self.scaled_momentum(p, s_old)
-            m_new = m_old + (u - m_old) * (1 - self.beta_1)
+            m_new = moved(m_old, u, 1 - self.beta_1)
             self.moment("m", p).assign(m_new)
             out.append(m_new / self.c1)
         return out, tf.cast(nbytes, tf.int64)

@@ -13,6 +13,8 @@ A `keras.optimizers.LossScaleOptimizer` (what `compile` wraps the optimizer in u
 optimizer is switched too.
 """
 
+import tensorflow as tf
+
 from tfpar import patches
 from tfpar.errors import TfparError
 
@@ -48,3 +50,19 @@ def stateless_optimizer(optimizer):
                          f"({'; '.join(problems) or 'not a Keras BaseOptimizer'}); use a "
                          "keras.optimizers optimizer")
     return patches.to_stateless(optimizer)
+
+
+class StepApplyingMixin:
+    """Mixed into an optimizer whose gradients are already its steps (Adam in front of the
+    mesh's codec, `tfpar.layout.adam_front`): each weight moves by `learning_rate · step`,
+    as tf.distribute's Adam in front applies its summed steps (`keras_hook`)."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = tf.cast(learning_rate, variable.dtype)
+        self.assign_sub(variable, lr * tf.cast(gradient, variable.dtype))
+
+
+def applies_steps(optimizer):
+    """Makes `optimizer` apply its gradients as steps (`StepApplyingMixin`), in place;
+    `get_config` and checkpoints are unchanged (its own slots stay as built)."""
+    return patches.mix_in(optimizer, StepApplyingMixin)

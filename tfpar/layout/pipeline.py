@@ -164,7 +164,7 @@ def build(config, task, meshes, build_optimizer):
         stages.append(stage)
         optimizers.append(optimizer)
         reductions.append(None if codec is None else reduction.for_codec(
-            meshes[v % K], stage.trainable_variables, codec, config.error_feedback,
+            meshes[v % K], stage.trainable_variables, codec, config.error_feedback, optimizer,
             **reduction.codec_options(config)))
     model = StagedModel(stages, K, name=f"{whole.name}_mesh_pipeline")
     model.stage_optimizers = optimizers  # whose state `tfpar.state` saves

@@ -17,10 +17,7 @@ collectives inside the `model` axis (tensor parallelism's own) ran exactly as be
 - `lowbit`: each replica's row (its `model` shards together) in `lowbit_bits` bits per
   entry and one fp32 scale per 256 entries (`tfpar.compression.lowbit`'s `encode`, packed
   into int32 words), words and scales all-gathered over `batch` and summed after decoding
-  in replica order on every device (~0.1× fp32's bytes at 3 bits). tf.distribute puts Adam
-  in front of it (each replica's own second moment); the mesh has no Adam in front of any
-  codec, so here it compresses the plain gradient, error feedback carrying what the codes
-  missed, and the optimizer (Adam too) runs after the sum,
+  in replica order on every device (~0.1× fp32's bytes at 3 bits),
 - `topk`: each replica's `ratio` largest-magnitude entries of each tensor (picked over the
   whole tensor, its `model` shards together, as `tfpar.compression.TopKAggregator` picks
   them); with `union` (the default) the indices are all-gathered over `batch` and every
@@ -37,6 +34,10 @@ With fp16 loss scaling the gradients are unscaled before the codec and a step th
 overflowed on any device leaves the codec's state untouched (`mean`'s `scale`, `finite`);
 with accumulation the replicas' micro-batch gradients are averaged first and the codec
 runs once a step (`tfpar.layout.step`).
+
+With Adam (`codec_options`'s `adam_front`, the trainer's `--compress_adam_step`) top-k,
+PowerSGD and lowbit take Adam in front of them, as on tf.distribute:
+`tfpar.layout.adam_front.AdamFrontReduction`, through `mean`'s hooks.
 
 Error feedback (`error_feedback=True`, lossy codecs): each replica keeps what its message
 dropped, a DVariable `[data_parallel, *shape]` sharded like its gradient, and adds it to the
@@ -56,8 +57,10 @@ from tfpar.layout import values
 from tfpar.layout.mesh import batch_axis, batch_parts
 
 CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powersgd", "auto")
-# `auto`'s parameters in `codec_options` (`tfpar.layout.auto.AutoReduction` takes them).
+# `auto`'s parameters in `codec_options` (`tfpar.layout.auto.AutoReduction` takes them),
+# and Adam in front's (`tfpar.layout.adam_front.AdamFrontReduction`).
 _AUTO_OPTIONS = ("budget_ms", "link")
+_ADAM_OPTIONS = ("adam_front", "adam_warmup_steps", "topk_momentum_carry")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 
@@ -67,16 +70,31 @@ def codec_options(config):
     return {"topk_ratio": config.topk_ratio, "topk_union": config.topk_union,
             "topk_dense_below": config.topk_dense_below, "threshold": config.threshold,
             "powersgd_rank": config.powersgd_rank, "lowbit_bits": config.lowbit_bits,
-            "seed": config.seed, "budget_ms": config.auto_budget_ms, "link": link}
+            "seed": config.seed, "budget_ms": config.auto_budget_ms, "link": link,
+            # Adam in front of top-k, PowerSGD and lowbit, as tf.distribute puts it
+            # (`tfpar.compression.make_aggregator`; docs/guides/compression.md).
+            "adam_front": (config.compress_adam_step and config.optimizer == "adam"
+                           and config.compression in ("topk", "powersgd", "lowbit")),
+            "adam_warmup_steps": config.adam_warmup_steps,
+            "topk_momentum_carry": config.topk_momentum_carry}
 
 
-def for_codec(mesh, variables, codec, error_feedback=True, **options):
-    """The reduction over `batch` of `codec`: `auto`'s (`tfpar.layout.auto`) or a
-    `BatchAxisReduction`; `options` as `codec_options` gives them."""
+def for_codec(mesh, variables, codec, error_feedback=True, optimizer=None, **options):
+    """The reduction over `batch` of `codec`: `auto`'s (`tfpar.layout.auto`), with
+    `options["adam_front"]` and the run's `optimizer` Adam in front of it
+    (`tfpar.layout.adam_front`, which switches `optimizer` to apply its steps), or a
+    `BatchAxisReduction`; `options` as `codec_options` gives them. Without `optimizer` (a
+    `tfpar.DistributedOptimizer` under keras.distribution: `codec_of` passes no
+    `adam_front`) Adam stays behind the codec."""
+    adam = {k: options.pop(k) for k in _ADAM_OPTIONS if k in options}
     if codec == "auto":
         from tfpar.layout.auto import AutoReduction
         return AutoReduction(mesh, variables, error_feedback, **options)
     options = {k: v for k, v in options.items() if k not in _AUTO_OPTIONS}
+    if adam.pop("adam_front", False) and optimizer is not None:
+        from tfpar.layout.adam_front import AdamFrontReduction
+        return AdamFrontReduction(mesh, variables, codec, error_feedback, optimizer,
+                                  **adam, **options)
     return BatchAxisReduction(mesh, variables, codec, error_feedback, **options)
 
 
@@ -233,20 +251,28 @@ class BatchAxisReduction:
             # placed it so): nothing over `batch` is summed before the codec.
             x = unscaled(dtensor.relayout(tf.cast(g, tf.float32), self.stacked[i]),
                          scale, finite)
+            mean, residual = self._mean_one(i, x, residuals[i] if residuals else None, step)
+            means.append(tf.cast(rescaled(mean, scale, finite), g.dtype))
             if residuals:
-                x = error_feedback.corrected(x, residuals[i])
-            total, sent = self._reduce(i, x, step)
-            means.append(tf.cast(rescaled(total / self.replicas, scale, finite), g.dtype))
-            if residuals:
-                kept.append(kept_if(finite, error_feedback.next_residual(x, sent),
-                                    residuals[i]))
+                kept.append(kept_if(finite, residual, residuals[i]))
         return means, kept + self._end(step, finite)
 
-    # The codec's own state through `mean` (a subclass's too: `tfpar.layout.auto`):
-    # `_begin` reads it from `mean`'s state after the residuals, `_reduce` sums one
-    # gradient and notes its next values, `_end` returns them (as `kept_if` keeps them).
+    # The codec's own state through `mean` (a subclass's too: `tfpar.layout.auto`,
+    # `tfpar.layout.adam_front`): `_begin` reads it from `mean`'s state after the
+    # residuals, `_mean_one` averages one gradient (error feedback around `_reduce`, which
+    # sums it) and notes its next values, `_end` returns them (as `kept_if` keeps them).
     def _begin(self, state):
         return {"qs": dict(zip(sorted(self.qs), state)), "new_qs": {}}
+
+    def _mean_one(self, i, x, residual, step):
+        """`(mean over replicas, next residual or None)` of gradient `i` (`[replicas,
+        *shape]`, unscaled), with error feedback around the codec when `residual` is given."""
+        if residual is None:
+            total, _ = self._reduce(i, x, step)
+            return total / self.replicas, None
+        x = error_feedback.corrected(x, residual)
+        total, sent = self._reduce(i, x, step)
+        return total / self.replicas, error_feedback.next_residual(x, sent)
 
     def _reduce(self, i, x, step):
         """`(sum over axis 0, what each replica's message decodes to)` of gradient `i`."""
@@ -396,7 +422,7 @@ def kept_if(finite, new, old):
     return new if finite is None else where_scalar(finite, new, old)
 
 
-def for_variables(mesh, variables, codec, error_feedback=True, options=None):
+def for_variables(mesh, variables, codec, error_feedback=True, options=None, optimizer=None):
     """The reduction that averages `variables`' per-replica gradients over the batch axis
     through `codec`: `BatchAxisReduction`, or for weights split over `batch` too (ZeRO-3)
     `tfpar.zero.reduce_scatter.ShardedReduction` (reduce-scattered onto the pieces); None
@@ -407,13 +433,14 @@ def for_variables(mesh, variables, codec, error_feedback=True, options=None):
         mesh, variables, codec, error_feedback: as `BatchAxisReduction`'s.
         options: the codec's parameters (`codec_options(config)`, `codec_of`), or None for
             `BatchAxisReduction`'s defaults.
+        optimizer: the run's optimizer, for Adam in front of the codec (`for_codec`).
     """
     from tfpar.zero import fsdp, reduce_scatter  # reduce_scatter imports tfpar.layout
     if batch_parts(mesh) == 1:
         return None
     if fsdp.split_over_batch(variables):
         return reduce_scatter.ShardedReduction(mesh, variables, codec, error_feedback)
-    return for_codec(mesh, variables, codec, error_feedback, **(options or {}))
+    return for_codec(mesh, variables, codec, error_feedback, optimizer, **(options or {}))
 
 
 def codec_of(aggregator):

@@ -78,7 +78,7 @@ def build_on_mesh(mesh, rules, build_model, build_optimizer, loss,
     reducer = None
     if compression is not None:
         reducer = reduction.for_variables(mesh, model.trainable_variables, compression,
-                                          error_feedback, codec_options)
+                                          error_feedback, codec_options, optimizer)
     # Where `tfpar.state` finds the codec's state (not an attribute Keras tracks).
     object.__setattr__(model, "tfpar_reductions", (reducer,) if reducer else ())
     return model, MeshTrainer(mesh, model, optimizer, loss, grad_accum_steps,
