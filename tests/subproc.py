@@ -71,9 +71,29 @@ def popen(cmd, env=None, cwd=None, fresh=False, **kwargs):
     kind = subprocess.Popen
     if not fresh and os.environ.get("TFPAR_TEST_FORK", "1") != "0":
         import zygote
+        python = cmd[0] if isinstance(cmd, (list, tuple)) and cmd else None
         if zygote.accepts(_server_env(), list(cmd), full_env):
             kind = zygote.popen_class(_zygote_path(), _server_env())
+        elif python in _OTHER_ENV and zygote.accepts(_OTHER_ENV[python], list(cmd), full_env,
+                                                     python):
+            kind = zygote.popen_class(_zygote_path(python), _OTHER_ENV[python], python)
     return kind(cmd, env=full_env, cwd=cwd or ROOT, start_new_session=True, **kwargs)
+
+
+# Other interpreters with a fork server of their own: {interpreter: its server's environment}.
+_OTHER_ENV = {}
+
+
+def fork_server_for(python, env=None):
+    """`[python, ...]` children (`python` another interpreter than this one: a virtual
+    environment's, which sees this one's TensorFlow) whose environment is `child_env(env)`
+    in every import-time variable are forked from a server that `python` runs, started on
+    the first such child, as `sys.executable`'s are from this process's server. TensorFlow
+    and Keras are imported there once; nothing else (the child imports tfpar from
+    `python`'s own site-packages as a fresh interpreter would)."""
+    import zygote
+    with _ZYGOTE_LOCK:
+        _OTHER_ENV[os.fspath(python)] = zygote.loaded_environment(child_env(env))
 
 
 def processes_with(name, value):
@@ -101,6 +121,7 @@ def _completed(cmd, returncode, out, err, check):
 
 
 _ZYGOTE = {}
+_OTHER = {}  # another interpreter's server: {interpreter: {"pid", "path", "proc"}}
 _ZYGOTE_LOCK = threading.Lock()
 
 
@@ -114,20 +135,22 @@ def _server_env():
         return _ZYGOTE["env"]
 
 
-def _zygote_path():
-    """The socket of this process's fork server, started on first use (it imports
-    TensorFlow: ~7 s) and ended with this process (it exits when its parent does)."""
-    env = _server_env()
+def _zygote_path(python=None):
+    """The socket of this process's fork server (of `python`'s, `fork_server_for`, when
+    given), started on first use (it imports TensorFlow: ~7 s) and ended with this process
+    (it exits when its parent does)."""
+    env = _server_env() if python is None else _OTHER_ENV[python]
     with _ZYGOTE_LOCK:
+        state = _ZYGOTE if python is None else _OTHER.setdefault(python, {})
         # A server that has died (whatever ended it) is started again: without one every
         # child would be exec'd, silently slower (seen once in a full run: test_subproc's
         # checks that children are forked failed after an earlier test in that worker).
-        if _ZYGOTE.get("pid") != os.getpid() or _ZYGOTE["proc"].poll() is not None:
+        if state.get("pid") != os.getpid() or state["proc"].poll() is not None:
             folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
             path = os.path.join(folder, "socket")
             log = open(os.path.join(folder, "log"), "w+b")
             import zygote
-            proc = subprocess.Popen([sys.executable, *zygote.server_command(path)],
+            proc = subprocess.Popen([python or sys.executable, *zygote.server_command(path)],
                                     env=zygote.server_environment(env), cwd=ROOT,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                     start_new_session=True)
@@ -139,9 +162,9 @@ def _zygote_path():
                     raise AssertionError("the fork server did not start:\n"
                                          + log.read().decode(errors="replace")[-3000:])
                 time.sleep(0.05)
-            _ZYGOTE.update(pid=os.getpid(), path=path, proc=proc)
+            state.update(pid=os.getpid(), path=path, proc=proc)
             atexit.register(_end_zygote, proc, folder)
-        return _ZYGOTE["path"]
+        return state["path"]
 
 
 def restart_fork_server():

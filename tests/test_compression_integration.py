@@ -43,8 +43,11 @@ def test_final_loss_within_2_percent_of_none(results, name):
         name, results[name]["final"], results["none"]["final"])
 
 
-@pytest.mark.parametrize("name,limit", [("fp16", 0.55), ("bf16", 0.55), ("int8", 0.30),
-                                        ("topk", 0.05), ("powersgd", 0.05)])
+# bf16 alone: fp16's, int8's, top-k's and PowerSGD's bytes are asserted exactly on a
+# MirroredStrategy of 4 logical CPUs by tests/test_compression_aggregators.py (fp16's ratio
+# 2.0, int8's codes and scales, top-k's 8 bytes an entry, PowerSGD's factors) and counted by
+# the kernel against these limits' stricter ones by tests/test_compression_wire.py.
+@pytest.mark.parametrize("name,limit", [("bf16", 0.55)])
 def test_bytes_on_wire_vs_fp32(results, name, limit):
     comm = results["bytes"][name]
     assert comm["bytes_on_wire_per_step"] / comm["bytes_uncompressed_per_step"] <= limit, comm

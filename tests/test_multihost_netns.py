@@ -1,15 +1,18 @@
-"""Multi-host faults: two network namespaces stand in for two hosts, 2 workers each.
+"""Multi-host faults: two network namespaces stand in for two hosts, one worker each.
 
 The hosts are joined by a veth pair (addresses 10.200.0.1 and 10.200.0.2 exist only inside
-them; `tools/shaped_link.py`, unshaped). `tfpar.launch`'s `launch` places 2 worker slots on
-each and starts every worker inside its host's namespace (`tests/netns_launch.py`). One
-4-worker job (`--max_restarts=2`) meets three faults in turn:
+them; `tools/shaped_link.py`, unshaped). `tfpar.launch`'s `launch` places a worker slot on
+each and starts every worker inside its host's namespace (`tests/netns_launch.py`). (Every
+fault below crosses hosts: one worker a host is enough, and each worker exec'd by `ip netns
+exec` imports TensorFlow itself. Two slots a host were run until 2026-12-05; placing
+several slots on a host and their ports is tests/test_launch.py's.) One 2-worker job
+(`--max_restarts=2`) meets three faults in turn:
 
 1. a worker SIGKILLed from outside while every worker is inside its checkpoint save of
    step 20 (files written, state file not yet naming them): restart, resume from the last
    published checkpoint (none), the cut save's files removed;
-2. at a random time after the next checkpoint, a worker on one host SIGSTOPped (its peers
-   wait in the step's all-reduce) and a worker on the other host SIGKILLed: restart, resume
+2. at a random time after the next checkpoint, the worker on one host SIGSTOPped (its peer
+   waits in the step's all-reduce) and the worker on the other host SIGKILLed: restart, resume
    from the last published checkpoint;
 3. host 1's link cut (`ip link set down`): the workers fail with the one-line collective
    error within --collective_timeout_s, and the launcher ends with one line (restarts used
@@ -45,6 +48,7 @@ import shaped_link  # noqa: E402
 
 LAUNCHER = os.path.join(ROOT, "tests", "netns_launch.py")
 STEPS, EVERY, PORT = 5000, 20, 23456
+SLOTS = 1  # workers a host
 # The single-process run the rerun is compared with trains this many steps (a step's loss
 # does not depend on --steps: the data of step s and the learning rate are functions of s);
 # the rerun ends near step 100 (the cut comes soon after attempt 2's first checkpoint).
@@ -76,7 +80,7 @@ class Job:
     def __init__(self, link, tmp_path, steps, max_restarts, env=None):
         addresses = [link.address(0), link.address(1)]
         spec = {"namespaces": dict(zip(addresses, link.namespaces)),
-                "hosts": [[a, 2] for a in addresses],
+                "hosts": [[a, SLOTS] for a in addresses],
                 "launch": {"base_port": PORT, "max_restarts": max_restarts, "grace": 2,
                            "timeout": 240}}
         self.tmp_path, self.ckpt = tmp_path, tmp_path / "user" / "ckpt"
@@ -166,19 +170,19 @@ def faults(hosts, tmp_path_factory):
               env={"TFPAR_INJECT_SAVE_PAUSE": f"{EVERY}:60"})
     user_file = tmp_path / "user" / "notes.txt"
     try:
-        # 1. Inside the checkpoint write: all four paused in the save of step 20.
-        job.wait_for(job.seen(f"inside the checkpoint save of step {EVERY}", 4),
+        # 1. Inside the checkpoint write: every worker paused in the save of step 20.
+        job.wait_for(job.seen(f"inside the checkpoint save of step {EVERY}", 2 * SLOTS),
                      "pause in the first save")
         user_file.write_text("the user's own file, next to the checkpoints")
         seen["cut_save"] = ((job.ckpt / f"ckpt-{EVERY}.index").exists(), job.published_step())
-        victim = rng.randrange(4)
+        victim = rng.randrange(2 * SLOTS)
         job.workers(0)[victim].kill()
         seen["save_victim"] = victim
         # 2. Inside a collective: after attempt 1's first checkpoint, a random delay, one
-        # worker stopped on one host, one killed on the other.
+        # host's worker stopped, the other's killed.
         job.wait_for(lambda: job.published_step() is not None, "a checkpoint in attempt 1")
         time.sleep(rng.uniform(0.0, 1.0))
-        stopped_index, killed_index = rng.choice([(0, 2), (1, 3), (2, 0), (3, 1)])
+        stopped_index, killed_index = rng.choice([(0, 1), (1, 0)])  # worker i on host i (SLOTS 1)
         workers = job.workers(1)
         workers[stopped_index].suspend()
         time.sleep(1)
@@ -248,7 +252,7 @@ def test_kill_inside_a_collective_across_hosts_restarts_from_the_last_checkpoint
 
 def test_cut_link_ends_the_job_with_one_line_in_bounded_time(faults, report_measured):
     output = faults["output"]
-    report_measured(f"multi-host (2 namespaces x 2 workers): link cut -> launcher exit in "
+    report_measured(f"multi-host (2 namespaces x {SLOTS} worker): link cut -> launcher exit in "
                     f"{faults['cut_to_exit_s']:.1f} s (--collective_timeout_s=10, "
                     f"--heartbeat_timeout_s=5)")
     assert faults["returncode"] == 1, _context(faults)
@@ -264,11 +268,11 @@ def test_rerun_resumes_and_ends_as_a_single_process_run(faults, report_measured)
     assert faults["rerun_returncode"] == 0, context
     metrics, reference = faults["metrics"], faults["reference"]
     assert metrics["resumed_from_step"] == faults["saved_at_cut"], context
-    assert metrics["workers"] == 4
+    assert metrics["workers"] == 2 * SLOTS
     resumed = np.array(metrics["loss_history"])
     same = np.array(reference["loss_history"][faults["saved_at_cut"]:faults["steps"]])
     assert resumed.shape == same.shape
-    # 4 workers' all-reduce sums the gradient in another order than one device does, and
+    # 2 workers' all-reduce sums the gradient in another order than one device does, and
     # Adam carries that float32 rounding on: far below 1e-4; a wrong restore (other
     # weights, optimizer state or data position) moves the loss by percents.
     report_measured(f"multi-host rerun vs one process, steps {faults['saved_at_cut']}-"

@@ -25,7 +25,11 @@ USER_ENV = {"PYTHONPATH": "", "TF_CPP_MIN_LOG_LEVEL": "2"}
 @pytest.fixture(scope="module")
 def venv(installed_venv):
     """The session's venv with tfpar installed (tests/conftest.py; tests/test_packaging.py
-    checks the same install)."""
+    checks the same install). Its `python SCRIPT` children in the user's environment are
+    forked from a fork server the venv's interpreter runs, which imported TensorFlow and
+    Keras once (tests/zygote.py; not tfpar: each child imports the installed copy itself);
+    `tfpar-launch` and the workers it starts are exec'd."""
+    subproc.fork_server_for(_python(installed_venv), USER_ENV)
     return installed_venv
 
 
@@ -107,10 +111,9 @@ def uninterrupted(venv, tmp_path_factory):
 
 def test_backup_and_restore_after_sigkill_mid_epoch(venv, project, uninterrupted):
     shutil.copy(os.path.join(ROOT, "tests", "user_resume.py"), project / "user_resume.py")
-    proc = subprocess.Popen([_python(venv), "user_resume.py", "backup", "final.npz", "pause", "27"],
-                            cwd=str(project), env=subproc.child_env(USER_ENV),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subproc.popen([_python(venv), "user_resume.py", "backup", "final.npz", "pause", "27"],
+                         cwd=str(project), env=USER_ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
         seen = []

@@ -10,8 +10,10 @@ children), its stdout and stderr on the file descriptors the request passed. It 
 separate process as an exec'd child is: one TensorFlow runtime, one strategy per process.
 
 `tests/subproc.py` starts one per pytest process (`subproc.run` and `subproc.popen` go
-through `popen_class`) and sends it only requests whose environment matches, in every variable read while TensorFlow loads (`IMPORT_TIME`), the one
-it imported TensorFlow with; the rest (and tests that check what a fresh interpreter has
+through `popen_class`), and one run by another interpreter named by
+`subproc.fork_server_for` (a virtual environment's), and sends each only requests of its
+interpreter whose environment matches, in every variable read while TensorFlow loads
+(`IMPORT_TIME`), the one it imported TensorFlow with; the rest (and tests that check what a fresh interpreter has
 imported, `run(..., fresh=True)`) are exec'd as before.
 
 A forked child's `subprocess.Popen` of `[sys.executable, ...]` in a new session (what
@@ -77,10 +79,12 @@ def loaded_environment(environ):
     return env
 
 
-def accepts(server_env, cmd, env):
-    """Whether `cmd` (`[sys.executable, ...]`) with `env` runs in a fork as it would in a
-    fresh interpreter (and TFPAR_TEST_FORK=0 does not turn forking off)."""
-    if len(cmd) < 2 or cmd[0] != sys.executable or env.get("TFPAR_TEST_FORK") == "0":
+def accepts(server_env, cmd, env, python=None):
+    """Whether `cmd` (`[python, ...]`; `python` is `sys.executable` unless given: the
+    interpreter the server runs) with `env` runs in a fork as it would in a fresh
+    interpreter (and TFPAR_TEST_FORK=0 does not turn forking off)."""
+    python = sys.executable if python is None else python
+    if len(cmd) < 2 or cmd[0] != python or env.get("TFPAR_TEST_FORK") == "0":
         return False
     if cmd[1].startswith("-") and cmd[1] not in ("-c", "-m"):
         return False  # interpreter options (-u, -X, ...) are not replayed
@@ -182,19 +186,20 @@ def route_python_children(path, server_env):
         setattr(popen, name, method)
 
 
-def popen_class(path, server_env):
-    """A `subprocess.Popen` whose `[sys.executable, ...]` children in a new session are
-    forked by the server at `path` (`_routed`'s conditions); the rest are exec'd."""
+def popen_class(path, server_env, python=None):
+    """A `subprocess.Popen` whose `[python, ...]` children in a new session are forked by
+    the server at `path`, which runs `python` (`sys.executable` unless given; `_routed`'s
+    conditions); the rest are exec'd."""
     import subprocess
     return type("ForkServerPopen", (subprocess.Popen,),
-                _routed(path, server_env, subprocess.Popen))
+                _routed(path, server_env, subprocess.Popen, python))
 
 
-def _routed(path, server_env, base):
-    """Popen's methods that start, poll and wait for a child, sending `[sys.executable, ...]`
-    in a new session to the fork server when `accepts` its environment and nothing else
-    asks for exec's own work (no preexec_fn, pass_fds, user, group, umask, process group;
-    the executable this interpreter's own path). The Popen object is the caller's as ever:
+def _routed(path, server_env, base, python=None):
+    """Popen's methods that start, poll and wait for a child, sending `[python, ...]`
+    (`sys.executable` unless given) in a new session to the fork server when `accepts` its
+    environment and nothing else asks for exec's own work (no preexec_fn, pass_fds, user,
+    group, umask, process group; the executable the server's interpreter). The Popen object is the caller's as ever:
     its pid the forked child's, its exit status read from the server (the child's parent)
     instead of waitpid. Written for CPython 3.11's POSIX Popen (`_execute_child`,
     `_internal_poll`, `_try_wait`, `_close_pipe_fds`, `_waitpid_lock`,
@@ -214,7 +219,8 @@ def _routed(path, server_env, base):
                         for k, v in (os.environ if env is None else env).items()}
         except TypeError:
             return None
-        return (argv[1:], full_env) if accepts(server_env, argv, full_env) else None
+        return ((argv[1:], full_env) if accepts(server_env, argv, full_env, python)
+                else None)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                        startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
