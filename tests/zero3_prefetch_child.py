@@ -108,10 +108,12 @@ def _waits(model, trainer):
     return out
 
 
-def equal(model_name, layout, waits=True, **extra):
+def equal(model_name, layout, waits=True, other=None, **extra):
+    """The default ZeRO-3 against `other` (settings; default no prefetch)."""
     config = ParallelConfig(**{**BASE, **MODELS[model_name], **LAYOUTS[layout], **extra})
     on_model, on_trainer, on, moved = _train(config)
-    off_model, off_trainer, off, _ = _train(config.replace(zero_prefetch=False))
+    off_model, off_trainer, off, _ = _train(config.replace(
+        **(other or {"zero_prefetch": False})))
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(on, off)]
     return {"bit_equal": all(np.array_equal(a, b) for a, b in zip(on, off)),
             "max_abs_diff": max(diffs), "moved": moved,
@@ -147,7 +149,12 @@ CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
          "equal-mlp-dp4-int8": lambda: equal("mlp", "dp4", False, zero_gather="int8"),
          "equal-transformer-dp4-accum-fp16": lambda: equal(
              "transformer", "dp4", False, grad_accum_steps=2, mixed_precision="fp16"),
-         **{f"peak-{m}": (lambda m=m: peak(m)) for m in MODELS}}
+         **{f"peak-{m}": (lambda m=m: peak(m)) for m in MODELS},
+         # Each layer gathered once, whole weights and activations kept for the backward
+         # (`--nozero_reshard_after_forward`) against the default's recomputation.
+         **{f"keep-{m}-{l}": (lambda m=m, l=l: equal(
+             m, l, False, {"zero_reshard_after_forward": False}))
+            for m in MODELS for l in LAYOUTS}}
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
