@@ -60,7 +60,7 @@ VARIANTS = {  # name: (ParallelConfig settings, DTensor's all-reduce combining o
     "mesh-plain-nocombine": ({}, False, {}),
     "mesh-plain+recompute": ({"recompute": "full"}, False, {}),
     "zero3-sumgather": ({"zero_stage": 3}, False, {"LOWER_DTENSOR_GATHER_TO_"
-                                                   "COLLECTIVE_GATHER_V2": "0"}),
+                                                   "COLLECTIVE_GATHER_V2": "0"}),  # off
     "zero3": ({"zero_stage": 3}, False, {}),
     "zero3-keep": ({"zero_stage": 3, "zero_reshard_after_forward": False}, False, {}),
 }

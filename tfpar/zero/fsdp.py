@@ -78,18 +78,24 @@ from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
 
 
-# DTensor's lowering of a relayout that gathers an axis, read when a function is compiled:
-# unset, it sums a zero-padded whole tensor over the axis (an all-reduce 4x the gathered
-# piece's bytes, each device adding the zeros); "1" makes it a `CollectiveGatherV2`. Measured
-# on TF 2.21, 4 logical CPUs: 8 gathers of a 1024 x 768 weight 156 -> 28 CPU ms, the same
-# values (docs/benchmarks/memory.md).
+# DTensor's lowering of a relayout that gathers an axis, read once a process, when the
+# first such relayout is compiled: unset, it sums a zero-padded whole tensor over the axis
+# (an all-reduce of N pieces' bytes, each device adding the zeros); set (to any value), a
+# `CollectiveGatherV2`. Measured on TF 2.21, 4 logical CPUs: 8 gathers of a 1024 x 768
+# weight 156 -> 28 CPU ms, the same values (docs/benchmarks/memory.md).
 COLLECTIVE_GATHER = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+_DTENSOR_OWN_GATHERS = []  # [True] once a process's `COLLECTIVE_GATHER=0` was taken out
 
 
 def collective_gathers():
-    """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`),
-    unless the environment already sets it."""
-    os.environ.setdefault(COLLECTIVE_GATHER, "1")
+    """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`), or
+    with `COLLECTIVE_GATHER=0` in the environment leaves DTensor's own lowering (the
+    variable removed: TensorFlow reads any value as on)."""
+    if os.environ.get(COLLECTIVE_GATHER) == "0" or _DTENSOR_OWN_GATHERS:
+        os.environ.pop(COLLECTIVE_GATHER, None)
+        _DTENSOR_OWN_GATHERS[:] = [True]
+        return
+    os.environ[COLLECTIVE_GATHER] = "1"
 
 
 def whole_over_batch(layout):
