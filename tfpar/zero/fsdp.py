@@ -31,6 +31,18 @@ bit-equal to gathering at each layer. The recomputation is then tfpar's own cust
 gradient (`tf.recompute_grad` adds the output gradient's zero to every input of the
 layer, pieces included, which would hold each gather back to its own layer).
 
+Without tensor parallelism the gathers are all-gathers (`collective_gathers`): DTensor
+otherwise lowers a relayout that gathers an axis to a sum of a zero-padded whole tensor
+over it, an all-reduce of the whole weight in place of a gather of its pieces
+(docs/benchmarks/memory.md has the profile); with it they stay so (DTensor's all-gather
+fails to compile on a mesh with a second sharded axis, TF 2.21).
+
+With `--nozero_reshard_after_forward` (FSDP's `reshard_after_forward=False`) a layer is not
+recomputed: it gathers once a step and keeps its whole weights and its activations for
+the backward pass (the relayout's gradient, a reduce-scatter, puts the weight's gradient
+on the pieces); bit-equal to the default (tests/test_zero3_prefetch.py), at the memory of
+every layer's whole weights (the benchmarks page measures it).
+
 Each layer's weight gradient should be reduced over `batch` as the backward pass reaches
 it, and freed: `tfpar.train` turns DTensor's all-reduce combining off for ZeRO-3 runs
 (`mesh.no_all_reduce_combining`, before DTensor starts). With it on, DTensor may merge
@@ -78,24 +90,30 @@ from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
 
 
-# DTensor's lowering of a relayout that gathers an axis, read once a process, when the
-# first such relayout is compiled: unset, it sums a zero-padded whole tensor over the axis
-# (an all-reduce of N pieces' bytes, each device adding the zeros); set (to any value), a
-# `CollectiveGatherV2`. Measured on TF 2.21, 4 logical CPUs: 8 gathers of a 1024 x 768
-# weight 156 -> 28 CPU ms, the same values (docs/benchmarks/memory.md).
+# DTensor's lowering of a relayout that gathers an axis, read each time a function or op
+# is compiled: unset, it sums a zero-padded whole tensor over the axis (an all-reduce of N
+# pieces' bytes, each device adding the zeros); set (to any value), a `CollectiveGatherV2`.
+# Measured on TF 2.21, 4 logical CPUs: 8 gathers of a 1024 x 768 weight 156 -> 28 CPU ms,
+# the same values (docs/benchmarks/memory.md). On a mesh with a second axis of size > 1
+# (tensor parallelism) its lowering fails to compile ("'tf.Reshape' op requires 'output'
+# number of elements to match", collective_lowering.cc), so it is set only without one.
 COLLECTIVE_GATHER = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 _DTENSOR_OWN_GATHERS = []  # [True] once a process's `COLLECTIVE_GATHER=0` was taken out
 
 
-def collective_gathers():
-    """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`), or
-    with `COLLECTIVE_GATHER=0` in the environment leaves DTensor's own lowering (the
-    variable removed: TensorFlow reads any value as on)."""
+def collective_gathers(mesh):
+    """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`) if
+    `mesh` (a DTensor mesh) has no axis of size > 1 but `batch`, else its own lowering
+    (a later build on a tensor-parallel mesh takes it out again); `COLLECTIVE_GATHER=0`
+    in the environment keeps DTensor's own (the variable removed: TensorFlow reads any
+    value as on)."""
+    others = [d for d in mesh.dim_names if d != BATCH and mesh.dim_size(d) > 1]
     if os.environ.get(COLLECTIVE_GATHER) == "0" or _DTENSOR_OWN_GATHERS:
-        os.environ.pop(COLLECTIVE_GATHER, None)
         _DTENSOR_OWN_GATHERS[:] = [True]
-        return
-    os.environ[COLLECTIVE_GATHER] = "1"
+    if others or _DTENSOR_OWN_GATHERS:
+        os.environ.pop(COLLECTIVE_GATHER, None)
+    else:
+        os.environ[COLLECTIVE_GATHER] = "1"
 
 
 def whole_over_batch(layout):
@@ -252,7 +270,6 @@ def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True):
     gathers once a step and keeps its whole weights and its activations for the backward
     pass, no recomputation (the gathers then wait for nothing: every whole weight is kept
     until its backward anyway); the same values."""
-    collective_gathers()
     names = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.non_trainable_weights:
@@ -261,6 +278,8 @@ def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True):
         layouts = [_split_layout(v) for v in variables]
         if all(layout is None for layout in layouts):
             continue
+        if not names:
+            collective_gathers(next(l for l in layouts if l is not None).mesh)
         _wrap(layer, variables, layouts, codec, prefetch, reshard)
         for variable in variables:
             object.__setattr__(variable, "_tfpar_gathered_per_layer", codec)
