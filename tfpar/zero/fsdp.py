@@ -104,9 +104,10 @@ _DTENSOR_OWN_GATHERS = []  # [True] once a process's `COLLECTIVE_GATHER=0` was t
 def collective_gathers(mesh):
     """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`) if
     `mesh` (a DTensor mesh) has no axis of size > 1 but `batch`, else its own lowering
-    (a later build on a tensor-parallel mesh takes it out again); `COLLECTIVE_GATHER=0`
-    in the environment keeps DTensor's own (the variable removed: TensorFlow reads any
-    value as on)."""
+    (a later ZeRO-3 build on a tensor-parallel mesh takes it out again; a later mesh
+    without ZeRO-3 in the same process, with tensor parallelism, would compile its gathers
+    with it: such a process must unset it first); `COLLECTIVE_GATHER=0` in the environment
+    keeps DTensor's own (the variable removed: TensorFlow reads any value as on)."""
     others = [d for d in mesh.dim_names if d != BATCH and mesh.dim_size(d) > 1]
     if os.environ.get(COLLECTIVE_GATHER) == "0" or _DTENSOR_OWN_GATHERS:
         _DTENSOR_OWN_GATHERS[:] = [True]
