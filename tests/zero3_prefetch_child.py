@@ -13,11 +13,18 @@ case to its result.
 - `peak-<model>`: the allocator's peak (BFC) during 3 steps above what was resident
   before, with and without prefetch, a fresh model each from the same seed; the bytes of
   the largest layer's whole weights.
+- `keep-<model>-<layout>`: as `equal-`, the default against
+  `--nozero_reshard_after_forward` (weights only).
+- `lowering-mlp`: one step (dp4) under TensorFlow's profiler, the collective ops the
+  devices ran counted by type (ZeRO-3's gathers lowered as `fsdp.COLLECTIVE_GATHER` says:
+  with it 0, DTensor's own, a sum).
 """
 
+import glob
 import json
 import os
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -108,10 +115,12 @@ def _waits(model, trainer):
     return out
 
 
-def equal(model_name, layout, waits=True, **extra):
+def equal(model_name, layout, waits=True, other=None, **extra):
+    """The default ZeRO-3 against `other` (settings; default no prefetch)."""
     config = ParallelConfig(**{**BASE, **MODELS[model_name], **LAYOUTS[layout], **extra})
     on_model, on_trainer, on, moved = _train(config)
-    off_model, off_trainer, off, _ = _train(config.replace(zero_prefetch=False))
+    off_model, off_trainer, off, _ = _train(config.replace(
+        **(other or {"zero_prefetch": False})))
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(on, off)]
     return {"bit_equal": all(np.array_equal(a, b) for a, b in zip(on, off)),
             "max_abs_diff": max(diffs), "moved": moved,
@@ -140,6 +149,44 @@ def peak(model_name):
     return out
 
 
+def _op_counts(logdir):
+    """{op type: events} of the profile in `logdir` (host op events are `name:Type`)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    counts = {}
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            for line in plane.lines:
+                for event in line.events:
+                    name = plane.event_metadata[event.metadata_id].name
+                    if ":" in name and "::" not in name:
+                        kind = name.rsplit(":", 1)[-1]
+                        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def lowering(model_name):
+    """Collective ops of one step (dp4) by type, counted over the devices, under
+    TensorFlow's profiler; the split weights' count."""
+    import tensorflow as tf
+    from tfpar.zero import fsdp
+    config = ParallelConfig(**{**BASE, **MODELS[model_name]})
+    model, trainer, task = _build(config)
+    first, second = data.global_batches(config, task, 0, 2)
+    trainer.train_on_batch(*first)  # traced and compiled
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        trainer.train_on_batch(*second)
+        tf.profiler.experimental.stop()
+        counts = _op_counts(logdir)
+    out = {k: counts.get(k, 0) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
+    out["split_weights"] = sum(fsdp._split_layout(v) is not None
+                               for v in model.trainable_variables)
+    return out
+
+
 CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
             for m in MODELS for l in LAYOUTS},
          # ZeRO++'s int8 gather; two micro-batches (a second forward pass in one step) under
@@ -147,7 +194,13 @@ CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
          "equal-mlp-dp4-int8": lambda: equal("mlp", "dp4", False, zero_gather="int8"),
          "equal-transformer-dp4-accum-fp16": lambda: equal(
              "transformer", "dp4", False, grad_accum_steps=2, mixed_precision="fp16"),
-         **{f"peak-{m}": (lambda m=m: peak(m)) for m in MODELS}}
+         **{f"peak-{m}": (lambda m=m: peak(m)) for m in MODELS},
+         # Each layer gathered once, whole weights and activations kept for the backward
+         # (`--nozero_reshard_after_forward`) against the default's recomputation.
+         **{f"keep-{m}-{l}": (lambda m=m, l=l: equal(
+             m, l, False, {"zero_reshard_after_forward": False}))
+            for m in MODELS for l in LAYOUTS},
+         "lowering-mlp": lambda: lowering("mlp")}
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

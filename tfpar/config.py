@@ -92,6 +92,10 @@ class ParallelConfig:
             with an fp32 scale per row (ZeRO++'s qwZ); the sharded weights stay fp32.
         zero_prefetch: ZeRO-3 issues each layer's gather one layer early, forward and
             backward (`tfpar.zero.fsdp`); False gathers each just before its layer.
+        zero_reshard_after_forward: ZeRO-3 frees each layer's whole weights after its
+            forward and gathers and recomputes the layer in the backward pass; False
+            (FSDP's `reshard_after_forward=False`) gathers once a step and keeps every
+            layer's whole weights and activations for the backward pass.
         offload: `"none"`, or `"optimizer"`: the optimizer's slots in host memory and its
             update run there (`tfpar.offload`, ZeRO-Offload's design), on data
             parallelism and ZeRO 1/2. `"optimizer+params"` (ZeRO-3's parameters held on
@@ -162,6 +166,7 @@ class ParallelConfig:
     zero_stage: int = 0
     zero_gather: str = "fp32"
     zero_prefetch: bool = True
+    zero_reshard_after_forward: bool = True
     offload: str = "none"
     # Gradient aggregation.
     compression: str = "none"

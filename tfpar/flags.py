@@ -134,6 +134,11 @@ _HELP = {
     "zero_prefetch": "ZeRO-3: issue each layer's weight gather one layer early, forward "
                      "and backward, at most two layers' weights whole at a time "
                      "(--nozero_prefetch: each gather just before its layer).",
+    "zero_reshard_after_forward": "ZeRO-3: free each layer's whole weights after its "
+                                  "forward and regather and recompute it in the backward "
+                                  "(--nozero_reshard_after_forward: gather once a step, "
+                                  "keep whole weights and activations; more memory, no "
+                                  "recomputation).",
     "offload": "CPU offload: none, or optimizer (momentum SGD's or Adam's slots in host "
                "memory, the update on the host: the gradient copied down and the step up "
                "each step; data parallelism and --zero_stage=1|2). optimizer+params is "

@@ -11,9 +11,11 @@ and reports it with its step time (median) and its measured peak per device. A
 configuration `tfpar.compat` refuses is printed as "refused: <reason>".
 
 `--overhead` instead times plain, ZeRO-1, ZeRO-2, ZeRO-3 (with its prefetch, the default,
-and without: `zero3-noprefetch`, `--nozero_prefetch`) and the offloaded plain, ZeRO-1
+and without: `zero3-noprefetch`, `--nozero_prefetch`; without its recomputation:
+`zero3-keep`, `--nozero_reshard_after_forward`) and the offloaded plain, ZeRO-1
 and ZeRO-2 on one size, uncapped, alternating in each of `--rounds` rounds (side by side in
-one run), with the bytes an offloaded step copies device -> host and host -> device. Step times of
+one run), with each run's allocator peak per device and the bytes an offloaded step copies
+device -> host and host -> device. Step times of
 the ladder with `--quick` (2 steps) include the first step's tracing: use `--overhead`
 for step times.
 
@@ -99,6 +101,7 @@ OVERHEAD_CONFIGS = [("plain", ["--strategy=mirrored"]),
                     ("zero2", ["--strategy=mirrored", "--zero_stage=2"]),
                     ("zero3-noprefetch", ["--zero_stage=3", "--nozero_prefetch"]),
                     ("zero3", ["--zero_stage=3"]),
+                    ("zero3-keep", ["--zero_stage=3", "--nozero_reshard_after_forward"]),
                     ("plain+offload", ["--strategy=mirrored", "--offload=optimizer"]),
                     ("zero1+offload", ["--strategy=mirrored", "--zero_stage=1",
                                        "--offload=optimizer"]),
@@ -226,13 +229,14 @@ def overhead():
                 raise SystemExit(f"{name}: {result.get('error')}")
             times[name].append(result["step_ms"])
             memory[name] = {k: result[k] for k in (
-                "param_mb_per_device", "optimizer_mb_per_device", "host_state_mb",
+                "param_mb_per_device", "optimizer_mb_per_device", "peak_mb_per_device",
+                "host_state_mb",
                 "copied_to_host_mb_per_step", "copied_to_device_mb_per_step") if k in result}
             print(f"  round {round_ + 1} {name}: {result['step_ms']:.1f} ms", flush=True)
     base = statistics.median(times[configs[0][0]])
     print(f"\n{'configuration':<17}{'median ms':>10}{'vs ' + configs[0][0]:>10}"
           f"{'rounds (ms)':>30}{'params MB/dev':>15}{'opt. state MB/dev':>19}"
-          f"{'host MB':>9}{'copied MB/step':>16}")
+          f"{'peak MB/dev':>13}{'host MB':>9}{'copied MB/step':>16}")
     rows = []
     for name, _ in configs:
         med = statistics.median(times[name])
@@ -243,6 +247,7 @@ def overhead():
                   if "host_state_mb" in mem else "-")
         print(f"{name:<17}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
               f"{mem['param_mb_per_device']:>15.2f}{mem['optimizer_mb_per_device']:>19.2f}"
+              f"{mem['peak_mb_per_device']:>13.2f}"
               f"{mem.get('host_state_mb', 0):>9.2f}{copied:>16}")
         rows.append({"name": name, "step_ms_rounds": times[name], "step_ms_median": med,
                      "overhead_vs_plain": med / base - 1, **memory[name]})

@@ -54,7 +54,8 @@ def _build_model(config, task):
                              width=config.model_width, depth=config.model_depth)
     if config.zero_stage == 3:
         # Before recompute: its layers already recompute.
-        fsdp.gather_per_layer(model, config.zero_gather, config.zero_prefetch)
+        fsdp.gather_per_layer(model, config.zero_gather, config.zero_prefetch,
+                              config.zero_reshard_after_forward)
     recompute.apply(model, config)
     return model
 

@@ -31,6 +31,18 @@ bit-equal to gathering at each layer. The recomputation is then tfpar's own cust
 gradient (`tf.recompute_grad` adds the output gradient's zero to every input of the
 layer, pieces included, which would hold each gather back to its own layer).
 
+Without tensor parallelism the gathers are all-gathers (`collective_gathers`): DTensor
+otherwise lowers a relayout that gathers an axis to a sum of a zero-padded whole tensor
+over it, an all-reduce of the whole weight in place of a gather of its pieces
+(docs/benchmarks/memory.md has the profile); with it they stay so (DTensor's all-gather
+fails to compile on a mesh with a second sharded axis, TF 2.21).
+
+With `--nozero_reshard_after_forward` (FSDP's `reshard_after_forward=False`) a layer is not
+recomputed: it gathers once a step and keeps its whole weights and its activations for
+the backward pass (the relayout's gradient, a reduce-scatter, puts the weight's gradient
+on the pieces); bit-equal to the default (tests/test_zero3_prefetch.py), at the memory of
+every layer's whole weights (the benchmarks page measures it).
+
 Each layer's weight gradient should be reduced over `batch` as the backward pass reaches
 it, and freed: `tfpar.train` turns DTensor's all-reduce combining off for ZeRO-3 runs
 (`mesh.no_all_reduce_combining`, before DTensor starts). With it on, DTensor may merge
@@ -65,6 +77,7 @@ relayouts.
 import contextlib
 import functools
 import math
+import os
 import threading
 import weakref
 
@@ -75,6 +88,33 @@ from tensorflow.experimental import dtensor
 from tfpar import patches
 from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
+
+
+# DTensor's lowering of a relayout that gathers an axis, read each time a function or op
+# is compiled: unset, it sums a zero-padded whole tensor over the axis (an all-reduce of N
+# pieces' bytes, each device adding the zeros); set (to any value), a `CollectiveGatherV2`.
+# Measured on TF 2.21, 4 logical CPUs: 8 gathers of a 1024 x 768 weight 156 -> 28 CPU ms,
+# the same values (docs/benchmarks/memory.md). On a mesh with a second axis of size > 1
+# (tensor parallelism) its lowering fails to compile ("'tf.Reshape' op requires 'output'
+# number of elements to match", collective_lowering.cc), so it is set only without one.
+COLLECTIVE_GATHER = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+_DTENSOR_OWN_GATHERS = []  # [True] once a process's `COLLECTIVE_GATHER=0` was taken out
+
+
+def collective_gathers(mesh):
+    """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`) if
+    `mesh` (a DTensor mesh) has no axis of size > 1 but `batch`, else its own lowering
+    (a later ZeRO-3 build on a tensor-parallel mesh takes it out again; a later mesh
+    without ZeRO-3 in the same process, with tensor parallelism, would compile its gathers
+    with it: such a process must unset it first); `COLLECTIVE_GATHER=0` in the environment
+    keeps DTensor's own (the variable removed: TensorFlow reads any value as on)."""
+    others = [d for d in mesh.dim_names if d != BATCH and mesh.dim_size(d) > 1]
+    if os.environ.get(COLLECTIVE_GATHER) == "0" or _DTENSOR_OWN_GATHERS:
+        _DTENSOR_OWN_GATHERS[:] = [True]
+    if others or _DTENSOR_OWN_GATHERS:
+        os.environ.pop(COLLECTIVE_GATHER, None)
+    else:
+        os.environ[COLLECTIVE_GATHER] = "1"
 
 
 def whole_over_batch(layout):
@@ -184,25 +224,27 @@ def device_share(variable, axes=None):
                      if s != dtensor.UNSHARDED and (axes is None or s in axes))
 
 
-def gather_bytes(model, passes=2):
+def gather_bytes(model, passes=None):
     """Bytes each device hands to the per-layer weight gathers in one step (its piece of
     each weight, also split over `model` with tensor parallelism), from the weights
     `gather_per_layer` wrapped; 0 without any. `passes`: how often each layer's gather
-    runs, 2 (forward and the recomputed forward of the backward), or 1 in a step traced
-    under `per_replica_gradients` (no recomputation there)."""
+    runs, 1 in a step traced under `per_replica_gradients` (no recomputation there); None:
+    each layer's own, 2 (forward and the recomputed forward of the backward) or 1 without
+    resharding (`gather_per_layer(reshard=False)`)."""
     total = 0
     for variable in model.trainable_variables:
         codec = getattr(variable, "_tfpar_gathered_per_layer", None)
         layout = _split_layout(variable)
         if not codec or layout is None:  # a weight kept whole is not gathered
             continue
+        runs = passes or getattr(variable, "_tfpar_gather_passes", 2)
         shape = [int(d) for d in variable.shape]
         piece = math.prod(shape) // device_share(variable)
         if _quantized(variable, codec):  # its rows' scales: over `batch` only
             rows = shape[list(layout.sharding_specs).index(BATCH)]
-            total += passes * (piece + 4 * rows // layout.mesh.dim_size(BATCH))
+            total += runs * (piece + 4 * rows // layout.mesh.dim_size(BATCH))
         else:
-            total += passes * 4 * piece
+            total += runs * 4 * piece
     return total
 
 
@@ -216,14 +258,19 @@ def _after(value, inputs):
     return value + tf.cast(zero, value.dtype)
 
 
-def gather_per_layer(model, codec="fp32", prefetch=True):
+def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True):
     """Makes every top-level layer of `model` whose weights are split over `batch` gather
     them whole just before it runs, and again in its backward pass (see the module
     docstring); returns the names of those layers. Marks the layers as recomputed
-    (`tfpar.recompute` then leaves them alone: they already are) and their weights as
-    gathered per layer (`gathered` leaves them split). `codec`: `"fp32"` or `"int8"`
-    (`--zero_gather`). `prefetch` (`--zero_prefetch`): each gather is issued one layer
-    early, forward and backward (`_prefetched`); the same values either way."""
+    (`tfpar.recompute` then leaves them alone: they already are, or with `reshard=False`
+    keep everything for the backward) and their weights as gathered per layer (`gathered`
+    leaves them split). `codec`: `"fp32"` or `"int8"` (`--zero_gather`). `prefetch`
+    (`--zero_prefetch`): each gather is issued one layer early, forward and backward
+    (`_prefetched`); the same values either way. `reshard=False`
+    (`--nozero_reshard_after_forward`, FSDP's `reshard_after_forward=False`): each layer
+    gathers once a step and keeps its whole weights and its activations for the backward
+    pass, no recomputation (the gathers then wait for nothing: every whole weight is kept
+    until its backward anyway); the same values."""
     names = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.non_trainable_weights:
@@ -232,14 +279,17 @@ def gather_per_layer(model, codec="fp32", prefetch=True):
         layouts = [_split_layout(v) for v in variables]
         if all(layout is None for layout in layouts):
             continue
-        _wrap(layer, variables, layouts, codec, prefetch)
+        if not names:
+            collective_gathers(next(l for l in layouts if l is not None).mesh)
+        _wrap(layer, variables, layouts, codec, prefetch, reshard)
         for variable in variables:
             object.__setattr__(variable, "_tfpar_gathered_per_layer", codec)
+            object.__setattr__(variable, "_tfpar_gather_passes", 2 if reshard else 1)
         names.append(layer.name)
     return names
 
 
-def _wrap(layer, variables, layouts, codec, prefetch):
+def _wrap(layer, variables, layouts, codec, prefetch, reshard):
     call = layer.call
     quantized = [layout is not None and _quantized(v, codec)
                  for v, layout in zip(variables, layouts)]
@@ -268,7 +318,7 @@ def _wrap(layer, variables, layouts, codec, prefetch):
                     patches.autocasting(autocast):
                 return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
-        if _PER_REPLICA:  # not recomputed (module docstring)
+        if _PER_REPLICA or not reshard:  # not recomputed (module docstring)
             return run(tensors, gather(pieces))
         if prefetch:
             return _prefetched(run, gather, tensors, pieces, tensors or others,
