@@ -35,15 +35,21 @@ With `--compression=fp16|bf16|int8` (ZeRO++'s quantized gradient reduce-scatter)
 stages reduce-scatter: each replica's pieces travel in the codec (`encode_pieces`: int8
 with one fp32 scale per `INT8_BLOCK` entries of each piece) and their owner decodes and
 sums them in fp32 (`reduce_scatter_encoded`); with error feedback each replica keeps what
-its message dropped in `zero_residual` (the unpadded flat length, checkpointed per replica
-through `PerReplicaSlot`). `--compression=lowbit|topk` reduce-scatter the same way, each
+its message dropped in `zero_residual` (the unpadded flat length). `--compression=
+lowbit|topk` reduce-scatter the same way, each
 piece coded for its owner by `tfpar.zero.piece_codecs`. `--compression=threshold|powersgd`
 cannot travel as equal pieces (a data-dependent count; factors of whole matrices): their
 aggregator (`AGGREGATED`, data parallelism's own, without Adam in front since the moments
 are sharded here) forms the whole approximate sum on every replica, which keeps its piece
-(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does; the
-aggregator's residuals and PowerSGD's Q are checkpointed as `zero_residual` is. The
+(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does. The
 weights' all-gather stays fp32.
+
+A codec's state is checkpointed under data parallelism's names (`tfpar.state`,
+`codec/<weight path>/<kind>`), read in the step as the slots are: `zero_residual` cut per
+weight (`residual_entries`), each row a replica's share of what the sum owes as a
+tf.distribute aggregator's; the aggregator's own state as on data parallelism
+(`aggregator_of`). So a checkpoint of ZeRO 1/2 with a codec resumes on data parallelism
+with that codec, on another replica count, and the reverse.
 
 With `--mixed_precision=fp16` Keras's `LossScaleOptimizer` (`tfpar.nan_guard.
 ConsistentLossScaleOptimizer`) wraps this optimizer and unscales each replica's gradients
@@ -124,21 +130,19 @@ class ZeroMixin:
         aggregator = self.tfpar_zero_aggregator
         self._tfpar_layout.aggregator = aggregator
         if aggregator is not None:
-            # Its residuals (and PowerSGD's Q) are per replica in its own `PerReplicaSlot`s:
-            # checkpointed as the ZeRO residual is (`tfpar.state.aggregators_of`).
+            # Its residuals (and PowerSGD's Q, its step) are per replica in its own
+            # variables: checkpointed as data parallelism's (`tfpar.state`, `codec/...`).
             aggregator.build([v.value if isinstance(v, keras.Variable) else v
                               for v in variables])
-            self.tfpar_zero_residual = aggregator
         elif self.tfpar_zero_codec != "none" and self.tfpar_zero_error_feedback:
             # Error feedback of the compressed reduce-scatter: what this replica's message
             # dropped, over the whole unpadded flat gradient (its length does not depend on
-            # the replica count, so a checkpoint restores onto any: `PerReplicaSlot`).
+            # the replica count), checkpointed per weight (`residual_entries`).
             with tf.init_scope():
                 residual = aggregator_lib.per_replica_variable(
                     tf.zeros([self._tfpar_layout.size]), "zero_residual",
                     tf.VariableAggregation.MEAN)
             self._tfpar_layout.residual = residual
-            self.tfpar_zero_residual = aggregator_lib.PerReplicaSlot(residual)
         if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly():
             check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s,
                         self._tfpar_layout.instance + 2)
@@ -212,8 +216,10 @@ class ZeroMixin:
             flat_grads = flat_grads + tf.pad(tf.convert_to_tensor(residual),
                                              [[0, layout.padded - layout.size]])
         if n == 1:
+            # Sent whole: a residual loaded from more replicas is spent at once.
             layout.wire_bytes = 0
-            return flat_grads, squares, None, local_bad
+            spent = tf.zeros([layout.size]) if residual is not None else None
+            return flat_grads, squares, spent, local_bad
         square_piece, new_residual, wire = None, None, 0
         if layout.aggregator is not None:
             # The aggregator's all-reduce forms the whole (approximate) sum on every
@@ -338,6 +344,58 @@ def slot_entries(optimizer, weights):
     by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
     return [(by_index[i], slot, entry) for slot, variable in layout.slots.items()
             for i, entry in enumerate(_slot_parts(layout, variable))]
+
+
+def aggregator_of(optimizer):
+    """The aggregator whose whole sum a ZeRO 1/2 `optimizer` (or the one it wraps) keeps
+    its piece of (`AGGREGATED` codecs), or None."""
+    zero = zero_of(optimizer)
+    return zero._tfpar_layout.aggregator if zero is not None else None
+
+
+def residual_entries(optimizer, weights):
+    """`[(weight, (read, write, shape))]` of the error feedback of a ZeRO 1/2 `optimizer`'s
+    compressed reduce-scatter (empty without one), cut into `weights`' shapes, one row per
+    replica: `read()` gives `[replicas, *shape]` (every replica's flat residual gathered
+    once per call of this function, in the caller's thread); `write(rows)` puts rows of
+    any count into this weight's part, onto another replica count replica 0 taking their
+    sum and the others zero (`aggregator.restore_replicas`'s rule).
+
+    A row is what that replica's message left out of its gradient, which the reduce-scatter
+    sums over replicas: its share of the sum, as a tf.distribute aggregator's residual
+    (`tfpar.state`'s "share" units), so data parallelism with the same codec loads it."""
+    layout = getattr(zero_of(optimizer), "_tfpar_layout", None)
+    if layout is None or layout.residual is None:
+        return []
+    offsets = np.cumsum([0] + layout.sizes)
+    gathered = []
+
+    def rows():
+        if not gathered:
+            gathered.append(aggregator_lib.stack_replicas(layout.residual).numpy())
+        return gathered[0]
+
+    def part(i):
+        shape = tuple(layout.shapes[i])
+
+        def read():
+            return rows()[:, offsets[i]:offsets[i + 1]].reshape((-1,) + shape)
+
+        def write(array):
+            array = np.reshape(np.asarray(array, np.float32), [len(array), -1])
+            if len(array) != layout.replicas:
+                moved = np.zeros([layout.replicas, array.shape[1]], np.float32)
+                moved[0] = array.sum(0)
+                array = moved
+            # Read back whole each time: a checkpoint may hold some weights' parts only
+            # (PowerSGD's vectors on data parallelism are sent exactly, with no residual).
+            whole = aggregator_lib.stack_replicas(layout.residual).numpy()
+            whole[:, offsets[i]:offsets[i + 1]] = array
+            aggregator_lib.restore_replicas(layout.residual, tf.constant(whole))
+            gathered.clear()
+        return read, write, (None,) + shape
+    by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
+    return [(by_index[i], part(i)) for i in range(len(layout.sizes)) if i in by_index]
 
 
 def _slot_parts(layout, variable):
