@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from tfpar import ParallelConfig, backends, devices  # noqa: E402
 from zero_fp16_child import _largest, _moved, overflow_and_resume  # noqa: E402
 
-CASES = {codec: {"zero_stage": 2, "compression": codec}
+CASES = {codec: {"zero_stage": 2, "compression": codec, "topk_union": False}
          for codec in ("lowbit", "topk", "threshold", "powersgd")}
 
 
