@@ -216,7 +216,7 @@ def test_zero12_codecs_resume_as_the_uninterrupted_run(trained):
 
 
 def test_zero12_codecs_skip_an_fp16_overflow_on_every_replica(trained, report_measured):
-    _, _, skips = trained
+    skips = trained[2]["skips"]
     assert sorted(skips) == sorted(CODECS)
     for name, r in skips.items():
         # Something to move: every replica's residual (PowerSGD: and its Qs).
@@ -236,6 +236,16 @@ def test_zero12_codecs_skip_an_fp16_overflow_on_every_replica(trained, report_me
         assert r["loaded_diff"] == 0 and r["resumed_next_diff"] == 0, (name, r)
     report_measured("zero12 codecs: fp16 overflow skipped with the codec state untouched: "
                     + ", ".join(sorted(skips)))
+
+
+def test_zero12_aggregator_step_decides_finiteness_with_no_extra_all_reduce(trained):
+    # ZeRO's one scalar all-reduce before the aggregator (every replica's gradients
+    # finite?) and the whole sum's check on every replica: the same all-reduces as data
+    # parallelism's PowerSGD step (a second scalar all-reduce over the pieces made it 8
+    # against 6, one per replica's traced body, before 2026-12-05).
+    counts = trained[2]["collectives"]
+    assert counts["zero2"]["CollectiveReduceV2"] == counts["dp"]["CollectiveReduceV2"], counts
+    assert counts["zero2"]["CollectiveGatherV2"] > 0  # the weights' gather: ZeRO's step
 
 
 @pytest.mark.parametrize("settings, setting", [

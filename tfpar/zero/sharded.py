@@ -165,19 +165,21 @@ class ZeroMixin:
                       self, keras.optimizers.Adam) else []
         squares = layout.flatten([_slice_squares(g) for g, _ in sparse],
                                  [v for _, v in sparse]) if sparse else None
-        grad_piece, square_piece, new_residual, local_bad = self._tfpar_reduce(
+        grad_piece, square_piece, new_residual, local_bad, agreed = self._tfpar_reduce(
             ctx, grads, variables, flat_grads, squares)
         if sparse:
             mask = layout.flatten([tf.ones(v.shape) for _, v in sparse],
                                   [v for _, v in sparse])
             mask = _own(mask, ctx, n) if n > 1 else mask
             square_piece = tf.where(mask > 0, square_piece, tf.square(grad_piece))
-        # Every replica learns whether any piece is non-finite (one scalar all-reduce).
-        bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
-        if local_bad is not None:
-            bad = tf.maximum(bad, local_bad)
-        if n > 1:
-            bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        if agreed is not None:  # every replica holds the whole sum: already decided
+            bad = agreed
+        else:  # every replica learns whether any piece is non-finite (one scalar all-reduce)
+            bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
+            if local_bad is not None:
+                bad = tf.maximum(bad, local_bad)
+            if n > 1:
+                bad = tf.minimum(ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad), 1.0)
         finite = tf.equal(bad, 0.0)
         params = layout.flatten([tf.convert_to_tensor(v) for v in variables], variables)
         param_piece = _own(params, ctx, n) if n > 1 else params
@@ -203,7 +205,9 @@ class ZeroMixin:
     def _tfpar_reduce(self, ctx, grads, variables, flat_grads, squares):
         """This replica's piece of the summed gradient (and of the summed squared slices,
         `squares`, if any): `(grad_piece, square_piece, new_residual or None, local_bad or
-        None)`, `local_bad` 1.0 where this replica's own gradient is non-finite."""
+        None, agreed or None)`, `local_bad` 1.0 where this replica's own gradient is
+        non-finite; `agreed`, with an aggregator, 1.0 on every replica where any replica's
+        gradient or the whole sum is non-finite (no further all-reduce needed)."""
         layout, n, codec = self._tfpar_layout, self._tfpar_layout.replicas, self.tfpar_zero_codec
         timeout, instance = self.tfpar_zero_timeout_s, layout.instance
         residual = layout.residual
@@ -219,13 +223,17 @@ class ZeroMixin:
             # Sent whole: a residual loaded from more replicas is spent at once.
             layout.wire_bytes = 0
             spent = tf.zeros([layout.size]) if residual is not None else None
-            return flat_grads, squares, spent, local_bad
-        square_piece, new_residual, wire = None, None, 0
+            return flat_grads, squares, spent, local_bad, None
+        square_piece, new_residual, wire, agreed = None, None, 0, None
         if layout.aggregator is not None:
             # The aggregator's all-reduce forms the whole (approximate) sum on every
             # replica; each keeps its piece.
-            summed = _aggregate(layout.aggregator, ctx, grads, variables, local_bad)
-            grad_piece = _own(layout.flatten(summed, variables), ctx, n)
+            summed, any_bad = _aggregate(layout.aggregator, ctx, grads, variables, local_bad)
+            whole = layout.flatten(summed, variables)
+            grad_piece = _own(whole, ctx, n)
+            # The sum is the same on every replica: its finiteness needs no all-reduce.
+            agreed = tf.maximum(any_bad, 1.0 - tf.cast(
+                tf.reduce_all(tf.math.is_finite(whole)), tf.float32))
         elif codec != "none":
             # Stages 1 and 2 alike: a compressed reduce-scatter (each replica needs only the
             # sum of its own piece), the pieces travelling in the codec.
@@ -243,7 +251,7 @@ class ZeroMixin:
                             if squares is not None else None)
             layout.wire_bytes = 4 * ((1 if squares is None else 2) * layout.padded
                                      + layout.piece)
-            return grad_piece, square_piece, None, local_bad
+            return grad_piece, square_piece, None, local_bad, None
         else:
             # One all-reduce of both vectors.
             both = flat_grads if squares is None else tf.concat([flat_grads, squares], 0)
@@ -252,7 +260,7 @@ class ZeroMixin:
                                      + layout.piece)
             return (_own(both[:layout.padded], ctx, n),
                     None if squares is None else _own(both[layout.padded:], ctx, n),
-                    None, local_bad)
+                    None, local_bad, None)
         if squares is not None:
             # Adam's summed squared slices divide the step: int8 and fp16 would round
             # a small one to 0 (a step of m / epsilon); bf16 keeps fp32's range.
@@ -261,7 +269,7 @@ class ZeroMixin:
                                                   layout.tokens, timeout, instance + 3)
             wire += collectives_nbytes(sent_squares)
         layout.wire_bytes = wire + 4 * layout.piece
-        return grad_piece, square_piece, new_residual, local_bad
+        return grad_piece, square_piece, new_residual, local_bad, agreed
 
     def _tfpar_slot_names(self):
         # The slots held on the devices (`tfpar.offload` keeps them on the host instead).
@@ -617,10 +625,10 @@ def reduce_scatter_encoded(encoded, n, codec, piece, tokens, timeout_s, instance
 
 
 def _aggregate(aggregator, ctx, grads, variables, local_bad):
-    """The sum of `grads` over replicas through `aggregator`, on every replica; run only
-    when every replica's gradients are finite (one scalar all-reduce decides), so a
-    non-finite step leaves its residuals and PowerSGD's Q as they were, and hands back NaN
-    (the update then skips it)."""
+    """`(sum, any_bad)`: the sum of `grads` over replicas through `aggregator`, on every
+    replica; run only when every replica's gradients are finite (one scalar all-reduce
+    decides: `any_bad`, 1.0 if not), so a non-finite step leaves its residuals and
+    PowerSGD's Q as they were, and hands back NaN (the update then skips it)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     dense = tuple(tf.convert_to_tensor(grads[i]) for i in present)
     subset = [variables[i] for i in present]
@@ -636,7 +644,7 @@ def _aggregate(aggregator, ctx, grads, variables, local_bad):
     summed = [None] * len(grads)
     for i, s in zip(present, out):
         summed[i] = s
-    return summed
+    return summed, tf.minimum(bad, 1.0)
 
 
 def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
