@@ -102,10 +102,13 @@ def trained(tmp_path_factory):
     cases = [{"name": "mlp-z2-none", **mlp, "zero_stage": 2},
              {"name": "mlp-z2-topk1", **mlp, "zero_stage": 2, "compression": "topk",
               "topk_ratio": 1.0, **NO_UNION},
-             # Rank 32: each kernel's summed gradient (32 examples) has rank <= 32, and
-             # the 256 x 256 kernel still travels as factors.
+             # Rank 32 on a batch of 8: each kernel's summed gradient has rank <= 8, well
+             # inside the factors (at 32 examples, rank 32 itself, the QR rounded the
+             # smallest singular values: 5.9e-5), and the 256 x 256 kernel still travels
+             # as factors.
+             {"name": "mlp-z2-none-b8", **mlp, "zero_stage": 2, "global_batch_size": 8},
              {"name": "mlp-z1-powersgd-full", **mlp, "zero_stage": 1,
-              "compression": "powersgd", "powersgd_rank": 32}]
+              "compression": "powersgd", "powersgd_rank": 32, "global_batch_size": 8}]
     for codec in CODECS:
         ckpt = ({"checkpoint_dir": str(folder / f"ck-{codec}")}
                 if codec in ("lowbit", "powersgd") else {})
@@ -142,17 +145,15 @@ def test_zero12_codecs_train_as_uncompressed_zero_and_as_data_parallel(trained,
         return max_diff(weights(f"{prefix}.{a}.npz"), weights(f"{prefix}.{b}.npz"))
 
     # Exact at the limit: top-k sending every entry sums as the fp32 reduce-scatter does,
-    # bit for bit; PowerSGD at the gradients' full rank (ZeRO-1) to float rounding, its
+    # bit for bit; PowerSGD above the gradients' rank (ZeRO-1) to float rounding, its
     # factors on the wire.
     assert diff("mlp-z2-topk1", "mlp-z2-none") == 0
-    d = diff("mlp-z1-powersgd-full", "mlp-z2-none")
+    d = diff("mlp-z1-powersgd-full", "mlp-z2-none-b8")
     report_measured(f"zero12 codecs: PowerSGD full rank vs uncompressed ZeRO, max |dw| = {d:.2e}")
-    # Measured 5.9e-5 (2026-12-05): the QR of a rank-32 gradient whose smallest singular
-    # values sit near fp32's rounding of its largest; 25x under PowerSGD's error at its
-    # default rank 16 (below).
-    assert d <= 2e-4, d
+    # Measured 4.8e-8 (2026-12-05, one run): fp32 rounding of the factors' products.
+    assert d <= 2e-7, d
     assert (results["mlp-z1-powersgd-full"]["comm"]["bytes_on_wire_per_step"]
-            < results["mlp-z2-none"]["comm"]["bytes_on_wire_per_step"])
+            < 0.6 * results["mlp-z2-none-b8"]["comm"]["bytes_on_wire_per_step"])
     for name, ref in [(f"mlp-z2-{c}", "mlp-z2-none") for c in CODECS] + [
             (f"mlp-z2-{c}", f"mlp-dp-{c}") for c in CODECS] + [
             (f"tr-z2-{c}", "tr-z2-none") for c in ("lowbit", "topk", "powersgd")]:
