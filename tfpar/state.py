@@ -27,8 +27,8 @@ piece of state is named as in the single-device model and saved as one full tens
   `Aggregator.named_state`), a mesh's codecs (`tfpar.layout.reduction`, every stage's in a
   mesh pipeline; `tfpar.layout.auto`; ZeRO-3's compressed reduce-scatter,
   `tfpar.zero.reduce_scatter`; ZeRO 1/2's, `tfpar.zero.sharded`: its reduce-scatter's
-  flat residual cut per weight, or its aggregator's state). A per-replica kind holds one row per replica
-  (`[replicas, ...]`): `residual` (a debt: onto another replica count replica 0 takes what
+  flat residual cut per weight, or its aggregator's state). A per-replica kind holds one
+  row per replica (`[replicas, ...]`): `residual` (a debt: onto another replica count replica 0 takes what
   the rows owe, the others zero), DGC's `dgc_velocity` (replica 0 takes the rows' sum),
   Adam's `adam_m`, `adam_v` in front of compression (estimates: every replica takes their
   mean). A mesh's residual row is its replica's own error (the step applies their mean),
