@@ -26,6 +26,7 @@ error feedback).
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tfpar.compression import codecs, lowbit
@@ -72,9 +73,23 @@ class LowBitPieces:
         self.lengths = [[length for _, length, _ in row] for row in piece_parts(sizes, piece, n)]
         self.counts = [lowbit.block_count(lengths, block) for lengths in self.lengths]
         self.width = max(self.counts)  # scales per message, padded
+        # Each piece's block lengths, `[n, width]` (0 past its count), cut once: a step
+        # expands its own piece's into the block of each entry with one op (it built
+        # every piece's ids op by op before), and the graph holds `n * width` ints, not
+        # `n * piece`.
+        self.repeats = np.zeros([n, self.width], np.int32)
+        for r, lengths in enumerate(self.lengths):
+            cut = [min(block, length - start) for length in lengths
+                   for start in range(0, length, block)]
+            self.repeats[r, :len(cut)] = cut
 
     def _ids(self, r):
-        return lowbit.block_ids(self.lengths[r], self.block)
+        """The block of each entry of piece `r` (`r` a number or a scalar tensor), int32
+        `[piece]`, as `lowbit.block_ids` of its parts."""
+        repeats = (self.repeats[r] if isinstance(r, int)
+                   else tf.gather(tf.constant(self.repeats), r))
+        return tf.reshape(tf.repeat(tf.range(self.width, dtype=tf.int32), repeats),
+                          [self.piece])
 
     def message_words(self):
         """int32 words of one piece's message."""
@@ -95,8 +110,7 @@ class LowBitPieces:
 
     def decode(self, received, rank):
         # Every message an owner receives is of its own piece: one block layout, its rank's.
-        ids = tf.gather(tf.stack([self._ids(r) for r in range(self.n)]), rank)
-        return self._decode(received, ids)
+        return self._decode(received, self._ids(rank))
 
     def decode_own(self, sent):
         return tf.stack([self._decode(sent[r], self._ids(r)) for r in range(self.n)])
