@@ -7,6 +7,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from subproc import ROOT, in_background, last_json_line, popen, run, run_module
@@ -49,6 +50,29 @@ def test_an_async_save_holds_its_aggregators_state_of_its_step_under_load(tmp_pa
         codec = [k for k in saved if "codec..S" in k]
         assert {k.rsplit("..S", 1)[-1] for k in codec} >= {
             "residual", "powersgd_q", "adam_m", "adam_v", "step"}, codec
+
+
+@pytest.mark.parametrize("codec", ["topk", "powersgd"])
+def test_an_async_save_holds_zero12s_codec_state_of_its_step_under_load(tmp_path, codec):
+    # ZeRO-2 with a lossy codec, 2 replicas: its own reduce-scatter's residual (top-k), or
+    # its aggregator's residuals, Qs and step counter (PowerSGD), and the sharded slots,
+    # saved beside training under load (an older tfpar saved ZeRO's codec state
+    # synchronously): each checkpoint equals the synchronous run's of the same step.
+    cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "zero_stage": 2,
+           "compression": codec, "topk_union": False, "powersgd_rank": 4}
+    burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
+    try:
+        checkpoints = _async_equals_sync(tmp_path, cfg)
+    finally:
+        burner.kill()
+        burner.wait()
+    kinds = {"topk": {"residual"}, "powersgd": {"residual", "powersgd_q", "step"}}[codec]
+    for saved in checkpoints.values():
+        codec_keys = [k for k in saved if "codec..S" in k]
+        assert {k.rsplit("..S", 1)[-1] for k in codec_keys} == kinds, codec_keys
+        residual = [saved[k] for k in codec_keys if k.endswith("residual")]
+        assert all(r.shape[0] == 2 for r in residual) and any(r.any() for r in residual)
+        assert any(k.endswith("..Svelocity") for k in saved)  # Adam's sharded slots, whole
 
 
 def _async_equals_sync(tmp_path, cfg):

@@ -10,6 +10,11 @@ batch holds one infinite input on replica 0, one more step; how far the weights,
 pieces and the codec's per-replica state (every replica's residuals, PowerSGD's Q) moved
 around the overflowing step; saved with `tfpar.state` and loaded into a second model, the
 largest difference of that state and of the weights after one more step from each.
+
+Then the collective ops of the step `fit` traced for ZeRO-2 with PowerSGD and for data
+parallelism with PowerSGD (fp32, `tests/dp_overhead_child.py`'s count): ZeRO's gradient
+finiteness, decided by one scalar all-reduce before the aggregator runs, needs no other.
+Prints `{"skips": {codec: result}, "collectives": {run: {op: count}}}`.
 """
 
 import json
@@ -24,7 +29,7 @@ import numpy as np  # noqa: E402
 from tfpar import ParallelConfig, backends, devices  # noqa: E402
 from zero_fp16_child import _largest, _moved, overflow_and_resume  # noqa: E402
 
-CASES = {codec: {"zero_stage": 2, "compression": codec}
+CASES = {codec: {"zero_stage": 2, "compression": codec, "topk_union": False}
          for codec in ("lowbit", "topk", "threshold", "powersgd")}
 
 
@@ -72,13 +77,31 @@ def run_case(settings, runtime, backend):
     }
 
 
+def collectives(runtime):
+    """`{run: {collective op: count}}` of ZeRO-2's and data parallelism's PowerSGD step."""
+    import keras
+
+    from dp_overhead_child import op_types
+    from tfpar.train import train
+    out = {}
+    for name, extra in (("zero2", {"zero_stage": 2}), ("dp", {})):
+        keras.mixed_precision.set_global_policy("float32")
+        config = ParallelConfig(strategy="mirrored", cpu_devices=2, model="mlp",
+                                model_width=64, global_batch_size=32, steps=2,
+                                steps_per_epoch=2, verbose=0, compression="powersgd",
+                                **extra)
+        _, model = train(config, runtime=runtime)
+        out[name] = {op: n for op, n in op_types(model).items() if op.startswith("Collective")}
+    return out
+
+
 def main():
     devices.split_cpu(2)
     first = ParallelConfig(strategy="mirrored", cpu_devices=2, mixed_precision="fp16")
     backend = backends.for_config(first)
     runtime = backend.build_runtime(first)
-    out = {name: run_case(settings, runtime, backend) for name, settings in CASES.items()}
-    print(json.dumps(out), flush=True)
+    skips = {name: run_case(settings, runtime, backend) for name, settings in CASES.items()}
+    print(json.dumps({"skips": skips, "collectives": collectives(runtime)}), flush=True)
 
 
 if __name__ == "__main__":

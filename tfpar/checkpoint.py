@@ -99,8 +99,8 @@ class Checkpointer(keras.callbacks.Callback):
         self.every = config.checkpoint_every
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._step = self._saved = 0
-        # What is written: the state under layout-independent names (`tfpar.state`, a
-        # codec's too), so any layout loads it; ZeRO 1/2's residual object beside it.
+        # What is written: the state under layout-independent names (`tfpar.state`, every
+        # codec's too, ZeRO 1/2's included), so any layout loads it; the step beside it.
         self._state = state.LayoutState(model, state.layout_of(config, runtime))
         self._others = {"step": self.step, **state.aggregators_of(model)}
         self._checkpoint = tf.train.Checkpoint(state=self._state, **self._others)
@@ -115,20 +115,13 @@ class Checkpointer(keras.callbacks.Callback):
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, self._write_dir, max_to_keep=config.keep_checkpoints,
             checkpoint_name="ckpt")
-        # A tf.distribute aggregator's state is read into the snapshot by `tfpar.state`, in
-        # the step. (Saved as its own `SyncOnRead` variables, TensorFlow deferred their
-        # reads to the writer thread: the first async save held PowerSGD's step counter
-        # and Qs of 10 steps later; tests/test_checkpoint_async.py compares every tensor
-        # with the synchronous save's under load.) ZeRO 1/2's residual object beside the
-        # state has no such test yet: its checkpoints save synchronously.
-        asked = getattr(config, "checkpoint_async", False)
+        # A codec's state (a tf.distribute aggregator's, ZeRO 1/2's) is read into the
+        # snapshot by `tfpar.state`, in the step. (Saved as its own `SyncOnRead` variables,
+        # TensorFlow deferred their reads to the writer thread: the first async save held
+        # PowerSGD's step counter and Qs of 10 steps later; tests/test_checkpoint_async.py
+        # compares every tensor with the synchronous save's under load.)
         self._writer = (checkpoint_writer.Writer()
-                        if asked and set(self._others) == {"step"} else None)
-        if asked and self._writer is None:
-            beside = ", ".join(sorted(set(self._others) - {"step"}))
-            logging.warning("tfpar: checkpoints of %s save synchronously (its per-replica "
-                            "state beside the checkpoint's names is not checked as "
-                            "snapshotted exactly)", beside)
+                        if getattr(config, "checkpoint_async", False) else None)
         self._snapshot_cache = {}
 
     def restore(self):

@@ -26,12 +26,14 @@ piece of state is named as in the single-device model and saved as one full tens
   set of names on every backend: tf.distribute's aggregators (`tfpar.compression`,
   `Aggregator.named_state`), a mesh's codecs (`tfpar.layout.reduction`, every stage's in a
   mesh pipeline; `tfpar.layout.auto`; ZeRO-3's compressed reduce-scatter,
-  `tfpar.zero.reduce_scatter`). A per-replica kind holds one row per replica
-  (`[replicas, ...]`): `residual` (a debt: onto another replica count replica 0 takes what
+  `tfpar.zero.reduce_scatter`; ZeRO 1/2's, `tfpar.zero.sharded`: its reduce-scatter's
+  flat residual cut per weight, or its aggregator's state). A per-replica kind holds one
+  row per replica (`[replicas, ...]`): `residual` (a debt: onto another replica count replica 0 takes what
   the rows owe, the others zero), DGC's `dgc_velocity` (replica 0 takes the rows' sum),
   Adam's `adam_m`, `adam_v` in front of compression (estimates: every replica takes their
   mean). A mesh's residual row is its replica's own error (the step applies their mean),
-  tf.distribute's its share (Keras divided the gradient by the replicas: their sum):
+  tf.distribute's and ZeRO 1/2's its share (Keras divided the gradient by the replicas:
+  their sum):
   `meta/residual_units` says which, and a load converts. The others are the same on
   every replica: `powersgd_q`, `auto`'s `auto_rank`, `auto_norm_sum`, ... and a codec's
   counters under its first weight's path (`step`, `auto_step`, `auto_bytes_total`). Adam
@@ -44,9 +46,9 @@ piece of state is named as in the single-device model and saved as one full tens
 
 A checkpoint of an older tfpar holds tf.distribute's aggregator state as its objects
 (`aggregator/residual_slots/<position>`, `aggregator/qs/<position>`, ...: positions among
-the trainable variables): read under the names above. ZeRO 1/2's error feedback with a
-codec (`tfpar.zero.sharded`) is still saved by its own object beside the state
-(`aggregators_of`).
+the trainable variables; ZeRO 1/2's aggregator as `zero_residual/...`): read under the
+names above. Such a key that names nothing here (ZeRO's flat `zero_residual`, another
+model's position) is named in one line and not loaded.
 
 Loading reads the tensors by name (`tf.train.load_checkpoint`) and assigns each into the
 variable of the running layout: onto a mesh through its layout (`tfpar.layout.values`), onto
@@ -167,6 +169,12 @@ class LayoutState(patches.Trackable):
             out[f"codec/{name}"] = _merge(out.get(f"codec/{name}"), entry)
             if rows == "residual":
                 self._units[f"codec/{name}"] = "share"
+        from tfpar.zero import sharded
+        for optimizer in optimizers_of(self._model):
+            for weight, entry in sharded.residual_entries(optimizer,
+                                                          self._model.trainable_weights):
+                out[f"codec/{_path(weight)}/residual"] = entry
+                self._units[f"codec/{_path(weight)}/residual"] = "share"
         return out
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
@@ -193,7 +201,12 @@ class LayoutState(patches.Trackable):
         reader = tf.train.load_checkpoint(path)
         saved = {name_of(k): k for k in reader.get_variable_to_shape_map()}
         saved.pop(None, None)
-        saved.update(_old_aggregator_names(reader, self._model))
+        unmapped = []
+        saved.update(_old_aggregator_names(reader, self._model, unmapped))
+        if unmapped:
+            logging.warning("tfpar: checkpoint %s holds an older tfpar's codec state that "
+                            "names nothing in this run, not loaded: %s",
+                            os.path.basename(path), ", ".join(sorted(unmapped)))
         entries = {k: v for k, v in self.entries().items() if k.startswith(only)}
         # A codec's state is optional where the checkpoint holds none of its kind (written
         # without that codec, or by a codec without that kind) and for a residual (the
@@ -272,26 +285,24 @@ def load(path, layout_state, others):
 
 def aggregators_of(model):
     """`{name: trackable}` saved beside the `LayoutState` by TensorFlow's object graph:
-    ZeRO 1/2's error feedback with a codec (`tfpar.zero.sharded`), per replica, its sum
-    kept across replica counts (`PerReplicaSlot`). A tf.distribute aggregator's state is in
-    the `LayoutState` (`codec/...`)."""
-    from tfpar.zero import sharded
-    residuals = [getattr(sharded.zero_of(o), "tfpar_zero_residual", None)
-                 for o in optimizers_of(model)]
-    residuals = [r for r in residuals if r is not None]
-    if len(residuals) == 1:
-        return {"zero_residual": residuals[0]}
-    return {f"zero_residual_{i}": r for i, r in enumerate(residuals)}
+    none now, every codec's state is in the `LayoutState` (`codec/...`, read in the step).
+    An older tfpar saved tf.distribute's aggregators and ZeRO 1/2's error feedback here
+    (`_old_aggregator_names` reads them); tests write that form by handing them back."""
+    del model
+    return {}
 
 
 def _aggregators(model):
     """The tfpar aggregators of `model`'s optimizers whose state a step reads, each once,
     in the order older checkpoints named them (`aggregator`, or `aggregator_<i>`)."""
     from tfpar.compression import keras_hook
+    from tfpar.zero import sharded
     # An aggregator with no state a step reads (fp32 buckets: `checkpointed` False) is
     # left out, so its checkpoints load where Keras's own all-reduce ran and the reverse.
+    # ZeRO 1/2's (threshold, PowerSGD) is data parallelism's, under the same names.
     found = []
-    for a in map(keras_hook.aggregator_of, optimizers_of(model)):
+    for a in (keras_hook.aggregator_of(o) or sharded.aggregator_of(o)
+              for o in optimizers_of(model)):
         if a is not None and a.checkpointed and all(a is not b for b in found):
             found.append(a)
     return ({"aggregator": found[0]} if len(found) == 1
@@ -340,22 +351,29 @@ _OLD_KINDS = {"residual_slots": "residual", "velocity_slots": "dgc_velocity",
               "error_last": "auto_error_last", "beyond_sum": "auto_beyond_sum",
               "beyond_last": "auto_beyond_last", "window_rank": "auto_window_rank",
               "raised": "auto_raised", "bytes_total": "auto_bytes_total", "step": "step"}
-_OLD_KEY = re.compile(r"^(aggregator(?:_\d+)?)/(\w+)(?:/(\w+))?/\.ATTRIBUTES/"
-                      r"(?:per_replica|VARIABLE_VALUE)$")
+_OLD_KEY = re.compile(r"^(aggregator(?:_\d+)?|zero_residual(?:_\d+)?)/(\w+)(?:/(\w+))?/"
+                      r"\.ATTRIBUTES/(?:per_replica|VARIABLE_VALUE)$")
+# Any key of those objects (ZeRO's flat residual too: `zero_residual/.ATTRIBUTES/...`).
+_OLD_OWNER = re.compile(r"^(aggregator|zero_residual)(_\d+)?/")
 
 
-def _old_aggregator_names(reader, model):
+def _old_aggregator_names(reader, model, unmapped=None):
     """`{state name: checkpoint key}` of an older checkpoint's aggregator objects, named by
     the weights of the running model (its aggregator's positions, or without one its
-    trainable weights in order; a pipeline's stage aggregators only onto the same)."""
-    matches = [(m, k) for k in reader.get_variable_to_shape_map()
-               if (m := _OLD_KEY.match(k)) is not None]
+    trainable weights in order; a pipeline's stage aggregators only onto the same; ZeRO
+    1/2's aggregator, `zero_residual`, as `aggregator`). The keys of those objects that
+    name nothing here are appended to `unmapped` (a list), if given."""
+    keys = [k for k in reader.get_variable_to_shape_map() if _OLD_OWNER.match(k)]
+    matches = [(m, k) for k in keys if (m := _OLD_KEY.match(k)) is not None]
+    if unmapped is not None:
+        unmapped.extend(k for k in keys if _OLD_KEY.match(k) is None)
     if not matches:
         return {}
     running = _aggregators(model)
     out = {}
     for match, checkpoint_key in matches:
         owner, attribute, position = match.groups()
+        owner = owner.replace("zero_residual", "aggregator")
         aggregator = running.get(owner)
         if aggregator is not None and aggregator.positions:
             paths = _positions(aggregator, model)
@@ -375,6 +393,8 @@ def _old_aggregator_names(reader, model):
             kind = step_kind
         index = int(position) if position is not None else 0
         if kind is None or index not in paths:
+            if unmapped is not None and attribute != "wire_bytes":  # not state
+                unmapped.append(checkpoint_key)
             continue
         out[f"codec/{paths[index]}/{kind}"] = checkpoint_key
     return out

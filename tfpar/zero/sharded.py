@@ -35,15 +35,21 @@ With `--compression=fp16|bf16|int8` (ZeRO++'s quantized gradient reduce-scatter)
 stages reduce-scatter: each replica's pieces travel in the codec (`encode_pieces`: int8
 with one fp32 scale per `INT8_BLOCK` entries of each piece) and their owner decodes and
 sums them in fp32 (`reduce_scatter_encoded`); with error feedback each replica keeps what
-its message dropped in `zero_residual` (the unpadded flat length, checkpointed per replica
-through `PerReplicaSlot`). `--compression=lowbit|topk` reduce-scatter the same way, each
+its message dropped in `zero_residual` (the unpadded flat length). `--compression=
+lowbit|topk` reduce-scatter the same way, each
 piece coded for its owner by `tfpar.zero.piece_codecs`. `--compression=threshold|powersgd`
 cannot travel as equal pieces (a data-dependent count; factors of whole matrices): their
 aggregator (`AGGREGATED`, data parallelism's own, without Adam in front since the moments
 are sharded here) forms the whole approximate sum on every replica, which keeps its piece
-(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does; the
-aggregator's residuals and PowerSGD's Q are checkpointed as `zero_residual` is. The
+(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does. The
 weights' all-gather stays fp32.
+
+A codec's state is checkpointed under data parallelism's names (`tfpar.state`,
+`codec/<weight path>/<kind>`), read in the step as the slots are: `zero_residual` cut per
+weight (`residual_entries`), each row a replica's share of what the sum owes as a
+tf.distribute aggregator's; the aggregator's own state as on data parallelism
+(`aggregator_of`). So a checkpoint of ZeRO 1/2 with a codec resumes on data parallelism
+with that codec, on another replica count, and the reverse.
 
 With `--mixed_precision=fp16` Keras's `LossScaleOptimizer` (`tfpar.nan_guard.
 ConsistentLossScaleOptimizer`) wraps this optimizer and unscales each replica's gradients
@@ -124,21 +130,19 @@ class ZeroMixin:
         aggregator = self.tfpar_zero_aggregator
         self._tfpar_layout.aggregator = aggregator
         if aggregator is not None:
-            # Its residuals (and PowerSGD's Q) are per replica in its own `PerReplicaSlot`s:
-            # checkpointed as the ZeRO residual is (`tfpar.state.aggregators_of`).
+            # Its residuals (and PowerSGD's Q, its step) are per replica in its own
+            # variables: checkpointed as data parallelism's (`tfpar.state`, `codec/...`).
             aggregator.build([v.value if isinstance(v, keras.Variable) else v
                               for v in variables])
-            self.tfpar_zero_residual = aggregator
         elif self.tfpar_zero_codec != "none" and self.tfpar_zero_error_feedback:
             # Error feedback of the compressed reduce-scatter: what this replica's message
             # dropped, over the whole unpadded flat gradient (its length does not depend on
-            # the replica count, so a checkpoint restores onto any: `PerReplicaSlot`).
+            # the replica count), checkpointed per weight (`residual_entries`).
             with tf.init_scope():
                 residual = aggregator_lib.per_replica_variable(
                     tf.zeros([self._tfpar_layout.size]), "zero_residual",
                     tf.VariableAggregation.MEAN)
             self._tfpar_layout.residual = residual
-            self.tfpar_zero_residual = aggregator_lib.PerReplicaSlot(residual)
         if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly():
             check_ranks(strategy, self._tfpar_layout.tokens, self.tfpar_zero_timeout_s,
                         self._tfpar_layout.instance + 2)
@@ -161,19 +165,21 @@ class ZeroMixin:
                       self, keras.optimizers.Adam) else []
         squares = layout.flatten([_slice_squares(g) for g, _ in sparse],
                                  [v for _, v in sparse]) if sparse else None
-        grad_piece, square_piece, new_residual, local_bad = self._tfpar_reduce(
+        grad_piece, square_piece, new_residual, local_bad, agreed = self._tfpar_reduce(
             ctx, grads, variables, flat_grads, squares)
         if sparse:
             mask = layout.flatten([tf.ones(v.shape) for _, v in sparse],
                                   [v for _, v in sparse])
             mask = _own(mask, ctx, n) if n > 1 else mask
             square_piece = tf.where(mask > 0, square_piece, tf.square(grad_piece))
-        # Every replica learns whether any piece is non-finite (one scalar all-reduce).
-        bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
-        if local_bad is not None:
-            bad = tf.maximum(bad, local_bad)
-        if n > 1:
-            bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        if agreed is not None:  # every replica holds the whole sum: already decided
+            bad = agreed
+        else:  # every replica learns whether any piece is non-finite (one scalar all-reduce)
+            bad = 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(grad_piece)), tf.float32)
+            if local_bad is not None:
+                bad = tf.maximum(bad, local_bad)
+            if n > 1:
+                bad = tf.minimum(ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad), 1.0)
         finite = tf.equal(bad, 0.0)
         params = layout.flatten([tf.convert_to_tensor(v) for v in variables], variables)
         param_piece = _own(params, ctx, n) if n > 1 else params
@@ -199,7 +205,9 @@ class ZeroMixin:
     def _tfpar_reduce(self, ctx, grads, variables, flat_grads, squares):
         """This replica's piece of the summed gradient (and of the summed squared slices,
         `squares`, if any): `(grad_piece, square_piece, new_residual or None, local_bad or
-        None)`, `local_bad` 1.0 where this replica's own gradient is non-finite."""
+        None, agreed or None)`, `local_bad` 1.0 where this replica's own gradient is
+        non-finite; `agreed`, with an aggregator, 1.0 on every replica where any replica's
+        gradient or the whole sum is non-finite (no further all-reduce needed)."""
         layout, n, codec = self._tfpar_layout, self._tfpar_layout.replicas, self.tfpar_zero_codec
         timeout, instance = self.tfpar_zero_timeout_s, layout.instance
         residual = layout.residual
@@ -212,14 +220,20 @@ class ZeroMixin:
             flat_grads = flat_grads + tf.pad(tf.convert_to_tensor(residual),
                                              [[0, layout.padded - layout.size]])
         if n == 1:
+            # Sent whole: a residual loaded from more replicas is spent at once.
             layout.wire_bytes = 0
-            return flat_grads, squares, None, local_bad
-        square_piece, new_residual, wire = None, None, 0
+            spent = tf.zeros([layout.size]) if residual is not None else None
+            return flat_grads, squares, spent, local_bad, None
+        square_piece, new_residual, wire, agreed = None, None, 0, None
         if layout.aggregator is not None:
             # The aggregator's all-reduce forms the whole (approximate) sum on every
             # replica; each keeps its piece.
-            summed = _aggregate(layout.aggregator, ctx, grads, variables, local_bad)
-            grad_piece = _own(layout.flatten(summed, variables), ctx, n)
+            summed, any_bad = _aggregate(layout.aggregator, ctx, grads, variables, local_bad)
+            whole = layout.flatten(summed, variables)
+            grad_piece = _own(whole, ctx, n)
+            # The sum is the same on every replica: its finiteness needs no all-reduce.
+            agreed = tf.maximum(any_bad, 1.0 - tf.cast(
+                tf.reduce_all(tf.math.is_finite(whole)), tf.float32))
         elif codec != "none":
             # Stages 1 and 2 alike: a compressed reduce-scatter (each replica needs only the
             # sum of its own piece), the pieces travelling in the codec.
@@ -237,7 +251,7 @@ class ZeroMixin:
                             if squares is not None else None)
             layout.wire_bytes = 4 * ((1 if squares is None else 2) * layout.padded
                                      + layout.piece)
-            return grad_piece, square_piece, None, local_bad
+            return grad_piece, square_piece, None, local_bad, None
         else:
             # One all-reduce of both vectors.
             both = flat_grads if squares is None else tf.concat([flat_grads, squares], 0)
@@ -246,7 +260,7 @@ class ZeroMixin:
                                      + layout.piece)
             return (_own(both[:layout.padded], ctx, n),
                     None if squares is None else _own(both[layout.padded:], ctx, n),
-                    None, local_bad)
+                    None, local_bad, None)
         if squares is not None:
             # Adam's summed squared slices divide the step: int8 and fp16 would round
             # a small one to 0 (a step of m / epsilon); bf16 keeps fp32's range.
@@ -255,7 +269,7 @@ class ZeroMixin:
                                                   layout.tokens, timeout, instance + 3)
             wire += collectives_nbytes(sent_squares)
         layout.wire_bytes = wire + 4 * layout.piece
-        return grad_piece, square_piece, new_residual, local_bad
+        return grad_piece, square_piece, new_residual, local_bad, agreed
 
     def _tfpar_slot_names(self):
         # The slots held on the devices (`tfpar.offload` keeps them on the host instead).
@@ -338,6 +352,58 @@ def slot_entries(optimizer, weights):
     by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
     return [(by_index[i], slot, entry) for slot, variable in layout.slots.items()
             for i, entry in enumerate(_slot_parts(layout, variable))]
+
+
+def aggregator_of(optimizer):
+    """The aggregator whose whole sum a ZeRO 1/2 `optimizer` (or the one it wraps) keeps
+    its piece of (`AGGREGATED` codecs), or None."""
+    zero = zero_of(optimizer)
+    return zero._tfpar_layout.aggregator if zero is not None else None
+
+
+def residual_entries(optimizer, weights):
+    """`[(weight, (read, write, shape))]` of the error feedback of a ZeRO 1/2 `optimizer`'s
+    compressed reduce-scatter (empty without one), cut into `weights`' shapes, one row per
+    replica: `read()` gives `[replicas, *shape]` (every replica's flat residual gathered
+    once per call of this function, in the caller's thread); `write(rows)` puts rows of
+    any count into this weight's part, onto another replica count replica 0 taking their
+    sum and the others zero (`aggregator.restore_replicas`'s rule).
+
+    A row is what that replica's message left out of its gradient, which the reduce-scatter
+    sums over replicas: its share of the sum, as a tf.distribute aggregator's residual
+    (`tfpar.state`'s "share" units), so data parallelism with the same codec loads it."""
+    layout = getattr(zero_of(optimizer), "_tfpar_layout", None)
+    if layout is None or layout.residual is None:
+        return []
+    offsets = np.cumsum([0] + layout.sizes)
+    gathered = []
+
+    def rows():
+        if not gathered:
+            gathered.append(aggregator_lib.stack_replicas(layout.residual).numpy())
+        return gathered[0]
+
+    def part(i):
+        shape = tuple(layout.shapes[i])
+
+        def read():
+            return rows()[:, offsets[i]:offsets[i + 1]].reshape((-1,) + shape)
+
+        def write(array):
+            array = np.reshape(np.asarray(array, np.float32), [len(array), -1])
+            if len(array) != layout.replicas:
+                moved = np.zeros([layout.replicas, array.shape[1]], np.float32)
+                moved[0] = array.sum(0)
+                array = moved
+            # Read back whole each time: a checkpoint may hold some weights' parts only
+            # (PowerSGD's vectors on data parallelism are sent exactly, with no residual).
+            whole = aggregator_lib.stack_replicas(layout.residual).numpy()
+            whole[:, offsets[i]:offsets[i + 1]] = array
+            aggregator_lib.restore_replicas(layout.residual, tf.constant(whole))
+            gathered.clear()
+        return read, write, (None,) + shape
+    by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
+    return [(by_index[i], part(i)) for i in range(len(layout.sizes)) if i in by_index]
 
 
 def _slot_parts(layout, variable):
@@ -559,10 +625,10 @@ def reduce_scatter_encoded(encoded, n, codec, piece, tokens, timeout_s, instance
 
 
 def _aggregate(aggregator, ctx, grads, variables, local_bad):
-    """The sum of `grads` over replicas through `aggregator`, on every replica; run only
-    when every replica's gradients are finite (one scalar all-reduce decides), so a
-    non-finite step leaves its residuals and PowerSGD's Q as they were, and hands back NaN
-    (the update then skips it)."""
+    """`(sum, any_bad)`: the sum of `grads` over replicas through `aggregator`, on every
+    replica; run only when every replica's gradients are finite (one scalar all-reduce
+    decides: `any_bad`, 1.0 if not), so a non-finite step leaves its residuals and
+    PowerSGD's Q as they were, and hands back NaN (the update then skips it)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     dense = tuple(tf.convert_to_tensor(grads[i]) for i in present)
     subset = [variables[i] for i in present]
@@ -578,7 +644,7 @@ def _aggregate(aggregator, ctx, grads, variables, local_bad):
     summed = [None] * len(grads)
     for i, s in zip(present, out):
         summed[i] = s
-    return summed
+    return summed, tf.minimum(bad, 1.0)
 
 
 def all_gather(piece, n, tokens, timeout_s, instance_key=_INSTANCE_GATHER):
