@@ -98,7 +98,7 @@ def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
 
 
 # Two 3x3 convolutions of 32 channels on 16x16 images, a dense layer of 64 over them
-# (0.53 M parameters, 2.1 MB of gradients: 0.17 s at 100 Mbit/s), logits, every layer
+# (0.54 M parameters, 2.1 MB of gradients: 0.17 s at 100 Mbit/s), logits, every layer
 # recomputed in backward (tools/profile_overlap.py's conv_head); one bucket for the dense
 # head, one for the convolutions. At a global batch of 128 forward + backward take well
 # under the link's time (0.23 and 0.28 of its busy time in the timed steps of 2 runs).
