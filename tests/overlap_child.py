@@ -23,14 +23,13 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
 
 `timeline` (a worker of the shaped-link test): the bucketed model
 `tools/profile_overlap.py` builds for SETTINGS, `measure_comm_fraction` with its in-step
-timestamps (`comm` keys and each step's
-`timeline_ms`), and from the traced timeline step: `timestamp_feeds` (the types of every op
-that waits for a timestamp: none may be a gradient or a collective), `waits_for_previous`
-(per collective), `heavy_before_collective` (the MatMuls and convolutions each waits for)
-and `heavy` (all of the step's), written
-as JSON to `OUT.<worker index>.json`:
+timestamps (`comm` keys and each step's `timeline_ms`), and from the traced timeline step:
+`timestamp_feeds` (the types of every op that waits for a timestamp: none may be a
+gradient or a collective), `waits_for_previous` (per collective),
+`heavy_before_collective` (the MatMuls and convolutions each waits for) and `heavy` (all
+of the step's), written as JSON to `OUT.<worker index>.json`:
 
-    python tests/overlap_child.py timeline '{"model_width": 256, ...}' TIMED_STEPS OUT
+    python tests/overlap_child.py timeline '{"conv_head": [32, 64], ...}' TIMED_STEPS OUT
 """
 
 import dataclasses
