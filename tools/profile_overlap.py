@@ -28,6 +28,7 @@ import sys
 import tempfile
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(TOOLS))  # tfpar, from a checkout
 PORT = 23529
 
 
