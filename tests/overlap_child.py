@@ -20,6 +20,16 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
   workers").
 
     python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
+
+`timeline` (a worker of the shaped-link test): the bucketed model
+`tools/profile_overlap.py` builds for SETTINGS, `measure_comm_fraction` with its in-step
+timestamps (`comm` keys and each step's `timeline_ms`), and from the traced timeline step:
+`timestamp_feeds` (the types of every op that waits for a timestamp: none may be a
+gradient or a collective), `waits_for_previous` (per collective),
+`heavy_before_collective` (the MatMuls and convolutions each waits for) and `heavy` (all
+of the step's), written as JSON to `OUT.<worker index>.json`:
+
+    python tests/overlap_child.py timeline '{"conv_head": [32, 64], ...}' TIMED_STEPS OUT
 """
 
 import dataclasses
@@ -33,9 +43,14 @@ import tensorflow as tf
 
 from tfpar import ParallelConfig, compression, data, optimizers, state
 from tfpar.backends.distribute import DistributeBackend
+from tfpar.compression import timing
 from tfpar.compression.timing import measure_comm_fraction
 
 from graph_walk import ancestors
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import profile_overlap  # noqa: E402  (its models and worker set-up)
 
 
 def record_traces(aggregator):
@@ -131,6 +146,56 @@ def main(settings, rounds, timed_steps):
     print(json.dumps(out), flush=True)
 
 
+# The ops forward and backward spend their time in (a recomputed forward's too).
+HEAVY = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter")
+
+
+def waiting_on_timestamps(graph):
+    """The types of every op in `graph` that waits (through data or control edges) for a
+    `Timestamp` op."""
+    children = {}
+    for op in graph.get_operations():
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            children.setdefault(parent, []).append(op)
+    seen = set()
+    stack = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return sorted({op.type for op in seen})
+
+
+def timeline(settings, timed_steps, out):
+    config, runtime, task, model = profile_overlap.build(settings)
+    traced, inner = [], timing.timeline_step
+
+    def recording(gradients, aggregate, collectives):
+        traced.append(collectives)
+        return inner(gradients, aggregate, collectives)
+
+    timing.timeline_step = recording
+    _, times = measure_comm_fraction(
+        runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
+        steps=timed_steps)
+    found = traced[-1][0]
+    graph = found[0].graph
+    times.update(
+        timestamp_feeds=waiting_on_timestamps(graph),
+        waits_for_previous=[k > 0 and found[k - 1] in ancestors(op)
+                            for k, op in enumerate(found)],
+        heavy_before_collective=[sum(o.type in HEAVY for o in ancestors(op)) for op in found],
+        heavy=sum(op.type in HEAVY for op in graph.get_operations()),
+        grad_bytes=4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables))
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    with open(f"{out}.{index}.json", "w") as f:
+        json.dump(times, f)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    main(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1] == "timeline":
+        timeline(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        main(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -9,7 +9,9 @@ outside checks read; keys that do not apply to a run are omitted:
      "cpu_kernels": "onednn" | "eigen",
      "comm": {"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
               "compression_ratio": float, "comm_time_fraction": float,
-              "overlap_fraction": float, "allreduce": "flat" | "hierarchical"},
+              "overlap_fraction": float, "hidden_fraction": float,
+              "comm_busy_ms": float, "backward_end_ms": float,
+              "allreduce": "flat" | "hierarchical"},
      "pipeline": {"stages": int, "microbatches": int, "schedule": str,
                   "bubble_measured": float, "bubble_theory": float,
                   "peak_stashed_microbatches": int},
@@ -39,7 +41,11 @@ asked for. (Added by `tfpar.train.train`, after `summarize`.)
 `tfpar.compression.hierarchical`).
 
 `comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
-(`tfpar.compression.timing`). Benchmarks may add keys of their own inside these blocks
+(`tfpar.compression.timing`). Also with `--measure_comm`, where a step runs collectives:
+`hidden_fraction`, the share of the collectives' busy time before backward's end, from
+timestamps inside one traced step (not from separately timed calls), with that busy time
+`comm_busy_ms` and backward's end `backward_end_ms` from the step's start (medians over
+the timed steps; `tfpar.overlap`). Benchmarks may add keys of their own inside these blocks
 (e.g. `bench_pipeline`'s `bubble_profiled` and `timeline`); existing keys keep their
 meaning.
 """

@@ -134,7 +134,8 @@ class DistributeBackend(Backend):
             # Beyond the original keys: the overlap, and both shares before clamping to
             # [0, 1] (timing noise can push a small share below 0).
             for key in ("overlap_fraction", "comm_fraction_unclamped",
-                        "overlap_fraction_unclamped"):
+                        "overlap_fraction_unclamped", "hidden_fraction", "comm_busy_ms",
+                        "backward_end_ms"):
                 if key in timing:
                     comm[key] = timing[key]
             if self.board is not None:

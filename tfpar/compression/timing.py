@@ -23,6 +23,20 @@ PowerSGD's plain start, top-k's density warm-up and Adam's exact warm-up (with t
 Adam moments), and for `auto` at the run's current ranks, with no rank decided while it is
 timed (`tests/test_compression_timing.py`: the copy's bytes are the run's). Under
 `MultiWorkerMirroredStrategy` every worker must call it (the collectives are collective).
+
+`hidden_fraction` does not subtract separately timed calls. A fourth traced step (the
+`step` above) carries `tf.timestamp()` ops: one at its start, one that waits for every
+gradient (backward's end), and per collective the aggregation hands to the link one that
+waits for the collective's inputs and one that waits for the collective; every replica's
+are gathered after the step (another call). From them `tfpar.overlap` takes when each
+collective was busy (from when every replica could start it, and when the traced graph
+makes it wait for the collective before, that one had ended, until the last replica has
+its result) and the part of that busy time before the last replica's backward ended. The
+timestamps wait for what they time and nothing waits for them: they are left out of
+`tf.function`'s program-order chain of stateful ops (`tfpar.patches.run_independently`),
+so no gradient or collective waits for one (`tests/test_overlap.py` walks the traced
+graph). They are only in this timed step, never in a training step; only with one replica
+a process (as across workers).
 """
 
 import time
@@ -30,7 +44,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfpar import patches
 from tfpar.compression.keras_hook import aggregator_of
+from tfpar.overlap import busy_intervals, hidden_share
+
+# Collective ops that set up rather than communicate.
+_SET_UP = ("CollectiveInitializeCommunicator", "CollectiveAssignGroupV2")
 
 
 def _scratch_copy(aggregator, variables):
@@ -55,6 +74,56 @@ def _scratch_copy(aggregator, variables):
     return copy
 
 
+def _stamp(after):
+    """`tf.timestamp()` once every op in `after` has run; no other op waits for it."""
+    with tf.control_dependencies(after):
+        seconds = tf.timestamp()
+    patches.run_independently(seconds.op)
+    return seconds
+
+
+def _waits_for(op, earlier):
+    """Whether graph op `op` waits for op `earlier` (through data or control edges)."""
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent is earlier:
+                return True
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return False
+
+
+def timeline_step(gradients, aggregate, collectives):
+    """A replica function `batch -> (stamps, checksum)`: forward, backward and `aggregate`
+    with the timestamps `tfpar.overlap.busy_intervals` reads. Each trace appends the
+    collectives it timed (graph ops, program order) to the list `collectives`."""
+    def step(batch):
+        start = _stamp([])
+        grads = gradients(batch)
+        backward_end = _stamp([t.op for t in tf.nest.flatten(grads, expand_composites=True)
+                               if t is not None])
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        summed = aggregate(grads)
+        found = [op for op in graph.get_operations()[before:]
+                 if (op.type.startswith("Collective") and op.type not in _SET_UP)
+                 or op.type.startswith("Nccl")]
+        collectives.append(found)
+        stamps = [start, backward_end]
+        for op in found:
+            stamps += [_stamp([t.op for t in op.inputs]), _stamp([op])]
+        return tf.stack(stamps), _checksum(summed)
+    return step
+
+
+def _checksum(grads):
+    # Depend on every gradient, so nothing is pruned from the traced step.
+    return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
+
+
 def measure_comm_fraction(strategy, model, dataset, steps=5):
     """Share of a step spent aggregating gradients (0 = none, 1 = all of it).
 
@@ -67,9 +136,15 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
 
     Returns:
         `(fraction, {"step_ms", "compute_ms", "aggregate_ms", "overlap_fraction",
-        "comm_fraction_unclamped", "overlap_fraction_unclamped"})`: `fraction` and
-        `overlap_fraction` clamped to [0, 1], the `_unclamped` ones as measured. A fraction
-        of 0.0 and `{}` with one replica, where nothing is communicated.
+        "comm_fraction_unclamped", "overlap_fraction_unclamped", "collectives",
+        "hidden_fraction", "comm_busy_ms", "backward_end_ms", "timeline_ms"})`: `fraction`
+        and `overlap_fraction` clamped to [0, 1], the `_unclamped` ones as measured; how
+        many collectives a step runs; `hidden_fraction` (`tfpar.overlap.hidden_share`,
+        the same on every worker), the collectives' busy time and backward's end from the
+        step's start, medians over the timeline steps, and each step's `timeline_ms`
+        (`{"backward_end": ms, "collectives": [[begin, end] ms, ...]}`); these four only
+        when a step runs a collective and the process has one replica.
+        A fraction of 0.0 and `{}` with one replica, where nothing is communicated.
     """
     if strategy.num_replicas_in_sync == 1:
         return 0.0, {}
@@ -94,35 +169,60 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
             return tf.distribute.get_replica_context().all_reduce("SUM", grads)
         return aggregator.all_reduce_sum(grads, variables)
 
-    def checksum(grads):
-        # Depend on every gradient, so nothing is pruned from the traced step.
-        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
-
+    collectives = []
     steps_of = {
-        "compute": lambda b: checksum(gradients(b)),
-        "step": lambda b: checksum(aggregate(gradients(b))),
+        "compute": lambda b: _checksum(gradients(b)),
+        "step": lambda b: _checksum(aggregate(gradients(b))),
         # (The identity places the fixed gradients on this replica's device, as the
         # collectives need.)
-        "aggregate": lambda g: checksum(aggregate([None if t is None else tf.identity(t)
-                                                   for t in g])),
+        "aggregate": lambda g: _checksum(aggregate([None if t is None else tf.identity(t)
+                                                    for t in g])),
     }
+    if len(strategy.extended.worker_devices) == 1:
+        # One replica a process, as across workers (the replicas of one process are
+        # traced in turns into one graph; their collectives could not be told apart).
+        steps_of["timeline"] = timeline_step(gradients, aggregate, collectives)
     fns = {name: tf.function(lambda arg, fn=fn: strategy.run(fn, args=(arg,)))
            for name, fn in steps_of.items()}
+    # Every replica's timestamps, gathered after the timed step (not inside it).
+    gather = tf.function(lambda stamps: strategy.run(
+        lambda s: tf.distribute.get_replica_context().all_gather(s[None], axis=0),
+        args=(stamps,)))
     # Fixed gradients for "aggregate", kept per replica (each replica sends its own).
     grads = tf.function(lambda b: strategy.run(gradients, args=(b,)))(batch)
     seconds = {name: [] for name in fns}
+    timeline, waits = [], None
     for i in range(steps + 1):  # alternating, so a noisy machine slows all alike
         for name, fn in fns.items():
             began = time.perf_counter()
-            strategy.experimental_local_results(
-                fn(grads if name == "aggregate" else batch))[0].numpy()
+            result = fn(grads if name == "aggregate" else batch)
+            if name == "timeline":
+                stamps, result = result
+            strategy.experimental_local_results(result)[0].numpy()
             if i:  # the first call traces
                 seconds[name].append(time.perf_counter() - began)
+            if name == "timeline":
+                if waits is None:  # the first replica's collectives, with their final edges
+                    waits = [k > 0 and _waits_for(op, collectives[0][k - 1])
+                             for k, op in enumerate(collectives[0])]
+                if i and waits:
+                    rows = strategy.experimental_local_results(gather(stamps))[0].numpy()
+                    timeline.append(busy_intervals(rows, waits))
     compute, step, alone = (float(np.median(seconds[n]))
                             for n in ("compute", "step", "aggregate"))
     fraction = 1 - compute / step
     overlap = (compute + alone - step) / alone
-    return min(1.0, max(0.0, fraction)), {
-        "step_ms": 1000 * step, "compute_ms": 1000 * compute, "aggregate_ms": 1000 * alone,
-        "overlap_fraction": min(1.0, max(0.0, overlap)),
-        "comm_fraction_unclamped": fraction, "overlap_fraction_unclamped": overlap}
+    times = {"step_ms": 1000 * step, "compute_ms": 1000 * compute, "aggregate_ms": 1000 * alone,
+             "overlap_fraction": min(1.0, max(0.0, overlap)),
+             "comm_fraction_unclamped": fraction, "overlap_fraction_unclamped": overlap,
+             "collectives": len(collectives[0]) if collectives else 0}
+    shares = [hidden_share(*t) for t in timeline]
+    if shares and shares[0][0] is not None:
+        times.update(hidden_fraction=float(np.median([h for h, _ in shares])),
+                     comm_busy_ms=1000 * float(np.median([b for _, b in shares])),
+                     backward_end_ms=1000 * float(np.median([e for e, _ in timeline])),
+                     timeline_ms=[{"backward_end": round(1000 * e, 2),
+                                   "collectives": [[round(1000 * b, 2), round(1000 * f, 2)]
+                                                   for b, f in spans]}
+                                  for e, spans in timeline])
+    return min(1.0, max(0.0, fraction)), times

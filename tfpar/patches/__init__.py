@@ -28,7 +28,7 @@ entries, each described in its module's docstring:
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
   `stateless_optimizer`; and `mix_in`/`mix_out`, how an optimizer the user built gets (or
   sheds) a tfpar mixin.
-- `tensorflow_runtime`: `graph_control_input`, `dtensor_started`,
+- `tensorflow_runtime`: `graph_control_input`, `independent_op`, `dtensor_started`,
   `function_constant_folding`, `onednn_enabled`, `op_callbacks`, `tensor_getitem`,
   `trackable_tensors`, `vectorized_relayout`.
 - `tensorflow_checkpoint`: `checkpoint_snapshot` (a save read now, written later).
@@ -70,8 +70,8 @@ from tfpar.patches.tensorflow_checkpoint import write as write_checkpoint
 from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dtensor_started,
                                               no_dependency, no_function_constant_folding,
                                               onednn_enabled, op_callback_added,
-                                              relayouts_vectorized, tensor_getitem,
-                                              tensor_getitem_replaced)
+                                              relayouts_vectorized, run_independently,
+                                              tensor_getitem, tensor_getitem_replaced)
 from tfpar.patches.versions import WRITTEN_FOR
 
 _MODULES = (multi_worker, keras_mesh, keras_model, keras_optimizer, keras_variables,

@@ -8,6 +8,14 @@ swaps (tensorflow 2.21.0).
   make; the public `tf.control_dependencies` works only on ops not yet created.
   `add_control_input` is the one caller; the check looks at the C++ binding's signature and
   at TensorFlow's own use of it in `auto_control_deps`, and adds one edge in a scratch graph.
+- `independent_op`: not a replacement but a call. `tfpar.compression.timing` puts
+  `tf.timestamp()` ops into a traced step; a timestamp is a stateful op without a resource,
+  which `tf.function`'s automatic control dependencies chain in program order with every
+  other such op, so one timestamp would hold back the next (and what follows it). The
+  function's `AutomaticControlDependencies` (the graph's `experimental_acd_manager`) has
+  `run_independently(op)`: the op still runs before the function returns, but is left out
+  of every chain. `run_independently` is the one caller; the check looks for the method
+  and for the skip in `AutomaticControlDependencies.__exit__`.
 - `dtensor_started`: not a replacement but a read. A mesh pipeline and ZeRO-3 must turn
   DTensor's all-reduce combining off before DTensor starts
   (`tfpar.layout.mesh.no_all_reduce_combining`); whether it has started is DTensor's
@@ -83,6 +91,9 @@ ENTRIES = {
     "graph_control_input": ("tensorflow.python.framework.ops.Operation._add_control_input "
                             "(called, not replaced)",
                             "tfpar.pipeline.executor (one_op_at_a_time)"),
+    "independent_op": ("tensorflow.python.framework.auto_control_deps."
+                       "AutomaticControlDependencies.run_independently (called, not replaced)",
+                       "tfpar.compression.timing (the in-step timestamps)"),
     "dtensor_started": ("tensorflow.dtensor.python.api._dtensor_singleton (read, not replaced)",
                         "tfpar.layout.mesh.no_all_reduce_combining"),
     "function_constant_folding": ("tensorflow.python.eager.context.Context._config "
@@ -138,6 +149,13 @@ FRAGMENTS = {
         ("pfor.RegisterPFor", lambda: ("signature", _pfor.RegisterPFor), "(op_type)"),
         ("pfor._PforInput.stack_inputs", lambda: ("signature", _pfor._PforInput.stack_inputs),
          "(self, stack_indices=None, tile_variants=False)")],
+    "independent_op": [
+        ("AutomaticControlDependencies.run_independently",
+         lambda: ("signature", _auto_control_deps.AutomaticControlDependencies.run_independently),
+         "(self, op)"),
+        ("AutomaticControlDependencies.__exit__",
+         lambda: _auto_control_deps.AutomaticControlDependencies.__exit__,
+         "if op in self._independent_ops:")],
     "trackable_tensors": [
         ("Trackable._serialize_to_tensors",
          lambda: ("signature", _trackable.Trackable._serialize_to_tensors), "(self)"),
@@ -207,6 +225,22 @@ def add_control_input(op, before):
     """Makes graph op `op` wait for op `before` (both already created; graph building
     only). Registry entry `graph_control_input`."""
     op._add_control_input(before)
+
+
+def run_independently(op):
+    """Leaves graph op `op` (just created inside a `tf.function` being traced) out of the
+    function's automatic control dependencies: it runs once its own inputs and control
+    inputs have, waits for no other stateful op and holds none back; it still runs before
+    the function returns. Registry entry `independent_op`.
+
+    Raises:
+        RuntimeError: not inside a `tf.function` being traced.
+    """
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is None:
+        raise RuntimeError(f"run_independently({op.name}): only inside a tf.function being "
+                           "traced")
+    manager.run_independently(op)
 
 
 def dtensor_started():
