@@ -145,20 +145,13 @@ ZERO_COMPRESSION = Rule(
     "not supported: --zero_stage=1|2 compresses gradients with " + ", ".join(ZERO12_CODECS)
     + "; use one of those, or --zero_stage=0")
 # Top-k on ZeRO 1/2 sends each piece to its owner alone: no warm-up table is built there.
+# (`--topk_union`, which does nothing there either, is one warning line at start:
+# `tfpar.zero.sharded.TOPK_UNION_LINE`; refusing it would refuse the default.)
 ZERO_TOPK_WARMUP = Rule(
     "topk_warmup_steps", lambda c: c.zero_stage in (1, 2) and c.compression == "topk"
     and c.topk_warmup_steps > 0,
     "not supported with --zero_stage=1|2: ZeRO's top-k sends --topk_ratio of each "
     "piece from the first step; use --topk_warmup_steps=0, or --zero_stage=0")
-# Top-k on ZeRO 1/2 sends each piece to its owner alone, which sums what arrives: the union
-# of the replicas' indices needs every replica's indices all-gathered (the traffic a
-# reduce-scatter avoids), so it is not built there.
-ZERO_TOPK_UNION = Rule(
-    "topk_union", lambda c: c.zero_stage in (1, 2) and c.compression == "topk"
-    and getattr(c, "topk_union", False),
-    "not supported with --zero_stage=1|2: ZeRO's top-k sends each piece to its owner, "
-    "which sums what arrives (no union of the replicas' indices); add --notopk_union, or "
-    "--zero_stage=0 for the union")
 # ZeRO-3's reduce-scatter on the mesh travels in the same (`tfpar.zero.reduce_scatter`).
 ZERO3_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage == 3
@@ -403,7 +396,6 @@ COMBINATIONS = (
     KERAS_MESH_OFFLOAD,
     ZERO_COMPRESSION,
     ZERO_TOPK_WARMUP,
-    ZERO_TOPK_UNION,
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,
     ZERO3_COMPRESSION_MODEL,

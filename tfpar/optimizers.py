@@ -135,7 +135,8 @@ def make_optimizer(config, bucketed=None):
         optimizer = zero.wrap_optimizer(
             optimizer, config.zero_stage, config.collective_timeout_s, config.compression,
             config.error_feedback, {"bits": config.lowbit_bits, "ratio": config.topk_ratio,
-                                    "dense_below": config.topk_dense_below}, aggregator)
+                                    "dense_below": config.topk_dense_below,
+                                    "union": config.topk_union}, aggregator)
     elif config.compression != "none" or bucketed:
         from tfpar import compression
         aggregator = compression.make_aggregator(config)

@@ -563,6 +563,14 @@ INT8_BLOCK = 256  # entries per fp32 scale, as `tfpar.compression.Int8Aggregator
 ADAM_BEHIND = ("lowbit", "topk", "powersgd")
 
 
+# Top-k on ZeRO 1/2 sends each piece to its owner alone, which sums what arrives: the union
+# of the replicas' indices would need every replica's indices all-gathered (the traffic a
+# reduce-scatter avoids), so `--topk_union` (data parallelism's default) does nothing here.
+TOPK_UNION_LINE = ("--topk_union has no effect with --zero_stage=1|2: ZeRO's top-k sends each "
+                   "piece to its owner, which sums what arrives (no union of the replicas' "
+                   "indices); --notopk_union says so, --zero_stage=0 has the union")
+
+
 def adam_behind_line(codec):
     """The one line ZeRO 1/2 logs for `codec` (one of `ADAM_BEHIND`) with Adam."""
     return (f"--zero_stage=1|2 --compression={codec} with Adam: the codec compresses the "
@@ -719,7 +727,8 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
         error_feedback: with a codec, each replica keeps what its message dropped and
             adds it to its next gradient (as the aggregators do).
         codec_options: lowbit's and top-k's parameters, `{"bits", "ratio",
-            "dense_below"}` (`tfpar.zero.piece_codecs.make`).
+            "dense_below"}` (`tfpar.zero.piece_codecs.make`); a true `"union"` (top-k's
+            replicas' union, data parallelism's) gets one warning line: it has no effect.
         aggregator: for an `AGGREGATED` codec, the `tfpar.compression.Aggregator` that
             sums the whole gradient (built without Adam in front: the moments are
             sharded here), of which each replica keeps its piece.
@@ -756,6 +765,8 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
                          "moments; build it with make_aggregator(config, adam_step=False)")
     if codec in ADAM_BEHIND and isinstance(optimizer, keras.optimizers.Adam):
         logging.warning(adam_behind_line(codec))
+    if codec == "topk" and (codec_options or {}).get("union"):
+        logging.warning(TOPK_UNION_LINE)
     patches.mix_in(optimizer, ZeroMixin)
     optimizer.tfpar_zero_codec = codec
     optimizer.tfpar_zero_codec_options = {"bits": LOWBIT_BITS, "ratio": TOPK_RATIO,
