@@ -174,8 +174,9 @@ class ParallelConfig:
     lowbit_bits: int = LOWBIT_BITS
     powersgd_rank: int = 16
     powersgd_start_step: int = 0
-    # Pairs of P/Q all-reduces a step (the last layers' pair sent while backward goes on).
-    powersgd_groups: int = 2
+    # Pairs of P/Q all-reduces a step; 1 until `fit` shows 2 faster (docs/benchmarks/
+    # compression_link.md, 2026-12-05: faster in the profile, slower in one `fit` round).
+    powersgd_groups: int = 1
     compress_adam_step: bool = True
     adam_warmup_steps: int = 50
     auto_budget_ms: float = 20.0
