@@ -175,7 +175,7 @@ class ParallelConfig:
     powersgd_rank: int = 16
     powersgd_start_step: int = 0
     # Pairs of P/Q all-reduces a step; 1 until `fit` shows 2 faster (docs/benchmarks/
-    # compression_link.md, 2026-12-05: faster in the profile, 0.69x in two `fit` rounds).
+    # compression_link.md, 2026-12-05: faster in the profile, `fit`'s rounds inconclusive).
     powersgd_groups: int = 1
     compress_adam_step: bool = True
     adam_warmup_steps: int = 50
