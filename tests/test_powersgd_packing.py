@@ -79,3 +79,45 @@ def test_compress_q_is_m_transposed_p():
     p_hat = powersgd.orthogonalize(tf.constant(rng.randn(50, 4).astype("float32")))
     np.testing.assert_allclose(powersgd.compress_q(tf.constant(m), p_hat).numpy(),
                                m.T @ p_hat.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _two_steps(groups):
+    """Two steps of `groups` groups on the same gradients (error feedback on): the outputs,
+    each matrix's Q and residual after them, and the all-reduces' lengths."""
+    rng = np.random.RandomState(0)
+    variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    grads = [tf.constant(np.asarray(rng.randn(*s), "float32")) for s in SHAPES]
+    agg = PowerSGDAggregator(rank=RANK, groups=groups)
+    agg.build(variables)
+    calls = []
+    real = collectives.sum_all
+
+    def recording(flat, opts):
+        calls.append(int(flat.shape[0]))
+        return real(flat, opts)
+
+    collectives.sum_all = recording
+    try:
+        step = tf.function(lambda g: agg.all_reduce_sum(g, variables))
+        out = step(grads) + step(grads)
+    finally:
+        collectives.sum_all = real
+    state = [agg.qs[k] for k in sorted(agg.qs)] + [agg.residuals[k] for k in sorted(agg.residuals)]
+    return [t.numpy() for t in out + state], calls
+
+
+def test_groups_send_the_same_sums_in_more_rounds():
+    one, one_calls = _two_steps(1)
+    two, two_calls = _two_steps(2)
+    # Last layers first: the (40, 40) and the last (24, 16) with the (40,) between them,
+    # then the rest, each group a P round (with its uncompressed tensors) and a Q round.
+    assert len(two_calls) == 4 and two_calls[0] == 40 * RANK + 24 * RANK + 40
+    assert sum(two_calls) == sum(one_calls) and len(one_calls) == 2
+    # One replica: the sums are its own factors, so grouping may change nothing.
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_groups_refused_below_one():
+    with pytest.raises(ValueError, match=r"groups=0 is invalid: must be an integer >= 1"):
+        PowerSGDAggregator(groups=0)

@@ -179,6 +179,9 @@ class ParallelConfig:
     lowbit_bits: int = LOWBIT_BITS
     powersgd_rank: int = 16
     powersgd_start_step: int = 0
+    # Pairs of P/Q all-reduces a step; 1 until `fit` shows 2 faster (docs/benchmarks/
+    # compression_link.md, 2026-12-05: faster in the profile, `fit`'s rounds inconclusive).
+    powersgd_groups: int = 1
     compress_adam_step: bool = True
     adam_warmup_steps: int = 50
     auto_budget_ms: float = 20.0
@@ -227,8 +230,8 @@ class ParallelConfig:
             raise ConfigError("dataset", self.dataset, "use 'auto' or 'package.module:function'")
         for name in ("global_batch_size", "steps", "steps_per_epoch", "base_batch_size",
                      "grad_accum_steps", "tensor_parallel", "pipeline_stages",
-                     "microbatches", "virtual_stages", "powersgd_rank", "checkpoint_every",
-                     "keep_checkpoints"):
+                     "microbatches", "virtual_stages", "powersgd_rank", "powersgd_groups",
+                     "checkpoint_every", "keep_checkpoints"):
             _at_least(name, getattr(self, name), 1)
         for name in ("model_width", "model_depth", "num_classes", "warmup_steps",
                      "cpu_devices", "data_parallel", "powersgd_start_step", "seed", "verbose",

@@ -84,6 +84,9 @@ _HELP = {
                    "256 entries of a tensor besides): 3 sends ~10x fewer bytes than fp32.",
     "powersgd_rank": "Rank of PowerSGD's low-rank approximation.",
     "powersgd_start_step": "Plain all-reduce before this step, PowerSGD after.",
+    "powersgd_groups": "PowerSGD's matrices in this many groups, last layers first, each "
+                       "with its own P and Q all-reduce: the last layers' sums run while "
+                       "backward goes on (1: one P and one Q all-reduce a step).",
     "compress_adam_step": "With --optimizer=adam, top-k and PowerSGD run Adam in front of "
                           "the compression: --adam_warmup_steps exact Adam steps on all-reduced "
                           "gradients, then top-k compresses each replica's Adam step (the "

@@ -10,6 +10,9 @@ medians are printed in milliseconds:
     step          forward + backward + the aggregator (what `fit` runs)
     aggregate     the aggregator alone on fixed gradients (error feedback, encode,
                   collectives, decode, state updates)
+    step_groups, aggregate_groups
+                  the same with the matrices in `--groups` groups, each with its own P
+                  and Q rounds (the last layers' rounds while backward goes on)
     error_fb      gradient + residual, for the compressed matrices
     encode_p      P = M Q for every matrix
     orthogonalize P̂ from the summed P's
@@ -54,9 +57,11 @@ def worker(settings_json, out_path):
     with strategy.scope():
         model = build("mlp", (32,), 10, s["width"], s["depth"])
         agg = PowerSGDAggregator(rank=s["rank"])
+        grouped = PowerSGDAggregator(rank=s["rank"], groups=s["groups"])
     variables = [v.value for v in model.trainable_variables]
     with strategy.scope():
         agg.build(variables)
+        grouped.build(variables)
     per_replica = s["batch"] // strategy.num_replicas_in_sync
     rng = np.random.RandomState(strategy.cluster_resolver.task_id)
     x = tf.constant(rng.randn(per_replica, 32).astype("float32"))
@@ -114,6 +119,9 @@ def worker(settings_json, out_path):
         "compute": lambda a: checksum(gradients()),
         "step": lambda a: checksum(agg.all_reduce_sum(gradients(), variables)),
         "aggregate": inputs(lambda a: checksum(agg.all_reduce_sum(a["g"], variables))),
+        "step_groups": lambda a: checksum(grouped.all_reduce_sum(gradients(), variables)),
+        "aggregate_groups": inputs(lambda a: checksum(grouped.all_reduce_sum(a["g"],
+                                                                             variables))),
         "error_fb": inputs(lambda a: checksum(
             [error_feedback.accumulate(agg.residuals[str(i)], a["g"][i]) for i in matrices])),
         "encode_p": inputs(lambda a: checksum(agg._encode_p(mats(a["g"]), qs()))),
@@ -151,6 +159,8 @@ def main():
     p.add_argument("--model_width", type=int, default=1024)
     p.add_argument("--model_depth", type=int, default=7)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--groups", type=int, default=2,
+                   help="PowerSGDAggregator(groups=) of the *_groups pieces")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "profile_powersgd.json"))
@@ -162,7 +172,7 @@ def main():
     from shaped_link import ShapedLink
 
     settings = {"batch": args.global_batch_size, "rank": args.rank, "width": args.model_width,
-                "depth": args.model_depth, "calls": args.calls}
+                "depth": args.model_depth, "calls": args.calls, "groups": args.groups}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if os.path.exists(args.out):
         os.remove(args.out)

@@ -114,4 +114,5 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         # PowerSGD too; why: docs/guides/compression.md.
         common["adam_variance"] = "local_debiased"
     return PowerSGDAggregator(config.powersgd_rank, config.powersgd_start_step,
-                              config.seed if seed is None else seed, **common)
+                              config.seed if seed is None else seed,
+                              groups=config.powersgd_groups, **common)

@@ -13,6 +13,11 @@ class PowerSGDAggregator(NoneAggregator):
     Per step: all matrices' `P = M Q` in one all-reduce, together with the vectors, biases
     and matrices too small to gain (uncompressed, fp32), orthogonalise, all matrices'
     `Q = Mᵀ P̂` in a second all-reduce: two collectives per step, however many tensors.
+    With `groups` > 1 the matrices are split, last layers first, into that many groups of
+    about equal size, each with its own two all-reduces (a bias goes with its kernel): the
+    last layers' rounds can run while backward still computes the first layers' gradients,
+    at the cost of two more collectives' latency a group. The sums are the same either way
+    (each factor entry is summed over the same replicas).
     Before `start_step` everything is all-reduced uncompressed (the early gradients change
     fastest and PowerSGD's warm start has not settled).
 
@@ -28,19 +33,25 @@ class PowerSGDAggregator(NoneAggregator):
         rank: rank of the approximation.
         start_step: aggregator steps of plain all-reduce before compressing.
         seed: seed of the initial Q (must be the same on every replica and worker).
+        groups: how many pairs of all-reduces a step sends (1: one for every P, one for
+            every Q); at most one group per compressed matrix.
         **kwargs: see `Aggregator`.
     """
 
     lossy = True
     adam_compresses = "gradient"  # see `Aggregator.adam_compresses`
 
-    def __init__(self, rank=4, start_step=0, seed=0, **kwargs):
+    def __init__(self, rank=4, start_step=0, seed=0, groups=1, **kwargs):
         if rank < 1:
             raise ValueError(f"rank={rank!r} is invalid: must be an integer >= 1")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups={groups!r} is invalid: must be an integer >= 1 "
+                             "(1: one all-reduce for every P, one for every Q)")
         super().__init__(**kwargs)
         self.rank = int(rank)
         self.start_step = int(start_step)
         self.seed = int(seed)
+        self.groups = groups
 
     def _matrices(self):
         return [i for i, s in enumerate(self._layout.shapes)
@@ -110,14 +121,48 @@ class PowerSGDAggregator(NoneAggregator):
     def _compressed(self, xs, positions):
         matrices = set(self._matrices())
         mat = [j for j, p in enumerate(positions) if p in matrices]
-        rest = [j for j, p in enumerate(positions) if p not in matrices]
         if not mat:
             return Aggregator._exchange(self, xs, positions)
-        summed, local = list(xs), list(xs)
+        summed, local, nbytes = list(xs), list(xs), 0
+        for group_mat, group_rest in self._groups(xs, positions, mat):
+            nbytes += self._compressed_group(xs, positions, group_mat, group_rest, summed,
+                                             local)
+        if self._residuals_in_place():
+            # Unused; returning `xs` would keep the residuals' buffers referenced (through a
+            # cond's outputs) and make the in-place update copy them.
+            local = list(summed)
+        return summed, local, nbytes
+
+    def _groups(self, xs, positions, mat):
+        """`[(matrices, uncompressed), ...]` (indices into `xs`), last layers first: the
+        matrices cut into `self.groups` runs of about equal size, each uncompressed tensor
+        with the nearest matrix before it (a bias with its kernel; leading ones with the
+        first matrix)."""
+        count = min(self.groups, len(mat))
+        sizes = [xs[j].shape.num_elements() for j in mat]
+        runs, cur, filled = [], [], 0
+        for k in reversed(range(len(mat))):
+            cur.append(mat[k])
+            filled += sizes[k]
+            if len(runs) < count - 1 and filled >= sum(sizes) * (len(runs) + 1) / count:
+                runs.append(cur)
+                cur = []
+        if cur:  # (empty when a large last matrix filled the last share early)
+            runs.append(cur)
+        group_of = {j: g for g, run in enumerate(runs) for j in run}
+        rest = [[] for _ in runs]
+        for j in range(len(positions)):
+            if j not in group_of:
+                before = [m for m in mat if m < j]
+                rest[group_of[before[-1] if before else mat[0]]].append(j)
+        return [(sorted(run), r) for run, r in zip(runs, rest)]
+
+    def _compressed_group(self, xs, positions, mat, rest, summed, local):
+        """One group's two all-reduces: its P's with its uncompressed tensors, then its Q's;
+        fills `summed` and `local` at its indices, returns the bytes sent."""
         ms = [tf.reshape(xs[j], powersgd.matrix_shape(xs[j].shape)) for j in mat]
         qs = [self.qs[str(positions[j])] for j in mat]
-        # Two collectives per step in total: all Ps together with the uncompressed vectors
-        # (exact, so nothing for error feedback), then all Qs.
+        # The uncompressed vectors ride with the P's (exact, so nothing for error feedback).
         sums, p_bytes = self._sum_flat(self._encode_p(ms, qs) + [xs[j] for j in rest])
         for j, s in zip(rest, sums[len(mat):]):
             summed[j] = s
@@ -137,11 +182,7 @@ class PowerSGDAggregator(NoneAggregator):
                 summed[j] = local[j] = self._decode_sum(p_hat, q_sum, xs[j].shape)
             # Warm start from the summed Q (the previous one for an all-zero gradient).
             q_var.assign(powersgd.nonzero_or(q_sum, q_var))
-        if in_place:
-            # Unused; returning `xs` would keep the residuals' buffers referenced (through a
-            # cond's outputs) and make the in-place update copy them.
-            local = list(summed)
-        return summed, local, p_bytes + q_bytes
+        return p_bytes + q_bytes
 
     @staticmethod
     def _encode_p(ms, qs):
@@ -190,7 +231,7 @@ class PowerSGDAggregator(NoneAggregator):
 
     def get_config(self):
         return {**super().get_config(), "rank": self.rank, "start_step": self.start_step,
-                "seed": self.seed}
+                "seed": self.seed, "groups": self.groups}
 
 
 def _as_tensors(result):
