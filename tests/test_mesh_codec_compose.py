@@ -34,8 +34,12 @@ MESH = {"model": "mlp", "steps": 10, "steps_per_epoch": 10, "verbose": 0,
         "global_batch_size": 32, "tensor_parallel": 2, "data_parallel": 2,
         "cpu_devices": 4}
 SGD = {"optimizer": "sgd", "learning_rate": 0.1}
-ADAM = {"optimizer": "adam", "learning_rate": 1e-3}
-LIMITS = {"topk": {"topk_ratio": 1.0}, "powersgd": {"powersgd_rank": 32}}
+# With Adam, top-k, PowerSGD and lowbit run with Adam in front (tfpar.layout.adam_front):
+# 3 exact steps, then compressed ones; at their limits with Adam behind them, the codec's
+# own limit (Adam in front keeps each replica's `v`: not the uncompressed run's steps).
+ADAM = {"optimizer": "adam", "learning_rate": 1e-3, "adam_warmup_steps": 3}
+LIMITS = {"topk": {"topk_ratio": 1.0, "compress_adam_step": False},
+          "powersgd": {"powersgd_rank": 32, "compress_adam_step": False}}
 # (uncompressed run, then the codecs' runs of the same settings)
 FP16 = {**SGD, "mixed_precision": "fp16"}
 ACCUM = {**ADAM, "grad_accum_steps": 2}

@@ -23,9 +23,12 @@ STEPS = 10
 SEQ = {"model": "transformer", "steps": STEPS, "steps_per_epoch": STEPS, "verbose": 0,
        "global_batch_size": 32, "optimizer": "adam", "learning_rate": 1e-3,
        "tensor_parallel": 2, "data_parallel": 2, "cpu_devices": 4,
-       "sequence_parallel": True, "model_depth": 1}  # one block: each run traces ~1 min
-# (the uncompressed run first; run i's weights are `<child>.<i>`)
-FIRST = [{}, {"compression": "topk", "topk_ratio": 1.0}, {"compression": "int8"}]
+       "sequence_parallel": True, "model_depth": 1,  # one block: each run traces ~1 min
+       "adam_warmup_steps": 3}  # Adam in front of top-k and PowerSGD: 3 exact steps, 7 not
+# (the uncompressed run first; run i's weights are `<child>.<i>`; top-k at ratio 1 with
+# Adam behind it, the codec's own limit: Adam in front keeps each replica's `v`)
+FIRST = [{}, {"compression": "topk", "topk_ratio": 1.0, "compress_adam_step": False},
+         {"compression": "int8"}]
 SECOND = [{"compression": "powersgd"}, {"compression": "topk"}]
 # (lowbit and threshold share the reduction path and are not traced again here: each run
 # costs a DTensor expansion of the whole step)
