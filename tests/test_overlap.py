@@ -155,6 +155,10 @@ def test_the_exchange_starts_inside_backward_on_a_communication_bound_link(timel
     # loaded 2-core machine the head's transfer stretches when it shares the cores with
     # backward, and the workers' skew delays its start; the measured share and why:
     # docs/benchmarks/compression_link.md, "Overlap measured inside the step".
-    early = [t["collectives"][0][0] < t["backward_end"] for t in first["timeline_ms"]]
+    # A bucket that waited for the whole backward would be ready microseconds around
+    # backward's end (both timestamps wait for the same ops), so "early" needs a margin:
+    # a tenth of backward (measured: the head ready at 0.3-0.8 of it), and the hidden
+    # share more than jitter (measured 0.09-0.47).
+    early = [t["collectives"][0][0] < 0.9 * t["backward_end"] for t in first["timeline_ms"]]
     assert sum(early) > len(early) / 2, first["timeline_ms"]
-    assert first["hidden_fraction"] > 0, first
+    assert first["hidden_fraction"] > 0.02, first

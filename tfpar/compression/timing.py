@@ -114,7 +114,9 @@ def timeline_step(gradients, aggregate, collectives):
         collectives.append(found)
         stamps = [start, backward_end]
         for op in found:
-            stamps += [_stamp([t.op for t in op.inputs]), _stamp([op])]
+            # Ready: its data and control inputs (as known when traced) have run.
+            stamps += [_stamp([t.op for t in op.inputs] + list(op.control_inputs)),
+                       _stamp([op])]
         return tf.stack(stamps), _checksum(summed)
     return step
 
