@@ -5,7 +5,10 @@ them; `tools/shaped_link.py`, unshaped). `tfpar.launch`'s `launch` places a work
 each and starts every worker inside its host's namespace (`tests/netns_launch.py`). (Every
 fault below crosses hosts: one worker a host is enough, and each worker exec'd by `ip netns
 exec` imports TensorFlow itself. Two slots a host were run until 2026-12-05; placing
-several slots on a host and their ports is tests/test_launch.py's.) One 2-worker job
+several slots on a host and their ports is tests/test_launch.py's. With one worker a host
+`--allreduce=auto` sums over the flat ring, so these faults no longer meet the hierarchical
+all-reduce's own host groups, which two slots a host chose: tests/test_hierarchical.py
+checks its sums, with no fault.) One 2-worker job
 (`--max_restarts=2`) meets three faults in turn:
 
 1. a worker SIGKILLed from outside while every worker is inside its checkpoint save of
