@@ -56,6 +56,8 @@ def _build_model(config, task):
         # Before recompute: its layers already recompute.
         fsdp.gather_per_layer(model, config.zero_gather, config.zero_prefetch,
                               config.zero_reshard_after_forward)
+    else:
+        fsdp.dtensor_gathers()
     recompute.apply(model, config)
     return model
 

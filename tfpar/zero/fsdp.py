@@ -99,6 +99,7 @@ from tfpar.layout.mesh import BATCH
 # number of elements to match", collective_lowering.cc), so it is set only without one.
 COLLECTIVE_GATHER = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 _DTENSOR_OWN_GATHERS = []  # [True] once a process's `COLLECTIVE_GATHER=0` was taken out
+_SET_HERE = []  # [True] while `collective_gathers` holds `COLLECTIVE_GATHER` set
 
 
 def collective_gathers(mesh):
@@ -113,8 +114,20 @@ def collective_gathers(mesh):
         _DTENSOR_OWN_GATHERS[:] = [True]
     if others or _DTENSOR_OWN_GATHERS:
         os.environ.pop(COLLECTIVE_GATHER, None)
+        _SET_HERE.clear()
     else:
         os.environ[COLLECTIVE_GATHER] = "1"
+        _SET_HERE[:] = [True]
+
+
+def dtensor_gathers():
+    """A mesh model built without ZeRO-3: DTensor's own lowering of gathers again if
+    `collective_gathers` set `COLLECTIVE_GATHER` in this process (a later tensor-parallel
+    mesh's gathers, e.g. a codec's rows read at a checkpoint save, fail to compile with
+    it). A value the user set is left as it is."""
+    if _SET_HERE:
+        os.environ.pop(COLLECTIVE_GATHER, None)
+        _SET_HERE.clear()
 
 
 def whole_over_batch(layout):
