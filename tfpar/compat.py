@@ -171,6 +171,14 @@ ZERO3_COMPRESSION_RECOMPUTE = Rule(
     "step mapped over replicas, where layers are not recomputed; use --recompute=none, or "
     "--compression=none")
 
+# Without resharding each layer keeps its gathered weights and its activations for the
+# backward pass: the layers are wrapped to gather once, and `--recompute` would not apply.
+ZERO3_KEEP_RECOMPUTE = Rule(
+    "recompute", lambda c: c.zero_stage == 3 and not c.zero_reshard_after_forward
+    and c.recompute != "none",
+    "not supported with --nozero_reshard_after_forward: ZeRO-3 then keeps each layer's "
+    "whole weights and activations for the backward pass, nothing recomputed; use "
+    "--recompute=none, or --zero_reshard_after_forward (recomputed, the default)")
 
 def _mesh_dp_is_one(c):
     """The mesh's `batch` axis has one replica: `--data_parallel=1`, or left to the
@@ -398,6 +406,7 @@ COMBINATIONS = (
     ZERO_TOPK_WARMUP,
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,
+    ZERO3_KEEP_RECOMPUTE,
     ZERO3_COMPRESSION_MODEL,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "
