@@ -250,7 +250,15 @@ class LayoutState(patches.Trackable):
         fresh = [n for n in entries if n.startswith(_OPTIONAL_PREFIX) and n not in saved
                  and not (_kind(n) == "residual" and _kind(n) in kinds)]
         steps = [n for n in fresh if _kind(n) in _STEP_KINDS]
-        if steps and "optimizer/iteration" in saved:
+        # Adam in front without its moments in the checkpoint (written with Adam behind the
+        # codec): its counter stays at 0, so it redoes the exact warm-up that builds them;
+        # past the warm-up zero moments would give steps many times Adam's.
+        if steps and any(_kind(n) in ("adam_m", "adam_v") for n in fresh):
+            logging.warning("tfpar: checkpoint %s has no Adam moments of this run's Adam in "
+                            "front of its codec: its step counter starts at 0, the exact "
+                            "warm-up runs again", name)
+            fresh = [n for n in fresh if n not in steps]
+        elif steps and "optimizer/iteration" in saved:
             iteration = reader.get_tensor(saved["optimizer/iteration"])
             for n in steps:
                 entries[n][1](iteration)
