@@ -231,9 +231,12 @@ class ZeroMixin:
             summed, any_bad = _aggregate(layout.aggregator, ctx, grads, variables, local_bad)
             whole = layout.flatten(summed, variables)
             grad_piece = _own(whole, ctx, n)
-            # The sum is the same on every replica: its finiteness needs no all-reduce.
+            # The sum is the same bytes on every replica (the ring hands every rank the
+            # same result, the same local ops follow): its finiteness needs no all-reduce.
+            # One pass, as `tfpar.nan_guard`: a sum is finite iff every entry is (a sum of
+            # finite entries past float32's range aside, which skips the step too).
             agreed = tf.maximum(any_bad, 1.0 - tf.cast(
-                tf.reduce_all(tf.math.is_finite(whole)), tf.float32))
+                tf.math.is_finite(tf.reduce_sum(whole)), tf.float32))
         elif codec != "none":
             # Stages 1 and 2 alike: a compressed reduce-scatter (each replica needs only the
             # sum of its own piece), the pieces travelling in the codec.
