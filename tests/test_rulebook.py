@@ -290,14 +290,14 @@ def parse_command(text):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_command_the_planner_prints_is_accepted(model):
     # Every layout the planner ranks for 8 logical CPUs, at every precision and schedule
-    # (`--schedule` offers gpipe, 1f1b, interleaved; `Request.from_config` any of the
-    # config's): a runnable one's command passes ParallelConfig and check_inputs, the
+    # (the config's, and the planner's own `auto`, its default, which ranks 1F1B and
+    # Chimera): a runnable one's command passes ParallelConfig and check_inputs, the
     # others' reasons are exactly what building their command raises.
     hw = planner.hardware_from(8, 16, 10, 100, 10)
     prof = profile.builtin_profile(model)
     checked = refused = 0
     for precision in PRECISIONS:
-        for schedule in SCHEDULES:
+        for schedule in tuple(SCHEDULES) + ("auto",):
             req = planner.Request(model=model, schedule=schedule, mixed_precision=precision,
                                   simulated_cpu=True, recompute="auto", zero=(0, 1, 2, 3))
             for row in planner.plan(prof, hw, req)["ranked"]:

@@ -4,7 +4,8 @@ command, and the Python calls that train it on the user's own model."""
 
 def runnable(c, hw, request):
     """None when `python -m tfpar.train` runs layout `c` today, else why not: the layout's
-    settings go through `ParallelConfig` and `compat.check_inputs` (without `TF_CONFIG`),
+    settings go through `ParallelConfig` and `compat.check_inputs` (with a `TF_CONFIG` of
+    the planned hosts when the layout spans machines),
     the trainer's own rulebook (`tfpar.compat`), so the planner never offers what the
     trainer refuses."""
     from tfpar import compat

@@ -50,7 +50,9 @@ class Request:
     @classmethod
     def from_config(cls, config, **changes):
         """A request from a `tfpar.ParallelConfig` (its model, batch, optimizer, schedule,
-        precision and pinned degrees)."""
+        precision and pinned degrees): the config's schedule (1F1B by default), not the
+        planner's `auto`, so Chimera is ranked only when asked for (`schedule="auto"`
+        in `changes`)."""
         fields = ("model", "model_width", "model_depth", "global_batch_size", "optimizer",
                   "schedule", "mixed_precision", "data_parallel", "tensor_parallel",
                   "pipeline_stages", "compression")
