@@ -35,3 +35,33 @@ def test_distinct_paths_give_one_entry_per_weight():
     entries = state.LayoutState(model, {}).entries()
     assert sorted(entries) == ["model/a/bias", "model/a/kernel", "model/b/bias",
                                "model/b/kernel"]
+
+
+class _Reader:
+    """A checkpoint reader holding the optimizer's iteration only."""
+
+    def get_tensor(self, key):
+        import numpy as np
+        return np.int64(60)
+
+
+def _loaded(kinds):
+    """Loads a checkpoint holding no codec state into entries of `kinds` (one weight's):
+    what each setter was given."""
+    given = {}
+    entries = {f"codec/model/a/kernel/{kind}": (None, lambda v, k=kind: given.update({k: int(v)}))
+               for kind in kinds}
+    state.LayoutState._codec_moves(None, _Reader(), {"optimizer/iteration": "iteration"},
+                                   entries, "/checkpoints/ckpt-60", kinds=set())
+    return given
+
+
+def test_adam_in_front_resumed_without_its_moments_redoes_the_warm_up(caplog):
+    # Written with Adam behind the codec (no adam_m/adam_v), resumed with Adam in front:
+    # the counter stays at 0 (the exact warm-up builds the moments again) instead of the
+    # iteration, past the warm-up with zero moments.
+    with caplog.at_level("WARNING"):
+        assert _loaded(["step", "adam_m", "adam_v"]) == {}
+    assert any("warm-up runs again" in r.getMessage() for r in caplog.records)
+    # A codec without Adam in front: its counter follows the optimizer's iteration.
+    assert _loaded(["step"]) == {"step": 60}
