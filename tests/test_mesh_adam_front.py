@@ -83,7 +83,9 @@ def test_mesh_adam_front(tmp_path):
         _run("mesh_topk_accum", MESH, 5, tmp_path, compression="topk", topk_ratio=1.0,
              grad_accum_steps=2),
         _run("mesh_topk_ckpt", MESH, 3, tmp_path, compression="topk", **WIDE),
-        _run("ref_mesh_topk", MESH, 6, tmp_path, compression="topk", **WIDE)]
+        _run("ref_mesh_topk", MESH, 6, tmp_path, compression="topk", **WIDE),
+        _run("mesh_topk_frozen", MESH, 5, tmp_path, compression="topk", topk_ratio=0.05,
+             **WIDE)]
     dp2_runs = [
         _run("dp2_powersgd", DP2, 5, tmp_path, compression="powersgd", powersgd_rank=32),
         _run("dp2_powersgd_fp16", DP2, 5, tmp_path, compression="powersgd",
@@ -91,7 +93,9 @@ def test_mesh_adam_front(tmp_path):
         _run("dp2_topk_accum", DP2, 5, tmp_path, compression="topk", topk_ratio=1.0,
              grad_accum_steps=2),
         _run("dp2_topk_ckpt", DP2, 3, tmp_path, compression="topk", **WIDE),
-        _run("ref_dp2_topk", DP2, 6, tmp_path, compression="topk", **WIDE)]
+        _run("ref_dp2_topk", DP2, 6, tmp_path, compression="topk", **WIDE),
+        _run("dp2_topk_frozen", DP2, 5, tmp_path, compression="topk", topk_ratio=0.05,
+             **WIDE)]
     out = {}
     for part in run_concurrently([
             lambda: _child(tmp_path, prefix, 4, mesh_runs),
@@ -114,6 +118,14 @@ def test_mesh_adam_front(tmp_path):
     moved = _diff(prefix, "mesh_powersgd", "mesh_none")
     assert moved > 1e-3, moved  # it trained (2 more steps than the uncompressed run)
     assert _diff(prefix, "mesh_powersgd", "dp2_powersgd") < 1e-5
+    # Top-k compressed, both of its variants of `v`: at its default ratio (each replica's
+    # own, the momentum synced) and below 0.1 (`v` frozen after the warm-up, then raised),
+    # 4 and 3 steps past the warm-up, every kernel compressed (the review measured 4.5e-8
+    # and 6.0e-8 apart).
+    for mesh_run, dp2_run in (("ref_mesh_topk", "ref_dp2_topk"),
+                              ("mesh_topk_frozen", "dp2_topk_frozen")):
+        assert _diff(prefix, mesh_run, "mesh_topk_ckpt") > 1e-3, mesh_run  # past step 3
+        assert _diff(prefix, mesh_run, dp2_run) < 1e-5, mesh_run
     # Its state too: Adam's moments and counter as they are; a mesh's residual row is its
     # replica's own error, tf.distribute's its share (a half); PowerSGD's Q (only its span
     # matters) is summed in those units, so it is not compared.
