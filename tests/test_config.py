@@ -125,3 +125,15 @@ def test_tfjob_manifest_has_what_the_training_operator_needs():
     command = " ".join(container["command"] + container.get("args", []))
     assert "tfpar.train" in command and "--strategy=multi_worker" in command
     assert "--checkpoint_dir" in command  # restarted pods must resume, not start over
+
+
+def test_zero3_without_resharding_refuses_recompute_in_one_line():
+    # Without resharding ZeRO-3 keeps each layer's gathered weights and activations; the
+    # layers it wraps are not recomputed, so --recompute would be dropped silently.
+    base = {"zero_stage": 3, "cpu_devices": 4, "zero_reshard_after_forward": False}
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(**base, recompute="full")
+    assert info.value.setting == "recompute" and "\n" not in str(info.value)
+    assert "--nozero_reshard_after_forward" in str(info.value)
+    ParallelConfig(**base)  # without --recompute: accepted
+    ParallelConfig(**{**base, "zero_reshard_after_forward": True}, recompute="full")
