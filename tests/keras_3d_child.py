@@ -8,8 +8,10 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...]
   fitted on one device (no distribution) from the same weights and batches: weights,
   losses, `evaluate`, `predict`; `save_weights` read by a plain model, and a reference
   file read by `load_weights` into the pipelined model then evaluated.
-- `powersgd`: `tfpar.DistributedOptimizer(Adam, compression="powersgd")` at full rank
-  against plain Adam on the pipeline (exact at its limit); at rank 1 under
+- `powersgd`: `tfpar.DistributedOptimizer(..., compression="powersgd")` exact at its
+  limit (Adam at full rank, SGD at rank 16 on kernels whose gradients have rank <= 16)
+  against the uncompressed run on one device, then a step with infinite inputs (fp32); at
+  rank 1 under
   `mixed_float16`: losses, the codec's bytes and state; then a batch that overflows fp16:
   every stage's weights and loss scale before and after.
 - `refusals`: the one-line errors of a mesh with the stage axis not first, Chimera on the
@@ -46,9 +48,9 @@ LAYOUTS = {r"up\d/kernel": (None, "model"), r"up\d/bias": ("model",),
 def user_model():
     """A user's functional model with layer names of its own."""
     x = keras.Input((FEATURES,), name="features")
-    h = keras.layers.Dense(32, activation="relu", name="up1")(x)
-    h = keras.layers.Dense(16, activation="relu", name="down1")(h)
-    h = keras.layers.Dense(32, activation="relu", name="up2")(h)
+    h = keras.layers.Dense(64, activation="relu", name="up1")(x)
+    h = keras.layers.Dense(64, activation="relu", name="down1")(h)
+    h = keras.layers.Dense(64, activation="relu", name="up2")(h)
     h = keras.layers.Dense(16, activation="relu", name="down2")(h)
     out = keras.layers.Dense(CLASSES, name="head")(h)
     return keras.Model(x, out, name="user")
@@ -83,9 +85,9 @@ def initial_weights():
     return user_model().get_weights()
 
 
-def fit(model, steps=STEPS, seed=0):
-    x, y = data(steps, seed)
-    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+def fit(model, steps=STEPS, epochs=1):
+    x, y = data(steps)
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return history.history["loss"]
 
 
@@ -162,27 +164,34 @@ def codec_state(trainer):
 
 def powersgd():
     weights = initial_weights()
+    out, uncompressed = {}, {}
+    for name, make in (("adam", lambda: keras.optimizers.Adam(1e-2)),
+                       ("sgd", lambda: keras.optimizers.SGD(0.1))):
+        model = compiled(make(), weights)  # on one device: no distribution
+        uncompressed[name] = {"loss": fit(model), "weights": model.get_weights()}
     keras.distribution.set_distribution(distribution())
-    out = {}
-    runs = {"plain": lambda: keras.optimizers.Adam(1e-2),
-            "full_rank": lambda: tfpar.DistributedOptimizer(
-                keras.optimizers.Adam(1e-2), compression="powersgd", rank=32)}
-    finals = {}
-    for name, make in runs.items():
+    # Exact at the codec's limit: at rank 64 every matrix goes whole (its factors would be
+    # no smaller); at rank 16 the 64 x 64 kernels go as factors, exact since a step's
+    # gradient (16 examples) has rank <= 16. Each against the uncompressed run.
+    runs = {"full_rank": ("adam", lambda: tfpar.DistributedOptimizer(
+                keras.optimizers.Adam(1e-2), compression="powersgd", rank=64)),
+            "rank_16_sgd": ("sgd", lambda: tfpar.DistributedOptimizer(
+                keras.optimizers.SGD(0.1), compression="powersgd", rank=16))}
+    for name, (reference, make) in runs.items():
         model = compiled(make(), weights)
-        out[name] = {"loss": fit(model)}
-        finals[name] = model.get_weights()
-        out[name]["state"] = codec_state(model._tfpar_pipeline_trainer)
-    out["full_rank"]["diff"] = diff(finals["full_rank"], finals["plain"])
+        out[name] = {"loss": fit(model), "state": codec_state(model._tfpar_pipeline_trainer),
+                     "reference_loss": uncompressed[reference]["loss"]}
+        out[name]["diff"] = diff(model.get_weights(), uncompressed[reference]["weights"])
+        finals = model.get_weights()
     # fp32: a DistributedOptimizer's non-finite step is skipped on every stage
     x, y = data(1)
     model.train_on_batch(x * np.inf, y)
-    out["full_rank"]["nan_step_kept"] = diff(model.get_weights(), finals["full_rank"])
+    out["rank_16_sgd"]["nan_step_kept"] = diff(model.get_weights(), finals)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = compiled(tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-2),
                                                     compression="powersgd", rank=1), weights)
-        losses = [fit(model, steps=4, seed=epoch)[0] for epoch in range(6)]
+        losses = fit(model, steps=4, epochs=6)
         trainer = model._tfpar_pipeline_trainer
         state = codec_state(trainer)
         before = _stage_values(trainer)

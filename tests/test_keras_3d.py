@@ -38,7 +38,7 @@ def test_3d_fit_equals_one_device(results, optimizer):
     # two stages, each tensor-parallel: the layout map's kernels split over `model`
     assert all(run_["stage_layers"]) and len(run_["stage_layers"]) == 2, run_
     shards = run_["kernel_shards"]
-    assert shards["up1/kernel"] == [12, 16] and shards["down1/kernel"] == [16, 16], shards
+    assert shards["up1/kernel"] == [12, 32] and shards["down1/kernel"] == [32, 64], shards
     assert shards["head/kernel"] == [16, 10], shards
 
 
@@ -50,21 +50,27 @@ def test_save_weights_loads_on_one_device_and_load_weights_reaches_the_stages(
     assert run_["loaded_evaluate"] <= 1e-6, run_
 
 
-def test_powersgd_at_full_rank_equals_the_uncompressed_pipeline(results):
+def test_powersgd_at_its_limit_equals_the_uncompressed_run(results):
     runs = _case(results, "powersgd")
-    assert runs["full_rank"]["diff"] <= 1e-5, runs["full_rank"]
-    assert np.allclose(runs["full_rank"]["loss"], runs["plain"]["loss"], atol=1e-5)
-    assert runs["full_rank"]["state"]["bytes"], "no stage reduction ran"
-    assert not runs["plain"]["state"]["bytes"]  # plain Adam: DTensor's own sum
+    full, factored = runs["full_rank"], runs["rank_16_sgd"]
+    # Adam, every matrix whole; SGD, the 64 x 64 kernels as exact rank-16 factors: the
+    # 2.3e-6 measured (2026-12-05) is float32 rounding of the factors' orthogonalisation
+    assert full["diff"] <= 1e-5, full
+    assert factored["diff"] <= 1e-5, factored
+    for run_ in (full, factored):
+        assert np.allclose(run_["loss"], run_["reference_loss"], atol=1e-5), run_
+        assert len(run_["state"]["bytes"]) == 2, run_["state"]  # a reduction per stage
+    assert any(stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
+               for stats in factored["state"]["bytes"]), factored["state"]  # factors sent
     # a step with non-finite gradients is never applied (fp32 too): the weights stay
-    assert runs["full_rank"]["nan_step_kept"] == 0.0, runs["full_rank"]
+    assert factored["nan_step_kept"] == 0.0, factored
 
 
 def test_powersgd_rank_1_trains_under_mixed_float16(results):
     run_ = _case(results, "powersgd")["fp16_rank_1"]
     assert run_["optimizer"] == "LossScaleOptimizer", run_["optimizer"]
     losses = run_["losses"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.85 * losses[0], losses
     state = run_["state"]
     assert len(state["bytes"]) == 2, state  # one reduction per stage
     for stats in state["bytes"]:
