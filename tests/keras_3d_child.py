@@ -85,10 +85,19 @@ def initial_weights():
     return user_model().get_weights()
 
 
-def fit(model, steps=STEPS, epochs=1):
+def fit(model, steps=STEPS, epochs=1, callbacks=()):
     x, y = data(steps)
-    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
     return history.history["loss"]
+
+
+class Seen(keras.callbacks.Callback):
+    """What a user's callback sees at the epoch's end: its model, and that model's
+    weights."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model_seen, self.weights = self.model, self.model.get_weights()
 
 
 def diff(a, b):
@@ -115,7 +124,8 @@ def exact():
         keras.distribution.set_distribution(distribution())
         model = compiled(make(), weights)
         ref = reference[name]
-        losses = fit(model)
+        seen = Seen()
+        losses = fit(model, callbacks=[seen])
         trainer = model._tfpar_pipeline_trainer
         result = {"weights": diff(model.get_weights(), ref["weights"]),
                   "loss": diff(losses, ref["loss"]),
@@ -125,7 +135,9 @@ def exact():
                                   [ref["predict"][:-3]]),
                   "stage_layers": [[layer.name for layer in stage.layers[1:]]
                                    for stage in trainer.model.stages],
-                  "kernel_shards": _shards(trainer)}
+                  "kernel_shards": _shards(trainer),
+                  "callback_model_is_the_users": seen.model_seen is model,
+                  "callback_weights": diff(seen.weights, ref["weights"])}
         path = os.path.join(folder, f"{name}.weights.h5")
         model.save_weights(path)
         keras.distribution.set_distribution(None)

@@ -40,6 +40,8 @@ def test_3d_fit_equals_one_device(results, optimizer):
     shards = run_["kernel_shards"]
     assert shards["up1/kernel"] == [12, 32] and shards["down1/kernel"] == [32, 64], shards
     assert shards["head/kernel"] == [16, 10], shards
+    # a callback gets the user's model, holding the trained weights at the epoch's end
+    assert run_["callback_model_is_the_users"] and run_["callback_weights"] <= tolerance, run_
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -45,13 +45,17 @@ metric other than accuracy; `loss_weights`, `weighted_metrics`; Keras's
 optimizers' state); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
 interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch must
 split into `microbatches` equal micro-batches divisible by the `batch` axis (one line
-naming `microbatches` otherwise). Not held: the stage optimizers' state in `model.save`
-(the file holds the weights and the compiled, unbuilt optimizer).
+naming `microbatches` otherwise). A `tfpar.DistributedOptimizer`'s step with non-finite
+gradients is skipped on every stage (in fp32 through a loss scale of 1 that never grows,
+`_fresh`), but not counted in its `nonfinite_steps`, so `tfpar.callbacks.NaNGuard` does not
+see it. Not held: the stage optimizers' state in `model.save` (the file holds the weights
+and the compiled, unbuilt optimizer); a mesh across worker processes (refused).
 """
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import compat, patches
 from tfpar.errors import ConfigError, TfparError
@@ -133,6 +137,10 @@ def stage_meshes(distribution):
     stage s on `mesh.devices[s]`."""
     meshes = getattr(distribution, "tfpar_stage_meshes", None)
     if meshes is None:
+        if dtensor.num_clients() > 1:
+            raise TfparError("a keras.distribution mesh with a 'stage' axis runs in one "
+                             "process; across workers use python -m tfpar.train "
+                             "--pipeline_stages with --tensor_parallel")
         K, dp, tp, *_ = settings(distribution)
         devices = []  # "cpu:0" (keras.distribution.list_devices()) as DTensor names it
         for device in np.asarray(distribution.device_mesh.devices).ravel():
