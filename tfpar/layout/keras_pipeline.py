@@ -340,11 +340,12 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         with keras.StatelessScope(state_mapping=mapping):
             return self.model.stages[v](h, training=self._training)
 
-    def _eval_step(self, xs, ys):
-        # `evaluate` runs the stages in inference mode (dropout off), as Keras's does.
+    def evaluate(self, batches, steps=None, callbacks=None):
+        # The stages in inference mode (dropout off), as Keras's `evaluate` runs a model:
+        # its step is traced, on first use, inside this call.
         self._training = False
         try:
-            return super()._eval_step(xs, ys)
+            return super().evaluate(batches, steps=steps, callbacks=callbacks)
         finally:
             self._training = True
 
