@@ -428,7 +428,9 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
     history = keras.callbacks.History()
     callbacks = list(callbacks or []) + [history]
     if isinstance(trainer, keras_pipeline.KerasPipelineTrainer):  # called with `model`
-        callbacks = [keras_pipeline.UserCallbacks(trainer, callbacks)]
+        callbacks = [keras_pipeline.UserCallbacks(trainer, callbacks, _verbose(verbose),
+                                                  epochs, steps_per_epoch)]
+        verbose = 0  # the progress bar is the user's callbacks', with the model's logs
     trainer.fit(batches, epochs=epochs, steps_per_epoch=steps_per_epoch,
                 initial_epoch=initial_epoch, callbacks=callbacks,
                 verbose=_verbose(verbose), validation_data=validation,

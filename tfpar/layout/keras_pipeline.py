@@ -64,6 +64,7 @@ from tfpar.layout import presets, reduction, values, variables
 from tfpar.layout.mesh import BATCH, MODEL
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.step import _read
+from tfpar.metrics import STEP_LOSS
 from tfpar.pipeline.schedule import make_schedule
 
 STAGE = "stage"
@@ -377,12 +378,13 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
 
 
 class UserCallbacks(keras.callbacks.Callback):
-    """The user's callbacks in a pipeline `fit`, called with the user's model: the stage
-    weights are written into it before each epoch end and training's end (and each batch
-    end when a callback other than `History` is given), and its `stop_training` is
-    passed on to the trainer."""
+    """The user's callbacks in a pipeline `fit` (and, with `verbose`, Keras's progress
+    bar), called with the user's model and the model's logs (not tfpar's `step_loss`):
+    the stage weights are written into it before each epoch end and training's end (and
+    each batch end when a callback other than `History` is given), and its
+    `stop_training` is passed on to the trainer."""
 
-    def __init__(self, trainer, callbacks):
+    def __init__(self, trainer, callbacks, verbose=0, epochs=1, steps=None):
         super().__init__()
         for callback in callbacks:
             if isinstance(callback, keras.callbacks.BackupAndRestore) or (
@@ -392,11 +394,14 @@ class UserCallbacks(keras.callbacks.Callback):
                                   "the pipeline stages' optimizer state; save the weights "
                                   "with ModelCheckpoint(save_weights_only=True)")
         self.trainer = trainer
-        self.inner = keras.callbacks.CallbackList(callbacks, model=trainer.user_model)
+        self.verbose = verbose
+        self.inner = keras.callbacks.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
+            model=trainer.user_model)
         self.every_batch = any(not isinstance(c, keras.callbacks.History) for c in callbacks)
 
     def set_params(self, params):
-        self.inner.set_params(params)
+        self.inner.set_params({**params, "verbose": self.verbose})
 
     def set_model(self, model):
         self.staged = model
@@ -418,7 +423,8 @@ class UserCallbacks(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.every_batch:
             self.trainer.to_model()
-        self.inner.on_train_batch_end(batch, logs)
+        self.inner.on_train_batch_end(
+            batch, {k: v for k, v in (logs or {}).items() if k != STEP_LOSS})
         self._stop()
 
     def on_epoch_end(self, epoch, logs=None):
