@@ -34,7 +34,7 @@ def _example_blocks(page=GUIDE):
                       re.M | re.S)
 
 
-@pytest.mark.parametrize("page, count", [(GUIDE, 6), (KERAS_GUIDES, 3)])
+@pytest.mark.parametrize("page, count", [(GUIDE, 7), (KERAS_GUIDES, 3)])
 def test_guide_code_blocks_equal_the_example_files(page, count):
     blocks = _example_blocks(page)
     assert len(blocks) == count

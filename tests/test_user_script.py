@@ -73,6 +73,14 @@ def test_pipeline_example(venv, project):
     assert last < 0.5 * first
 
 
+def test_pipeline_3d_example(venv, project):
+    out = subproc.run([_python(venv), "pipeline_3d.py"], env=USER_ENV, cwd=str(project),
+                      timeout=600)
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
+    assert last < 0.8 * first, out.stdout
+    assert (project / "pipeline_3d.weights.h5").exists()
+
+
 def test_backup_restore_example_runs_and_cleans_up(venv, project):
     out = subproc.run([_python(venv), "backup_restore.py"], env=USER_ENV, cwd=str(project))
     assert "resuming at step 0" in out.stdout and "trained to step 60" in out.stdout

@@ -29,7 +29,12 @@ inside the mesh step the layer's output is relaid out to that layout, through
 `tfpar.layout.activations.relayout_value`, by the `distribute_tensor` Keras's TensorFlow
 backend lacks; values unchanged, so the step stays exact), `DataParallel` (every weight
 whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
-up to two axes over `keras.distribution.list_devices()`; any model Keras builds, through
+up to two axes over `keras.distribution.list_devices()`, or of three,
+`("stage", "batch", "model")`: the model cut into pipeline stages at its first `fit`, each
+stage tensor- and data-parallel on its own sub-mesh, trained by the trainer's mesh pipeline
+with `mixed_float16` and a `DistributedOptimizer`'s codec per stage
+(`tfpar.layout.keras_pipeline`, `tfpar.layout.PipelineParallel` for its micro-batches and
+schedule); any model Keras builds, through
 its own compiled code (`tfpar.layout.keras_step`): several inputs and outputs (dicts,
 lists), `compile(optimizer, loss, loss_weights, metrics, weighted_metrics)` with a loss
 per output, any Keras metric (built-in or a custom `keras.metrics.Metric`), `add_loss`
@@ -82,7 +87,8 @@ from tensorflow.experimental import dtensor
 from tfpar import nan_guard, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import activations, keras_state, multi_client, values, variables
+from tfpar.layout import (activations, keras_pipeline, keras_state, multi_client, values,
+                          variables)
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
 
@@ -149,6 +155,9 @@ def is_enabled():
 def _initialize(self, value):
     distribution = keras.distribution.distribution()
     if distribution is not None and not isinstance(value, tf.Variable):
+        if keras_pipeline.is_pipeline(distribution):  # whole on the host, cut at fit
+            keras_pipeline.settings(distribution)
+            return patches.VARIABLE_INITIALIZE(self, value)
         check_distribution(distribution)
     return variables._initialize(self, value)
 
@@ -167,7 +176,8 @@ def check_distribution(distribution):
                           "tfpar splits batches over the mesh axis named 'batch', else the "
                           "first axis, on a mesh of at most 2 axes (got axes "
                           f"{tuple(mesh.axis_names)}); use batch_dim_name={batch!r} on a "
-                          "mesh of 1 or 2 axes")
+                          "mesh of 1 or 2 axes, or a mesh ('stage', 'batch', 'model') to "
+                          "pipeline")
     mesh_lib.attach_backend_mesh(mesh)
 
 
@@ -238,6 +248,13 @@ def _routed(name):
     @functools.wraps(original)
     def loop(self, *args, **kwargs):
         distribution = keras.distribution.distribution()
+        if keras_pipeline.is_pipeline(distribution) and not _on_mesh(self):
+            arguments = _SIGNATURE[name].bind(self, *args, **kwargs)
+            arguments.apply_defaults()
+            arguments = dict(arguments.arguments)
+            del arguments["self"]
+            trainer = keras_pipeline.trainer_for(self, distribution)
+            return globals()["_" + name](self, trainer, **arguments)
         if not _on_mesh(self):
             if distribution is not None and self.weights:
                 raise TfparError(
@@ -409,8 +426,13 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
         validation = lambda: itertools.islice(held_out.get_numpy_iterator(),  # noqa: E731
                                               validation_steps)
     history = keras.callbacks.History()
+    callbacks = list(callbacks or []) + [history]
+    if isinstance(trainer, keras_pipeline.KerasPipelineTrainer):  # called with `model`
+        callbacks = [keras_pipeline.UserCallbacks(trainer, callbacks, _verbose(verbose),
+                                                  epochs, steps_per_epoch)]
+        verbose = 0  # the progress bar is the user's callbacks', with the model's logs
     trainer.fit(batches, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                initial_epoch=initial_epoch, callbacks=list(callbacks or []) + [history],
+                initial_epoch=initial_epoch, callbacks=callbacks,
                 verbose=_verbose(verbose), validation_data=validation,
                 validation_freq=validation_freq)
     model.history = history
@@ -422,6 +444,8 @@ def _ready(model, trainer, batches):
     built from the first batch (as Keras's first step would), and `batches` with that
     batch still first."""
     batches = iter(batches)
+    if isinstance(trainer, keras_pipeline.KerasPipelineTrainer):  # built: a functional model
+        return trainer, batches
     first = next(batches, None)
     if first is None:
         return trainer, iter(())
@@ -479,6 +503,8 @@ def _predict(model, trainer, x, batch_size, verbose, steps, callbacks):
 
 
 def _predict_batch(trainer, x):
+    if isinstance(trainer, keras_pipeline.KerasPipelineTrainer):
+        return trainer.predict_batch(x)
     out = trainer._predict(*values.batch_to_mesh((x,), trainer.mesh))
     return keras.tree.map_structure(values.to_host, out)
 

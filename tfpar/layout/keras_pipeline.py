@@ -1,0 +1,437 @@
+"""dp × tp × pp from a user's own `model.fit`: a `keras.distribution` mesh with a stage axis.
+
+After `tfpar.layout.enable()`, a `ModelParallel` whose `DeviceMesh` has three axes
+`("stage", "batch", "model")` (or two, `("stage", "batch")`) pipelines the user's own
+functional model over its stages, each stage tensor- and data-parallel on its own
+`batch` × `model` sub-mesh (stage s on the devices of `mesh.devices[s]`, i.e. devices
+s·dp·tp … (s+1)·dp·tp − 1 of `keras.distribution.list_devices()`):
+
+>>> tfpar.layout.enable()
+>>> mesh = keras.distribution.DeviceMesh((2, 2, 2), ["stage", "batch", "model"],
+...                                      devices=keras.distribution.list_devices())
+>>> layout_map = keras.distribution.LayoutMap(mesh)
+>>> layout_map["up/kernel"] = (None, "model")
+>>> layout_map["down/kernel"] = ("model", None)
+>>> keras.distribution.set_distribution(tfpar.layout.PipelineParallel(
+...     layout_map=layout_map, microbatches=4, schedule="1f1b"))
+>>> model = build_my_model()     # a functional model, its own layer names
+>>> model.compile(optimizer=keras.optimizers.Adam(1e-3),
+...               loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+>>> history = model.fit(x, y, batch_size=32, epochs=2)
+
+The model's weights stay plain (whole, on the host device) until its first `fit`,
+`evaluate` or `predict`; then it is cut into stages by `tfpar.pipeline.partition`'s rules
+(balanced by parameter count) and each stage is rebuilt on its sub-mesh with the layout
+map's keys applied to its weights (`tfpar.layout.pipeline`'s `_cut` and `_rebuild`, as the
+CLI's `--pipeline_stages` with `--tensor_parallel` does). Training runs the CLI's mesh
+pipeline (`tfpar.layout.pipeline.MeshPipelineTrainer`): the schedule, one stateless
+optimizer per stage made from the compiled one, with `mixed_float16` one loss-scale
+decision for every stage, and a `tfpar.DistributedOptimizer`'s codec as each stage's
+`BatchAxisReduction` over its `batch` axis. The stage weights are written back into the
+user's model at the end of every epoch and of `fit` (and after every batch when callbacks
+other than `History` are given), so `get_weights`, `save_weights` and a stock Keras
+`load_weights` on one device see the trained values; a `load_weights` (or `set_weights`)
+before the next `fit`/`evaluate`/`predict` is copied onto the stages by that call.
+
+A plain `ModelParallel` on such a mesh runs the 1F1B schedule with one micro-batch per
+stage; `PipelineParallel` takes `microbatches`, `schedule` ("gpipe", "1f1b", "zb_h1",
+"interleaved" with `virtual_stages`).
+
+Refused with one line: a mesh whose axes are not `("stage", "batch"[, "model"])`; layer
+output layouts (`<layer>/output` keys); a model that is not functional with one input and
+one output, or does not cut into the stages; a loss other than one mean-reducing loss; a
+metric other than accuracy; `loss_weights`, `weighted_metrics`; Keras's
+`BackupAndRestore` (its checkpoint would hold the user's unbuilt optimizer, not the stage
+optimizers' state); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch must
+split into `microbatches` equal micro-batches divisible by the `batch` axis (one line
+naming `microbatches` otherwise). A `tfpar.DistributedOptimizer`'s step with non-finite
+gradients is skipped on every stage (in fp32 through a loss scale of 1 that never grows,
+`_fresh`), but not counted in its `nonfinite_steps`, so `tfpar.callbacks.NaNGuard` does not
+see it. Not held: the stage optimizers' state in `model.save` (the file holds the weights
+and the compiled, unbuilt optimizer); a mesh across worker processes (refused).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import compat, patches
+from tfpar.errors import ConfigError, TfparError
+from tfpar.layout import pipeline as pipeline_lib
+from tfpar.layout import presets, reduction, values, variables
+from tfpar.layout.mesh import BATCH, MODEL
+from tfpar.layout.optimizer import stateless_optimizer
+from tfpar.layout.step import _read
+from tfpar.metrics import STEP_LOSS
+from tfpar.pipeline.schedule import make_schedule
+
+STAGE = "stage"
+_ACCURACY = ("accuracy", "acc", "sparse_categorical_accuracy")
+
+
+class PipelineParallel(keras.distribution.ModelParallel):
+    """Keras's `ModelParallel` on a mesh `("stage", "batch", "model")`, with the pipeline's
+    settings (see the module docstring).
+
+    Args:
+        layout_map: a `keras.distribution.LayoutMap` on the 3-axis (or `("stage",
+            "batch")`) mesh; its keys are full-match regexes of the weights' paths, its
+            axes "batch" and "model", applied on every stage's sub-mesh.
+        microbatches: M, micro-batches per batch (default: one per stage).
+        schedule: "gpipe", "1f1b", "zb_h1" or "interleaved".
+        virtual_stages: model chunks per stage (the interleaved schedule only).
+        batch_dim_name: the batch axis; "batch".
+
+    Examples:
+        >>> keras.distribution.set_distribution(tfpar.layout.PipelineParallel(
+        ...     layout_map=layout_map, microbatches=4))
+    """
+
+    def __init__(self, *, layout_map, microbatches=None, schedule="1f1b", virtual_stages=1,
+                 batch_dim_name=BATCH, **kwargs):
+        super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name, **kwargs)
+        self.microbatches, self.schedule = microbatches, schedule
+        self.virtual_stages = virtual_stages
+
+
+def is_pipeline(distribution):
+    """Whether `distribution` is a Keras distribution on a mesh with a "stage" axis."""
+    return (distribution is not None and hasattr(distribution, "device_mesh")
+            and STAGE in tuple(distribution.device_mesh.axis_names))
+
+
+def settings(distribution):
+    """`(stages, data_parallel, tensor_parallel, microbatches, schedule, virtual_stages)`
+    of a pipeline distribution, checked.
+
+    Raises:
+        ConfigError: the mesh's axes, a bad micro-batch count, or a schedule the mesh
+            pipeline does not run (`compat`'s rows).
+    """
+    mesh = distribution.device_mesh
+    names, shape = tuple(mesh.axis_names), tuple(mesh.shape)
+    if names not in ((STAGE, BATCH, MODEL), (STAGE, BATCH)) or (
+            distribution.batch_dim_name != BATCH):
+        raise ConfigError("DeviceMesh.axis_names", names,
+                          "a pipeline mesh is ('stage', 'batch', 'model') or ('stage', "
+                          "'batch'), stage first, with batch_dim_name='batch'")
+    K, dp = shape[0], shape[1]
+    tp = shape[2] if len(shape) == 3 else 1
+    M = getattr(distribution, "microbatches", None) or K
+    schedule = getattr(distribution, "schedule", "1f1b")
+    V = getattr(distribution, "virtual_stages", 1)
+    if not isinstance(M, int) or M < 1:
+        raise ConfigError("microbatches", M, "must be an integer >= 1")
+    view = compat.view(backend="dtensor", pipeline_stages=K, data_parallel=dp,
+                       tensor_parallel=tp, microbatches=M, schedule=schedule,
+                       virtual_stages=V)
+    for rule in (compat.CHIMERA_MESH, compat.INTERLEAVED_VIRTUAL_STAGES,
+                 compat.INTERLEAVED_MICROBATCHES):
+        compat.enforce(rule, view)
+    return K, dp, tp, M, schedule, V if schedule == "interleaved" else 1
+
+
+def stage_meshes(distribution):
+    """The K `batch` × `model` sub-meshes of a pipeline distribution's mesh (made once):
+    stage s on `mesh.devices[s]`."""
+    meshes = getattr(distribution, "tfpar_stage_meshes", None)
+    if meshes is None:
+        if dtensor.num_clients() > 1:
+            raise TfparError("a keras.distribution mesh with a 'stage' axis runs in one "
+                             "process; across workers use python -m tfpar.train "
+                             "--pipeline_stages with --tensor_parallel")
+        K, dp, tp, *_ = settings(distribution)
+        devices = []  # "cpu:0" (keras.distribution.list_devices()) as DTensor names it
+        for device in np.asarray(distribution.device_mesh.devices).ravel():
+            spec = tf.DeviceSpec.from_string(str(device) if "/" in str(device)
+                                             else "/device:" + str(device))
+            devices.append(f"/device:{spec.device_type.upper()}:{spec.device_index}")
+        meshes = pipeline_lib.make_meshes(dp, tp, K, devices)
+        distribution.tfpar_stage_meshes = meshes
+    return meshes
+
+
+def trainer_for(model, distribution):
+    """The `KerasPipelineTrainer` of `model` (made on first use, again when `compile`
+    changed), its stages holding the model's current weights."""
+    if model.optimizer is None:
+        raise TfparError("compile the model before fit/evaluate/predict")
+    key = (id(distribution), model.optimizer, model.loss)
+    trainer = getattr(model, "_tfpar_pipeline_trainer", None)
+    if trainer is None or trainer.compiled_key != key:
+        trainer = _build(model, distribution)
+        trainer.compiled_key = key
+        object.__setattr__(model, "_tfpar_pipeline_trainer", trainer)
+    trainer.from_model()
+    return trainer
+
+
+def _build(model, distribution):
+    K, dp, tp, M, schedule_name, V = settings(distribution)
+    _check_model(model)
+    rules = _rules(distribution, model)
+    loss, accuracy = _loss(model), _accuracy(model)
+    meshes = stage_meshes(distribution)
+    codec, error_feedback, options = _codec(model.optimizer)
+    if dp == 1:
+        codec = None  # one replica on `batch`: nothing to reduce, the exact step runs
+    stages, optimizers, reductions = [], [], []
+    for v, (nodes, src, out) in enumerate(pipeline_lib._cut(model, K * V)):
+        mesh = meshes[v % K]
+        scope = keras.distribution.ModelParallel(
+            layout_map=presets.layout_map(mesh, rules), batch_dim_name=BATCH)
+        with variables.variable_scope(scope):
+            stage = pipeline_lib._rebuild(nodes, src, out, v)
+            optimizer = stateless_optimizer(_fresh(model.optimizer))
+            optimizer.build(stage.trainable_variables)
+        pipeline_lib._refuse_keras_loops(stage)
+        stages.append(stage)
+        optimizers.append(optimizer)
+        if codec is not None:
+            reductions.append(reduction.for_variables(
+                mesh, stage.trainable_variables, codec, error_feedback, dict(options)))
+    staged = pipeline_lib.StagedModel(stages, K, name=f"{model.name}_mesh_pipeline")
+    staged.stage_optimizers = optimizers
+    object.__setattr__(staged, "tfpar_reductions", tuple(reductions))
+    return KerasPipelineTrainer(
+        meshes, staged, optimizers, make_schedule(schedule_name, K, M, V), loss,
+        accuracy=accuracy, reductions=reductions or None, user_model=model)
+
+
+def _check_model(model):
+    """Refuses what `compile` set that the pipeline's one loss and accuracy cannot honour
+    (the model's graph is checked by `tfpar.pipeline.partition` when it is cut)."""
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    if getattr(inner, "gradient_accumulation_steps", None):
+        raise ConfigError("gradient_accumulation_steps", inner.gradient_accumulation_steps,
+                          "is not supported on a pipeline mesh (Keras accumulates over "
+                          "batches); the pipeline's microbatches already split each batch")
+    config = model.get_compile_config() or {}
+    for setting in ("loss_weights", "weighted_metrics"):
+        if config.get(setting):
+            raise ConfigError(setting, config[setting],
+                              "the pipeline mesh takes one loss and accuracy; compile "
+                              "without it")
+
+
+def _rules(distribution, model):
+    """The layout map's `(key, axes)` pairs, for each stage's sub-mesh; refuses layer
+    output keys and keys that match no weight (`keras_distribution.check_layout_map`)."""
+    from tfpar.layout.keras_distribution import check_layout_map
+    layout_map = patches.layout_map(distribution)
+    keys = list(layout_map or ())
+    for key in keys:
+        if key.endswith("/output"):
+            raise ConfigError("layout_map", key,
+                              "a pipeline mesh lays out weights only; remove the layer "
+                              "output key (or use a mesh without a 'stage' axis)")
+    check_layout_map(distribution, model)
+    return [(key, tuple(layout_map[key].axes)) for key in keys]
+
+
+def _loss(model):
+    """The compiled loss as a mean-reducing `keras.losses.Loss`."""
+    loss = model.loss
+    if isinstance(loss, str) or (callable(loss) and not isinstance(loss, keras.losses.Loss)):
+        fn = keras.losses.get(loss)
+        loss = fn if isinstance(fn, keras.losses.Loss) else patches.function_loss(fn)
+    if not isinstance(loss, keras.losses.Loss) or loss.reduction != "sum_over_batch_size":
+        raise ConfigError("loss", getattr(loss, "name", loss),
+                          "the pipeline mesh takes one loss averaged over the batch (a name, "
+                          "a function, or a keras.losses.Loss with "
+                          "reduction='sum_over_batch_size')")
+    return loss
+
+
+def _accuracy(model):
+    """The name the compiled accuracy metric is logged under, or None."""
+    metrics = (model.get_compile_config() or {}).get("metrics") or []
+    names = [m for m in keras.tree.flatten(metrics)]
+    if any(not isinstance(m, str) or m not in _ACCURACY for m in names) or len(names) > 1:
+        raise ConfigError("metrics", names,
+                          "the pipeline mesh reports the loss and, with metrics=['accuracy'], "
+                          "the accuracy of integer labels; compile with those")
+    return names[0] if names else None
+
+
+def _codec(optimizer):
+    """`(codec, error_feedback, options)` of a `tfpar.DistributedOptimizer`'s aggregator
+    (`reduction.codec_of`), or `(None, True, {})`."""
+    from tfpar.compression import keras_hook
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    offloaded = getattr(inner, "tfpar_offload", "none")
+    if offloaded != "none":
+        compat.enforce(compat.KERAS_MESH_OFFLOAD, compat.view(
+            backend="dtensor", offload=offloaded, keras_distribution=True))
+    aggregator = keras_hook.aggregator_of(optimizer)
+    if aggregator is None:
+        return None, True, {}
+    return reduction.codec_of(aggregator)
+
+
+def _plain_class(optimizer):
+    """The Keras optimizer class under tfpar's tf.distribute mixins (a
+    `DistributedOptimizer`'s aggregation and non-finite guard run on tf.distribute
+    replicas; on the mesh the stages' reductions and the loss scale do that)."""
+    from tfpar.compression.keras_hook import AggregatingOptimizerMixin
+    from tfpar.nan_guard import SkipNonFiniteMixin
+    cls = type(optimizer)
+    while issubclass(cls, (AggregatingOptimizerMixin, SkipNonFiniteMixin)):
+        cls = cls.__bases__[-1]  # `patches.mix_in`'s classes: (mixin, the class mixed)
+    return cls
+
+
+def _fresh(optimizer):
+    """A new, unbuilt optimizer like the compiled one, for one stage (a
+    `LossScaleOptimizer` around a new inner optimizer under `mixed_float16`). A
+    `tfpar.DistributedOptimizer` never applies a non-finite step: in fp32 its stages get a
+    `LossScaleOptimizer` at scale 1 that never grows, so the mesh pipeline's one decision
+    for every stage skips such a step everywhere (a scale that is a power of two leaves
+    every finite step's values exact)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is None:
+        fresh = _plain_class(optimizer).from_config(optimizer.get_config())
+        if getattr(optimizer, "tfpar_skip_nonfinite", False):
+            return keras.optimizers.LossScaleOptimizer(fresh, initial_scale=1.0,
+                                                       dynamic_growth_steps=2**31 - 1)
+        return fresh
+    return type(optimizer)(_plain_class(inner).from_config(inner.get_config()),
+                           initial_scale=optimizer.initial_scale,
+                           dynamic_growth_steps=optimizer.dynamic_growth_steps)
+
+
+class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
+    """The mesh pipeline's trainer for a user's model (`MeshPipelineTrainer`'s arguments,
+    and `user_model`: the whole model whose weights the stages copy and write back)."""
+
+    _training = True  # what `stage_forward` passes the stage models (False in evaluate)
+
+    def __init__(self, meshes, model, optimizers, schedule, loss, accuracy, reductions,
+                 user_model):
+        super().__init__(meshes, model, optimizers, schedule, loss, accuracy=accuracy,
+                         reductions=reductions)
+        self.user_model = user_model
+        whole = {v.path: v for v in user_model.weights}
+        self.pairs = []
+        for stage in model.stages:
+            for variable in stage.weights:
+                if variable.path not in whole:
+                    raise TfparError(f"stage weight {variable.path!r} is not a weight path "
+                                     "of the model (two layers of one name?)")
+                self.pairs.append((variable, whole.pop(variable.path)))
+        if whole:
+            raise TfparError(f"weights of the model in no stage: {', '.join(whole)}")
+        self._forward = self._compiled(self._predict_step)
+
+    def from_model(self):
+        """The user's model's current weights onto the stages."""
+        for stage_variable, variable in self.pairs:
+            values.assign(stage_variable, np.asarray(variable))
+
+    def to_model(self):
+        """The stages' weights into the user's model (whole, host values)."""
+        for stage_variable, variable in self.pairs:
+            variable.assign(values.to_host(stage_variable.value))
+
+    def stage_forward(self, v, tv, ntv, h):
+        mapping = (list(zip(self.model.stages[v].trainable_variables, tv))
+                   + list(zip(self.model.stages[v].non_trainable_variables, ntv)))
+        with keras.StatelessScope(state_mapping=mapping):
+            return self.model.stages[v](h, training=self._training)
+
+    def evaluate(self, batches, steps=None, callbacks=None):
+        # The stages in inference mode (dropout off), as Keras's `evaluate` runs a model:
+        # its step is traced, on first use, inside this call.
+        self._training = False
+        try:
+            return super().evaluate(batches, steps=steps, callbacks=callbacks)
+        finally:
+            self._training = True
+
+    def train_on_batch(self, x, y, sample_weight=None):
+        logs = super().train_on_batch(x, y, sample_weight)
+        self.to_model()
+        return logs
+
+    def _predict_step(self, x):
+        h = x
+        for v, stage in enumerate(self.model.stages):
+            if v:
+                h = pipeline_lib._move(h, self.mesh_of(v - 1), self.mesh_of(v))
+            mapping = list(zip(stage.weights, _read(stage.weights)))
+            with keras.StatelessScope(state_mapping=mapping):
+                h = stage(h, training=False)
+        return h
+
+    def predict_batch(self, x):
+        """The model's output for a host batch `x`, padded to a multiple of the `batch`
+        axis (rows are independent in inference) and cut back."""
+        x = np.asarray(x)
+        parts = self.mesh.shape[0]
+        pad = -len(x) % parts
+        if pad:
+            x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+        out = values.to_host(self._forward(values.batch_to_mesh((x,), self.mesh)[0]))
+        return out[:len(out) - pad]
+
+
+class UserCallbacks(keras.callbacks.Callback):
+    """The user's callbacks in a pipeline `fit` (and, with `verbose`, Keras's progress
+    bar), called with the user's model and the model's logs (not tfpar's `step_loss`):
+    the stage weights are written into it before each epoch end and training's end (and
+    each batch end when a callback other than `History` is given), and its
+    `stop_training` is passed on to the trainer."""
+
+    def __init__(self, trainer, callbacks, verbose=0, epochs=1, steps=None):
+        super().__init__()
+        for callback in callbacks:
+            if isinstance(callback, keras.callbacks.BackupAndRestore) or (
+                    type(callback).__name__ == "BackupAndRestore"):
+                raise ConfigError("callbacks", type(callback).__name__,
+                                  "its checkpoint holds the model's compiled optimizer, not "
+                                  "the pipeline stages' optimizer state; save the weights "
+                                  "with ModelCheckpoint(save_weights_only=True)")
+        self.trainer = trainer
+        self.verbose = verbose
+        self.inner = keras.callbacks.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
+            model=trainer.user_model)
+        self.every_batch = any(not isinstance(c, keras.callbacks.History) for c in callbacks)
+
+    def set_params(self, params):
+        self.inner.set_params({**params, "verbose": self.verbose})
+
+    def set_model(self, model):
+        self.staged = model
+
+    def _stop(self):
+        if getattr(self.trainer.user_model, "stop_training", False):
+            self.staged.stop_training = True
+
+    def on_train_begin(self, logs=None):
+        self.trainer.user_model.stop_training = False
+        self.inner.on_train_begin(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.inner.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.inner.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_batch:
+            self.trainer.to_model()
+        self.inner.on_train_batch_end(
+            batch, {k: v for k, v in (logs or {}).items() if k != STEP_LOSS})
+        self._stop()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.trainer.to_model()
+        self.inner.on_epoch_end(epoch, logs)
+        self._stop()
+
+    def on_train_end(self, logs=None):
+        self.trainer.to_model()
+        self.inner.on_train_end(logs)
