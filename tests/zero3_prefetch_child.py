@@ -20,7 +20,6 @@ case to its result.
   with it 0, DTensor's own, a sum).
 """
 
-import glob
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ import cases  # noqa: E402
 from graph_walk import ancestors  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfpar import ParallelConfig, backends, data, memory  # noqa: E402
+from tfpar import ParallelConfig, backends, data, memory, profiling  # noqa: E402
 
 BASE = {"cpu_devices": 4, "zero_stage": 3, "optimizer": "adam", "learning_rate": 1e-2,
         "global_batch_size": 16, "seed": 0, "verbose": 0}
@@ -149,24 +148,6 @@ def peak(model_name):
     return out
 
 
-def _op_counts(logdir):
-    """{op type: events} of the profile in `logdir` (host op events are `name:Type`)."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    counts = {}
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    name = plane.event_metadata[event.metadata_id].name
-                    if ":" in name and "::" not in name:
-                        kind = name.rsplit(":", 1)[-1]
-                        counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
 def lowering(model_name):
     """Collective ops of one step (dp4) by type, counted over the devices, under
     TensorFlow's profiler; the split weights' count."""
@@ -180,8 +161,8 @@ def lowering(model_name):
         tf.profiler.experimental.start(logdir)
         trainer.train_on_batch(*second)
         tf.profiler.experimental.stop()
-        counts = _op_counts(logdir)
-    out = {k: counts.get(k, 0) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
+        kinds = [profiling.op_type(name) for name, _, _ in profiling.read_events(logdir)]
+    out = {k: kinds.count(k) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
     out["split_weights"] = sum(fsdp._split_layout(v) is not None
                                for v in model.trainable_variables)
     return out
