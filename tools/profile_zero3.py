@@ -15,7 +15,7 @@ bench_memory.py --overhead`:
 - `mesh-plain+recompute`: the same with `--recompute=full` (every layer recomputed in the
   backward pass, as ZeRO-3 recomputes each layer it gathers): recomputation's cost alone;
 - `zero3-sumgather`: `zero3` with DTensor's own lowering of a gather (a zero-padded
-  all-reduce: `tfpar.zero.fsdp.COLLECTIVE_GATHER` set to 0), as ZeRO-3 ran before;
+  all-reduce: `tfpar.patches.COLLECTIVE_GATHER` set to 0), as ZeRO-3 ran before;
 - `zero3`: `--zero_stage=3` as the trainer runs it (prefetch on, resharded after forward,
   gathers lowered to all-gathers);
 - `zero3-keep`: `--zero_stage=3 --nozero_reshard_after_forward` (each layer gathered once,
