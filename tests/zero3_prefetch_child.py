@@ -16,8 +16,10 @@ case to its result.
 - `keep-<model>-<layout>`: as `equal-`, the default against
   `--nozero_reshard_after_forward` (weights only).
 - `lowering-mlp`: one step (dp4) under TensorFlow's profiler, the collective ops the
-  devices ran counted by type (ZeRO-3's gathers lowered as `fsdp.COLLECTIVE_GATHER` says:
-  with it 0, DTensor's own, a sum).
+  devices ran counted by type (ZeRO-3's gathers lowered as `tfpar.patches.
+  COLLECTIVE_GATHER` says: with it 0, DTensor's own, a sum).
+- `save-after-zero3-mlp`: a ZeRO-3 model built (dp4), then a dp2 x tp2 top-k run (no
+  ZeRO) saving checkpoints in the same process (`tfpar.train.train`).
 """
 
 import json
@@ -168,6 +170,27 @@ def lowering(model_name):
     return out
 
 
+def save_after_zero3(model_name):
+    """A ZeRO-3 model built on dp4 (its gathers lowered to all-gathers), then in the same
+    process a dp2 x tp2 run without ZeRO, with top-k, saving a checkpoint after each of
+    its 2 steps (`tfpar.train.train`; the codec's rows are gathered for the save): the
+    lowering's variable after each build, the steps saved, the losses."""
+    from tfpar import checkpoint, patches
+    from tfpar.train import train
+    _build(ParallelConfig(**{**BASE, **MODELS[model_name]}))
+    out = {"set_by_zero3": os.environ.get(patches.COLLECTIVE_GATHER)}
+    with tempfile.TemporaryDirectory() as directory:
+        config = ParallelConfig(**{**BASE, **MODELS[model_name], **LAYOUTS["dp2tp2"],
+                                   "zero_stage": 0, "compression": "topk", "steps": 2,
+                                   "steps_per_epoch": 2, "checkpoint_dir": directory,
+                                   "checkpoint_every": 1})
+        result, _ = train(config)
+        out["saved"] = [os.path.basename(p) for p in checkpoint.published(directory)]
+    out.update(set_after=os.environ.get(patches.COLLECTIVE_GATHER),
+               loss=result["loss_history"])
+    return out
+
+
 CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
             for m in MODELS for l in LAYOUTS},
          # ZeRO++'s int8 gather; two micro-batches (a second forward pass in one step) under
@@ -181,7 +204,8 @@ CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
          **{f"keep-{m}-{l}": (lambda m=m, l=l: equal(
              m, l, False, {"zero_reshard_after_forward": False}))
             for m in MODELS for l in LAYOUTS},
-         "lowering-mlp": lambda: lowering("mlp")}
+         "lowering-mlp": lambda: lowering("mlp"),
+         "save-after-zero3-mlp": lambda: save_after_zero3("mlp")}
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
