@@ -6,8 +6,8 @@ single-device model: weights after 3 steps with SGD and Adam on 2 and 4 stages (
 gradient accumulation, recomputation, a residual model, fp16 loss scaling with a step
 past fp16's range: tests/pipeline_runs_child.py's `fp16_overflow_steps`), that each
 stage's two weight copies stay equal bit for bit, predict, the Keras round trip
-(`get_config`, weights file) and the trainer's checkpoint onto 1F1B and Chimera. Prints
-one JSON line.
+(`get_config`, weights file) and the trainer's checkpoint onto 1F1B and Chimera; then
+Chimera against 1F1B under `OneDeviceStrategy`. Prints one JSON line.
 
 With `codecs`: the trainer (`tfpar.train.train`) on 2 stages × 2 replicas with each codec
 (and fp16 loss scaling, gradient accumulation), once with 1F1B and once with Chimera, on
@@ -132,6 +132,28 @@ if sys.argv[1:2] == ["codecs"]:
     codec_runs()
     sys.exit(0)
 
+def one_device_strategy(steps=3):
+    """Chimera and 1F1B under `OneDeviceStrategy` (`tfpar.make_strategy("one_device")`,
+    built in its scope as `tfpar.PipelineModel`'s docstring builds it), the same model,
+    optimizer and batch: max |Chimera's weights - 1F1B's| after `steps` steps, how far
+    Chimera's moved, and max |copy - its partner|."""
+    import tfpar
+    strategy = tfpar.make_strategy("one_device", cpu_devices=len(DEVICES))
+    trained = {}
+    for schedule in ("1f1b", "chimera"):
+        with strategy.scope():
+            pm = PipelineModel.split(mlp(), 2, schedule, 4)
+            pm.compile(optimizer=OPTS["sgd"](), loss="mse")
+        for _ in range(steps):
+            pm.train_on_batch(x, y)
+        trained[schedule] = pm
+    chim = trained["chimera"]
+    return {"weights": float(np.abs(flat(chim.stages[:2]) - flat(trained["1f1b"].stages))
+                             .max()),
+            "moved": float(np.abs(flat(chim.stages[:2]) - flat([mlp()])).max()),
+            "copies": float(np.abs(flat(chim.stages[:2]) - flat(chim.stages[:1:-1])).max())}
+
+
 from pipeline_runs_child import fp16_overflow_steps  # noqa: E402
 
 out = {}
@@ -172,4 +194,5 @@ for schedule in ("1f1b", "chimera"):
 out["state"] = {"names": len(names), "weights": sum(len(s.weights) for s in pm.stages[:2]),
                 **loaded}
 out["odd_microbatches"] = error(lambda: PipelineModel.split(mlp(), 2, "chimera", 3))
+out["one_device_strategy"] = one_device_strategy()  # last: it applies tfpar's patches
 print(json.dumps(out))
