@@ -169,26 +169,3 @@ def test_chimera_under_one_device_strategy_equals_1f1b(child):
     assert got["moved"] > 1e-2, got
     assert got["weights"] < 1e-6 and got["copies"] == 0, got
 
-
-def test_chimera_across_workers_matches_single_device(tmp_path):
-    # `tfpar.launch --workers=2`, a stage per worker (`tfpar.pipeline.remote`), each
-    # worker holding its stage and the other pipeline's copy of the other one: 5 Adam
-    # steps against the unpipelined one-device run (as tests/test_pipeline_remote.py's
-    # 1F1B), and both copies of every weight equal.
-    import numpy as np
-    from subproc import in_background
-    from test_pipeline_remote import TRAINER, _launched
-    from test_train import BASE, max_diff, train_child, weights
-    ref = in_background(lambda: train_child(
-        tmp_path, "ref", strategy="one_device",
-        **{k: v for k, v in TRAINER.items() if k not in BASE}))
-    out, prefix = _launched(tmp_path, "pp", pipeline_stages=2, microbatches=4,
-                            schedule="chimera")
-    ref_out, ref_prefix = ref.result()
-    assert out["workers"] == 2 and out["steps"] == ref_out["steps"] == 5
-    want, got = weights(ref_prefix), weights(prefix)
-    firsts, copies = got[:len(want)], got[len(want):]  # the first pipeline's, then copies
-    assert len(copies) == len(want)
-    assert max_diff(firsts, want) < 1e-5
-    assert all(any(np.array_equal(c, w) for w in firsts) for c in copies)
-    assert np.allclose(out["loss_history"], ref_out["loss_history"], rtol=1e-5)
