@@ -4,9 +4,10 @@
 Splits the CPU into 4 logical devices, then checks Chimera's two pipelines against the
 single-device model: weights after 3 steps with SGD and Adam on 2 and 4 stages (and with
 gradient accumulation, recomputation, a residual model, fp16 loss scaling with a step
-past fp16's range), that each stage's two weight copies stay equal bit for bit, predict,
-the Keras round trip (`get_config`, weights file) and the trainer's checkpoint onto 1F1B
-and Chimera. Prints one JSON line.
+past fp16's range: tests/pipeline_runs_child.py's `fp16_overflow_steps`), that each
+stage's two weight copies stay equal bit for bit, predict, the Keras round trip
+(`get_config`, weights file) and the trainer's checkpoint onto 1F1B and Chimera; then
+Chimera against 1F1B under `OneDeviceStrategy`. Prints one JSON line.
 
 With `codecs`: the trainer (`tfpar.train.train`) on 2 stages × 2 replicas with each codec
 (and fp16 loss scaling, gradient accumulation), once with 1F1B and once with Chimera, on
@@ -131,44 +132,32 @@ if sys.argv[1:2] == ["codecs"]:
     codec_runs()
     sys.exit(0)
 
-def fp16_overflow():
-    """fp16 loss scaling on Chimera against the unpipelined model (same weights) on three
-    batches, the second past fp16's range: per step, the scales (one per stage), whether
-    each model's weights changed, their largest difference, and the copies' (0: equal)."""
-    import keras
-    from tfpar import models, nan_guard, optimizers
-    optimizers.set_policy("fp16")
-    try:
-        keras.utils.set_random_seed(0)
-        ref = models.build("mlp", (32,), 10)
-        pipe = PipelineModel.split(ref, 2, "chimera", 4, devices=DEVICES[:2])
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        for m in (ref, pipe):
-            m.compile(optimizer=nan_guard.ConsistentLossScaleOptimizer(
-                keras.optimizers.SGD(0.1)), loss=loss, jit_compile=False)
-        rng = np.random.default_rng(0)
-        batches = [(rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 10, 16))
-                   for _ in range(3)]
-        batches[1][0][3, 5] = 1e5  # inf in float16 (max 65504): gradients not finite
-        steps = []
-        for bx, by in batches:
-            before = {"ref": flat([ref]), "pipe": flat(pipe.stages[:2])}
-            ref.train_on_batch(bx, by)
-            pipe.train_on_batch(bx, by)
-            after = {"ref": flat([ref]), "pipe": flat(pipe.stages[:2])}
-            steps.append({
-                "scales": [float(o.dynamic_scale.numpy()) for o in pipe.stage_optimizers],
-                "ref_scale": float(ref.optimizer.dynamic_scale.numpy()),
-                "changed": {k: bool(np.any(before[k] != after[k])) for k in before},
-                "max_diff": float(np.abs(after["ref"] - after["pipe"]).max()),
-                "copies": float(np.abs(after["pipe"] - flat(pipe.stages[:1:-1])).max())})
-        return steps
-    finally:
-        optimizers.set_policy("none")
+def one_device_strategy(steps=3):
+    """Chimera and 1F1B under `OneDeviceStrategy` (`tfpar.make_strategy("one_device")`,
+    built in its scope as `tfpar.PipelineModel`'s docstring builds it), the same model,
+    optimizer and batch: max |Chimera's weights - 1F1B's| after `steps` steps, how far
+    Chimera's moved, and max |copy - its partner|."""
+    import tfpar
+    strategy = tfpar.make_strategy("one_device", cpu_devices=len(DEVICES))
+    trained = {}
+    for schedule in ("1f1b", "chimera"):
+        with strategy.scope():
+            pm = PipelineModel.split(mlp(), 2, schedule, 4)
+            pm.compile(optimizer=OPTS["sgd"](), loss="mse")
+        for _ in range(steps):
+            pm.train_on_batch(x, y)
+        trained[schedule] = pm
+    chim = trained["chimera"]
+    return {"weights": float(np.abs(flat(chim.stages[:2]) - flat(trained["1f1b"].stages))
+                             .max()),
+            "moved": float(np.abs(flat(chim.stages[:2]) - flat([mlp()])).max()),
+            "copies": float(np.abs(flat(chim.stages[:2]) - flat(chim.stages[:1:-1])).max())}
 
+
+from pipeline_runs_child import fp16_overflow_steps  # noqa: E402
 
 out = {}
-out["fp16_overflow"] = fp16_overflow()
+out["fp16_overflow"] = fp16_overflow_steps("chimera", DEVICES[:2])[0]
 for K, M in ((2, 4), (4, 8)):
     for opt in ("sgd", "adam"):
         out[f"{opt}/K{K}"] = case(mlp, opt, K, M)
@@ -205,4 +194,5 @@ for schedule in ("1f1b", "chimera"):
 out["state"] = {"names": len(names), "weights": sum(len(s.weights) for s in pm.stages[:2]),
                 **loaded}
 out["odd_microbatches"] = error(lambda: PipelineModel.split(mlp(), 2, "chimera", 3))
+out["one_device_strategy"] = one_device_strategy()  # last: it applies tfpar's patches
 print(json.dumps(out))

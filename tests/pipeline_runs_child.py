@@ -6,7 +6,8 @@ Trains each `[name, config]` of CONFIGS_JSON one after the other on one runtime 
 prints one JSON line `{name: report}`: losses, final weights, where the stage variables and
 optimizer slots live, the pipeline metrics block. With ERRORS = 1 it then also reports,
 under "errors", what building the pipeline with settings that do not combine raises, and
-under "fp16_overflow" a forced fp16 overflow's skipped step (`fp16_overflow`), under
+under "fp16_overflow" a forced fp16 overflow's skipped step (`fp16_overflow`;
+`fp16_overflow_steps` also runs Chimera's, in tests/pipeline_chimera_child.py), under
 "nan_skip" a NaN batch skipped by the non-finite guard (`nan_skip`).
 
 With CLI_JSON not `null` (the argv of `python -m tfpar.train`), the runs and that command
@@ -102,21 +103,22 @@ def refusals():
             "devices": error(pipeline_stages=3, microbatches=2)}
 
 
-def fp16_overflow():
-    """A 2-stage fp16 `PipelineModel` and its unpipelined model (same weights) trained on
-    the same three batches, the second holding an input past fp16's range: per step, each
-    model's loss scales (per stage) and the largest weight difference between them, and
-    per model whether the step changed its weights. Then the executor's agreement alone:
-    a finite stage beside a non-finite one is made non-finite too."""
+def fp16_overflow_steps(schedule, devices=None):
+    """A 2-stage fp16 `PipelineModel` (`schedule`, on `devices`) and its unpipelined model
+    (same weights) trained on the same three batches, the second holding an input past
+    fp16's range. Returns (per step: each model's loss scales, per stage for the pipeline;
+    per model whether the step changed its weights; the largest weight difference between
+    them, over the first pipeline's stages; for Chimera the largest difference between
+    each stage and its copy in the second pipeline), and the `PipelineModel`."""
     import keras
-    import tensorflow as tf
+    from pipeline_models import flat
     from tfpar import models, nan_guard, optimizers
     from tfpar.pipeline.model import PipelineModel
     optimizers.set_policy("fp16")
     try:
         keras.utils.set_random_seed(0)
         ref = models.build("mlp", (32,), 10)
-        pipe = PipelineModel.split(ref, 2, "1f1b", 4)
+        pipe = PipelineModel.split(ref, 2, schedule, 4, devices=devices)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         for m in (ref, pipe):
             m.compile(optimizer=nan_guard.ConsistentLossScaleOptimizer(
@@ -125,26 +127,37 @@ def fp16_overflow():
         batches = [(rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 10, 16))
                    for _ in range(3)]
         batches[1][0][3, 5] = 1e5  # inf in float16 (max 65504): gradients not finite
-        flat = lambda m: np.concatenate([np.asarray(w).ravel() for w in m.weights])  # noqa: E731
+        K = len(pipe.devices)
+        firsts, copies = pipe.stages[:K], pipe.stages[:K - 1:-1]  # copy K + s: stage K-1-s
         steps = []
         for x, y in batches:
-            before = {"ref": flat(ref), "pipe": flat(pipe)}
+            before = {"ref": flat([ref]), "pipe": flat(firsts)}
             ref.train_on_batch(x, y)
             pipe.train_on_batch(x, y)
-            steps.append({
-                "scales": {"ref": [float(ref.optimizer.dynamic_scale.numpy())],
-                           "pipe": [float(o.dynamic_scale.numpy())
-                                    for o in pipe.stage_optimizers]},
-                "changed": {k: bool(np.any(before[k] != flat(m)))
-                            for k, m in (("ref", ref), ("pipe", pipe))},
-                "max_diff": float(np.abs(flat(ref) - flat(pipe)).max())})
-        agreed = pipe._executor._agree_on_finite([[tf.ones(2)], [tf.constant([1.0, np.inf])]])
-        finite = [[bool(tf.reduce_all(tf.math.is_finite(g))) for g in gs] for gs in agreed]
-        kept = pipe._executor._agree_on_finite([[tf.ones(2)], [tf.ones(3)]])
-        return {"steps": steps, "agreed_finite": finite,
-                "kept": [[np.asarray(g).tolist() for g in gs] for gs in kept]}
+            after = {"ref": flat([ref]), "pipe": flat(firsts)}
+            step = {"scales": {"ref": [float(ref.optimizer.dynamic_scale.numpy())],
+                               "pipe": [float(o.dynamic_scale.numpy())
+                                        for o in pipe.stage_optimizers]},
+                    "changed": {k: bool(np.any(before[k] != after[k])) for k in before},
+                    "max_diff": float(np.abs(after["ref"] - after["pipe"]).max())}
+            if copies:
+                step["copies"] = float(np.abs(after["pipe"] - flat(copies)).max())
+            steps.append(step)
+        return steps, pipe
     finally:
         optimizers.set_policy("none")
+
+
+def fp16_overflow():
+    """`fp16_overflow_steps` with 1F1B; then the executor's agreement alone: a finite
+    stage beside a non-finite one is made non-finite too."""
+    import tensorflow as tf
+    steps, pipe = fp16_overflow_steps("1f1b")
+    agreed = pipe._executor._agree_on_finite([[tf.ones(2)], [tf.constant([1.0, np.inf])]])
+    finite = [[bool(tf.reduce_all(tf.math.is_finite(g))) for g in gs] for gs in agreed]
+    kept = pipe._executor._agree_on_finite([[tf.ones(2)], [tf.ones(3)]])
+    return {"steps": steps, "agreed_finite": finite,
+            "kept": [[np.asarray(g).tolist() for g in gs] for gs in kept]}
 
 
 def nan_skip():

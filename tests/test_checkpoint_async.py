@@ -18,6 +18,17 @@ CONFIG = {"model": "mlp", "optimizer": "adam", "strategy": "one_device", "global
           "steps": 30, "steps_per_epoch": 10, "checkpoint_every": 10, "verbose": 0}
 
 
+@pytest.fixture
+def busy_core():
+    """Another process keeping a core busy while the test runs (killed after it)."""
+    burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
 def _tensors(prefix):
     reader = tf.train.load_checkpoint(prefix)
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
@@ -33,41 +44,30 @@ def test_an_async_save_holds_the_state_of_its_step(tmp_path):
     assert int(_tensors(str(tmp_path / "async" / "ckpt-10"))["step/.ATTRIBUTES/VARIABLE_VALUE"]) == 10
 
 
-def test_an_async_save_holds_its_aggregators_state_of_its_step_under_load(tmp_path):
+def test_an_async_save_holds_its_aggregators_state_of_its_step_under_load(tmp_path, busy_core):
     # A tf.distribute aggregator's state (PowerSGD's residuals and Qs, Adam's moments in
     # front of it, its step counter: per-replica variables) saved beside training, while
     # another process keeps a core busy: each checkpoint equals the synchronous run's of
     # the same step, tensor by tensor (an older tfpar saved such state synchronously).
     cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "compression": "powersgd",
            "powersgd_rank": 4, "adam_warmup_steps": 5}
-    burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
-    try:
-        checkpoints = _async_equals_sync(tmp_path, cfg)
-    finally:
-        burner.kill()
-        burner.wait()
-    for saved in checkpoints.values():
+    for saved in _async_equals_sync(tmp_path, cfg).values():
         codec = [k for k in saved if "codec..S" in k]
         assert {k.rsplit("..S", 1)[-1] for k in codec} >= {
             "residual", "powersgd_q", "adam_m", "adam_v", "step"}, codec
 
 
 @pytest.mark.parametrize("codec", ["topk", "powersgd"])
-def test_an_async_save_holds_zero12s_codec_state_of_its_step_under_load(tmp_path, codec):
+def test_an_async_save_holds_zero12s_codec_state_of_its_step_under_load(tmp_path, codec,
+                                                                       busy_core):
     # ZeRO-2 with a lossy codec, 2 replicas: its own reduce-scatter's residual (top-k), or
     # its aggregator's residuals, Qs and step counter (PowerSGD), and the sharded slots,
     # saved beside training under load (an older tfpar saved ZeRO's codec state
     # synchronously): each checkpoint equals the synchronous run's of the same step.
     cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "zero_stage": 2,
            "compression": codec, "topk_union": False, "powersgd_rank": 4}
-    burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
-    try:
-        checkpoints = _async_equals_sync(tmp_path, cfg)
-    finally:
-        burner.kill()
-        burner.wait()
     kinds = {"topk": {"residual"}, "powersgd": {"residual", "powersgd_q", "step"}}[codec]
-    for saved in checkpoints.values():
+    for saved in _async_equals_sync(tmp_path, cfg).values():
         codec_keys = [k for k in saved if "codec..S" in k]
         assert {k.rsplit("..S", 1)[-1] for k in codec_keys} == kinds, codec_keys
         residual = [saved[k] for k in codec_keys if k.endswith("residual")]

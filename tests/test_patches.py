@@ -39,7 +39,8 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
     assert {"multi_worker_fit", "multi_worker_cpu_devices", "mesh_variables", "mesh_loops",
             "mesh_output_layouts", "graph_control_input", "function_nodes", "function_loss",
             "dtensor_started", "layer_tree", "function_constant_folding", "fused_momentum",
-            "onednn_enabled", "coordination_barrier"} <= set(patches.REGISTRY)
+            "onednn_enabled", "coordination_barrier",
+            "collective_gather_lowering"} <= set(patches.REGISTRY)
     assert patches.check_targets(list(patches.REGISTRY)) == []
     monkeypatch.setitem(keras_mesh.MESH_LOOP_ARGS, "predict_on_batch", ["self", "x", "new"])
     monkeypatch.setattr(keras_mesh, "_EXPECTED_INITIALIZE", "not Keras's code")
@@ -167,3 +168,33 @@ def test_mesh_pipeline_refuses_stage_models_that_do_not_match_the_schedule():
     with pytest.raises(ConfigError) as err:
         MeshPipelineTrainer([None, None], model, [], make_schedule("1f1b", 2, 4), None)
     assert "2 stages × 1 chunks for 3 stage models on 2 meshes" in str(err.value)
+
+
+def test_the_gather_lowering_check_reads_tensorflows_library(monkeypatch):
+    # DTensor reads the variable in C++ only: its name must be in TensorFlow's library.
+    from tfpar.patches import dtensor_lowering
+    assert patches.check_targets(["collective_gather_lowering"]) == []
+    for attribute, changed in (("COLLECTIVE_GATHER", "LOWER_DTENSOR_GATHER_TO_ALL_GATHER"),
+                               ("_LIBRARY", "libtensorflow_not_there.so")):
+        with monkeypatch.context() as m:
+            m.setattr(dtensor_lowering, attribute, changed)
+            problems = patches.check_targets(["collective_gather_lowering"])
+        assert len(problems) == 1 and "registry entry collective_gather_lowering" in \
+            problems[0] and "\n" not in problems[0], problems
+
+
+def test_the_gather_lowering_is_set_and_taken_out_as_the_user_asked(monkeypatch):
+    from tfpar.patches import dtensor_lowering as lowering
+    name = lowering.COLLECTIVE_GATHER
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(lowering, "_USER_OFF", [])
+    monkeypatch.setattr(lowering, "_SET_HERE", [])
+    assert lowering.set_collective_gathers(True) and os.environ[name] == "1"  # ZeRO-3, dp
+    assert not lowering.set_collective_gathers(False, keep_users=True)  # a later mesh: ours out
+    assert name not in os.environ
+    monkeypatch.setenv(name, "yes")  # the user's own value stays for a later mesh ...
+    assert lowering.set_collective_gathers(False, keep_users=True) and os.environ[name] == "yes"
+    assert not lowering.set_collective_gathers(False)  # ... not on a tensor-parallel one
+    monkeypatch.setenv(name, "0")  # the user's "DTensor's own" (TensorFlow reads it as set)
+    assert not lowering.set_collective_gathers(True) and name not in os.environ
+    assert not lowering.set_collective_gathers(True)  # remembered once taken out

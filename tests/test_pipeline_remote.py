@@ -1,6 +1,6 @@
 """Pipeline stages on two worker processes: one client drives both through one
-tf.function, and the weights after 3 (Python) or 5 (trainer, `tfpar.launch`) steps equal
-the single-device run. The client and the refusals run in tests/pipeline_remote_child.py."""
+tf.function, and the weights after 3 (Python) or 5 (trainer, `tfpar.launch`; 1F1B and
+Chimera) steps equal the single-device run. The client and the refusals run in tests/pipeline_remote_child.py."""
 
 import json
 import os
@@ -68,17 +68,24 @@ def _launched(tmp_path, name, **config):
     return last_json_line("\n".join(chief)), prefix + ".worker0"
 
 
-def test_trainer_pipeline_across_workers_matches_single_device(tmp_path):
-    # The single-device reference trains meanwhile (neither checks timing).
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_trainer_pipeline_across_workers_matches_single_device(tmp_path, schedule):
+    # The single-device reference trains meanwhile (neither checks timing). Chimera: each
+    # worker also holds the second pipeline's copy of the other stage; the weights file
+    # holds the first pipeline's stages, then the copies, each equal to its stage.
     ref = in_background(lambda: train_child(
         tmp_path, "ref", strategy="one_device",
         **{k: v for k, v in TRAINER.items() if k not in BASE}))
     out, prefix = _launched(tmp_path, "pp", pipeline_stages=2, microbatches=4,
-                            schedule="1f1b")
+                            schedule=schedule)
     ref_out, ref_prefix = ref.result()
     assert out["workers"] == 2 and out["replicas"] == 1
     assert out["steps"] == ref_out["steps"] == 5
-    assert max_diff(weights(prefix), weights(ref_prefix)) < 1e-5
+    want, got = weights(ref_prefix), weights(prefix)
+    firsts, copies = got[:len(want)], got[len(want):]
+    assert len(copies) == (len(want) if schedule == "chimera" else 0)
+    assert max_diff(firsts, want) < 1e-5
+    assert all(any(np.array_equal(c, w) for w in firsts) for c in copies)
     assert np.allclose(out["loss_history"], ref_out["loss_history"], rtol=1e-5)
 
 

@@ -33,9 +33,13 @@ over two children):
   TensorFlow's profiler over the 4 devices, are at least a forward and a backward gather
   of every split weight on every device (mlp: 72 for 7 split weights, 52
   `CollectiveReduceV2`; with DTensor's own lowering, `COLLECTIVE_GATHER=0`, 0 and 124,
-  2026-12-05).
+  2026-12-05);
+- a dp2 x tp2 run with top-k after a ZeRO-3 model in the same process saves its
+  checkpoints: the all-gather lowering ZeRO-3 set is taken out for it (with it, the
+  save's gathers fail to compile).
 """
 
+import math
 import os
 import sys
 
@@ -52,6 +56,7 @@ ACCUM = "equal-transformer-dp4-accum-fp16"
 PEAK = ["peak-mlp"]
 KEEP = ["keep-mlp-dp4", "keep-transformer-dp2tp2"]
 LOWERING = "lowering-mlp"
+SAVE_AFTER = "save-after-zero3-mlp"
 DEVICES = 4
 
 
@@ -62,7 +67,7 @@ def results():
                   env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
         return last_json_line(out.stdout)
     return cases.gather([EQUAL[:1] + PEAK + ["equal-mlp-dp4-int8", KEEP[0], LOWERING],
-                         EQUAL[1:] + [ACCUM, KEEP[1]]], child)
+                         EQUAL[1:] + [ACCUM, KEEP[1], SAVE_AFTER]], child)
 
 
 @pytest.mark.parametrize("name", EQUAL + ["equal-mlp-dp4-int8"])
@@ -111,3 +116,14 @@ def test_keeping_whole_weights_is_bit_equal_to_resharding(results, name):
 def test_gathers_are_lowered_to_all_gathers(results):
     result = cases.case(results, LOWERING, CHILD)
     assert result["CollectiveGatherV2"] >= 2 * result["split_weights"] * DEVICES, result
+
+
+def test_a_tensor_parallel_mesh_after_zero3_saves_its_codec_state(results):
+    # ZeRO-3 on dp4 sets DTensor's all-gather lowering; a later dp2 x tp2 mesh in the same
+    # process must compile its gathers (the top-k rows read for each save) without it,
+    # else the first save fails to compile ("'tf.Reshape' op requires 'output' number of
+    # elements", before tfpar.zero.fsdp.dtensor_gathers took it out).
+    result = cases.case(results, SAVE_AFTER, CHILD)
+    assert result["set_by_zero3"] == "1" and result["set_after"] is None, result
+    assert result["saved"] == ["ckpt-2", "ckpt-1"], result
+    assert len(result["loss"]) == 2 and all(map(math.isfinite, result["loss"])), result

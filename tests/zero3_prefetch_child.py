@@ -16,11 +16,12 @@ case to its result.
 - `keep-<model>-<layout>`: as `equal-`, the default against
   `--nozero_reshard_after_forward` (weights only).
 - `lowering-mlp`: one step (dp4) under TensorFlow's profiler, the collective ops the
-  devices ran counted by type (ZeRO-3's gathers lowered as `fsdp.COLLECTIVE_GATHER` says:
-  with it 0, DTensor's own, a sum).
+  devices ran counted by type (ZeRO-3's gathers lowered as `tfpar.patches.
+  COLLECTIVE_GATHER` says: with it 0, DTensor's own, a sum).
+- `save-after-zero3-mlp`: a ZeRO-3 model built (dp4), then a dp2 x tp2 top-k run (no
+  ZeRO) saving checkpoints in the same process (`tfpar.train.train`).
 """
 
-import glob
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ import cases  # noqa: E402
 from graph_walk import ancestors  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfpar import ParallelConfig, backends, data, memory  # noqa: E402
+from tfpar import ParallelConfig, backends, data, memory, profiling  # noqa: E402
 
 BASE = {"cpu_devices": 4, "zero_stage": 3, "optimizer": "adam", "learning_rate": 1e-2,
         "global_batch_size": 16, "seed": 0, "verbose": 0}
@@ -149,24 +150,6 @@ def peak(model_name):
     return out
 
 
-def _op_counts(logdir):
-    """{op type: events} of the profile in `logdir` (host op events are `name:Type`)."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    counts = {}
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    name = plane.event_metadata[event.metadata_id].name
-                    if ":" in name and "::" not in name:
-                        kind = name.rsplit(":", 1)[-1]
-                        counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
 def lowering(model_name):
     """Collective ops of one step (dp4) by type, counted over the devices, under
     TensorFlow's profiler; the split weights' count."""
@@ -180,10 +163,31 @@ def lowering(model_name):
         tf.profiler.experimental.start(logdir)
         trainer.train_on_batch(*second)
         tf.profiler.experimental.stop()
-        counts = _op_counts(logdir)
-    out = {k: counts.get(k, 0) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
+        kinds = [profiling.op_type(name) for name, _, _ in profiling.read_events(logdir)]
+    out = {k: kinds.count(k) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
     out["split_weights"] = sum(fsdp._split_layout(v) is not None
                                for v in model.trainable_variables)
+    return out
+
+
+def save_after_zero3(model_name):
+    """A ZeRO-3 model built on dp4 (its gathers lowered to all-gathers), then in the same
+    process a dp2 x tp2 run without ZeRO, with top-k, saving a checkpoint after each of
+    its 2 steps (`tfpar.train.train`; the codec's rows are gathered for the save): the
+    lowering's variable after each build, the steps saved, the losses."""
+    from tfpar import checkpoint, patches
+    from tfpar.train import train
+    _build(ParallelConfig(**{**BASE, **MODELS[model_name]}))
+    out = {"set_by_zero3": os.environ.get(patches.COLLECTIVE_GATHER)}
+    with tempfile.TemporaryDirectory() as directory:
+        config = ParallelConfig(**{**BASE, **MODELS[model_name], **LAYOUTS["dp2tp2"],
+                                   "zero_stage": 0, "compression": "topk", "steps": 2,
+                                   "steps_per_epoch": 2, "checkpoint_dir": directory,
+                                   "checkpoint_every": 1})
+        result, _ = train(config)
+        out["saved"] = [os.path.basename(p) for p in checkpoint.published(directory)]
+    out.update(set_after=os.environ.get(patches.COLLECTIVE_GATHER),
+               loss=result["loss_history"])
     return out
 
 
@@ -200,7 +204,8 @@ CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
          **{f"keep-{m}-{l}": (lambda m=m, l=l: equal(
              m, l, False, {"zero_reshard_after_forward": False}))
             for m in MODELS for l in LAYOUTS},
-         "lowering-mlp": lambda: lowering("mlp")}
+         "lowering-mlp": lambda: lowering("mlp"),
+         "save-after-zero3-mlp": lambda: save_after_zero3("mlp")}
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -15,7 +15,7 @@ bench_memory.py --overhead`:
 - `mesh-plain+recompute`: the same with `--recompute=full` (every layer recomputed in the
   backward pass, as ZeRO-3 recomputes each layer it gathers): recomputation's cost alone;
 - `zero3-sumgather`: `zero3` with DTensor's own lowering of a gather (a zero-padded
-  all-reduce: `tfpar.zero.fsdp.COLLECTIVE_GATHER` set to 0), as ZeRO-3 ran before;
+  all-reduce: `tfpar.patches.COLLECTIVE_GATHER` set to 0), as ZeRO-3 ran before;
 - `zero3`: `--zero_stage=3` as the trainer runs it (prefetch on, resharded after forward,
   gathers lowered to all-gathers);
 - `zero3-keep`: `--zero_stage=3 --nozero_reshard_after_forward` (each layer gathered once,
@@ -147,27 +147,18 @@ def op_times(fn, calls, logdir):
     """{op type: ms per call} of `calls` calls of `fn` under TensorFlow's profiler: the
     host's op events (`name:Type`, every executor thread summed, so CPU time rather than
     wall time)."""
-    import glob
     import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    from tfpar import profiling
     tf.profiler.experimental.start(logdir)
     for _ in range(calls):
         out = fn()
     wait(out)
     tf.profiler.experimental.stop()
     totals = {}
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    name = plane.event_metadata[event.metadata_id].name
-                    kind = (name.rsplit(":", 1)[-1] if ":" in name and "::" not in name
-                            else None)
-                    if kind and kind[:1].isupper() and kind.isidentifier():
-                        totals[kind] = totals.get(kind, 0) + event.duration_ps / 1e9
+    for name, start, end in profiling.read_events(
+            logdir, keep=lambda n: profiling.op_type(n) is not None):
+        kind = profiling.op_type(name)
+        totals[kind] = totals.get(kind, 0) + (end - start) / 1e3
     return {k: v / calls for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 

@@ -19,6 +19,7 @@ import tempfile
 import keras
 from absl import logging
 
+from tfpar import profiling
 from tfpar.pipeline import timeline as timeline_lib
 
 _OTHER_REPLICA = re.compile(r"(^|/)replica_[1-9]\d*/")
@@ -59,8 +60,8 @@ class BubbleProbe(keras.callbacks.Callback):
         logdir, self._logdir = self._logdir, ""
         try:
             tf.profiler.experimental.stop()
-            events = [e for e in timeline_lib._read_xspace(logdir)
-                      if not _OTHER_REPLICA.search(e[0])]
+            events = profiling.read_events(
+                logdir, keep=lambda name: not _OTHER_REPLICA.search(name))
             measured = timeline_lib.from_events(events, self.num_stages)
             if measured.makespan_us:
                 self.model.measured_timeline = measured

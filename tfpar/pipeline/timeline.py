@@ -13,12 +13,12 @@ Examples:
 """
 
 import dataclasses
-import glob
 import json
-import os
 import re
 import shutil
 import tempfile
+
+from tfpar import profiling
 
 _ACTION_RE = re.compile(r"(gradient_tape/)?s(\d+)_([FBW])(\d+)_c(\d+)/")
 
@@ -107,24 +107,6 @@ def from_events(events, num_stages):
     return MeasuredTimeline(actions, busy, t1 - t0)
 
 
-def _read_xspace(logdir):
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no trace under {logdir}")
-    space = xplane_pb2.XSpace()
-    with open(max(paths, key=os.path.getmtime), "rb") as f:
-        space.ParseFromString(f.read())
-    events = []
-    for plane in space.planes:
-        names = plane.event_metadata
-        for line in plane.lines:
-            for ev in line.events:
-                start = line.timestamp_ns / 1e3 + ev.offset_ps / 1e6
-                events.append((names[ev.metadata_id].name, start, start + ev.duration_ps / 1e6))
-    return events
-
-
 def profile(fn, num_stages, logdir=None):
     """Runs `fn()` (one traced pipeline step, already warmed up) under the TensorFlow
     profiler and returns its `MeasuredTimeline`.
@@ -139,17 +121,19 @@ def profile(fn, num_stages, logdir=None):
 
 def profiled_events(fn, logdir=None):
     """Runs `fn()` under the TensorFlow profiler; returns its events as
-    `(name, start_us, end_us)` (`logdir` as for `profile`)."""
+    `(name, start_us, end_us)` (`logdir` as for `profile`; only this session's trace files
+    are read, `tfpar.profiling.read_events`)."""
     import tensorflow as tf
     own = logdir is None
     logdir = logdir or tempfile.mkdtemp(prefix="tfpar_profile_")
     try:
+        earlier = profiling.trace_files(logdir)  # a logdir given may hold older sessions
         tf.profiler.experimental.start(logdir)
         try:
             fn()
         finally:
             tf.profiler.experimental.stop()
-        return _read_xspace(logdir)
+        return profiling.read_events(logdir, skip=earlier)
     finally:
         if own:
             shutil.rmtree(logdir, ignore_errors=True)

@@ -90,44 +90,23 @@ from tfpar.compression import codecs
 from tfpar.layout.mesh import BATCH
 
 
-# DTensor's lowering of a relayout that gathers an axis, read each time a function or op
-# is compiled: unset, it sums a zero-padded whole tensor over the axis (an all-reduce of N
-# pieces' bytes, each device adding the zeros); set (to any value), a `CollectiveGatherV2`.
-# Measured on TF 2.21, 4 logical CPUs: 8 gathers of a 1024 x 768 weight 156 -> 28 CPU ms,
-# the same values (docs/benchmarks/memory.md). On a mesh with a second axis of size > 1
-# (tensor parallelism) its lowering fails to compile ("'tf.Reshape' op requires 'output'
-# number of elements to match", collective_lowering.cc), so it is set only without one.
-COLLECTIVE_GATHER = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
-_DTENSOR_OWN_GATHERS = []  # [True] once a process's `COLLECTIVE_GATHER=0` was taken out
-_SET_HERE = []  # [True] while `collective_gathers` holds `COLLECTIVE_GATHER` set
-
-
 def collective_gathers(mesh):
-    """Makes DTensor lower this process's gathers to all-gathers (`COLLECTIVE_GATHER`) if
-    `mesh` (a DTensor mesh) has no axis of size > 1 but `batch`, else its own lowering
-    (a later ZeRO-3 build on a tensor-parallel mesh takes it out again; a later mesh
-    without ZeRO-3 in the same process, with tensor parallelism, would compile its gathers
-    with it: such a process must unset it first); `COLLECTIVE_GATHER=0` in the environment
-    keeps DTensor's own (the variable removed: TensorFlow reads any value as on)."""
+    """Makes DTensor lower this process's gathers to all-gathers if `mesh` (a DTensor mesh)
+    has no axis of size > 1 but `batch`, else its own lowering (`patches.
+    set_collective_gathers`: an environment variable DTensor reads when it compiles; its
+    all-gathers fail to compile on a tensor-parallel mesh, TF 2.21). A later mesh model
+    without ZeRO-3 in the same process takes it out again (`dtensor_gathers`);
+    `patches.COLLECTIVE_GATHER=0` in the environment keeps DTensor's own."""
     others = [d for d in mesh.dim_names if d != BATCH and mesh.dim_size(d) > 1]
-    if os.environ.get(COLLECTIVE_GATHER) == "0" or _DTENSOR_OWN_GATHERS:
-        _DTENSOR_OWN_GATHERS[:] = [True]
-    if others or _DTENSOR_OWN_GATHERS:
-        os.environ.pop(COLLECTIVE_GATHER, None)
-        _SET_HERE.clear()
-    else:
-        os.environ[COLLECTIVE_GATHER] = "1"
-        _SET_HERE[:] = [True]
+    patches.set_collective_gathers(not others)
 
 
 def dtensor_gathers():
     """A mesh model built without ZeRO-3: DTensor's own lowering of gathers again if
-    `collective_gathers` set `COLLECTIVE_GATHER` in this process (a later tensor-parallel
-    mesh's gathers, e.g. a codec's rows read at a checkpoint save, fail to compile with
-    it). A value the user set is left as it is."""
-    if _SET_HERE:
-        os.environ.pop(COLLECTIVE_GATHER, None)
-        _SET_HERE.clear()
+    `collective_gathers` set it in this process (a later tensor-parallel mesh's gathers,
+    e.g. a codec's rows read at a checkpoint save, fail to compile with it). A value the
+    user set is left as it is (but a 0, which means DTensor's own)."""
+    patches.set_collective_gathers(False, keep_users=True)
 
 
 def whole_over_batch(layout):
