@@ -58,8 +58,10 @@ def test_an_async_save_holds_zero12s_codec_state_of_its_step_under_load(tmp_path
     # its aggregator's residuals, Qs and step counter (PowerSGD), and the sharded slots,
     # saved beside training under load (an older tfpar saved ZeRO's codec state
     # synchronously): each checkpoint equals the synchronous run's of the same step.
+    # Adam behind the codec (Adam in front keeps data parallelism's state, saved as its).
     cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "zero_stage": 2,
-           "compression": codec, "topk_union": False, "powersgd_rank": 4}
+           "compression": codec, "topk_union": False, "powersgd_rank": 4,
+           "compress_adam_step": False}
     burner = popen([sys.executable, "-c", "while True: pass"], fresh=True)
     try:
         checkpoints = _async_equals_sync(tmp_path, cfg)
