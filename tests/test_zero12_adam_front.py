@@ -105,7 +105,8 @@ def test_zero12_adam_front_is_the_default_for_adam_and_says_its_memory(caplog):
     from tfpar.zero import sharded
 
     def config(**kw):
-        return ParallelConfig(zero_stage=2, optimizer="adam", compression="topk", **kw)
+        return ParallelConfig(**{"zero_stage": 2, "optimizer": "adam", "compression": "topk",
+                                 **kw})
 
     assert sharded.adam_in_front(config())
     assert sharded.adam_in_front(config(zero_stage=1, compression="powersgd"))
