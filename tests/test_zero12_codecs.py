@@ -253,13 +253,19 @@ def test_zero12_codecs_skip_an_fp16_overflow_on_every_replica(trained, report_me
 
 
 def test_zero12_aggregator_step_decides_finiteness_with_no_extra_all_reduce(trained):
-    # ZeRO's one scalar all-reduce before the aggregator (every replica's gradients
-    # finite?) and the whole sum's check on every replica: the same all-reduces as data
-    # parallelism's PowerSGD step (a second scalar all-reduce over the pieces made it 8
-    # against 6, one per replica's traced body, before 2026-12-05).
+    # With Adam behind PowerSGD: ZeRO's one scalar all-reduce before the aggregator (every
+    # replica's gradients finite?) and the whole sum's check on every replica: as many
+    # all-reduces as data parallelism's PowerSGD step (Adam in front there: its exact
+    # warm-up's all-reduce in place of the scalar; a second scalar all-reduce over the
+    # pieces made ZeRO's 8 against 6, one per replica's traced body, before 2026-12-05).
     counts = trained[2]["collectives"]
     assert counts["zero2"]["CollectiveReduceV2"] == counts["dp"]["CollectiveReduceV2"], counts
     assert counts["zero2"]["CollectiveGatherV2"] > 0  # the weights' gather: ZeRO's step
+    # Adam in front: data parallelism's collectives, no more (no scalar all-reduce before
+    # the aggregator under --on_nan=stop), and no weight gather (every replica applies the
+    # summed steps).
+    assert counts["zero2-front"] == counts["dp"], counts
+    assert "CollectiveGatherV2" not in counts["zero2-front"], counts
 
 
 @pytest.mark.parametrize("settings, setting", [

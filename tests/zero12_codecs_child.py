@@ -12,9 +12,10 @@ pieces and the codec's per-replica state (every replica's residuals, PowerSGD's 
 around the overflowing step; saved with `tfpar.state` and loaded into a second model, the
 largest difference of that state and of the weights after one more step from each.
 
-Then the collective ops of the step `fit` traced for ZeRO-2 with PowerSGD and for data
-parallelism with PowerSGD (fp32, `tests/dp_overhead_child.py`'s count): ZeRO's gradient
-finiteness, decided by one scalar all-reduce before the aggregator runs, needs no other.
+Then the collective ops of the step `fit` traced for ZeRO-2 with PowerSGD (Adam behind it,
+and in front) and for data parallelism with PowerSGD (fp32, `tests/dp_overhead_child.py`'s
+count): ZeRO's gradient finiteness, decided by one scalar all-reduce before the aggregator
+runs, needs no other; with Adam in front ZeRO runs data parallelism's collectives.
 Prints `{"skips": {codec: result}, "collectives": {run: {op: count}}}`.
 """
 
@@ -88,13 +89,16 @@ def run_case(settings, runtime, backend):
 
 
 def collectives(runtime):
-    """`{run: {collective op: count}}` of ZeRO-2's and data parallelism's PowerSGD step."""
+    """`{run: {collective op: count}}` of ZeRO-2's PowerSGD step with Adam behind it
+    (`zero2`) and in front (`zero2-front`, the default), and data parallelism's (Adam in
+    front)."""
     import keras
 
     from dp_overhead_child import op_types
     from tfpar.train import train
     out = {}
-    for name, extra in (("zero2", {"zero_stage": 2}), ("dp", {})):
+    for name, extra in (("zero2", {"zero_stage": 2, "compress_adam_step": False}),
+                        ("zero2-front", {"zero_stage": 2}), ("dp", {})):
         keras.mixed_precision.set_global_policy("float32")
         config = ParallelConfig(strategy="mirrored", cpu_devices=2, model="mlp",
                                 model_width=64, global_batch_size=32, steps=2,

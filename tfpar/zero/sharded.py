@@ -225,17 +225,25 @@ class ZeroMixin:
         `local_debiased`), in the aggregator under data parallelism's names, so ZeRO's
         sharded slots stay unused here (kept, zero, so a checkpoint has the slots data
         parallelism's Keras Adam has)."""
-        present = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        # One pass per tensor, as `tfpar.nan_guard` (a sum is finite iff every entry is).
-        local_bad = 1.0 - tf.cast(tf.math.is_finite(tf.add_n(
-            [tf.reduce_sum(tf.cast(g, tf.float32)) for g in present])), tf.float32)
-        steps, any_bad = _aggregate(self._tfpar_layout.aggregator, ctx, grads, variables,
-                                    local_bad)
+        aggregator = self._tfpar_layout.aggregator
+        skip = getattr(self, "tfpar_skip_nonfinite", False)
+        if skip:
+            # `--on_nan=skip_step`: the aggregator runs only when every replica's gradients
+            # are finite (one scalar all-reduce), so its moments and residuals stay as they
+            # were on a skipped step (data parallelism's `_skip_nonfinite_sum`).
+            present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+            local_bad = 1.0 - tf.cast(tf.math.is_finite(tf.add_n(
+                [tf.reduce_sum(tf.cast(g, tf.float32)) for g in present])), tf.float32)
+            steps, any_bad = _aggregate(aggregator, ctx, grads, variables, local_bad)
+        else:
+            # `--on_nan=stop` (the run ends at a non-finite step; fp16's overflow never
+            # reaches here): as data parallelism, no all-reduce before the aggregator.
+            steps, any_bad = aggregator.all_reduce_sum(list(grads), variables), 0.0
         # The same bytes on every replica: whether a step is non-finite needs no all-reduce.
+        # One pass per tensor, as `tfpar.nan_guard` (a sum is finite iff every entry is).
         bad = tf.maximum(any_bad, 1.0 - tf.cast(tf.math.is_finite(tf.add_n(
             [tf.reduce_sum(s) for s in steps if s is not None])), tf.float32))
         finite = tf.equal(bad, 0.0)
-        skip = getattr(self, "tfpar_skip_nonfinite", False)
         for variable, step in zip(variables, steps):
             if step is None:
                 continue
