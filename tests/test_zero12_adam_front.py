@@ -6,8 +6,9 @@ One child (tests/zero_child.py, 2 replicas, mlp, Adam, same seed and data): the 
 warm-up against uncompressed ZeRO-2; each codec's compressed steps (warm-up 2 of 5 steps)
 against data parallelism with the same codec, and its bytes; a checkpoint of ZeRO-2 resumed
 on data parallelism and one of data parallelism resumed on ZeRO-2, each against the
-target's uninterrupted run. The fp16 overflow with Adam in front is in
-tests/test_zero12_codecs.py (its child, tests/zero12_codecs_child.py).
+target's uninterrupted run; under `--on_nan=skip_step` a non-finite step skipped with every
+replica's state untouched (tests/zero12_adam_front_child.py). The fp16 overflow with Adam
+in front is in tests/test_zero12_codecs.py (its child, tests/zero12_codecs_child.py).
 """
 
 import json
@@ -127,3 +128,18 @@ def test_zero12_adam_front_is_the_default_for_adam_and_says_its_memory(caplog):
     with pytest.raises(ValueError, match="keras.optimizers.Adam"):
         sharded.wrap_optimizer(keras.optimizers.SGD(), 2, codec="topk",
                                aggregator=compression.make_aggregator(config()))
+
+
+def test_zero12_adam_front_skips_a_nonfinite_step_with_its_state_untouched():
+    # --on_nan=skip_step (fp32): one infinite input on replica 0 after a compressed step;
+    # the aggregator does not run (one scalar all-reduce decides), so no weight, residual,
+    # moment or step counter moves on either replica, and the next step trains on.
+    child = os.path.join(ROOT, "tests", "zero12_adam_front_child.py")
+    results = last_json_line(run([sys.executable, child], timeout=600).stdout)
+    assert sorted(results) == ["lowbit", "topk"]
+    for codec, r in results.items():
+        assert r["codec_largest"] > 0, (codec, r)  # residuals and moments hold something
+        assert r["weights_moved"] == r["codec_moved"] == 0, (codec, r)
+        assert r["skipped"] == [0.0, 1.0, 1.0], (codec, r)
+        assert r["weights_moved_next"] > 0 and r["codec_moved_next"] > 0, (codec, r)
+        assert r["weights_finite"], (codec, r)
