@@ -64,8 +64,10 @@ def test_an_async_save_holds_zero12s_codec_state_of_its_step_under_load(tmp_path
     # its aggregator's residuals, Qs and step counter (PowerSGD), and the sharded slots,
     # saved beside training under load (an older tfpar saved ZeRO's codec state
     # synchronously): each checkpoint equals the synchronous run's of the same step.
+    # Adam behind the codec (Adam in front keeps data parallelism's state, saved as its).
     cfg = {**CONFIG, "strategy": "mirrored", "cpu_devices": 2, "zero_stage": 2,
-           "compression": codec, "topk_union": False, "powersgd_rank": 4}
+           "compression": codec, "topk_union": False, "powersgd_rank": 4,
+           "compress_adam_step": False}
     kinds = {"topk": {"residual"}, "powersgd": {"residual", "powersgd_q", "step"}}[codec]
     for saved in _async_equals_sync(tmp_path, cfg).values():
         codec_keys = [k for k in saved if "codec..S" in k]

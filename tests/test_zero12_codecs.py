@@ -37,6 +37,10 @@ LOSS_BAND = 0.05
 # ZeRO's top-k has no union of the replicas' indices (the setting does nothing there, one
 # warning line says so; the other codecs ignore it): the runs say it.
 NO_UNION = {"topk_union": False}
+# With Adam these take Adam in front by default (tests/test_zero12_adam_front.py); the
+# transformer runs here keep Adam behind them (`compress_adam_step=False`), and the fp16
+# child runs both.
+ADAM_FRONT = ("lowbit", "topk", "powersgd")
 
 
 def test_piece_codecs_code_each_tensor_part_as_the_codecs_do():
@@ -136,7 +140,7 @@ def trained(tmp_path_factory):
     # slices reduce-scattered in bf16 beside the piece codecs).
     cases += [{"name": "tr-z2-none", **tr, "zero_stage": 2}]
     cases += [{"name": f"tr-z2-{codec}", **tr, "zero_stage": 2, "compression": codec,
-               **NO_UNION} for codec in ("lowbit", "topk", "powersgd")]
+               "compress_adam_step": False, **NO_UNION} for codec in ADAM_FRONT]
     prefix = str(folder / "w")
     out, fp16_out = run_concurrently([
         lambda: run([sys.executable, CHILD, json.dumps(cases), prefix], timeout=900),
@@ -225,11 +229,13 @@ def test_zero12_codecs_resume_as_the_uninterrupted_run(trained):
 
 def test_zero12_codecs_skip_an_fp16_overflow_on_every_replica(trained, report_measured):
     skips = trained[2]["skips"]
-    assert sorted(skips) == sorted(CODECS)
+    assert sorted(skips) == sorted(CODECS + tuple(f"{c}-front" for c in ADAM_FRONT))
     for name, r in skips.items():
-        # Something to move: every replica's residual (PowerSGD: and its Qs).
+        # Something to move: every replica's residual (PowerSGD: and its Qs; Adam in front:
+        # and every replica's moments, the step counter).
         assert r["codec_arrays"] >= 2 and r["codec_largest"] > 0, (name, r)
-        assert r["slots_largest"] > 0, (name, r)
+        if not name.endswith("-front"):  # in front, ZeRO's slots stay unused (zero)
+            assert r["slots_largest"] > 0, (name, r)
         # One infinite input on replica 0: no weight, slot piece, residual or Q moved on
         # either replica, the step count stays, the scale halves.
         assert not np.isfinite(r["skipped_loss"]), (name, r)
@@ -247,13 +253,19 @@ def test_zero12_codecs_skip_an_fp16_overflow_on_every_replica(trained, report_me
 
 
 def test_zero12_aggregator_step_decides_finiteness_with_no_extra_all_reduce(trained):
-    # ZeRO's one scalar all-reduce before the aggregator (every replica's gradients
-    # finite?) and the whole sum's check on every replica: the same all-reduces as data
-    # parallelism's PowerSGD step (a second scalar all-reduce over the pieces made it 8
-    # against 6, one per replica's traced body, before 2026-12-05).
+    # With Adam behind PowerSGD: ZeRO's one scalar all-reduce before the aggregator (every
+    # replica's gradients finite?) and the whole sum's check on every replica: as many
+    # all-reduces as data parallelism's PowerSGD step (Adam in front there: its exact
+    # warm-up's all-reduce in place of the scalar; a second scalar all-reduce over the
+    # pieces made ZeRO's 8 against 6, one per replica's traced body, before 2026-12-05).
     counts = trained[2]["collectives"]
     assert counts["zero2"]["CollectiveReduceV2"] == counts["dp"]["CollectiveReduceV2"], counts
     assert counts["zero2"]["CollectiveGatherV2"] > 0  # the weights' gather: ZeRO's step
+    # Adam in front: data parallelism's collectives, no more (no scalar all-reduce before
+    # the aggregator under --on_nan=stop), and no weight gather (every replica applies the
+    # summed steps).
+    assert counts["zero2-front"] == counts["dp"], counts
+    assert "CollectiveGatherV2" not in counts["zero2-front"], counts
 
 
 @pytest.mark.parametrize("settings, setting", [

@@ -4,16 +4,18 @@ result.
 
 Each case is ZeRO stage 2 with one of the codecs lifted for stages 1-2 (lowbit and top-k
 reduce-scatters with ZeRO's own residual; threshold and PowerSGD through their aggregator,
-residuals and Q in it), the mlp with Adam under `mixed_float16`, built as the trainer
+residuals and Q in it; lowbit, top-k and PowerSGD with Adam in front, each replica's
+moments and the step counter in the aggregator), the mlp with Adam under `mixed_float16`, built as the trainer
 builds it: as tests/zero_fp16_child.py (whose helpers it calls), two steps, a step whose
 batch holds one infinite input on replica 0, one more step; how far the weights, the slot
 pieces and the codec's per-replica state (every replica's residuals, PowerSGD's Q) moved
 around the overflowing step; saved with `tfpar.state` and loaded into a second model, the
 largest difference of that state and of the weights after one more step from each.
 
-Then the collective ops of the step `fit` traced for ZeRO-2 with PowerSGD and for data
-parallelism with PowerSGD (fp32, `tests/dp_overhead_child.py`'s count): ZeRO's gradient
-finiteness, decided by one scalar all-reduce before the aggregator runs, needs no other.
+Then the collective ops of the step `fit` traced for ZeRO-2 with PowerSGD (Adam behind it,
+and in front) and for data parallelism with PowerSGD (fp32, `tests/dp_overhead_child.py`'s
+count): ZeRO's gradient finiteness, decided by one scalar all-reduce before the aggregator
+runs, needs no other; with Adam in front ZeRO runs data parallelism's collectives.
 Prints `{"skips": {codec: result}, "collectives": {run: {op: count}}}`.
 """
 
@@ -29,18 +31,27 @@ import numpy as np  # noqa: E402
 from tfpar import ParallelConfig, backends, devices  # noqa: E402
 from zero_fp16_child import _largest, _moved, overflow_and_resume  # noqa: E402
 
-CASES = {codec: {"zero_stage": 2, "compression": codec, "topk_union": False}
+# Adam behind each codec (`--nocompress_adam_step`; threshold has no Adam in front), and
+# in front of lowbit, top-k and PowerSGD (the default with Adam) past a one-step warm-up,
+# so residuals and moments hold something when the overflow comes.
+CASES = {codec: {"zero_stage": 2, "compression": codec, "topk_union": False,
+                 "compress_adam_step": False}
          for codec in ("lowbit", "topk", "threshold", "powersgd")}
+CASES.update({f"{codec}-front": {"zero_stage": 2, "compression": codec, "adam_warmup_steps": 1}
+              for codec in ("lowbit", "topk", "powersgd")})
 
 
 def _codec_state(zero, strategy):
-    """Every replica's residual (ZeRO's, or the aggregator's) and PowerSGD's Qs."""
+    """Every replica's residual (ZeRO's, or the aggregator's), PowerSGD's Qs, and with Adam
+    in front every replica's moments and the step counter."""
     local = strategy.experimental_local_results
     layout = zero._tfpar_layout
     variables = [layout.residual] if layout.residual is not None else []
     if layout.aggregator is not None:
         variables += list(layout.aggregator.residuals.values())
         variables += list(getattr(layout.aggregator, "qs", {}).values())
+        if layout.front:
+            variables += list(layout.aggregator.moments.values()) + [layout.aggregator.step]
     return [np.asarray(p) for v in variables for p in local(v)]
 
 
@@ -78,13 +89,16 @@ def run_case(settings, runtime, backend):
 
 
 def collectives(runtime):
-    """`{run: {collective op: count}}` of ZeRO-2's and data parallelism's PowerSGD step."""
+    """`{run: {collective op: count}}` of ZeRO-2's PowerSGD step with Adam behind it
+    (`zero2`) and in front (`zero2-front`, the default), and data parallelism's (Adam in
+    front)."""
     import keras
 
     from dp_overhead_child import op_types
     from tfpar.train import train
     out = {}
-    for name, extra in (("zero2", {"zero_stage": 2}), ("dp", {})):
+    for name, extra in (("zero2", {"zero_stage": 2, "compress_adam_step": False}),
+                        ("zero2-front", {"zero_stage": 2}), ("dp", {})):
         keras.mixed_precision.set_global_policy("float32")
         config = ParallelConfig(strategy="mirrored", cpu_devices=2, model="mlp",
                                 model_width=64, global_batch_size=32, steps=2,

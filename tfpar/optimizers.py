@@ -129,9 +129,10 @@ def make_optimizer(config, bucketed=None):
         # `tfpar.compat` refuses the others): no aggregator around it.
         from tfpar.zero import sharded as zero
         aggregator = None
-        if config.compression in zero.AGGREGATED:
+        front = zero.adam_in_front(config)  # Adam in front of lowbit, top-k, PowerSGD
+        if config.compression in zero.AGGREGATED or front:
             from tfpar import compression
-            aggregator = compression.make_aggregator(config, adam_step=False)
+            aggregator = compression.make_aggregator(config, adam_step=front)
         optimizer = zero.wrap_optimizer(
             optimizer, config.zero_stage, config.collective_timeout_s, config.compression,
             config.error_feedback, {"bits": config.lowbit_bits, "ratio": config.topk_ratio,

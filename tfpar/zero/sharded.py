@@ -39,10 +39,20 @@ its message dropped in `zero_residual` (the unpadded flat length). `--compressio
 lowbit|topk` reduce-scatter the same way, each
 piece coded for its owner by `tfpar.zero.piece_codecs`. `--compression=threshold|powersgd`
 cannot travel as equal pieces (a data-dependent count; factors of whole matrices): their
-aggregator (`AGGREGATED`, data parallelism's own, without Adam in front since the moments
-are sharded here) forms the whole approximate sum on every replica, which keeps its piece
-(`_aggregate`), so ZeRO-2 there holds the whole gradient sum as ZeRO-1 does. The
-weights' all-gather stays fp32.
+aggregator (`AGGREGATED`, data parallelism's own, with Adam behind it) forms the whole
+approximate sum on every replica, which keeps its piece (`_aggregate`), so ZeRO-2 there
+holds the whole gradient sum as ZeRO-1 does. The weights' all-gather stays fp32.
+
+With Adam, lowbit, top-k and PowerSGD (`ADAM_FRONT`) take Adam in front of the codec by
+default (`adam_in_front`), as data parallelism does: Adam behind them ended outside fp32's
+band on the quality suite's transformer (docs/guides/memory.md). That step is data
+parallelism's own (`_tfpar_front_step`: the codec's aggregator with
+`tfpar.compression.adam_front`), and so is its memory: 1-bit Adam compresses each
+replica's own Adam step, so each replica holds its own whole-size moments (and `v` moves
+with each replica's own gradient by default), which no piece of ZeRO's can hold; the
+summed steps reach every replica, which updates every weight (no gather).
+`--nocompress_adam_step` (or `--offload=optimizer`) keeps Adam behind the codec, sharded,
+with one warning line (`adam_behind_line`).
 
 A codec's state is checkpointed under data parallelism's names (`tfpar.state`,
 `codec/<weight path>/<kind>`), read in the step as the slots are: `zero_residual` cut per
@@ -124,11 +134,12 @@ class ZeroMixin:
         for name, variable in slots.items():
             setattr(self, f"tfpar_zero_{name}", ShardedSlot(variable, self._tfpar_layout.size))
         self._tfpar_layout.residual = None
-        self._tfpar_layout.piece_codec = piece_codecs.make(
-            self.tfpar_zero_codec, self._tfpar_layout.sizes, self._tfpar_layout.replicas,
-            self._tfpar_layout.piece, self.tfpar_zero_codec_options)
         aggregator = self.tfpar_zero_aggregator
         self._tfpar_layout.aggregator = aggregator
+        self._tfpar_layout.front = getattr(aggregator, "adam", None) is not None
+        self._tfpar_layout.piece_codec = None if self._tfpar_layout.front else piece_codecs.make(
+            self.tfpar_zero_codec, self._tfpar_layout.sizes, self._tfpar_layout.replicas,
+            self._tfpar_layout.piece, self.tfpar_zero_codec_options)
         if aggregator is not None:
             # Its residuals (and PowerSGD's Q, its step) are per replica in its own
             # variables: checkpointed as data parallelism's (`tfpar.state`, `codec/...`).
@@ -157,6 +168,8 @@ class ZeroMixin:
         variables = [v.value if isinstance(v, keras.Variable) else v
                      for v in trainable_variables]
         n = layout.replicas
+        if layout.front and n > 1:
+            return self._tfpar_front_step(ctx, grads, variables, learning_rate)
         flat_grads = layout.flatten(grads, variables)
         # Adam's second moment of a sparse gradient, as Keras computes it (see `_adam`):
         # the sum over replicas of each replica's sum of squared slices.
@@ -200,6 +213,44 @@ class ZeroMixin:
                 if n > 1 else new_piece)
         for variable, value in zip(variables, layout.unflatten(full, variables)):
             variable.assign(tf.cast(value, variable.dtype))
+        self.nonfinite_steps.assign_add(bad)
+
+    def _tfpar_front_step(self, ctx, grads, variables, learning_rate):
+        """Adam in front of the codec: data parallelism's step, `tfpar.compression.
+        adam_front` through the codec's aggregator (exact warm-up, then each replica's
+        compressed Adam step). It hands every replica the same summed steps, which each
+        applies to its mirrored copy of every weight as data parallelism's optimizer does
+        (`w − lr · step`): nothing is left to gather. Each replica's moments are its own,
+        whole-size (1-bit Adam's momentum is each replica's; `v` too with its default
+        `local_debiased`), in the aggregator under data parallelism's names, so ZeRO's
+        sharded slots stay unused here (kept, zero, so a checkpoint has the slots data
+        parallelism's Keras Adam has)."""
+        aggregator = self._tfpar_layout.aggregator
+        skip = getattr(self, "tfpar_skip_nonfinite", False)
+        if skip:
+            # `--on_nan=skip_step`: the aggregator runs only when every replica's gradients
+            # are finite (one scalar all-reduce), so its moments and residuals stay as they
+            # were on a skipped step (data parallelism's `_skip_nonfinite_sum`).
+            present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+            local_bad = 1.0 - tf.cast(tf.math.is_finite(tf.add_n(
+                [tf.reduce_sum(tf.cast(g, tf.float32)) for g in present])), tf.float32)
+            steps, any_bad = _aggregate(aggregator, ctx, grads, variables, local_bad)
+        else:
+            # `--on_nan=stop` (the run ends at a non-finite step; fp16's overflow never
+            # reaches here): as data parallelism, no all-reduce before the aggregator.
+            steps, any_bad = aggregator.all_reduce_sum(list(grads), variables), 0.0
+        # The same bytes on every replica: whether a step is non-finite needs no all-reduce.
+        # One pass per tensor, as `tfpar.nan_guard` (a sum is finite iff every entry is).
+        bad = tf.maximum(any_bad, 1.0 - tf.cast(tf.math.is_finite(tf.add_n(
+            [tf.reduce_sum(s) for s in steps if s is not None])), tf.float32))
+        finite = tf.equal(bad, 0.0)
+        for variable, step in zip(variables, steps):
+            if step is None:
+                continue
+            lr = tf.cast(learning_rate, variable.dtype)
+            new = variable - lr * tf.cast(step, variable.dtype)
+            variable.assign(tf.where(finite, new, variable) if skip else new)
+        self._tfpar_layout.wire_bytes = 0  # the aggregator's own count (`wire_bytes`)
         self.nonfinite_steps.assign_add(bad)
 
     def _tfpar_reduce(self, ctx, grads, variables, flat_grads, squares):
@@ -455,6 +506,7 @@ class FlatLayout:
     def __init__(self, variables, replicas):
         self.slots = {}
         self.aggregator = None  # set by the optimizer's build (`AGGREGATED` codecs)
+        self.front = False  # the aggregator takes Adam in front (`adam_in_front`)
         self._wire = 0
         self.replicas = replicas
         self.keys = {_key(v): i for i, v in enumerate(variables)}
@@ -561,9 +613,19 @@ _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 INT8_BLOCK = 256  # entries per fp32 scale, as `tfpar.compression.Int8Aggregator`'s
 
 
-# Codecs that failed the quality suite's transformer task with Adam behind them on ZeRO-2
-# (docs/guides/memory.md): ZeRO shards Adam's moments, so no Adam in front of the codec.
-ADAM_BEHIND = ("lowbit", "topk", "powersgd")
+# Codecs that take Adam in front of them with Adam (`adam_in_front`), as on data
+# parallelism (`tfpar.compression.ADAM_STEP_AGGREGATORS`): behind them, on the quality
+# suite's transformer task, ZeRO-2 ended outside fp32's band (docs/guides/memory.md).
+ADAM_FRONT = ("lowbit", "topk", "powersgd")
+
+
+def adam_in_front(config):
+    """Whether ZeRO 1/2 runs `config`'s codec with Adam in front of it (data parallelism's
+    `tfpar.compression.adam_front` step: the default for Adam with an `ADAM_FRONT` codec;
+    `--nocompress_adam_step` or `--offload=optimizer` keep Keras's Adam behind it)."""
+    return (config.zero_stage in (1, 2) and config.optimizer == "adam"
+            and config.compress_adam_step and config.compression in ADAM_FRONT
+            and config.offload == "none")
 
 
 # Top-k on ZeRO 1/2 sends each piece to its owner alone, which sums what arrives: the union
@@ -575,13 +637,23 @@ TOPK_UNION_LINE = ("--topk_union has no effect with --zero_stage=1|2: ZeRO's top
 
 
 def adam_behind_line(codec):
-    """The one line ZeRO 1/2 logs for `codec` (one of `ADAM_BEHIND`) with Adam."""
-    return (f"--zero_stage=1|2 --compression={codec} with Adam: the codec compresses the "
-            "raw gradient with Keras's Adam behind it (ZeRO shards Adam's moments, so there "
-            "is no Adam in front as on data parallelism); on the quality suite's transformer "
-            "task it ended 13-18 % above fp32 (docs/guides/memory.md). For Adam on ZeRO use "
-            "int8 (4x fewer bytes, within the suite's band), or --zero_stage=0 for this "
-            "codec")
+    """The one line ZeRO 1/2 logs for `codec` (one of `ADAM_FRONT`) with Adam behind it."""
+    return (f"--zero_stage=1|2 --compression={codec} with Adam behind the codec "
+            "(--nocompress_adam_step or --offload=optimizer): the codec compresses the raw "
+            "gradient and Keras's Adam updates the sharded moments from the sum; on the "
+            "quality suite's transformer task that ended 13.6-18.0 % above fp32, outside its "
+            "band (docs/guides/memory.md). The default (--compress_adam_step, no offload) "
+            "puts Adam in front of the codec, as data parallelism does; int8 keeps Adam's "
+            "moments sharded within the band")
+
+
+def adam_front_line(codec):
+    """The one line ZeRO 1/2 logs for `codec` (one of `ADAM_FRONT`) with Adam in front."""
+    return (f"--zero_stage=1|2 --compression={codec} with Adam: Adam in front of the codec, "
+            "data parallelism's step; each replica holds Adam's moments whole-size (1-bit "
+            "Adam's momentum is each replica's own), not 1/N; --nocompress_adam_step shards "
+            "them with Adam behind the codec, outside fp32's band on the quality suite's "
+            "transformer (docs/guides/memory.md)")
 
 
 def encode_pieces(flat, n, codec, step=None):
@@ -733,16 +805,18 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
             "dense_below"}` (`tfpar.zero.piece_codecs.make`); a true `"union"` (top-k's
             replicas' union, data parallelism's) gets one warning line: it has no effect.
         aggregator: for an `AGGREGATED` codec, the `tfpar.compression.Aggregator` that
-            sums the whole gradient (built without Adam in front: the moments are
-            sharded here), of which each replica keeps its piece.
+            sums the whole gradient (built without Adam in front), of which each replica
+            keeps its piece; or, with Adam and an `ADAM_FRONT` codec, that codec's
+            aggregator with Adam in front (`make_aggregator(config)`): data parallelism's
+            step, every replica applying the summed Adam steps (module docstring).
 
     Returns:
         the same optimizer.
 
     Raises:
         ConfigError: another optimizer or option, or stage not 1 or 2.
-        ValueError: `aggregator` given without an `AGGREGATED` codec, or missing with one,
-            or with Adam in front.
+        ValueError: `aggregator` given without an `AGGREGATED` codec or Adam in front, or
+            missing with one; Adam in front of another codec or optimizer.
     """
     if stage not in (1, 2):
         raise ConfigError("zero_stage", stage, "tf.distribute shards optimizer state (1) and "
@@ -759,16 +833,25 @@ def wrap_optimizer(optimizer, stage, timeout_s=None, codec="none", error_feedbac
         raise ConfigError("compression", codec, "ZeRO's reduce-scatter compresses with "
                           f"{', '.join(CODECS + AGGREGATED)} (or none)")
     # A caller's mistake, not a user's setting (`make_optimizer` passes both).
-    if (codec in AGGREGATED) != (aggregator is not None):
+    front = getattr(aggregator, "adam", None) is not None
+    if (codec in AGGREGATED or front) != (aggregator is not None):
         raise ValueError(f"codec={codec!r} with aggregator={aggregator!r}: an aggregator "
-                         f"goes with {', '.join(AGGREGATED)} only (tfpar.compression."
-                         "make_aggregator(config, adam_step=False))")
-    if getattr(aggregator, "adam", None) is not None:
-        raise ValueError(f"aggregator={aggregator!r} takes Adam in front: ZeRO shards Adam's "
-                         "moments; build it with make_aggregator(config, adam_step=False)")
-    if codec in ADAM_BEHIND and isinstance(optimizer, keras.optimizers.Adam):
+                         f"goes with {', '.join(AGGREGATED)} (tfpar.compression."
+                         "make_aggregator(config, adam_step=False)), or with Adam in front "
+                         f"of {', '.join(ADAM_FRONT)} (make_aggregator(config))")
+    if front and (codec not in ADAM_FRONT or type(optimizer).__name__ != "Adam"):
+        raise ValueError(f"aggregator={aggregator!r} takes Adam in front of {codec!r}: "
+                         f"that needs keras.optimizers.Adam and one of {', '.join(ADAM_FRONT)}"
+                         f", got {type(optimizer).__name__}")
+    if front:
+        # Keras's Adam's own constants, as `tfpar.compression.wrap_optimizer` copies them.
+        aggregator.adam = (float(optimizer.beta_1), float(optimizer.beta_2),
+                           float(optimizer.epsilon))
+        aggregator.set_adam_variance(aggregator.adam_variance, aggregator.adam_refresh_every)
+        logging.warning(adam_front_line(codec))
+    elif codec in ADAM_FRONT and isinstance(optimizer, keras.optimizers.Adam):
         logging.warning(adam_behind_line(codec))
-    if codec == "topk" and (codec_options or {}).get("union"):
+    if codec == "topk" and (codec_options or {}).get("union") and not front:
         logging.warning(TOPK_UNION_LINE)
     patches.mix_in(optimizer, ZeroMixin)
     optimizer.tfpar_zero_codec = codec
