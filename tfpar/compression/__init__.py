@@ -32,7 +32,7 @@ __all__ = ["Aggregator", "AutoAggregator", "LossGuard", "aggregator_of", "CastAg
 # Aggregators that take Adam in front of compression by default (`Aggregator(adam=...)`):
 # exact Adam for `adam_warmup_steps`, then compressed Adam steps. Without it top-k's error
 # feedback turns gradients into spikes Adam would slow down (docs/guides/compression.md).
-ADAM_STEP_AGGREGATORS = ("topk", "powersgd", "lowbit")
+ADAM_STEP_AGGREGATORS = ADAM_FRONT_CODECS
 
 
 def topk_with_adam_line(ratio, union):

@@ -91,7 +91,7 @@ from tfpar import nan_guard, patches
 from tfpar.compression import aggregator as aggregator_lib
 from tfpar.compression import codecs, collectives
 from tfpar.compression.collectives import nbytes as collectives_nbytes
-from tfpar.config import LOWBIT_BITS, TOPK_DENSE_BELOW, TOPK_RATIO
+from tfpar.config import ADAM_FRONT_CODECS, LOWBIT_BITS, TOPK_DENSE_BELOW, TOPK_RATIO
 from tfpar.errors import ConfigError
 from tfpar.zero import piece_codecs
 
@@ -616,7 +616,7 @@ INT8_BLOCK = 256  # entries per fp32 scale, as `tfpar.compression.Int8Aggregator
 # Codecs that take Adam in front of them with Adam (`adam_in_front`), as on data
 # parallelism (`tfpar.compression.ADAM_STEP_AGGREGATORS`): behind them, on the quality
 # suite's transformer task, ZeRO-2 ended outside fp32's band (docs/guides/memory.md).
-ADAM_FRONT = ("lowbit", "topk", "powersgd")
+ADAM_FRONT = ADAM_FRONT_CODECS
 
 
 def adam_in_front(config):
