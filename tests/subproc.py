@@ -146,25 +146,54 @@ def _zygote_path(python=None):
         # child would be exec'd, silently slower (seen once in a full run: test_subproc's
         # checks that children are forked failed after an earlier test in that worker).
         if state.get("pid") != os.getpid() or state["proc"].poll() is not None:
-            folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
-            path = os.path.join(folder, "socket")
-            log = open(os.path.join(folder, "log"), "w+b")
-            import zygote
-            proc = subprocess.Popen([python or sys.executable, *zygote.server_command(path)],
-                                    env=zygote.server_environment(env), cwd=ROOT,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True)
-            end = time.monotonic() + 180
-            while not os.path.exists(path):
-                if proc.poll() is not None or time.monotonic() > end:
-                    proc.kill()
-                    log.seek(0)
-                    raise AssertionError("the fork server did not start:\n"
-                                         + log.read().decode(errors="replace")[-3000:])
-                time.sleep(0.05)
+            proc, path = _start_server([python or sys.executable], env)
             state.update(pid=os.getpid(), path=path, proc=proc)
-            atexit.register(_end_zygote, proc, folder)
         return state["path"]
+
+
+def _start_server(prefix, env):
+    """A fork server started as `[*prefix, zygote.py, SOCKET]` with `env` (import-time
+    variables as its children must have them), once its socket exists: `(Popen, socket
+    path)`. Ended with this process."""
+    import zygote
+    folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
+    path = os.path.join(folder, "socket")
+    log = open(os.path.join(folder, "log"), "w+b")
+    proc = subprocess.Popen([*prefix, *zygote.server_command(path)],
+                            env=zygote.server_environment(env), cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    end = time.monotonic() + 180
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            log.seek(0)
+            raise AssertionError("the fork server did not start:\n"
+                                 + log.read().decode(errors="replace")[-3000:])
+        time.sleep(0.05)
+    atexit.register(_end_zygote, proc, folder)
+    return proc, path
+
+
+def fork_server_under(prefix):
+    """A fork server of this interpreter started under `prefix` (`["ip", "netns", "exec",
+    NS]`: it and every child it forks run in that network namespace), with the environment
+    of this process's own server. For a child that starts workers through
+    `zygote.popen_class(path, env)` (tests/netns_launch.py): they skip TensorFlow's import.
+    Returns `(socket path, the server's import-time variables, stop)`; `stop()` ends the
+    server and its children (this process's end does too)."""
+    import zygote
+    env = _server_env()
+    proc, path = _start_server([*prefix, sys.executable], env)
+
+    def stop():
+        proc.terminate()  # the server SIGKILLs what it forked, then ends
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return path, {k: env[k] for k in zygote.IMPORT_TIME if k in env}, stop
 
 
 def restart_fork_server():

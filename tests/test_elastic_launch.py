@@ -33,11 +33,12 @@ from subproc import max_diff as _gap, saved_arrays as _weights
 from test_train import CHILD
 
 # Synchronous saves: the pause inside the save of step 40 must hold the worker at that step
-# (an asynchronous save pauses only its writer thread while training goes on).
+# (an asynchronous save pauses only its writer thread while training goes on). It lasts
+# until the launcher's SIGTERM (`:until_sigterm`; a fixed 8 s until 2026-12-05), bounded.
 CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 60,
        "steps_per_epoch": 20, "checkpoint_every": 10, "global_batch_size": 24,
        "verbose": 0, "collective_timeout_s": 60, "checkpoint_async": False}
-GROW_STEP, PAUSE_S = 40, 8
+GROW_STEP, PAUSE_S = 40, 120
 
 
 def _chief_line(stdout):
@@ -68,7 +69,7 @@ def test_worker_lost_then_offered_again_shrinks_and_grows_back(tmp_path, report_
            f"--discovery=cat {offers}", "--discovery_interval=0.5", "--",
            sys.executable, CHILD, json.dumps(cfg), str(tmp_path / "elastic")]
     proc = popen(cmd, env={"TFPAR_INJECT_FAULTS": f"1:{kill_step}",
-                           "TFPAR_INJECT_SAVE_PAUSE": f"0:0,{GROW_STEP}:{PAUSE_S}"},
+                           "TFPAR_INJECT_SAVE_PAUSE": f"0:0,{GROW_STEP}:{PAUSE_S}:until_sigterm"},
                  text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
 

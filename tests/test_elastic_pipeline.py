@@ -216,7 +216,8 @@ def test_a_pipeline_across_workers_grows_to_a_stage_per_new_worker(tmp_path,
          # resume from ckpt-8).
          "--grace=30",
          f"--discovery=cat {offers}", "--discovery_interval=0.2"],
-        {"TFPAR_INJECT_SAVE_PAUSE": "8:4"}, "to grow: worker slot(s) 2 offered",
+        # (held until the grow's SIGTERM, bounded: a fixed 4 s until 2026-12-05)
+        {"TFPAR_INJECT_SAVE_PAUSE": "8:60:until_sigterm"}, "to grow: worker slot(s) 2 offered",
         [three, three], on_line=offer)
     context = output[-5000:]
     assert "stopped at step 10 to grow" in output and "world size 2 -> 3" in output, context

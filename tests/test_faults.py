@@ -14,9 +14,8 @@ import numpy as np
 import psutil
 import pytest
 
-from subproc import (ROOT, in_background, popen, processes_with, run_cli_cases,
-                     sigterm_when_ready,
-                     run_module)
+from subproc import (ROOT, in_background, last_json_line, popen, processes_with, run,
+                     run_cli_cases, sigterm_when_ready, run_module)
 from test_train import BASE, CHILD, max_diff, train_runs, weights
 
 
@@ -202,6 +201,18 @@ def test_worker_sigkilled_inside_a_checkpoint_write(tmp_path, uninterrupted):
     assert max_diff(w0, w1) == 0.0
     assert max_diff(w0, uninterrupted.result()) == 0.0  # bit-equal: same world size
     assert not job.orphans()
+
+
+def test_a_save_pause_until_sigterm_ends_on_the_signal_and_passes_it_on():
+    # The elastic tests hold a worker inside a save until their launcher's SIGTERM
+    # (`:until_sigterm`) instead of for a fixed time sized for a loaded machine.
+    out = last_json_line(run([sys.executable, os.path.join(ROOT, "tests",
+                                                           "save_pause_child.py")]).stdout)
+    assert out["seconds"] < 30, out  # of a 60 s pause; the signal came 0.3 s in
+    assert out["received"] == [signal.SIGTERM] and out["handler_back"], out
+    assert out["refused"].startswith(
+        "TFPAR_INJECT_SAVE_PAUSE='7:60:until_sigterms' is invalid"), out
+    assert "[:until_sigterm]" in out["refused"], out
 
 
 def test_sigterm_saves_on_every_worker_and_the_rerun_finishes_equal(tmp_path):

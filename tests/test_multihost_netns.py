@@ -2,9 +2,10 @@
 
 The hosts are joined by a veth pair (addresses 10.200.0.1 and 10.200.0.2 exist only inside
 them; `tools/shaped_link.py`, unshaped). `tfpar.launch`'s `launch` places a worker slot on
-each and starts every worker inside its host's namespace (`tests/netns_launch.py`). (Every
-fault below crosses hosts: one worker a host is enough, and each worker exec'd by `ip netns
-exec` imports TensorFlow itself. Two slots a host were run until 2026-12-05; placing
+each and starts every worker inside its host's namespace (`tests/netns_launch.py`), forked
+from a fork server started there (TensorFlow imported once a host; each worker exec'd by
+`ip netns exec` imported it itself until 2026-12-05). (Every fault below crosses hosts:
+one worker a host is enough. Two slots a host were run until 2026-12-05; placing
 several slots on a host and their ports is tests/test_launch.py's. With one worker a host
 `--allreduce=auto` sums over the flat ring, so these faults no longer meet the hierarchical
 all-reduce's own host groups, which two slots a host chose: tests/test_hierarchical.py
@@ -44,7 +45,8 @@ import numpy as np
 import psutil
 import pytest
 
-from subproc import ROOT, child_env, in_background, run_module
+from subproc import (ROOT, child_env, fork_server_under, in_background, processes_with,
+                     run_concurrently, run_module)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import shaped_link  # noqa: E402
@@ -77,19 +79,52 @@ def hosts():
         assert not any(ns in listed for ns in link.namespaces), listed
 
 
+@pytest.fixture(scope="module")
+def servers(hosts):
+    """A fork server inside each host's namespace (`subproc.fork_server_under`): the jobs'
+    workers are forked from it, TensorFlow imported once a host rather than once a worker
+    (8 imports over the faults job's three attempts and the rerun, each ~5-8 s of a
+    core). `(spec entries for tests/netns_launch.py, the servers' pids)`; none with
+    TFPAR_TEST_FORK=0 (every worker exec'd by `ip netns exec`)."""
+    if os.environ.get("TFPAR_TEST_FORK", "1") == "0":
+        yield {}, []
+        return
+    started = run_concurrently([lambda ns=ns: fork_server_under(["ip", "netns", "exec", ns])
+                                for ns in hosts.namespaces])  # both import at once
+    try:
+        pids = [_server_pid(path) for path, _, _ in started]
+        yield {"servers": {hosts.address(i): path for i, (path, _, _) in enumerate(started)},
+               "server_env": started[0][1]}, pids
+    finally:
+        for _, _, stop in started:  # before the namespaces go
+            stop()
+
+
+def _server_pid(path):
+    """The pid of the fork server listening at `path` (its command line names it)."""
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if path in (p.info["cmdline"] or []):
+                return p.pid
+    raise AssertionError(f"no fork server at {path}")
+
+
 class Job:
     """The launcher child over both namespaces, its output read as it comes."""
 
-    def __init__(self, link, tmp_path, steps, max_restarts, env=None):
+    def __init__(self, link, servers, tmp_path, steps, max_restarts, env=None):
         addresses = [link.address(0), link.address(1)]
         spec = {"namespaces": dict(zip(addresses, link.namespaces)),
                 "hosts": [[a, SLOTS] for a in addresses],
                 "launch": {"base_port": PORT, "max_restarts": max_restarts, "grace": 2,
-                           "timeout": 240}}
+                           "timeout": 240}, **servers}
         self.tmp_path, self.ckpt = tmp_path, tmp_path / "user" / "ckpt"
         cmd = [sys.executable, LAUNCHER, json.dumps(spec), "--", sys.executable, "-m",
                "tfpar.train", *TRAIN, f"--steps={steps}", f"--checkpoint_dir={self.ckpt}",
                f"--metrics_json={tmp_path / 'metrics.json'}"]
+        # The marker finds the workers: forked from a host's server, they are not the
+        # launcher's children.
+        env = {**(env or {}), "TFPAR_TEST_JOB": str(tmp_path)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -132,9 +167,8 @@ class Job:
     def workers(self, attempt):
         """The worker processes of attempt `attempt`, by worker index."""
         found = {}
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
+        for p, env in processes_with("TFPAR_TEST_JOB", str(self.tmp_path)):
             with contextlib.suppress(psutil.Error):
-                env = p.environ()
                 if env.get("TFPAR_RESTART") == str(attempt) and "tfpar.train" in p.cmdline():
                     found[int(env["TFPAR_WORKER_INDEX"])] = p
         return found
@@ -161,7 +195,7 @@ def _orphans(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def faults(hosts, tmp_path_factory):
+def faults(hosts, servers, tmp_path_factory):
     """Runs the three faults and the rerun; returns what the tests check."""
     tmp_path = tmp_path_factory.mktemp("netns")
     reference_dir = tmp_path_factory.mktemp("reference")  # not under tmp_path: no orphan
@@ -169,7 +203,8 @@ def faults(hosts, tmp_path_factory):
     seed = int(os.environ.get("TFPAR_FAULT_SEED", random.SystemRandom().randrange(1 << 20)))
     rng = random.Random(seed)
     seen = {"seed": seed}
-    job = Job(hosts, tmp_path, STEPS, max_restarts=2,
+    spec, server_pids = servers
+    job = Job(hosts, spec, tmp_path, STEPS, max_restarts=2,
               env={"TFPAR_INJECT_SAVE_PAUSE": f"{EVERY}:60"})
     user_file = tmp_path / "user" / "notes.txt"
     try:
@@ -179,7 +214,13 @@ def faults(hosts, tmp_path_factory):
         user_file.write_text("the user's own file, next to the checkpoints")
         seen["cut_save"] = ((job.ckpt / f"ckpt-{EVERY}.index").exists(), job.published_step())
         victim = rng.randrange(2 * SLOTS)
-        job.workers(0)[victim].kill()
+        workers = job.workers(0)
+        # Each worker in its own host's namespace, forked by that host's server (if any).
+        seen["placed"] = {i: (p.ppid(), os.readlink(f"/proc/{p.pid}/ns/net"))
+                          for i, p in workers.items()}
+        seen["hosts_ns"] = [os.readlink(f"/proc/{pid}/ns/net") for pid in server_pids]
+        seen["server_pids"] = server_pids
+        workers[victim].kill()
         seen["save_victim"] = victim
         # 2. Inside a collective: after attempt 1's first checkpoint, a random delay, one
         # host's worker stopped, the other's killed.
@@ -214,7 +255,7 @@ def faults(hosts, tmp_path_factory):
     seen["orphans_after_faults"] = _orphans(tmp_path)
     # The same command again, on a healthy link: it resumes and finishes.
     steps = seen["steps"] = seen["saved_at_cut"] + 2 * EVERY
-    rerun = Job(hosts, tmp_path, steps, max_restarts=0)
+    rerun = Job(hosts, spec, tmp_path, steps, max_restarts=0)
     seen["rerun_returncode"] = rerun.finish(timeout=180)
     seen["rerun_output"] = rerun.output
     seen["metrics"] = json.loads((tmp_path / "metrics.json").read_text())
@@ -244,6 +285,18 @@ def test_kill_inside_a_checkpoint_write_restores_the_last_published(faults):
             in faults["output"]), _context(faults)
     attempt1 = faults["output"].split("attempt 0:")[1].split("attempt 1:")[0]
     assert "resuming from" not in attempt1, _context(faults)  # nothing was published
+
+
+def test_each_worker_runs_in_its_host_namespace(faults):
+    placed = faults["placed"]  # attempt 0's workers: {index: (parent pid, network ns)}
+    assert sorted(placed) == [0, 1], placed
+    namespaces = [ns for _, ns in placed.values()]
+    assert len(set(namespaces)) == 2, placed
+    assert os.readlink("/proc/self/ns/net") not in namespaces, placed
+    if faults["server_pids"]:  # forked by its host's server, inside that host (worker i on
+        # host i with one slot a host)
+        assert [placed[i] for i in (0, 1)] == list(zip(faults["server_pids"],
+                                                       faults["hosts_ns"])), placed
 
 
 def test_kill_inside_a_collective_across_hosts_restarts_from_the_last_checkpoint(faults):

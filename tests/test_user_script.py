@@ -27,8 +27,8 @@ def venv(installed_venv):
     """The session's venv with tfpar installed (tests/conftest.py; tests/test_packaging.py
     checks the same install). Its `python SCRIPT` children in the user's environment are
     forked from a fork server the venv's interpreter runs, which imported TensorFlow and
-    Keras once (tests/zygote.py; not tfpar: each child imports the installed copy itself);
-    `tfpar-launch` and the workers it starts are exec'd."""
+    Keras once (tests/zygote.py; not tfpar: each child imports the installed copy itself),
+    `python -m tfpar.launch` and the workers it starts too."""
     subproc.fork_server_for(_python(installed_venv), USER_ENV)
     return installed_venv
 
@@ -45,8 +45,10 @@ def _python(venv):
 
 
 def _launch(venv):
-    script = venv / "bin" / "tfpar-launch"
-    return [str(script)] if script.exists() else [_python(venv), "-m", "tfpar.launch"]
+    # The README's form: forked from the venv's server, the launcher's workers are too (the
+    # `tfpar-launch` script, exec'd, imported TensorFlow in each worker until 2026-12-05;
+    # tests/test_packaging.py runs the script itself).
+    return [_python(venv), "-m", "tfpar.launch"]
 
 
 def test_tfpar_is_the_installed_copy(venv, project):

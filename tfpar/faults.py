@@ -6,14 +6,17 @@ checkpoint save open so that a test can kill a worker inside it.
 attempt (`TFPAR_RESTART`, set by `tfpar.launch --max_restarts`), so a restarted job runs on
 past it. Used by tests/test_faults.py and tools/bench_faults.py.
 
-`TFPAR_INJECT_SAVE_PAUSE="S:SECONDS[:before_writing][,...]"` makes every worker sleep
-SECONDS inside its checkpoint save of step S, after the checkpoint's files are written and
-before the state file names them (`tfpar.checkpoint`), or with `:before_writing` after the
-state is copied and before any file is written; pause k applies only in attempt k, like
-the faults. With `--checkpoint_async` the pause is in the writer thread and training goes
-on meanwhile, so a fault of the same attempt can kill the worker inside the write. Each
-pause prints a line, so that a test killing a worker from outside knows it is inside the
-write.
+`TFPAR_INJECT_SAVE_PAUSE="S:SECONDS[:before_writing][:until_sigterm][,...]"` makes every
+worker sleep SECONDS inside its checkpoint save of step S, after the checkpoint's files are
+written and before the state file names them (`tfpar.checkpoint`), or with
+`:before_writing` after the state is copied and before any file is written; pause k
+applies only in attempt k, like the faults. With `:until_sigterm` a SIGTERM ends the pause
+early (it still reaches the worker's own handler, which acts on it after the save), for a
+test whose launcher stops the paused job: no fixed wait sized for a loaded machine. With
+`--checkpoint_async` the pause is in the writer thread and training goes on meanwhile, so a
+fault of the same attempt can kill the worker inside the write (`:until_sigterm` is honoured
+only by a pause in the main thread, a synchronous save's). Each pause prints a line, so
+that a test killing a worker from outside knows it is inside the write.
 
 Both are off unless their variable is set.
 """
@@ -21,6 +24,7 @@ Both are off unless their variable is set.
 import os
 import signal
 import sys
+import threading
 import time
 
 import keras
@@ -67,29 +71,62 @@ _MOMENTS = {"before_publishing": "files written, not yet named by the state file
 
 def pause_in_save(step, moment="before_publishing", environ=os.environ):
     """Sleeps if this attempt's `TFPAR_INJECT_SAVE_PAUSE` entry names `step` and `moment`
-    (`"before_publishing"` or `"before_writing"`).
+    (`"before_publishing"` or `"before_writing"`); with `until_sigterm`, until a SIGTERM
+    too.
 
     Raises:
-        ConfigError: the plan is not comma-separated `step:seconds[:before_writing]`.
+        ConfigError: the plan is not comma-separated
+            `step:seconds[:before_writing][:until_sigterm]`.
     """
     text = environ.get(SAVE_PAUSE_ENV, "")
     if not text:
         return
     try:
-        plan = [(int(s), float(t), (where or ["before_publishing"])[0])
-                for s, t, *where in (item.split(":") for item in text.split(","))]
-        if any(where not in _MOMENTS for _, _, where in plan):
+        plan = [(int(s), float(t), words)
+                for s, t, *words in (item.split(":") for item in text.split(","))]
+        if any(not set(words) <= {*_MOMENTS, "until_sigterm"} or len(set(words)) < len(words)
+               or len(set(words) & set(_MOMENTS)) > 1 for _, _, words in plan):
             raise ValueError
     except ValueError:
         raise ConfigError(SAVE_PAUSE_ENV, text,
-                          "use comma-separated step:seconds[:before_writing], e.g. "
-                          "10:60,20:60:before_writing") from None
+                          "use comma-separated step:seconds[:before_writing][:until_sigterm], "
+                          "e.g. 10:60,20:60:before_writing") from None
     attempt = int(environ.get("TFPAR_RESTART", "0"))
-    if attempt < len(plan) and plan[attempt][0] == step and plan[attempt][2] == moment:
-        seconds = plan[attempt][1]
-        print(f"tfpar.faults: pausing {seconds:g} s inside the checkpoint save of step {step} "
-              f"({_MOMENTS[moment]})", file=sys.stderr, flush=True)
+    if attempt >= len(plan):
+        return
+    at, seconds, words = plan[attempt]
+    if at == step and moment == next((w for w in words if w in _MOMENTS),
+                                     "before_publishing"):
+        until = " or until SIGTERM" if "until_sigterm" in words else ""
+        print(f"tfpar.faults: pausing {seconds:g} s{until} inside the checkpoint save of step "
+              f"{step} ({_MOMENTS[moment]})", file=sys.stderr, flush=True)
+        if until:
+            _sleep_until_sigterm(seconds)
+        else:
+            time.sleep(seconds)
+
+
+def _sleep_until_sigterm(seconds):
+    """Sleeps `seconds` or until a SIGTERM, which still goes to the handler that was set
+    (the default one ends the process once the sleep is over); a plain sleep off the main
+    thread, where no handler can be set."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is None):  # (None: set outside Python)
         time.sleep(seconds)
+        return
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda *args: received.append(args))
+    try:
+        end = time.monotonic() + seconds
+        while not received and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if received:
+        if callable(previous):
+            previous(*received[0])
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _KillAt(keras.callbacks.Callback):
