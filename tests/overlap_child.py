@@ -150,25 +150,27 @@ def main(settings, rounds, timed_steps):
 HEAVY = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter")
 
 
-def waiting_on_timestamps(graph):
-    """The types of every op in `graph` that waits (through data or control edges) for a
-    `Timestamp` op."""
+def waiting_on(graph, roots):
+    """Every op in `graph` that waits (through data or control edges) for an op of
+    `roots`."""
     children = {}
     for op in graph.get_operations():
         for parent in [t.op for t in op.inputs] + list(op.control_inputs):
             children.setdefault(parent, []).append(op)
-    seen = set()
-    stack = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    seen, stack = set(), list(roots)
     while stack:
         for child in children.get(stack.pop(), []):
             if child not in seen:
                 seen.add(child)
                 stack.append(child)
-    return sorted({op.type for op in seen})
+    return seen
 
 
 def timeline(settings, timed_steps, out):
-    config, runtime, task, model = profile_overlap.build(settings)
+    settings = dict(settings)
+    calibrate = settings.pop("calibrate", 0.0)
+    runtime_steps = settings.pop("runtime_steps", 0)
+    wire = settings.pop("wire", False)
     traced, inner = [], timing.timeline_step
 
     def recording(gradients, aggregate, collectives):
@@ -176,18 +178,23 @@ def timeline(settings, timed_steps, out):
         return inner(gradients, aggregate, collectives)
 
     timing.timeline_step = recording
-    _, times = measure_comm_fraction(
-        runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
-        steps=timed_steps)
-    found = traced[-1][0]
+    times = profile_overlap.measure(settings, timed_steps, calibrate, runtime_steps, wire)
+    found = traced[-1][0]  # the measured step's (after calibration's)
     graph = found[0].graph
+    stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    first = [op for op in stamps if not op.inputs and not op.control_inputs]
     times.update(
-        timestamp_feeds=waiting_on_timestamps(graph),
+        # what waits for a stamp after the step's start (none may be a gradient or a
+        # collective), and how many of the step's MatMuls and convolutions wait for the start
+        timestamp_feeds=sorted({op.type for op in waiting_on(
+            graph, [op for op in stamps if op not in first])}),
+        start_stamps=len(first),
+        heavy_after_start=sum(op.type in HEAVY for op in waiting_on(graph, first)),
         waits_for_previous=[k > 0 and found[k - 1] in ancestors(op)
                             for k, op in enumerate(found)],
         heavy_before_collective=[sum(o.type in HEAVY for o in ancestors(op)) for op in found],
         heavy=sum(op.type in HEAVY for op in graph.get_operations()),
-        grad_bytes=4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables))
+        bucket_bytes=[4 * int(np.prod(op.inputs[0].shape)) for op in found])
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     with open(f"{out}.{index}.json", "w") as f:
         json.dump(times, f)
