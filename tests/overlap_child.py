@@ -21,15 +21,18 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
 
     python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
 
-`timeline` (a worker of the shaped-link test): the bucketed model
-`tools/profile_overlap.py` builds for SETTINGS, `measure_comm_fraction` with its in-step
-timestamps (`comm` keys and each step's `timeline_ms`), and from the traced timeline step:
-`timestamp_feeds` (the types of every op that waits for a timestamp: none may be a
-gradient or a collective), `waits_for_previous` (per collective),
-`heavy_before_collective` (the MatMuls and convolutions each waits for) and `heavy` (all
-of the step's), written as JSON to `OUT.<worker index>.json`:
+`timeline` (a worker of the shaped-link test): `tools/profile_overlap.py`'s `measure` for
+SETTINGS (the bucketed model it builds, `measure_comm_fraction` with its in-step
+timestamps: `comm` keys and each step's `timeline_ms`; SETTINGS' `threads`, `calibrate`,
+`runtime_steps` and `wire` as its flags), and from the traced timeline step:
+`timestamp_feeds` (the types of every op that waits for a timestamp taken after the
+step's start: none may be a gradient or a collective), `start_stamps` (stamps with no
+inputs) and `heavy_after_start` (the MatMuls and convolutions that wait for one),
+`waits_for_previous` (per collective), `heavy_before_collective` (the MatMuls and
+convolutions each waits for), `heavy` (all of the step's) and `bucket_bytes` (each
+collective's), written as JSON to `OUT.<worker index>.json`:
 
-    python tests/overlap_child.py timeline '{"conv_head": [32, 64], ...}' TIMED_STEPS OUT
+    python tests/overlap_child.py timeline '{"conv_head": [64, 128, 3, 2], ...}' STEPS OUT
 """
 
 import dataclasses

@@ -167,6 +167,7 @@ def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False):
 
     from tfpar import data
     from tfpar.compression.timing import measure_comm_fraction
+    from tfpar.strategy import wait_for_workers
 
     config, runtime, task, model = build(settings)
     calibration = None
@@ -184,6 +185,9 @@ def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False):
         _, times = measure_comm_fraction(
             runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
             steps=steps, runtime_steps=runtime_steps)
+    # No worker leaves while another still pulls its last collective's data ("Socket
+    # closed").
+    wait_for_workers()
     if calibration:
         times["calibration"] = calibration
     if wire and "timeline_ms" in times:
