@@ -85,6 +85,17 @@ def test_hidden_share_counts_busy_time_before_backward_ends():
     assert hidden_share(0.5, []) == (None, 0.0)
 
 
+def test_wire_share_is_the_bytes_sent_before_backward_ends():
+    import profile_overlap
+    # A step starting at 100 s: its bytes leave at 1000 a millisecond from 20 to 150 ms.
+    samples = [(100 + t / 1000, 1000 * max(0, min(t, 150) - 20)) for t in range(201)]
+    step = {"start_s": 100.0, "backward_end": 50.0,
+            "collectives": [[20.0, 120.0], [120.0, 150.0]]}
+    assert profile_overlap.wire_shares(samples, [step]) == [pytest.approx(30 / 130)]
+    # A step the samples do not cover has no share.
+    assert profile_overlap.wire_shares(samples, [dict(step, start_s=99.0)]) == [None]
+
+
 def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
     from tfpar.plan import cost
     from test_plan import HW as hw, PROFILE as prof
