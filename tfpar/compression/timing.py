@@ -138,27 +138,30 @@ def timeline_step(gradients, aggregate, collectives):
 def _profiled_starts(run, ops, steps, stamps):
     """Runs `run()` (`steps` timeline steps, each appending its stamps' values to the list
     `stamps`) under TensorFlow's profiler; per step, per op of `ops` (the collectives,
-    program order), when the executor started it, on `tf.timestamp`'s clock (the
-    profiler's has another origin: the offset is the median of each stamp's value minus
-    the start of its own `Timestamp` op's event). None when the profiler did not report
-    each op and each stamp once a step."""
+    program order), when the executor started it, on `tf.timestamp`'s clock, NaN where the
+    profiler reported no start inside that step (the profiler's clock has another origin:
+    the offset is the median of each stamp's value minus the start of its own `Timestamp`
+    op's event, paired in order of time from the last). None when it reported less than
+    half the stamps."""
     from tfpar.pipeline.timeline import profiled_events
     events = profiled_events(run)
-    starts = []
-    for op in ops:
-        # Host op events are named `name:Type`; a collective is async, its event starts
-        # when the executor calls it.
-        mine = sorted(b for name, b, _ in events if name == f"{op.name}:{op.type}")
-        if len(mine) != steps:
-            return None
-        starts.append(mine)
-    # The stamps in order of time on either clock (each lies inside its op's event).
-    began = sorted(b for name, b, _ in events if name.endswith(":Timestamp"))
+    # The stamps in order of time on either clock (each lies inside its op's event); from
+    # the last, in case the profiler missed the first ones while it started.
+    began = np.sort([b for name, b, _ in events if name.endswith(":Timestamp")])
     values = np.sort(np.concatenate(stamps))
-    if len(began) != len(values):
+    paired = min(len(began), len(values))
+    if paired < len(values) / 2:
         return None
-    offset = float(np.median(values - np.asarray(began) / 1e6))
-    return [[starts[k][i] / 1e6 + offset for k in range(len(ops))] for i in range(steps)]
+    offset = float(np.median(values[-paired:] - began[-paired:] / 1e6))
+    starts = np.full((steps, len(ops)), np.nan)
+    for k, op in enumerate(ops):
+        # Host op events are named `name:Type`; a collective is async, its event starts
+        # when the executor calls it: inside the step, before its end's stamp.
+        for b in (b / 1e6 + offset for name, b, _ in events if name == f"{op.name}:{op.type}"):
+            for i, step in enumerate(stamps):
+                if step[0] <= b <= step[3 + 2 * k] + 1e-3:
+                    starts[i, k] = b
+    return starts
 
 
 def _runtime_view(strategy, timeline_fn, gather, batch, ops, waits, steps):
@@ -167,8 +170,9 @@ def _runtime_view(strategy, timeline_fn, gather, batch, ops, waits, steps):
     runtime saw it (`hidden_fraction_runtime`, the later worker's start), medians and
     `steps_hidden` (both, per step); per collective, how long after its inputs the later
     worker started it (`launch_delay_ms`, median over the steps) and the least such delay
-    of any worker (`launch_delay_min_ms`: the clocks agree if it is not below 0). None
-    when the profiler did not see the collectives."""
+    of any worker (`launch_delay_min_ms`: the clocks agree if it is not below 0). A step
+    in which a worker's profiler reported no start of a collective is left out (on every
+    worker: the gathered rows say so); None when no step is left."""
     results = []
 
     def run():
@@ -178,8 +182,8 @@ def _runtime_view(strategy, timeline_fn, gather, batch, ops, waits, steps):
             results.append(strategy.experimental_local_results(stamps)[0].numpy())
 
     starts = _profiled_starts(run, ops, steps, results)
-    if starts is None:
-        return None
+    if starts is None:  # still gather (the other workers do), as NaN: no view anywhere
+        starts = np.full((steps, len(ops)), np.nan)
     bound, strict, delays, least = [], [], [], np.inf
     for stamps, began in zip(results, starts):
         strict_stamps, delay = stamps.copy(), np.zeros_like(stamps)
@@ -189,12 +193,14 @@ def _runtime_view(strategy, timeline_fn, gather, batch, ops, waits, steps):
         delay[2::2] = np.asarray(began) - stamps[2::2]
         rows = strategy.experimental_local_results(gather(
             tf.constant(np.stack([stamps, strict_stamps, delay]))))[0].numpy()
+        if np.isnan(rows).any():  # a worker's profiler missed this step: left out
+            continue
         bound.append(hidden_share(*busy_intervals(rows[:, 0], waits))[0])
         strict.append(hidden_share(*busy_intervals(rows[:, 1], waits))[0])
         later = rows[:, 1].max(axis=0)[2::2] - rows[:, 0].max(axis=0)[2::2]
         delays.append(1000 * later)
         least = min(least, 1000 * float(rows[:, 2, 2::2].min()))
-    if any(h is None for h in bound + strict):
+    if not bound or any(h is None for h in bound + strict):
         return None
     return {"hidden_fraction": float(np.median(bound)),
             "hidden_fraction_runtime": float(np.median(strict)),
