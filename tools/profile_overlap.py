@@ -29,6 +29,8 @@ of the bytes it sent in each timed step that had left before backward ended
 
     python tools/profile_overlap.py --model=conv_head --batch=128 --recompute=full
     python tools/profile_overlap.py --model=mlp --width=256 --depth=8 --batch=2048
+    python tools/profile_overlap.py --width=64 --hidden=128 --convs=3 --pool=2 --bucket_mb=1 \
+        --intra_op=1 --inter_op=2 --batch=24 --steps=4 --runtime_steps=2 --wire
 """
 
 import argparse
