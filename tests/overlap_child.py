@@ -21,15 +21,18 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
 
     python tests/overlap_child.py '{"model_width": 256, ...}' ROUNDS TIMED_STEPS
 
-`timeline` (a worker of the shaped-link test): the bucketed model
-`tools/profile_overlap.py` builds for SETTINGS, `measure_comm_fraction` with its in-step
-timestamps (`comm` keys and each step's `timeline_ms`), and from the traced timeline step:
-`timestamp_feeds` (the types of every op that waits for a timestamp: none may be a
-gradient or a collective), `waits_for_previous` (per collective),
-`heavy_before_collective` (the MatMuls and convolutions each waits for) and `heavy` (all
-of the step's), written as JSON to `OUT.<worker index>.json`:
+`timeline` (a worker of the shaped-link test): `tools/profile_overlap.py`'s `measure` for
+SETTINGS (the bucketed model it builds, `measure_comm_fraction` with its in-step
+timestamps: `comm` keys and each step's `timeline_ms`; SETTINGS' `threads`, `calibrate`,
+`runtime_steps` and `wire` as its flags), and from the traced timeline step:
+`timestamp_feeds` (the types of every op that waits for a timestamp taken after the
+step's start: none may be a gradient or a collective), `start_stamps` (stamps with no
+inputs) and `heavy_after_start` (the MatMuls and convolutions that wait for one),
+`waits_for_previous` (per collective), `heavy_before_collective` (the MatMuls and
+convolutions each waits for), `heavy` (all of the step's) and `bucket_bytes` (each
+collective's), written as JSON to `OUT.<worker index>.json`:
 
-    python tests/overlap_child.py timeline '{"conv_head": [32, 64], ...}' TIMED_STEPS OUT
+    python tests/overlap_child.py timeline '{"conv_head": [64, 128, 3, 2], ...}' STEPS OUT
 """
 
 import dataclasses
@@ -150,25 +153,27 @@ def main(settings, rounds, timed_steps):
 HEAVY = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter")
 
 
-def waiting_on_timestamps(graph):
-    """The types of every op in `graph` that waits (through data or control edges) for a
-    `Timestamp` op."""
+def waiting_on(graph, roots):
+    """Every op in `graph` that waits (through data or control edges) for an op of
+    `roots`."""
     children = {}
     for op in graph.get_operations():
         for parent in [t.op for t in op.inputs] + list(op.control_inputs):
             children.setdefault(parent, []).append(op)
-    seen = set()
-    stack = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    seen, stack = set(), list(roots)
     while stack:
         for child in children.get(stack.pop(), []):
             if child not in seen:
                 seen.add(child)
                 stack.append(child)
-    return sorted({op.type for op in seen})
+    return seen
 
 
 def timeline(settings, timed_steps, out):
-    config, runtime, task, model = profile_overlap.build(settings)
+    settings = dict(settings)
+    calibrate = settings.pop("calibrate", 0.0)
+    runtime_steps = settings.pop("runtime_steps", 0)
+    wire = settings.pop("wire", False)
     traced, inner = [], timing.timeline_step
 
     def recording(gradients, aggregate, collectives):
@@ -176,18 +181,23 @@ def timeline(settings, timed_steps, out):
         return inner(gradients, aggregate, collectives)
 
     timing.timeline_step = recording
-    _, times = measure_comm_fraction(
-        runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
-        steps=timed_steps)
-    found = traced[-1][0]
+    times = profile_overlap.measure(settings, timed_steps, calibrate, runtime_steps, wire)
+    found = traced[-1][0]  # the measured step's (after calibration's)
     graph = found[0].graph
+    stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    first = [op for op in stamps if not op.inputs and not op.control_inputs]
     times.update(
-        timestamp_feeds=waiting_on_timestamps(graph),
+        # what waits for a stamp after the step's start (none may be a gradient or a
+        # collective), and how many of the step's MatMuls and convolutions wait for the start
+        timestamp_feeds=sorted({op.type for op in waiting_on(
+            graph, [op for op in stamps if op not in first])}),
+        start_stamps=len(first),
+        heavy_after_start=sum(op.type in HEAVY for op in waiting_on(graph, first)),
         waits_for_previous=[k > 0 and found[k - 1] in ancestors(op)
                             for k, op in enumerate(found)],
         heavy_before_collective=[sum(o.type in HEAVY for o in ancestors(op)) for op in found],
         heavy=sum(op.type in HEAVY for op in graph.get_operations()),
-        grad_bytes=4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables))
+        bucket_bytes=[4 * int(np.prod(op.inputs[0].shape)) for op in found])
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     with open(f"{out}.{index}.json", "w") as f:
         json.dump(times, f)

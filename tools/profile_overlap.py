@@ -11,14 +11,26 @@ backward's end (`hidden_fraction`, the metrics JSON's `comm.hidden_fraction`); t
 medians, with the separately timed calls (`compute`: forward + backward alone,
 `aggregate`: the sums alone) that say whether the run is communication-bound.
 
-`--model=conv_head` is not in the zoo: two 3x3 convolutions of `--width` channels over
-the convnet task's 16x16 images, a dense layer of `--hidden` units over them, logits. Its
-first layers hold the computation and its last the parameters (as a CNN with a dense
-head), so the head's bucket is ready right after forward; `--recompute=full` makes
-backward 3/4 of the computation.
+`--model=conv_head` is not in the zoo: `--convs` 3x3 convolutions of `--width` channels
+over the convnet task's 16x16 images, average-pooled by `--pool`, a dense layer of
+`--hidden` units over them, logits. Its first layers hold the computation and its last the
+parameters (as a CNN with a dense head), so the head's bucket is ready right after forward;
+`--recompute=full` makes backward 3/4 of the computation.
+
+`--intra_op` and `--inter_op` set each worker's TensorFlow threads (0: TensorFlow picks).
+`--calibrate=R` first runs 2 timeline steps at `--batch`, then measures at the global batch
+where backward would end at R of the all-reduces' busy time (scaled in proportion):
+communication-bound by a set margin whatever the machine's load does to the computation.
+`--runtime_steps=N` adds N steps under TensorFlow's profiler: the share with each
+all-reduce busy from when the runtime started it, not from when its inputs were ready
+(`hidden_fraction_runtime`). `--wire` reads worker 0's veth every millisecond: the share
+of the bytes it sent in each timed step that had left before backward ended
+(`wire_hidden`), the link's own account.
 
     python tools/profile_overlap.py --model=conv_head --batch=128 --recompute=full
     python tools/profile_overlap.py --model=mlp --width=256 --depth=8 --batch=2048
+    python tools/profile_overlap.py --width=64 --hidden=128 --convs=3 --pool=2 --bucket_mb=1 \
+        --intra_op=1 --inter_op=2 --batch=24 --steps=4 --runtime_steps=2 --wire
 """
 
 import argparse
@@ -32,7 +44,7 @@ sys.path.insert(0, os.path.dirname(TOOLS))  # tfpar, from a checkout
 PORT = 23529
 
 
-def conv_head(config, runtime, task, channels, hidden):
+def conv_head(config, runtime, task, channels, hidden, convs=2, pool=1):
     """The `--model=conv_head` model, compiled with the trainer's optimizer bucketed as
     across workers (and `config.recompute` applied)."""
     import keras
@@ -40,9 +52,11 @@ def conv_head(config, runtime, task, channels, hidden):
     from tfpar import optimizers, recompute
 
     with runtime.strategy.scope():
-        inputs = keras.Input(task.input_shape)
-        x = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(inputs)
-        x = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(x)
+        inputs = x = keras.Input(task.input_shape)
+        for _ in range(convs):
+            x = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(x)
+        if pool > 1:
+            x = keras.layers.AveragePooling2D(pool)(x)
         x = keras.layers.Dense(hidden, activation="relu")(keras.layers.Flatten()(x))
         model = keras.Model(inputs, keras.layers.Dense(task.num_classes)(x))
         recompute.apply(model, config)
@@ -54,12 +68,19 @@ def conv_head(config, runtime, task, channels, hidden):
 
 def build(settings):
     """`(config, runtime, task, model)` for a worker: `settings` are `ParallelConfig`
-    fields, plus `conv_head: [channels, hidden]` for that model."""
+    fields, plus `conv_head: [channels, hidden(, convs, pool)]` for that model and
+    `threads: [intra-op, inter-op]` (0 or absent: TensorFlow picks)."""
+    import tensorflow as tf
+
     from tfpar import ParallelConfig, data
     from tfpar.backends.distribute import DistributeBackend
 
     settings = dict(settings)
     head = settings.pop("conv_head", None)
+    intra, inter = settings.pop("threads", (0, 0))
+    # before the runtime starts
+    tf.config.threading.set_intra_op_parallelism_threads(intra)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
     config = ParallelConfig(strategy="multi_worker", optimizer="sgd", verbose=0,
                             **{"model": "convnet" if head else "mlp", **settings})
     backend = DistributeBackend()
@@ -70,15 +91,112 @@ def build(settings):
     return config, runtime, task, model
 
 
-def measure(settings, steps):
-    """`measure_comm_fraction`'s figures for `settings` on this worker."""
+class WireSampler:
+    """This worker's side of the link, read in a thread: `(time.time(), bytes sent)` every
+    `period` seconds from its veth's `tx_bytes` (counted as tc lets them out, the shaped
+    link's own time; `time.time()` is the clock `tf.timestamp` reads)."""
+
+    def __init__(self, device, period=0.001):
+        import threading
+
+        self.fd = os.open(f"/sys/class/net/{device}/statistics/tx_bytes", os.O_RDONLY)
+        self.period, self.samples = period, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import time
+        while not self.done.is_set():
+            self.samples.append((time.time(), int(os.pread(self.fd, 32, 0))))
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        os.close(self.fd)
+
+
+def wire_shares(samples, timeline_ms):
+    """Per timeline step, the share of the bytes this worker sent during the step (from its
+    start to the last all-reduce's end) that had left by backward's end: the hidden share
+    as the link saw it. None for a step the samples do not cover or with nothing sent."""
+    import numpy as np
+
+    times, sent = np.array(samples, dtype=np.float64).T
+    shares = []
+    for step in timeline_ms:
+        start = step["start_s"]
+        end = start + max(e for _, e in step["collectives"]) / 1000
+        if not times[0] <= start < end <= times[-1]:
+            shares.append(None)
+            continue
+        at = np.interp([start, start + step["backward_end"] / 1000, end], times, sent)
+        shares.append(float((at[1] - at[0]) / (at[2] - at[0])) if at[2] > at[0] else None)
+    return shares
+
+
+def calibrated_batch(runtime, config, task, model, ratio, steps):
+    """The global batch at which backward would end at `ratio` of the gradient sums' busy
+    time inside the step: both read from `steps` timeline steps at
+    `config.global_batch_size` (medians; the same on every worker), the batch scaled in
+    proportion, a multiple of the replicas."""
     from tfpar import data
     from tfpar.compression.timing import measure_comm_fraction
 
-    config, runtime, task, model = build(settings)
+    strategy = runtime.strategy
     _, times = measure_comm_fraction(
-        runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
-        steps=steps)
+        strategy, model, data.distributed_dataset(strategy, config, task), steps=steps)
+    wanted = (config.global_batch_size * ratio * times["comm_busy_ms"]
+              / times["backward_end_ms"])
+    replicas = strategy.num_replicas_in_sync
+    return max(replicas, replicas * round(wanted / replicas)), times
+
+
+def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False):
+    """`measure_comm_fraction`'s figures for `settings` on this worker; with `calibrate`,
+    at `calibrated_batch`'s batch for that ratio (then also `calibration`: the batch and
+    the times it was chosen from); with `wire`, `wire_hidden`: `wire_shares` of the timed
+    steps, from this worker's veth (`TFPAR_BENCH_DEVICES`), and their median
+    `wire_hidden_fraction`."""
+    import contextlib
+    import dataclasses
+
+    import numpy as np
+
+    from tfpar import data
+    from tfpar.compression.timing import measure_comm_fraction
+    from tfpar.strategy import wait_for_workers
+
+    config, runtime, task, model = build(settings)
+    calibration = None
+    if calibrate:
+        batch, first = calibrated_batch(runtime, config, task, model, calibrate, steps=2)
+        calibration = {"from_batch": config.global_batch_size, "batch": batch,
+                       "ratio": calibrate, "backward_end_ms": first["backward_end_ms"],
+                       "comm_busy_ms": first["comm_busy_ms"]}
+        config = dataclasses.replace(config, global_batch_size=batch)
+    sampler = contextlib.nullcontext()
+    if wire:
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        sampler = WireSampler(os.environ["TFPAR_BENCH_DEVICES"].split(",")[index])
+    with sampler:
+        _, times = measure_comm_fraction(
+            runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
+            steps=steps, runtime_steps=runtime_steps)
+    # No worker leaves while another still pulls its last collective's data ("Socket
+    # closed").
+    wait_for_workers()
+    if calibration:
+        times["calibration"] = calibration
+    if wire and "timeline_ms" in times:
+        shares = wire_shares(sampler.samples, times["timeline_ms"])
+        times["wire_hidden"] = shares
+        known = [s for s in shares if s is not None]
+        times["wire_hidden_fraction"] = float(np.median(known)) if known else None
     return times
 
 
@@ -86,15 +204,18 @@ def settings_of(args):
     settings = {"global_batch_size": args.batch, "bucket_mb": args.bucket_mb,
                 "recompute": args.recompute, "seed": 0}
     if args.model == "conv_head":
-        settings["conv_head"] = [args.width, args.hidden]
+        settings["conv_head"] = [args.width, args.hidden, args.convs, args.pool]
     else:
         settings.update(model_width=args.width, model_depth=args.depth)
+    if args.intra_op or args.inter_op:
+        settings["threads"] = [args.intra_op, args.inter_op]
     return settings
 
 
 def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    rounds = [measure(settings_of(args), args.steps)]
+    rounds = [measure(settings_of(args), args.steps, args.calibrate, args.runtime_steps,
+                      args.wire)]
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
         with open(args.worker, "w") as f:
             json.dump({"settings": settings_of(args), "rate": args.rate, "rounds": rounds}, f)
@@ -107,6 +228,20 @@ def main():
     parser.add_argument("--width", type=int, default=32,
                         help="conv_head: channels; mlp: units")
     parser.add_argument("--hidden", type=int, default=64, help="conv_head: the dense units")
+    parser.add_argument("--convs", type=int, default=2, help="conv_head: convolutions")
+    parser.add_argument("--pool", type=int, default=1,
+                        help="conv_head: average pooling before the dense layer (1: none)")
+    parser.add_argument("--intra_op", type=int, default=0,
+                        help="intra-op threads per worker (0: TensorFlow picks)")
+    parser.add_argument("--inter_op", type=int, default=0,
+                        help="inter-op threads per worker (0: TensorFlow picks)")
+    parser.add_argument("--calibrate", type=float, default=0.0,
+                        help="measure at the batch where backward ends at this share of the "
+                             "all-reduces' busy time (0: at --batch)")
+    parser.add_argument("--runtime_steps", type=int, default=0,
+                        help="steps under the profiler: each all-reduce busy from its start")
+    parser.add_argument("--wire", action="store_true",
+                        help="also the hidden share of the bytes worker 0 sent (its veth)")
     parser.add_argument("--depth", type=int, default=8, help="mlp: layers")
     parser.add_argument("--batch", type=int, default=128, help="global batch (2 workers)")
     parser.add_argument("--bucket_mb", type=float, default=0.25)
@@ -120,6 +255,8 @@ def main():
     sys.path.insert(0, TOOLS)
     from shaped_link import ShapedLink
 
+    from tfpar.overlap import hidden_share
+
     with tempfile.TemporaryDirectory() as folder, ShapedLink(rate=args.rate) as link:
         out = os.path.join(folder, "rounds.json")
         codes, log = link.run_workers([sys.executable, os.path.abspath(__file__),
@@ -130,9 +267,28 @@ def main():
         with open(out) as f:
             result = json.load(f)
     for times in result["rounds"]:
+        if "calibration" in times:
+            c = times["calibration"]
+            print(f"calibrated: at batch {c['from_batch']} backward ends "
+                  f"{c['backward_end_ms']:.0f} ms, all-reduces busy "
+                  f"{c['comm_busy_ms']:.0f} ms -> "
+                  f"batch {c['batch']} (ratio {c['ratio']})")
         for step in times.get("timeline_ms", []):
+            hidden, _ = hidden_share(step["backward_end"], step["collectives"])
             print(f"backward ends {step['backward_end']:7.1f} ms | all-reduces busy "
-                  + ", ".join(f"{b:.0f}-{e:.0f}" for b, e in step["collectives"]) + " ms")
+                  + ", ".join(f"{b:.0f}-{e:.0f}" for b, e in step["collectives"])
+                  + f" ms | hidden {hidden:.2f} | workers' starts "
+                  f"{step['start_skew']:.1f} ms apart")
+        view = times.get("runtime_view")
+        if view:
+            print("profiled steps: hidden from inputs ready / from the runtime's start "
+                  + ", ".join(f"{b:.2f}/{t:.2f}" for b, t in view["steps_hidden"])
+                  + f" | launch delay (median) {view['launch_delay_ms']} ms")
+        elif "runtime_view" in times:
+            print("profiled steps: the profiler did not report each all-reduce once a step")
+        if "wire_hidden" in times:
+            print("on the wire (worker 0's bytes sent before backward ends): "
+                  + ", ".join("-" if s is None else f"{s:.2f}" for s in times["wire_hidden"]))
         print(f"median: hidden {times.get('hidden_fraction', float('nan')):.2f} of "
               f"{times.get('comm_busy_ms', float('nan')):.0f} ms busy, backward ends "
               f"{times.get('backward_end_ms', float('nan')):.0f} ms | alone: forward + "

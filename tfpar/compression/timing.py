@@ -37,6 +37,15 @@ timestamps wait for what they time and nothing waits for them: they are left out
 so no gradient or collective waits for one (`tests/test_overlap.py` walks the traced
 graph). They are only in this timed step, never in a training step; only with one replica
 a process (as across workers).
+
+A collective counts as busy from when every worker had its inputs ready, and the runtime
+may start it later (no thread free to launch it): the head's bucket could count as
+crossing while it still waits. `runtime_steps` more timeline steps run under TensorFlow's
+profiler, which records when each worker's executor started each collective op; busy from
+the later worker's start, the share is `hidden_fraction_runtime`, beside the share from
+inputs ready on the same profiled steps, and `launch_delay_ms` says how long after its
+inputs each collective started. (Neither sees when the bytes move: gRPC's threads may
+send later still.)
 """
 
 import time
@@ -98,10 +107,15 @@ def _waits_for(op, earlier):
 
 def timeline_step(gradients, aggregate, collectives):
     """A replica function `batch -> (stamps, checksum)`: forward, backward and `aggregate`
-    with the timestamps `tfpar.overlap.busy_intervals` reads. Each trace appends the
-    collectives it timed (graph ops, program order) to the list `collectives`."""
+    with the timestamps `tfpar.overlap.busy_intervals` reads (forward waits for the first;
+    nothing waits for the others). Each trace appends the collectives it timed (graph ops,
+    program order) to the list `collectives`."""
     def step(batch):
         start = _stamp([])
+        # The step's one ordering: forward starts after the start's stamp (a root op, which
+        # the executor may otherwise run at any point of the step).
+        with tf.control_dependencies([start]):
+            batch = tf.nest.map_structure(tf.identity, batch)
         grads = gradients(batch)
         backward_end = _stamp([t.op for t in tf.nest.flatten(grads, expand_composites=True)
                                if t is not None])
@@ -121,12 +135,86 @@ def timeline_step(gradients, aggregate, collectives):
     return step
 
 
+def _profiled_starts(run, ops, steps, stamps):
+    """Runs `run()` (`steps` timeline steps, each appending its stamps' values to the list
+    `stamps`) under TensorFlow's profiler; per step, per op of `ops` (the collectives,
+    program order), when the executor started it, on `tf.timestamp`'s clock, NaN where the
+    profiler reported no start inside that step (the profiler's clock has another origin:
+    the offset is the median of each stamp's value minus the start of its own `Timestamp`
+    op's event, paired in order of time from the last). None when it reported less than
+    half the stamps."""
+    from tfpar.pipeline.timeline import profiled_events
+    events = profiled_events(run)
+    # The stamps in order of time on either clock (each lies inside its op's event); from
+    # the last, in case the profiler missed the first ones while it started.
+    began = np.sort([b for name, b, _ in events if name.endswith(":Timestamp")])
+    values = np.sort(np.concatenate(stamps))
+    paired = min(len(began), len(values))
+    if paired < len(values) / 2:
+        return None
+    offset = float(np.median(values[-paired:] - began[-paired:] / 1e6))
+    starts = np.full((steps, len(ops)), np.nan)
+    for k, op in enumerate(ops):
+        # Host op events are named `name:Type`; a collective is async, its event starts
+        # when the executor calls it: inside the step, before its end's stamp.
+        for b in (b / 1e6 + offset for name, b, _ in events if name == f"{op.name}:{op.type}"):
+            for i, step in enumerate(stamps):
+                if step[0] <= b <= step[3 + 2 * k] + 1e-3:
+                    starts[i, k] = b
+    return starts
+
+
+def _runtime_view(strategy, timeline_fn, gather, batch, ops, waits, steps):
+    """`steps` timeline steps under the profiler: their hidden share with each collective
+    busy from its inputs (`hidden_fraction`, the upper bound) and from its start as the
+    runtime saw it (`hidden_fraction_runtime`, the later worker's start), medians and
+    `steps_hidden` (both, per step); per collective, how long after its inputs the later
+    worker started it (`launch_delay_ms`, median over the steps) and the least such delay
+    of any worker (`launch_delay_min_ms`: the clocks agree if it is not below 0). A step
+    in which a worker's profiler reported no start of a collective is left out (on every
+    worker: the gathered rows say so); None when no step is left."""
+    results = []
+
+    def run():
+        for _ in range(steps):
+            stamps, checksum = timeline_fn(batch)
+            strategy.experimental_local_results(checksum)[0].numpy()
+            results.append(strategy.experimental_local_results(stamps)[0].numpy())
+
+    starts = _profiled_starts(run, ops, steps, results)
+    if starts is None:  # still gather (the other workers do), as NaN: no view anywhere
+        starts = np.full((steps, len(ops)), np.nan)
+    bound, strict, delays, least = [], [], [], np.inf
+    for stamps, began in zip(results, starts):
+        strict_stamps, delay = stamps.copy(), np.zeros_like(stamps)
+        # Busy from the collective's start, never before its inputs (a clock's rounding
+        # must not loosen the bound).
+        strict_stamps[2::2] = np.maximum(stamps[2::2], began)
+        delay[2::2] = np.asarray(began) - stamps[2::2]
+        rows = strategy.experimental_local_results(gather(
+            tf.constant(np.stack([stamps, strict_stamps, delay]))))[0].numpy()
+        if np.isnan(rows).any():  # a worker's profiler missed this step: left out
+            continue
+        bound.append(hidden_share(*busy_intervals(rows[:, 0], waits))[0])
+        strict.append(hidden_share(*busy_intervals(rows[:, 1], waits))[0])
+        later = rows[:, 1].max(axis=0)[2::2] - rows[:, 0].max(axis=0)[2::2]
+        delays.append(1000 * later)
+        least = min(least, 1000 * float(rows[:, 2, 2::2].min()))
+    if not bound or any(h is None for h in bound + strict):
+        return None
+    return {"hidden_fraction": float(np.median(bound)),
+            "hidden_fraction_runtime": float(np.median(strict)),
+            "steps_hidden": [[round(b, 3), round(t, 3)] for b, t in zip(bound, strict)],
+            "launch_delay_ms": [round(float(d), 2) for d in np.median(delays, axis=0)],
+            "launch_delay_min_ms": round(least, 3)}
+
+
 def _checksum(grads):
     # Depend on every gradient, so nothing is pruned from the traced step.
     return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
 
 
-def measure_comm_fraction(strategy, model, dataset, steps=5):
+def measure_comm_fraction(strategy, model, dataset, steps=5, runtime_steps=0):
     """Share of a step spent aggregating gradients (0 = none, 1 = all of it).
 
     Args:
@@ -135,6 +223,8 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
         dataset: the distributed dataset `fit` trains on; one batch is taken from it.
         steps: timed calls of each step (alternating, after one warm-up call each); the
             medians are compared.
+        runtime_steps: timeline steps to run after them under TensorFlow's profiler (0:
+            none), for `runtime_view`.
 
     Returns:
         `(fraction, {"step_ms", "compute_ms", "aggregate_ms", "overlap_fraction",
@@ -145,7 +235,11 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
         the same on every worker), the collectives' busy time and backward's end from the
         step's start, medians over the timeline steps, and each step's `timeline_ms`
         (`{"backward_end": ms, "collectives": [[begin, end] ms, ...]}`); these four only
-        when a step runs a collective and the process has one replica.
+        when a step runs a collective and the process has one replica; each entry of
+        `timeline_ms` also holds `start_skew`, how far apart the workers started the step, and
+        `start_s`, when the first did (seconds, `tf.timestamp`'s clock).
+        With `runtime_steps`, `runtime_view` (see `_runtime_view`; None when the profiler
+        did not see the collectives) and its `hidden_fraction_runtime`.
         A fraction of 0.0 and `{}` with one replica, where nothing is communicated.
     """
     if strategy.num_replicas_in_sync == 1:
@@ -193,7 +287,7 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
     # Fixed gradients for "aggregate", kept per replica (each replica sends its own).
     grads = tf.function(lambda b: strategy.run(gradients, args=(b,)))(batch)
     seconds = {name: [] for name in fns}
-    timeline, waits = [], None
+    timeline, skews, waits = [], [], None
     for i in range(steps + 1):  # alternating, so a noisy machine slows all alike
         for name, fn in fns.items():
             began = time.perf_counter()
@@ -210,6 +304,8 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
                 if i and waits:
                     rows = strategy.experimental_local_results(gather(stamps))[0].numpy()
                     timeline.append(busy_intervals(rows, waits))
+                    starts = rows.reshape(len(rows), -1)[:, 0]
+                    skews.append((float(starts.min()), float(np.ptp(starts))))
     compute, step, alone = (float(np.median(seconds[n]))
                             for n in ("compute", "step", "aggregate"))
     fraction = 1 - compute / step
@@ -225,6 +321,13 @@ def measure_comm_fraction(strategy, model, dataset, steps=5):
                      backward_end_ms=1000 * float(np.median([e for e, _ in timeline])),
                      timeline_ms=[{"backward_end": round(1000 * e, 2),
                                    "collectives": [[round(1000 * b, 2), round(1000 * f, 2)]
-                                                   for b, f in spans]}
-                                  for e, spans in timeline])
+                                                   for b, f in spans],
+                                   "start_skew": round(1000 * skew, 2), "start_s": first}
+                                  for (e, spans), (first, skew) in zip(timeline, skews)])
+        if runtime_steps:
+            view = _runtime_view(strategy, fns["timeline"], gather, batch, collectives[0],
+                                 waits, runtime_steps)
+            times["runtime_view"] = view
+            if view is not None:
+                times["hidden_fraction_runtime"] = view["hidden_fraction_runtime"]
     return min(1.0, max(0.0, fraction)), times
