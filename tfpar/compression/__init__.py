@@ -13,7 +13,7 @@ Examples:
 
 from absl import logging
 
-from tfpar.config import TOPK_RATIO
+from tfpar.config import ADAM_FRONT_CODECS, TOPK_RATIO
 
 from tfpar.compression.aggregator import Aggregator
 from tfpar.compression.auto import AutoAggregator, LossGuard, link_of
