@@ -41,7 +41,10 @@ def pytest_configure(config):
 # the many short files fill the gaps at the end: a long file started last would leave the
 # other core idle for its whole run. Files not named keep their collection order after them.
 LONGEST_FIRST = [
-    "test_faults.py", "test_train.py", "test_memory.py", "test_multihost_netns.py",
+    "test_mesh_adam_front.py", "test_keras_3d.py", "test_mesh_codec_compose.py",
+    "test_faults.py", "test_mesh_sequence_codecs.py", "test_zero3_prefetch.py",
+    "test_codec_state.py", "test_train.py", "test_memory.py", "test_multihost_netns.py",
+    "test_zero12_codecs.py", "test_zero12_adam_front.py",
     "test_keras_mesh_codecs.py", "test_zero3_codecs.py", "test_mesh_auto.py",
     "test_pipeline_chimera.py",
     "test_reshard.py", "test_layout_models.py", "test_compression_nan_free.py",
