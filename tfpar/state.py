@@ -40,9 +40,11 @@ piece of state is named as in the single-device model and saved as one full tens
   in front of a mesh codec (`tfpar.layout.adam_front`) holds the same kinds as
   tf.distribute's (`step`, `adam_m`, `adam_v`, rows saved even where the mesh keeps one
   value for every replica). A checkpoint written on one backend so resumes on the other:
-  a kind the running codec has no place for (tf.distribute's `step` or Adam's moments on
-  a mesh codec with Adam behind it) is named in one line and not loaded; a kind the checkpoint lacks starts at its initial value, said in one line,
-  except a missing `step` counter, which takes the optimizer's `iteration`.
+  a kind the running codec has no place for (tf.distribute's `step` on a mesh codec) is
+  named in one line and not loaded (Adam in front's moments and counter go into Keras's
+  Adam slots where Adam runs behind the codec: `meta/adam_moments` below); a kind the
+  checkpoint lacks starts at its initial value, said in one line, except a missing
+  `step` counter, which takes the optimizer's `iteration`.
 - `meta/adam_moments`: with Adam in front of a codec, what its moments hold (a JSON line,
   `adam_front.moment_units`: `m` in the gradient's units or Adam's scaled ones, the step
   count of `v`'s bias correction, the betas). Loaded where Keras's Adam keeps the moments
@@ -544,12 +546,22 @@ def _fronts(model):
         if getattr(a, "adam", None) is not None and a.positions:
             count = (lambda a=a: aggregator_lib.local_values(a.step)[0].numpy())
             out.append(units_of(a.adam_variance, a.adam_warmup_steps, a.adam_refresh_every,
-                                a.adam, count, a._replicas))
+                                a.adam, count, _replicas_of(a)))
     for r in getattr(model, "tfpar_reductions", ()):
         if hasattr(r, "warm") and hasattr(r, "variance"):  # `tfpar.layout.adam_front`
             out.append(units_of(r.variance, r.warm, 0, (r.beta_1, r.beta_2, r.eps),
                                 lambda r=r: values.to_host(r.count), r.replicas))
     return out
+
+
+def _replicas_of(aggregator):
+    """The replicas a built tf.distribute `aggregator` sums over (its step counter's strategy's;
+    1 outside a strategy, or on `OneDeviceStrategy`, whose variables are plain)."""
+    step = aggregator.step
+    strategy = getattr(step, "distribute_strategy", None)
+    if strategy is None or not hasattr(step, "values"):
+        return 1
+    return strategy.num_replicas_in_sync
 
 
 def _owe_on_one_replica(model, path):
@@ -559,7 +571,7 @@ def _owe_on_one_replica(model, path):
     from tfpar.compression import aggregator as aggregator_lib
     for a in _aggregators(model).values():
         residuals = getattr(a, "residuals", None) or {}
-        if not (a.positions and residuals and getattr(a, "_replicas", 0) == 1):
+        if not (a.positions and residuals and _replicas_of(a) == 1):
             continue
         if not any(np.any(aggregator_lib.local_values(r)[0].numpy())
                    for r in residuals.values()):
