@@ -14,6 +14,9 @@ Trains several configs one after the other in one process (one CPU split): RUNS_
   how many names it read from an older checkpoint's aggregator objects); `predictions`,
   on a Keras model (not a mesh), its `predict` of 8 inputs drawn with numpy's
   `default_rng(0)`; then trains the config (resuming at STEP).
+  With `"new_marker": true` the copy's `tfpar.json` marker is written anew for this
+  run (the marker refuses another `--compression`; the Python API, `LayoutState.load`,
+  has none).
 - none: trains the config as it is (a run that writes, or the uninterrupted reference).
 
 Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`).
@@ -52,11 +55,16 @@ def main():
         out[name] = {}
         if "from" in options:
             shutil.copytree(options["from"], config.checkpoint_dir)
+            if options.get("new_marker"):
+                from tfpar import checkpoint
+                os.remove(os.path.join(config.checkpoint_dir, checkpoint.MARKER))
+                checkpoint.write_marker(config)
             _, model = train(config.replace(steps=options["at"]), runtime=runtime)
             out[name].update(landing(model, options["from"]))
         result, model = train(config, runtime=runtime)
         out[name].update({k: result[k] for k in ("loss_history", "resumed_from_step",
                                                  "replicas")})
+        out[name]["learning_rate"] = config.scaled_learning_rate
         from tfpar import state
         values = {n: e[0]() for n, e in state.LayoutState(model).entries().items()}
         np.savez(f"{prefix}_{name}.npz", **{n.replace("/", "|"): v for n, v in values.items()})

@@ -65,3 +65,80 @@ def test_adam_in_front_resumed_without_its_moments_redoes_the_warm_up(caplog):
     assert any("warm-up runs again" in r.getMessage() for r in caplog.records)
     # A codec without Adam in front: its counter follows the optimizer's iteration.
     assert _loaded(["step"]) == {"step": 60}
+
+
+class _FrontReader:
+    """A checkpoint reader of Adam in front of a codec's moments (2 rows) for weight
+    `a/kernel` and Keras's zero slots, at iteration 60; with `units`, their record."""
+
+    def __init__(self, units=None):
+        import numpy as np
+        self.tensors = {"iteration": np.int64(60), "m": np.full((2, 3), 0.5),
+                        "v": np.full((2, 3), 4.0), "zero": np.zeros(3)}
+        if units is not None:
+            import json
+            self.tensors[state.key(state.ADAM_UNITS)] = json.dumps(units).encode()
+
+    def get_tensor(self, key):
+        return self.tensors[key]
+
+    def has_tensor(self, key):
+        return key in self.tensors
+
+
+_SAVED = {"optimizer/iteration": "iteration", "codec/a/kernel/adam_m": "m",
+          "codec/a/kernel/adam_v": "v", "optimizer/a/kernel/momentum": "zero",
+          "optimizer/a/kernel/velocity": "zero"}
+
+
+def _moved_into_keras(reader):
+    """Loads `reader`'s moments into Keras's Adam slots of `a/kernel`: what each slot's
+    setter was given, and the names placed."""
+    given = {}
+    entries = {f"optimizer/a/kernel/{slot}": (None, lambda v, s=slot: given.update({s: v}))
+               for slot in ("momentum", "velocity")}
+    holder = state.LayoutState.__new__(state.LayoutState)
+    holder._model = keras.Sequential()  # no codec: Keras's Adam holds the moments
+    placed = holder._adam_moves(reader, _SAVED, entries, "/checkpoints/ckpt-60")
+    return given, placed
+
+
+def test_adam_front_moments_without_their_units_keep_todays_slots(caplog):
+    with caplog.at_level("WARNING"):
+        given, placed = _moved_into_keras(_FrontReader())
+    assert given == {} and placed == set()
+    assert [r.getMessage() for r in caplog.records if "record of their units" in
+            r.getMessage()]
+
+
+def test_adam_front_moments_carried_into_keras_units():
+    import numpy as np
+    from tfpar.compression import adam_front
+    adam = (0.9, 0.999, 1e-7)
+    # Frozen v after a 50-step warm-up, 60 steps on: v̂ = v / (1 - β₂⁵⁰) kept at t = 60.
+    units = adam_front.moment_units("frozen", 50, 0, 60, adam)
+    assert (units["m"], units["v_steps"]) == ("gradient", 50)
+    given, placed = _moved_into_keras(_FrontReader(units))
+    assert placed == {"codec/a/kernel/adam_m", "codec/a/kernel/adam_v"}
+    np.testing.assert_allclose(given["momentum"], 0.5)
+    np.testing.assert_allclose(given["velocity"] / (1 - 0.999 ** 60), 4.0 / (1 - 0.999 ** 50),
+                               rtol=1e-6)
+    # Each replica's own v: m in Adam's scaled units after the warm-up, m / (√v̂ + ε).
+    units = adam_front.moment_units("local_debiased", 50, 0, 60, adam)
+    assert (units["m"], units["v_steps"]) == ("scaled", 60)
+    given, _ = _moved_into_keras(_FrontReader(units))
+    v_hat = 4.0 / (1 - 0.999 ** 60)
+    np.testing.assert_allclose(given["momentum"], 0.5 * (np.sqrt(v_hat) + 1e-7), rtol=1e-6)
+    # The front's own conversion at its first compressed step (`scaled_momentum`: m over
+    # `denominator`) undone, and `front_moments` inverting `keras_slots`.
+    m, v = np.array([[0.3, -2.0]]), np.array([[0.04, 9.0]])
+    at_warm = adam_front.moment_units("local", 50, 0, 50, adam)
+    scaled = m / adam_front.denominator(v.astype(np.float32), 1 - 0.999 ** 50, 1e-7).numpy()
+    later = adam_front.moment_units("local", 50, 0, 51, adam)
+    assert at_warm["m"] == "gradient" and later["m"] == "scaled"
+    back = adam_front.keras_slots(scaled, v, {**later, "v_steps": 50, "steps": 50}, 50)
+    np.testing.assert_allclose(back[0], m[0], rtol=1e-6)
+    for units in (later, adam_front.moment_units("frozen", 50, 10, 75, adam)):
+        again = adam_front.front_moments(*adam_front.keras_slots(m, v, units, 75), units, 75)
+        np.testing.assert_allclose(again[0], m[0], rtol=1e-6)
+        np.testing.assert_allclose(again[1], v[0], rtol=1e-6)

@@ -4,12 +4,13 @@
     python -m tfpar.checkpoint_tool export runs/ckpt --to=model.keras   # or .weights.h5
 
 `inspect` prints the newest checkpoint's step, the layout that wrote it, the settings of the
-directory's `tfpar.json` marker, its world sizes, then every state tensor (`tfpar.state`
-names) with its shape, dtype and size. `export` builds the run's model on one device from
-the marker's settings, loads the checkpoint's weights into it and saves it with Keras
-(`model.save` or `model.save_weights`): stock Keras loads the file without tfpar (for a
-`.keras` file, `keras.models.load_model`). Either takes a directory (its newest
-checkpoint) or one checkpoint's prefix (`runs/ckpt/ckpt-200`).
+directory's `tfpar.json` marker, its world sizes, what a codec's state holds
+(`meta/residual_units`, `meta/adam_moments`, where saved), then every state tensor
+(`tfpar.state` names) with its shape, dtype and size. `export` builds the run's model on
+one device from the marker's settings, loads the checkpoint's weights into it and saves
+it with Keras (`model.save` or `model.save_weights`): stock Keras loads the file without
+tfpar (for a `.keras` file, `keras.models.load_model`). Either takes a directory (its
+newest checkpoint) or one checkpoint's prefix (`runs/ckpt/ckpt-200`).
 """
 
 import json
@@ -68,9 +69,13 @@ def inspect(path):
              f"layout: {json.dumps(state.read_layout(prefix), sort_keys=True)}",
              f"settings: {json.dumps(_marker(prefix), sort_keys=True)}",
              f"world: {json.dumps(checkpoint.read_world(os.path.dirname(prefix)))}"]
+    for meta in (state.UNITS, state.ADAM_UNITS):  # what the codec state's rows hold
+        if reader.has_tensor(state.key(meta)):
+            lines.append(f"{meta}: {reader.get_tensor(state.key(meta)).decode()}")
     rows, total = [], 0
     for key in sorted(shapes):
-        if key.split("/")[0] in _BOOKKEEPING or state.name_of(key) in (state.LAYOUT, state.UNITS):
+        if key.split("/")[0] in _BOOKKEEPING or state.name_of(key) in (
+                state.LAYOUT, state.UNITS, state.ADAM_UNITS):
             continue
         name = state.name_of(key) or key  # the aggregator's tensors keep TensorFlow's key
         size = int(dtypes[key].size * max(1, _count(shapes[key])))

@@ -40,9 +40,24 @@ piece of state is named as in the single-device model and saved as one full tens
   in front of a mesh codec (`tfpar.layout.adam_front`) holds the same kinds as
   tf.distribute's (`step`, `adam_m`, `adam_v`, rows saved even where the mesh keeps one
   value for every replica). A checkpoint written on one backend so resumes on the other:
-  a kind the running codec has no place for (tf.distribute's `step` or Adam's moments on
-  a mesh codec with Adam behind it) is named in one line and not loaded; a kind the checkpoint lacks starts at its initial value, said in one line,
-  except a missing `step` counter, which takes the optimizer's `iteration`.
+  a kind the running codec has no place for (tf.distribute's `step` on a mesh codec) is
+  named in one line and not loaded (Adam in front's moments and counter go into Keras's
+  Adam slots where Adam runs behind the codec: `meta/adam_moments` below); a kind the
+  checkpoint lacks starts at its initial value, said in one line, except a missing
+  `step` counter, which takes the optimizer's `iteration`.
+- `meta/adam_moments`: with Adam in front of a codec, what its moments hold (a JSON line,
+  `adam_front.moment_units`: `m` in the gradient's units or Adam's scaled ones, the step
+  count of `v`'s bias correction, the betas). Loaded where Keras's Adam keeps the moments
+  (Adam behind the codec, no codec, one replica), the rows are carried into Keras's
+  `momentum`/`velocity` slots at the checkpoint's `iteration` with the same bias-corrected
+  estimates (`adam_front.keras_slots`; Keras's own slots of such a run hold zeros); the
+  reverse, Keras's slots into Adam in front (`adam_front.front_moments`), its counter set
+  to the `iteration`. Without the record the moments are named in one line and Keras's
+  Adam takes the checkpoint's own slots, as before the record existed.
+
+On one replica nothing is compressed, so no step would send a debt loaded from more
+replicas: tf.distribute's aggregator (and ZeRO 1/2's) pays its residuals, their sum, into
+the next step's gradient once (`keras_hook.pay_debt`), as ZeRO's own flat residual is.
 
 A checkpoint of an older tfpar holds tf.distribute's aggregator state as its objects
 (`aggregator/residual_slots/<position>`, `aggregator/qs/<position>`, ...: positions among
@@ -76,6 +91,9 @@ LAYOUT = "meta/layout"
 # its own gradient's units (a mesh's codecs); "share", its share of what the sum owes
 # (tf.distribute's aggregators: Keras divided the gradient by the replicas).
 UNITS = "meta/residual_units"
+# What Adam in front of a codec holds in its moments (`adam_front.moment_units`: `m` in the
+# gradient's or Adam's scaled units, `v`'s bias-correction count, the betas): a JSON line.
+ADAM_UNITS = "meta/adam_moments"
 
 
 def key(name):
@@ -184,6 +202,9 @@ class LayoutState(patches.Trackable):
         units = set(self._units.values())
         if len(units) == 1:
             tensors[UNITS] = tf.constant(units.pop())
+        fronts = _fronts(self._model)
+        if fronts:  # (every stage's front takes the same steps: the first one's record)
+            tensors[ADAM_UNITS] = tf.constant(json.dumps(fronts[0](), sort_keys=True))
         return tensors
 
     def _restore_from_tensors(self, restored_tensors):
@@ -234,21 +255,81 @@ class LayoutState(patches.Trackable):
                 value = _convert_rows(value, written, self._units[name])
             write(value)
         if _OPTIONAL_PREFIX.startswith(only):
-            self._codec_moves(reader, saved, entries, path, kinds)
+            placed = self._adam_moves(reader, saved, entries, path)
+            self._codec_moves(reader, saved, entries, path, kinds, placed)
+            _owe_on_one_replica(self._model, path)
 
-    def _codec_moves(self, reader, saved, entries, path, kinds):
+    def _adam_moves(self, reader, saved, entries, path):
+        """Adam's moments between Adam in front of a codec and Keras's Adam (module
+        docstring), each way; returns the codec state names it placed."""
+        from tfpar.compression import adam_front
+        name = os.path.basename(path)
+        held, here = _front_paths(saved), _front_paths(entries)
+        slots = ("momentum", "velocity")
+        to_keras = sorted(p for p in held - here
+                          if all(f"optimizer/{p}/{s}" in entries for s in slots))
+        to_front = sorted(p for p in here - held
+                          if all(f"optimizer/{p}/{s}" in saved for s in slots))
+        if not (to_keras or to_front) or "optimizer/iteration" not in saved:
+            return set()
+        iteration = int(reader.get_tensor(saved["optimizer/iteration"]))
+        placed = set()
+        if to_keras and not reader.has_tensor(key(ADAM_UNITS)):
+            logging.warning("tfpar: checkpoint %s holds the moments of Adam in front of its "
+                            "codec without the record of their units (%s): not loaded, "
+                            "Keras's Adam takes the checkpoint's own slots", name, ADAM_UNITS)
+        elif to_keras:
+            units = json.loads(reader.get_tensor(key(ADAM_UNITS)).decode())
+            for p in to_keras:
+                rows = [np.asarray(reader.get_tensor(saved[f"codec/{p}/adam_{k}"]), np.float64)
+                        for k in ("m", "v")]
+                placed |= {f"codec/{p}/adam_m", f"codec/{p}/adam_v"}
+                if not units["steps"]:  # never stepped (one replica): Keras's slots hold it
+                    continue
+                for slot, value in zip(slots, adam_front.keras_slots(*rows, units, iteration)):
+                    entries[f"optimizer/{p}/{slot}"][1](value.astype(np.float32))
+            placed |= {n for n in saved if _kind(n) == "step" and _owner(n) in held}
+            if units["steps"]:
+                logging.warning("tfpar: checkpoint %s: the moments of Adam in front of its codec "
+                             "(m in %s units, after %d steps) carried into Keras's Adam slots "
+                             "at iteration %d", name, units["m"], units["steps"], iteration)
+        fronts = _fronts(self._model)
+        if to_front and fronts:
+            units = fronts[0](iteration)
+            for p in to_front:
+                m, v = adam_front.front_moments(
+                    *(np.asarray(reader.get_tensor(saved[f"optimizer/{p}/{s}"]), np.float64)
+                      for s in slots), units, iteration)
+                for k, value in (("m", m), ("v", v)):
+                    entries[f"codec/{p}/adam_{k}"][1](value[None].astype(np.float32))
+                    placed.add(f"codec/{p}/adam_{k}")
+                if fronts[0].steps:  # Keras's slots of a run whose front steps hold zeros
+                    for s in slots:
+                        entries[f"optimizer/{p}/{s}"][1](np.zeros_like(m, np.float32))
+            for n in entries:  # the front's counter takes the optimizer's iteration
+                if _kind(n) == "step" and _owner(n) in here and n not in saved:
+                    entries[n][1](np.int64(iteration))
+                    placed.add(n)
+            logging.warning("tfpar: checkpoint %s: Keras's Adam slots at iteration %d carried "
+                         "into Adam in front of this run's codec (m in %s units)", name,
+                         iteration, units["m"])
+        return placed
+
+    def _codec_moves(self, reader, saved, entries, path, kinds, placed=()):
         """After a load: says in one line each what codec state did not move as it is (a
-        kind with no place here, a kind the checkpoint lacks) and sets a step counter the
-        checkpoint lacks from the optimizer's `iteration`."""
+        kind with no place here, a kind the checkpoint lacks; names in `placed`, moved by
+        `_adam_moves`, aside) and sets a step counter the checkpoint lacks from the
+        optimizer's `iteration`."""
         name = os.path.basename(path)
         # (An all-zero residual owes nothing: a mesh's PowerSGD keeps one for its vectors.)
         unplaced = [n for n in saved if n.startswith(_OPTIONAL_PREFIX) and n not in entries
+                    and n not in placed
                     and not (_kind(n) == "residual" and not reader.get_tensor(saved[n]).any())]
         if unplaced:
             logging.warning("tfpar: checkpoint %s holds codec state this run's codec has no "
                             "place for, not loaded: %s", name, _count_kinds(unplaced))
         fresh = [n for n in entries if n.startswith(_OPTIONAL_PREFIX) and n not in saved
-                 and not (_kind(n) == "residual" and _kind(n) in kinds)]
+                 and n not in placed and not (_kind(n) == "residual" and _kind(n) in kinds)]
         steps = [n for n in fresh if _kind(n) in _STEP_KINDS]
         # Adam in front without its moments in the checkpoint (written with Adam behind the
         # codec): its counter stays at 0, so it redoes the exact warm-up that builds them;
@@ -434,9 +515,76 @@ def tensors_of(path):
     reader = tf.train.load_checkpoint(path)
     names = {name_of(k): k for k in reader.get_variable_to_shape_map()}
     names.pop(None, None)
-    names.pop(LAYOUT, None)
-    names.pop(UNITS, None)
+    for meta in (LAYOUT, UNITS, ADAM_UNITS):
+        names.pop(meta, None)
     return {name: reader.get_tensor(k) for name, k in sorted(names.items())}
+
+
+def _front_paths(names):
+    """The weight paths with both Adam-in-front moments among state `names`."""
+    paths = {_owner(n) for n in names if _kind(n) == "adam_m" and _owner(n)}
+    return {p for p in paths if f"codec/{p}/adam_v" in names}
+
+
+def _fronts(model):
+    """Per Adam in front of a codec in `model`'s run (tf.distribute's aggregators, a mesh's
+    `AdamFrontReduction`s), `units(steps=None)`: what its moments hold after `steps`
+    steps, by default its own count (`adam_front.moment_units`); `units.steps`: whether
+    it takes the steps (on one replica tf.distribute's leaves them to Keras's Adam)."""
+    from tfpar.compression import adam_front
+    from tfpar.compression import aggregator as aggregator_lib
+    from tfpar.layout import values
+
+    def units_of(variance, warm, refresh, adam, count, replicas):
+        def units(steps=None):
+            steps = int(count()) if steps is None else int(steps)
+            return adam_front.moment_units(variance, warm, refresh, steps, adam)
+        units.steps = replicas > 1
+        return units
+    out = []
+    for a in _aggregators(model).values():
+        if getattr(a, "adam", None) is not None and a.positions:
+            count = (lambda a=a: aggregator_lib.local_values(a.step)[0].numpy())
+            out.append(units_of(a.adam_variance, a.adam_warmup_steps, a.adam_refresh_every,
+                                a.adam, count, _replicas_of(a)))
+    for r in getattr(model, "tfpar_reductions", ()):
+        if hasattr(r, "warm") and hasattr(r, "variance"):  # `tfpar.layout.adam_front`
+            out.append(units_of(r.variance, r.warm, 0, (r.beta_1, r.beta_2, r.eps),
+                                lambda r=r: values.to_host(r.count), r.replicas))
+    return out
+
+
+def _replicas_of(aggregator):
+    """The replicas a built tf.distribute `aggregator` sums over (its step counter's strategy's;
+    1 outside a strategy, or on `OneDeviceStrategy`, whose variables are plain)."""
+    step = aggregator.step
+    strategy = getattr(step, "distribute_strategy", None)
+    if strategy is None or not hasattr(step, "values"):
+        return 1
+    return strategy.num_replicas_in_sync
+
+
+def _owe_on_one_replica(model, path):
+    """Marks each tf.distribute aggregator on one replica that loaded a debt (error
+    feedback's residuals, not all zero) to pay it on its next step, once
+    (`keras_hook.pay_debt`): on one replica nothing is compressed, so no step would."""
+    from tfpar.compression import aggregator as aggregator_lib
+    for a in _aggregators(model).values():
+        residuals = getattr(a, "residuals", None) or {}
+        if not (a.positions and residuals and _replicas_of(a) == 1):
+            continue
+        if not any(np.any(aggregator_lib.local_values(r)[0].numpy())
+                   for r in residuals.values()):
+            continue
+        if getattr(a, "adam", None) is not None:
+            # Its rows are Adam steps there; on one replica Keras's Adam takes gradients.
+            logging.warning("tfpar: checkpoint %s holds error feedback's debt of Adam in front "
+                            "of its codec, which one replica (Keras's Adam) does not take: "
+                            "not paid", os.path.basename(path))
+            continue
+        a.pays_debt = True
+        logging.warning("tfpar: checkpoint %s: error feedback's debt (the saved rows' sum) is "
+                     "paid on this replica's next step", os.path.basename(path))
 
 
 def _plain(variable):
@@ -540,6 +688,12 @@ def _same_on_replicas(variable):
 def _kind(name):
     """The kind of a codec state name (`codec/dense_0/kernel/residual`: `residual`)."""
     return name.rsplit("/", 1)[-1]
+
+
+def _owner(name):
+    """The weight path a codec state name belongs to (`codec/dense_0/kernel/residual`:
+    `dense_0/kernel`), or None for another name."""
+    return name[len("codec/"):].rsplit("/", 1)[0] if name.startswith("codec/") else None
 
 
 def _count_kinds(names):

@@ -335,3 +335,73 @@ class AdamFrontStep:
             self.moment("m", p).assign(m_new)
             out.append(m_new / self.c1)
         return out, tf.cast(nbytes, tf.int64)
+
+
+# ---- State conversion (checkpoints: `tfpar.state`) ----------------------------------------
+# Keras 3's Adam (3.15.1 `Adam.update_step`) keeps m and v of the summed gradient, both
+# bias-corrected at its `iterations` t: m̂ = m / (1 − β₁ᵗ), v̂ = v / (1 − β₂ᵗ). In front
+# of a codec the moments hold the same through the exact warm-up; then a replica's own `v`
+# ("local", "local_debiased") turns m into Adam's scaled units (m / (√v̂ + ε), converted
+# once by `AdamFrontStep.scaled_momentum`), and a frozen `v` keeps the bias correction of
+# the steps it stood for (`AdamFrontStep._steps_v_stood_for`). Rows are replicas' own
+# values (a replica's momentum, its own `v`); Keras's slot is their mean.
+def moment_units(variance, warmup_steps, refresh_every, steps, adam):
+    """What Adam in front's moments hold after `steps` steps: a JSON-able dict (a
+    checkpoint's `meta/adam_moments` record).
+
+    Args:
+        variance: `v`'s rule after the warm-up ("frozen", "live", "local", ...).
+        warmup_steps, refresh_every: the exact warm-up's length (0: none), the refresh
+            period (0: none).
+        steps: steps the front has taken (its `step` counter).
+        adam: `(beta_1, beta_2, epsilon)`.
+
+    Returns:
+        `{"m": "gradient" | "scaled", "v_steps": n, "steps": steps, "beta_1", "beta_2",
+        "epsilon"}`: `m` in the gradient's units or scaled by Adam's denominator; `v` in
+        the squared gradient's, bias-corrected as `v / (1 − β₂ⁿ)`.
+    """
+    # No warm-up: every replica's own Adam of its own gradient (`Aggregator._adam_updates`).
+    local = variance in LOCAL_VARIANCE and warmup_steps > 0
+    if steps < warmup_steps or local or variance == "live" or not warmup_steps:
+        v_steps = steps
+    elif refresh_every:
+        v_steps = warmup_steps + refresh_every * ((steps - warmup_steps) // refresh_every)
+    else:
+        v_steps = warmup_steps
+    beta_1, beta_2, eps = (float(a) for a in adam)
+    return {"m": "scaled" if local and steps > warmup_steps else "gradient",
+            "v_steps": int(v_steps), "steps": int(steps), "beta_1": beta_1,
+            "beta_2": beta_2, "epsilon": eps}
+
+
+def _correction(beta, steps):
+    """1 − βⁿ, or 1 before any step (the moments are then zero)."""
+    return 1 - beta ** steps if steps > 0 else 1.0
+
+
+def keras_slots(m_rows, v_rows, units, iteration):
+    """Keras's Adam `(momentum, velocity)` at `iteration` holding the estimates of the
+    front's moments `m_rows`, `v_rows` (arrays `[rows, ...]`, in `units`, `moment_units`'s
+    dict): the same v̂, and the same m̂ in the gradient's units (a scaled row times its
+    own denominator, `denominator`); rows averaged."""
+    b1, b2, eps = units["beta_1"], units["beta_2"], units["epsilon"]
+    c2_front = _correction(b2, units["v_steps"])
+    m = m_rows
+    if units["m"] == "scaled":
+        m = m_rows * ((v_rows / c2_front) ** 0.5 + eps)
+    m = m.mean(0) * (_correction(b1, iteration) / _correction(b1, units["steps"]))
+    v = v_rows.mean(0) * (_correction(b2, iteration) / c2_front)
+    return m, v
+
+
+def front_moments(momentum, velocity, units, iteration):
+    """`keras_slots`' inverse: the front's `(m, v)` in `units` (`moment_units` for the
+    running front at `steps` = `iteration`) from Keras's Adam slots at `iteration`."""
+    b1, b2, eps = units["beta_1"], units["beta_2"], units["epsilon"]
+    c2_front = _correction(b2, units["v_steps"])
+    v = velocity * (c2_front / _correction(b2, iteration))
+    m = momentum * (_correction(b1, units["steps"]) / _correction(b1, iteration))
+    if units["m"] == "scaled":
+        m = m / ((v / c2_front) ** 0.5 + eps)
+    return m, v

@@ -38,7 +38,10 @@ class AggregatingOptimizerMixin:
     def _all_reduce_sum_gradients(self, grads_and_vars):
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
-            # Nothing to communicate; compressing would only add error.
+            # Nothing to communicate; compressing would only add error. A debt loaded from
+            # more replicas (`tfpar.state` sets `pays_debt`) is paid here, once.
+            if getattr(self.tfpar_aggregator, "pays_debt", False):
+                grads_and_vars = pay_debt(self.tfpar_aggregator, grads_and_vars)
             return super()._all_reduce_sum_gradients(grads_and_vars)
         grads, variables = zip(*grads_and_vars)
         if getattr(self, "tfpar_skip_nonfinite", False):
@@ -111,6 +114,26 @@ class AggregatingOptimizerMixin:
 
         is_update_step = (self._iterations + 1) % steps == 0
         collectives.replica_cond(is_update_step, update, accumulate, (list(grads),))
+
+
+def pay_debt(aggregator, grads_and_vars):
+    """`grads_and_vars` with `aggregator`'s error-feedback residuals added to their weights'
+    gradients, the residuals then set to zero: on one replica (nothing compressed, so no
+    step sends them) a debt loaded from more replicas is paid on the next step, once. Each
+    residual is in the gradient's units there (Keras divides by 1 replica), its row the
+    saved rows' sum (`tfpar.state`)."""
+    out = []
+    for g, v in grads_and_vars:
+        position = aggregator.position_of(v)
+        residual = (aggregator.residuals.get(str(position)) if position is not None
+                    else None)
+        if g is None or residual is None:
+            out.append((g, v))
+            continue
+        owed = tf.convert_to_tensor(residual)
+        out.append((tf.convert_to_tensor(g) + tf.cast(owed, g.dtype), v))
+        residual.assign(tf.zeros_like(owed))
+    return out
 
 
 def aggregator_of(optimizer):

@@ -274,6 +274,8 @@ class ZeroMixin:
             # Sent whole: a residual loaded from more replicas is spent at once.
             layout.wire_bytes = 0
             spent = tf.zeros([layout.size]) if residual is not None else None
+            if getattr(layout.aggregator, "pays_debt", False):
+                flat_grads = flat_grads + _loaded_debt(layout, variables)
             return flat_grads, squares, spent, local_bad, None
         square_piece, new_residual, wire, agreed = None, None, 0, None
         if layout.aggregator is not None:
@@ -458,6 +460,24 @@ def residual_entries(optimizer, weights):
         return read, write, (None,) + shape
     by_index = {layout.keys[_key(w)]: w for w in weights if _key(w) in layout.keys}
     return [(by_index[i], part(i)) for i in range(len(layout.sizes)) if i in by_index]
+
+
+def _loaded_debt(layout, variables):
+    """On one replica, the flat debt of error feedback that `layout`'s aggregator (PowerSGD,
+    threshold) loaded from more replicas (`tfpar.state` sets its `pays_debt`), its
+    residuals then zero: paid once, as the replica's own flat residual is."""
+    aggregator = layout.aggregator
+    owed = []
+    for v in variables:
+        position = aggregator.position_of(v)
+        owed.append(aggregator.residuals.get(str(position)) if position is not None else None)
+    debt = layout.flatten([None if r is None else tf.convert_to_tensor(r) for r in owed],
+                          variables)
+    with tf.control_dependencies([debt]):
+        for r in owed:
+            if r is not None:
+                r.assign(tf.zeros(r.shape, r.dtype))
+    return debt
 
 
 def _slot_parts(layout, variable):
