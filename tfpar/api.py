@@ -270,9 +270,11 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
             and _plain_class(optimizer) is keras.optimizers.Adam
             and not optimizer.amsgrad):
         # As the trainer does (`--compress_adam_step`): compress Adam's step, not the
-        # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in);
-        # PowerSGD with each replica's own `v` (`make_aggregator`, docs/benchmarks/compression.md).
-        aggregator.adam = (0.9, 0.999, 1e-7)
+        # gradient Adam would normalise; PowerSGD with each replica's own `v`
+        # (`make_aggregator`, docs/benchmarks/compression.md). The optimizer's own betas
+        # before `v`'s rule is picked: top-k's synced momentum depends on beta_1.
+        aggregator.adam = (float(optimizer.beta_1), float(optimizer.beta_2),
+                           float(optimizer.epsilon))
         if compression == "topk":
             logging.warning(compression_lib.topk_with_adam_line(aggregator.ratio,
                                                                 aggregator.union))
