@@ -8,7 +8,9 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
 - `codecs`: the uncompressed run (plain Adam: DTensor sums over `batch`), then
   `compression="none"`, PowerSGD at full rank and top-k at ratio 1 (both exact: every
   tensor goes whole), int8 and PowerSGD at rank 1, the same batches: each run's weight
-  difference to the uncompressed run, losses (and over more steps), bytes and codec state.
+  difference to the uncompressed run (the exact ones also to `compression="none"`'s),
+  losses (and over more steps), bytes and codec state; over Adam, PowerSGD and top-k run
+  Adam in front of them (all 4 steps its exact warm-up; PowerSGD rank 1 5 exact steps).
 - `fp16`: the same under the `mixed_float16` policy, Adam behind Keras's
   `LossScaleOptimizer` (`compile` adds it), uncompressed and with PowerSGD at rank 1.
 - `save`: PowerSGD at rank 1 for some steps, then `model.save`/`load_model`, Keras's
@@ -17,7 +19,14 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
   codec's state kept) and with tfpar's `NaNGuard` ("stop": one line).
 - `data_parallel`: `keras.distribution.DataParallel` on 4 replicas: top-k at ratio 1
   against plain Adam, PowerSGD rank 1's bytes.
-- `refusals`: a model's own `train_step` with a compressing optimizer; `auto`.
+- `adam_front`: Adam in front of lowbit (under tfpar's `BackupAndRestore` saving after
+  every step) and of top-k at ratio 0.05, 2 exact and 3 compressed steps of `model.fit` on
+  a model of one input (`flat_model`), and the CLI's mesh trainer (`build_on_mesh`, its
+  options from `ParallelConfig`) from the same weights on the same batches: weights and
+  moments apart, the rule for `v`, the counter, the residuals, the bytes; then one more
+  step by `train_on_batch` (the same reduction, its counter on).
+- `refusals`: a model's own `train_step` with a compressing optimizer; `auto`; Adam in
+  front with `adam_variance="live"` or `adam_refresh_every`.
 """
 
 import json
@@ -65,11 +74,11 @@ def data(steps):
     return x, y.astype("int32")
 
 
-def distribution():
+def distribution(layouts=LAYOUTS):
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
                                          keras.distribution.list_devices())
     layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in LAYOUTS.items():
+    for key, axes in layouts.items():
         layout_map[key] = axes
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
@@ -102,7 +111,7 @@ def codec_state(model):
         return {"names": [], "max_abs": 0.0, "bytes": None}
     reduction = reductions[0]
     state = reduction.named_state()
-    return {"names": sorted(state),
+    return {"names": sorted(state), "reduction": type(reduction).__name__,
             "max_abs": max([float(np.max(np.abs(layout.to_host(v))))
                             for v, _ in state.values()], default=0.0),
             "bytes": reduction.comm_stats()}
@@ -120,10 +129,14 @@ def distributed(compression, **options):
     return lambda: tfpar.DistributedOptimizer(adam(), compression=compression, **options)
 
 
+# Adam in front of the codec (the default over Adam) runs its first `adam_warmup_steps`
+# exactly (50 by default: every step of the 4-step runs); the lossy runs compress after 5.
+WARM = 5
 RUNS = {"plain": adam, "none": distributed("none"),
         "powersgd_full_rank": distributed("powersgd", rank=32),
         "topk_ratio_1": distributed("topk", ratio=1.0),
-        "int8": distributed("int8"), "powersgd_rank_1": distributed("powersgd", rank=1)}
+        "int8": distributed("int8"),
+        "powersgd_rank_1": distributed("powersgd", rank=1, adam_warmup_steps=WARM)}
 
 
 def codecs():
@@ -135,6 +148,8 @@ def codecs():
         steps = FAR_STEPS if lossy else STEPS
         model, losses = fit(make, steps=steps)
         weights = host(model)
+        if name == "none":  # the uncompressed mesh fit (each replica's gradient, fp32)
+            plain["none"] = weights
         if name == "plain":
             plain[STEPS] = weights
             far_model, far = fit(make, steps=FAR_STEPS)
@@ -143,6 +158,9 @@ def codecs():
                                  for k in weights),
                      "losses": losses, "state": codec_state(model),
                      "optimizer": type(model.optimizer).__name__}
+        if not lossy and name != "plain":  # against the uncompressed mesh fit
+            out[name]["none_diff"] = max(float(np.max(np.abs(weights[k] - plain["none"][k])))
+                                         for k in weights)
         out[name]["far_loss"] = float(np.mean(losses[-5:])) if lossy else plain_far
     return out
 
@@ -151,7 +169,8 @@ def fp16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         out = {}
-        for name, make in (("plain", adam), ("powersgd", distributed("powersgd", rank=1))):
+        for name, make in (("plain", adam), ("powersgd", distributed("powersgd", rank=1,
+                                                                      adam_warmup_steps=WARM))):
             model, losses = fit(make, steps=FAR_STEPS)
             out[name] = {"losses": losses, "state": codec_state(model),
                          "optimizer": type(model.optimizer).__name__,
@@ -246,12 +265,95 @@ def data_parallel():
         plain = host(fit(sgd)[0])
         exact = fit(lambda: tfpar.DistributedOptimizer(sgd(), compression="topk",
                                                        ratio=1.0))[0]
-        lossy, losses = fit(distributed("powersgd", rank=1))
+        lossy, losses = fit(distributed("powersgd", rank=1, adam_warmup_steps=2))
         return {"diff": max(float(np.max(np.abs(host(exact)[k] - plain[k]))) for k in plain),
                 "replicas": exact.tfpar_reductions[0].replicas,
                 "state": codec_state(lossy), "losses": losses}
     finally:
         keras.distribution.set_distribution(distribution())
+
+
+# The CLI's mesh trainer takes one array each for x and y (a loss given): a model of one
+# input, its kernels above top-k's dense size (1024 entries), laid out as the user's.
+FLAT_LAYOUTS = {k: LAYOUTS[k] for k in ("up/kernel", "up/bias", "down/kernel")}
+
+
+def flat_model():
+    features = keras.Input((FEATURES,), name="features")
+    h = keras.layers.Dense(96, activation="relu", name="up")(features)
+    h = keras.layers.Dense(16, activation="relu", name="down")(h)
+    return keras.Model(features, keras.layers.Dense(CLASSES, name="head")(h), name="flat")
+
+
+def cli_mesh(config, initial, x, y):
+    """The CLI's mesh trainer (`tfpar.layout.build_on_mesh`, its codec options from
+    `ParallelConfig` as `python -m tfpar.train` takes them) on `flat_model` from the
+    weights `initial`, one step per `BATCH` rows of `x`, `y`: the model, its losses and
+    its reduction."""
+    from tfpar import ParallelConfig
+    from tfpar.layout import reduction, values
+    config = ParallelConfig(**config)
+    model, trainer = layout.build_on_mesh(
+        layout.make_mesh(2, 2), list(FLAT_LAYOUTS.items()), flat_model, adam,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        compression=config.compression, codec_options=reduction.codec_options(config))
+    for variable in model.weights:
+        values.assign(variable, initial[variable.path])
+    losses = [float(trainer.train_on_batch(x[i:i + BATCH], y[i:i + BATCH])["loss"])
+              for i in range(0, len(x), BATCH)]
+    return model, losses, trainer.reduction
+
+
+def adam_front():
+    """Adam in front of the codec in `model.fit` (the default of a `DistributedOptimizer`
+    over Adam), 2 exact steps then 3 compressed, against the CLI's mesh trainer from the
+    same weights on the same batches (`flat_model`): lowbit (each replica's own `v`) under
+    tfpar's `BackupAndRestore` saving after every step, top-k at ratio 0.05 (`v` frozen,
+    then raised, each replica's own momentum)."""
+    import tempfile
+    steps, warm, out = 5, 2, {}
+    x, y = data(steps)
+    x = x["features"]
+    keras.distribution.set_distribution(distribution(FLAT_LAYOUTS))
+    try:
+        for codec, options in (("lowbit", {}), ("topk", {"ratio": 0.05})):
+            keras.utils.set_random_seed(0)
+            model = flat_model()
+            model.compile(optimizer=distributed(codec, adam_warmup_steps=warm, **options)(),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            initial = host(model)
+            callbacks = []
+            if codec == "lowbit":  # each save names the state, as a load would
+                callbacks = [tfpar.callbacks.BackupAndRestore(tempfile.mkdtemp(),
+                                                              save_freq=1)]
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+            config = {"compression": codec, "optimizer": "adam", "adam_warmup_steps": warm,
+                      **({"topk_ratio": options["ratio"]} if "ratio" in options else {})}
+            cli, cli_losses, cli_reduction = cli_mesh(config, initial, x, y)
+            reduction = model.tfpar_reductions[0]
+            weights, cli_weights = host(model), host(cli)
+            out[codec] = {
+                "diff": max(float(np.max(np.abs(weights[k] - cli_weights[k])))
+                            for k in weights),
+                "moved": max(float(np.max(np.abs(weights[k] - initial[k]))) for k in weights),
+                "reductions": [type(reduction).__name__, type(cli_reduction).__name__],
+                "variance": reduction.variance, "cli_variance": cli_reduction.variance,
+                "counter": int(layout.to_host(reduction.count)),
+                "residual_max_abs": max(float(np.max(np.abs(layout.to_host(r))))
+                                        for r in reduction.residuals),
+                "state_diff": max(
+                    float(np.max(np.abs(layout.to_host(a) - layout.to_host(b))))
+                    for a, b in zip(reduction.m + reduction.v,
+                                    cli_reduction.m + cli_reduction.v)),
+                "bytes": reduction.comm_stats(), "cli_losses": cli_losses}
+            # One more step through Keras's API: the same optimizer, reduction and counter
+            # (a rebuilt optimizer or a new reduction would restart the warm-up).
+            model.train_on_batch(x[:BATCH], y[:BATCH])
+            out[codec]["after_one_more"] = [model.tfpar_reductions[0] is reduction,
+                                            int(layout.to_host(reduction.count))]
+    finally:
+        keras.distribution.set_distribution(distribution())
+    return out
 
 
 def refusals():
@@ -262,13 +364,17 @@ def refusals():
             return super().train_step(data)
 
     out = {}
-    for name, build, compression in (("train_step", Own, "powersgd"),
-                                     ("auto", None, "auto")):
+    # Adam in front of the mesh's codec: tf.distribute's live `v` and refresh steps
+    for name, build, compression, options in (
+            ("train_step", Own, "powersgd", {}), ("auto", None, "auto", {}),
+            ("live", None, "lowbit", {"adam_variance": "live"}),
+            ("refresh", None, "powersgd", {"adam_refresh_every": 10})):
         keras.utils.set_random_seed(0)
         model = user_model()
         if build is not None:
             model = build(model.inputs, model.outputs)
-        model.compile(optimizer=tfpar.DistributedOptimizer(adam(), compression=compression),
+        model.compile(optimizer=tfpar.DistributedOptimizer(adam(), compression=compression,
+                                                           **options),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         try:
             fit(None, model=model)
@@ -280,7 +386,7 @@ def refusals():
 
 
 CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
-         "data_parallel": data_parallel, "refusals": refusals}
+         "data_parallel": data_parallel, "adam_front": adam_front, "refusals": refusals}
 
 if __name__ == "__main__":
     layout.enable()

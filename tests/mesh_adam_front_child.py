@@ -1,19 +1,26 @@
 """Child process for tests/test_mesh_adam_front.py:
-`python tests/mesh_adam_front_child.py RUNS_JSON OUT_PREFIX` or `... fp16_skip`.
+`python tests/mesh_adam_front_child.py RUNS_JSON OUT_PREFIX` or `... mesh_steps`.
 
 - RUNS_JSON: `tests/reshard_child.py`'s runs (its docstring: what each run records, the
   final state saved as `OUT_PREFIX_<name>.npz` under `tfpar.state`'s names), each result
   also with its `comm` (the codec's bytes per step) when it has one.
-- `fp16_skip`: a user's mlp on a 2×2 mesh under `mixed_float16`, Keras's
-  `LossScaleOptimizer` over Adam, top-k with Adam in front (one exact step): two steps,
-  a step whose batch holds one infinite input (replica 0's part), one more step; prints
-  how far the codec's state (residuals, Adam's moments, the counter), the weights and the
-  loss scale moved around the overflowing step.
+- `mesh_steps`: a user's mlp on a 2×2 mesh, built by `tfpar.layout.build_on_mesh`; prints
+  one JSON line of two results:
+  - `warm_collectives`: one warm-up step of lowbit with Adam in front, each replica
+    keeping its own `v` (the default: the state keeps rows) and with `v` frozen (the
+    moments whole), each the second step of its trainer, under TensorFlow's profiler: the
+    collective ops the 4 devices ran, by type; which moments are rows; `comm_stats`;
+  - `fp16_skip`: under `mixed_float16`, Keras's `LossScaleOptimizer` over Adam, top-k with
+    Adam in front (one exact step): two steps, a step whose batch holds one infinite input
+    (replica 0's part), one more step; how far the codec's state (residuals, Adam's
+    moments, the counter), the weights and the loss scale moved around the overflowing
+    step.
 """
 
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,8 +41,43 @@ def with_comm():
     return comms
 
 
-def fp16_skip():
+def _mlp_on_mesh(make_optimizer, compression, codec_options):
+    """`(model, trainer, batches)`: the user's mlp (seeded) on a 2×2 mesh."""
     from layout_keras_child import LOSS, USER_LAYOUTS, arrays, seeded, task_for
+    from tfpar import layout
+
+    task, build = task_for("mlp")
+    *_, batches = arrays(task, "mlp", 32, steps=4)
+    model, trainer = layout.build_on_mesh(
+        layout.make_mesh(2, 2), list(USER_LAYOUTS["mlp"].items()), lambda: seeded(build),
+        make_optimizer, LOSS, compression=compression, codec_options=codec_options)
+    return model, trainer, batches
+
+
+def warm_collectives():
+    import keras
+    import tensorflow as tf
+    from zero3_prefetch_child import _op_counts
+
+    out = {}
+    for name, variance in (("own_v", None), ("frozen_v", "frozen")):
+        options = {"adam_front": True, "adam_warmup_steps": 5, "adam_variance": variance}
+        _, trainer, batches = _mlp_on_mesh(lambda: keras.optimizers.Adam(1e-3), "lowbit",
+                                           options)
+        trainer.train_on_batch(*batches[0][:2])  # traced and compiled
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            trainer.train_on_batch(*batches[1][:2])
+            tf.profiler.experimental.stop()
+            counts = _op_counts(logdir)
+        out[name] = {"collectives": {k: v for k, v in counts.items()
+                                     if k.startswith("Collective")},
+                     "rows": [trainer.reduction.m_rows, trainer.reduction.v_rows],
+                     "comm": trainer.reduction.comm_stats()}
+    return out
+
+
+def fp16_skip():
     import keras
     import numpy as np
     from tfpar import layout
@@ -47,23 +89,22 @@ def fp16_skip():
     def moved(before, after):
         return max(float(np.max(np.abs(a - b))) for a, b in zip(before, after))
 
-    task, build = task_for("mlp")
-    *_, batches = arrays(task, "mlp", 32, steps=4)
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, trainer = layout.build_on_mesh(
-        layout.make_mesh(2, 2), list(USER_LAYOUTS["mlp"].items()), lambda: seeded(build),
-        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), LOSS,
-        compression="topk", codec_options={"adam_front": True, "adam_warmup_steps": 1})
-    state, opt = trainer.reduction.variables, trainer.optimizer
+    model, trainer, batches = _mlp_on_mesh(
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), "topk",
+        {"adam_front": True, "adam_warmup_steps": 1})
+    reduction, opt = trainer.reduction, trainer.optimizer
+    state = reduction.variables
     losses = [trainer.train_on_batch(*batches[i][:2])["loss"] for i in range(2)]
     before = host(model.weights), host(state), float(layout.to_host(opt.dynamic_scale.value))
     x, y = (np.array(a) for a in batches[2][:2])
     x[0, 0] = np.inf  # the first example: replica 0's part of the batch
     trainer.train_on_batch(x, y)
     after = host(model.weights), host(state), float(layout.to_host(opt.dynamic_scale.value))
+    counter = float(layout.to_host(reduction.count))  # before the last step
     losses.append(trainer.train_on_batch(*batches[3][:2])["loss"])
-    return {"reduction": type(trainer.reduction).__name__, "losses": losses,
-            "counters": [float(s) for s in after[1] if s.ndim == 0],  # before the last
+    return {"reduction": type(reduction).__name__, "losses": losses,
+            "counters": [counter],
             "tensors_nonzero": moved([s for s in before[1] if s.ndim],
                                      [0 * s for s in before[1] if s.ndim]),
             "state_moved": moved(before[1], after[1]),
@@ -74,8 +115,10 @@ def fp16_skip():
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "fp16_skip":
-        print(json.dumps(fp16_skip()), flush=True)
+    if sys.argv[1] == "mesh_steps":
+        # fp32 first: `fp16_skip` leaves the mixed_float16 policy set.
+        print(json.dumps({"warm_collectives": warm_collectives(),
+                          "fp16_skip": fp16_skip()}), flush=True)
         sys.exit(0)
     comms = with_comm()
     reshard_child.main()

@@ -13,14 +13,17 @@ and data:
   input on one replica) is skipped by the whole mesh and leaves residuals, moments and
   counter as they were;
 - lowbit's bytes are ~0.1× fp32's and its steps past the warm-up compressed (its counter);
-  a run that ends in the warm-up reports the warm-up's bytes (2× fp32's);
+  a warm-up step is one fp32 mean over `batch` (each replica keeping its own `v`, the
+  moments are moved whole, then written to rows): a run that ends in the warm-up reports
+  fp32's bytes, and a warm-up step runs the collectives of one with `v` frozen (moments
+  whole), counted under TensorFlow's profiler;
 - a checkpoint of top-k at its defaults (width 64: every kernel compressed, residuals
   held) with Adam in front written on the mesh resumes on tf.distribute and the reverse:
   every tensor read back as saved, Adam's moments and the counter loaded (not "no place"),
   and the next 3 losses and the final weights equal the target's uninterrupted run (1e-5).
 
-Five children, two at a time: the mesh's and tf.distribute's runs and the fp16 skip, then
-the two resumes.
+Five children, two at a time: the mesh's and tf.distribute's runs and the mesh steps
+(the warm-up's collectives, the fp16 skip), then the two resumes.
 """
 
 import json
@@ -100,8 +103,8 @@ def test_mesh_adam_front(tmp_path):
     for part in run_concurrently([
             lambda: _child(tmp_path, prefix, 4, mesh_runs),
             lambda: _child(tmp_path, prefix, 2, dp2_runs),
-            lambda: {"fp16_skip": last_json_line(run([sys.executable, CHILD, "fp16_skip"],
-                                                     timeout=300).stdout)}]):
+            lambda: last_json_line(run([sys.executable, CHILD, "mesh_steps"],
+                                       timeout=300).stdout)]):
         out.update(part)
     resumes = [
         [_run("dp2_from_mesh", DP2, 6, tmp_path, compression="topk",
@@ -164,9 +167,16 @@ def test_mesh_adam_front(tmp_path):
                 if k.startswith("codec|") and k.endswith("|step")}
     assert list(counters.values()) == [4], counters
     assert out["mesh_topk_ckpt"]["comm"]["compression_ratio"] > 1.2
-    # A run that ended in the warm-up counts its last step's bytes: fp32's twice (the
-    # gradient's mean, then the step's: each replica keeps its own `v`).
-    assert out["mesh_topk_warm"]["comm"]["compression_ratio"] == 0.5, out["mesh_topk_warm"]
+    # A run that ended in the warm-up counts its last step's bytes: fp32's, once (each
+    # replica keeps its own `v`: the moments move whole, no second mean of rows).
+    assert out["mesh_topk_warm"]["comm"]["compression_ratio"] == 1.0, out["mesh_topk_warm"]
+    # A warm-up step with each replica's own `v` (rows) runs the collectives of one with `v`
+    # frozen (whole): no second mean (before, 60 all-reduce events against 36, 2026-12-05).
+    warm = out["warm_collectives"]
+    assert warm["own_v"]["rows"] == [False, True] and warm["frozen_v"]["rows"] == [False] * 2
+    assert warm["frozen_v"]["collectives"].get("CollectiveReduceV2", 0) > 0, warm
+    assert warm["own_v"]["collectives"] == warm["frozen_v"]["collectives"], warm
+    assert warm["own_v"]["comm"]["compression_ratio"] == 1.0, warm
 
     # Top-k's checkpoint both ways: every tensor as saved, the moments among them.
     for name, ref in (("dp2_from_mesh", "ref_dp2_topk"), ("mesh_from_dp2", "ref_mesh_topk")):

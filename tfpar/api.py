@@ -178,9 +178,14 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
     with a `LossScaleOptimizer` too): the options it takes are PowerSGD's `rank` and `seed`,
     top-k's `ratio`, `union` and `dense_below`, threshold's, lowbit's `bits` and
     `error_feedback`; `auto`, PowerSGD's `start_step`, top-k's `warmup_steps` and
-    `momentum`, and a model's own `train_step` are refused. The optimizer (Adam too) runs
-    after the compressed sum, and the codec's state is in `tfpar.callbacks.BackupAndRestore`'s
-    checkpoint, not in `model.save`'s file.
+    `momentum`, and a model's own `train_step` are refused. With Adam and "topk", "powersgd"
+    or "lowbit", Adam goes in front of the codec there too, as the trainer's mesh runs it
+    (`tfpar.layout.adam_front`): `adam_warmup_steps` exact steps, then each replica's Adam
+    step or scaled gradient through the codec, `adam_variance` "frozen", "local" or
+    "local_debiased" ("live" and `adam_refresh_every` are refused); `adam=None` keeps Adam
+    behind it. Other optimizers run after the compressed sum. The codec's state (Adam's
+    moments too) is in `tfpar.callbacks.BackupAndRestore`'s checkpoint, not in
+    `model.save`'s file.
 
     Args:
         optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
@@ -270,9 +275,11 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
             and _plain_class(optimizer) is keras.optimizers.Adam
             and not optimizer.amsgrad):
         # As the trainer does (`--compress_adam_step`): compress Adam's step, not the
-        # gradient Adam would normalise (wrap_optimizer copies the optimizer's betas in);
-        # PowerSGD with each replica's own `v` (`make_aggregator`, docs/benchmarks/compression.md).
-        aggregator.adam = (0.9, 0.999, 1e-7)
+        # gradient Adam would normalise; PowerSGD with each replica's own `v`
+        # (`make_aggregator`, docs/benchmarks/compression.md). The optimizer's own betas
+        # before `v`'s rule is picked: top-k's synced momentum depends on beta_1.
+        aggregator.adam = (float(optimizer.beta_1), float(optimizer.beta_2),
+                           float(optimizer.epsilon))
         if compression == "topk":
             logging.warning(compression_lib.topk_with_adam_line(aggregator.ratio,
                                                                 aggregator.union))

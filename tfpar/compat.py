@@ -324,6 +324,20 @@ KERAS_MESH_OFFLOAD = Rule(
     "offload", lambda c: c.offload != "none" and getattr(c, "keras_distribution", False),
     "not supported under keras.distribution (ModelParallel, DataParallel): the host update "
     "runs on tf.distribute replicas (tfpar.make_strategy); pass offload='none' there")
+# Adam in front of the mesh's codec (`tfpar.layout.adam_front`), as a DistributedOptimizer
+# over Adam puts it under keras.distribution: tf.distribute's `v` moved by the compressed
+# sum and its exact refresh steps are not built there (aggregator arguments, no flags).
+KERAS_MESH_ADAM_VARIANCE = Rule(
+    "adam_variance", lambda c: getattr(c, "keras_distribution", False)
+    and getattr(c, "adam_variance", "frozen") == "live",
+    "not supported under keras.distribution: Adam in front of the mesh's codec keeps `v` "
+    "frozen after its warm-up or moves each replica's own; use 'frozen', 'local' or "
+    "'local_debiased', or tf.distribute (tfpar.make_strategy)")
+KERAS_MESH_ADAM_REFRESH = Rule(
+    "adam_refresh_every", lambda c: getattr(c, "keras_distribution", False)
+    and getattr(c, "adam_refresh_every", 0) > 0,
+    "not supported under keras.distribution: Adam in front of the mesh's codec runs exact "
+    "steps in its warm-up only; use 0, or tf.distribute (tfpar.make_strategy)")
 
 # `--offload` (`tfpar.offload`): what its host update does not run with. The same rows
 # check `tfpar.DistributedOptimizer(offload=...)` (a `view` with `api=True`), each saying
@@ -402,6 +416,8 @@ COMBINATIONS = (
     KERAS_MESH_AGGREGATOR_TRAIN_STEP,
     KERAS_MESH_AGGREGATOR_CODEC,
     KERAS_MESH_OFFLOAD,
+    KERAS_MESH_ADAM_VARIANCE,
+    KERAS_MESH_ADAM_REFRESH,
     ZERO_COMPRESSION,
     ZERO_TOPK_WARMUP,
     ZERO3_COMPRESSION,

@@ -140,7 +140,9 @@ def make_optimizer(config, bucketed=None):
                                     "union": config.topk_union}, aggregator)
     elif config.compression != "none" or bucketed:
         from tfpar import compression
-        aggregator = compression.make_aggregator(config)
+        betas = ((float(optimizer.beta_1), float(optimizer.beta_2), float(optimizer.epsilon))
+                 if config.optimizer == "adam" else None)
+        aggregator = compression.make_aggregator(config, adam=betas)
         from tfpar import compat, tf_config
         aggregator.allreduce = compat.resolve_allreduce(config, tf_config.load())
         if config.compression == "none":

@@ -50,7 +50,7 @@ def topk_with_adam_line(ratio, union):
             "than fp32 within fp32's band on the quality suite (docs/benchmarks/compression.md)")
 
 
-def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
+def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True, adam=None):
     """The aggregator `config.compression` names, with its parameters from `config`.
 
     Args:
@@ -63,6 +63,9 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
         adam_step: with `config.compress_adam_step` and Adam, top-k and PowerSGD take
             Adam in front of compression (see `Aggregator`); False for optimizers whose
             hook cannot apply steps linearly (`tf_keras`).
+        adam: `(beta_1, beta_2, epsilon)` of the run's Adam (default Keras's), which pick
+            `v`'s rule before `wrap_optimizer` copies them in again: top-k's own `v` needs
+            its ratio >= 1 − beta_1 (`adam_front.default_variance`).
 
     Returns:
         an `Aggregator`.
@@ -73,8 +76,7 @@ def make_aggregator(config, seed=None, dgc_momentum=0.0, adam_step=True):
     # with Keras's Adam behind it the quality suite failed (docs/guides/compression.md).
     if (adam_step and config.compress_adam_step and config.optimizer == "adam"
             and config.compression in ADAM_STEP_AGGREGATORS + ("auto",)):
-        # Keras's Adam defaults; `wrap_optimizer` copies the optimizer's own values in.
-        common["adam"] = (0.9, 0.999, 1e-7)
+        common["adam"] = tuple(adam) if adam is not None else (0.9, 0.999, 1e-7)
         common["adam_warmup_steps"] = config.adam_warmup_steps
     kind = config.compression
     if kind == "none":

@@ -27,8 +27,16 @@ one row per replica), so a checkpoint resumes across the two backends.
 With fp16 loss scaling an overflowing step leaves the moments, the counter and the
 residuals as they were (`BatchAxisReduction.mean`'s `kept_if`); with accumulation the
 micro-batches' mean gradient enters once a step. Bytes: `comm_stats` gives the codec's,
-what a compressed step sends; a warm-up step sends fp32 (with replicas' own moments, a
-second fp32 mean: the step of identical rows, taken to the weight's layout).
+what a compressed step sends; a warm-up step sends fp32 once, the gradient's mean.
+
+Where replicas keep their own moments (rows), the warm-up's rows are all alike, but DTensor
+takes identical rows to the weight's own layout only by a mean over `batch`: a second fp32
+all-reduce each step. So the warm-up also keeps those moments whole (`m_warm`, `v_warm`, in
+the weight's layout: a weight-sized tensor more per device each): the exact step moves
+the whole copies and writes the rows from them (a broadcast, no collective), and the first
+compressed step converts the momentum by the whole `v`. The copies are trusted while
+`warm_ok` says the last step wrote them; `named_state` (whoever calls it may load the
+rows: `tfpar.state`) clears it, and the next exact step then takes the rows' mean once.
 """
 
 import tensorflow as tf
@@ -103,8 +111,14 @@ class AdamFrontReduction(BatchAxisReduction):
         replicated = dtensor.Layout.replicated(mesh.backend_mesh, 0)
         self.count = dtensor.DVariable(values.to_mesh(tf.constant(0, tf.int64), replicated),
                                        trainable=False)
-        self.m = [self._zeros(i, self.m_rows) for i in range(len(self.shapes))]
-        self.v = [self._zeros(i, self.v_rows) for i in range(len(self.shapes))]
+        n = len(self.shapes)
+        self.m = [self._zeros(i, self.m_rows) for i in range(n)]
+        self.v = [self._zeros(i, self.v_rows) for i in range(n)]
+        # The warm-up's moments whole where the state keeps rows (module docstring).
+        self.m_warm = [self._zeros(i, False) for i in range(n)] if self.m_rows else []
+        self.v_warm = [self._zeros(i, False) for i in range(n)] if self.v_rows else []
+        self.warm_ok = dtensor.DVariable(
+            values.to_mesh(tf.constant(1, tf.int64), replicated), trainable=False)
 
     def _zeros(self, i, rows):
         shape = ((self.replicas,) if rows else ()) + self.shapes[i]
@@ -114,14 +128,22 @@ class AdamFrontReduction(BatchAxisReduction):
 
     @property
     def variables(self):
-        """The residuals, PowerSGD's `Q`s, the step counter, every `m`, every `v`."""
-        return super().variables + [self.count] + self.m + self.v
+        """The residuals, PowerSGD's `Q`s, the step counter, every `m`, every `v`, the
+        warm-up's whole copies of the rows (`m_warm`, `v_warm`), `warm_ok`."""
+        return (super().variables + [self.count] + self.m + self.v + self.m_warm
+                + self.v_warm + [self.warm_ok])
 
     def named_state(self):
         """`BatchAxisReduction.named_state` and `<first weight's path>/step`,
         `<path>/adam_m`, `<path>/adam_v`: `"mean_rows"` (one row per replica) or
         `"mean_whole"` (the same on every replica), saved as rows either way; onto
-        another replica count every replica takes their mean (`tfpar.state`)."""
+        another replica count every replica takes their mean (`tfpar.state`).
+
+        The caller may write the rows (a load): the warm-up's whole copies are then no
+        longer trusted, and the next exact step takes the rows' mean once (module
+        docstring)."""
+        if self.m_warm or self.v_warm:
+            values.assign(self.warm_ok, 0)
         out = super().named_state()
         out[f"{self.paths[0]}/step"] = (self.count, False)
         for path, m, v in zip(self.paths, self.m, self.v):
@@ -131,32 +153,38 @@ class AdamFrontReduction(BatchAxisReduction):
 
     def comm_stats(self):
         """`BatchAxisReduction.comm_stats` as of the last step: the codec's bytes after the
-        warm-up; on a warm-up step fp32's, twice where replicas keep their own moments
-        (the gradient's mean, then the step's: module docstring). Before any step, the
-        codec's."""
+        warm-up; on a warm-up step fp32's (the gradient's mean, once: module docstring).
+        Before any step, the codec's."""
         stats = super().comm_stats()
         if 0 < int(values.to_host(self.count)) <= self.warm:
             raw = stats["bytes_uncompressed_per_step"]
-            wire = raw * (2 if self.m_rows or self.v_rows else 1)
-            stats.update(bytes_on_wire_per_step=wire, compression_ratio=raw / wire)
+            stats.update(bytes_on_wire_per_step=raw, compression_ratio=1.0)
         return stats
 
     # ---- the step, through `BatchAxisReduction.mean`'s hooks -----------------------------
     def _begin(self, state):
         nq, n = len(self.qs), len(self.shapes)
         step = BatchAxisReduction._begin(self, state[:nq])
-        count = state[nq]
+        count, rest = state[nq], iter(state[nq + 1:])
         t = tf.cast(count + 1, tf.float32)
-        step.update(count=count, m=state[nq + 1:nq + 1 + n], v=state[nq + 1 + n:],
-                    new_m={}, new_v={}, t=t, c1=1 - tf.pow(self.beta_1, t),
-                    exact=count < self.warm, first=tf.equal(count, self.warm))
+        for kind, k in (("m", n), ("v", n), ("m_warm", len(self.m_warm)),
+                        ("v_warm", len(self.v_warm))):
+            step[kind], step["new_" + kind] = [next(rest) for _ in range(k)], {}
+        step["warm_ok_value"] = next(rest)
+        step.update(count=count, t=t, c1=1 - tf.pow(self.beta_1, t), exact=count < self.warm,
+                    first=tf.equal(count, self.warm),
+                    warm_ok=tf.equal(step["warm_ok_value"], 1))
         return step
 
     def _end(self, step, finite):
         count = step["count"]
         out = BatchAxisReduction._end(self, step, finite) + [kept_if(finite, count + 1, count)]
-        out += [kept_if(finite, step["new_m"][i], m) for i, m in enumerate(step["m"])]
-        return out + [kept_if(finite, step["new_v"][i], v) for i, v in enumerate(step["v"])]
+        for kind in ("m", "v", "m_warm", "v_warm"):
+            out += [kept_if(finite, step["new_" + kind][i], old)
+                    for i, old in enumerate(step[kind])]
+        # The whole copies are trusted after an exact step (which wrote them) only.
+        ok = step["warm_ok_value"]
+        return out + [kept_if(finite, tf.cast(step["exact"], ok.dtype), ok)]
 
     def _mean_one(self, i, x, residual, step):
         """The exact warm-up or the compressed step, one `tf.cond` per gradient (only the
@@ -169,10 +197,14 @@ class AdamFrontReduction(BatchAxisReduction):
         step["new_m"][i], step["new_v"][i] = out.pop(0), out.pop(0)
         if i in self.qs:
             step["new_qs"][i] = out.pop(0)
+        for kind in ("m_warm", "v_warm"):
+            if step[kind]:
+                step["new_" + kind][i] = out.pop(0)
         return mean, new_residual
 
-    def _out(self, i, mean, residual, m, v, q):
-        """A branch's outputs, each in its layout (both branches of the `tf.cond` alike)."""
+    def _out(self, i, mean, residual, m, v, q, step, warm=None):
+        """A branch's outputs, each in its layout (both branches of the `tf.cond` alike);
+        `warm`: the exact step's whole `(m, v)` for the whole copies (else kept)."""
         out = [dtensor.relayout(mean, self.own[i])]
         if residual is not None:
             out.append(dtensor.relayout(residual, self.stacked[i]))
@@ -180,6 +212,10 @@ class AdamFrontReduction(BatchAxisReduction):
         out.append(dtensor.relayout(v, self.stacked[i] if self.v_rows else self.own[i]))
         if i in self.qs:
             out.append(dtensor.relayout(q, self._replicated(2)))
+        for k, kind in enumerate(("m_warm", "v_warm")):
+            if step[kind]:
+                whole = step[kind][i] if warm is None else warm[k]
+                out.append(dtensor.relayout(whole, self.own[i]))
         return tuple(out)
 
     def _whole(self, i, rows):
@@ -187,16 +223,32 @@ class AdamFrontReduction(BatchAxisReduction):
         mean: an fp32 all-reduce over `batch`)."""
         return dtensor.relayout(tf.reduce_sum(rows, 0), self.own[i]) / self.replicas
 
+    def _as_rows(self, i, whole):
+        """A whole tensor as every replica's row `[replicas, *shape]`, each device keeping
+        its own row of the broadcast (no collective)."""
+        rows = (self.replicas,) + self.shapes[i]
+        return dtensor.relayout(tf.broadcast_to(whole, rows), self.stacked[i])
+
+    def _warm_moment(self, i, kind, step):
+        """Moment `kind` ("m" or "v") of gradient `i` before an exact step, whole: the
+        state itself, or for rows their whole copy (the rows' mean when not trusted)."""
+        if not step[f"{kind}_warm"]:
+            return step[kind][i]
+        whole = step[f"{kind}_warm"][i]
+        return tf.cond(step["warm_ok"], lambda: dtensor.relayout(whole, self.own[i]),
+                       lambda: self._whole(i, step[kind][i]))
+
     def _exact(self, i, x, residual, step):
-        """The fp32 mean over `batch` and Keras's Adam on it (`AdamFrontStep.exact`)."""
+        """The fp32 mean over `batch` and Keras's Adam on it (`AdamFrontStep.exact`): one
+        all-reduce; the moments moved whole, written to rows where the state keeps rows."""
         g = dtensor.relayout(tf.reduce_sum(x, 0), self.own[i]) / self.replicas
-        m = adam_front.moved(step["m"][i], g, 1 - self.beta_1)
-        v = adam_front.moved(step["v"][i], tf.square(g), 1 - self.beta_2)
+        m = adam_front.moved(self._warm_moment(i, "m", step), g, 1 - self.beta_1)
+        v = adam_front.moved(self._warm_moment(i, "v", step), tf.square(g), 1 - self.beta_2)
         c2 = 1 - tf.pow(self.beta_2, step["t"])
         update = adam_front.exact_step(m, v, step["c1"], c2, self.eps)
-        if update.shape.rank > len(self.shapes[i]):  # a replica's own moments: rows
-            update = self._whole(i, update)
-        return self._out(i, update, residual, m, v, step["qs"].get(i))
+        return self._out(i, update, residual, self._as_rows(i, m) if self.m_rows else m,
+                         self._as_rows(i, v) if self.v_rows else v, step["qs"].get(i), step,
+                         warm=(m, v))
 
     def _codec(self, i, message, residual, step):
         """`(mean, next residual, next Q)` of the replicas' `message`s through the codec."""
@@ -230,12 +282,12 @@ class AdamFrontReduction(BatchAxisReduction):
             mean = mean + kept
             # Synced: every replica's momentum is the one the mean step applied.
             m_new = (mean * c1 * (1.0 if self.local else s) if self.synced else m_rows)
-            return self._out(i, mean, new_residual, m_new, v_new, q)
+            return self._out(i, mean, new_residual, m_new, v_new, q, step)
         if self.local:
             m_new = adam_front.moved(mu, mean, 1 - beta_1)  # in the scaled units
-            return self._out(i, m_new / c1, new_residual, m_new, v_new, q)
+            return self._out(i, m_new / c1, new_residual, m_new, v_new, q, step)
         m_new = adam_front.moved(m, mean * s, 1 - beta_1)
-        return self._out(i, m_new / c1 / s, new_residual, m_new, v_new, q)
+        return self._out(i, m_new / c1 / s, new_residual, m_new, v_new, q, step)
 
     def _move_local(self, i, x, m, v, step):
         """Each replica's own `v` moved by its own gradient (`AdamFrontStep.move_local_v`):
@@ -259,6 +311,12 @@ class AdamFrontReduction(BatchAxisReduction):
 
     def _scaled_momentum(self, i, m, s_old, step):
         """The synced momentum in the scaled units (`m / s`): converted once, on the first
-        compressed step, by the warm-up's `v` (the same on every replica)."""
-        return tf.cond(step["first"], lambda: self._whole(i, m / s_old),
-                       lambda: dtensor.relayout(m, self.own[i]))
+        compressed step, by the warm-up's `v` (the same on every replica: its whole copy,
+        or the rows' mean when that is not trusted)."""
+        def converted():
+            c2 = 1 - tf.pow(self.beta_2, step["t"] - 1)
+            s_whole = adam_front.denominator(step["v_warm"][i], c2, self.eps)
+            return tf.cond(step["warm_ok"],
+                           lambda: dtensor.relayout(m / s_whole, self.own[i]),
+                           lambda: self._whole(i, m / s_old))
+        return tf.cond(step["first"], converted, lambda: dtensor.relayout(m, self.own[i]))

@@ -139,8 +139,10 @@ class KerasSteps:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
                 backend="dtensor", compression=codec, keras_distribution=True,
                 custom_train_step=True))
+        # Adam in front of the codec (its `adam_front` option) switches the optimizer to
+        # apply the reduction's steps (`tfpar.layout.adam_front`).
         return reduction_lib.for_variables(mesh, self.trainable, codec, error_feedback,
-                                           options)
+                                           options, self.optimizer)
 
     def _train(self, *data):
         """Keras's `train_step` with a stateless update (what Keras's JAX trainer does)."""

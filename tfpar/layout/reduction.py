@@ -60,7 +60,7 @@ CODECS = ("none", "fp16", "bf16", "int8", "lowbit", "topk", "threshold", "powers
 # `auto`'s parameters in `codec_options` (`tfpar.layout.auto.AutoReduction` takes them),
 # and Adam in front's (`tfpar.layout.adam_front.AdamFrontReduction`).
 _AUTO_OPTIONS = ("budget_ms", "link")
-_ADAM_OPTIONS = ("adam_front", "adam_warmup_steps", "topk_momentum_carry")
+_ADAM_OPTIONS = ("adam_front", "adam_warmup_steps", "adam_variance", "topk_momentum_carry")
 _CAST = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 
@@ -83,9 +83,8 @@ def for_codec(mesh, variables, codec, error_feedback=True, optimizer=None, **opt
     """The reduction over `batch` of `codec`: `auto`'s (`tfpar.layout.auto`), with
     `options["adam_front"]` and the run's `optimizer` Adam in front of it
     (`tfpar.layout.adam_front`, which switches `optimizer` to apply its steps), or a
-    `BatchAxisReduction`; `options` as `codec_options` gives them. Without `optimizer` (a
-    `tfpar.DistributedOptimizer` under keras.distribution: `codec_of` passes no
-    `adam_front`) Adam stays behind the codec."""
+    `BatchAxisReduction`; `options` as `codec_options` (or `codec_of`) gives them. Without
+    `optimizer` Adam stays behind the codec."""
     adam = {k: options.pop(k) for k in _ADAM_OPTIONS if k in options}
     if codec == "auto":
         from tfpar.layout.auto import AutoReduction
@@ -447,12 +446,15 @@ def codec_of(aggregator):
     """`(codec, error_feedback, options)` of `for_variables` for a tfpar aggregator (a
     `tfpar.DistributedOptimizer`'s): its class as a codec of `CODECS`, its parameters as
     `BatchAxisReduction`'s (PowerSGD's rank and seed, top-k's ratio, union and dense
-    size, threshold's magnitude, lowbit's bits).
+    size, threshold's magnitude, lowbit's bits); with Adam in front of top-k, PowerSGD or
+    lowbit (`Aggregator.adam`, what `DistributedOptimizer` sets over Adam) its
+    `adam_front` options: `adam_warmup_steps`, `adam_variance`, top-k's momentum carry.
 
     Raises:
         ConfigError: what the mesh does not run (`tfpar.compat`'s rows): `auto` or an
             aggregator of the user's own class, PowerSGD's `start_step`, top-k's
-            `warmup_steps` or DGC `momentum`.
+            `warmup_steps` or DGC `momentum`; Adam in front with `adam_warmup_steps=0`,
+            `adam_variance="live"` or `adam_refresh_every>0`.
     """
     from tfpar import compression as lib
     kind = type(aggregator)
@@ -462,12 +464,17 @@ def codec_of(aggregator):
              lib.AutoAggregator: "auto"}
     codec = (aggregator.dtype_name if kind is lib.CastAggregator
              else names.get(kind, kind.__name__))
+    adam = getattr(aggregator, "adam", None) is not None and codec in lib.ADAM_STEP_AGGREGATORS
     view = compat.view(backend="dtensor", compression=codec, keras_distribution=True,
                        powersgd_start_step=getattr(aggregator, "start_step", 0),
                        topk_warmup_steps=getattr(aggregator, "warmup_steps", 0),
-                       topk_momentum=getattr(aggregator, "momentum", 0.0))
+                       topk_momentum=getattr(aggregator, "momentum", 0.0),
+                       compress_adam_step=adam, adam_warmup_steps=aggregator.adam_warmup_steps,
+                       adam_variance=aggregator.adam_variance if adam else "frozen",
+                       adam_refresh_every=aggregator.adam_refresh_every if adam else 0)
     for rule in (compat.KERAS_MESH_AGGREGATOR_CODEC, compat.MESH_POWERSGD_START,
-                 compat.MESH_TOPK_WARMUP, compat.MESH_TOPK_MOMENTUM):
+                 compat.MESH_TOPK_WARMUP, compat.MESH_TOPK_MOMENTUM, compat.MESH_ADAM_WARMUP,
+                 compat.KERAS_MESH_ADAM_VARIANCE, compat.KERAS_MESH_ADAM_REFRESH):
         compat.enforce(rule, view)
     options = {}
     if codec == "powersgd":
@@ -479,6 +486,13 @@ def codec_of(aggregator):
         options = {"threshold": aggregator.threshold}
     elif codec == "lowbit":
         options = {"lowbit_bits": aggregator.bits}
+    if adam:
+        # Adam in front of the codec, as the aggregator holds it on tf.distribute (the
+        # default of `DistributedOptimizer` over Adam): `for_codec` with the optimizer.
+        options.update(adam_front=True, adam_warmup_steps=aggregator.adam_warmup_steps,
+                       adam_variance=aggregator.adam_variance)
+        if codec == "topk":
+            options["topk_momentum_carry"] = aggregator.adam_momentum_carry
     return codec, aggregator.error_feedback, options
 
 

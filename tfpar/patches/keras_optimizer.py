@@ -201,8 +201,9 @@ def to_stateless(optimizer):
 
 
 def is_stateless_class(cls):
-    """Whether `cls` was made by `stateless_class`."""
-    return cls in _STATELESS.values()
+    """Whether `cls` was made by `stateless_class`, or is such a class with a mixin put in
+    front of it since (`mix_in`: `tfpar.layout.optimizer.applies_steps`)."""
+    return any(c in _STATELESS.values() for c in cls.__mro__)
 
 
 _MIXED = {}
