@@ -32,7 +32,12 @@ Elastic: with `--min_workers=M` (< N) a worker slot that fails `--lost_after` at
 row is lost for good, and the next attempt starts only the survivors (at least M; slot k keeps
 `TFPAR_SLOT=k`, worker indices are renumbered), which resume from the last checkpoint on the
 new world size (`tfpar.checkpoint`). The launcher says which slot was lost and, when the
-trainer reports the resume, at which step and how long after the loss.
+trainer reports the resume, at which step and how long after the loss. A whole host lost at
+once (its link cut, the host gone) fails every worker in a collective; when the other hosts'
+workers name all of that host's workers, and only those, as unhealthy (TensorFlow's
+coordination service: "stopped sending heartbeats"), the attempt is counted against every
+slot of that host together, so the host is lost as a unit after --lost_after such attempts
+(one line naming the host and its slots).
 
 Multi-host: `--hosts=node1:2,node2:2` puts worker slots on hosts (in that order), builds the
 TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by default, `local`
@@ -328,24 +333,86 @@ class _World:
         watch.changed(len(self.slots), "the workers stopped to grow")
 
     def lose(self, blamed, number, failure, offers, watch, restarts, max_restarts):
-        """Counts the failed attempt against the slot it blamed; True if that slot is now
-        lost for good and the next attempt runs without it."""
+        """Counts the failed attempt against what it blamed: one slot, or a `LostHost` (every
+        slot of a host cut off at once); True if that is now lost for good and the next
+        attempt runs without it."""
+        group = (blamed.slots if isinstance(blamed, LostHost)
+                 else () if blamed is None else (blamed,))
         for slot in self.failed_in_a_row:
             self.failed_in_a_row[slot] = (self.failed_in_a_row[slot] + 1
-                                          if slot == blamed else 0)
-        if (blamed is None or self.failed_in_a_row[blamed] < self.lost_after
-                or len(self.slots) - 1 < self.min_workers or len(self.slots) <= 1):
+                                          if slot in group else 0)
+        if (not group or min(self.failed_in_a_row[s] for s in group) < self.lost_after
+                or len(self.slots) - len(group) < self.min_workers
+                or len(self.slots) <= len(group)):
             return False
-        self.slots.remove(blamed)
-        offers.lost(blamed)
+        for slot in group:
+            self.slots.remove(slot)
+            offers.lost(slot)
         self.elastic.append({"attempt": number, "workers": len(self.slots)})
-        _say(self.err, f"attempt {number - 1}: {failure}; worker slot {blamed} is lost "
-                       f"(failed {self.failed_in_a_row[blamed]} attempts in a row): "
-                       f"continuing with {len(self.slots)} workers (--min_workers="
+        times = min(self.failed_in_a_row[s] for s in group)
+        what = (f"host {blamed.host} is lost with its worker slot(s) "
+                f"{', '.join(map(str, group))}" if isinstance(blamed, LostHost)
+                else f"worker slot {blamed} is lost")
+        _say(self.err, f"attempt {number - 1}: {failure}; {what} (failed {times} attempts "
+                       f"in a row): continuing with {len(self.slots)} workers (--min_workers="
                        f"{self.min_workers}) from the last checkpoint (restart {restarts} "
                        f"of {max_restarts})")
         watch.changed(len(self.slots), "the loss was detected")
         return True
+
+
+@dataclasses.dataclass(frozen=True)
+class LostHost:
+    """Every worker slot of `host` (`slots`) cut off at once: what an attempt blames when
+    the workers of the other hosts all named that host's workers, and only those, as
+    unhealthy (TensorFlow's coordination service: "stopped sending heartbeats")."""
+
+    host: str
+    slots: tuple
+
+
+_TASK = r"/job:\w+(?:/replica:\d+)?/task:(\d+)"
+_TASKS = re.compile(rf"^(?:\s|,|\\n)*{_TASK}(?:(?:\s|,|\\n)*{_TASK})*")
+
+
+class _Unhealthy:
+    """The task indices one worker's output names as unhealthy (TensorFlow's "The following
+    tasks are unhealthy (stopped sending heartbeats):" and the task names after it, on the
+    same line, escaped, or on the lines that follow, as in a traceback)."""
+
+    def __init__(self):
+        self.tasks, self._listing = set(), False
+
+    def read(self, line):
+        if "unhealthy" in line:
+            rest = line.split("unhealthy", 1)[1]
+            rest = rest.split(":", 1)[1] if ":" in rest else ""
+            self._listing = not self._take(rest)
+        elif self._listing:
+            self._listing = self._take(line)
+        return self
+
+    def _take(self, text):
+        match = _TASKS.match(text)
+        if match:
+            self.tasks.update(int(t) for t in re.findall(_TASK, match.group(0)))
+        return match is not None
+
+
+def _cut_off_host(hosts, unhealthy):
+    """The one host all of whose workers, and no others, the other hosts' workers named as
+    unhealthy (`unhealthy[i]`: the indices worker i named; a worker killed before its line
+    names none); None if no host, or more than one, is named so (one host only, a single
+    worker of a host named, names of both sides of a cut link)."""
+    if len(set(hosts)) < 2:
+        return None
+    named = []
+    for host in dict.fromkeys(hosts):
+        members = {i for i, h in enumerate(hosts) if h == host}
+        if set().union(*(unhealthy[i] for i in range(len(hosts))
+                         if i not in members)) == members:
+            named.append(host)
+    return named[0] if len(named) == 1 else None
 
 
 def _summary(attempts, job, restarts, max_restarts):
@@ -491,8 +558,8 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
                  start_timeout, grace, log_dir, env, out, received, on_line=None,
                  grow_due=None):
     """Starts all workers, watches them, stops them. Returns (exit codes, failure, kind, the
-    slot of the worker that failed or None); kind is "retry" (a worker failed: restarting
-    may help), `CONFIG_ERROR` (a worker exited `CONFIG_EXIT`: its error line is in the
+    slot of the worker that failed, a `LostHost` or None); kind is "retry" (a worker failed:
+    restarting may help), `CONFIG_ERROR` (a worker exited `CONFIG_EXIT`: its error line is in the
     failure), "grow" (stopped because `grow_due()` offered slots) or "" (done, or a
     failure a restart cannot mend)."""
     workers = len(slots)
@@ -503,10 +570,12 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
     procs, pumps = [], []
     error_lines = [""] * workers  # each worker's last `tfpar: error:` line
     named = [None] * workers  # the worker each one named as not answering (LOST_MARKER)
+    unhealthy = [_Unhealthy() for _ in range(workers)]  # the tasks each one named so
 
     def watch_line(index, line):
         if "tfpar: error:" in line:
             error_lines[index] = line[line.index("tfpar: error:"):].strip()
+        unhealthy[index].read(line)
         if line.startswith(LOST_MARKER):
             with contextlib.suppress(ValueError):
                 named[index] = int(line.split()[1])
@@ -552,6 +621,15 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
         failure += f"; it named worker {named[failed]}, which stopped answering"
         failed = named[failed]
     blamed = slots[failed] if failed is not None else None
+    cut_off = (_cut_off_host(hosts, [u.tasks & set(range(workers)) for u in unhealthy])
+               if kind == "retry" else None)
+    if cut_off is not None and codes[failed] != CONFIG_EXIT:
+        # A host's link cut (or the host gone): every worker fails in a collective, the
+        # first to exit is as likely on a healthy host; the others named the lost ones.
+        members = [i for i, h in enumerate(hosts) if h == cut_off]
+        blamed = LostHost(cut_off, tuple(slots[i] for i in members))
+        failure += (f"; the other hosts' workers named every worker of host {cut_off} "
+                    f"({', '.join(map(str, members))}) as unhealthy")
     if kind == "retry" and codes[failed] == CONFIG_EXIT:
         kind = CONFIG_ERROR
         failure += (f", a configuration error a restart would repeat (not retried): "
