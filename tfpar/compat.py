@@ -334,9 +334,12 @@ def _say(c, flag, argument):
 
 
 OFFLOAD_RULES = (
+    # ZeRO-3's step is one DTensor function; what it can read from the host per layer
+    # was probed (tools/probe_param_offload.py, docs/guides/memory.md): no Python (TF 2.21).
     Rule("offload", lambda c: c.offload == "optimizer+params",
-         lambda c: "not built: parameters held on the host between gathers are ZeRO-3's, "
-                   "whose update runs in a DTensor mesh's step; use "
+         lambda c: "not built: ZeRO-3's DTensor step cannot call the host's Python (TF 2.21: "
+                   "tf.numpy_function has no layout propagation, and crashes or hangs in "
+                   "DTensor's replicated expansion); use "
                    + _say(c, "--offload=optimizer (data parallelism, --zero_stage=1|2)",
                           "offload='optimizer' (data parallelism)")),
     Rule("offload", lambda c: c.offload != "none" and c.optimizer == "sgd",
