@@ -29,15 +29,17 @@ one step after a warm-up step:
     file_readers          each layer's pieces in a host file (`/dev/shm`, NumPy's memmap: host
                           RAM outside TensorFlow's allocator), each device reading its own
                           piece with a `tf.data` reader of its own (DTensor's iterator
-                          expansion, as `DTensorDataset` packs them; no Python in the step)
-                          just before the layer and again in its backward pass, the
+                          expansion, as `DTensorDataset` packs them, through DTensor's
+                          private API; no Python in the step) in the layer (after its input
+                          by a control edge) and again in its backward pass, the
                           gathers and reduce-scatters as zero3's; the pieces' gradients
                           are the step's outputs (nothing in a DTensor step can hand them to
                           the host: see sink)
     generator_readers     file_readers' readers fed by a Python generator reading the host's
                           NumPy arrays (`tf.data.Dataset.from_generator`) in place of a file
     file_readers+write_file  the same, each layer's summed weight gradient also written to
-                          a host file by `tf.io.write_file` in the step (enrolled as above)
+                          a host file by `tf.io.write_file` in the step (it and
+                          `tf.io.serialize_tensor` enrolled as above)
     host_mesh             a variable on a separate one-device "host" mesh: does it leave the
                           devices' allocator? (the bytes it adds there)
 """
@@ -74,7 +76,7 @@ def main():
         if name.endswith("+replicated") or name == "sink":
             env[REPLICATED + "PYFUNC"] = env[REPLICATED + "EAGERPYFUNC"] = "1"
         if name.endswith("write_file"):
-            env[REPLICATED + "WRITEFILE"] = "1"
+            env[REPLICATED + "WRITEFILE"] = env[REPLICATED + "SERIALIZETENSOR"] = "1"
         try:
             proc = subprocess.run(
                 [sys.executable, __file__, f"--probe={name}", f"--width={args.width}",
