@@ -46,7 +46,9 @@ one step after a warm-up step:
 
 import argparse
 import gc
+import glob
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -72,24 +74,34 @@ def main():
     print(f"{args.depth} layers of {args.width}x{args.width} fp32 = {mb:.1f} MB of weights, "
           f"{args.devices} devices on `batch`, batch {ROWS}")
     for name in PROBES:
-        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
-        if name.endswith("+replicated") or name == "sink":
-            env[REPLICATED + "PYFUNC"] = env[REPLICATED + "EAGERPYFUNC"] = "1"
-        if name.endswith("write_file"):
-            env[REPLICATED + "WRITEFILE"] = env[REPLICATED + "SERIALIZETENSOR"] = "1"
+        before = set(glob.glob("/dev/shm/param_offload_*"))
         try:
-            proc = subprocess.run(
-                [sys.executable, __file__, f"--probe={name}", f"--width={args.width}",
-                 f"--depth={args.depth}", f"--devices={args.devices}"],
-                capture_output=True, text=True, env=env, timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            print(f"{name}: no result in {TIMEOUT} s (the step never returned)")
-            continue
-        lines = [l for l in proc.stdout.splitlines() if l.startswith(name + ":")]
-        died = "killed by signal %d" % -proc.returncode if proc.returncode < 0 else \
-            "exit %d" % proc.returncode
-        print("\n".join(lines) or f"{name}: {died} in the first step, nothing printed")
+            run_one(name, args)
+        finally:
+            for leftover in set(glob.glob("/dev/shm/param_offload_*")) - before:
+                shutil.rmtree(leftover, ignore_errors=True)
     return 0
+
+
+def run_one(name, args):
+    """Runs probe `name` in a child process and prints its line."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    if name.endswith("+replicated") or name == "sink":
+        env[REPLICATED + "PYFUNC"] = env[REPLICATED + "EAGERPYFUNC"] = "1"
+    if name.endswith("write_file"):
+        env[REPLICATED + "WRITEFILE"] = env[REPLICATED + "SERIALIZETENSOR"] = "1"
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, f"--probe={name}", f"--width={args.width}",
+             f"--depth={args.depth}", f"--devices={args.devices}"],
+            capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        print(f"{name}: no result in {TIMEOUT} s (the step never returned)")
+        return
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(name + ":")]
+    died = "killed by signal %d" % -proc.returncode if proc.returncode < 0 else \
+        "exit %d" % proc.returncode
+    print("\n".join(lines) or f"{name}: {died} in the first step, nothing printed")
 
 
 def make_readers(host, mesh, rows, name):
@@ -320,6 +332,8 @@ def run_probe(args):
           f"(weights {mb(depth * host[0].nbytes)}); loss "
           f"{loss:.6g} vs one device {float(ref_loss):.6g}; max |dW - one device's| "
           f"{worst:.2e}{extra}")
+    if readers is not None:
+        shutil.rmtree(readers.directory, ignore_errors=True)
     return 0
 
 
