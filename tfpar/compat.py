@@ -76,8 +76,10 @@ TABLE = {
                                 "devices; the host update is built for one data-parallel "
                                 "optimizer"),
         "dtensor": (("none",), "a DTensor mesh updates its sharded weights in the mesh's "
-                               "step; the host update runs on tf.distribute (data "
-                               "parallelism, --zero_stage=1|2)"),
+                               "step, which cannot call the host's Python (TF 2.21; ZeRO-3's "
+                               "parameters on the host: not built, see the memory guide); the "
+                               "host update runs on tf.distribute (data parallelism, "
+                               "--zero_stage=1|2)"),
         "tf_keras": (("none",), "offload is built on Keras 3's optimizer"),
     },
     "adam_warmup_steps": {
@@ -348,9 +350,14 @@ def _say(c, flag, argument):
 
 
 OFFLOAD_RULES = (
+    # ZeRO-3's step is one DTensor function; what it can read from the host per layer
+    # was probed (tools/probe_param_offload.py, docs/guides/memory.md): no Python (TF 2.21);
+    # per-device tf.data readers of host files in, tf.io.write_file out, both exact.
     Rule("offload", lambda c: c.offload == "optimizer+params",
-         lambda c: "not built: parameters held on the host between gathers are ZeRO-3's, "
-                   "whose update runs in a DTensor mesh's step; use "
+         lambda c: "not built: ZeRO-3's DTensor step cannot call the host's Python (TF 2.21: "
+                   "tf.numpy_function has no layout propagation, and crashes or hangs in "
+                   "DTensor's replicated expansion), and the file-based route that runs is not "
+                   "wired into the mesh trainer; use "
                    + _say(c, "--offload=optimizer (data parallelism, --zero_stage=1|2)",
                           "offload='optimizer' (data parallelism)")),
     Rule("offload", lambda c: c.offload != "none" and c.optimizer == "sgd",
