@@ -8,6 +8,7 @@ their environment or `fresh=True` asks for a new interpreter.
 """
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -121,7 +122,7 @@ def _completed(cmd, returncode, out, err, check):
 
 
 _ZYGOTE = {}
-_OTHER = {}  # another interpreter's server: {interpreter: {"pid", "path", "proc"}}
+_OTHER = {}  # another interpreter's server: {interpreter: {"pid", "path", "proc", "folder"}}
 _ZYGOTE_LOCK = threading.Lock()
 
 
@@ -146,15 +147,15 @@ def _zygote_path(python=None):
         # child would be exec'd, silently slower (seen once in a full run: test_subproc's
         # checks that children are forked failed after an earlier test in that worker).
         if state.get("pid") != os.getpid() or state["proc"].poll() is not None:
-            proc, path = _start_server([python or sys.executable], env)
-            state.update(pid=os.getpid(), path=path, proc=proc)
+            proc, path, folder = _start_server([python or sys.executable], env)
+            state.update(pid=os.getpid(), path=path, proc=proc, folder=folder)
         return state["path"]
 
 
 def _start_server(prefix, env):
     """A fork server started as `[*prefix, zygote.py, SOCKET]` with `env` (import-time
     variables as its children must have them), once its socket exists: `(Popen, socket
-    path)`. Ended with this process."""
+    path, its folder)`, what `_end_zygote` ends. Ended with this process."""
     import zygote
     folder = tempfile.mkdtemp(prefix="tfpar-zygote-")
     path = os.path.join(folder, "socket")
@@ -172,7 +173,7 @@ def _start_server(prefix, env):
                                  + log.read().decode(errors="replace")[-3000:])
         time.sleep(0.05)
     atexit.register(_end_zygote, proc, folder)
-    return proc, path
+    return proc, path, folder
 
 
 def fork_server_under(prefix):
@@ -184,15 +185,8 @@ def fork_server_under(prefix):
     server and its children (this process's end does too)."""
     import zygote
     env = _server_env()
-    proc, path = _start_server([*prefix, sys.executable], env)
-
-    def stop():
-        proc.terminate()  # the server SIGKILLs what it forked, then ends
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    proc, path, folder = _start_server([*prefix, sys.executable], env)
+    stop = functools.partial(_end_zygote, proc, folder)
     return path, {k: env[k] for k in zygote.IMPORT_TIME if k in env}, stop
 
 
@@ -203,19 +197,17 @@ def restart_fork_server():
     worker left in `os.environ` (a child whose import-time variables differ from the
     server's is exec'd, by design)."""
     with _ZYGOTE_LOCK:
-        proc = _ZYGOTE.pop("proc", None) if _ZYGOTE.get("pid") == os.getpid() else None
+        ours = _ZYGOTE.get("pid") == os.getpid()
+        proc, folder = _ZYGOTE.pop("proc", None), _ZYGOTE.pop("folder", None)
         _ZYGOTE.pop("pid", None)
         _ZYGOTE.pop("env_pid", None)
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    if ours and proc is not None:
+        _end_zygote(proc, folder)
 
 
 def _end_zygote(proc, folder):
+    """Ends a fork server (and what it forked) and removes its socket's folder; a second
+    call, or one after the server ended, does nothing more (Popen signals no reaped child)."""
     proc.terminate()  # the server SIGKILLs what it forked, then ends
     try:
         proc.wait(timeout=10)

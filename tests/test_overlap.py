@@ -117,8 +117,9 @@ def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
 # 2.10 MB (0.34 s at 50 Mbit/s), the convolutions' 0.30 MB. Each worker runs 1 intra-op
 # and 2 inter-op threads (the two workers do not fight for each other's core). At a
 # global batch of 24 backward ends before the link's busy time (at 0.1-0.72 of it in the
-# runs measured at load average 16-25; at 100 Mbit/s it did not in 2 runs at 20). Two more steps run under TensorFlow's profiler (each all-reduce
-# from its start as the executor saw it), and each worker reads the bytes its veth sent.
+# 7 runs measured at load average 16-27; at 100 Mbit/s it did not in 2 runs at 20). Two
+# more steps run under TensorFlow's profiler (each all-reduce from its start as the
+# executor saw it), and each worker reads the bytes its veth sent.
 SHAPED = {"conv_head": [64, 128, 3, 2], "threads": [1, 2], "global_batch_size": 24,
           "bucket_mb": 1.0, "recompute": "full", "seed": 0, "runtime_steps": 2,
           "wire": True}

@@ -98,25 +98,29 @@ def pause_in_save(step, moment="before_publishing", environ=os.environ):
     if at == step and moment == next((w for w in words if w in _MOMENTS),
                                      "before_publishing"):
         until = " or until SIGTERM" if "until_sigterm" in words else ""
-        print(f"tfpar.faults: pausing {seconds:g} s{until} inside the checkpoint save of step "
-              f"{step} ({_MOMENTS[moment]})", file=sys.stderr, flush=True)
+        line = (f"tfpar.faults: pausing {seconds:g} s{until} inside the checkpoint save of "
+                f"step {step} ({_MOMENTS[moment]})")
         if until:
-            _sleep_until_sigterm(seconds)
+            _sleep_until_sigterm(seconds, line)
         else:
+            print(line, file=sys.stderr, flush=True)
             time.sleep(seconds)
 
 
-def _sleep_until_sigterm(seconds):
-    """Sleeps `seconds` or until a SIGTERM, which still goes to the handler that was set
-    (the default one ends the process once the sleep is over); a plain sleep off the main
-    thread, where no handler can be set."""
+def _sleep_until_sigterm(seconds, line):
+    """Prints `line` to stderr, then sleeps `seconds` or until a SIGTERM, which still goes to
+    the handler that was set (the default one ends the process once the sleep is over); a
+    plain sleep off the main thread, where no handler can be set. The handler is in place
+    before the line: a launcher that signals on seeing it is not missed."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is None):  # (None: set outside Python)
+        print(line, file=sys.stderr, flush=True)
         time.sleep(seconds)
         return
     received = []
     previous = signal.signal(signal.SIGTERM, lambda *args: received.append(args))
     try:
+        print(line, file=sys.stderr, flush=True)
         end = time.monotonic() + seconds
         while not received and time.monotonic() < end:
             time.sleep(0.05)

@@ -44,7 +44,8 @@ asked for. (Added by `tfpar.train.train`, after `summarize`.)
 (`tfpar.compression.timing`). Also with `--measure_comm`, where a step runs collectives:
 `hidden_fraction`, the share of the collectives' busy time before backward's end, from
 timestamps inside one traced step (not from separately timed calls; busy from when every
-replica could start a collective, its inputs ready, so an upper bound), with that busy time
+replica could start a collective, its inputs ready: the hidden time is an upper bound; the
+share usually is), with that busy time
 `comm_busy_ms` and backward's end `backward_end_ms` from the step's start (medians over
 the timed steps; `tfpar.overlap`). Benchmarks may add keys of their own inside these blocks
 (e.g. `bench_pipeline`'s `bubble_profiled` and `timeline`); existing keys keep their

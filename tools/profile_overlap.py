@@ -19,8 +19,11 @@ parameters (as a CNN with a dense head), so the head's bucket is ready right aft
 
 `--intra_op` and `--inter_op` set each worker's TensorFlow threads (0: TensorFlow picks).
 `--calibrate=R` first runs 2 timeline steps at `--batch`, then measures at the global batch
-where backward would end at R of the all-reduces' busy time (scaled in proportion):
-communication-bound by a set margin whatever the machine's load does to the computation.
+where backward would end at R of the all-reduces' busy time (scaled in proportion from
+those 2 steps): it aims the run at communication-bound by that margin, no more; on a
+loaded machine backward's length changes after the calibration, and the measured steps
+need not keep the ratio (docs/benchmarks/compression_link.md: they were as spread as
+without it).
 `--runtime_steps=N` adds N steps under TensorFlow's profiler: the share with each
 all-reduce busy from when the runtime started it, not from when its inputs were ready
 (`hidden_fraction_runtime`). `--wire` reads worker 0's veth every millisecond: the share

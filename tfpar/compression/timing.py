@@ -166,8 +166,11 @@ def _profiled_starts(run, ops, steps, stamps):
 
 def _runtime_view(strategy, timeline_fn, gather, batch, ops, waits, steps):
     """`steps` timeline steps under the profiler: their hidden share with each collective
-    busy from its inputs (`hidden_fraction`, the upper bound) and from its start as the
-    runtime saw it (`hidden_fraction_runtime`, the later worker's start), medians and
+    busy from its inputs (`hidden_fraction`: its hidden time is an upper bound; the share
+    usually is: a collective crossing after backward that starts later than its inputs
+    shrinks the busy time, not the hidden time, so the runtime's share can come out
+    higher) and from its start as the runtime saw it (`hidden_fraction_runtime`, the later
+    worker's start), medians and
     `steps_hidden` (both, per step); per collective, how long after its inputs the later
     worker started it (`launch_delay_ms`, median over the steps) and the least such delay
     of any worker (`launch_delay_min_ms`: the clocks agree if it is not below 0). A step
