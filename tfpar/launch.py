@@ -371,7 +371,11 @@ class LostHost:
     slots: tuple
 
 
-_TASK = r"/job:\w+(?:/replica:\d+)?/task:(\d+)"
+# TensorFlow's coordination service's words for workers whose heartbeats stopped
+# (tensorflow 2.21.0; `tfpar.patches.multi_worker`'s entry `heartbeat_error_text` checks
+# its library still holds them, so a rewording fails the registry, not this quietly).
+UNHEALTHY = "The following tasks are unhealthy (stopped sending heartbeats):"
+_TASK = r"/job:worker(?:/replica:\d+)?/task:(\d+)"
 _TASKS = re.compile(rf"^(?:\s|,|\\n)*{_TASK}(?:(?:\s|,|\\n)*{_TASK})*")
 
 
@@ -384,9 +388,8 @@ class _Unhealthy:
         self.tasks, self._listing = set(), False
 
     def read(self, line):
-        if "unhealthy" in line:
-            rest = line.split("unhealthy", 1)[1]
-            rest = rest.split(":", 1)[1] if ":" in rest else ""
+        if UNHEALTHY in line:
+            rest = line.split(UNHEALTHY, 1)[1]
             self._listing = not self._take(rest)
         elif self._listing:
             self._listing = self._take(line)

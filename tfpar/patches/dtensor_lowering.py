@@ -50,6 +50,12 @@ def check(names):
             f"tensorflow {WRITTEN_FOR['tensorflow']}"]
 
 
+def library_mentions(text):
+    """Whether TensorFlow's `_LIBRARY` holds the bytes `text` (what C++ alone reads or
+    writes: `check`, and `multi_worker`'s `heartbeat_error_text`)."""
+    return _mentions(os.path.join(os.path.dirname(tf.__file__), _LIBRARY), text)
+
+
 def _mentions(path, text):
     """Whether the file at `path` holds the bytes `text` (False if it is missing)."""
     try:

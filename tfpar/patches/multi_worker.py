@@ -15,6 +15,11 @@ calls of tf.distribute's private code (tensorflow 2.21.0, keras 3.15.1).
 - `multi_worker_cpu_devices`: `MultiWorkerMirroredStrategy` uses one CPU device per worker
   whatever the logical-device split. With `cpu_devices(n)` set, each worker runs n
   replicas, one per logical CPU, so several simulated devices per worker work like GPUs.
+- `heartbeat_error_text`: not a replacement but a reading. The launcher loses a host as a
+  unit when the other hosts' workers name all its workers in TensorFlow's "The following
+  tasks are unhealthy (stopped sending heartbeats):" (`tfpar.launch.UNHEALTHY`), written
+  by the coordination service in C++: the check looks for the words in TensorFlow's
+  library.
 - `coordination_barrier`: not a replacement but a call. The eager context's
   `wait_at_barrier` and `coordination_service`, called as DTensor's own
   `mesh_util.barrier` calls them; `wait_at_barrier` is the one caller.
@@ -64,6 +69,9 @@ ENTRIES = {
                             "tfpar.strategy (multi-worker)"),
     "strategy_workers": ("CollectiveAllReduceExtended._num_workers (read, not replaced)",
                          "tfpar.callbacks"),
+    "heartbeat_error_text": ("TensorFlow's coordination service's error naming workers "
+                             "whose heartbeats stopped (read from workers' output, nothing "
+                             "replaced)", "tfpar.launch (a host lost as a unit)"),
     "replica_tokens": ("tensorflow.python.ops.resource_variable_ops.ResourceVariable, "
                        "values_util.get_current_replica_id_as_int (called, not replaced)",
                        "tfpar.zero.sharded.ordering_tokens, "
@@ -127,8 +135,22 @@ def check(names):
         problems.append(f"tensorflow {tf.__version__} changed Context.wait_at_barrier or "
                         ".coordination_service; tfpar.strategy.wait_for_workers was written "
                         f"for tensorflow {WRITTEN_FOR['tensorflow']}")
+    if "heartbeat_error_text" in names:
+        problems += _check_heartbeat_text()
     problems += check_entries(names, "tensorflow", FRAGMENTS, ENTRIES)
     return problems
+
+
+def _check_heartbeat_text():
+    """`heartbeat_error_text`: the launcher reads `tfpar.launch.UNHEALTHY` in the workers'
+    output; TensorFlow writes it in C++, so its library must still hold the words."""
+    from tfpar.launch import UNHEALTHY
+    from tfpar.patches.dtensor_lowering import library_mentions
+    if library_mentions(UNHEALTHY.encode()):
+        return []
+    return [f"tensorflow {tf.__version__}'s library no longer holds {UNHEALTHY!r} "
+            "(registry entry heartbeat_error_text); tfpar.launch's lost-host rule was "
+            f"written for tensorflow {WRITTEN_FOR['tensorflow']}"]
 
 
 def _check_multi_worker():
