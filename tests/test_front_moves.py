@@ -87,3 +87,15 @@ def test_front_moments_reach_keras_on_one_replica(moved):
         assert np.abs(two[k]).max() > 0, k  # the converted moments
         np.testing.assert_allclose(one[k], two[k], rtol=1e-6, atol=1e-12, err_msg=k)
 
+
+def test_front_optimizer_state_bytes_count_whole_moments(tmp_path):
+    # ZeRO-2 with Adam in front: each replica holds Adam's m and v whole (and a residual)
+    # beside ZeRO's 1/N slots, so at least twice the parameters' bytes per device.
+    case = {"name": "front", **Z2, "steps": 1}
+    out = run([sys.executable, f"{ROOT}/tests/zero_child.py", json.dumps([case]),
+               str(tmp_path / "w")], timeout=300)
+    r = last_json_line(out.stdout)["front"]
+    for state, params in zip(r["optimizer_state_bytes_per_device"],
+                             r["param_bytes_per_device"], strict=True):
+        assert state >= 2 * params, (state, params)
+

@@ -391,9 +391,18 @@ def zero_of(optimizer):
 
 def state_variables(optimizer):
     """The sharded slot variables of a ZeRO `optimizer`, or of the one it wraps (empty for
-    any other)."""
+    any other); with Adam in front of its codec (`adam_in_front`) also the aggregator's
+    whole-size moments and residuals, every replica's copy (the sharded slots stay
+    allocated beside them)."""
     zero = zero_of(optimizer)
-    return list(zero._tfpar_layout.slots.values()) if zero is not None else []
+    if zero is None:
+        return []
+    out = list(zero._tfpar_layout.slots.values())
+    aggregator = zero._tfpar_layout.aggregator
+    if aggregator is not None and getattr(aggregator, "adam", None) is not None:
+        out += list(getattr(aggregator, "moments", {}).values())
+        out += list(getattr(aggregator, "residuals", {}).values())
+    return out
 
 
 def slot_entries(optimizer, weights):
