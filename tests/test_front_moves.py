@@ -99,3 +99,13 @@ def test_front_optimizer_state_bytes_count_whole_moments(tmp_path):
                              r["param_bytes_per_device"], strict=True):
         assert state >= 2 * params, (state, params)
 
+
+def test_front_zero_topk_takes_its_warmup():
+    # With Adam in front ZeRO 1/2 runs data parallelism's top-k aggregator, whose warm-up
+    # is built; with Adam behind the codec it is refused in one line.
+    from tfpar import ParallelConfig
+    from tfpar.errors import ConfigError
+    assert ParallelConfig(zero_stage=2, compression="topk", topk_warmup_steps=10)
+    for behind in ({"compress_adam_step": False}, {"optimizer": "momentum"}):
+        with pytest.raises(ConfigError, match="^topk_warmup_steps=10.*Adam behind"):
+            ParallelConfig(zero_stage=2, compression="topk", topk_warmup_steps=10, **behind)
