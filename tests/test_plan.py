@@ -258,6 +258,21 @@ def test_memory_tensor_split_recompute_and_zero():
     assert cost.memory_bytes(prof, z3, 64) == pytest.approx(8 * 500_000 + gathered + acts)
 
 
+def test_memory_zero12_adam_in_front_saves_nothing_over_data_parallel():
+    # ZeRO-2 with Adam in front of lowbit (2 replicas, P parameters per device): whole
+    # weights (4 B) and gradients (4 B: the summed steps), whole moments (8 B) beside
+    # ZeRO's half slots (4 B) and lowbit's residual (4 B): 24 B, above data parallelism's
+    # 16 B; Adam behind the codec (int8) keeps ZeRO-2's 4 + 2 + 4 = 10 B.
+    P = PROFILE.params
+    c = cost.Candidate(data=2, tensor=1, pipeline=1, microbatches=1, compression="lowbit")
+    front = cost.state_bytes(PROFILE, dataclasses.replace(c, zero=2))
+    assert front == pytest.approx(24 * P)
+    assert front > cost.state_bytes(PROFILE, c) == pytest.approx(16 * P)
+    assert cost.state_bytes(PROFILE, dataclasses.replace(c, zero=1)) == pytest.approx(front)
+    behind = dataclasses.replace(c, zero=2, compression="int8")
+    assert cost.state_bytes(PROFILE, behind) == pytest.approx(10 * P)
+
+
 def test_collective_bandwidth_inside_and_across_machines():
     hw = cost.Hardware(devices=64, memory_bytes=1, flops=1, intra_bandwidth=300e9,
                        inter_bandwidth=25e9, devices_per_machine=8)

@@ -146,14 +146,19 @@ ZERO_COMPRESSION = Rule(
     and c.compression not in ("none",) + ZERO12_CODECS,
     "not supported: --zero_stage=1|2 compresses gradients with " + ", ".join(ZERO12_CODECS)
     + "; use one of those, or --zero_stage=0")
-# Top-k on ZeRO 1/2 sends each piece to its owner alone: no warm-up table is built there.
-# (`--topk_union`, which does nothing there either, is one warning line at start:
-# `tfpar.zero.sharded.TOPK_UNION_LINE`; refusing it would refuse the default.)
+# Top-k on ZeRO 1/2 with Adam behind it (`--nocompress_adam_step`, `--offload=optimizer`, or
+# another optimizer) sends each piece to its owner alone: no warm-up table is built there,
+# and `--topk_union` does nothing either (one warning line at start:
+# `tfpar.zero.sharded.TOPK_UNION_LINE`; refusing it would refuse the default). With Adam in
+# front (`tfpar.zero.sharded.adam_in_front`'s condition, here without TensorFlow) data
+# parallelism's aggregator runs the codec: its warm-up and union work.
 ZERO_TOPK_WARMUP = Rule(
     "topk_warmup_steps", lambda c: c.zero_stage in (1, 2) and c.compression == "topk"
-    and c.topk_warmup_steps > 0,
-    "not supported with --zero_stage=1|2: ZeRO's top-k sends --topk_ratio of each "
-    "piece from the first step; use --topk_warmup_steps=0, or --zero_stage=0")
+    and c.topk_warmup_steps > 0
+    and not (c.optimizer == "adam" and c.compress_adam_step and c.offload == "none"),
+    "not supported with --zero_stage=1|2 and Adam behind the codec: ZeRO's top-k sends "
+    "--topk_ratio of each piece from the first step; use --topk_warmup_steps=0, Adam in "
+    "front (--optimizer=adam --compress_adam_step, no --offload), or --zero_stage=0")
 # ZeRO-3's reduce-scatter on the mesh travels in the same (`tfpar.zero.reduce_scatter`).
 ZERO3_COMPRESSION = Rule(
     "compression", lambda c: c.zero_stage == 3

@@ -163,7 +163,8 @@ def variable_bytes_per_device(variables, devices=None):
 
 def optimizer_variables(model):
     """The optimizer state of `model`: its optimizer's variables (with ZeRO, the sharded
-    slots: each device's piece counts on that device), or every stage optimizer's for a
+    slots: each device's piece counts on that device, and with Adam in front of its codec
+    the aggregator's whole moments and residuals), or every stage optimizer's for a
     `PipelineModel`."""
     from tfpar.zero import sharded as zero
     stage_optimizers = getattr(model, "stage_optimizers", None)

@@ -264,7 +264,11 @@ class LayoutState(patches.Trackable):
         docstring), each way; returns the codec state names it placed."""
         from tfpar.compression import adam_front
         name = os.path.basename(path)
-        held, here = _front_paths(saved), _front_paths(entries)
+        fronts = _fronts(self._model)
+        # A destination whose fronts do not take the steps (one replica: Keras's Adam does)
+        # counts as Keras's Adam, though its aggregator holds moments.
+        held = _front_paths(saved)
+        here = _front_paths(entries) if fronts and fronts[0].steps else set()
         slots = ("momentum", "velocity")
         to_keras = sorted(p for p in held - here
                           if all(f"optimizer/{p}/{s}" in entries for s in slots))
@@ -293,7 +297,6 @@ class LayoutState(patches.Trackable):
                 logging.warning("tfpar: checkpoint %s: the moments of Adam in front of its codec "
                              "(m in %s units, after %d steps) carried into Keras's Adam slots "
                              "at iteration %d", name, units["m"], units["steps"], iteration)
-        fronts = _fronts(self._model)
         if to_front and fronts:
             units = fronts[0](iteration)
             for p in to_front:
@@ -313,6 +316,7 @@ class LayoutState(patches.Trackable):
             logging.warning("tfpar: checkpoint %s: Keras's Adam slots at iteration %d carried "
                          "into Adam in front of this run's codec (m in %s units)", name,
                          iteration, units["m"])
+        _drop_moved_residuals(entries, to_keras + to_front, name)
         return placed
 
     def _codec_moves(self, reader, saved, entries, path, kinds, placed=()):
@@ -562,6 +566,24 @@ def _replicas_of(aggregator):
     if strategy is None or not hasattr(step, "values"):
         return 1
     return strategy.num_replicas_in_sync
+
+
+def _drop_moved_residuals(entries, paths, name):
+    """Zeroes the loaded error-feedback residuals of `paths`, whose Adam moments moved
+    between Adam in front of a codec and Keras's Adam: in front a residual is in Adam
+    steps' units (m/(sqrt(v)+eps)), behind in the gradient's, ~100x apart; not converted."""
+    dropped = []
+    for p in paths:
+        n = f"codec/{p}/residual"
+        value = np.asarray(entries[n][0]()) if n in entries else None
+        if value is not None and value.any():
+            entries[n][1](np.zeros_like(value))
+            dropped.append(n)
+    if dropped:
+        logging.warning("tfpar: checkpoint %s: error feedback's residuals of %d weights whose "
+                        "Adam moved between Adam in front of the codec and Keras's Adam are "
+                        "in the other's units (Adam steps, gradients): not loaded, zero",
+                        name, len(dropped))
 
 
 def _owe_on_one_replica(model, path):

@@ -292,20 +292,28 @@ def state_bytes(profile, c, optimizer="adam", copies=1):
     and optimizer state of its shard. ZeRO splits over the data-parallel peers the
     optimizer state (stage 1), also the gradients (2), also the weights (3, which then
     gathers one block's weights at a time while it runs). With `c.offload` the optimizer
-    state is in host memory (`tfpar.offload`): none of it on the device; ZeRO 1/2 with Adam
-    in front of a lossy codec holds whole moments. `copies` of the
+    state is in host memory (`tfpar.offload`): none of it on the device. ZeRO 1/2 with
+    Adam in front of a lossy codec saves nothing over data parallelism: whole moments,
+    ZeRO's 1/N slots allocated beside them, whole gradients (the summed steps are whole on
+    every replica) and the codec's residual. `copies` of the
     weights and their gradients share one optimizer state (Chimera: 2, the second
     pipeline's copy takes its first copy's updated weights)."""
     shard = stage_params(profile, c)
     weight = STATE_BYTES[optimizer] - OPTIMIZER_BYTES[optimizer] - GRAD_BYTES
     split = c.data if c.data > 1 else 1
     # ZeRO 1/2 with Adam in front of lowbit/top-k/PowerSGD (`tfpar.zero.sharded.adam_in_front`,
-    # the default there) keeps data parallelism's whole-size moments on every replica.
-    front = (c.zero in (1, 2) and optimizer == "adam"
+    # the default there; `--offload=optimizer` keeps Adam behind) runs data parallelism's
+    # step: every replica holds the whole moments and an error-feedback residual (fp32, P)
+    # and sums whole steps, beside ZeRO's unused 1/N slots.
+    front = (c.zero in (1, 2) and optimizer == "adam" and not c.offload
              and c.compression in ADAM_FRONT_CODECS)
-    opt = 0.0 if c.offload else OPTIMIZER_BYTES[optimizer] * shard / (
-        split if c.zero >= 1 and not front else 1)
-    grads = GRAD_BYTES * shard / (split if c.zero >= 2 else 1)
+    if c.offload:
+        opt = 0.0
+    elif front:
+        opt = OPTIMIZER_BYTES[optimizer] * shard * (1 + 1 / split) + GRAD_BYTES * shard
+    else:
+        opt = OPTIMIZER_BYTES[optimizer] * shard / (split if c.zero >= 1 else 1)
+    grads = GRAD_BYTES * shard / (split if c.zero >= 2 and not front else 1)
     if c.zero >= 3:
         gathered = profile.block_params / max(1, profile.blocks) / c.tensor
         weights = weight * (shard / split + gathered)
