@@ -142,3 +142,19 @@ def test_adam_front_moments_carried_into_keras_units():
         again = adam_front.front_moments(*adam_front.keras_slots(m, v, units, 75), units, 75)
         np.testing.assert_allclose(again[0], m[0], rtol=1e-6)
         np.testing.assert_allclose(again[1], v[0], rtol=1e-6)
+
+
+def test_moments_move_at_the_update_count_not_keras_micro_batch_count():
+    # Keras's `optimizer/iteration` counts micro-batches under gradient_accumulation_steps;
+    # Adam's bias correction (and a codec's step counter) counts updates: 28 micro-batches
+    # of K=4 are 7 updates (with a loss-scale wrapper too).
+    import types
+
+    import keras
+
+    from tfpar import state
+    adam = keras.optimizers.Adam(gradient_accumulation_steps=4)
+    for optimizer in (adam, keras.optimizers.LossScaleOptimizer(adam)):
+        assert state._update_steps(types.SimpleNamespace(optimizer=optimizer), 28) == 7
+    plain = types.SimpleNamespace(optimizer=keras.optimizers.Adam())
+    assert state._update_steps(plain, 28) == 28

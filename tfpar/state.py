@@ -130,6 +130,17 @@ def optimizers_of(model):
     return [optimizer] if optimizer is not None else []
 
 
+def _update_steps(model, iteration):
+    """The updates `optimizer/iteration` (Keras's raw count, of micro-batches under its
+    `gradient_accumulation_steps` K) stands for: iteration // K, what Keras's Adam
+    bias-corrects with and a codec's step counter counts (the writer's K taken as this
+    run's, as Keras's own `iterations` does)."""
+    found = optimizers_of(model)
+    optimizer = getattr(found[0], "inner_optimizer", found[0]) if found else None
+    accumulation = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
+    return int(iteration) // max(1, accumulation)
+
+
 class LayoutState(patches.Trackable):
     """The state of `model` and its optimizers under canonical names (module docstring).
 
@@ -276,7 +287,7 @@ class LayoutState(patches.Trackable):
                           if all(f"optimizer/{p}/{s}" in saved for s in slots))
         if not (to_keras or to_front) or "optimizer/iteration" not in saved:
             return set()
-        iteration = int(reader.get_tensor(saved["optimizer/iteration"]))
+        iteration = _update_steps(self._model, reader.get_tensor(saved["optimizer/iteration"]))
         placed = set()
         if to_keras and not reader.has_tensor(key(ADAM_UNITS)):
             logging.warning("tfpar: checkpoint %s holds the moments of Adam in front of its "
