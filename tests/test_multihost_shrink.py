@@ -186,3 +186,17 @@ def test_a_host_named_in_part_is_not_lost_as_a_unit():
     # A worker of the healthy host named a task of its own host too: no host is cut off.
     result, said = _cut_job([1, 2, 3])
     assert " is lost with its worker slot(s)" not in said, said
+
+
+def test_a_workers_one_line_error_keeps_every_task_the_heartbeat_error_names():
+    # The trainer's one line (`tfpar.train._cause`) is what the launcher reads of a
+    # worker: a host of two workers is lost as a unit only if both names reach it.
+    from tfpar.train import _cause
+
+    class Stale(Exception):
+        message = (f"Graph execution error:\n\n{tfpar_launch.UNHEALTHY}\n"
+                   "/job:worker/replica:0/task:2\n/job:worker/replica:0/task:3\n"
+                   "The tasks have crashed.")
+    line = _cause(Stale())
+    assert tfpar_launch._Unhealthy().read(line).tasks == {2, 3}, line
+    assert "\n" not in line, line

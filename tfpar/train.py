@@ -12,6 +12,7 @@ It imports no TensorFlow either: `run()` checks the flags, the config and `TF_CO
 first (`check_inputs`), so a bad command line ends in its one line before TensorFlow loads.
 """
 
+import itertools
 import os
 import sys
 
@@ -127,8 +128,12 @@ def _cause(err):
     for key in ("unhealthy", "timed out", "Deadline", "Error reported from", "aborted"):
         for i, line in enumerate(lines):
             if key in line:
-                detail = lines[i + 1] if line.endswith(":") and i + 1 < len(lines) else ""
-                return f"{line} {detail}".strip()[:300]
+                # The tasks a heartbeat error names follow it, one a line: all of them
+                # (the launcher loses a host when every worker of it is named).
+                follow = list(itertools.takewhile(lambda t: t.startswith("/job:"),
+                                                  lines[i + 1:]))
+                detail = " ".join(follow or lines[i + 1:i + 2]) if line.endswith(":") else ""
+                return f"{line} {detail}".strip()[:300 + 40 * len(follow)]
     return lines[0][:300] if lines else type(err).__name__
 
 
