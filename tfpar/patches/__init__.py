@@ -16,7 +16,8 @@ code it replaces, calls or reads is still the code it was written against
 entries, each described in its module's docstring:
 
 - `multi_worker`: `multi_worker_fit`, `multi_worker_cpu_devices` (applied by `apply()`),
-  `coordination_barrier`, `coordination_config`, `strategy_workers`, `replica_tokens`.
+  `coordination_barrier`, `coordination_config`, `strategy_workers`, `replica_tokens`,
+  `heartbeat_error_text` (TensorFlow's words the launcher reads, checked in its library).
 - `keras_mesh`: `mesh_variables`, `mesh_loops`, `mesh_output_layouts` (what
   `tfpar.layout.enable` hooks), `layer_tree`, `backend_mesh`, `distribution_state`,
   `symbolic_build`, `data_adapters`, `mesh_initialize`, `mesh_random`.
