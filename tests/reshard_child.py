@@ -20,7 +20,8 @@ Trains several configs one after the other in one process (one CPU split): RUNS_
   run's own training loads DIR's checkpoint.
 - none: trains the config as it is (a run that writes, or the uninterrupted reference).
 
-Runs with the same backend, strategy and degrees share one runtime (`tfpar.train.train(runtime=)`).
+Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`;
+a `one_device` strategy one of its own). Each run records its `seconds`.
 Saves each run's final state to `OUT_PREFIX_<name>.npz` (`tfpar.state` names, `/` as
 `|`) and prints one JSON line `{name: {"loss_history", "resumed_from_step", ...}}`.
 """
@@ -50,8 +51,8 @@ def main():
         start = time.monotonic()
         config = ParallelConfig(**settings)
         keras.mixed_precision.set_global_policy("float32")
-        key = (config.keras, config.strategy, config.data_parallel, config.tensor_parallel,
-               config.pipeline_stages, config.zero_stage == 3)
+        key = (config.keras, config.strategy == "one_device", config.data_parallel,
+               config.tensor_parallel, config.pipeline_stages, config.zero_stage == 3)
         if key not in runtimes:
             runtimes[key] = backends.for_config(config).build_runtime(config)
         runtime = runtimes[key]
