@@ -16,10 +16,12 @@ Trains several configs one after the other in one process (one CPU split): RUNS_
   `default_rng(0)`; then trains the config (resuming at STEP).
   With `"new_marker": true` the copy's `tfpar.json` marker is written anew for this
   run (the marker refuses another `--compression`; the Python API, `LayoutState.load`,
-  has none).
+  has none). With `"landing": false` the load-only pass (and its record) is skipped: the
+  run's own training loads DIR's checkpoint.
 - none: trains the config as it is (a run that writes, or the uninterrupted reference).
 
-Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`).
+Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`;
+a `one_device` strategy one of its own). Each run records its `seconds`.
 Saves each run's final state to `OUT_PREFIX_<name>.npz` (`tfpar.state` names, `/` as
 `|`) and prints one JSON line `{name: {"loss_history", "resumed_from_step", ...}}`.
 """
@@ -28,6 +30,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,10 +48,11 @@ def main():
     runtimes, out = {}, {}
     for name, settings, options in spec["runs"]:
         print(f"run {name}: {settings} {options}", file=sys.stderr, flush=True)
+        start = time.monotonic()
         config = ParallelConfig(**settings)
         keras.mixed_precision.set_global_policy("float32")
-        key = (config.keras, config.data_parallel, config.tensor_parallel,
-               config.pipeline_stages, config.zero_stage == 3)
+        key = (config.keras, config.strategy == "one_device", config.data_parallel,
+               config.tensor_parallel, config.pipeline_stages, config.zero_stage == 3)
         if key not in runtimes:
             runtimes[key] = backends.for_config(config).build_runtime(config)
         runtime = runtimes[key]
@@ -59,12 +63,14 @@ def main():
                 from tfpar import checkpoint
                 os.remove(os.path.join(config.checkpoint_dir, checkpoint.MARKER))
                 checkpoint.write_marker(config)
-            _, model = train(config.replace(steps=options["at"]), runtime=runtime)
-            out[name].update(landing(model, options["from"]))
+            if options.get("landing", True):
+                _, model = train(config.replace(steps=options["at"]), runtime=runtime)
+                out[name].update(landing(model, options["from"]))
         result, model = train(config, runtime=runtime)
         out[name].update({k: result[k] for k in ("loss_history", "resumed_from_step",
                                                  "replicas")})
         out[name]["learning_rate"] = config.scaled_learning_rate
+        out[name]["seconds"] = round(time.monotonic() - start, 1)  # for a test's cost
         from tfpar import state
         values = {n: e[0]() for n, e in state.LayoutState(model).entries().items()}
         np.savez(f"{prefix}_{name}.npz", **{n.replace("/", "|"): v for n, v in values.items()})
