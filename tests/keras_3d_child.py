@@ -7,13 +7,20 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...]
 - `exact`: SGD and Adam, 3 steps of 1F1B with 4 micro-batches, against the same model
   fitted on one device (no distribution) from the same weights and batches: weights,
   losses, `evaluate`, `predict`; `save_weights` read by a plain model, and a reference
-  file read by `load_weights` into the pipelined model then evaluated.
+  file of the initial weights read by `load_weights` into the trained pipelined model
+  then evaluated, against the one-device evaluate at those weights.
 - `powersgd`: `tfpar.DistributedOptimizer(..., compression="powersgd")` exact at its
   limit (Adam at full rank, SGD at rank 16 on kernels whose gradients have rank <= 16)
   against the uncompressed run on one device, then a step with infinite inputs (fp32); at
   rank 1 under
   `mixed_float16`: losses, the codec's bytes and state; then a batch that overflows fp16:
   every stage's weights and loss scale before and after.
+- `state`: what the step must keep besides the weights: a Dropout model refused in one
+  line; a LearningRateScheduler at 0 from the second epoch (that epoch's weights stay),
+  the model optimizer's `iterations`; an fp32 DistributedOptimizer after 3 infinite
+  batches (its stages' scale, then a finite step against that step alone); a last batch
+  that does not split refused before any step; an error at the third batch of a fit
+  (the model holds the two steps taken).
 - `refusals`: the one-line errors of a mesh with the stage axis not first, Chimera on the
   mesh pipeline, Keras's `BackupAndRestore`.
 
@@ -62,13 +69,14 @@ def data(steps=STEPS, seed=0):
     return x, x[:, :CLASSES].argmax(1).astype("int32")
 
 
-def distribution(axes=("stage", "batch", "model"), schedule="1f1b"):
+def distribution(axes=("stage", "batch", "model"), schedule="1f1b", microbatches=4):
     mesh = keras.distribution.DeviceMesh((2, 2, 2), list(axes),
                                          keras.distribution.list_devices())
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, value in LAYOUTS.items():
         layout_map[key] = value
-    return layout.PipelineParallel(layout_map=layout_map, microbatches=4, schedule=schedule)
+    return layout.PipelineParallel(layout_map=layout_map, microbatches=microbatches,
+                                   schedule=schedule)
 
 
 def compiled(optimizer, weights):
@@ -109,6 +117,11 @@ def exact():
     weights = initial_weights()
     x, y = data()
     folder = tempfile.mkdtemp()
+    initial = os.path.join(folder, "initial.weights.h5")
+    keras.distribution.set_distribution(None)
+    plain = compiled(keras.optimizers.SGD(0.1), weights)
+    plain.save_weights(initial)
+    initial_evaluate = plain.evaluate(x, y, batch_size=BATCH, verbose=0)
     reference = {}
     for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)),
                        ("adam", lambda: keras.optimizers.Adam(1e-2))):
@@ -117,7 +130,6 @@ def exact():
         reference[name] = {"loss": fit(model), "weights": model.get_weights(),
                            "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
                            "predict": model.predict(x, batch_size=BATCH, verbose=0)}
-        model.save_weights(os.path.join(folder, f"{name}_reference.weights.h5"))
     out = {}
     for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)),
                        ("adam", lambda: keras.optimizers.Adam(1e-2))):
@@ -145,9 +157,10 @@ def exact():
         plain.load_weights(path)
         result["saved"] = diff(plain.get_weights(), ref["weights"])
         keras.distribution.set_distribution(distribution())
-        model.load_weights(os.path.join(folder, f"{name}_reference.weights.h5"))
+        # the stages hold the trained weights: the initial ones reach them by this load
+        model.load_weights(initial)
         result["loaded_evaluate"] = diff(model.evaluate(x, y, batch_size=BATCH, verbose=0),
-                                         ref["evaluate"])
+                                         initial_evaluate)
         out[name] = result
     return out
 
@@ -227,6 +240,105 @@ def _stage_values(trainer):
             for stage, optimizer in zip(trainer.model.stages, trainer.stage_optimizers)]
 
 
+class Epochs(keras.callbacks.Callback):
+    """The model's weights at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights.append(self.model.get_weights())
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises at the start of batch `at` (no batch-end hook: no per-batch write-back)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.at:
+            raise KeyboardInterrupt
+
+
+def state():
+    weights = initial_weights()
+    out = {}
+    keras.distribution.set_distribution(distribution())
+    # Dropout: its seed would never move on the stages
+    x = keras.Input((FEATURES,))
+    h = keras.layers.Dense(64, name="up1")(x)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    h = keras.layers.Dense(16, name="down1")(h)
+    dropout = keras.Model(x, keras.layers.Dense(CLASSES, name="head")(h))
+    dropout.compile(optimizer=keras.optimizers.SGD(0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        fit(dropout)
+        out["dropout"] = {"raised": None}
+    except tfpar.ConfigError as error:
+        out["dropout"] = {"raised": str(error)}
+    # a learning rate scheduled to 0 from the second epoch
+    model = compiled(keras.optimizers.SGD(0.1), weights)
+    epochs = Epochs()
+    fit(model, epochs=2, callbacks=[epochs, keras.callbacks.LearningRateScheduler(
+        lambda epoch, rate: 0.1 if epoch == 0 else 0.0)])
+    trainer = model._tfpar_pipeline_trainer
+    x, y = data()
+    model.evaluate(x, y, batch_size=BATCH, verbose=0)  # a changed rate is no recompile
+    out["rate_zero"] = {"epoch_2_moved": diff(epochs.weights[1], epochs.weights[0]),
+                        "epoch_1_moved": diff(epochs.weights[0], weights),
+                        "iterations": int(model.optimizer.iterations.numpy()),
+                        "steps": 2 * STEPS,
+                        "trainer_kept": model._tfpar_pipeline_trainer is trainer}
+    # fp32 DistributedOptimizer: skipped steps leave its scale at 1
+    x, y = data(1)
+    model = compiled(tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1)), weights)
+    for _ in range(3):
+        model.train_on_batch(x * np.inf, y)
+    trainer = model._tfpar_pipeline_trainer
+    scales = [float(layout.to_host(o.dynamic_scale.value)) for o in trainer.stage_optimizers]
+    model.train_on_batch(x, y)
+    alone = compiled(tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1)), weights)
+    alone.train_on_batch(x, y)
+    out["skipped"] = {"scales": scales,
+                      "finite_step": diff(model.get_weights(), alone.get_weights())}
+    # a last batch of 4 examples: 4 micro-batches over batch=2 do not split it
+    x, y = data(STEPS)
+    model = compiled(keras.optimizers.SGD(0.1), weights)
+    try:
+        model.fit(x[:-12], y[:-12], batch_size=BATCH, verbose=0)
+        raised = None
+    except tfpar.ConfigError as error:
+        raised = str(error)
+    trainer = model._tfpar_pipeline_trainer
+    out["remainder"] = {"raised": raised, "moved": diff(model.get_weights(), weights),
+                        "iterations": int(model.optimizer.iterations.numpy()),
+                        "stage_iterations": [int(layout.to_host(o.iterations.value))
+                                             for o in trainer.stage_optimizers]}
+    # an interrupt at the third batch: the model holds the first two steps
+    model = compiled(keras.optimizers.SGD(0.1), weights)
+    try:
+        fit(model, callbacks=[Interrupt(2)])
+    except KeyboardInterrupt:
+        pass
+    two = compiled(keras.optimizers.SGD(0.1), weights)
+    fit(two, steps=2)
+    out["interrupted"] = {"against_two_steps": diff(model.get_weights(), two.get_weights()),
+                          "moved": diff(model.get_weights(), weights)}
+    # a new distribution, then a recompile with other metrics: each builds a new trainer
+    keras.distribution.set_distribution(distribution(microbatches=2))
+    two.evaluate(x, y, batch_size=BATCH, verbose=0)
+    microbatches = two._tfpar_pipeline_trainer.M
+    two.compile(optimizer=two.optimizer, loss=two.loss)
+    two.evaluate(x, y, batch_size=BATCH, verbose=0)
+    out["rebuilt"] = {"microbatches": microbatches,
+                      "accuracy": two._tfpar_pipeline_trainer.accuracy}
+    return out
+
+
 def refusals():
     weights = initial_weights()
     out = {}
@@ -250,7 +362,7 @@ def refusals():
     return out
 
 
-CASES = {"exact": exact, "powersgd": powersgd, "refusals": refusals}
+CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals}
 
 
 if __name__ == "__main__":

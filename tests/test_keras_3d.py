@@ -20,7 +20,7 @@ TOLERANCE = {"sgd": 1e-6, "adam": 1e-5}
 
 @pytest.fixture(scope="module")
 def results():
-    return last_json_line(run([sys.executable, CHILD, "exact,powersgd,refusals"],
+    return last_json_line(run([sys.executable, CHILD, "exact,powersgd,state,refusals"],
                               timeout=900).stdout)
 
 
@@ -62,7 +62,7 @@ def test_powersgd_at_its_limit_equals_the_uncompressed_run(results):
     for run_ in (full, factored):
         assert np.allclose(run_["loss"], run_["reference_loss"], atol=1e-5), run_
         assert len(run_["state"]["bytes"]) == 2, run_["state"]  # a reduction per stage
-    assert any(stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
+    assert all(stats["bytes_on_wire_per_step"] < stats["bytes_uncompressed_per_step"]
                for stats in factored["state"]["bytes"]), factored["state"]  # factors sent
     # a step with non-finite gradients is never applied (fp32 too): the weights stay
     assert factored["nan_step_kept"] == 0.0, factored
@@ -87,6 +87,42 @@ def test_an_fp16_overflow_skips_the_step_on_every_stage(results):
     for before, after in run_["scales"]:
         assert after == before / 2, run_["scales"]
     assert run_["finite"]
+
+
+def test_a_layer_with_state_the_step_would_change_is_refused_in_one_line(results):
+    raised = _case(results, "state")["dropout"]["raised"]
+    assert raised is not None and raised.startswith("layer='drop (Dropout)'"), raised
+    assert "\n" not in raised, raised
+
+
+def test_a_learning_rate_callback_reaches_the_stages(results):
+    run_ = _case(results, "state")["rate_zero"]
+    assert run_["epoch_1_moved"] > 0 and run_["epoch_2_moved"] == 0.0, run_
+    assert run_["iterations"] == run_["steps"], run_
+    assert run_["trainer_kept"], run_  # the stage optimizers' state outlives the change
+
+
+def test_skipped_fp32_steps_keep_the_scale_at_one(results):
+    run_ = _case(results, "state")["skipped"]
+    assert run_["scales"] == [1.0, 1.0], run_
+    assert run_["finite_step"] == 0.0, run_
+
+
+def test_a_last_batch_that_does_not_split_is_refused_before_any_step(results):
+    run_ = _case(results, "state")["remainder"]
+    assert run_["raised"] is not None and run_["raised"].startswith("microbatches="), run_
+    assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+    assert run_["stage_iterations"] == [0, 0], run_  # no stage took a step
+
+
+def test_an_interrupted_fit_leaves_the_steps_taken_in_the_model(results):
+    run_ = _case(results, "state")["interrupted"]
+    assert run_["moved"] > 0 and run_["against_two_steps"] == 0.0, run_
+
+
+def test_a_new_distribution_or_compile_builds_a_new_trainer(results):
+    run_ = _case(results, "state")["rebuilt"]
+    assert run_ == {"microbatches": 2, "accuracy": None}, run_
 
 
 @pytest.mark.parametrize("name,setting", [("stage_axis_last", "DeviceMesh.axis_names"),

@@ -346,6 +346,17 @@ KERAS_MESH_ADAM_REFRESH = Rule(
     "not supported under keras.distribution: Adam in front of the mesh's codec runs exact "
     "steps in its warm-up only; use 0, or tf.distribute (tfpar.make_strategy)")
 
+# A user's model on a pipeline mesh (`tfpar.layout.keras_pipeline`): the mesh pipeline's
+# step writes back the trainable weights and the optimizers' state only, so a layer whose
+# non-trainable state training changes (BatchNormalization's moving statistics, Dropout's
+# seed) would keep its first values.
+KERAS_PIPELINE_STATEFUL_LAYER = Rule(
+    "layer", lambda c: bool(getattr(c, "stateful_layer", None)),
+    "its non-trainable state (moving statistics, a random seed) is not updated by a fit on "
+    "a pipeline mesh; fit without BatchNormalization/Dropout there (frozen layers are "
+    "fine), or on a mesh without a 'stage' axis, or with python -m tfpar.train",
+    value=lambda c: c.stateful_layer)
+
 # `--offload` (`tfpar.offload`): what its host update does not run with. The same rows
 # check `tfpar.DistributedOptimizer(offload=...)` (a `view` with `api=True`), each saying
 # what works in the API's words there.

@@ -427,14 +427,21 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
                                               validation_steps)
     history = keras.callbacks.History()
     callbacks = list(callbacks or []) + [history]
-    if isinstance(trainer, keras_pipeline.KerasPipelineTrainer):  # called with `model`
+    pipelined = isinstance(trainer, keras_pipeline.KerasPipelineTrainer)
+    if pipelined:  # called with `model`
+        trainer.check_batches([getattr(adapter, "batch_size", None),
+                               getattr(adapter, "partial_batch_size", None)])
         callbacks = [keras_pipeline.UserCallbacks(trainer, callbacks, _verbose(verbose),
                                                   epochs, steps_per_epoch)]
         verbose = 0  # the progress bar is the user's callbacks', with the model's logs
-    trainer.fit(batches, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                initial_epoch=initial_epoch, callbacks=callbacks,
-                verbose=_verbose(verbose), validation_data=validation,
-                validation_freq=validation_freq)
+    try:
+        trainer.fit(batches, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                    initial_epoch=initial_epoch, callbacks=callbacks,
+                    verbose=_verbose(verbose), validation_data=validation,
+                    validation_freq=validation_freq)
+    finally:
+        if pipelined:  # an error or Ctrl-C mid-fit: the steps taken stay in the model
+            trainer.to_model()
     model.history = history
     return history
 

@@ -28,10 +28,13 @@ pipeline (`tfpar.layout.pipeline.MeshPipelineTrainer`): the schedule, one statel
 optimizer per stage made from the compiled one, with `mixed_float16` one loss-scale
 decision for every stage, and a `tfpar.DistributedOptimizer`'s codec as each stage's
 `BatchAxisReduction` over its `batch` axis. The stage weights are written back into the
-user's model at the end of every epoch and of `fit` (and after every batch when callbacks
-other than `History` are given), so `get_weights`, `save_weights` and a stock Keras
+user's model at the end of every epoch and of `fit` (also one stopped by an exception),
+and after every batch when a user callback has a batch-end hook, with the stages' step
+count as `model.optimizer.iterations`, so `get_weights`, `save_weights` and a stock Keras
 `load_weights` on one device see the trained values; a `load_weights` (or `set_weights`)
-before the next `fit`/`evaluate`/`predict` is copied onto the stages by that call.
+before the next `fit`/`evaluate`/`predict` is copied onto the stages by that call. The
+compiled optimizer's learning rate, when a variable (`LearningRateScheduler`,
+`ReduceLROnPlateau` set it), is copied to every stage optimizer before each step.
 
 A plain `ModelParallel` on such a mesh runs the 1F1B schedule with one micro-batch per
 stage; `PipelineParallel` takes `microbatches`, `schedule` ("gpipe", "1f1b", "zb_h1",
@@ -42,15 +45,20 @@ output layouts (`<layer>/output` keys); a model that is not functional with one 
 one output, or does not cut into the stages; a loss other than one mean-reducing loss; a
 metric other than accuracy; `loss_weights`, `weighted_metrics`; Keras's
 `BackupAndRestore` (its checkpoint would hold the user's unbuilt optimizer, not the stage
-optimizers' state); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
-interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch must
-split into `microbatches` equal micro-batches divisible by the `batch` axis (one line
-naming `microbatches` otherwise). A `tfpar.DistributedOptimizer`'s step with non-finite
-gradients is skipped on every stage (in fp32 through a loss scale of 1 that never grows,
-`_fresh`), but not counted in its `nonfinite_steps`, so `tfpar.callbacks.NaNGuard` does not
-see it. Not held: the stage optimizers' state in `model.save` (the file holds the weights
-and the compiled, unbuilt optimizer); a mesh across worker processes (refused).
+optimizers' state); a layer whose non-trainable state a training step changes
+(BatchNormalization's statistics, Dropout's seed: `compat.KERAS_PIPELINE_STATEFUL_LAYER`,
+at the first step); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch (the
+last one too, checked before the first step) must split into `microbatches` equal
+micro-batches divisible by the `batch` axis (one line naming `microbatches` otherwise). A
+`tfpar.DistributedOptimizer`'s step with non-finite gradients is skipped on every stage
+(in fp32 through a loss scale of 1, `_fresh`, set back to 1 after a skip), but not counted
+in its `nonfinite_steps`, so `tfpar.callbacks.NaNGuard` does not see it. Not held: the
+stage optimizers' state in `model.save` (the file holds the weights and the compiled,
+unbuilt optimizer); a mesh across worker processes (refused).
 """
+
+import json
 
 import keras
 import numpy as np
@@ -158,7 +166,7 @@ def trainer_for(model, distribution):
     changed), its stages holding the model's current weights."""
     if model.optimizer is None:
         raise TfparError("compile the model before fit/evaluate/predict")
-    key = (id(distribution), model.optimizer, model.loss)
+    key = _key(model, distribution)
     trainer = getattr(model, "_tfpar_pipeline_trainer", None)
     if trainer is None or trainer.compiled_key != key:
         trainer = _build(model, distribution)
@@ -166,6 +174,20 @@ def trainer_for(model, distribution):
         object.__setattr__(model, "_tfpar_pipeline_trainer", trainer)
     trainer.from_model()
     return trainer
+
+
+def _key(model, distribution):
+    """What a trainer is built from: the pipeline's settings, the mesh's devices, and
+    `compile`'s optimizer, loss and config (a new distribution or a recompile with other
+    settings builds a new trainer)."""
+    mesh = distribution.device_mesh
+    devices = tuple(str(d) for d in np.asarray(mesh.devices).ravel())
+    # without the optimizer's config: it holds the current learning rate, which callbacks
+    # change (the stage optimizers' state must outlive that)
+    config = json.dumps({k: v for k, v in (model.get_compile_config() or {}).items()
+                         if k != "optimizer"}, sort_keys=True, default=repr)
+    return (settings(distribution), tuple(mesh.shape), devices, id(model.optimizer),
+            id(model.loss), config)
 
 
 def _build(model, distribution):
@@ -324,6 +346,37 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         if whole:
             raise TfparError(f"weights of the model in no stage: {', '.join(whole)}")
         self._forward = self._compiled(self._predict_step)
+        self.stateful_layer = _stateful_layer(model.stages)
+        user = getattr(user_model.optimizer, "inner_optimizer", user_model.optimizer)
+        # A schedule is in each stage optimizer's copied config; a variable learning rate
+        # (which LearningRateScheduler, ReduceLROnPlateau set) is pushed before each step.
+        self.scheduled = isinstance(user.get_config().get("learning_rate"), dict)
+        self.rates = [v for o in optimizers
+                      for v in getattr(o, "inner_optimizer", o).variables
+                      if v.path.endswith("/learning_rate")]
+        self.rate = None
+        # fp32 `tfpar.DistributedOptimizer`: the skip's scale is held at 1 (`_fresh`).
+        compiled = user_model.optimizer
+        self.scale_one = (getattr(compiled, "tfpar_skip_nonfinite", False)
+                          and getattr(compiled, "inner_optimizer", None) is None)
+
+    def _step(self, batch):
+        if self.stateful_layer:
+            compat.enforce(compat.KERAS_PIPELINE_STATEFUL_LAYER, compat.view(
+                backend="dtensor", stateful_layer=self.stateful_layer))
+        if not self.scheduled:
+            rate = float(np.asarray(self.user_model.optimizer.learning_rate))
+            if rate != self.rate:
+                for variable in self.rates:
+                    values.assign(variable, rate)
+                self.rate = rate
+        out = super()._step(batch)
+        if self.scale_one:  # a skipped step halved it: back to 1, so it never reaches 0
+            scales = [o.dynamic_scale for o in self.stage_optimizers]
+            if float(values.to_host(scales[0].value)) != 1.0:
+                for scale in scales:
+                    values.assign(scale, 1.0)
+        return out
 
     def from_model(self):
         """The user's model's current weights onto the stages."""
@@ -331,9 +384,24 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
             values.assign(stage_variable, np.asarray(variable))
 
     def to_model(self):
-        """The stages' weights into the user's model (whole, host values)."""
+        """The stages' weights into the user's model (whole, host values), and the stage
+        optimizers' step count into its optimizer's `iterations`."""
         for stage_variable, variable in self.pairs:
             variable.assign(values.to_host(stage_variable.value))
+        first = self.stage_optimizers[0]
+        steps = getattr(first, "inner_optimizer", first).iterations
+        self.user_model.optimizer.iterations.assign(int(values.to_host(steps.value)))
+
+    def check_batches(self, sizes):
+        """Refuses, before any step, a batch size of `fit`'s data (the last batch's too)
+        that does not split into the micro-batches (`_on_mesh`'s line)."""
+        parts = self.mesh.shape[0]
+        for size in sizes:
+            if size and size % (self.M * parts):
+                raise ConfigError("microbatches", self.M,
+                                  f"the batch of {size} must split into {self.M} "
+                                  f"micro-batches divisible by data_parallel={parts}; pick "
+                                  "a batch_size (and data length) that do")
 
     def stage_forward(self, v, tv, ntv, h):
         mapping = (list(zip(self.model.stages[v].trainable_variables, tv))
@@ -377,6 +445,31 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         return out[:len(out) - pad]
 
 
+def _stateful_layer(stages):
+    """`"name (Class)"` of the first layer of `stages` whose non-trainable state a
+    training step changes (moving statistics of a layer not frozen, a seed generator's
+    state), or None."""
+    def layers(model):
+        for layer in model.layers:
+            yield layer
+            if hasattr(layer, "layers"):
+                yield from layers(layer)
+    for stage in stages:
+        for layer in layers(stage):
+            if hasattr(layer, "layers"):  # a nested model: its own layers are checked
+                continue
+            own = layer.non_trainable_variables
+            seeded = any(v.path.endswith("seed_generator_state") for v in own)
+            if own and (layer.trainable or seeded):
+                return f"{layer.name} ({type(layer).__name__})"
+    return None
+
+
+def _overrides(callback, *methods):
+    return any(getattr(type(callback), m) is not getattr(keras.callbacks.Callback, m)
+               for m in methods)
+
+
 class UserCallbacks(keras.callbacks.Callback):
     """The user's callbacks in a pipeline `fit` (and, with `verbose`, Keras's progress
     bar), called with the user's model and the model's logs (not tfpar's `step_loss`):
@@ -398,7 +491,8 @@ class UserCallbacks(keras.callbacks.Callback):
         self.inner = keras.callbacks.CallbackList(
             callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
             model=trainer.user_model)
-        self.every_batch = any(not isinstance(c, keras.callbacks.History) for c in callbacks)
+        self.every_batch = any(_overrides(c, "on_train_batch_end", "on_batch_end")
+                               for c in callbacks)
 
     def set_params(self, params):
         self.inner.set_params({**params, "verbose": self.verbose})
