@@ -34,6 +34,10 @@ import dataclasses
 
 from tfpar.errors import ConfigError
 
+# Codecs that take Adam in front of compression by default (`--compress_adam_step`, every
+# backend; `tfpar.config.ADAM_FRONT_CODECS` is this tuple).
+ADAM_FRONT_CODECS = ("topk", "powersgd", "lowbit")
+
 BACKENDS = ("data_parallel", "pipeline", "dtensor", "tf_keras")
 
 # setting -> {backend: (the values that backend honours, why it honours no other)}.
@@ -223,7 +227,7 @@ MESH_TOPK_WARMUP = Rule(
 # is not built there.
 MESH_ADAM_WARMUP = Rule(
     "adam_warmup_steps", lambda c: _mesh(c) and c.compress_adam_step
-    and c.optimizer == "adam" and c.compression in ("topk", "powersgd", "lowbit")
+    and c.optimizer == "adam" and c.compression in ADAM_FRONT_CODECS
     and c.adam_warmup_steps == 0,
     "not supported on a DTensor mesh: Adam in front of its codec starts from exact steps; "
     "use --adam_warmup_steps>=1, or --compress_adam_step=false (Adam behind the codec)")

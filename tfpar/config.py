@@ -41,7 +41,7 @@ LOWBIT_BITS = 3
 # Codecs that take Adam in front of compression by default (`--compress_adam_step`, every
 # backend: `tfpar.compression.adam_front`): exact Adam for `--adam_warmup_steps`, then each
 # replica's compressed Adam step (docs/guides/compression.md).
-ADAM_FRONT_CODECS = ("topk", "powersgd", "lowbit")
+ADAM_FRONT_CODECS = compat.ADAM_FRONT_CODECS
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 _DATASET_RE = re.compile(r"^(auto|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 

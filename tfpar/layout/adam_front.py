@@ -43,13 +43,13 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar.compression import adam_front
-from tfpar.config import TOPK_MOMENTUM_CARRY
+from tfpar.config import ADAM_FRONT_CODECS, TOPK_MOMENTUM_CARRY
 from tfpar.layout import values
 from tfpar.layout.optimizer import applies_steps
 from tfpar.layout.reduction import BatchAxisReduction, kept_if
 
 # The codecs Adam goes in front of (tf.distribute's `ADAM_STEP_AGGREGATORS`).
-CODECS = ("topk", "powersgd", "lowbit")
+CODECS = ADAM_FRONT_CODECS
 VARIANCES = ("frozen", "local", "local_debiased")
 
 

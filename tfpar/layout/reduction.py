@@ -52,7 +52,7 @@ from tensorflow.experimental import dtensor
 from tfpar import compat
 from tfpar.compression import auto, codecs, error_feedback, lowbit, powersgd
 from tfpar.compression.sparse import TopKAggregator
-from tfpar.config import LOWBIT_BITS
+from tfpar.config import ADAM_FRONT_CODECS, LOWBIT_BITS
 from tfpar.layout import values
 from tfpar.layout.mesh import batch_axis, batch_parts
 
@@ -74,7 +74,7 @@ def codec_options(config):
             # Adam in front of top-k, PowerSGD and lowbit, as tf.distribute puts it
             # (`tfpar.compression.make_aggregator`; docs/guides/compression.md).
             "adam_front": (config.compress_adam_step and config.optimizer == "adam"
-                           and config.compression in ("topk", "powersgd", "lowbit")),
+                           and config.compression in ADAM_FRONT_CODECS),
             "adam_warmup_steps": config.adam_warmup_steps,
             "topk_momentum_carry": config.topk_momentum_carry}
 
