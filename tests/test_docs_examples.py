@@ -65,8 +65,11 @@ def test_every_example_is_in_the_guide():
 
 def _fenced(text):
     """The shell blocks of a page (fences without a language or `bash`/`sh`), dedented."""
-    for indent, body in re.findall(r"^( *)```(?:bash|sh)?\n(.*?)^\1```", text, re.M | re.S):
-        yield "\n".join(line[len(indent):] for line in body.split("\n"))
+    # Every fence pairs with the next (a closing fence is never taken for an opening one).
+    for indent, language, body in re.findall(r"^( *)```(\w*)\n(.*?)^\1```", text,
+                                             re.M | re.S):
+        if language in ("", "bash", "sh"):
+            yield "\n".join(line[len(indent):] for line in body.split("\n"))
 
 
 def _inline(text):
