@@ -251,6 +251,28 @@ class Epochs(keras.callbacks.Callback):
         self.weights.append(self.model.get_weights())
 
 
+class SetAtEnd(keras.callbacks.Callback):
+    """Sets the model's weights in `on_train_end`, as EarlyStopping's best weights do."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.to = weights
+
+    def on_train_end(self, logs=None):
+        self.model.set_weights(self.to)
+
+
+class Constant(keras.layers.Layer):
+    """A non-trainable weight training never writes (a constant scale)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", trainable=False,
+                                     name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
 class Interrupt(keras.callbacks.Callback):
     """Raises at the start of batch `at` (no batch-end hook: no per-batch write-back)."""
 
@@ -328,14 +350,47 @@ def state():
     fit(two, steps=2)
     out["interrupted"] = {"against_two_steps": diff(model.get_weights(), two.get_weights()),
                           "moved": diff(model.get_weights(), weights)}
+    # a callback's set_weights at training's end stays (EarlyStopping's best weights)
+    model = compiled(keras.optimizers.SGD(0.1), weights)
+    fit(model, callbacks=[SetAtEnd(weights)])
+    out["set_at_end"] = {"moved": diff(model.get_weights(), weights)}
+    # a LambdaCallback's batch-end hook sees each step's weights
+    model = compiled(keras.optimizers.SGD(0.1), weights)
+    seen = []
+    fit(model, callbacks=[keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(model.get_weights()))])
+    out["lambda"] = {"moved": [diff(seen[i + 1], seen[i]) for i in range(len(seen) - 1)]}
+    # a generator's batches; a layer with a constant non-trainable weight is accepted
+    x, y = data()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(64, name="up1")(Constant(name="constant")(inputs))
+    h = keras.layers.Dense(16, name="down1")(h)
+    constant = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+    constant.compile(optimizer=keras.optimizers.SGD(0.1),
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    start = constant.get_weights()
+
+    def batches():
+        for i in range(STEPS):
+            yield x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
+    try:
+        constant.fit(batches(), steps_per_epoch=STEPS, epochs=1, verbose=0)
+        out["generator"] = {"raised": None, "moved": diff(constant.get_weights(), start),
+                            "iterations": int(constant.optimizer.iterations.numpy())}
+    except Exception as error:  # noqa: BLE001 (the test prints what went wrong)
+        out["generator"] = {"raised": f"{type(error).__name__}: {error}"}
     # a new distribution, then a recompile with other metrics: each builds a new trainer
     keras.distribution.set_distribution(distribution(microbatches=2))
     two.evaluate(x, y, batch_size=BATCH, verbose=0)
     microbatches = two._tfpar_pipeline_trainer.M
     two.compile(optimizer=two.optimizer, loss=two.loss)
     two.evaluate(x, y, batch_size=BATCH, verbose=0)
+    before = int(two.optimizer.iterations.numpy())
+    fit(two, steps=2)  # the rebuilt trainer goes on counting
     out["rebuilt"] = {"microbatches": microbatches,
-                      "accuracy": two._tfpar_pipeline_trainer.accuracy}
+                      "accuracy": two._tfpar_pipeline_trainer.accuracy,
+                      "iterations": [before, int(two.optimizer.iterations.numpy())]}
     return out
 
 

@@ -122,7 +122,23 @@ def test_an_interrupted_fit_leaves_the_steps_taken_in_the_model(results):
 
 def test_a_new_distribution_or_compile_builds_a_new_trainer(results):
     run_ = _case(results, "state")["rebuilt"]
-    assert run_ == {"microbatches": 2, "accuracy": None}, run_
+    assert run_["microbatches"] == 2 and run_["accuracy"] is None, run_
+    assert run_["iterations"] == [2, 4], run_  # seeded from the model's optimizer
+
+
+def test_callbacks_see_and_keep_the_weights_they_should(results):
+    state = _case(results, "state")
+    # a callback's set_weights in on_train_end is not undone (EarlyStopping's best)
+    assert state["set_at_end"]["moved"] == 0.0, state["set_at_end"]
+    # a LambdaCallback's batch-end hook sees every step's weights
+    assert all(m > 0 for m in state["lambda"]["moved"]), state["lambda"]
+    assert len(state["lambda"]["moved"]) == 2, state["lambda"]
+
+
+def test_a_generator_and_a_constant_weight_train(results):
+    run_ = _case(results, "state")["generator"]
+    assert run_["raised"] is None, run_
+    assert run_["moved"] > 0 and run_["iterations"] == 3, run_
 
 
 @pytest.mark.parametrize("name,setting", [("stage_axis_last", "DeviceMesh.axis_names"),

@@ -132,8 +132,10 @@ def _cause(err):
                 # (the launcher loses a host when every worker of it is named).
                 follow = list(itertools.takewhile(lambda t: t.startswith("/job:"),
                                                   lines[i + 1:]))
-                detail = " ".join(follow or lines[i + 1:i + 2]) if line.endswith(":") else ""
-                return f"{line} {detail}".strip()[:300 + 40 * len(follow)]
+                detail = (" ".join(follow) or " ".join(lines[i + 1:i + 2])[:300]
+                          if line.endswith(":") else "")
+                # only the key line is cut: the names after it are whole
+                return f"{line[:300]} {detail}".strip()
     return lines[0][:300] if lines else type(err).__name__
 
 

@@ -429,8 +429,8 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
     callbacks = list(callbacks or []) + [history]
     pipelined = isinstance(trainer, keras_pipeline.KerasPipelineTrainer)
     if pipelined:  # called with `model`
-        trainer.check_batches([getattr(adapter, "batch_size", None),
-                               getattr(adapter, "partial_batch_size", None)])
+        trainer.check_batches([_size(adapter, "batch_size"),
+                               _size(adapter, "partial_batch_size")])
         callbacks = [keras_pipeline.UserCallbacks(trainer, callbacks, _verbose(verbose),
                                                   epochs, steps_per_epoch)]
         verbose = 0  # the progress bar is the user's callbacks', with the model's logs
@@ -439,11 +439,24 @@ def _fit(model, trainer, x, y, batch_size, epochs, verbose, callbacks, validatio
                     initial_epoch=initial_epoch, callbacks=callbacks,
                     verbose=_verbose(verbose), validation_data=validation,
                     validation_freq=validation_freq)
-    finally:
-        if pipelined:  # an error or Ctrl-C mid-fit: the steps taken stay in the model
+    except BaseException:
+        # An error or Ctrl-C mid-fit: the steps taken stay in the model. (On success the
+        # callbacks' `on_train_end` wrote them before the user's own ran: writing them
+        # again here would undo a callback's `set_weights`, EarlyStopping's best weights.)
+        if pipelined:
             trainer.to_model()
+        raise
     model.history = history
     return history
+
+
+def _size(adapter, name):
+    """A Keras data adapter's batch size `name`, or None where it has none (a generator's
+    or `PyDataset`'s adapter raises `NotImplementedError` for it)."""
+    try:
+        return getattr(adapter, name, None)
+    except NotImplementedError:
+        return None
 
 
 def _ready(model, trainer, batches):

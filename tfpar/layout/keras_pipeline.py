@@ -186,8 +186,9 @@ def _key(model, distribution):
     # change (the stage optimizers' state must outlive that)
     config = json.dumps({k: v for k, v in (model.get_compile_config() or {}).items()
                          if k != "optimizer"}, sort_keys=True, default=repr)
-    return (settings(distribution), tuple(mesh.shape), devices, id(model.optimizer),
-            id(model.loss), config)
+    # the optimizer and loss themselves (held, so a new one never takes a freed one's id)
+    return (settings(distribution), tuple(mesh.shape), devices, model.optimizer,
+            model.loss, config)
 
 
 def _build(model, distribution):
@@ -379,9 +380,16 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         return out
 
     def from_model(self):
-        """The user's model's current weights onto the stages."""
+        """The user's model's current weights onto the stages, and its optimizer's
+        `iterations` into every stage optimizer's (a rebuilt trainer goes on counting)."""
         for stage_variable, variable in self.pairs:
             values.assign(stage_variable, np.asarray(variable))
+        count = int(self.user_model.optimizer.iterations)
+        for optimizer in self.stage_optimizers:
+            steps = getattr(optimizer, "inner_optimizer", optimizer).iterations
+            values.assign(steps, np.asarray(count, steps.dtype.as_numpy_dtype
+                                            if hasattr(steps.dtype, "as_numpy_dtype")
+                                            else steps.dtype))
 
     def to_model(self):
         """The stages' weights into the user's model (whole, host values), and the stage
@@ -460,21 +468,26 @@ def _stateful_layer(stages):
                 continue
             own = layer.non_trainable_variables
             seeded = any(v.path.endswith("seed_generator_state") for v in own)
-            if own and (layer.trainable or seeded):
+            moving = isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+            if seeded or moving:  # (constants, an adapted Normalization: never written)
                 return f"{layer.name} ({type(layer).__name__})"
     return None
 
 
 def _overrides(callback, *methods):
-    return any(getattr(type(callback), m) is not getattr(keras.callbacks.Callback, m)
-               for m in methods)
+    """Whether `callback` has its own hook among `methods` (its class's, or one set on the
+    instance, as `LambdaCallback` does)."""
+    def own(m):
+        hook = getattr(callback, m)
+        return getattr(hook, "__func__", hook) is not getattr(keras.callbacks.Callback, m)
+    return any(own(m) for m in methods)
 
 
 class UserCallbacks(keras.callbacks.Callback):
     """The user's callbacks in a pipeline `fit` (and, with `verbose`, Keras's progress
     bar), called with the user's model and the model's logs (not tfpar's `step_loss`):
     the stage weights are written into it before each epoch end and training's end (and
-    each batch end when a callback other than `History` is given), and its
+    each batch end when a callback has a batch-end hook), and its
     `stop_training` is passed on to the trainer."""
 
     def __init__(self, trainer, callbacks, verbose=0, epochs=1, steps=None):
