@@ -57,7 +57,7 @@ def _mlp_on_mesh(make_optimizer, compression, codec_options):
 def warm_collectives():
     import keras
     import tensorflow as tf
-    from zero3_prefetch_child import _op_counts
+    from tfpar import profiling
 
     out = {}
     for name, variance in (("own_v", None), ("frozen_v", "frozen")):
@@ -69,9 +69,9 @@ def warm_collectives():
             tf.profiler.experimental.start(logdir)
             trainer.train_on_batch(*batches[1][:2])
             tf.profiler.experimental.stop()
-            counts = _op_counts(logdir)
-        out[name] = {"collectives": {k: v for k, v in counts.items()
-                                     if k.startswith("Collective")},
+            kinds = [profiling.op_type(n) for n, _, _ in profiling.read_events(logdir)]
+        out[name] = {"collectives": {k: kinds.count(k) for k in set(kinds)
+                                     if k and k.startswith("Collective")},
                      "rows": [trainer.reduction.m_rows, trainer.reduction.v_rows],
                      "comm": trainer.reduction.comm_stats()}
     return out
