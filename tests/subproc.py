@@ -256,6 +256,24 @@ def saved_arrays(path):
     return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
 
 
+def published_step(ckpt):
+    """The step of the checkpoint a checkpoint directory's state file names as latest (the
+    published one), or None."""
+    try:
+        text = open(os.path.join(ckpt, "checkpoint")).read()
+        return int(text.split('model_checkpoint_path: "ckpt-')[1].split('"')[0])
+    except (FileNotFoundError, IndexError):
+        return None
+
+
+def rank_line(output, i):
+    """Worker i's last result line in a launcher's output (`[worker i] [{...}]`: the JSON
+    list tests/train_configs_child.py prints), its first entry."""
+    lines = [line.split("] ", 1)[1] for line in output.splitlines()
+             if line.startswith(f"[worker {i}] [{{")]
+    return json.loads(lines[-1])[0]
+
+
 def max_diff(a, b):
     """The largest absolute difference between two equally long lists of arrays."""
     import numpy as np

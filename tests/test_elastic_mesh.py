@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from subproc import ROOT, in_background, popen, run
+from subproc import ROOT, in_background, popen, rank_line, run
 from subproc import max_diff as _gap, saved_arrays as _arrays
 from tfpar import ParallelConfig, relayout
 from tfpar.dims import ParallelDims
@@ -39,13 +39,6 @@ CHILD = os.path.join(ROOT, "tests", "train_configs_child.py")
 MESH = {"model": "mlp", "optimizer": "adam", "tensor_parallel": 2, "cpu_devices": 2,
         "steps": 20, "steps_per_epoch": 10, "checkpoint_every": 10, "verbose": 0,
         "collective_timeout_s": 60, "checkpoint_async": False}
-
-
-def _rank_line(stdout, i):
-    """Worker i's last result line (train_configs_child.py prints a JSON list)."""
-    lines = [line.split("] ", 1)[1] for line in stdout.splitlines()
-             if line.startswith(f"[worker {i}] [{{")]
-    return json.loads(lines[-1])[0]
 
 
 def _shrink(tmp_path, workers, cfg, reference, kill_range):
@@ -91,7 +84,7 @@ def _shrink(tmp_path, workers, cfg, reference, kill_range):
     context = f"seed {seed}, kill at step {kill_step}\n{output[-4000:]}"
     assert proc.returncode == 0, context
     assert f"world size {workers} -> {lost}" in output, context
-    ranks = [_rank_line(output, i) for i in range(lost)]
+    ranks = [rank_line(output, i) for i in range(lost)]
     out = reference_run[0].result()
     wholes = next(json.loads(line) for line in reversed(out.stdout.splitlines())
                   if line.startswith("[{"))

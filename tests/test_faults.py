@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from subproc import (ROOT, in_background, last_json_line, popen, processes_with, run,
-                     run_cli_cases, sigterm_when_ready, run_module)
+                     run_cli_cases, sigterm_when_ready, run_module, published_step)
 from test_train import BASE, CHILD, max_diff, train_runs, weights
 
 
@@ -94,10 +94,7 @@ class Job:
 
     def published_step(self):
         """The step of the checkpoint the state file names as latest, or None."""
-        with contextlib.suppress(FileNotFoundError):
-            text = (self.ckpt / "checkpoint").read_text()
-            return int(text.split('model_checkpoint_path: "ckpt-')[1].split('"')[0])
-        return None
+        return published_step(self.ckpt)
 
     def finish(self, timeout=180):
         try:

@@ -46,7 +46,7 @@ import psutil
 import pytest
 
 from subproc import (ROOT, child_env, fork_server_under, in_background, processes_with,
-                     run_concurrently, run_module)
+                     run_concurrently, run_module, published_step)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import shaped_link  # noqa: E402
@@ -159,10 +159,7 @@ class Job:
         return lambda: sum(text in line for line in self.lines) >= count
 
     def published_step(self):
-        with contextlib.suppress(FileNotFoundError, IndexError):
-            text = (self.ckpt / "checkpoint").read_text()
-            return int(text.split('model_checkpoint_path: "ckpt-')[1].split('"')[0])
-        return None
+        return published_step(self.ckpt)
 
     def workers(self, attempt):
         """The worker processes of attempt `attempt`, by worker index."""

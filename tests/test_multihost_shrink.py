@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from subproc import ROOT, child_env, run
+from subproc import ROOT, child_env, published_step, rank_line, run
 from tfpar import launch as tfpar_launch
 from subproc import max_diff as _gap, saved_arrays as _arrays
 from test_multihost_netns import _orphans, hosts, servers  # noqa: F401 (fixtures)
@@ -53,21 +53,6 @@ CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps":
        "steps_per_epoch": 10, "checkpoint_every": 10, "global_batch_size": 32,
        "verbose": 0, "collective_timeout_s": 30, "heartbeat_timeout_s": 3,
        "startup_timeout_s": 60, "checkpoint_async": False}
-
-
-def _published(ckpt):
-    """The step the directory's state file names, or None."""
-    try:
-        text = (ckpt / "checkpoint").read_text()
-        return int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"', text).group(1))
-    except (FileNotFoundError, AttributeError):
-        return None
-
-
-def _rank_line(output, i):
-    lines = [line.split("] ", 1)[1] for line in output.splitlines()
-             if line.startswith(f"[worker {i}] [{{")]
-    return json.loads(lines[-1])[0]
 
 
 def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F811
@@ -92,15 +77,15 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
         for line in proc.stdout:
             lines.append(line)
             if "is lost with its worker slot(s)" in line:  # all stopped, none restarted yet
-                seen["at_loss"] = _published(ckpt)
+                seen["at_loss"] = published_step(ckpt)
                 shutil.copytree(ckpt, copy)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        while _published(ckpt) is None and proc.poll() is None:
+        while published_step(ckpt) is None and proc.poll() is None:
             time.sleep(0.05)
-        seen["at_cut"] = _published(ckpt)
+        seen["at_cut"] = published_step(ckpt)
         hosts.set_link(1, up=False)
         proc.wait(timeout=150)
     finally:
@@ -122,7 +107,7 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     assert output.count(" is lost") == 1, context
     assert re.search(r"all 2 workers exited 0 \(2 attempt\(s\), 1 restart\); world size "
                      r"3 -> 2", output), context
-    ranks = [_rank_line(output, i) for i in range(2)]
+    ranks = [rank_line(output, i) for i in range(2)]
     # The reference runs after the job, not beside its survivors on the 2 cores.
     result = run([sys.executable, CHILD, json.dumps([whole]), str(tmp_path / "whole")],
                  timeout=180)
