@@ -256,6 +256,17 @@ def saved_arrays(path):
     return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
 
 
+def run_children(script, children, prefix, timeout=600):
+    """Runs `script` once per child spec of `children` (JSON, then `prefix`), one after
+    another; returns the merge of their last JSON lines and their stderr joined."""
+    out, stderr = {}, ""
+    for child in children:
+        done = run([sys.executable, script, json.dumps(child), prefix], timeout=timeout)
+        out.update(last_json_line(done.stdout))
+        stderr += done.stderr
+    return out, stderr
+
+
 def published_step(ckpt):
     """The step of the checkpoint a checkpoint directory's state file names as latest (the
     published one), or None."""

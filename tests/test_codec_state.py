@@ -21,12 +21,10 @@ equal to the saved one) and trains 3 more, compared with the target trained 6 st
 the start (`tests/reshard_child.py`).
 """
 
-import json
-import sys
 
 import numpy as np
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, run_children
 
 CHILD = f"{ROOT}/tests/codec_state_child.py"
 # Width 64: every kernel is above top-k's `dense_below` and PowerSGD's rank-4 factors are
@@ -91,10 +89,7 @@ def _final_state(prefix, name, ref):
 
 def test_codec_state_moves_between_backends_and_replica_counts(tmp_path):
     prefix = str(tmp_path / "out")
-    out = {}
-    for child in _children(tmp_path):
-        out.update(last_json_line(run([sys.executable, CHILD, json.dumps(child), prefix],
-                                      timeout=400).stdout))
+    out, _ = run_children(CHILD, _children(tmp_path), prefix, timeout=400)
     for codec in CODECS:
         _landed(out, f"dp2_from_mesh_{codec}", 2)
         _continues(out, f"dp2_from_mesh_{codec}", f"ref_dp2_{codec}")
@@ -156,11 +151,7 @@ def _zero_children(tmp):
 
 def test_zero12_codec_state_moves_to_data_parallel_and_other_replica_counts(tmp_path):
     prefix = str(tmp_path / "out")
-    out, stderr = {}, ""
-    for child in _zero_children(tmp_path):
-        done = run([sys.executable, CHILD, json.dumps(child), prefix], timeout=600)
-        out.update(last_json_line(done.stdout))
-        stderr += done.stderr
+    out, stderr = run_children(CHILD, _zero_children(tmp_path), prefix)
     for codec in CODECS:
         # ZeRO-2 -> data parallelism and the reverse, 2 replicas: the next 3 steps and the
         # final weights as the target's uninterrupted run.

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, last_json_line, run, run_children
 
 CHILD = f"{ROOT}/tests/reshard_child.py"
 SMALL = {"model_width": 32, "verbose": 0}
@@ -87,10 +87,7 @@ def _same_run(out, prefix, name, ref, tol):
 
 def test_a_checkpoint_resumes_on_other_layouts(tmp_path):
     prefix = str(tmp_path / "out")
-    out = {}
-    for child in _children(tmp_path):
-        out.update(last_json_line(run([sys.executable, CHILD, json.dumps(child), prefix],
-                                      timeout=400).stdout))
+    out, _ = run_children(CHILD, _children(tmp_path), prefix, timeout=400)
     _same_run(out, prefix, "tp4", "ref_tp4", 1e-5)
     _same_run(out, prefix, "dp4tp2", "ref_dp4tp2", 1e-6)
     _same_run(out, prefix, "one", "ref_one", 1e-6)

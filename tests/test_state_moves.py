@@ -24,12 +24,10 @@ the first step already (Adam's moments restarted: 4.0e-3 off, the faults guide),
 second step shows a state the first step's update left wrong.
 """
 
-import json
-import sys
 
 import numpy as np
 
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, run_children
 
 CHILD = f"{ROOT}/tests/reshard_child.py"
 # Width 16: PowerSGD's rank-4 factors are smaller than every kernel (it compresses).
@@ -147,11 +145,7 @@ def _pays_once(prefix, out, name, plain, writer):
 
 def test_state_moves_between_zero_mesh_replicas_and_adam_forms(tmp_path):
     prefix = str(tmp_path / "out")
-    out, stderr = {}, ""
-    for child in _children(tmp_path):
-        done = run([sys.executable, CHILD, json.dumps(child), prefix], timeout=600)
-        out.update(last_json_line(done.stdout))
-        stderr += done.stderr
+    out, stderr = run_children(CHILD, _children(tmp_path), prefix)
     # ZeRO-2 ⇄ mesh, Adam behind PowerSGD: each lands in the target's layout.
     _continues(out, prefix, "z2_from_mesh_psgd", "ref_z2_psgd", 1e-5)
     _continues(out, prefix, "mesh_from_z2_psgd", "ref_mesh_psgd", 1e-5)
