@@ -319,9 +319,8 @@ def _check_offload(optimizer, compression, offload):
 def _plain_class(optimizer):
     """The Keras optimizer class under tfpar's aggregating or offloading mixin (`optimizer`'s
     own if none)."""
-    cls = type(optimizer)
-    mixed = issubclass(cls, (AggregatingOptimizerMixin, offload_lib.OffloadMixin))
-    return cls.__bases__[-1] if mixed else cls
+    return patches.unmixed_class(type(optimizer),
+                                 (AggregatingOptimizerMixin, offload_lib.OffloadMixin))
 
 
 _DISTRIBUTED = {}

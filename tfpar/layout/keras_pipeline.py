@@ -300,10 +300,8 @@ def _plain_class(optimizer):
     replicas; on the mesh the stages' reductions and the loss scale do that)."""
     from tfpar.compression.keras_hook import AggregatingOptimizerMixin
     from tfpar.nan_guard import SkipNonFiniteMixin
-    cls = type(optimizer)
-    while issubclass(cls, (AggregatingOptimizerMixin, SkipNonFiniteMixin)):
-        cls = cls.__bases__[-1]  # `patches.mix_in`'s classes: (mixin, the class mixed)
-    return cls
+    return patches.unmixed_class(type(optimizer), (AggregatingOptimizerMixin,
+                                                   SkipNonFiniteMixin))
 
 
 def _fresh(optimizer):
@@ -387,9 +385,7 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         count = int(self.user_model.optimizer.iterations)
         for optimizer in self.stage_optimizers:
             steps = getattr(optimizer, "inner_optimizer", optimizer).iterations
-            values.assign(steps, np.asarray(count, steps.dtype.as_numpy_dtype
-                                            if hasattr(steps.dtype, "as_numpy_dtype")
-                                            else steps.dtype))
+            values.assign(steps, count)
 
     def to_model(self):
         """The stages' weights into the user's model (whole, host values), and the stage

@@ -60,6 +60,7 @@ from tfpar.patches.keras_model import (forward_loss, function_loss, functional_o
 from tfpar.patches.keras_optimizer import (base_build, built_variables, is_base_optimizer,
                                            is_tf_optimizer,
                                            is_stateless_class, mix_in, mix_out, stateless_class,
+                                           unmixed_class,
                                            to_stateless)
 from tfpar.patches.model_optimization import (input_quantizers, local_mask_pruning,
                                               prunable, prunable_wrappers)

@@ -224,11 +224,16 @@ def mix_in(obj, mixin):
     return obj
 
 
+def unmixed_class(cls, mixins):
+    """The class `mix_in` mixed every class of `mixins` in front of to make `cls` (`cls`
+    itself if none)."""
+    while issubclass(cls, mixins):
+        cls = cls.__bases__[-1]  # `mix_in`'s classes: (mixin, the class mixed)
+    return cls
+
+
 def mix_out(obj, mixins):
     """Undoes `mix_in` for every class of `mixins` in front of `obj`'s class, in place:
     `obj` is again an instance of the class those were mixed into."""
-    cls = type(obj)
-    while issubclass(cls, mixins):
-        cls = cls.__bases__[-1]  # `mix_in`'s classes: (mixin, the class mixed)
-    obj.__class__ = cls
+    obj.__class__ = unmixed_class(type(obj), mixins)
     return obj
