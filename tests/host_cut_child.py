@@ -1,24 +1,34 @@
 """Child for tests/test_multihost_shrink.py: a worker of a job whose host `CUT` (an address)
-is cut off in attempt 0, without TensorFlow.
+is cut off, without TensorFlow.
 
-`python tests/host_cut_child.py CUT NAMED`: in attempt 0 (`TFPAR_RESTART`) a worker on
-another host prints TensorFlow's heartbeat error naming the tasks NAMED (comma-separated
-indices, as a traceback does: one task a line) and exits 1; a worker on CUT exits 1 with
-no names (its peers went silent). Later attempts exit 0.
+`python tests/host_cut_child.py CUT NAMED [DOWN]`: host CUT stays down for the first DOWN
+attempts (`TFPAR_RESTART`; default 1). In attempt 0 a worker on another host prints
+TensorFlow's heartbeat error naming the tasks NAMED (comma-separated indices, as a
+traceback does: one task a line) and exits 1; a worker on CUT exits 1 with no names (its
+peers went silent). In later attempts while CUT is down every worker fails at start-up as
+the trainer's watchdog ends it (`tfpar.strategy`: its one line, then SIGKILL), naming no
+task. Attempts after that exit 0.
 """
 
 import json
 import os
+import signal
 import sys
 
-from tfpar.launch import UNHEALTHY
+from tfpar.host_loss import UNHEALTHY
 
 
 def main():
     cut, named = sys.argv[1], [int(n) for n in sys.argv[2].split(",") if n]
-    if os.environ["TFPAR_RESTART"] != "0":
+    down = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    attempt = int(os.environ["TFPAR_RESTART"])
+    if attempt >= down:
         return 0
     config = json.loads(os.environ["TF_CONFIG"])
+    if attempt > 0:
+        print("tfpar: error: workers did not all start within startup_timeout_s=60: is "
+              f"every worker of {config['cluster']['worker']} started?", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     me = config["cluster"]["worker"][config["task"]["index"]]
     if me.rsplit(":", 1)[0] == cut:
         print("DeadlineExceededError: Collective ops is aborted by: Deadline Exceeded",

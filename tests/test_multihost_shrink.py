@@ -1,38 +1,45 @@
 """A whole host lost at once shrinks an elastic job like a lost worker.
 
 Two network namespaces stand in for two hosts (the fixtures of
-`tests/test_multihost_netns.py`: a veth pair, a fork server in each): 2 worker slots on
-host 0, 1 on host 1. `tfpar.launch --min_workers=1 --lost_after=1` runs a 3-worker
-`--strategy=multi_worker` job (Adam, global batch 32: 11/11/10 per replica, a checkpoint
-every 10 steps, `--collective_timeout_s=30 --heartbeat_timeout_s=3`: the cut is found by
-the 3 s heartbeat, and a loaded machine's late worker does not fail the end-of-training
-barrier); once the first
-checkpoint is published, host 1's link is cut (`ip link set down`). Every worker then fails
-in a collective (the first to exit is as likely on host 0); host 0's workers name host 1's
-worker as unhealthy (TensorFlow's error: "stopped sending heartbeats", here in a traceback:
-the workers run `tests/train_configs_child.py`, not the trainer's one-line error), and
-the launcher drops every slot of host 1 at once, in one line naming the host, and the two
-survivors resume from the last published checkpoint with the same global batch (16/16).
+`tests/test_multihost_netns.py`: a veth pair, a fork server in each), 2 worker slots on
+each. `tfpar.launch --min_workers=2 --lost_after=2`, run on host 0 (inside its namespace,
+as a user runs it on one of the machines), runs a 4-worker `--strategy=multi_worker` job
+(Adam, global batch 32: 8 per replica, a checkpoint every 10 steps,
+`--collective_timeout_s=30 --heartbeat_timeout_s=3 --startup_timeout_s=40`: the cut is
+found by the 3 s heartbeat); once the first checkpoint is published, host 1's link is cut
+(`ip link set down`) and stays down until the job ends. Every worker then fails in a
+collective (the first to exit is as likely on host 0); host 0's workers name host 1's
+workers as unhealthy, both or only one (TensorFlow names at most 3 stale tasks a check,
+each on its own clock); the launcher's probe of the workers' ports finds host 1
+unreachable where the names do not settle it, and the attempt counts against both of host
+1's slots. The retried 4-worker attempt fails at start-up (host 1 still down, naming no
+task): the probe again, the second attempt in a row, and host 1 is dropped with both slots
+in one line naming it. The two survivors resume from the last published checkpoint with the
+same global batch (16/16).
 
-Checked: the job exits 0 on host 0's two workers after one restart; the survivors resumed
-at the step the checkpoint directory had published when the loss was declared (copied
-then, before they started); their per-step losses equal the uninterrupted run's on 2
-replicas (one process, `mirrored` over 2 logical CPUs) resumed from that copy, within 1e-5
-(relative; Adam), and so do their final weights; both ranks end with the same step count,
-losses, weights and Adam state, to the bit; no process of the job is left. The namespaces
-are deleted afterwards (the fixture asserts it). Needs root and `ip`: skips saying so
-otherwise; under `CI=true` as root that is a failure.
+Checked: the job exits 0 on host 0's two workers after two restarts (world size 4 -> 2);
+the survivors resumed at the step the checkpoint directory had published when the loss was
+declared (copied then, before they started); their per-step losses equal the uninterrupted
+run's on 2 replicas (one process, `mirrored` over 2 logical CPUs) resumed from that copy,
+within 1e-5 (relative; Adam), and so do their final weights; both ranks end with the same
+step count, losses, weights and Adam state, to the bit; no process of the job is left. The
+namespaces are deleted afterwards (the fixture asserts it). Needs root and `ip`: skips
+saying so otherwise; under `CI=true` as root that is a failure.
 
-The launcher's rule itself, without namespaces or TensorFlow (`tests/host_cut_child.py`
-on two loopback addresses): a host is lost as a unit only when the other hosts' workers
-named all of its workers and only those; a host named in part loses no host.
+The launcher's rule itself, without namespaces or TensorFlow: `tfpar.host_loss.lost_host` on
+its cases (named whole, in part, not at all; the probe's answers), `answered` on a
+connect's errors, `probe_hosts` on loopback, and whole jobs of `tests/host_cut_child.py`
+on two loopback addresses with a fake probe (and the real one, to which a loopback host
+answers: a worker lost, not the host).
 """
 
+import errno
 import io
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +48,7 @@ import time
 import numpy as np
 
 from subproc import ROOT, child_env, published_step, rank_line, run
-from tfpar import launch as tfpar_launch
+from tfpar import host_loss, launch as tfpar_launch
 from subproc import max_diff as _gap, saved_arrays as _arrays
 from test_multihost_netns import _orphans, hosts, servers  # noqa: F401 (fixtures)
 
@@ -52,7 +59,7 @@ PORT = 23756
 CFG = {"model": "mlp", "optimizer": "adam", "strategy": "multi_worker", "steps": 80,
        "steps_per_epoch": 10, "checkpoint_every": 10, "global_batch_size": 32,
        "verbose": 0, "collective_timeout_s": 30, "heartbeat_timeout_s": 3,
-       "startup_timeout_s": 60, "checkpoint_async": False}
+       "startup_timeout_s": 40, "checkpoint_async": False}
 
 
 def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F811
@@ -61,12 +68,14 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     lost_host = hosts.address(1)
     ckpt, copy = tmp_path / "ckpt", tmp_path / "at_loss"
     spec = {"namespaces": dict(zip([hosts.address(0), lost_host], hosts.namespaces)),
-            "hosts": [[hosts.address(0), 2], [lost_host, 1]],
-            "launch": {"base_port": PORT, "max_restarts": 2, "grace": 2, "timeout": 150,
-                       "min_workers": 1, "lost_after": 1}, **spec_servers}
+            "hosts": [[hosts.address(0), 2], [lost_host, 2]],
+            "launch": {"base_port": PORT, "max_restarts": 3, "grace": 2, "timeout": 300,
+                       "min_workers": 2, "lost_after": 2}, **spec_servers}
     cfg = {**CFG, "checkpoint_dir": str(ckpt)}
-    cmd = [sys.executable, LAUNCHER, json.dumps(spec), "--", sys.executable, CHILD,
-           json.dumps([cfg]), str(tmp_path / "elastic")]
+    # The launcher on host 0: its probe reaches host 1 over the link the test cuts.
+    cmd = ["ip", "netns", "exec", hosts.namespaces[0], sys.executable, LAUNCHER,
+           json.dumps(spec), "--", sys.executable, CHILD, json.dumps([cfg]),
+           str(tmp_path / "elastic")]
     began = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -87,7 +96,7 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
             time.sleep(0.05)
         seen["at_cut"] = published_step(ckpt)
         hosts.set_link(1, up=False)
-        proc.wait(timeout=150)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -96,17 +105,25 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     reader.join(timeout=10)
     seconds = time.monotonic() - began
     output = "".join(lines)
-    context = f"{seen}\n{output[-5000:]}"
+    context = f"{seen}\n{output[-6000:]}"
     assert proc.returncode == 0, context
     assert seen["at_cut"] is not None, context  # cut after a checkpoint, during training
     assert "stopped sending heartbeats" in output, context  # TensorFlow named the lost
-    # One line names the host and its slot; no other slot was lost; one restart.
-    assert re.search(rf"tfpar\.launch: attempt 0: .*host {re.escape(lost_host)} is lost "
-                     r"with its worker slot\(s\) 2 \(failed 1 attempts in a row\): "
-                     r"continuing with 2 workers", output), context
+    # Attempt 0 (the cut) and attempt 1 (start-up, host 1 still down) count against both
+    # of host 1's slots; none of host 0's is ever blamed.
+    restarted = re.search(r"tfpar\.launch: attempt 0: (.*); restarting all 4 workers", output)
+    assert restarted, context
+    assert (f"named every worker of host {lost_host} (2, 3)" in restarted.group(1)
+            or f"host {lost_host} did not answer the launcher's probe" in restarted.group(1)
+            ), context
+    assert re.search(rf"tfpar\.launch: attempt 1: .*; host {re.escape(lost_host)} did not "
+                     r"answer the launcher's probe .*; "
+                     rf"host {re.escape(lost_host)} is lost with its worker slot\(s\) 2, 3 "
+                     r"\(failed 2 attempts in a row\): continuing with 2 workers", output
+                     ), context
     assert output.count(" is lost") == 1, context
-    assert re.search(r"all 2 workers exited 0 \(2 attempt\(s\), 1 restart\); world size "
-                     r"3 -> 2", output), context
+    assert re.search(r"all 2 workers exited 0 \(3 attempt\(s\), 2 restarts\); world size "
+                     r"4 -> 2", output), context
     ranks = [rank_line(output, i) for i in range(2)]
     # The reference runs after the job, not beside its survivors on the 2 cores.
     result = run([sys.executable, CHILD, json.dumps([whole]), str(tmp_path / "whole")],
@@ -125,10 +142,12 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     weights = [_arrays(tmp_path / f"elastic.0.worker{i}.npz") for i in range(2)]
     slots = [_arrays(tmp_path / f"elastic.0.worker{i}.optimizer.npz") for i in range(2)]
     gap = _gap(weights[0], _arrays(tmp_path / "whole.0.npz"))
-    report_measured(f"multi-host shrink (2+1 namespace workers, host 1's link cut after "
-                    f"step {seen['at_cut']}'s checkpoint): resumed at step {seen['at_loss']} "
-                    f"on 2 workers; largest relative loss gap to the one-process 2-replica "
-                    f"run from the same checkpoint {gaps.max():.1e}, final weights' gap "
+    how = "named whole" if "named every worker" in restarted.group(1) else "probed"
+    report_measured(f"multi-host shrink (2+2 namespace workers, host 1's link cut after "
+                    f"step {seen['at_cut']}'s checkpoint and kept down, --lost_after=2; "
+                    f"attempt 0's host {how}): resumed at step {seen['at_loss']} on 2 "
+                    f"workers; largest relative loss gap to the one-process 2-replica run "
+                    f"from the same checkpoint {gaps.max():.1e}, final weights' gap "
                     f"{gap:.1e}; job {seconds:.1f} s")
     assert gaps.max() <= 1e-5, f"{gaps}\n{context}"
     assert gap <= 1e-5, context
@@ -138,20 +157,83 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     assert not _orphans(tmp_path), context
 
 
-def _cut_job(named, layout=(("127.0.0.1", 2), ("127.0.0.2", 2))):
-    """The launcher over `layout`'s hosts (loopback addresses, local workers); in attempt 0
-    the last host is cut off and the other hosts' workers name the tasks `named`."""
+def _cut_job(named, probe=None, down=1, lost_after=1, **kwargs):
+    """The launcher over two loopback hosts of 2 workers each (local workers); host
+    127.0.0.2 is cut off for the first `down` attempts, and in attempt 0 the other host's
+    workers name the tasks `named` (`tests/host_cut_child.py`)."""
     err = io.StringIO()
-    cut = layout[-1][0]
+    layout = [("127.0.0.1", 2), ("127.0.0.2", 2)]
     result = tfpar_launch.launch(
-        [sys.executable, CUT_CHILD, cut, ",".join(map(str, named))],
-        sum(n for _, n in layout), hosts=list(layout), min_workers=1, lost_after=1,
-        max_restarts=3, grace=1, out=io.StringIO(), err=err, env=child_env())
+        [sys.executable, CUT_CHILD, "127.0.0.2", ",".join(map(str, named)), str(down)],
+        4, hosts=layout, min_workers=1, lost_after=lost_after, max_restarts=3, grace=1,
+        out=io.StringIO(), err=err, env=child_env(), probe=probe, **kwargs)
     return result, err.getvalue()
 
 
+class FakeProbe:
+    """The launcher's probe with the answers `answers` ({host: True, False or None});
+    records the addresses of each call."""
+
+    def __init__(self, answers):
+        self.answers, self.calls = answers, []
+
+    def __call__(self, addresses):
+        self.calls.append(list(addresses))
+        return dict(self.answers)
+
+
+CUT_OFF = {"127.0.0.1": True, "127.0.0.2": False}  # the probe's answers: host 1 cut off
+
+
+def test_lost_host_decides_from_the_names_then_the_probe():
+    lost_host = host_loss.lost_host
+    on = ["a", "a", "b", "b"]
+    cut_b, up = {"a": True, "b": False}, {"a": True, "b": True}
+    # Named whole by the other host: enough, probe or not.
+    assert lost_host(on, [{2, 3}, {2, 3}, set(), set()]) == ("b", "named")
+    assert lost_host(on, [{2}, {3}, set(), set()], up) == ("b", "named")
+    # Named in part, or not at all: the probe decides.
+    assert lost_host(on, [{2}, set(), set(), set()]) == (None, "")
+    assert lost_host(on, [{2}, set(), set(), set()], cut_b) == ("b", "probe")
+    assert lost_host(on, [set()] * 4, cut_b) == ("b", "probe")
+    assert lost_host(on, [{1, 2}, set(), set(), set()], cut_b) == ("b", "probe")
+    # A host that answers (a refusal) is up: a lost worker, not a lost host.
+    assert lost_host(on, [{2}, set(), set(), set()], up) == (None, "")
+    assert lost_host(on, [set()] * 4, {"a": True, "b": None}) == (None, "")
+    # Nobody answered (the launcher's own link?), or two hosts unreachable: no host.
+    assert lost_host(on, [{2}, set(), set(), set()], {"a": False, "b": False}) == (None, "")
+    assert lost_host(on, [set()] * 4, {"a": None, "b": False}) == (None, "")
+    three = ["a", "b", "c"]
+    assert lost_host(three, [set()] * 3, {"a": True, "b": False, "c": False}) == (None, "")
+    assert lost_host(three, [set()] * 3, {"a": True, "b": False, "c": True}) == ("b", "probe")
+    assert lost_host(["a", "a"], [set(), {0}], {"a": False}) == (None, "")  # one host
+
+
+def test_a_connects_error_says_whether_the_host_answered():
+    answered = host_loss.answered
+    assert answered(None) is True  # connected
+    assert answered(ConnectionRefusedError(errno.ECONNREFUSED, "refused")) is True
+    assert answered(ConnectionResetError(errno.ECONNRESET, "reset")) is True
+    assert answered(TimeoutError("timed out")) is False
+    assert answered(OSError(errno.EHOSTUNREACH, "No route to host")) is False
+    assert answered(OSError(errno.ENETUNREACH, "Network is unreachable")) is False
+    assert answered(socket.gaierror(socket.EAI_NONAME, "Name or service not known")) is None
+
+
+def test_the_probe_finds_a_host_that_refuses_or_accepts_answering():
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.2", 0))  # bound, not listening: a connect is refused
+        addresses = [f"127.0.0.1:{listening.getsockname()[1]}",
+                     f"127.0.0.2:{closed.getsockname()[1]}"]
+        answers = host_loss.probe_hosts(addresses, timeout=5)
+    assert answers == {"127.0.0.1": True, "127.0.0.2": True}, answers
+
+
 def test_a_host_named_whole_by_the_others_is_lost_as_a_unit():
-    result, said = _cut_job([2, 3])
+    probe = FakeProbe({})
+    result, said = _cut_job([2, 3], probe=probe)
     assert result.returncode == 0, said
     # Both slots of the cut host at once, in one attempt; host 0's slots kept.
     assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1)], said
@@ -159,18 +241,54 @@ def test_a_host_named_whole_by_the_others_is_lost_as_a_unit():
     assert ("host 127.0.0.2 is lost with its worker slot(s) 2, 3 (failed 1 attempts in a "
             "row): continuing with 2 workers") in said, said
     assert "named every worker of host 127.0.0.2 (2, 3) as unhealthy" in said, said
+    assert probe.calls == [], said  # the names settled it
 
 
-def test_a_host_named_in_part_is_not_lost_as_a_unit():
-    # Only one of host 1's two workers named: the loss is a worker's (the old rule), not
-    # the host's.
+def test_a_host_named_in_part_and_unreachable_is_lost_as_a_unit():
+    # Only one of host 1's two workers named (TensorFlow's staleness checks): the probe
+    # finds the host unreachable, and both its slots go at once.
+    probe = FakeProbe(CUT_OFF)
+    result, said = _cut_job([2], probe=probe)
+    assert result.returncode == 0, said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1)], said
+    assert ("host 127.0.0.2 did not answer the launcher's probe of its workers' ports (no "
+            "route or no reply), host(s) 127.0.0.1 did; host 127.0.0.2 is lost with its "
+            "worker slot(s) 2, 3 (failed 1 attempts in a row)") in said, said
+    assert [sorted(a.rsplit(":", 1)[0] for a in call) for call in probe.calls] == [
+        ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]], said
+
+
+def test_a_host_still_down_at_start_up_counts_toward_its_loss():
+    # --lost_after=2: attempt 0 names one task of host 1, attempt 1 fails at start-up
+    # naming none; both count against host 1's two slots, which are lost together after
+    # the second.
+    probe = FakeProbe(CUT_OFF)
+    result, said = _cut_job([2], probe=probe, down=2, lost_after=2)
+    assert result.returncode == 0, said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 2, 3), (0, 1)], said
+    assert re.search(r"attempt 1: worker \d was killed by signal SIGKILL; host 127\.0\.0\.2 "
+                     r"did not answer the launcher.s probe", said), said
+    assert ("host 127.0.0.2 is lost with its worker slot(s) 2, 3 (failed 2 attempts in a "
+            "row): continuing with 2 workers") in said, said
+    assert len(probe.calls) == 2 and said.count(" is lost") == 1, said
+
+
+def test_a_host_named_in_part_that_answers_loses_a_worker_not_the_host():
+    # The real probe: host 127.0.0.2 refuses on its (now closed) worker ports, so it is
+    # up, and the loss is a worker's (the first to exit blamed), not the host's.
     result, said = _cut_job([2])
     assert result.returncode == 0, said
     assert " is lost with its worker slot(s)" not in said, said
+    assert "did not answer the launcher's probe" not in said, said
     assert [len(a.slots) for a in result.attempts] == [4, 3], said
-    # A worker of the healthy host named a task of its own host too: no host is cut off.
+    # A worker of the healthy host named a task of its own host too, and every host
+    # answers: no host is cut off.
     result, said = _cut_job([1, 2, 3])
     assert " is lost with its worker slot(s)" not in said, said
+    # Without a probe (--probe_timeout=0) a host named in part is a lost worker too.
+    result, said = _cut_job([2], probe_timeout=0)
+    assert " is lost with its worker slot(s)" not in said, said
+    assert [len(a.slots) for a in result.attempts] == [4, 3], said
 
 
 def test_a_workers_one_line_error_keeps_every_task_the_heartbeat_error_names():
@@ -179,9 +297,9 @@ def test_a_workers_one_line_error_keeps_every_task_the_heartbeat_error_names():
     from tfpar.train import _cause
 
     class Stale(Exception):
-        message = (f"Graph execution error:\n\n{tfpar_launch.UNHEALTHY}\n"
+        message = (f"Graph execution error:\n\n{host_loss.UNHEALTHY}\n"
                    "/job:worker/replica:0/task:2\n/job:worker/replica:0/task:3\n"
                    "The tasks have crashed.")
     line = _cause(Stale())
-    assert tfpar_launch._Unhealthy().read(line).tasks == {2, 3}, line
+    assert host_loss.Unhealthy().read(line).tasks == {2, 3}, line
     assert "\n" not in line, line

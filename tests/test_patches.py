@@ -203,9 +203,9 @@ def test_the_gather_lowering_is_set_and_taken_out_as_the_user_asked(monkeypatch)
 def test_the_heartbeat_error_check_reads_tensorflows_library(monkeypatch):
     # The launcher reads TensorFlow's heartbeat error in workers' output (a lost host);
     # TensorFlow writes it in C++: its words must be in TensorFlow's library.
-    from tfpar import launch
+    from tfpar import host_loss
     assert patches.check_targets(["heartbeat_error_text"]) == []
-    monkeypatch.setattr(launch, "UNHEALTHY", "The following tasks are gone:")
+    monkeypatch.setattr(host_loss, "UNHEALTHY", "The following tasks are gone:")
     problems = patches.check_targets(["heartbeat_error_text"])
     assert len(problems) == 1 and "registry entry heartbeat_error_text" in problems[0] \
         and "\n" not in problems[0], problems

@@ -32,12 +32,23 @@ Elastic: with `--min_workers=M` (< N) a worker slot that fails `--lost_after` at
 row is lost for good, and the next attempt starts only the survivors (at least M; slot k keeps
 `TFPAR_SLOT=k`, worker indices are renumbered), which resume from the last checkpoint on the
 new world size (`tfpar.checkpoint`). The launcher says which slot was lost and, when the
-trainer reports the resume, at which step and how long after the loss. A whole host lost at
-once (its link cut, the host gone) fails every worker in a collective; when the other hosts'
-workers name all of that host's workers, and only those, as unhealthy (TensorFlow's
-coordination service: "stopped sending heartbeats"), the attempt is counted against every
+trainer reports the resume, at which step and how long after the loss.
+
+A whole host lost at once (its link cut, the host gone) fails every worker in a collective,
+and the first to exit is as likely on a healthy host. The attempt is counted against every
 slot of that host together, so the host is lost as a unit after --lost_after such attempts
-(one line naming the host and its slots).
+(one line naming the host and its slots), when the other hosts' workers named all of that
+host's workers, and only those, as unhealthy (TensorFlow's coordination service: "stopped
+sending heartbeats"), or else when the launcher's probe finds that host unreachable: after
+the attempt's workers are stopped, it connects to every worker port of every host at once
+(`tfpar.host_loss.probe_hosts`, --probe_timeout s); a host that neither accepts nor refuses
+(no reply, no route) while another host answers is cut off (`tfpar.host_loss.lost_host`).
+So a host named only in part (TensorFlow names at most 3 stale tasks a check), or not at
+all (a retried attempt failing at start-up while the host stays down), is still lost whole;
+a host that refuses is up, and its failed worker is a lost worker. The probe runs only when
+the job could lose a host (several hosts, more slots than --min_workers on the others); a
+firewall that drops rather than refuses connections to closed ports makes a live host look
+cut off: there, --probe_timeout=0 (names only).
 
 Multi-host: `--hosts=node1:2,node2:2` puts worker slots on hosts (in that order), builds the
 TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by default, `local`
@@ -82,6 +93,7 @@ from absl import app, flags, logging
 
 from tfpar import tf_config
 from tfpar.errors import ConfigError, TfparError
+from tfpar.host_loss import LostHost, Unhealthy, cut_off_host, lost_host, probe_hosts
 
 READY_MARKER = "TFPAR_READY"
 LOST_MARKER = "TFPAR_LOST_WORKER"  # `tfpar.pipeline.remote.LOST_MARKER`
@@ -143,9 +155,17 @@ def define_flags(flag_values=FLAGS):
                            lower_bound=0.1, **define)
         flags.DEFINE_integer("lost_after", 2, "With --min_workers: failed attempts in a row "
                              "after which a worker counts as lost.", lower_bound=1, **define)
+        flags.DEFINE_float("probe_timeout", 2, "Elastic multi-host job: after a failed "
+                           "attempt the launcher connects to each host's worker ports; a "
+                           "host that neither accepts nor refuses within this many seconds "
+                           "(while another host answers) is cut off, and loses all its "
+                           "slots together; 0 = no probe (a host is lost as a unit only "
+                           "when the others' workers name all its workers).", lower_bound=0,
+                           **define)
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
                                    "max_restarts", "min_workers", "max_workers", "discovery",
-                                   "discovery_interval", "lost_after", "hosts",
+                                   "discovery_interval", "lost_after", "probe_timeout",
+                                   "hosts",
                                    "runner", "ssh_options", "base_port", "log_dir"],
                                   flag_values)
 
@@ -181,7 +201,7 @@ class LaunchResult:
 def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
            max_restarts=0, log_dir="", env=None, out=None, err=None, min_workers=None,
            lost_after=2, hosts=None, runner=None, base_port=0, max_workers=None,
-           discovery="", discovery_interval=5.0):
+           discovery="", discovery_interval=5.0, probe_timeout=2.0, probe=None):
     """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
 
     Args:
@@ -215,6 +235,11 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             (after a run that did not list it), or a new slot, makes the job grow at the next
             checkpoint: SIGTERM, the workers agree on a step and save there
             (`tfpar.preemption`), and the next attempt starts on the larger world.
+        probe_timeout: elastic multi-host job: seconds the launcher's probe of each host
+            (`probe_hosts`) waits for an answer after a failed attempt; 0 = no probe.
+        probe: `probe(addresses) -> {host: True (answered), False (unreachable), None}`
+            for the attempt's worker addresses ("HOST:PORT"), called after its workers
+            were stopped (default `probe_hosts` with `probe_timeout`); tests pass a fake.
 
     Returns:
         A `LaunchResult`; `returncode` is 0 only if every worker of the last attempt exited 0.
@@ -225,8 +250,11 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     """
     min_workers, max_workers, placement = _checked_layout(
         cmd, workers, host, hosts, min_workers, max_workers, lost_after,
-        timeout=timeout, start_timeout=start_timeout, grace=grace, max_restarts=max_restarts)
+        timeout=timeout, start_timeout=start_timeout, grace=grace, max_restarts=max_restarts,
+        probe_timeout=probe_timeout)
     runner = runner or local_runner
+    if probe is None and probe_timeout:
+        probe = functools.partial(probe_hosts, timeout=probe_timeout)
     out, err = out or sys.stdout, err or sys.stderr
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
@@ -252,7 +280,7 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             codes, failure, kind, blamed = _run_attempt(
                 list(cmd), job.slots, placement, base_port, runner, number, deadline,
                 timeout, start_timeout, grace, log_dir, env, out, received, watch.on_line,
-                grow_due)
+                grow_due, probe if job.can_lose_a_host(placement) else None)
             number += 1
             signalled = received[0] if received else None
             if kind == "grow":
@@ -318,6 +346,14 @@ class _World:
         self.pending = []  # the slots offered when the attempt was stopped to grow
         self.err = err
 
+    def can_lose_a_host(self, placement):
+        """Whether the next attempt runs on several hosts and could lose one of them
+        whole (more slots than --min_workers left on the others): only then is a host
+        worth probing."""
+        hosts = [placement[s] for s in self.slots]
+        return len(set(hosts)) > 1 and any(
+            len(self.slots) - hosts.count(h) >= self.min_workers for h in set(hosts))
+
     def grow(self, number, offers, watch):
         """The attempt was stopped to grow: the offered slots join the next one."""
         added = list(self.pending)
@@ -359,63 +395,6 @@ class _World:
                        f"of {max_restarts})")
         watch.changed(len(self.slots), "the loss was detected")
         return True
-
-
-@dataclasses.dataclass(frozen=True)
-class LostHost:
-    """Every worker slot of `host` (`slots`) cut off at once: what an attempt blames when
-    the workers of the other hosts all named that host's workers, and only those, as
-    unhealthy (TensorFlow's coordination service: "stopped sending heartbeats")."""
-
-    host: str
-    slots: tuple
-
-
-# TensorFlow's coordination service's words for workers whose heartbeats stopped
-# (tensorflow 2.21.0; `tfpar.patches.multi_worker`'s entry `heartbeat_error_text` checks
-# its library still holds them, so a rewording fails the registry, not this quietly).
-UNHEALTHY = "The following tasks are unhealthy (stopped sending heartbeats):"
-_TASK = r"/job:worker(?:/replica:\d+)?/task:(\d+)"
-_TASKS = re.compile(rf"^(?:\s|,|\\n)*{_TASK}(?:(?:\s|,|\\n)*{_TASK})*")
-
-
-class _Unhealthy:
-    """The task indices one worker's output names as unhealthy (TensorFlow's "The following
-    tasks are unhealthy (stopped sending heartbeats):" and the task names after it, on the
-    same line, escaped, or on the lines that follow, as in a traceback)."""
-
-    def __init__(self):
-        self.tasks, self._listing = set(), False
-
-    def read(self, line):
-        if UNHEALTHY in line:
-            rest = line.split(UNHEALTHY, 1)[1]
-            self._listing = not self._take(rest)
-        elif self._listing:
-            self._listing = self._take(line)
-        return self
-
-    def _take(self, text):
-        match = _TASKS.match(text)
-        if match:
-            self.tasks.update(int(t) for t in re.findall(_TASK, match.group(0)))
-        return match is not None
-
-
-def _cut_off_host(hosts, unhealthy):
-    """The one host all of whose workers, and no others, the other hosts' workers named as
-    unhealthy (`unhealthy[i]`: the indices worker i named; a worker killed before its line
-    names none); None if no host, or more than one, is named so (one host only, a single
-    worker of a host named, names of both sides of a cut link)."""
-    if len(set(hosts)) < 2:
-        return None
-    named = []
-    for host in dict.fromkeys(hosts):
-        members = {i for i, h in enumerate(hosts) if h == host}
-        if set().union(*(unhealthy[i] for i in range(len(hosts))
-                         if i not in members)) == members:
-            named.append(host)
-    return named[0] if len(named) == 1 else None
 
 
 def _summary(attempts, job, restarts, max_restarts):
@@ -559,9 +538,11 @@ def _addresses(hosts, base_port):
 
 def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, timeout,
                  start_timeout, grace, log_dir, env, out, received, on_line=None,
-                 grow_due=None):
+                 grow_due=None, probe=None):
     """Starts all workers, watches them, stops them. Returns (exit codes, failure, kind, the
-    slot of the worker that failed, a `LostHost` or None); kind is "retry" (a worker failed:
+    slot of the worker that failed, a `LostHost` or None); `probe` (see `launch`), if given,
+    is called when a failure's names do not settle whether a host was lost whole (after
+    the workers were stopped); kind is "retry" (a worker failed:
     restarting may help), `CONFIG_ERROR` (a worker exited `CONFIG_EXIT`: its error line is in the
     failure), "grow" (stopped because `grow_due()` offered slots) or "" (done, or a
     failure a restart cannot mend)."""
@@ -573,7 +554,7 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
     procs, pumps = [], []
     error_lines = [""] * workers  # each worker's last `tfpar: error:` line
     named = [None] * workers  # the worker each one named as not answering (LOST_MARKER)
-    unhealthy = [_Unhealthy() for _ in range(workers)]  # the tasks each one named so
+    unhealthy = [Unhealthy() for _ in range(workers)]  # the tasks each one named so
 
     def watch_line(index, line):
         if "tfpar: error:" in line:
@@ -624,15 +605,27 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
         failure += f"; it named worker {named[failed]}, which stopped answering"
         failed = named[failed]
     blamed = slots[failed] if failed is not None else None
-    cut_off = (_cut_off_host(hosts, [u.tasks & set(range(workers)) for u in unhealthy])
-               if kind == "retry" else None)
-    if cut_off is not None and codes[failed] != CONFIG_EXIT:
+    cut_off = evidence = None
+    if kind == "retry" and codes[failed] != CONFIG_EXIT:
         # A host's link cut (or the host gone): every worker fails in a collective, the
-        # first to exit is as likely on a healthy host; the others named the lost ones.
+        # first to exit is as likely on a healthy host. The others may name the lost ones;
+        # if they named not all of them, or none (a start-up failure), the probe tells.
+        named = [u.tasks & set(range(workers)) for u in unhealthy]
+        answers = None
+        if probe is not None and cut_off_host(hosts, named) is None:
+            answers = probe(addresses)
+        cut_off, evidence = lost_host(hosts, named, answers)
+    if cut_off is not None:
         members = [i for i, h in enumerate(hosts) if h == cut_off]
         blamed = LostHost(cut_off, tuple(slots[i] for i in members))
-        failure += (f"; the other hosts' workers named every worker of host {cut_off} "
-                    f"({', '.join(map(str, members))}) as unhealthy")
+        if evidence == "named":
+            failure += (f"; the other hosts' workers named every worker of host {cut_off} "
+                        f"({', '.join(map(str, members))}) as unhealthy")
+        else:
+            others = [h for h in dict.fromkeys(hosts) if answers.get(h)]
+            failure += (f"; host {cut_off} did not answer the launcher's probe of its "
+                        f"workers' ports (no route or no reply), host(s) "
+                        f"{', '.join(others)} did")
     if kind == "retry" and codes[failed] == CONFIG_EXIT:
         kind = CONFIG_ERROR
         failure += (f", a configuration error a restart would repeat (not retried): "
@@ -896,7 +889,8 @@ def main(cmd):
                         min_workers=FLAGS.min_workers, lost_after=FLAGS.lost_after,
                         hosts=hosts, runner=runner, base_port=FLAGS.base_port,
                         max_workers=FLAGS.max_workers, discovery=FLAGS.discovery,
-                        discovery_interval=FLAGS.discovery_interval)
+                        discovery_interval=FLAGS.discovery_interval,
+                        probe_timeout=FLAGS.probe_timeout)
     except TfparError as e:
         _usage_error(str(e))
     return result.returncode

@@ -17,7 +17,7 @@ calls of tf.distribute's private code (tensorflow 2.21.0, keras 3.15.1).
   replicas, one per logical CPU, so several simulated devices per worker work like GPUs.
 - `heartbeat_error_text`: not a replacement but a reading. The launcher loses a host as a
   unit when the other hosts' workers name all its workers in TensorFlow's "The following
-  tasks are unhealthy (stopped sending heartbeats):" (`tfpar.launch.UNHEALTHY`), written
+  tasks are unhealthy (stopped sending heartbeats):" (`tfpar.host_loss.UNHEALTHY`), written
   by the coordination service in C++: the check looks for the words in TensorFlow's
   library.
 - `coordination_barrier`: not a replacement but a call. The eager context's
@@ -142,14 +142,14 @@ def check(names):
 
 
 def _check_heartbeat_text():
-    """`heartbeat_error_text`: the launcher reads `tfpar.launch.UNHEALTHY` in the workers'
+    """`heartbeat_error_text`: the launcher reads `tfpar.host_loss.UNHEALTHY` in the workers'
     output; TensorFlow writes it in C++, so its library must still hold the words."""
-    from tfpar.launch import UNHEALTHY
+    from tfpar.host_loss import UNHEALTHY
     from tfpar.patches.dtensor_lowering import library_mentions
     if library_mentions(UNHEALTHY.encode()):
         return []
     return [f"tensorflow {tf.__version__}'s library no longer holds {UNHEALTHY!r} "
-            "(registry entry heartbeat_error_text); tfpar.launch's lost-host rule was "
+            "(registry entry heartbeat_error_text); tfpar.host_loss's lost-host rule was "
             f"written for tensorflow {WRITTEN_FOR['tensorflow']}"]
 
 
