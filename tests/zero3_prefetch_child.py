@@ -14,10 +14,11 @@ case to its result.
   before, with and without prefetch, a fresh model each from the same seed; the bytes of
   the largest layer's whole weights.
 - `keep-<model>-<layout>`: as `equal-`, the default against
-  `--nozero_reshard_after_forward` (weights only).
-- `lowering-mlp`: one step (dp4) under TensorFlow's profiler, the collective ops the
-  devices ran counted by type (ZeRO-3's gathers lowered as `tfpar.patches.
-  COLLECTIVE_GATHER` says: with it 0, DTensor's own, a sum).
+  `--nozero_reshard_after_forward` (weights only). The default run of a model and layout
+  is trained once a child, the reference of both cases.
+- `lowering-mlp`: one more step of the default run (dp4) under TensorFlow's profiler, the
+  collective ops the devices ran counted by type (ZeRO-3's gathers lowered as
+  `tfpar.patches.COLLECTIVE_GATHER` says: with it 0, DTensor's own, a sum).
 - `save-after-zero3-mlp`: a ZeRO-3 model built (dp4), then a dp2 x tp2 top-k run (no
   ZeRO) saving checkpoints in the same process (`tfpar.train.train`).
 """
@@ -59,15 +60,27 @@ def _build(config):
     return model, trainer, task
 
 
+# `_train`'s runs by config: the default ZeRO-3 run of a model and layout is the reference of
+# its `equal-`, `keep-` and `lowering-` cases, trained and traced once a child.
+_TRAINED = {}
+
+
 def _train(config, steps=3):
+    """`(model, trainer, weights after `steps` steps, how far they moved)`; a config
+    trained before in this process is not trained again (its model has trained on since
+    only through `lowering`, after its weights were read)."""
     from tfpar.layout.values import to_host
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    if key in _TRAINED:
+        return _TRAINED[key]
     model, trainer, task = _build(config)
     before = [to_host(v.value) for v in model.trainable_variables]
     for batch in data.global_batches(config, task, 0, steps):
         trainer.train_on_batch(*batch)
     after = [to_host(v.value) for v in model.trainable_variables]
-    return model, trainer, after, max(float(np.max(np.abs(a - b)))
-                                      for a, b in zip(after, before))
+    _TRAINED[key] = (model, trainer, after, max(float(np.max(np.abs(a - b)))
+                                                for a, b in zip(after, before)))
+    return _TRAINED[key]
 
 
 def _gathers(concrete, model):
@@ -156,12 +169,13 @@ def lowering(model_name):
     import tensorflow as tf
     from tfpar.zero import fsdp
     config = ParallelConfig(**{**BASE, **MODELS[model_name]})
-    model, trainer, task = _build(config)
-    first, second = data.global_batches(config, task, 0, 2)
-    trainer.train_on_batch(*first)  # traced and compiled
+    # the default run's model (equal-/keep-'s reference, or trained here): traced and
+    # compiled, one more step profiled
+    model, trainer, _, _ = _train(config)
+    batch, = data.global_batches(config, data.make_task(config), 3, 1)
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
-        trainer.train_on_batch(*second)
+        trainer.train_on_batch(*batch)
         tf.profiler.experimental.stop()
         kinds = [profiling.op_type(name) for name, _, _ in profiling.read_events(logdir)]
     out = {k: kinds.count(k) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
