@@ -63,7 +63,10 @@ last one and compare the weights after them with one device's Keras optimizer (K
                           in each layer (ordered by control edges) lower the step's peak?
 
 `--probes=a,b` runs some; a training probe's CPU seconds a step (steps 2 on, the host
-update included) are the process's and depend on the machine's load.
+update included) are the process's and depend on the machine's load. `--cap_mb=C`
+instead finds, for each training probe of `--probes`, the deepest chain of `--depths` that
+trains with the process's allocator capped at C MB a device (`TF_CPU_BFC_MEM_LIMIT_IN_MB`
+= C x devices, as tools/bench_memory.py caps it), one line each.
 """
 
 import argparse
