@@ -6,6 +6,7 @@ logical CPUs per worker) is tested end to end in test_train.py.
 """
 
 import os
+import sys
 
 import keras
 import pytest
@@ -75,11 +76,12 @@ def test_the_registry_checks_every_patch_and_would_notice_a_change(monkeypatch):
 
 
 def _fragment_entries():
-    from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, keras_variables,
-                               model_optimization, multi_worker, tensorflow_runtime)
+    from tfpar.patches import (dtensor_readers, keras_mesh, keras_model, keras_optimizer,
+                               keras_variables, model_optimization, multi_worker,
+                               tensorflow_runtime)
     return [(module, name) for module in (keras_mesh, keras_model, keras_optimizer,
                                           keras_variables, model_optimization, multi_worker,
-                                          tensorflow_runtime)
+                                          tensorflow_runtime, dtensor_readers)
             for name in module.FRAGMENTS]
 
 
@@ -209,3 +211,15 @@ def test_the_heartbeat_error_check_reads_tensorflows_library(monkeypatch):
     problems = patches.check_targets(["heartbeat_error_text"])
     assert len(problems) == 1 and "registry entry heartbeat_error_text" in problems[0] \
         and "\n" not in problems[0], problems
+
+
+def test_per_device_iterator_reads_each_devices_rows_of_a_host_file_at_each_next():
+    # tests/host_reader_child.py: 2 devices, a 4 x 3 host file read twice in a DTensor
+    # function, rewritten by the host, read again: each read is the file as it is then.
+    from subproc import ROOT, last_json_line, run
+    out = run([sys.executable, os.path.join(ROOT, "tests", "host_reader_child.py")])
+    result = last_json_line(out.stdout)
+    assert result["layout"] == result["expected_layout"]
+    assert result["expected"][0] != result["expected"][1]  # the host did change the file
+    for reads, expected in zip(result["calls"], result["expected"], strict=True):
+        assert reads == [expected, expected], (reads, expected)

@@ -372,7 +372,9 @@ def _say(c, flag, argument):
 OFFLOAD_RULES = (
     # ZeRO-3's step is one DTensor function; what it can read from the host per layer
     # was probed (tools/probe_param_offload.py, docs/guides/memory.md): no Python (TF 2.21);
-    # per-device tf.data readers of host files in, tf.io.write_file out, both exact.
+    # per-device tf.data readers of host files in (patches.per_device_iterator), the
+    # pieces' gradients out, the update on the host after the step: bit-equal to the
+    # device-resident update in the probe's chain, not wired into the mesh trainer.
     Rule("offload", lambda c: c.offload == "optimizer+params",
          lambda c: "not built: ZeRO-3's DTensor step cannot call the host's Python (TF 2.21: "
                    "tf.numpy_function has no layout propagation, and crashes or hangs in "

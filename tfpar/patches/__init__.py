@@ -35,15 +35,18 @@ entries, each described in its module's docstring:
 - `tensorflow_checkpoint`: `checkpoint_snapshot` (a save read now, written later).
 - `dtensor_lowering`: `collective_gather_lowering` (DTensor's gathers as all-gathers, an
   environment variable its C++ reads).
+- `dtensor_readers`: `per_device_iterator` (per-device `tf.data` iterators packed as one
+  iterator on a mesh, as `DTensorDataset` packs its own: host files read inside a step).
 - `model_optimization` (tfmot, imported on first use): `tfmot_local_mask`,
   `tfmot_registry`, `tfmot_quantize_layer`.
 """
 
 from tfpar.patches import (keras_mesh, keras_model, keras_optimizer, keras_variables,
                            model_optimization)
-from tfpar.patches import dtensor_lowering, multi_worker, tensorflow_checkpoint
-from tfpar.patches import tensorflow_runtime
+from tfpar.patches import dtensor_lowering, dtensor_readers, multi_worker
+from tfpar.patches import tensorflow_checkpoint, tensorflow_runtime
 from tfpar.patches.dtensor_lowering import COLLECTIVE_GATHER, set_collective_gathers
+from tfpar.patches.dtensor_readers import per_device_iterator
 from tfpar.patches.keras_mesh import (BACKEND_RANDOM, LIST_DEVICES, MESH_LOOPS,
                                       MESH_LOOP_ARGS, VARIABLE_INITIALIZE,
                                       attach_backend_mesh, backend_mesh, compiled_metrics,
@@ -81,7 +84,8 @@ from tfpar.patches.tensorflow_runtime import (Trackable, add_control_input, dten
 from tfpar.patches.versions import WRITTEN_FOR
 
 _MODULES = (multi_worker, keras_mesh, keras_model, keras_optimizer, keras_variables,
-            tensorflow_runtime, tensorflow_checkpoint, model_optimization, dtensor_lowering)
+            tensorflow_runtime, tensorflow_checkpoint, model_optimization, dtensor_lowering,
+            dtensor_readers)
 # patch -> (what it replaces, reads or calls; who in tfpar applies or uses it).
 REGISTRY = {name: entry for module in _MODULES for name, entry in module.ENTRIES.items()}
 # (module, class, method) -> entry: tfpar's overrides of another library's private method,
