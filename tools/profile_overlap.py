@@ -34,10 +34,10 @@ and the medians over the steps after the first `--settle` (run at a rate set fro
 steps); `--per_step=N` runs N timeline steps in a row at each of the `--steps`.
 `--runtime_steps=N` adds N steps under TensorFlow's profiler: the share with each
 all-reduce busy from when the runtime started it, not from when its inputs were ready
-(`hidden_fraction_runtime`; TensorFlow's profiler aborted a worker in its stop in 3 of
-9 runs with `--track`, 2026-12-06). `--wire` reads worker 0's veth every millisecond: the share
-of the bytes it sent in each timed step that had left before backward ended
-(`wire_hidden`), the link's own account.
+(`hidden_fraction_runtime`; a worker died during the profiled steps in 3 of 9 runs with
+`--track`, 2026-12-06: docs/benchmarks/compression_link.md). `--wire` reads worker 0's
+veth every millisecond: the share of the bytes it sent in each timed step that had left
+before backward ended (`wire_hidden`), the link's own account.
 
     python tools/profile_overlap.py --model=conv_head --batch=128 --recompute=full
     python tools/profile_overlap.py --model=mlp --width=256 --depth=8 --batch=2048
@@ -166,8 +166,9 @@ class LinkTracker:
     `grad_bytes` at that rate (`tfpar.plan.cost.ring_allreduce_seconds`) plus what each
     step was busy beyond it (gRPC, the workers' skew), and backward's end and that excess
     as medians of the last `window` steps; from the third step on, the aim is corrected by
-    how far the medians of the steps at rates it set missed it (a load that grows during the run lengthens backward after
-    the steps the rate was set from), by at most 1.25x either way. `steps`: per step, the
+    how far the medians of the steps at rates it set missed it (a load that grows during
+    the run lengthens backward after the steps the rate was set from), by at most 1.25x
+    either way. `steps`: per step, the
     rate it ran at, its backward end and busy time."""
 
     def __init__(self, device, tbf, ratio, grad_bytes, window=4, bounds=(2e6, 400e6)):
