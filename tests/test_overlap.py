@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import shaped_link  # noqa: E402
 
 # 8 layers of 256 (0.47 M parameters), one layer a bucket (the logits ride with the last).
-SETTINGS = {"model_width": 256, "model_depth": 8, "global_batch_size": 128,
+SETTINGS = {"model_width": 256, "model_depth": 8, "global_batch_size": 256,
             "bucket_mb": 0.25, "seed": 0}
 
 
