@@ -171,7 +171,7 @@ class LinkTracker:
     either way. `steps`: per step, the
     rate it ran at, its backward end and busy time."""
 
-    def __init__(self, device, tbf, ratio, grad_bytes, window=4, bounds=(2e6, 400e6)):
+    def __init__(self, device, tbf, ratio, grad_bytes, window=4, bounds=(2e6, 1e9)):
         import shaped_link
 
         self.device, self.tbf, self.ratio, self.window, self.bounds = (
