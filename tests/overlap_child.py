@@ -23,8 +23,9 @@ against Keras's one all-reduce, printed as one JSON line by each worker.
 
 `timeline` (a worker of the shaped-link test): `tools/profile_overlap.py`'s `measure` for
 SETTINGS (the bucketed model it builds, `measure_comm_fraction` with its in-step
-timestamps: `comm` keys and each step's `timeline_ms`; SETTINGS' `threads`, `calibrate`,
-`runtime_steps` and `wire` as its flags), and from the traced timeline step:
+timestamps: `comm` keys and each step's `timeline_ms`; SETTINGS' `threads`, `pin`,
+`calibrate`, `runtime_steps`, `wire` and `track` (`[ratio, settle, per_step]`) as its
+flags), and from the traced timeline step:
 `timestamp_feeds` (the types of every op that waits for a timestamp taken after the
 step's start: none may be a gradient or a collective), `start_stamps` (stamps with no
 inputs) and `heavy_after_start` (the MatMuls and convolutions that wait for one),
@@ -174,6 +175,7 @@ def timeline(settings, timed_steps, out):
     calibrate = settings.pop("calibrate", 0.0)
     runtime_steps = settings.pop("runtime_steps", 0)
     wire = settings.pop("wire", False)
+    track = settings.pop("track", None)
     traced, inner = [], timing.timeline_step
 
     def recording(gradients, aggregate, collectives):
@@ -181,7 +183,8 @@ def timeline(settings, timed_steps, out):
         return inner(gradients, aggregate, collectives)
 
     timing.timeline_step = recording
-    times = profile_overlap.measure(settings, timed_steps, calibrate, runtime_steps, wire)
+    times = profile_overlap.measure(settings, timed_steps, calibrate, runtime_steps, wire,
+                                    track)
     found = traced[-1][0]  # the measured step's (after calibration's)
     graph = found[0].graph
     stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]

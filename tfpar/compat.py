@@ -103,6 +103,8 @@ TABLE = {
                                "only; a pipeline reports its bubble instead"),
         "dtensor": ((False,), "the communication share is measured on tf.distribute "
                               "collectives only"),
+        "tf_keras": ((False,), "the communication share is measured on Keras 3's train "
+                               "step (--keras=3)"),
     },
 }
 

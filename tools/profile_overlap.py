@@ -17,23 +17,35 @@ over the convnet task's 16x16 images, average-pooled by `--pool`, a dense layer 
 parameters (as a CNN with a dense head), so the head's bucket is ready right after forward;
 `--recompute=full` makes backward 3/4 of the computation.
 
-`--intra_op` and `--inter_op` set each worker's TensorFlow threads (0: TensorFlow picks).
+`--intra_op` and `--inter_op` set each worker's TensorFlow threads (0: TensorFlow picks);
+`--pin` keeps worker i's threads on core i.
 `--calibrate=R` first runs 2 timeline steps at `--batch`, then measures at the global batch
 where backward would end at R of the all-reduces' busy time (scaled in proportion from
 those 2 steps): it aims the run at communication-bound by that margin, no more; on a
 loaded machine backward's length changes after the calibration, and the measured steps
 need not keep the ratio (docs/benchmarks/compression_link.md: they were as spread as
 without it).
+`--track=K` re-shapes the link between the timeline steps (each worker its own side, from
+the same gathered stamps) so that the all-reduces would keep it busy K times as long as
+backward takes (`LinkTracker`): a communication-bound step by about that margin however
+the machine's load moves backward's length from one minute to the next (it lags a load
+that moves from step to step); `track` in the JSON holds each step's rate
+and the medians over the steps after the first `--settle` (run at a rate set from fewer
+steps); `--per_step=N` runs N timeline steps in a row at each of the `--steps`.
 `--runtime_steps=N` adds N steps under TensorFlow's profiler: the share with each
 all-reduce busy from when the runtime started it, not from when its inputs were ready
-(`hidden_fraction_runtime`). `--wire` reads worker 0's veth every millisecond: the share
-of the bytes it sent in each timed step that had left before backward ended
-(`wire_hidden`), the link's own account.
+(`hidden_fraction_runtime`; a worker died during the profiled steps in 3 of 9 runs with
+`--track`, 2026-12-06: docs/benchmarks/compression_link.md). `--wire` reads worker 0's
+veth every millisecond: the share of the bytes it sent in each timed step that had left
+before backward ended (`wire_hidden`), the link's own account.
 
     python tools/profile_overlap.py --model=conv_head --batch=128 --recompute=full
     python tools/profile_overlap.py --model=mlp --width=256 --depth=8 --batch=2048
     python tools/profile_overlap.py --width=64 --hidden=128 --convs=3 --pool=2 --bucket_mb=1 \
         --intra_op=1 --inter_op=2 --batch=24 --steps=4 --runtime_steps=2 --wire
+    python tools/profile_overlap.py --rate=50mbit --width=64 --hidden=128 --convs=3 --pool=2 \
+        --bucket_mb=1 --intra_op=1 --inter_op=2 --pin --batch=128 --steps=3 --per_step=5 \
+        --track=1.12 --wire
 """
 
 import argparse
@@ -72,7 +84,8 @@ def conv_head(config, runtime, task, channels, hidden, convs=2, pool=1):
 def build(settings):
     """`(config, runtime, task, model)` for a worker: `settings` are `ParallelConfig`
     fields, plus `conv_head: [channels, hidden(, convs, pool)]` for that model and
-    `threads: [intra-op, inter-op]` (0 or absent: TensorFlow picks)."""
+    `threads: [intra-op, inter-op]` (0 or absent: TensorFlow picks) and `pin: true` (each
+    worker's threads on a core of its own, `--pin`)."""
     import tensorflow as tf
 
     from tfpar import ParallelConfig, data
@@ -81,6 +94,9 @@ def build(settings):
     settings = dict(settings)
     head = settings.pop("conv_head", None)
     intra, inter = settings.pop("threads", (0, 0))
+    if settings.pop("pin", False):  # this worker's threads on one core, its index's
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[index % os.cpu_count()]})
     # before the runtime starts
     tf.config.threading.set_intra_op_parallelism_threads(intra)
     tf.config.threading.set_inter_op_parallelism_threads(inter)
@@ -142,6 +158,88 @@ def wire_shares(samples, timeline_ms):
     return shares
 
 
+class LinkTracker:
+    """`--track`: called after each timed timeline step (`measure_comm_fraction`'s
+    `after_timeline_step`), it re-shapes this worker's veth (`shaped_link.reshape`) so
+    that the next step's all-reduces would keep the link busy `ratio` times as long as
+    backward takes. The busy time at a rate is taken as the ring all-reduce of
+    `grad_bytes` at that rate (`tfpar.plan.cost.ring_allreduce_seconds`) plus what each
+    step was busy beyond it (gRPC, the workers' skew), and backward's end and that excess
+    as medians of the last `window` steps; from the third step on, the aim is corrected by
+    how far the medians of the steps at rates it set missed it (a load that grows during
+    the run lengthens backward after the steps the rate was set from), by at most 1.25x
+    either way. `steps`: per step, the
+    rate it ran at, its backward end and busy time."""
+
+    def __init__(self, device, tbf, ratio, grad_bytes, window=4, bounds=(2e6, 1e9)):
+        import shaped_link
+
+        self.device, self.tbf, self.ratio, self.window, self.bounds = (
+            device, tbf, ratio, window, bounds)
+        self.grad_bytes = grad_bytes
+        self.rate = shaped_link.bits_per_second(tbf["rate"])
+        self.steps = []
+
+    def link_seconds(self, rate):
+        from tfpar.plan.cost import ring_allreduce_seconds
+        return ring_allreduce_seconds(self.grad_bytes, 2, rate / 8)
+
+    def __call__(self, backward_end, intervals):
+        import numpy as np
+        import shaped_link
+
+        from tfpar.overlap import hidden_share
+
+        busy = hidden_share(backward_end, intervals)[1]
+        self.steps.append({"rate_mbit": self.rate / 1e6, "backward_end_ms": 1000 * backward_end,
+                           "busy_ms": 1000 * busy})
+        recent = self.steps[-self.window:]
+        excess = np.median([s["busy_ms"] / 1e3 - self.link_seconds(1e6 * s["rate_mbit"])
+                            for s in recent])
+        aim, aimed = self.ratio, self.steps[1:]  # (the first ran at the link's own rate)
+        if len(aimed) >= 2:
+            missed = (np.median([s["busy_ms"] for s in aimed])
+                      / np.median([s["backward_end_ms"] for s in aimed]))
+            aim = self.ratio * float(np.clip(self.ratio / missed, 0.8, 1.25))
+        wanted = aim * np.median([s["backward_end_ms"] / 1e3 for s in recent]) - excess
+        # the link's time at 1 bit/s over the time it should take
+        rate = self.link_seconds(1.0) / wanted if wanted > 0 else self.bounds[1]
+        self.rate = float(np.clip(rate, *self.bounds))
+        shaped_link.reshape(self.device, self.rate, self.tbf)
+
+
+def tracked(times, tracker, settle):
+    """The medians of the timed steps after the first `settle`, the link set from measured
+    steps: `hidden_fraction`, `comm_busy_ms`, `backward_end_ms`, `wire_hidden_fraction`
+    (with `--wire`; None where no step is left), with the tracker's ratio and steps; and
+    the planner's account of them: `planner_link_ratio`, its ring all-reduce of the
+    gradients at each step's rate (`LinkTracker.link_seconds`, no latency) over the
+    measured busy time, and `planner_step_ratio`, backward's end plus
+    (1 − the hidden share) of that all-reduce (what `--dp_overlap` charges) over when the
+    step's last all-reduce ended."""
+    import numpy as np
+
+    from tfpar.overlap import hidden_share
+
+    kept = times.get("timeline_ms", [])[settle:]
+    shares = [hidden_share(t["backward_end"], t["collectives"]) for t in kept]
+    links = [1000 * tracker.link_seconds(1e6 * s["rate_mbit"]) for s in tracker.steps[settle:]]
+    out = {"ratio": tracker.ratio, "settle": settle, "steps": tracker.steps}
+    for key, values in (("hidden_fraction", [h for h, _ in shares]),
+                        ("comm_busy_ms", [b for _, b in shares]),
+                        ("backward_end_ms", [t["backward_end"] for t in kept]),
+                        ("wire_hidden_fraction", times.get("wire_hidden", [])[settle:])):
+        known = [v for v in values if v is not None]
+        out[key] = float(np.median(known)) if known else None
+    if links and out["hidden_fraction"] is not None:
+        out["planner_link_ratio"] = float(np.median(
+            [link / b for link, (_, b) in zip(links, shares)]))
+        out["planner_step_ratio"] = float(np.median(
+            [(t["backward_end"] + (1 - out["hidden_fraction"]) * link)
+             / max(e for _, e in t["collectives"]) for link, t in zip(links, kept)]))
+    return out
+
+
 def calibrated_batch(runtime, config, task, model, ratio, steps):
     """The global batch at which backward would end at `ratio` of the gradient sums' busy
     time inside the step: both read from `steps` timeline steps at
@@ -159,12 +257,14 @@ def calibrated_batch(runtime, config, task, model, ratio, steps):
     return max(replicas, replicas * round(wanted / replicas)), times
 
 
-def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False):
+def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False, track=None):
     """`measure_comm_fraction`'s figures for `settings` on this worker; with `calibrate`,
     at `calibrated_batch`'s batch for that ratio (then also `calibration`: the batch and
     the times it was chosen from); with `wire`, `wire_hidden`: `wire_shares` of the timed
     steps, from this worker's veth (`TFPAR_BENCH_DEVICES`), and their median
-    `wire_hidden_fraction`."""
+    `wire_hidden_fraction`; with `track=(ratio, settle, timeline steps per timed step)`,
+    the link re-shaped by a `LinkTracker` between the timeline steps, and `track`:
+    `tracked`'s medians."""
     import contextlib
     import dataclasses
 
@@ -182,14 +282,21 @@ def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False):
                        "ratio": calibrate, "backward_end_ms": first["backward_end_ms"],
                        "comm_busy_ms": first["comm_busy_ms"]}
         config = dataclasses.replace(config, global_batch_size=batch)
-    sampler = contextlib.nullcontext()
-    if wire:
+    sampler, tracker = contextlib.nullcontext(), None
+    if wire or track:
         index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        sampler = WireSampler(os.environ["TFPAR_BENCH_DEVICES"].split(",")[index])
+        device = os.environ["TFPAR_BENCH_DEVICES"].split(",")[index]
+    if wire:
+        sampler = WireSampler(device)
+    grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    if track:
+        tracker = LinkTracker(device, json.loads(os.environ["TFPAR_BENCH_TBF"]), track[0],
+                              grad_bytes)
     with sampler:
         _, times = measure_comm_fraction(
             runtime.strategy, model, data.distributed_dataset(runtime.strategy, config, task),
-            steps=steps, runtime_steps=runtime_steps)
+            steps=steps, runtime_steps=runtime_steps, after_timeline_step=tracker,
+            timelines_per_step=track[2] if track else 1)
     # No worker leaves while another still pulls its last collective's data ("Socket
     # closed").
     wait_for_workers()
@@ -200,6 +307,8 @@ def measure(settings, steps, calibrate=0.0, runtime_steps=0, wire=False):
         times["wire_hidden"] = shares
         known = [s for s in shares if s is not None]
         times["wire_hidden_fraction"] = float(np.median(known)) if known else None
+    if tracker:
+        times["track"] = tracked(times, tracker, track[1])
     return times
 
 
@@ -212,13 +321,16 @@ def settings_of(args):
         settings.update(model_width=args.width, model_depth=args.depth)
     if args.intra_op or args.inter_op:
         settings["threads"] = [args.intra_op, args.inter_op]
+    if args.pin:
+        settings["pin"] = True
     return settings
 
 
 def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     rounds = [measure(settings_of(args), args.steps, args.calibrate, args.runtime_steps,
-                      args.wire)]
+                      args.wire,
+                      (args.track, args.settle, args.per_step) if args.track else None)]
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
         with open(args.worker, "w") as f:
             json.dump({"settings": settings_of(args), "rate": args.rate, "rounds": rounds}, f)
@@ -238,9 +350,19 @@ def main():
                         help="intra-op threads per worker (0: TensorFlow picks)")
     parser.add_argument("--inter_op", type=int, default=0,
                         help="inter-op threads per worker (0: TensorFlow picks)")
+    parser.add_argument("--pin", action="store_true",
+                        help="each worker's threads on a core of its own (worker i: core i)")
     parser.add_argument("--calibrate", type=float, default=0.0,
                         help="measure at the batch where backward ends at this share of the "
                              "all-reduces' busy time (0: at --batch)")
+    parser.add_argument("--track", type=float, default=0.0,
+                        help="re-shape the link between steps so that the all-reduces keep "
+                             "it busy this many times backward's length (0: --rate throughout)")
+    parser.add_argument("--settle", type=int, default=2,
+                        help="--track: timed steps left out of its medians (the rate set from "
+                             "fewer steps)")
+    parser.add_argument("--per_step", type=int, default=1,
+                        help="--track: timeline steps run in a row at each timed step")
     parser.add_argument("--runtime_steps", type=int, default=0,
                         help="steps under the profiler: each all-reduce busy from its start")
     parser.add_argument("--wire", action="store_true",
@@ -292,6 +414,15 @@ def main():
         if "wire_hidden" in times:
             print("on the wire (worker 0's bytes sent before backward ends): "
                   + ", ".join("-" if s is None else f"{s:.2f}" for s in times["wire_hidden"]))
+        if "track" in times:
+            t = times["track"]
+            print("tracked: link rate (Mbit/s) a step ran at "
+                  + ", ".join(f"{s['rate_mbit']:.0f}" for s in t["steps"])
+                  + f" | after the first {t['settle']}: hidden {t['hidden_fraction']:.2f}"
+                  + ("" if t["wire_hidden_fraction"] is None
+                     else f" (wire {t['wire_hidden_fraction']:.2f})")
+                  + f" of {t['comm_busy_ms']:.0f} ms busy, backward ends "
+                  f"{t['backward_end_ms']:.0f} ms (ratio {t['ratio']})")
         print(f"median: hidden {times.get('hidden_fraction', float('nan')):.2f} of "
               f"{times.get('comm_busy_ms', float('nan')):.0f} ms busy, backward ends "
               f"{times.get('backward_end_ms', float('nan')):.0f} ms | alone: forward + "

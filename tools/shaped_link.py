@@ -13,6 +13,9 @@ removed on the next start.
 
 `ShapedLink(rate=None)` leaves the link unshaped (no tc needed): two "hosts" for multi-host
 tests, whose link `set_link(i, up=False)` cuts.
+
+A worker inside a namespace may change its side's rate while it runs (`reshape`, with the
+filter's settings from `TFPAR_BENCH_TBF`): tools/profile_overlap.py's `--track`.
 """
 
 import json
@@ -47,6 +50,24 @@ def _run(*cmd):
     if proc.returncode:
         raise ShapedLinkError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
     return proc.stdout
+
+
+UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def bits_per_second(rate):
+    """A tc rate in bit units ("50mbit", "12500kbit") as bits a second."""
+    match = re.fullmatch(r"([0-9.]+)([kmg]?bit)", rate)
+    if not match:
+        raise ValueError(f"rate={rate!r} is invalid: a number and bit, kbit, mbit or gbit")
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+def reshape(device, bits, tbf):
+    """Sets the token-bucket filter on `device` (a veth end in the caller's own namespace)
+    to `bits` a second, with `tbf`'s other settings (`TFPAR_BENCH_TBF`'s JSON)."""
+    _run("tc", "qdisc", "change", "dev", device, "root", "tbf", "rate",
+         f"{round(bits / 1000)}kbit", "burst", tbf["burst"], "latency", tbf["latency"])
 
 
 def remove_stale():
@@ -112,8 +133,9 @@ class ShapedLink:
     def run_workers(self, cmd, port, timeout, env=None, log_paths=None):
         """Runs `cmd` on both sides as a 2-worker `TF_CONFIG` cluster over this link and waits
         (at most `timeout` seconds; a worker that fails ends the wait). A worker finds its
-        index in `TF_CONFIG`'s task, and its side's veth in `TFPAR_BENCH_DEVICES` (both
-        sides', comma-separated).
+        index in `TF_CONFIG`'s task, its side's veth in `TFPAR_BENCH_DEVICES` (both
+        sides', comma-separated) and the filter's settings in `TFPAR_BENCH_TBF` (JSON:
+        `rate`, `burst`, `latency`; `rate` null on an unshaped link).
 
         Args:
             log_paths: two files to keep the workers' output in (default: temporary ones).
@@ -127,6 +149,9 @@ class ShapedLink:
         for i in range(2):
             worker_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}),
                               TFPAR_BENCH_DEVICES=",".join(self.devices),
+                              TFPAR_BENCH_TBF=json.dumps({"rate": self.rate,
+                                                          "burst": self.burst,
+                                                          "latency": self.latency}),
                               TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
                                                     "task": {"type": "worker", "index": i}}))
             # Files: a pipe could fill and stall the worker.

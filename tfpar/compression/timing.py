@@ -217,7 +217,8 @@ def _checksum(grads):
     return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
 
 
-def measure_comm_fraction(strategy, model, dataset, steps=5, runtime_steps=0):
+def measure_comm_fraction(strategy, model, dataset, steps=5, runtime_steps=0,
+                          after_timeline_step=None, timelines_per_step=1):
     """Share of a step spent aggregating gradients (0 = none, 1 = all of it).
 
     Args:
@@ -228,6 +229,12 @@ def measure_comm_fraction(strategy, model, dataset, steps=5, runtime_steps=0):
             medians are compared.
         runtime_steps: timeline steps to run after them under TensorFlow's profiler (0:
             none), for `runtime_view`.
+        after_timeline_step: None, or a function called after each timed timeline step
+            with its `(backward end, [(begin, end) per collective])` in seconds from the
+            step's start (`tfpar.overlap.busy_intervals`: the same on every worker), before
+            the next step runs (a benchmark re-shapes its link there).
+        timelines_per_step: timeline steps run in a row at each timed step (more of the
+            figures read from them, at less time than more timed steps of every kind).
 
     Returns:
         `(fraction, {"step_ms", "compute_ms", "aggregate_ms", "overlap_fraction",
@@ -292,7 +299,8 @@ def measure_comm_fraction(strategy, model, dataset, steps=5, runtime_steps=0):
     seconds = {name: [] for name in fns}
     timeline, skews, waits = [], [], None
     for i in range(steps + 1):  # alternating, so a noisy machine slows all alike
-        for name, fn in fns.items():
+        for name, fn in [(n, f) for n, f in fns.items()
+                         for _ in range(timelines_per_step if n == "timeline" and i else 1)]:
             began = time.perf_counter()
             result = fn(grads if name == "aggregate" else batch)
             if name == "timeline":
@@ -307,6 +315,8 @@ def measure_comm_fraction(strategy, model, dataset, steps=5, runtime_steps=0):
                 if i and waits:
                     rows = strategy.experimental_local_results(gather(stamps))[0].numpy()
                     timeline.append(busy_intervals(rows, waits))
+                    if after_timeline_step is not None:
+                        after_timeline_step(*timeline[-1])
                     starts = rows.reshape(len(rows), -1)[:, 0]
                     skews.append((float(starts.min()), float(np.ptp(starts))))
     compute, step, alone = (float(np.median(seconds[n]))
