@@ -377,8 +377,9 @@ class FakeSocket:
 
 def _fake_network(monkeypatch, names, plan):
     """Names resolve as `names` ({name: [ip, ...]}, IPv6 with a ':'; a name missing fails,
-    one mapped to "slow" resolves only once `FakeSocket.release` is set), connects go as
-    `plan`; returns the names each lookup asked for."""
+    one mapped to "slow" resolves only once `FakeSocket.release` is set, one mapped to
+    (seconds, [ip, ...]) after that long), connects go as `plan`; returns the names each
+    lookup asked for."""
     looked_up = []
     FakeSocket.plan, FakeSocket.connects = plan, []
     FakeSocket.release = threading.Event()
@@ -387,6 +388,9 @@ def _fake_network(monkeypatch, names, plan):
         looked_up.append(host)
         if names.get(host) == "slow":
             FakeSocket.release.wait(30)
+        if isinstance(names.get(host), tuple):
+            time.sleep(names[host][0])
+            names[host] = names[host][1]
         if not isinstance(names.get(host), list):
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (ip, port or 0, 0, 0))
@@ -436,6 +440,18 @@ def test_the_probe_keeps_one_deadline(monkeypatch):
     assert answers == {"hung": False, "slow": None}, answers
     assert took < 2.5, took  # one deadline of 1 s (not a wait per thread, 6 s each)
     assert len(FakeSocket.connects) == host_loss.PORTS_PER_HOST
+
+
+def test_no_reply_after_a_slow_lookup_says_nothing(monkeypatch):
+    # The name took 0.7 s of the probe's 1 s: its connects' 0.3 s without a reply are no
+    # evidence the host is cut off (a timeout, or still waiting at the deadline).
+    _fake_network(monkeypatch, {"late": (0.7, ["192.0.2.4"])},
+                  {("192.0.2.4", 1): "timeout", ("192.0.2.4", 2): "hang"})
+    try:
+        answers = host_loss.probe_hosts(["late:1", "late:2"], timeout=1)
+    finally:
+        FakeSocket.release.set()
+    assert answers == {"late": None}, answers
 
 
 def test_a_full_listen_queue_gives_no_reply():

@@ -159,8 +159,9 @@ def probe_hosts(addresses, timeout=3.5):
     "[::1]:PORT"), all within `timeout` s in all: each host's name is resolved once, then
     its first `PORTS_PER_HOST` ports are connected to on every address the name resolves
     to, all at once. A host answered if any connect was accepted or refused, is
-    unreachable if none was and one timed out (or was still waiting at the deadline) or
-    found no route (`answered`), else unknown (None: the name did not resolve in time).
+    unreachable if none was and one found no route or had no reply in half the time or
+    more (timed out, or still waiting at the deadline; `answered`), else unknown (None:
+    the name did not resolve in time, or so late that its connects had too little time).
     Called when the hosts' worker ports are closed (before the workers start, after they
     were stopped), so a live host's ports refuse."""
     if not (0 < timeout < float("inf")):
@@ -178,15 +179,17 @@ def probe_hosts(addresses, timeout=3.5):
     def left():
         return max(deadline - time.monotonic(), 0.0)
 
-    def connect(host, family, sockaddr):
+    def connect(host, family, sockaddr, window):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.settimeout(max(left(), 0.001))
+                sock.settimeout(max(window, 0.001))
                 sock.connect(sockaddr)
             error = None
         except OSError as e:
             error = e
-        found[host].append(answered(error))
+        # No reply in less than half the time (its name was slow to resolve) says nothing.
+        short = isinstance(error, TimeoutError) and window < timeout / 2
+        found[host].append(None if short else answered(error))
 
     def resolve(host):
         try:
@@ -195,10 +198,11 @@ def probe_hosts(addresses, timeout=3.5):
             return  # unknown
         for family, sockaddr in dict.fromkeys((info[0], info[4]) for info in infos):
             for port in ports[host]:
-                connects[host].append(threading.Thread(
-                    target=connect, args=(host, family, (sockaddr[0], port) + sockaddr[2:]),
-                    daemon=True))
-                connects[host][-1].start()
+                window = left()
+                thread = threading.Thread(target=connect, daemon=True, args=(
+                    host, family, (sockaddr[0], port) + sockaddr[2:], window))
+                connects[host].append((thread, window))
+                thread.start()
 
     resolvers = {h: threading.Thread(target=resolve, args=(h,), daemon=True) for h in ports}
     for thread in resolvers.values():
@@ -210,9 +214,11 @@ def probe_hosts(addresses, timeout=3.5):
         if resolver.is_alive():  # its name still resolving at the deadline
             answers[host] = True if True in found[host] else None
             continue
-        for thread in connects[host]:
+        for thread, _ in connects[host]:
             thread.join(left())
-        # A connect still waiting at the deadline had no reply: as a timeout.
-        waiting = any(thread.is_alive() for thread in connects[host])
+        # A connect still waiting at the deadline had no reply: as a timeout (if it was
+        # given half the time or more).
+        waiting = any(thread.is_alive() and window >= timeout / 2
+                      for thread, window in connects[host])
         answers[host] = combined(list(found[host]) + [False] * waiting)
     return answers
