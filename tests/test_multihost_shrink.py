@@ -549,14 +549,16 @@ def test_a_signal_during_the_probe_stops_the_job_without_a_restart():
     assert "restarting" not in said and " is lost" not in said, said
 
 
-@pytest.mark.parametrize("setting, value", [
-    ("probe_timeout", float("nan")), ("probe_timeout", float("inf")),
-    ("probe_timeout", 0.1), ("probe_timeout", -1), ("timeout", float("nan")),
-    ("grace", float("nan"))])
-def test_a_probe_timeout_that_cannot_work_is_refused_in_one_line(setting, value):
+@pytest.mark.parametrize("setting, value, expected", [
+    ("probe_timeout", float("nan"), "a number >= 0"), ("probe_timeout", -1, "a number >= 0"),
+    ("probe_timeout", float("inf"), "finite number of seconds >= 0.5"),
+    ("probe_timeout", 0.1, "finite number of seconds >= 0.5"),
+    ("timeout", float("nan"), "a number >= 0"), ("grace", float("nan"), "a number >= 0")])
+def test_a_probe_timeout_that_cannot_work_is_refused_in_one_line(setting, value, expected):
     with pytest.raises(ConfigError) as raised:
         tfpar_launch.launch(["true"], 2, hosts=[("127.0.0.1", 1), ("127.0.0.2", 1)],
                             min_workers=1, **{setting: value})
     assert raised.value.setting == setting and "\n" not in str(raised.value)
+    assert expected in str(raised.value), raised.value
     assert tfpar_launch.launch(["true"], 1, probe_timeout=0, out=io.StringIO(),
                                err=io.StringIO()).returncode == 0

@@ -327,7 +327,7 @@ def _checked_layout(cmd, workers, host, hosts, min_workers, max_workers, lost_af
                           "python -m tfpar.launch --workers=2 -- python train.py")
     for name, value in times.items():
         if not value >= 0:  # NaN too
-            raise ConfigError(name, value, "must be >= 0")
+            raise ConfigError(name, value, "must be a number >= 0")
     probe_timeout = times.get("probe_timeout", 0)
     if probe_timeout and not 0.5 <= probe_timeout < float("inf"):
         raise ConfigError("probe_timeout", probe_timeout, "must be 0 (no probe) or a finite "
