@@ -562,3 +562,38 @@ def test_a_probe_timeout_that_cannot_work_is_refused_in_one_line(setting, value,
     assert expected in str(raised.value), raised.value
     assert tfpar_launch.launch(["true"], 1, probe_timeout=0, out=io.StringIO(),
                                err=io.StringIO()).returncode == 0
+
+
+def test_a_lost_host_listed_again_is_offered_only_once_it_answers():
+    # Host b was lost with slots 2, 3; --discovery stops listing it, then lists it again:
+    # its slots are offered only when the launcher's probe finds it answering.
+    err, asked = io.StringIO(), []
+    answer = {"b": False}
+
+    def reachable(host, rank):
+        asked.append((host, rank))
+        return answer[host]
+
+    offers = tfpar_launch._Offers(["a", "a", "b", "b"], 4, "", 5, err, reachable)
+    for slot in (2, 3):
+        offers.lost(slot)
+    offers.update({"a": 2})  # b gone: its slots may come back later
+    assert offers.added([0, 1]) == [] and asked == []
+    offers.update({"a": 2, "b": 2})
+    assert offers.added([0, 1]) == [], err.getvalue()  # listed, but silent
+    assert asked == [("b", 0)]
+    assert ("--discovery lists host b again, but it did not answer the launcher's probe: "
+            "its lost slot(s) 2, 3 are not offered until it does") in err.getvalue()
+    offers.update({"a": 2, "b": 2})
+    assert err.getvalue().count("lists host b again") == 1  # said once
+    answer["b"] = True
+    offers.update({"a": 2, "b": 2})
+    assert offers.added([0, 1]) == [2, 3]
+    # The default: the launcher's own probe, only for a host that answered it before.
+    hosts_probe = tfpar_launch._HostProbe(FakeProbe({"b": False}), io.StringIO())
+    hosts_probe.baseline(["a", "b"], ["a:1", "b:7000"])
+    assert tfpar_launch._answers(hosts_probe, 7000, "b", 1) is False
+    assert hosts_probe.probe.calls[-1] == ["b:7001"]
+    hosts_probe.trusted.discard("b")
+    assert tfpar_launch._answers(hosts_probe, 7000, "b", 1) is None
+    assert tfpar_launch._answers(None, 7000, "b", 1) is None

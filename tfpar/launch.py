@@ -62,8 +62,10 @@ the connection).
 Growing back: with `--discovery=CMD` the launcher runs CMD (a shell command) every
 `--discovery_interval` seconds; it prints the worker slots available now as HOST:SLOTS items
 (comma- or line-separated, as `--hosts`). A lost slot is offered again once CMD, having
-stopped listing it, lists it again (its host went away and answers again); slots beyond the
-current ones are offered whenever CMD lists them, up to `--max_workers`. When a slot is
+stopped listing it, lists it again (its host went away and answers again; a host that
+answered the launcher's probe before its first start must answer it again, else one line
+says its slots wait); slots beyond the current ones are offered whenever CMD lists them,
+up to `--max_workers`. When a slot is
 offered the launcher sends SIGTERM: every worker agrees on a step within a few steps, writes a
 checkpoint there and stops (`tfpar.preemption`), and the next attempt starts on the larger
 world from that checkpoint (no step repeated; a worker without the preemption guard is simply
@@ -272,7 +274,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     attempts, signalled = [], None
     job = _World(workers, min_workers, max_workers, lost_after, err)
     watch = _ElasticWatch(err)
-    offers = _Offers(placement, max_workers, discovery, discovery_interval, err)
+    offers = _Offers(placement, max_workers, discovery, discovery_interval, err,
+                     functools.partial(_answers, hosts_probe, base_port))
     number = restarts = 0
 
     def grow_due():
@@ -821,14 +824,16 @@ class _Offers:
     A slot is offered when the command lists its host with enough slots (slot k is the j-th
     slot of its host in `placement`); a slot lost earlier only after one run of the command
     did not list it (so a host that stays listed while its worker keeps failing is not taken
-    back at once). Hosts or slots not in `placement` are appended to it, up to
+    back at once), and not while its host, listed again, does not answer the launcher's
+    probe (`update`). Hosts or slots not in `placement` are appended to it, up to
     `max_workers` in all.
     """
 
-    def __init__(self, placement, max_workers, command, interval, err):
+    def __init__(self, placement, max_workers, command, interval, err, reachable=None):
         self.placement, self.max_workers = placement, max_workers
         self.command, self.interval, self._err = command, interval, err
-        self._lost, self._cleared = set(), set()
+        self.reachable = reachable  # (host, rank) -> True, False, None: `_answers`
+        self._lost, self._cleared, self._held, self._said = set(), set(), set(), set()
         self._listed = None  # {host: slots} of the newest run, None before the first
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread = None
@@ -860,7 +865,7 @@ class _Offers:
             offered = []
             for k, h in enumerate(self.placement):
                 rank = self.placement[:k].count(h)
-                if (k not in running and rank < listed.get(h, 0)
+                if (k not in running and rank < listed.get(h, 0) and k not in self._held
                         and (k not in self._lost or k in self._cleared)):
                     offered.append(k)
             offered = offered[:self.max_workers - len(running)]
@@ -875,13 +880,36 @@ class _Offers:
         while not self._stop.is_set():
             listed = self._run()
             if listed is not None:
-                with self._lock:
-                    self._listed = listed
-                    for k in self._lost:
-                        h = self.placement[k]
-                        if self.placement[:k].count(h) >= listed.get(h, 0):
-                            self._cleared.add(k)
+                self.update(listed)
             self._stop.wait(self.interval)
+
+    def update(self, listed):
+        """Takes one run's listing (`{host: slots}`). A lost slot listed again is held back
+        while its host does not answer the launcher's probe (`reachable`), asked here,
+        before the listing is published, so it is never offered unprobed."""
+        with self._lock:
+            back = {k: self.placement[k] for k in self._lost & self._cleared
+                    if self.placement[:k].count(self.placement[k])
+                    < listed.get(self.placement[k], 0)}
+        held = set()
+        for host in sorted(set(back.values())):
+            rank = min(self.placement[:k].count(host) for k, h in back.items() if h == host)
+            if self.reachable is not None and self.reachable(host, rank) is False:
+                held.update(k for k, h in back.items() if h == host)
+                if host not in self._said:
+                    slots = ", ".join(str(k) for k in sorted(back) if back[k] == host)
+                    _say(self._err, f"--discovery lists host {host} again, but it did not "
+                                    f"answer the launcher's probe: its lost slot(s) {slots} "
+                                    f"are not offered until it does")
+                self._said.add(host)
+            else:
+                self._said.discard(host)
+        with self._lock:
+            self._listed, self._held = listed, held
+            for k in self._lost:
+                h = self.placement[k]
+                if self.placement[:k].count(h) >= listed.get(h, 0):
+                    self._cleared.add(k)
 
     def _run(self):
         try:
@@ -894,6 +922,20 @@ class _Offers:
         except (OSError, subprocess.TimeoutExpired, ConfigError) as e:
             _say(self._err, f"--discovery={self.command!r} failed ({e}); offers unchanged")
             return None
+
+
+def _answers(hosts_probe, base_port, host, rank):
+    """Whether `host` answers the launcher's probe now, on the port its worker of `rank`
+    would listen on (a free port of this machine without `base_port`): True, False (no
+    reply, no route) or None (no probe, or the host never answered one: no evidence)."""
+    if hosts_probe is None or host not in hosts_probe.trusted:
+        return None
+    try:
+        port = base_port + rank if base_port else free_ports(1, host)[0]
+    except ConfigError:
+        return None
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return hosts_probe.probe([address]).get(host)
 
 
 def _describe(code):
