@@ -27,10 +27,13 @@ namespaces are deleted afterwards (the fixture asserts it). Needs root and `ip`:
 saying so otherwise; under `CI=true` as root that is a failure.
 
 The launcher's rule itself, without namespaces or TensorFlow: `tfpar.host_loss.lost_host` on
-its cases (named whole, in part, not at all; the probe's answers), `answered` on a
-connect's errors, `probe_hosts` on loopback, and whole jobs of `tests/host_cut_child.py`
-on two loopback addresses with a fake probe (and the real one, to which a loopback host
-answers: a worker lost, not the host).
+its cases (named whole, in part, not at all; the probe's answers), `named_worker`,
+`answered` on a connect's errors, `probe_hosts` on loopback (a full listen queue: no reply)
+and on a fake network (`socket.getaddrinfo` and `socket.socket` replaced: dual-stack names,
+mixed answers, hung connects and lookups against one deadline), and whole jobs of
+`tests/host_cut_child.py` on two loopback addresses with a fake probe (and the real one, to
+which a loopback host answers: the named worker lost, not the host), `--probe_timeout`'s
+refusals.
 """
 
 import errno
@@ -39,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -46,9 +50,11 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from subproc import ROOT, child_env, published_step, rank_line, run
 from tfpar import host_loss, launch as tfpar_launch
+from tfpar.errors import ConfigError
 from subproc import max_diff as _gap, saved_arrays as _arrays
 from test_multihost_netns import _orphans, hosts, servers  # noqa: F401 (fixtures)
 
@@ -157,7 +163,7 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     assert not _orphans(tmp_path), context
 
 
-def _cut_job(named, probe=None, down=1, lost_after=1, **kwargs):
+def _cut_job(named, probe=None, down=1, lost_after=1, min_workers=1, **kwargs):
     """The launcher over two loopback hosts of 2 workers each (local workers); host
     127.0.0.2 is cut off for the first `down` attempts, and in attempt 0 the other host's
     workers name the tasks `named` (`tests/host_cut_child.py`)."""
@@ -165,20 +171,28 @@ def _cut_job(named, probe=None, down=1, lost_after=1, **kwargs):
     layout = [("127.0.0.1", 2), ("127.0.0.2", 2)]
     result = tfpar_launch.launch(
         [sys.executable, CUT_CHILD, "127.0.0.2", ",".join(map(str, named)), str(down)],
-        4, hosts=layout, min_workers=1, lost_after=lost_after, max_restarts=3, grace=1,
-        out=io.StringIO(), err=err, env=child_env(), probe=probe, **kwargs)
+        4, hosts=layout, min_workers=min_workers, lost_after=lost_after, max_restarts=3,
+        grace=1, out=io.StringIO(), err=err, env=child_env(), probe=probe, **kwargs)
     return result, err.getvalue()
 
 
-class FakeProbe:
-    """The launcher's probe with the answers `answers` ({host: True, False or None});
-    records the addresses of each call."""
+def _hosts_of(addresses):
+    return sorted(a.rsplit(":", 1)[0] for a in addresses)
 
-    def __init__(self, answers):
-        self.answers, self.calls = answers, []
+
+class FakeProbe:
+    """The launcher's probe: its first call (before the workers start, the hosts' ports
+    closed) answers `before` (default: every host answers), later ones `answers` ({host:
+    True, False or None}); records the addresses of each call."""
+
+    def __init__(self, answers, before=None):
+        self.answers, self.before, self.calls = answers, before, []
 
     def __call__(self, addresses):
         self.calls.append(list(addresses))
+        if len(self.calls) == 1:
+            return (dict.fromkeys(_hosts_of(addresses), True) if self.before is None
+                    else dict(self.before))
         return dict(self.answers)
 
 
@@ -241,7 +255,7 @@ def test_a_host_named_whole_by_the_others_is_lost_as_a_unit():
     assert ("host 127.0.0.2 is lost with its worker slot(s) 2, 3 (failed 1 attempts in a "
             "row): continuing with 2 workers") in said, said
     assert "named every worker of host 127.0.0.2 (2, 3) as unhealthy" in said, said
-    assert probe.calls == [], said  # the names settled it
+    assert len(probe.calls) == 1, said  # before the start only: the names settled it
 
 
 def test_a_host_named_in_part_and_unreachable_is_lost_as_a_unit():
@@ -254,8 +268,8 @@ def test_a_host_named_in_part_and_unreachable_is_lost_as_a_unit():
     assert ("host 127.0.0.2 did not answer the launcher's probe of its workers' ports (no "
             "route or no reply), host(s) 127.0.0.1 did; host 127.0.0.2 is lost with its "
             "worker slot(s) 2, 3 (failed 1 attempts in a row)") in said, said
-    assert [sorted(a.rsplit(":", 1)[0] for a in call) for call in probe.calls] == [
-        ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]], said
+    assert [_hosts_of(call) for call in probe.calls] == [
+        ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]] * 2, said  # before, after
 
 
 def test_a_host_still_down_at_start_up_counts_toward_its_loss():
@@ -270,24 +284,33 @@ def test_a_host_still_down_at_start_up_counts_toward_its_loss():
                      r"did not answer the launcher.s probe", said), said
     assert ("host 127.0.0.2 is lost with its worker slot(s) 2, 3 (failed 2 attempts in a "
             "row): continuing with 2 workers") in said, said
-    assert len(probe.calls) == 2 and said.count(" is lost") == 1, said
+    # Before attempt 0, then after each failed attempt; never again before a start.
+    assert len(probe.calls) == 3 and said.count(" is lost") == 1, said
 
 
-def test_a_host_named_in_part_that_answers_loses_a_worker_not_the_host():
+def test_a_host_named_in_part_that_answers_loses_the_named_worker():
     # The real probe: host 127.0.0.2 refuses on its (now closed) worker ports, so it is
-    # up, and the loss is a worker's (the first to exit blamed), not the host's.
+    # up, and the loss is the named worker's (slot 2), not the host's, nor that of the
+    # first worker to exit (as likely on host 127.0.0.1).
     result, said = _cut_job([2])
     assert result.returncode == 0, said
     assert " is lost with its worker slot(s)" not in said, said
     assert "did not answer the launcher's probe" not in said, said
-    assert [len(a.slots) for a in result.attempts] == [4, 3], said
-    # A worker of the healthy host named a task of its own host too, and every host
-    # answers: no host is cut off.
-    result, said = _cut_job([1, 2, 3])
-    assert " is lost with its worker slot(s)" not in said, said
-    # Without a probe (--probe_timeout=0) a host named in part is a lost worker too.
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 3)], said
+    assert ("worker 2 was named as unhealthy, host 127.0.0.2 answered the launcher's probe: "
+            "a lost worker, not a lost host; worker slot 2 is lost") in said, said
+    # Without a probe (--probe_timeout=0) a host named in part is a lost worker too: the
+    # one named.
     result, said = _cut_job([2], probe_timeout=0)
     assert " is lost with its worker slot(s)" not in said, said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 3)], said
+    assert "worker 2 was named as unhealthy: a lost worker" in said, said
+    # A worker of the healthy host named a task of its own host too, and every host
+    # answers: no host is cut off, and the names point at no one host (the first worker
+    # to exit is blamed, as before).
+    result, said = _cut_job([1, 2, 3])
+    assert " is lost with its worker slot(s)" not in said, said
+    assert "was named as unhealthy" not in said, said
     assert [len(a.slots) for a in result.attempts] == [4, 3], said
 
 
@@ -303,3 +326,274 @@ def test_a_workers_one_line_error_keeps_every_task_the_heartbeat_error_names():
     line = _cause(Stale())
     assert host_loss.Unhealthy().read(line).tasks == {2, 3}, line
     assert "\n" not in line, line
+
+
+def test_the_names_point_at_a_worker_only_when_all_on_one_host():
+    on = ["a", "a", "b", "b"]
+    assert host_loss.named_worker(on, [{2}, set(), set(), set()]) == 2
+    assert host_loss.named_worker(on, [{3}, {2, 3}, set(), set()]) == 2  # the lowest
+    assert host_loss.named_worker(on, [{1, 2}, set(), set(), set()]) is None  # two hosts
+    assert host_loss.named_worker(on, [set()] * 4) is None
+    assert host_loss.named_worker(on, [{0}, set(), set(), set()]) is None  # itself only
+    assert host_loss.named_worker(on, [{0}, set(), {0}, set()]) == 0
+
+
+class FakeSocket:
+    """`socket.socket` for the probe's unit tests: a connect to `(ip, port)` does what
+    `FakeSocket.plan[(ip, port)]` says ("refuse", "accept", "unreachable", "timeout": waits
+    out its timeout, "hang": ignores its timeout until `FakeSocket.release` is set)."""
+
+    plan, connects, release = {}, [], threading.Event()
+
+    def __init__(self, family=socket.AF_INET, type=socket.SOCK_STREAM, proto=0, *args):
+        self.family, self.timeout = family, None
+
+    def settimeout(self, timeout):
+        self.timeout = timeout
+
+    def connect(self, sockaddr):
+        FakeSocket.connects.append(sockaddr[:2])
+        what = FakeSocket.plan[sockaddr[:2]]
+        if what == "refuse":
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        if what == "unreachable":
+            raise OSError(errno.ENETUNREACH, "Network is unreachable")
+        if what == "timeout":
+            time.sleep(self.timeout)
+            raise TimeoutError("timed out")
+        if what == "hang":
+            FakeSocket.release.wait(30)
+            raise TimeoutError("timed out")
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _fake_network(monkeypatch, names, plan):
+    """Names resolve as `names` ({name: [ip, ...]}, IPv6 with a ':'; a name missing fails,
+    one mapped to "slow" resolves only once `FakeSocket.release` is set, one mapped to
+    (seconds, [ip, ...]) after that long), connects go as `plan`; returns the names each
+    lookup asked for."""
+    looked_up = []
+    FakeSocket.plan, FakeSocket.connects = plan, []
+    FakeSocket.release = threading.Event()
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        looked_up.append(host)
+        if names.get(host) == "slow":
+            FakeSocket.release.wait(30)
+        if isinstance(names.get(host), tuple):
+            time.sleep(names[host][0])
+            names[host] = names[host][1]
+        if not isinstance(names.get(host), list):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (ip, port or 0, 0, 0))
+                if ":" in ip else (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port or 0))
+                for ip in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "socket", FakeSocket)
+    return looked_up
+
+
+def test_a_dual_stack_host_answers_if_any_of_its_addresses_refuses(monkeypatch):
+    # Its IPv6 address has no route, its IPv4 address refuses: the host is up. (A connect
+    # that tried the addresses in turn and kept the last error said "unreachable".)
+    _fake_network(monkeypatch, {"node2": ["192.0.2.7", "2001:db8::7"]},
+                  {("192.0.2.7", 5000): "refuse", ("2001:db8::7", 5000): "unreachable"})
+    assert host_loss.probe_hosts(["node2:5000"], timeout=1) == {"node2": True}
+    assert sorted(FakeSocket.connects) == [("192.0.2.7", 5000), ("2001:db8::7", 5000)]
+
+
+def test_the_probe_combines_each_hosts_answers(monkeypatch):
+    looked_up = _fake_network(
+        monkeypatch, {"up": ["192.0.2.1"], "cut": ["192.0.2.2", "2001:db8::2"]},
+        {("192.0.2.1", 1): "timeout", ("192.0.2.1", 2): "refuse",
+         ("192.0.2.2", 1): "timeout", ("192.0.2.2", 2): "unreachable",
+         ("2001:db8::2", 1): "unreachable", ("2001:db8::2", 2): "unreachable"})
+    addresses = ["up:1", "up:2", "up:3", "up:4", "cut:1", "cut:2", "unknown.invalid:1"]
+    answers = host_loss.probe_hosts(addresses, timeout=0.5)
+    # One refusal is an answer; a timeout and no route are none; a name that does not
+    # resolve says nothing.
+    assert answers == {"up": True, "cut": False, "unknown.invalid": None}, answers
+    assert sorted(looked_up) == ["cut", "unknown.invalid", "up"]  # one lookup a host
+    assert sorted(p for ip, p in FakeSocket.connects if ip == "192.0.2.1") == [1, 2]
+
+
+def test_the_probe_keeps_one_deadline(monkeypatch):
+    # A connect that ignores its timeout and a name lookup that hangs: the probe still
+    # ends at its deadline; the one gives no reply (unreachable), the other is unknown.
+    _fake_network(monkeypatch, {"hung": ["192.0.2.3"], "slow": "slow"},
+                  {("192.0.2.3", port): "hang" for port in (1, 2, 3)})
+    try:
+        began = time.monotonic()
+        answers = host_loss.probe_hosts(["hung:1", "hung:2", "hung:3", "slow:1"], timeout=1)
+        took = time.monotonic() - began
+    finally:
+        FakeSocket.release.set()
+    assert answers == {"hung": False, "slow": None}, answers
+    assert took < 2.5, took  # one deadline of 1 s (not a wait per thread, 6 s each)
+    assert len(FakeSocket.connects) == host_loss.PORTS_PER_HOST
+
+
+def test_no_reply_after_a_slow_lookup_says_nothing(monkeypatch):
+    # The name took 0.7 s of the probe's 1 s: its connects' 0.3 s without a reply are no
+    # evidence the host is cut off (a timeout, or still waiting at the deadline).
+    _fake_network(monkeypatch, {"late": (0.7, ["192.0.2.4"])},
+                  {("192.0.2.4", 1): "timeout", ("192.0.2.4", 2): "hang"})
+    try:
+        answers = host_loss.probe_hosts(["late:1", "late:2"], timeout=1)
+    finally:
+        FakeSocket.release.set()
+    assert answers == {"late": None}, answers
+
+
+def test_a_full_listen_queue_gives_no_reply():
+    # A real "unreachable" without root: a port whose listen queue is full drops new
+    # connects (no refusal), so a host with only such a port does not answer in time;
+    # with one refusing port besides, it does.
+    with socket.socket() as full, socket.socket() as closed:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = [socket.socket() for _ in range(3)]
+        try:
+            for filler in fillers:
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+            time.sleep(0.2)
+            closed.bind(("127.0.0.1", 0))
+            assert host_loss.probe_hosts([f"127.0.0.1:{port}"], timeout=1) == {
+                "127.0.0.1": False}
+            assert host_loss.probe_hosts(
+                [f"127.0.0.1:{port}", f"127.0.0.1:{closed.getsockname()[1]}"],
+                timeout=1) == {"127.0.0.1": True}
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+def test_a_host_that_did_not_answer_before_the_start_is_not_probed_after():
+    # Host 127.0.0.2's closed ports gave no reply before its workers started (a firewall
+    # dropping them): "unreachable" from it later says nothing, so it is not probed, and
+    # a failure naming one of its workers loses that worker, not the host.
+    probe = FakeProbe(CUT_OFF, before=CUT_OFF)
+    result, said = _cut_job([2], probe=probe)
+    assert result.returncode == 0, said
+    assert ("host 127.0.0.2 did not answer the launcher's probe of its closed worker ports "
+            "before its workers started (no reply or no route): it is left out of the "
+            "probe") in said, said
+    assert said.count("before its workers started") == 1, said
+    assert " is lost with its worker slot(s)" not in said, said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 3)], said
+    assert [_hosts_of(call) for call in probe.calls] == [
+        ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], ["127.0.0.1", "127.0.0.1"]]
+
+
+def test_no_probe_when_min_workers_forbids_losing_a_host():
+    # 2 + 2 slots, --min_workers=3: losing either host leaves 2, so no host is worth
+    # probing (the rule: at least --min_workers slots on the other hosts).
+    probe = FakeProbe(CUT_OFF)
+    result, said = _cut_job([2], probe=probe, min_workers=3)
+    assert probe.calls == [], said
+    assert " is lost with its worker slot(s)" not in said, said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 3)], said
+    world = tfpar_launch._World(4, 2, 4, 1, io.StringIO())
+    assert world.can_lose_a_host(["a", "a", "b", "b"])  # 2 left on the other host
+    world.min_workers = 3
+    assert not world.can_lose_a_host(["a", "a", "b", "b"])
+    assert world.can_lose_a_host(["a", "a", "a", "b"])  # losing b leaves 3
+    world.slots = [0, 1, 2]
+    assert not world.can_lose_a_host(["a", "a", "a", "b"])  # one host left
+
+
+def test_the_default_probe_is_probe_hosts_with_probe_timeout(monkeypatch):
+    calls = []
+
+    def probe_hosts(addresses, timeout):
+        calls.append((_hosts_of(addresses), timeout))
+        return {h: h != "127.0.0.2" or len(calls) == 1 for h in _hosts_of(addresses)}
+
+    monkeypatch.setattr(tfpar_launch, "probe_hosts", probe_hosts)
+    result, said = _cut_job([2], probe_timeout=1.5)
+    both = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    assert calls == [(both, 1.5), (both, 1.5)], said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1)], said
+    calls.clear()
+    _cut_job([2], probe_timeout=0)
+    assert calls == []
+
+
+class SignalledProbe(FakeProbe):
+    """A probe during which the launcher gets SIGTERM (after the attempt failed)."""
+
+    def __call__(self, addresses):
+        answers = super().__call__(addresses)
+        if len(self.calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return answers
+
+
+def test_a_signal_during_the_probe_stops_the_job_without_a_restart():
+    assert threading.current_thread() is threading.main_thread()  # the handler's thread
+    probe = SignalledProbe(CUT_OFF)
+    result, said = _cut_job([2], probe=probe)
+    assert result.returncode == 128 + signal.SIGTERM, said
+    assert len(result.attempts) == 1, said
+    assert "restarting" not in said and " is lost" not in said, said
+
+
+@pytest.mark.parametrize("setting, value, expected", [
+    ("probe_timeout", float("nan"), "a number >= 0"), ("probe_timeout", -1, "a number >= 0"),
+    ("probe_timeout", float("inf"), "finite number of seconds >= 0.5"),
+    ("probe_timeout", 0.1, "finite number of seconds >= 0.5"),
+    ("timeout", float("nan"), "a number >= 0"), ("grace", float("nan"), "a number >= 0")])
+def test_a_probe_timeout_that_cannot_work_is_refused_in_one_line(setting, value, expected):
+    with pytest.raises(ConfigError) as raised:
+        tfpar_launch.launch(["true"], 2, hosts=[("127.0.0.1", 1), ("127.0.0.2", 1)],
+                            min_workers=1, **{setting: value})
+    assert raised.value.setting == setting and "\n" not in str(raised.value)
+    assert expected in str(raised.value), raised.value
+    assert tfpar_launch.launch(["true"], 1, probe_timeout=0, out=io.StringIO(),
+                               err=io.StringIO()).returncode == 0
+
+
+def test_a_lost_host_listed_again_is_offered_only_once_it_answers():
+    # Host b was lost with slots 2, 3; --discovery stops listing it, then lists it again:
+    # its slots are offered only when the launcher's probe finds it answering.
+    err, asked = io.StringIO(), []
+    answer = {"b": False}
+
+    def reachable(host, rank):
+        asked.append((host, rank))
+        return answer[host]
+
+    offers = tfpar_launch._Offers(["a", "a", "b", "b"], 4, "", 5, err, reachable)
+    for slot in (2, 3):
+        offers.lost(slot)
+    offers.update({"a": 2})  # b gone: its slots may come back later
+    assert offers.added([0, 1]) == [] and asked == []
+    offers.update({"a": 2, "b": 2})
+    assert offers.added([0, 1]) == [], err.getvalue()  # listed, but silent
+    assert asked == [("b", 0)]
+    assert ("--discovery lists host b again, but it did not answer the launcher's probe: "
+            "its lost slot(s) 2, 3 are not offered until it does") in err.getvalue()
+    offers.update({"a": 2, "b": 2})
+    assert err.getvalue().count("lists host b again") == 1  # said once
+    answer["b"] = True
+    offers.update({"a": 2, "b": 2})
+    assert offers.added([0, 1]) == [2, 3]
+    # The default: the launcher's own probe, only for a host that answered it before.
+    hosts_probe = tfpar_launch._HostProbe(FakeProbe({"b": False}), io.StringIO())
+    hosts_probe.baseline(["a", "b"], ["a:1", "b:7000"])
+    assert tfpar_launch._answers(hosts_probe, 7000, "b", 1) is False
+    assert hosts_probe.probe.calls[-1] == ["b:7001"]
+    hosts_probe.trusted.discard("b")
+    assert tfpar_launch._answers(hosts_probe, 7000, "b", 1) is None
+    assert tfpar_launch._answers(None, 7000, "b", 1) is None

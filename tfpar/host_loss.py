@@ -11,11 +11,15 @@ name the host instead:
   second and names at most 3 tasks a check, each worker's heartbeat on its own clock, so a
   host of several workers may be named only in part, and an attempt failing at start-up
   (the host still down) names none.
-- the probe: once the attempt's workers are stopped, the launcher connects to every
-  worker port of every host at once (`probe_hosts`); a host whose ports refuse is up, one
-  that gives no reply or has no route is unreachable (`answered`).
+- the probe: once the attempt's workers are stopped, the launcher connects to a host's
+  first worker ports on every address its name resolves to, all hosts at once, within one
+  deadline (`probe_hosts`); a host whose ports refuse is up, one that gives no reply or has
+  no route is unreachable (`answered`). The launcher trusts "unreachable" only for a host
+  that answered the same probe before its workers first started (a firewall that drops
+  connections to closed ports would make a live host look cut off).
 
-`lost_host` decides from both: the pure rule, unit-tested without a network.
+`lost_host` decides from both: the pure rule, unit-tested without a network. When it finds
+no host lost whole, the names still point at a worker (`named_worker`).
 """
 
 import dataclasses
@@ -23,6 +27,7 @@ import errno
 import re
 import socket
 import threading
+import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +117,24 @@ def lost_host(hosts, unhealthy, answers=None):
     return None, ""
 
 
+def named_worker(hosts, unhealthy):
+    """The worker a failed attempt that lost no host whole is counted against, by the
+    names: the lowest-index task the workers named as unhealthy (a worker naming itself
+    aside), when every task named is on one host; None if none was named, or tasks of
+    several hosts were (then the names do not point at one place)."""
+    names = set().union(set(), *(tasks - {i} for i, tasks in enumerate(unhealthy)))
+    if not names or len({hosts[i] for i in names}) != 1:
+        return None
+    return min(names)
+
+
 # A connect's errors that mean nothing answered at the host (no route, the host down, no
-# reply in time); a refusal or a reset is an answer (the host is up, its port closed).
+# reply in time); a refusal or a reset is an answer (the host is up, its port closed). A
+# firewall that rejects with ICMP "host prohibited" (EHOSTUNREACH) looks the same: a live
+# host behind it looks cut off (`--probe_timeout=0`).
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ETIMEDOUT}
+
+PORTS_PER_HOST = 2  # a host's first ports probed: one answering is enough
 
 
 def answered(error):
@@ -128,31 +148,77 @@ def answered(error):
     return None
 
 
-def probe_hosts(addresses, timeout=2.0):
-    """`{host: True, False or None}` for the worker addresses ("HOST:PORT", IPv6 as
-    "[::1]:PORT"): a TCP connect to each, all at once, waiting at most `timeout` s; a host
-    answered if one of its addresses accepted or refused, is unreachable if none did and
-    at least one timed out or found no route (`answered`), else unknown (None). Called
-    after the attempt's workers were stopped, so a live host's ports refuse."""
-    results = {}
+def combined(found):
+    """One host's answer from its connects' (`answered`): True if any reached it, else
+    False if any timed out or found no route, else None (unknown; no connect at all)."""
+    return True if True in found else False if False in found else None
 
-    def connect(address):
+
+def probe_hosts(addresses, timeout=3.5):
+    """`{host: True, False or None}` for the worker addresses ("HOST:PORT", IPv6 as
+    "[::1]:PORT"), all within `timeout` s in all: each host's name is resolved once, then
+    its first `PORTS_PER_HOST` ports are connected to on every address the name resolves
+    to, all at once. A host answered if any connect was accepted or refused, is
+    unreachable if none was and one found no route or had no reply in half the time or
+    more (timed out, or still waiting at the deadline; `answered`), else unknown (None:
+    the name did not resolve in time, or so late that its connects had too little time).
+    Called when the hosts' worker ports are closed (before the workers start, after they
+    were stopped), so a live host's ports refuse."""
+    if not (0 < timeout < float("inf")):
+        raise ValueError(f"probe_hosts: timeout must be a finite number > 0, not {timeout!r}")
+    deadline = time.monotonic() + timeout
+    ports = {}  # host: its first ports
+    for address in addresses:
         host, _, port = address.rpartition(":")
+        ports.setdefault(host.strip("[]"), [])
+        if len(ports[host.strip("[]")]) < PORTS_PER_HOST:
+            ports[host.strip("[]")].append(int(port))
+    found = {host: [] for host in ports}  # each connect's `answered`, as it ends
+    connects = {host: [] for host in ports}  # their threads, started by the host's resolver
+
+    def left():
+        return max(deadline - time.monotonic(), 0.0)
+
+    def connect(host, family, sockaddr, window):
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-                error = None
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(max(window, 0.001))
+                sock.connect(sockaddr)
+            error = None
         except OSError as e:
             error = e
-        results[address] = (host.strip("[]"), answered(error))
+        # No reply in less than half the time (its name was slow to resolve) says nothing.
+        short = isinstance(error, TimeoutError) and window < timeout / 2
+        found[host].append(None if short else answered(error))
 
-    threads = [threading.Thread(target=connect, args=(a,), daemon=True) for a in addresses]
-    for thread in threads:
+    def resolve(host):
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return  # unknown
+        for family, sockaddr in dict.fromkeys((info[0], info[4]) for info in infos):
+            for port in ports[host]:
+                window = left()
+                thread = threading.Thread(target=connect, daemon=True, args=(
+                    host, family, (sockaddr[0], port) + sockaddr[2:], window))
+                connects[host].append((thread, window))
+                thread.start()
+
+    resolvers = {h: threading.Thread(target=resolve, args=(h,), daemon=True) for h in ports}
+    for thread in resolvers.values():
         thread.start()
-    for thread in threads:
-        thread.join(timeout + 5)  # a name lookup may take longer; unknown if it does
-    by_host = {}
-    for address in addresses:
-        host, answer = results.get(address, (address.rpartition(":")[0].strip("[]"), None))
-        by_host.setdefault(host, []).append(answer)
-    return {host: True if True in found else False if False in found else None
-            for host, found in by_host.items()}
+    for thread in resolvers.values():
+        thread.join(left())
+    answers = {}
+    for host, resolver in resolvers.items():
+        if resolver.is_alive():  # its name still resolving at the deadline
+            answers[host] = True if True in found[host] else None
+            continue
+        for thread, _ in connects[host]:
+            thread.join(left())
+        # A connect still waiting at the deadline had no reply: as a timeout (if it was
+        # given half the time or more).
+        waiting = any(thread.is_alive() and window >= timeout / 2
+                      for thread, window in connects[host])
+        answers[host] = combined(list(found[host]) + [False] * waiting)
+    return answers

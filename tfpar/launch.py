@@ -40,15 +40,19 @@ slot of that host together, so the host is lost as a unit after --lost_after suc
 (one line naming the host and its slots), when the other hosts' workers named all of that
 host's workers, and only those, as unhealthy (TensorFlow's coordination service: "stopped
 sending heartbeats"), or else when the launcher's probe finds that host unreachable: after
-the attempt's workers are stopped, it connects to every worker port of every host at once
-(`tfpar.host_loss.probe_hosts`, --probe_timeout s); a host that neither accepts nor refuses
-(no reply, no route) while another host answers is cut off (`tfpar.host_loss.lost_host`).
-So a host named only in part (TensorFlow names at most 3 stale tasks a check), or not at
-all (a retried attempt failing at start-up while the host stays down), is still lost whole;
-a host that refuses is up, and its failed worker is a lost worker. The probe runs only when
-the job could lose a host (several hosts, more slots than --min_workers on the others); a
-firewall that drops rather than refuses connections to closed ports makes a live host look
-cut off: there, --probe_timeout=0 (names only).
+the attempt's workers are stopped, it connects to each host's first worker ports, on every
+address the host's name resolves to, all at once, within --probe_timeout s
+(`tfpar.host_loss.probe_hosts`); a host that neither accepts nor refuses (no reply, no
+route) while another host answers is cut off (`tfpar.host_loss.lost_host`). So a host
+named only in part (TensorFlow names at most 3 stale tasks a check), or not at all (a
+retried attempt failing at start-up while the host stays down), is still lost whole; a host
+that refuses is up, and the attempt is counted against the worker the names point at (all
+named tasks on one host: the lowest), else against the first to exit. The probe runs only
+when the job could lose a host (several hosts, at least --min_workers slots on the others);
+each host is probed once before its workers first start, and one that did not answer then
+(a firewall dropping connections to closed ports) is left out of the probe, in one line. A
+firewall that rejects with "host prohibited" makes a live host look cut off too: there,
+--probe_timeout=0 (names only).
 
 Multi-host: `--hosts=node1:2,node2:2` puts worker slots on hosts (in that order), builds the
 TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by default, `local`
@@ -58,8 +62,10 @@ the connection).
 Growing back: with `--discovery=CMD` the launcher runs CMD (a shell command) every
 `--discovery_interval` seconds; it prints the worker slots available now as HOST:SLOTS items
 (comma- or line-separated, as `--hosts`). A lost slot is offered again once CMD, having
-stopped listing it, lists it again (its host went away and answers again); slots beyond the
-current ones are offered whenever CMD lists them, up to `--max_workers`. When a slot is
+stopped listing it, lists it again (its host went away and answers again; a host that
+answered the launcher's probe before its first start must answer it again, else one line
+says its slots wait); slots beyond the current ones are offered whenever CMD lists them,
+up to `--max_workers`. When a slot is
 offered the launcher sends SIGTERM: every worker agrees on a step within a few steps, writes a
 checkpoint there and stops (`tfpar.preemption`), and the next attempt starts on the larger
 world from that checkpoint (no step repeated; a worker without the preemption guard is simply
@@ -93,7 +99,8 @@ from absl import app, flags, logging
 
 from tfpar import tf_config
 from tfpar.errors import ConfigError, TfparError
-from tfpar.host_loss import LostHost, Unhealthy, cut_off_host, lost_host, probe_hosts
+from tfpar.host_loss import (LostHost, Unhealthy, cut_off_host, lost_host, named_worker,
+                              probe_hosts)
 
 READY_MARKER = "TFPAR_READY"
 LOST_MARKER = "TFPAR_LOST_WORKER"  # `tfpar.pipeline.remote.LOST_MARKER`
@@ -155,13 +162,14 @@ def define_flags(flag_values=FLAGS):
                            lower_bound=0.1, **define)
         flags.DEFINE_integer("lost_after", 2, "With --min_workers: failed attempts in a row "
                              "after which a worker counts as lost.", lower_bound=1, **define)
-        flags.DEFINE_float("probe_timeout", 2, "Elastic multi-host job: after a failed "
+        flags.DEFINE_float("probe_timeout", 3.5, "Elastic multi-host job: after a failed "
                            "attempt the launcher connects to each host's worker ports; a "
                            "host that neither accepts nor refuses within this many seconds "
                            "(while another host answers) is cut off, and loses all its "
                            "slots together; 0 = no probe (a host is lost as a unit only "
-                           "when the others' workers name all its workers).", lower_bound=0,
-                           **define)
+                           "when the others' workers name all its workers); else >= 0.5 "
+                           "(Linux resends an unanswered connect after 1 s and 3 s).",
+                           lower_bound=0, **define)
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
                                    "max_restarts", "min_workers", "max_workers", "discovery",
                                    "discovery_interval", "lost_after", "probe_timeout",
@@ -201,7 +209,7 @@ class LaunchResult:
 def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
            max_restarts=0, log_dir="", env=None, out=None, err=None, min_workers=None,
            lost_after=2, hosts=None, runner=None, base_port=0, max_workers=None,
-           discovery="", discovery_interval=5.0, probe_timeout=2.0, probe=None):
+           discovery="", discovery_interval=5.0, probe_timeout=3.5, probe=None):
     """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
 
     Args:
@@ -235,17 +243,20 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             (after a run that did not list it), or a new slot, makes the job grow at the next
             checkpoint: SIGTERM, the workers agree on a step and save there
             (`tfpar.preemption`), and the next attempt starts on the larger world.
-        probe_timeout: elastic multi-host job: seconds the launcher's probe of each host
-            (`probe_hosts`) waits for an answer after a failed attempt; 0 = no probe.
+        probe_timeout: elastic multi-host job: seconds the launcher's probe of the hosts
+            (`probe_hosts`) waits for answers, in all; 0 = no probe, else >= 0.5.
         probe: `probe(addresses) -> {host: True (answered), False (unreachable), None}`
-            for the attempt's worker addresses ("HOST:PORT"), called after its workers
-            were stopped (default `probe_hosts` with `probe_timeout`); tests pass a fake.
+            for worker addresses ("HOST:PORT") whose ports are closed: a host's before
+            its workers first start (only a host that answered then is probed later), and
+            after a failed attempt's workers were stopped (`_HostProbe`; default
+            `probe_hosts` with `probe_timeout`); tests pass a fake.
 
     Returns:
         A `LaunchResult`; `returncode` is 0 only if every worker of the last attempt exited 0.
 
     Raises:
-        ConfigError: for workers < 1, an empty command, a negative time or an unusable host.
+        ConfigError: for workers < 1, an empty command, a negative or NaN time, a
+            `probe_timeout` not 0 nor a finite number >= 0.5, or an unusable host.
         TfparError: if the command cannot be started.
     """
     min_workers, max_workers, placement = _checked_layout(
@@ -256,13 +267,15 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     if probe is None and probe_timeout:
         probe = functools.partial(probe_hosts, timeout=probe_timeout)
     out, err = out or sys.stdout, err or sys.stderr
+    hosts_probe = _HostProbe(probe, err) if probe is not None else None
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     deadline = time.monotonic() + timeout if timeout else None
     attempts, signalled = [], None
     job = _World(workers, min_workers, max_workers, lost_after, err)
     watch = _ElasticWatch(err)
-    offers = _Offers(placement, max_workers, discovery, discovery_interval, err)
+    offers = _Offers(placement, max_workers, discovery, discovery_interval, err,
+                     functools.partial(_answers, hosts_probe, base_port))
     number = restarts = 0
 
     def grow_due():
@@ -280,7 +293,7 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             codes, failure, kind, blamed = _run_attempt(
                 list(cmd), job.slots, placement, base_port, runner, number, deadline,
                 timeout, start_timeout, grace, log_dir, env, out, received, watch.on_line,
-                grow_due, probe if job.can_lose_a_host(placement) else None)
+                grow_due, hosts_probe if job.can_lose_a_host(placement) else None)
             number += 1
             signalled = received[0] if received else None
             if kind == "grow":
@@ -291,7 +304,8 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
                 job.grow(number, offers, watch)
                 continue
             attempts.append(Attempt(codes, failure, tuple(job.slots)))
-            if not failure or kind != "retry" or restarts == max_restarts:
+            if (not failure or kind != "retry" or restarts == max_restarts
+                    or signalled):  # a signal during the stop or the probe: no restart
                 break
             restarts += 1
             if job.lose(blamed, number, failure, offers, watch, restarts, max_restarts):
@@ -315,8 +329,13 @@ def _checked_layout(cmd, workers, host, hosts, min_workers, max_workers, lost_af
         raise ConfigError("command", cmd, "give the worker command after '--', e.g. "
                           "python -m tfpar.launch --workers=2 -- python train.py")
     for name, value in times.items():
-        if value < 0:
-            raise ConfigError(name, value, "must be >= 0")
+        if not value >= 0:  # NaN too
+            raise ConfigError(name, value, "must be a number >= 0")
+    probe_timeout = times.get("probe_timeout", 0)
+    if probe_timeout and not 0.5 <= probe_timeout < float("inf"):
+        raise ConfigError("probe_timeout", probe_timeout, "must be 0 (no probe) or a finite "
+                          "number of seconds >= 0.5 (a live host's refusal may take one "
+                          "resent connect, 1 s; the default is 3.5)")
     min_workers = workers if min_workers is None else min_workers
     if not 1 <= min_workers <= workers:
         raise ConfigError("min_workers", min_workers, f"must be between 1 and --workers={workers}")
@@ -348,8 +367,8 @@ class _World:
 
     def can_lose_a_host(self, placement):
         """Whether the next attempt runs on several hosts and could lose one of them
-        whole (more slots than --min_workers left on the others): only then is a host
-        worth probing."""
+        whole (at least --min_workers slots left on the other hosts, as `lose` needs):
+        only then is a host worth probing."""
         hosts = [placement[s] for s in self.slots]
         return len(set(hosts)) > 1 and any(
             len(self.slots) - hosts.count(h) >= self.min_workers for h in set(hosts))
@@ -395,6 +414,41 @@ class _World:
                        f"of {max_restarts})")
         watch.changed(len(self.slots), "the loss was detected")
         return True
+
+
+class _HostProbe:
+    """The launcher's probe of the hosts' worker ports (`probe(addresses)`, see `launch`):
+    a host is probed once before its workers first start, when its worker ports are
+    closed and should refuse (`baseline`); after a failed attempt only the hosts that
+    answered then are probed (`after`): "unreachable" from a host whose closed ports never
+    answered (a firewall dropping them, the host down from the start) says nothing."""
+
+    def __init__(self, probe, err):
+        self.probe, self.err = probe, err
+        self.tried, self.trusted = set(), set()
+
+    def baseline(self, hosts, addresses):
+        new = list(dict.fromkeys(h for h in hosts if h not in self.tried))
+        if not new:
+            return
+        answers = self.probe([a for h, a in zip(hosts, addresses) if h in new])
+        self.tried.update(new)
+        for host in new:
+            if answers.get(host):
+                self.trusted.add(host)
+                continue
+            why = ("no reply or no route" if answers.get(host) is False
+                   else "no answer in time or its name did not resolve")
+            _say(self.err, f"host {host} did not answer the launcher's probe of its closed "
+                           f"worker ports before its workers started ({why}): it is left "
+                           f"out of the probe, and lost as a unit only when the other "
+                           f"hosts' workers name all its workers")
+
+    def after(self, hosts, addresses):
+        """`{host: answer}` for `hosts`: the probe's for those it trusts, else None."""
+        picked = [a for h, a in zip(hosts, addresses) if h in self.trusted]
+        answers = self.probe(picked) if picked else {}
+        return {h: answers.get(h) if h in self.trusted else None for h in hosts}
 
 
 def _summary(attempts, job, restarts, max_restarts):
@@ -540,15 +594,17 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
                  start_timeout, grace, log_dir, env, out, received, on_line=None,
                  grow_due=None, probe=None):
     """Starts all workers, watches them, stops them. Returns (exit codes, failure, kind, the
-    slot of the worker that failed, a `LostHost` or None); `probe` (see `launch`), if given,
-    is called when a failure's names do not settle whether a host was lost whole (after
-    the workers were stopped); kind is "retry" (a worker failed:
-    restarting may help), `CONFIG_ERROR` (a worker exited `CONFIG_EXIT`: its error line is in the
-    failure), "grow" (stopped because `grow_due()` offered slots) or "" (done, or a
-    failure a restart cannot mend)."""
+    slot of the worker that failed, a `LostHost` or None); `probe` (a `_HostProbe`), if
+    given, probes new hosts before the workers start and, when a failure's names do not
+    settle whether a host was lost whole, the hosts after the workers were stopped; kind
+    is "retry" (a worker failed: restarting may help), `CONFIG_ERROR` (a worker exited
+    `CONFIG_EXIT`: its error line is in the failure), "grow" (stopped because `grow_due()`
+    offered slots) or "" (done, or a failure a restart cannot mend)."""
     workers = len(slots)
     hosts = [placement[s].strip("[]") for s in slots]
     addresses = _addresses(hosts, base_port)
+    if probe is not None:
+        probe.baseline(hosts, addresses)
     ready = [False] * workers
     lock = threading.Lock()
     procs, pumps = [], []
@@ -599,38 +655,57 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
         for pump in pumps:
             pump.join(timeout=5)  # the group is dead; only an escaped daemon could hold the pipe
     codes = tuple(p.returncode for p in procs)
+    first, marked = failed, False
     if failed is not None and codes[failed] > 0 and named[failed] in range(workers):
         # A pipeline's chief gave up on a stage worker that stopped answering (frozen, its
         # host hung or cut off: `tfpar.pipeline.remote.watch_stages`): that worker is lost.
         failure += f"; it named worker {named[failed]}, which stopped answering"
-        failed = named[failed]
-    blamed = slots[failed] if failed is not None else None
-    cut_off = evidence = None
-    if kind == "retry" and codes[failed] != CONFIG_EXIT:
-        # A host's link cut (or the host gone): every worker fails in a collective, the
-        # first to exit is as likely on a healthy host. The others may name the lost ones;
-        # if they named not all of them, or none (a start-up failure), the probe tells.
-        named = [u.tasks & set(range(workers)) for u in unhealthy]
-        answers = None
-        if probe is not None and cut_off_host(hosts, named) is None:
-            answers = probe(addresses)
-        cut_off, evidence = lost_host(hosts, named, answers)
+        failed, marked = named[failed], True
+    if kind == "retry" and codes[first] == CONFIG_EXIT:
+        return codes, failure + (
+            f", a configuration error a restart would repeat (not retried): "
+            f"{error_lines[first] or 'it printed no tfpar: error: line'}"
+        ), CONFIG_ERROR, slots[failed]
+    if kind == "retry":
+        # `stale`, not `named`: the pumps' `watch_line` may still write to `named`.
+        stale = [u.tasks & set(range(workers)) for u in unhealthy]
+        more, failed = _host_or_worker(hosts, addresses, stale, failed,
+                                       None if received else probe, by_names=not marked)
+        failure += more
+    if isinstance(failed, LostHost):
+        return codes, failure, kind, LostHost(failed.host, tuple(slots[i] for i in failed.slots))
+    return codes, failure, kind, slots[failed] if failed is not None else None
+
+
+def _host_or_worker(hosts, addresses, stale, failed, probe, by_names=True):
+    """What a failed attempt is counted against when no worker named another as not
+    answering: `(more words for the failure, a LostHost of worker indices or a worker
+    index)`. A host cut off (a link cut, the host gone) fails every worker in a collective,
+    the first to exit (`failed`) as likely on a healthy host: the other hosts' workers
+    naming all of a host's workers settle it, else the probe does, if any (`stale`: the
+    tasks each worker named as unhealthy; `tfpar.host_loss.lost_host`). No host lost
+    whole: the task the names point at (`named_worker`; with `by_names`), else `failed`."""
+    answers = None
+    if probe is not None and cut_off_host(hosts, stale) is None:
+        answers = probe.after(hosts, addresses)
+    cut_off, evidence = lost_host(hosts, stale, answers)
     if cut_off is not None:
-        members = [i for i, h in enumerate(hosts) if h == cut_off]
-        blamed = LostHost(cut_off, tuple(slots[i] for i in members))
+        members = tuple(i for i, h in enumerate(hosts) if h == cut_off)
         if evidence == "named":
-            failure += (f"; the other hosts' workers named every worker of host {cut_off} "
-                        f"({', '.join(map(str, members))}) as unhealthy")
-        else:
-            others = [h for h in dict.fromkeys(hosts) if answers.get(h)]
-            failure += (f"; host {cut_off} did not answer the launcher's probe of its "
-                        f"workers' ports (no route or no reply), host(s) "
-                        f"{', '.join(others)} did")
-    if kind == "retry" and codes[failed] == CONFIG_EXIT:
-        kind = CONFIG_ERROR
-        failure += (f", a configuration error a restart would repeat (not retried): "
-                    f"{error_lines[failed] or 'it printed no tfpar: error: line'}")
-    return codes, failure, kind, blamed
+            return (f"; the other hosts' workers named every worker of host {cut_off} "
+                    f"({', '.join(map(str, members))}) as unhealthy",
+                    LostHost(cut_off, members))
+        others = [h for h in dict.fromkeys(hosts) if answers.get(h)]
+        return (f"; host {cut_off} did not answer the launcher's probe of its workers' "
+                f"ports (no route or no reply), host(s) {', '.join(others)} did",
+                LostHost(cut_off, members))
+    worker = named_worker(hosts, stale) if by_names else None
+    if worker is None:
+        return "", failed
+    up = (f", host {hosts[worker]} answered the launcher's probe"
+          if answers and answers.get(hosts[worker]) else "")
+    return (f"; worker {worker} was named as unhealthy{up}: a lost worker, not a lost "
+            f"host", worker)
 
 
 def _watch(procs, ready, deadline, timeout, start_timeout, received, grow_due=None):
@@ -749,14 +824,16 @@ class _Offers:
     A slot is offered when the command lists its host with enough slots (slot k is the j-th
     slot of its host in `placement`); a slot lost earlier only after one run of the command
     did not list it (so a host that stays listed while its worker keeps failing is not taken
-    back at once). Hosts or slots not in `placement` are appended to it, up to
+    back at once), and not while its host, listed again, does not answer the launcher's
+    probe (`update`). Hosts or slots not in `placement` are appended to it, up to
     `max_workers` in all.
     """
 
-    def __init__(self, placement, max_workers, command, interval, err):
+    def __init__(self, placement, max_workers, command, interval, err, reachable=None):
         self.placement, self.max_workers = placement, max_workers
         self.command, self.interval, self._err = command, interval, err
-        self._lost, self._cleared = set(), set()
+        self.reachable = reachable  # (host, rank) -> True, False, None: `_answers`
+        self._lost, self._cleared, self._held, self._said = set(), set(), set(), set()
         self._listed = None  # {host: slots} of the newest run, None before the first
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread = None
@@ -788,7 +865,7 @@ class _Offers:
             offered = []
             for k, h in enumerate(self.placement):
                 rank = self.placement[:k].count(h)
-                if (k not in running and rank < listed.get(h, 0)
+                if (k not in running and rank < listed.get(h, 0) and k not in self._held
                         and (k not in self._lost or k in self._cleared)):
                     offered.append(k)
             offered = offered[:self.max_workers - len(running)]
@@ -803,13 +880,36 @@ class _Offers:
         while not self._stop.is_set():
             listed = self._run()
             if listed is not None:
-                with self._lock:
-                    self._listed = listed
-                    for k in self._lost:
-                        h = self.placement[k]
-                        if self.placement[:k].count(h) >= listed.get(h, 0):
-                            self._cleared.add(k)
+                self.update(listed)
             self._stop.wait(self.interval)
+
+    def update(self, listed):
+        """Takes one run's listing (`{host: slots}`). A lost slot listed again is held back
+        while its host does not answer the launcher's probe (`reachable`), asked here,
+        before the listing is published, so it is never offered unprobed."""
+        with self._lock:
+            back = {k: self.placement[k] for k in self._lost & self._cleared
+                    if self.placement[:k].count(self.placement[k])
+                    < listed.get(self.placement[k], 0)}
+        held = set()
+        for host in sorted(set(back.values())):
+            rank = min(self.placement[:k].count(host) for k, h in back.items() if h == host)
+            if self.reachable is not None and self.reachable(host, rank) is False:
+                held.update(k for k, h in back.items() if h == host)
+                if host not in self._said:
+                    slots = ", ".join(str(k) for k in sorted(back) if back[k] == host)
+                    _say(self._err, f"--discovery lists host {host} again, but it did not "
+                                    f"answer the launcher's probe: its lost slot(s) {slots} "
+                                    f"are not offered until it does")
+                self._said.add(host)
+            else:
+                self._said.discard(host)
+        with self._lock:
+            self._listed, self._held = listed, held
+            for k in self._lost:
+                h = self.placement[k]
+                if self.placement[:k].count(h) >= listed.get(h, 0):
+                    self._cleared.add(k)
 
     def _run(self):
         try:
@@ -822,6 +922,20 @@ class _Offers:
         except (OSError, subprocess.TimeoutExpired, ConfigError) as e:
             _say(self._err, f"--discovery={self.command!r} failed ({e}); offers unchanged")
             return None
+
+
+def _answers(hosts_probe, base_port, host, rank):
+    """Whether `host` answers the launcher's probe now, on the port its worker of `rank`
+    would listen on (a free port of this machine without `base_port`): True, False (no
+    reply, no route) or None (no probe, or the host never answered one: no evidence)."""
+    if hosts_probe is None or host not in hosts_probe.trusted:
+        return None
+    try:
+        port = base_port + rank if base_port else free_ports(1, host)[0]
+    except ConfigError:
+        return None
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return hosts_probe.probe([address]).get(host)
 
 
 def _describe(code):
