@@ -36,10 +36,12 @@ def _files_of(prefix):
 
 
 def _crc32(path):
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+    # Read into one buffer, unbuffered: no new bytes object and no second copy per chunk.
+    crc, buffer = 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(buffer):
+            crc = zlib.crc32(view[:size], crc)
     return crc
 
 
