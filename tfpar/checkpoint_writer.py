@@ -14,10 +14,12 @@ it. The thread is not a daemon: a process that ends (the last save, a preemption
 error) exits only once the write in flight is published.
 """
 
+import collections
 import json
 import os
 import re
 import threading
+import time
 import zlib
 
 from absl import logging
@@ -81,6 +83,35 @@ def damage(prefix):
         if _crc32(path) != want["crc32"]:
             return f"{file} fails its CRC32 check (its bytes changed since it was written)"
     return None
+
+
+class Costs:
+    """What the saves cost, per phase: `records` holds the newest saves' (`MAX` of them)
+    `{"step", "<phase>_cpu_ms", "<phase>_ms"}`, each phase's CPU time in the thread that
+    ran it (`time.thread_time`) and its wall time. `tools/bench_checkpoint.py` reads them."""
+
+    MAX = 64
+
+    def __init__(self):
+        self.records = collections.deque(maxlen=self.MAX)
+
+    def new(self, step):
+        """A record for step `step`'s save, appended now, filled by `timed`."""
+        record = {"step": step}
+        self.records.append(record)
+        return record
+
+    @staticmethod
+    def timed(record, phase, function, *args):
+        """`function(*args)`, its CPU and wall time added to `record` under `phase`."""
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            record[f"{phase}_cpu_ms"] = (record.get(f"{phase}_cpu_ms", 0)
+                                         + 1000 * (time.thread_time() - cpu))
+            record[f"{phase}_ms"] = (record.get(f"{phase}_ms", 0)
+                                     + 1000 * (time.perf_counter() - wall))
 
 
 class Writer:
