@@ -24,7 +24,8 @@ against `none`; per save, each phase's CPU and wall time in the thread that ran 
 synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`); the
 Python garbage collector's time; and whether a save slows the steps after it:
 `lost_after_ms`, the excess over the 20 steps before a save of steps 1–10 and 11–40 after
-it, with `none`'s steps at the same positions as the control. Every segment ends with
+it, and `lost_after_cpu_ms` the same in the process's CPU time (the writer thread's work
+included while it runs), with `none`'s steps at the same positions as the control. Every segment ends with
 `os.sync()` and `gc.collect()` outside its timed window (`sync_ms`), so that the kernel
 does not write one side's files back during another side's segment; `--rounds` should be
 a multiple of 3 so that each side runs first, second and third equally often.
@@ -61,7 +62,7 @@ def timed(checkpointer):
         def __init__(self):
             super().__init__()
             self.ends, self.blocked, self.save_cpu, self.saved_at = [], [], [], []
-            self.cpu0 = None
+            self.cpu_ends = []  # the process's CPU time at each step's end
 
         def on_train_batch_end(self, batch, logs=None):
             if checkpointer is not None:
@@ -73,8 +74,7 @@ def timed(checkpointer):
                     self.save_cpu.append(time.thread_time() - cpu)
                     self.saved_at.append(len(self.ends))
             self.ends.append(time.perf_counter())
-            if self.cpu0 is None:
-                self.cpu0 = time.process_time()
+            self.cpu_ends.append(time.process_time())
 
     return Timed()
 
@@ -138,7 +138,7 @@ def segment(fit, checkpointer, steps):
         if checkpointer is not None:
             checkpointer.wait()
         waited = time.perf_counter() - began
-        cpu = time.process_time() - clock.cpu0
+        cpu = time.process_time() - clock.cpu_ends[0]
     seconds = clock.ends[-1] - clock.ends[0] + waited
     wrote = written_bytes() - wrote if wrote is not None else None
     # The save's files on disk before the next segment (outside the timed window).
@@ -154,7 +154,8 @@ def segment(fit, checkpointer, steps):
              "written_mib": wrote / 2 ** 20 if wrote is not None else None,
              "gc_ms": 1000 * collector.seconds, "gc_collections": collector.collections,
              "sync_ms": 1000 * synced,
-             "lost_after_ms": lost_after(clock.ends, positions)}
+             "lost_after_ms": lost_after(clock.ends, positions),
+             "lost_after_cpu_ms": lost_after(clock.cpu_ends, positions)}
     return seconds, clock.blocked, extra
 
 
@@ -304,9 +305,10 @@ def accounting(rounds, side):
     out["written_mib"] = statistics.median(written) if written else None
     for key in ("gc_ms", "sync_ms"):
         out[key] = _spread([row[side][key] for row in rounds])
-    lost = [entry for row in rounds for entry in row[side]["lost_after_ms"]]
-    out["lost_after_ms"] = ({window: _spread([entry[window] for entry in lost])
-                             for window in lost[0]} if lost else None)
+    for key in ("lost_after_ms", "lost_after_cpu_ms"):
+        lost = [entry for row in rounds for entry in row[side][key]]
+        out[key] = ({window: _spread([entry[window] for entry in lost])
+                     for window in lost[0]} if lost else None)
     return out
 
 
@@ -316,15 +318,16 @@ def print_accounting(summary, rounds):
     print(f"\nCPU time (all the process's threads), medians over {rounds} rounds (min–max); "
           "per save: each phase's CPU ms in the thread that ran it")
     print(f"  {'side':6} {'CPU ms/step':>11} {'CPU overhead %':>22} {'MiB/seg':>8} "
-          f"{'gc ms':>6} {'sync ms':>8}  lost after a save, steps 1–10 / 11–40 (ms)")
+          f"{'gc ms':>6} {'sync ms':>8}  lost after a save, steps 1–10 / 11–40: CPU ms "
+          "(wall ms)")
     for side in SIDES:
         s = summary[side]
         over = s.get("cpu_overhead")
         over = (f"{100 * over['median']:+.2f} ({100 * over['min']:+.2f}–"
                 f"{100 * over['max']:+.2f})" if over else "")
-        lost = s["lost_after_ms"]
-        lost = (" / ".join(f"{lost[w]['median']:+.0f} ({lost[w]['min']:+.0f}…"
-                           f"{lost[w]['max']:+.0f})" for w in lost) if lost else "")
+        lost, wall = s["lost_after_cpu_ms"], s["lost_after_ms"]
+        lost = (" / ".join(f"{lost[w]['median']:+.0f} ({wall[w]['median']:+.0f})"
+                           for w in lost) if lost else "")
         written = f"{s['written_mib']:.0f}" if s["written_mib"] is not None else "?"
         print(f"  {side:6} {s['cpu_ms_per_step']:11.1f} {over:>22} {written:>8} "
               f"{s['gc_ms']['median']:6.0f} {s['sync_ms']['median']:8.0f}  {lost}")
