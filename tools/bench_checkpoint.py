@@ -53,9 +53,9 @@ EVERY = 100
 
 
 def timed(checkpointer):
-    """A Keras callback: each step's end time, the time each save blocked the step and the
-    main thread's CPU time meanwhile, where the saves fell, and the process's CPU time at
-    the first step's end."""
+    """A Keras callback: each step's end time and the process's CPU time then, the time
+    each save blocked the step and the step's thread's CPU time meanwhile, and which steps
+    held a save."""
     import keras
 
     class Timed(keras.callbacks.Callback):
