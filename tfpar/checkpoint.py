@@ -239,8 +239,12 @@ class Checkpointer(keras.callbacks.Callback):
         self._writer.wait()  # one write in flight at most
         self._checkpoint.save_counter.assign_add(1)  # as the manager's save does
         # The only blocking part.
+        batched = self._snapshot_cache.get("batched", 0)
         values = timed(cost, "snapshot", patches.checkpoint_snapshot, self._checkpoint,
                        self._snapshot_cache, _mesh_to_host)
+        # Whether the variables were read in one call (the first save reads them one by
+        # one; a save whose objects changed would too, and trace the call again).
+        cost["batched_reads"] = self._snapshot_cache.get("batched", 0) > batched
 
         def write():
             faults.pause_in_save(step, "before_writing")

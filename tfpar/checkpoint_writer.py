@@ -88,7 +88,8 @@ def damage(prefix):
 class Costs:
     """What the saves cost, per phase: `records` holds the newest saves' (`MAX` of them)
     `{"step", "<phase>_cpu_ms", "<phase>_ms"}`, each phase's CPU time in the thread that
-    ran it (`time.thread_time`) and its wall time. `tools/bench_checkpoint.py` reads them."""
+    ran it (`time.thread_time`) and its wall time (an async save's also `batched_reads`:
+    its variables read in one call). `tools/bench_checkpoint.py` reads them."""
 
     MAX = 64
 
