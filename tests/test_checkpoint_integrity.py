@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import zlib
 
 import numpy as np
 
@@ -47,6 +48,21 @@ def test_the_manifest_names_what_changed(tmp_path):
     (tmp_path / f"ckpt-7{MANIFEST}").unlink()
     (tmp_path / "ckpt-7.index").write_bytes(b"i" * 40)
     assert damage(prefix) is None
+
+
+def test_the_manifest_crc_covers_files_of_several_chunks(tmp_path):
+    # The CRC32 is read in 4 MiB chunks into one buffer: a file of 2½ chunks, its last bit
+    # flipped, is caught; its CRC is zlib's over the whole file.
+    data = (tmp_path / "ckpt-3.data-00000-of-00001")
+    raw = bytearray(np.random.default_rng(0).integers(0, 256, 10 * 2 ** 20, np.uint8))
+    data.write_bytes(bytes(raw))
+    (tmp_path / "ckpt-3.index").write_bytes(b"i" * 40)
+    write_manifest(str(tmp_path / "ckpt-3"))
+    files = json.loads((tmp_path / f"ckpt-3{MANIFEST}").read_text())["files"]
+    assert files[data.name]["crc32"] == zlib.crc32(raw)
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    assert "fails its CRC32 check" in damage(str(tmp_path / "ckpt-3"))
 
 
 def _digest(folder):

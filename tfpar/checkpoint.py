@@ -123,6 +123,7 @@ class Checkpointer(keras.callbacks.Callback):
         self._writer = (checkpoint_writer.Writer()
                         if getattr(config, "checkpoint_async", False) else None)
         self._snapshot_cache = {}
+        self.costs = checkpoint_writer.Costs()  # each save's phases, CPU and wall time
 
     def restore(self):
         """Restores the newest intact published checkpoint of the chief's directory;
@@ -224,28 +225,36 @@ class Checkpointer(keras.callbacks.Callback):
                                   [{"step": 0, **self._world}])
         step = self._step
         prefix = os.path.join(self._write_dir, f"ckpt-{step}")  # absolute, as the directory
+        timed, cost = checkpoint_writer.Costs.timed, self.costs.new(step)
         if self._writer is None:
             faults.pause_in_save(step, "before_writing")
             # Write callbacks run after the files are written, before the state file
             # names them.
-            self._manager.save(checkpoint_number=step, options=tf.train.CheckpointOptions(
-                experimental_write_callbacks=[lambda: self._before_publishing(step, prefix)]))
+            options = tf.train.CheckpointOptions(experimental_write_callbacks=[
+                lambda: self._before_publishing(step, prefix, cost)])
+            timed(cost, "save", lambda: self._manager.save(checkpoint_number=step,
+                                                           options=options))
             self._written()
             return
         self._writer.wait()  # one write in flight at most
         self._checkpoint.save_counter.assign_add(1)  # as the manager's save does
         # The only blocking part.
-        values = patches.checkpoint_snapshot(self._checkpoint, self._snapshot_cache,
-                                             to_host=_mesh_to_host)
+        batched = self._snapshot_cache.get("batched", 0)
+        values = timed(cost, "snapshot", patches.checkpoint_snapshot, self._checkpoint,
+                       self._snapshot_cache, _mesh_to_host)
+        # Whether the variables were read in one call (the first save reads them one by
+        # one; a save whose objects changed would too, and trace the call again).
+        cost["batched_reads"] = self._snapshot_cache.get("batched", 0) > batched
 
         def write():
             faults.pause_in_save(step, "before_writing")
-            patches.write_checkpoint(values, prefix)
-            self._before_publishing(step, prefix)
-            patches.publish_checkpoint(self._manager, prefix)
+            timed(cost, "write", patches.write_checkpoint, values, prefix)
+            self._before_publishing(step, prefix, cost)
+            timed(cost, "publish", patches.publish_checkpoint, self._manager, prefix)
             self._written()
-            patches.trace_checkpoint_reads(self._snapshot_cache)  # the next save's reads
-        self._writer.submit(step, write)
+            # the next save's reads
+            timed(cost, "trace", patches.trace_checkpoint_reads, self._snapshot_cache)
+        self._writer.submit(step, lambda: timed(cost, "writer", write))
 
     def wait(self):
         """Returns once the newest save is published (at once for a synchronous save).
@@ -256,9 +265,9 @@ class Checkpointer(keras.callbacks.Callback):
         if self._writer is not None:
             self._writer.wait()
 
-    def _before_publishing(self, step, prefix):
+    def _before_publishing(self, step, prefix, cost):
         patches.wait_for_checkpoint_files()
-        checkpoint_writer.write_manifest(prefix)
+        checkpoint_writer.Costs.timed(cost, "manifest", checkpoint_writer.write_manifest, prefix)
         # Off unless a test asks for it: a window to kill in, files written, none named.
         faults.pause_in_save(step)
 

@@ -14,10 +14,12 @@ it. The thread is not a daemon: a process that ends (the last save, a preemption
 error) exits only once the write in flight is published.
 """
 
+import collections
 import json
 import os
 import re
 import threading
+import time
 import zlib
 
 from absl import logging
@@ -36,10 +38,12 @@ def _files_of(prefix):
 
 
 def _crc32(path):
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+    # Read into one buffer, unbuffered: no new bytes object and no second copy per chunk.
+    crc, buffer = 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(buffer):
+            crc = zlib.crc32(view[:size], crc)
     return crc
 
 
@@ -79,6 +83,36 @@ def damage(prefix):
         if _crc32(path) != want["crc32"]:
             return f"{file} fails its CRC32 check (its bytes changed since it was written)"
     return None
+
+
+class Costs:
+    """What the saves cost, per phase: `records` holds the newest saves' (`MAX` of them)
+    `{"step", "<phase>_cpu_ms", "<phase>_ms"}`, each phase's CPU time in the thread that
+    ran it (`time.thread_time`) and its wall time (an async save's also `batched_reads`:
+    its variables read in one call). `tools/bench_checkpoint.py` reads them."""
+
+    MAX = 64
+
+    def __init__(self):
+        self.records = collections.deque(maxlen=self.MAX)
+
+    def new(self, step):
+        """A record for step `step`'s save, appended now, filled by `timed`."""
+        record = {"step": step}
+        self.records.append(record)
+        return record
+
+    @staticmethod
+    def timed(record, phase, function, *args):
+        """`function(*args)`, its CPU and wall time added to `record` under `phase`."""
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            record[f"{phase}_cpu_ms"] = (record.get(f"{phase}_cpu_ms", 0)
+                                         + 1000 * (time.thread_time() - cpu))
+            record[f"{phase}_ms"] = (record.get(f"{phase}_ms", 0)
+                                     + 1000 * (time.perf_counter() - wall))
 
 
 class Writer:

@@ -15,12 +15,28 @@ Per side and round: ms per step over the segment, the step-time overhead against
 of the same round, and the time the step was blocked per save. Prints the rounds and the
 medians over rounds (with min–max), and writes `--out` (JSON).
 
-    flock /tmp/tfpar-cpu.lock python tools/bench_checkpoint.py --rounds=5
+Where a save's cost goes, in CPU time (steadier than wall time on a loaded machine): the
+process's CPU per step over the same window as the wall time (`cpu_ms_per_step`, all
+threads: the writer's and the kernel's work for this process included) and its overhead
+against `none`; per save, each phase's CPU and wall time in the thread that ran it
+(`Checkpointer.costs`: `snapshot`, the step's blocking part; `write`, TensorFlow's writer;
+`manifest`, sizes and CRC32; `publish`; `writer`, the async thread's whole work; `save`, a
+synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`); the
+Python garbage collector's time; and whether a save slows the steps after it:
+`lost_after_ms`, the excess over the 20 steps before a save of steps 1–10 and 11–40 after
+it, and `lost_after_cpu_ms` the same in the process's CPU time (the writer thread's work
+included while it runs), with `none`'s steps at the same positions as the control. Every segment ends with
+`os.sync()` and `gc.collect()` outside its timed window (`sync_ms`), so that the kernel
+does not write one side's files back during another side's segment; `--rounds` should be
+a multiple of 3 so that each side runs first, second and third equally often.
+
+    flock /tmp/tfpar-cpu.lock python tools/bench_checkpoint.py --rounds=6
 
 Take the CPU lock yourself.
 """
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -37,40 +53,119 @@ EVERY = 100
 
 
 def timed(checkpointer):
-    """A Keras callback: each step's end time, and the time each save blocked the step."""
+    """A Keras callback: each step's end time and the process's CPU time then, the time
+    each save blocked the step and the step's thread's CPU time meanwhile, and which steps
+    held a save."""
     import keras
 
     class Timed(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.ends, self.blocked = [], []
+            self.ends, self.blocked, self.save_cpu, self.saved_at = [], [], [], []
+            self.cpu_ends = []  # the process's CPU time at each step's end
 
         def on_train_batch_end(self, batch, logs=None):
             if checkpointer is not None:
                 began, saved = time.perf_counter(), checkpointer.saved_step
+                cpu = time.thread_time()
                 checkpointer.on_train_batch_end(batch, logs)
                 if checkpointer.saved_step != saved:
                     self.blocked.append(time.perf_counter() - began)
+                    self.save_cpu.append(time.thread_time() - cpu)
+                    self.saved_at.append(len(self.ends))
             self.ends.append(time.perf_counter())
+            self.cpu_ends.append(time.process_time())
 
     return Timed()
 
 
+class GcClock:
+    """The garbage collector's time and collections while it is installed."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._began = 0.0, 0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.collections += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def written_bytes():
+    """The bytes this process has caused to be written to storage (Linux), or None."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def lost_after(ends, positions, before=20, windows=((1, 10), (11, 40))):
+    """Per position `k` (a step whose interval `ends[k] - ends[k-1]` held a save): the ms
+    that steps `k+a … k+b` took beyond the median of the `before` steps before `k`, per
+    window `(a, b)`."""
+    steps = [b - a for a, b in zip(ends, ends[1:])]  # steps[i] ends at ends[i + 1]
+    out = []
+    for k in positions:
+        i = k - 1  # the save's own interval in `steps`
+        if i - before < 0 or i + windows[-1][1] >= len(steps):
+            continue
+        base = statistics.median(steps[i - before:i])
+        out.append({f"{a}-{b}": 1000 * sum(d - base for d in steps[i + a:i + b + 1])
+                    for a, b in windows})
+    return out
+
+
 def segment(fit, checkpointer, steps):
     """Trains `steps` steps with `fit(steps, callbacks)`; returns (seconds for steps 2..end
-    plus the wait for the last write, [seconds each save blocked])."""
+    plus the wait for the last write, [seconds each save blocked], the rest of what was
+    measured as a dict)."""
     clock = timed(checkpointer)
-    fit(steps, [clock])
+    first = len(checkpointer.costs.records) if checkpointer is not None else 0
+    wrote = written_bytes()
+    with GcClock() as collector:
+        fit(steps, [clock])
+        began = time.perf_counter()
+        if checkpointer is not None:
+            checkpointer.wait()
+        waited = time.perf_counter() - began
+        cpu = time.process_time() - clock.cpu_ends[0]
+    seconds = clock.ends[-1] - clock.ends[0] + waited
+    wrote = written_bytes() - wrote if wrote is not None else None
+    # The save's files on disk before the next segment (outside the timed window).
     began = time.perf_counter()
-    if checkpointer is not None:
-        checkpointer.wait()
-    waited = time.perf_counter() - began
-    return clock.ends[-1] - clock.ends[0] + waited, clock.blocked
+    os.sync()
+    synced = time.perf_counter() - began
+    gc.collect()
+    positions = clock.saved_at or list(range(EVERY // 2 - 1, steps, EVERY))
+    extra = {"cpu_ms_per_step": 1000 * cpu / (steps - 1),
+             "save_cpu_ms": [1000 * c for c in clock.save_cpu],
+             "costs": (list(checkpointer.costs.records)[first:]
+                       if checkpointer is not None else []),
+             "written_mib": wrote / 2 ** 20 if wrote is not None else None,
+             "gc_ms": 1000 * collector.seconds, "gc_collections": collector.collections,
+             "sync_ms": 1000 * synced,
+             "lost_after_ms": lost_after(clock.ends, positions),
+             "lost_after_cpu_ms": lost_after(clock.cpu_ends, positions)}
+    return seconds, clock.blocked, extra
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6, help="a multiple of 3 balances the "
+                   "order")
+    p.add_argument("--rotate", type=int, default=0, help="start the sides' rotation this "
+                   "many places on (runs of one round each, rotated 0, 1, 2, make a "
+                   "balanced set)")
     p.add_argument("--segment", type=int, default=200, help="steps per side and round")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
@@ -125,15 +220,18 @@ def main():
     try:
         for r in range(args.rounds + 1):
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            order = SIDES[r % 3:] + SIDES[:r % 3]
+            turn = (r + args.rotate) % 3
+            order = SIDES[turn:] + SIDES[:turn]
             row = {"load": load, "order": list(order)}
             for side in order:
-                seconds, blocked = segment(fit, checkpointers[side], args.segment)
+                seconds, blocked, extra = segment(fit, checkpointers[side], args.segment)
                 row[side] = {"ms_per_step": 1000 * seconds / (args.segment - 1),
-                             "blocked_ms": [1000 * b for b in blocked]}
+                             "blocked_ms": [1000 * b for b in blocked], **extra}
             for side in ("sync", "async"):
                 row[side]["overhead"] = (row[side]["ms_per_step"] / row["none"]["ms_per_step"]
                                          - 1)
+                row[side]["cpu_overhead"] = (row[side]["cpu_ms_per_step"]
+                                             / row["none"]["cpu_ms_per_step"] - 1)
             if r == 0:
                 print(f"warm-up round (load {load}): none {row['none']['ms_per_step']:.1f} "
                       "ms/step", flush=True)
@@ -142,7 +240,8 @@ def main():
             print(f"round {r}/{args.rounds} (load {load}, order {'/'.join(order)}): "
                   f"none {row['none']['ms_per_step']:.1f} ms/step; " + "; ".join(
                       f"{s} {row[s]['ms_per_step']:.1f} ms/step ({100 * row[s]['overhead']:+.2f} "
-                      f"%), blocked {statistics.median(row[s]['blocked_ms']):.0f} ms per save"
+                      f"%, CPU {100 * row[s]['cpu_overhead']:+.2f} %), blocked "
+                      f"{statistics.median(row[s]['blocked_ms']):.0f} ms per save"
                       for s in ("sync", "async")), flush=True)
         size = sum(os.path.getsize(os.path.join(folder, "sync", name))
                    for name in os.listdir(os.path.join(folder, "sync"))
@@ -160,6 +259,7 @@ def main():
             summary[side].update(overhead=statistics.median(over), overhead_min=min(over),
                                  overhead_max=max(over), blocked_ms=statistics.median(blocked),
                                  blocked_ms_min=min(blocked), blocked_ms_max=max(blocked))
+        summary[side].update(accounting(rounds, side))
     print(f"\ntransformer width {args.width} depth {args.depth}, {params:,} parameters, Adam, "
           f"{'mesh ' + args.mesh if args.mesh else 'one device'}: "
           f"{size / 2 ** 20:.0f} MiB a checkpoint; a save every {EVERY} steps, batch "
@@ -172,12 +272,73 @@ def main():
         blocked = (f"{s['blocked_ms']:.0f} ({s['blocked_ms_min']:.0f}–{s['blocked_ms_max']:.0f})"
                    if side != "none" else "")
         print(f"  {side:6} {s['ms_per_step']:8.1f} {over:>22} {blocked:>26}")
+    print_accounting(summary, args.rounds)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "parameters": params, "checkpoint_bytes": size,
                    "rounds": rounds, "summary": summary}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
+
+
+PHASES = ("save", "snapshot", "write", "manifest", "publish", "trace", "writer")
+
+
+def _spread(values):
+    return ({"median": statistics.median(values), "min": min(values), "max": max(values)}
+            if values else None)
+
+
+def accounting(rounds, side):
+    """The CPU-time figures of `side` over `rounds` (medians, min, max)."""
+    out = {"cpu_ms_per_step": statistics.median(row[side]["cpu_ms_per_step"]
+                                                for row in rounds)}
+    if side != "none":
+        out["cpu_overhead"] = _spread([row[side]["cpu_overhead"] for row in rounds])
+        out["save_cpu_ms"] = _spread([c for row in rounds for c in row[side]["save_cpu_ms"]])
+        costs = [c for row in rounds for c in row[side]["costs"]]
+        out["phases"] = {f"{phase}_{kind}": _spread([c[f"{phase}_{kind}"] for c in costs
+                                                     if f"{phase}_{kind}" in c])
+                         for phase in PHASES for kind in ("cpu_ms", "ms")
+                         if any(f"{phase}_{kind}" in c for c in costs)}
+    written = [row[side]["written_mib"] for row in rounds if row[side]["written_mib"] is not None]
+    out["written_mib"] = statistics.median(written) if written else None
+    for key in ("gc_ms", "sync_ms"):
+        out[key] = _spread([row[side][key] for row in rounds])
+    for key in ("lost_after_ms", "lost_after_cpu_ms"):
+        lost = [entry for row in rounds for entry in row[side][key]]
+        out[key] = ({window: _spread([entry[window] for entry in lost])
+                     for window in lost[0]} if lost else None)
+    return out
+
+
+def print_accounting(summary, rounds):
+    """The CPU-time table: per side, the process's CPU per step and its overhead, each
+    phase's CPU per save, and the ms lost by the steps after a save."""
+    print(f"\nCPU time (all the process's threads), medians over {rounds} rounds (min–max); "
+          "per save: each phase's CPU ms in the thread that ran it")
+    print(f"  {'side':6} {'CPU ms/step':>11} {'CPU overhead %':>22} {'MiB/seg':>8} "
+          f"{'gc ms':>6} {'sync ms':>8}  lost after a save, steps 1–10 / 11–40: CPU ms "
+          "(wall ms)")
+    for side in SIDES:
+        s = summary[side]
+        over = s.get("cpu_overhead")
+        over = (f"{100 * over['median']:+.2f} ({100 * over['min']:+.2f}–"
+                f"{100 * over['max']:+.2f})" if over else "")
+        lost, wall = s["lost_after_cpu_ms"], s["lost_after_ms"]
+        lost = (" / ".join(f"{lost[w]['median']:+.0f} ({wall[w]['median']:+.0f})"
+                           for w in lost) if lost else "")
+        written = f"{s['written_mib']:.0f}" if s["written_mib"] is not None else "?"
+        print(f"  {side:6} {s['cpu_ms_per_step']:11.1f} {over:>22} {written:>8} "
+              f"{s['gc_ms']['median']:6.0f} {s['sync_ms']['median']:8.0f}  {lost}")
+    for side in ("sync", "async"):
+        phases = summary[side]["phases"]
+        cells = [f"{phase} {phases[phase + '_cpu_ms']['median']:.0f} "
+                 f"({phases[phase + '_ms']['median']:.0f} wall)"
+                 for phase in PHASES if phase + "_cpu_ms" in phases]
+        print(f"  {side} per save, CPU ms: " + "; ".join(cells)
+              + f"; the step's thread while blocked "
+                f"{summary[side]['save_cpu_ms']['median']:.0f}")
 
 
 if __name__ == "__main__":

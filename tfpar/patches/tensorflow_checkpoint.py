@@ -137,7 +137,9 @@ def _batched_reads(serialized, deferred, cache):
     if not (cache["usable"] and cache["traced"]):
         return None
     try:
-        return cache["read"]()
+        values = cache["read"]()
+        cache["batched"] = cache.get("batched", 0) + 1  # saves read in one call so far
+        return values
     except Exception as err:  # noqa: BLE001 -- e.g. an uninitialised variable; read eagerly
         logging.info("checkpoint reads in one function failed (%s); reading one by one", err)
         cache["usable"] = False
