@@ -187,11 +187,13 @@ class LayoutState(patches.Trackable):
                 out[name] = _merge(out.get(name), entry)
         self._units = {}  # residual name -> what its rows hold (`UNITS`)
         for reduction in getattr(self._model, "tfpar_reductions", ()):
+            written = getattr(reduction, "state_written", None)
             for name, (variable, per_replica) in reduction.named_state().items():
-                out[f"codec/{name}"] = (
+                entry = (
                     _mean_rows(variable, reduction.replicas, per_replica == "mean_rows")
                     if per_replica in ("mean_rows", "mean_whole")
                     else _per_replica(variable) if per_replica else _plain(variable))
+                out[f"codec/{name}"] = _then(entry, written) if written else entry
                 if _kind(name) == "residual":
                     self._units[f"codec/{name}"] = "replica"
         for name, (entry, rows) in _aggregator_entries(self._model).items():
@@ -634,6 +636,17 @@ def _plain(variable):
         else:
             tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
     return (lambda: values.to_host(tf_variable)), write, tuple(tf_variable.shape)
+
+
+def _then(entry, after):
+    """`entry` (read, write, shape) whose write calls `after()` once it has written (a
+    mesh codec told its state was loaded: `AdamFrontReduction.state_written`)."""
+    read, write, shape = entry
+
+    def write_then(array):
+        write(array)
+        after()
+    return read, write_then, shape
 
 
 def _fits(shape, want):
