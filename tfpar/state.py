@@ -57,7 +57,8 @@ piece of state is named as in the single-device model and saved as one full tens
 
 On one replica nothing is compressed, so no step would send a debt loaded from more
 replicas: tf.distribute's aggregator (and ZeRO 1/2's) pays its residuals, their sum, into
-the next step's gradient once (`keras_hook.pay_debt`), as ZeRO's own flat residual is.
+the next applied step's gradient once (`keras_hook.pay_debt`: a step skipped for
+non-finite gradients leaves the debt to the next), as ZeRO's own flat residual is.
 
 A checkpoint of an older tfpar holds tf.distribute's aggregator state as its objects
 (`aggregator/residual_slots/<position>`, `aggregator/qs/<position>`, ...: positions among
@@ -600,26 +601,29 @@ def _drop_moved_residuals(entries, paths, name):
 
 
 def _owe_on_one_replica(model, path):
-    """Marks each tf.distribute aggregator on one replica that loaded a debt (error
-    feedback's residuals, not all zero) to pay it on its next step, once
-    (`keras_hook.pay_debt`): on one replica nothing is compressed, so no step would."""
+    """Sets the `debt_owed` flag of each tf.distribute aggregator on one replica (its
+    own, or ZeRO 1/2's) to whether it loaded a debt (error feedback's residuals, not all
+    zero): on one replica nothing is compressed, so no step would send it; the next applied
+    step pays it, once (`keras_hook.pay_debt`). Cleared where the load brought none."""
     from tfpar.compression import aggregator as aggregator_lib
     for a in _aggregators(model).values():
-        residuals = getattr(a, "residuals", None) or {}
-        if not (a.positions and residuals and _replicas_of(a) == 1):
+        flag = getattr(a, "debt_owed", None)
+        if not (a.positions and flag is not None):
             continue
-        if not any(np.any(aggregator_lib.local_values(r)[0].numpy())
-                   for r in residuals.values()):
-            continue
-        if getattr(a, "adam", None) is not None:
+        owes = any(np.any(aggregator_lib.local_values(r)[0].numpy())
+                   for r in a.residuals.values())
+        if owes and getattr(a, "adam", None) is not None:
             # Its rows are Adam steps there; on one replica Keras's Adam takes gradients.
             logging.warning("tfpar: checkpoint %s holds error feedback's debt of Adam in front "
                             "of its codec, which one replica (Keras's Adam) does not take: "
                             "not paid", os.path.basename(path))
-            continue
-        a.pays_debt = True
-        logging.warning("tfpar: checkpoint %s: error feedback's debt (the saved rows' sum) is "
-                     "paid on this replica's next step", os.path.basename(path))
+            owes = False
+        for local in aggregator_lib.local_values(flag):
+            local.assign(owes)
+        if owes:
+            logging.warning("tfpar: checkpoint %s: error feedback's debt (the saved rows' sum) "
+                            "is paid on this replica's next applied step",
+                            os.path.basename(path))
 
 
 def _plain(variable):
