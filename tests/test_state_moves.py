@@ -21,7 +21,9 @@ resume onto that target):
 - Adam in front of PowerSGD (in its exact warm-up, where its moments are Keras's) resumed
   with Adam behind the codec (before it starts compressing: Keras's Adam's steps) and with
   no codec, both against Keras's Adam; Keras's Adam (behind the codec) resumed with Adam
-  in front.
+  in front;
+- one replica with Adam in front configured (Keras's Adam takes the steps there) resumed
+  on 2 replicas, where the front takes them: Keras's slots into the front's moments.
 
 Two steps after a resume are enough: a moment or residual that did not carry over moves
 the first step already (Adam's moments restarted: 4.0e-3 off, the faults guide), and the
@@ -112,6 +114,10 @@ def _children(tmp):
             pay_after_skip("z1rep_psgd_skip", {**z1rep, **PSGD_SGD}, "z2_psgd_user"),
             pay_after_skip("z1rep_psgd_plain_skip", {**z1rep, **PSGD_SGD, **none},
                            "z2_psgd_user"),
+            # One replica with Adam in front configured (Keras's Adam takes the steps)
+            # resumed where the front takes them.
+            write("one_front", {**one, **FRONT}),
+            resume("front_from_one", {**dp2, **FRONT}, "one_front", landing=False),
             # Adam in front -> Adam behind, -> Keras's Adam; Keras's Adam -> in front.
             resume("late_from_front", {**dp2, **LATE}, "front", landing=False),
             resume("keras_from_front", {**dp2, **KERAS}, "front", landing=False,
@@ -194,6 +200,8 @@ def test_state_moves_between_zero_mesh_replicas_and_adam_forms(tmp_path):
     _continues(out, prefix, "late_from_front", "ref_keras", 1e-5, exact_load=False)
     _continues(out, prefix, "keras_from_front", "ref_keras", 1e-5, exact_load=False)
     _continues(out, prefix, "front_from_late", "ref_front", 1e-5, exact_load=False)
+    # One replica's Keras's Adam (Adam in front configured, not stepping) -> in front.
+    _continues(out, prefix, "front_from_one", "ref_front", 1e-5, exact_load=False)
     assert "carried into Keras's Adam slots" in stderr
     assert "carried into Adam in front" in stderr
     assert "paid on this replica's next applied step" in stderr
