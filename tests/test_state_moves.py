@@ -23,7 +23,10 @@ resume onto that target):
   no codec, both against Keras's Adam; Keras's Adam (behind the codec) resumed with Adam
   in front;
 - one replica with Adam in front configured (Keras's Adam takes the steps there) resumed
-  on 2 replicas, where the front takes them: Keras's slots into the front's moments.
+  on 2 replicas, where the front takes them: Keras's slots into the front's moments;
+- past the warm-up (2 steps; written at step 4, 2 more against the front's uninterrupted
+  6): Adam in front on 2 replicas loaded on one replica (into Keras's slots, `m` from
+  Adam's scaled units), saved there without a step, and loaded back in front.
 
 Two steps after a resume are enough: a moment or residual that did not carry over moves
 the first step already (Adam's moments restarted: 4.0e-3 off, the faults guide), and the
@@ -56,6 +59,12 @@ KERAS = {**ADAM, "compression": "none"}
 USER = {"dataset": "user_data:sign_of_sum", "num_classes": 2}
 NAN = {"dataset": "user_data:sign_of_sum_nan_at_step_3", "num_classes": 2,
        "on_nan": "skip_step"}
+# Adam in front past its warm-up (2 steps): each replica's own `v`, `m` in Adam's scaled
+# units. PowerSGD at rank 16 sends every tensor of width 16 whole (nothing owed, so none
+# dropped on the way through Keras's Adam), and every replica takes the same batch, so
+# the rows alike survive their mean.
+PAST = {**FRONT, "powersgd_rank": 16, "adam_warmup_steps": 2,
+        "dataset": "user_data:sign_of_sum_alike_on_replicas", "num_classes": 2}
 
 
 def _children(tmp):
@@ -65,8 +74,8 @@ def _children(tmp):
     def write(name, settings, steps=2):
         return [name, {**settings, "steps": steps, "checkpoint_dir": d(name)}, {}]
 
-    def ref(name, settings):
-        return [name, {**settings, "steps": 4}, {}]
+    def ref(name, settings, steps=4):
+        return [name, {**settings, "steps": steps}, {}]
 
     def resume(name, settings, source, steps=4, at=2, **options):
         return [name, {**settings, "steps": steps, "checkpoint_dir": d(name)},
@@ -118,6 +127,13 @@ def _children(tmp):
             # resumed where the front takes them.
             write("one_front", {**one, **FRONT}),
             resume("front_from_one", {**dp2, **FRONT}, "one_front", landing=False),
+            # Past the warm-up: in front (dp2, 4 steps) -> one replica's Keras's Adam (no
+            # step, saved there) -> in front (dp2), against in front uninterrupted.
+            write("front_past", {**dp2, **PAST}, steps=4),
+            ref("ref_front_past", {**dp2, **PAST}, steps=6),
+            resume("one_past", {**one, **PAST}, "front_past", at=4, resave=True),
+            resume("front_past_from_one", {**dp2, **PAST}, "one_past", steps=6, at=4,
+                   landing=False),
             # Adam in front -> Adam behind, -> Keras's Adam; Keras's Adam -> in front.
             resume("late_from_front", {**dp2, **LATE}, "front", landing=False),
             resume("keras_from_front", {**dp2, **KERAS}, "front", landing=False,
@@ -202,6 +218,9 @@ def test_state_moves_between_zero_mesh_replicas_and_adam_forms(tmp_path):
     _continues(out, prefix, "front_from_late", "ref_front", 1e-5, exact_load=False)
     # One replica's Keras's Adam (Adam in front configured, not stepping) -> in front.
     _continues(out, prefix, "front_from_one", "ref_front", 1e-5, exact_load=False)
+    # Past the warm-up, through Keras's Adam and back: m in Adam's scaled units each way.
+    assert "(m in scaled units, after 4 steps) carried into Keras's Adam slots" in stderr
+    _continues(out, prefix, "front_past_from_one", "ref_front_past", 1e-5, exact_load=False)
     assert "carried into Keras's Adam slots" in stderr
     assert "carried into Adam in front" in stderr
     assert "paid on this replica's next applied step" in stderr
