@@ -6,10 +6,12 @@
   also with its `comm` (the codec's bytes per step) when it has one.
 - `mesh_steps`: a user's mlp on a 2×2 mesh, built by `tfpar.layout.build_on_mesh`; prints
   one JSON line of two results:
-  - `warm_collectives`: one warm-up step of lowbit with Adam in front, each replica
-    keeping its own `v` (the default: the state keeps rows) and with `v` frozen (the
-    moments whole), each the second step of its trainer, under TensorFlow's profiler: the
-    collective ops the 4 devices ran, by type; which moments are rows; `comm_stats`;
+  - `warm_collectives`: lowbit with Adam in front, each replica keeping its own `v` (the
+    default: the state keeps rows, and the warm-up whole copies) and with `v` frozen (the
+    moments whole), under TensorFlow's profiler: a warm-up step's collective ops on the
+    4 devices, by type (the trainer's second step; which moments are rows, `comm_stats`
+    after it, how many copies), the next warm-up step's after a save (what a checkpoint
+    reads), and a compressed step's variable reads and writes (`warm_collectives`);
   - `fp16_skip`: under `mixed_float16`, Keras's `LossScaleOptimizer` over Adam, top-k with
     Adam in front (one exact step): two steps, a step whose batch holds one infinite input
     (replica 0's part), one more step; how far the codec's state (residuals, Adam's
@@ -54,26 +56,53 @@ def _mlp_on_mesh(make_optimizer, compression, codec_options):
     return model, trainer, batches
 
 
-def warm_collectives():
-    import keras
+def _profiled_kinds(trainer, batch):
+    """The op types of one `trainer` step on `batch`, under TensorFlow's profiler."""
     import tensorflow as tf
     from tfpar import profiling
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        trainer.train_on_batch(*batch[:2])
+        tf.profiler.experimental.stop()
+        return [profiling.op_type(n) for n, _, _ in profiling.read_events(logdir)]
+
+
+def _count(kinds, prefix):
+    return {k: kinds.count(k) for k in set(kinds) if k and k.startswith(prefix)}
+
+
+# Variable reads and writes as the profiler names their ops.
+_VARIABLE_OPS = ("ReadVariableOp", "AssignVariableOp")
+
+
+def warm_collectives():
+    """Per variant of `v` (each replica's own: rows and their warm-up copies; frozen:
+    whole), a trainer with a 3-step warm-up: its second step's collectives (a warm-up
+    step), with `v` its own also its third's after a save; its fifth step's variable reads
+    and writes (compressed, past the first compressed step, which converts the momentum)."""
+    import keras
+    from tfpar import state
 
     out = {}
     for name, variance in (("own_v", None), ("frozen_v", "frozen")):
-        options = {"adam_front": True, "adam_warmup_steps": 5, "adam_variance": variance}
-        _, trainer, batches = _mlp_on_mesh(lambda: keras.optimizers.Adam(1e-3), "lowbit",
-                                           options)
+        options = {"adam_front": True, "adam_warmup_steps": 3, "adam_variance": variance}
+        model, trainer, batches = _mlp_on_mesh(lambda: keras.optimizers.Adam(1e-3), "lowbit",
+                                               options)
         trainer.train_on_batch(*batches[0][:2])  # traced and compiled
-        with tempfile.TemporaryDirectory() as logdir:
-            tf.profiler.experimental.start(logdir)
-            trainer.train_on_batch(*batches[1][:2])
-            tf.profiler.experimental.stop()
-            kinds = [profiling.op_type(n) for n, _, _ in profiling.read_events(logdir)]
-        out[name] = {"collectives": {k: kinds.count(k) for k in set(kinds)
-                                     if k and k.startswith("Collective")},
+        kinds = _profiled_kinds(trainer, batches[1])
+        out[name] = {"collectives": _count(kinds, "Collective"),
                      "rows": [trainer.reduction.m_rows, trainer.reduction.v_rows],
-                     "comm": trainer.reduction.comm_stats()}
+                     "comm": trainer.reduction.comm_stats(),
+                     "copies": len(trainer.reduction.m_warm) + len(trainer.reduction.v_warm)}
+        # What a checkpoint's save reads (`LayoutState._serialize_to_tensors`), then the
+        # last warm-up step.
+        for read, _, _ in state.LayoutState(model).entries().values():
+            read()
+        kinds = _profiled_kinds(trainer, batches[2])
+        out[name]["collectives_after_save"] = _count(kinds, "Collective")
+        trainer.train_on_batch(*batches[3][:2])  # the first compressed step
+        kinds = _profiled_kinds(trainer, batches[0])
+        out[name]["variable_ops"] = {k: kinds.count(k) for k in _VARIABLE_OPS}
     return out
 
 

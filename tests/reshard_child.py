@@ -17,7 +17,10 @@ Trains several configs one after the other in one process (one CPU split): RUNS_
   With `"new_marker": true` the copy's `tfpar.json` marker is written anew for this
   run (the marker refuses another `--compression`; the Python API, `LayoutState.load`,
   has none). With `"landing": false` the load-only pass (and its record) is skipped: the
-  run's own training loads DIR's checkpoint.
+  run's own training loads DIR's checkpoint. With `"resave": true` the load-only pass
+  then writes this layout's state (`tfpar.state.LayoutState`) over the copy's newest
+  checkpoint, taking no step: a checkpoint as this layout writes it, for another run's
+  `from`.
 - none: trains the config as it is (a run that writes, or the uninterrupted reference).
 
 Runs with the same backend and degrees share one runtime (`tfpar.train.train(runtime=)`;
@@ -66,6 +69,8 @@ def main():
             if options.get("landing", True):
                 _, model = train(config.replace(steps=options["at"]), runtime=runtime)
                 out[name].update(landing(model, options["from"]))
+                if options.get("resave"):
+                    resave(model, config, runtime, options["at"])
         result, model = train(config, runtime=runtime)
         out[name].update({k: result[k] for k in ("loss_history", "resumed_from_step",
                                                  "replicas")})
@@ -75,6 +80,20 @@ def main():
         values = {n: e[0]() for n, e in state.LayoutState(model).entries().items()}
         np.savez(f"{prefix}_{name}.npz", **{n.replace("/", "|"): v for n, v in values.items()})
     print(json.dumps(out), flush=True)
+
+
+def resave(model, config, runtime, step):
+    """Writes `model`'s state over the newest checkpoint of `config.checkpoint_dir` (as its
+    `tfpar.checkpoint.Checkpointer` saves it: the state, the step, the manifest)."""
+    import tensorflow as tf
+
+    from tfpar import checkpoint_writer, state
+    prefix = tf.train.latest_checkpoint(config.checkpoint_dir)
+    layout_state = state.LayoutState(model, state.layout_of(config, runtime))
+    written = tf.train.Checkpoint(state=layout_state, step=tf.Variable(step, dtype=tf.int64))
+    written.save_counter.assign(1)  # made on first use; the manager's saves hold it
+    written.write(prefix)
+    checkpoint_writer.write_manifest(prefix)
 
 
 def landing(model, directory):

@@ -16,7 +16,10 @@ and data:
   a warm-up step is one fp32 mean over `batch` (each replica keeping its own `v`, the
   moments are moved whole, then written to rows): a run that ends in the warm-up reports
   fp32's bytes, and a warm-up step runs the collectives of one with `v` frozen (moments
-  whole), counted under TensorFlow's profiler;
+  whole), counted under TensorFlow's profiler, also after a save in the warm-up; past the
+  warm-up a compressed step reads and writes no warm-up copy of the moments (its
+  variable reads and writes, by the profiler, are those of a run that keeps none, but
+  the flag that says whether the copies are trusted);
 - a checkpoint of top-k at its defaults (width 64: every kernel compressed, residuals
   held) with Adam in front written on the mesh resumes on tf.distribute and the reverse:
   every tensor read back as saved, Adam's moments and the counter loaded (not "no place"),
@@ -104,7 +107,7 @@ def test_mesh_adam_front(tmp_path):
             lambda: _child(tmp_path, prefix, 4, mesh_runs),
             lambda: _child(tmp_path, prefix, 2, dp2_runs),
             lambda: last_json_line(run([sys.executable, CHILD, "mesh_steps"],
-                                       timeout=300).stdout)]):
+                                       timeout=600).stdout)]):
         out.update(part)
     resumes = [
         [_run("dp2_from_mesh", DP2, 6, tmp_path, compression="topk",
@@ -177,6 +180,21 @@ def test_mesh_adam_front(tmp_path):
     assert warm["frozen_v"]["collectives"].get("CollectiveReduceV2", 0) > 0, warm
     assert warm["own_v"]["collectives"] == warm["frozen_v"]["collectives"], warm
     assert warm["own_v"]["comm"]["compression_ratio"] == 1.0, warm
+    # A save in the warm-up leaves the whole copies trusted: the next warm-up step runs
+    # the same collectives (before, a save cleared them: a second fp32 mean, counted
+    # nowhere).
+    for variant in ("own_v", "frozen_v"):
+        assert warm[variant]["collectives_after_save"] == warm["frozen_v"]["collectives"], warm
+    # After the warm-up a compressed step reads and writes no whole copy: per device, rows
+    # with copies write the variables `v` frozen writes and read one more, `warm_ok` (a
+    # scalar; unused with `v` frozen, its read pruned). Before, every copy was read and
+    # written back too: 7 reads and 6 writes more per device (2026-12-06).
+    assert warm["own_v"]["copies"] == 6 and warm["frozen_v"]["copies"] == 0, warm
+    ops = {v: warm[v]["variable_ops"] for v in ("own_v", "frozen_v")}
+    more = {k: (ops["own_v"][k] - ops["frozen_v"][k]) / 4  # 4 devices
+            for k in ("ReadVariableOp", "AssignVariableOp")}
+    assert ops["frozen_v"]["ReadVariableOp"] > 0, ops
+    assert more == {"ReadVariableOp": 1, "AssignVariableOp": 0}, (more, ops)
 
     # Top-k's checkpoint both ways: every tensor as saved, the moments among them.
     for name, ref in (("dp2_from_mesh", "ref_dp2_topk"), ("mesh_from_dp2", "ref_mesh_topk")):

@@ -3,6 +3,7 @@ would leave one of them out of the checkpoint, silently. Keras allows it in a su
 model whose layers share a name; tfpar refuses it with one line."""
 
 import keras
+import numpy as np
 import pytest
 
 from tfpar import state
@@ -38,21 +39,35 @@ def test_distinct_paths_give_one_entry_per_weight():
 
 
 class _Reader:
-    """A checkpoint reader holding the optimizer's iteration only."""
+    """A checkpoint reader holding the optimizer's iteration (60) only, and with
+    `accumulation` the writer's `meta/accumulation` record."""
+
+    def __init__(self, accumulation=None):
+        self.accumulation = accumulation
 
     def get_tensor(self, key):
         import numpy as np
-        return np.int64(60)
+        return np.int64(self.accumulation if key == state.key(state.ACCUMULATION) else 60)
+
+    def has_tensor(self, key):
+        return key == state.key(state.ACCUMULATION) and self.accumulation is not None
 
 
-def _loaded(kinds):
+def _holder(model):
+    holder = state.LayoutState.__new__(state.LayoutState)
+    holder._model = model
+    return holder
+
+
+def _loaded(kinds, reader=None):
     """Loads a checkpoint holding no codec state into entries of `kinds` (one weight's):
     what each setter was given."""
     given = {}
     entries = {f"codec/model/a/kernel/{kind}": (None, lambda v, k=kind: given.update({k: int(v)}))
                for kind in kinds}
-    state.LayoutState._codec_moves(None, _Reader(), {"optimizer/iteration": "iteration"},
-                                   entries, "/checkpoints/ckpt-60", kinds=set())
+    _holder(keras.Sequential())._codec_moves(
+        reader or _Reader(), {"optimizer/iteration": "iteration"}, entries,
+        "/checkpoints/ckpt-60", kinds=set())
     return given
 
 
@@ -97,9 +112,9 @@ def _moved_into_keras(reader):
     given = {}
     entries = {f"optimizer/a/kernel/{slot}": (None, lambda v, s=slot: given.update({s: v}))
                for slot in ("momentum", "velocity")}
-    holder = state.LayoutState.__new__(state.LayoutState)
-    holder._model = keras.Sequential()  # no codec: Keras's Adam holds the moments
-    placed = holder._adam_moves(reader, _SAVED, entries, "/checkpoints/ckpt-60")
+    # No codec: Keras's Adam holds the moments.
+    placed = _holder(keras.Sequential())._adam_moves(reader, _SAVED, entries,
+                                                     "/checkpoints/ckpt-60")
     return given, placed
 
 
@@ -158,3 +173,92 @@ def test_moments_move_at_the_update_count_not_keras_micro_batch_count():
         assert state._update_steps(types.SimpleNamespace(optimizer=optimizer), 28) == 7
     plain = types.SimpleNamespace(optimizer=keras.optimizers.Adam())
     assert state._update_steps(plain, 28) == 28
+
+
+def test_codec_counter_takes_the_writers_update_count():
+    # A checkpoint without a codec's counter, written with gradient_accumulation_steps=2
+    # (its record), read by a run without accumulation: the 60 micro-batches were 30
+    # updates, which the counter counts (before, this run's K: 60).
+    assert _loaded(["step"], _Reader(accumulation=2)) == {"step": 30}
+
+
+class _KerasReader:
+    """A checkpoint of Keras's Adam slots (`m` = 0.5, `v` = 4.0) for weight `a/kernel` at
+    iteration 60: written by Keras's Adam with `accumulation` K (its `meta/accumulation`),
+    or with `front` the record of Adam in front of the codec and its zero moments (2 rows)
+    beside them."""
+
+    def __init__(self, accumulation=None, front=None):
+        import json
+
+        import numpy as np
+        self.tensors = {"iteration": np.int64(60), "m": np.full(3, 0.5), "v": np.full(3, 4.0),
+                        "zero": np.zeros((2, 3)), "counter": np.int64(0)}
+        if accumulation is not None:
+            self.tensors[state.key(state.ACCUMULATION)] = np.int64(accumulation)
+        if front is not None:
+            self.tensors[state.key(state.ADAM_UNITS)] = json.dumps(front).encode()
+
+    def get_tensor(self, key):
+        return self.tensors[key]
+
+    def has_tensor(self, key):
+        return key in self.tensors
+
+
+def _moved_into_front(reader, saved):
+    """Loads `reader` (names `saved`) into Adam in front of a codec on 2 replicas that takes
+    the steps (each replica's own `v`, warm-up 50): what the front's moments, its counter
+    and Keras's slots of `a/kernel` were given."""
+    import types
+    given = {}
+    names = ["codec/a/kernel/adam_m", "codec/a/kernel/adam_v", "codec/a/kernel/step",
+             "optimizer/a/kernel/momentum", "optimizer/a/kernel/velocity"]
+    entries = {n: (None, lambda v, n=n: given.update({n.rsplit("/", 1)[1]: v}), None)
+               for n in names}
+    front = types.SimpleNamespace(warm=50, variance="local_debiased", replicas=2,
+                                  beta_1=0.9, beta_2=0.999, eps=1e-7, count=None)
+    model = types.SimpleNamespace(tfpar_reductions=(front,))
+    placed = _holder(model)._adam_moves(reader, saved, entries, "/checkpoints/ckpt-60")
+    return given, placed
+
+
+_KERAS = {"optimizer/iteration": "iteration", "optimizer/a/kernel/momentum": "m",
+          "optimizer/a/kernel/velocity": "v"}
+
+
+def _expected_front(steps):
+    """The front's `(m, v)` from Keras's slots (0.5, 4.0) at `steps` updates."""
+    from tfpar.compression import adam_front
+    units = adam_front.moment_units("local_debiased", 50, 0, steps, (0.9, 0.999, 1e-7))
+    return adam_front.front_moments(np.full(3, 0.5), np.full(3, 4.0), units, steps)
+
+
+def test_keras_moments_move_into_the_front_at_the_writers_update_count():
+    # Keras's Adam with gradient_accumulation_steps=2 wrote iteration 60 (30 updates); the
+    # front past its warm-up takes its slots at 30 (m in the scaled units at 30 steps of
+    # `v`) and counts 30 (before, this run's K, 1: 60, another bias correction).
+    given, _ = _moved_into_front(_KerasReader(accumulation=2), _KERAS)
+    assert int(given["step"]) == 30
+    m, v = _expected_front(30)
+    np.testing.assert_allclose(given["adam_m"][0], m, rtol=1e-6)
+    np.testing.assert_allclose(given["adam_v"][0], v, rtol=1e-6)
+    assert not np.any(given["momentum"]) and not np.any(given["velocity"])
+
+
+def test_fronts_that_never_stepped_take_keras_moments():
+    # Written on one replica with Adam in front of the codec configured: Keras's Adam took
+    # the 60 steps (its slots), the front's moments and counter are zero, and its record
+    # says it did not step. Resumed where the front steps (2 replicas), the front takes
+    # Keras's slots and counts 60 (before: its zero moments and a counter of 0).
+    from tfpar.compression import adam_front
+    saved = {**_KERAS, "codec/a/kernel/adam_m": "zero", "codec/a/kernel/adam_v": "zero",
+             "codec/a/kernel/step": "counter"}
+    units = adam_front.moment_units("local_debiased", 50, 0, 0, (0.9, 0.999, 1e-7))
+    for record in ({**units, "takes_steps": False}, units):  # an older record: 0 steps
+        given, placed = _moved_into_front(_KerasReader(front=record), saved)
+        assert int(given["step"]) == 60, record
+        m, v = _expected_front(60)
+        np.testing.assert_allclose(given["adam_m"][0], m, rtol=1e-6)
+        np.testing.assert_allclose(given["adam_v"][0], v, rtol=1e-6)
+        assert {"codec/a/kernel/adam_m", "codec/a/kernel/step"} <= placed

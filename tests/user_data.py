@@ -13,6 +13,14 @@ def sign_of_sum(input_context, config):
         batch, drop_remainder=True)
 
 
+def sign_of_sum_alike_on_replicas(input_context, config):
+    """As `sign_of_sum`, but every replica of a step gets the same batch (its first
+    replica's): replicas' own gradients, and so state kept per replica, are alike."""
+    local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+    return sign_of_sum(input_context, config).flat_map(
+        lambda x, y: tf.data.Dataset.from_tensors((x, y)).repeat(local))
+
+
 def sign_of_sum_nan_at_step_3(input_context, config):
     """As `sign_of_sum`, but replica 0's batch of step 3 holds a NaN (a corrupt record)."""
     local = input_context.num_replicas_in_sync // input_context.num_input_pipelines

@@ -5,7 +5,8 @@
 
 `inspect` prints the newest checkpoint's step, the layout that wrote it, the settings of the
 directory's `tfpar.json` marker, its world sizes, what a codec's state holds
-(`meta/residual_units`, `meta/adam_moments`, where saved), then every state tensor
+(`meta/residual_units`, `meta/adam_moments`, where saved), the writer's gradient
+accumulation (`meta/accumulation`), then every state tensor
 (`tfpar.state` names) with its shape, dtype and size. `export` builds the run's model on
 one device from the marker's settings, loads the checkpoint's weights into it and saves
 it with Keras (`model.save` or `model.save_weights`): stock Keras loads the file without
@@ -69,13 +70,15 @@ def inspect(path):
              f"layout: {json.dumps(state.read_layout(prefix), sort_keys=True)}",
              f"settings: {json.dumps(_marker(prefix), sort_keys=True)}",
              f"world: {json.dumps(checkpoint.read_world(os.path.dirname(prefix)))}"]
-    for meta in (state.UNITS, state.ADAM_UNITS):  # what the codec state's rows hold
+    # What the codec state's rows hold; the writer's gradient accumulation.
+    for meta in (state.UNITS, state.ADAM_UNITS, state.ACCUMULATION):
         if reader.has_tensor(state.key(meta)):
-            lines.append(f"{meta}: {reader.get_tensor(state.key(meta)).decode()}")
+            value = reader.get_tensor(state.key(meta))
+            lines.append(f"{meta}: {value.decode() if isinstance(value, bytes) else value}")
     rows, total = [], 0
     for key in sorted(shapes):
         if key.split("/")[0] in _BOOKKEEPING or state.name_of(key) in (
-                state.LAYOUT, state.UNITS, state.ADAM_UNITS):
+                state.LAYOUT, state.UNITS, state.ADAM_UNITS, state.ACCUMULATION):
             continue
         name = state.name_of(key) or key  # the aggregator's tensors keep TensorFlow's key
         size = int(dtypes[key].size * max(1, _count(shapes[key])))

@@ -44,20 +44,28 @@ piece of state is named as in the single-device model and saved as one full tens
   named in one line and not loaded (Adam in front's moments and counter go into Keras's
   Adam slots where Adam runs behind the codec: `meta/adam_moments` below); a kind the
   checkpoint lacks starts at its initial value, said in one line, except a missing
-  `step` counter, which takes the optimizer's `iteration`.
+  `step` counter, which takes the update count (`meta/accumulation` below).
 - `meta/adam_moments`: with Adam in front of a codec, what its moments hold (a JSON line,
   `adam_front.moment_units`: `m` in the gradient's units or Adam's scaled ones, the step
-  count of `v`'s bias correction, the betas). Loaded where Keras's Adam keeps the moments
-  (Adam behind the codec, no codec, one replica), the rows are carried into Keras's
-  `momentum`/`velocity` slots at the checkpoint's `iteration` with the same bias-corrected
-  estimates (`adam_front.keras_slots`; Keras's own slots of such a run hold zeros); the
-  reverse, Keras's slots into Adam in front (`adam_front.front_moments`), its counter set
-  to the `iteration`. Without the record the moments are named in one line and Keras's
-  Adam takes the checkpoint's own slots, as before the record existed.
+  count of `v`'s bias correction, the betas; `takes_steps`: whether the fronts took the
+  steps, not on one replica, where Keras's Adam did). Loaded where Keras's Adam keeps the
+  moments (Adam behind the codec, no codec, one replica), the rows are carried into
+  Keras's `momentum`/`velocity` slots at the checkpoint's update count with the same
+  bias-corrected estimates (`adam_front.keras_slots`; Keras's own slots of such a run
+  hold zeros); the reverse, Keras's slots into Adam in front (`adam_front.front_moments`),
+  its counter set to the update count: from a checkpoint of Keras's Adam, or of fronts
+  that did not take the steps (their moments zero, Keras's slots holding Adam's; an older
+  record says so by 0 steps). Without the record the moments are named in one line and
+  Keras's Adam takes the checkpoint's own slots, as before the record existed.
+- `meta/accumulation`: the writer's `gradient_accumulation_steps` K (1 without). The
+  update count is `optimizer/iteration` (micro-batches) // the writer's K: what the
+  moments above were bias-corrected with and a codec's step counter counted (a checkpoint
+  without it: this run's K).
 
 On one replica nothing is compressed, so no step would send a debt loaded from more
 replicas: tf.distribute's aggregator (and ZeRO 1/2's) pays its residuals, their sum, into
-the next step's gradient once (`keras_hook.pay_debt`), as ZeRO's own flat residual is.
+the next applied step's gradient once (`keras_hook.pay_debt`: a step skipped for
+non-finite gradients leaves the debt to the next), as ZeRO's own flat residual is.
 
 A checkpoint of an older tfpar holds tf.distribute's aggregator state as its objects
 (`aggregator/residual_slots/<position>`, `aggregator/qs/<position>`, ...: positions among
@@ -94,6 +102,9 @@ UNITS = "meta/residual_units"
 # What Adam in front of a codec holds in its moments (`adam_front.moment_units`: `m` in the
 # gradient's or Adam's scaled units, `v`'s bias-correction count, the betas): a JSON line.
 ADAM_UNITS = "meta/adam_moments"
+# The writer's `gradient_accumulation_steps` K (1 without): `optimizer/iteration` counts
+# micro-batches, so the updates it stands for are iteration // K of the writer's K.
+ACCUMULATION = "meta/accumulation"
 
 
 def key(name):
@@ -130,14 +141,22 @@ def optimizers_of(model):
     return [optimizer] if optimizer is not None else []
 
 
-def _update_steps(model, iteration):
-    """The updates `optimizer/iteration` (Keras's raw count, of micro-batches under its
-    `gradient_accumulation_steps` K) stands for: iteration // K, what Keras's Adam
-    bias-corrects with and a codec's step counter counts (the writer's K taken as this
-    run's, as Keras's own `iterations` does)."""
+def accumulation_of(model):
+    """`model`'s optimizer's `gradient_accumulation_steps` K (1 without)."""
     found = optimizers_of(model)
     optimizer = getattr(found[0], "inner_optimizer", found[0]) if found else None
-    accumulation = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
+    return max(1, int(getattr(optimizer, "gradient_accumulation_steps", None) or 1))
+
+
+def _update_steps(model, iteration, reader=None):
+    """The updates `optimizer/iteration` (Keras's raw count, of micro-batches under its
+    `gradient_accumulation_steps` K) stands for: iteration // K, what Keras's Adam
+    bias-corrected with and a codec's step counter counted, K the writer's
+    (`meta/accumulation` of `reader`'s checkpoint; this run's for a checkpoint without
+    it). (Keras's own `iterations` divides by this run's K.)"""
+    written = reader is not None and reader.has_tensor(key(ACCUMULATION))
+    accumulation = (int(reader.get_tensor(key(ACCUMULATION))) if written
+                    else accumulation_of(model))
     return int(iteration) // max(1, accumulation)
 
 
@@ -187,11 +206,13 @@ class LayoutState(patches.Trackable):
                 out[name] = _merge(out.get(name), entry)
         self._units = {}  # residual name -> what its rows hold (`UNITS`)
         for reduction in getattr(self._model, "tfpar_reductions", ()):
+            written = getattr(reduction, "state_written", None)
             for name, (variable, per_replica) in reduction.named_state().items():
-                out[f"codec/{name}"] = (
+                entry = (
                     _mean_rows(variable, reduction.replicas, per_replica == "mean_rows")
                     if per_replica in ("mean_rows", "mean_whole")
                     else _per_replica(variable) if per_replica else _plain(variable))
+                out[f"codec/{name}"] = _then(entry, written) if written else entry
                 if _kind(name) == "residual":
                     self._units[f"codec/{name}"] = "replica"
         for name, (entry, rows) in _aggregator_entries(self._model).items():
@@ -215,7 +236,11 @@ class LayoutState(patches.Trackable):
             tensors[UNITS] = tf.constant(units.pop())
         fronts = _fronts(self._model)
         if fronts:  # (every stage's front takes the same steps: the first one's record)
-            tensors[ADAM_UNITS] = tf.constant(json.dumps(fronts[0](), sort_keys=True))
+            # Whether the fronts took the steps: not on one replica, where Keras's Adam did
+            # and its slots hold the moments (a reader with fronts that step takes them).
+            record = {**fronts[0](), "takes_steps": bool(fronts[0].steps)}
+            tensors[ADAM_UNITS] = tf.constant(json.dumps(record, sort_keys=True))
+        tensors[ACCUMULATION] = tf.constant(accumulation_of(self._model), tf.int64)
         return tensors
 
     def _restore_from_tensors(self, restored_tensors):
@@ -280,34 +305,39 @@ class LayoutState(patches.Trackable):
         # counts as Keras's Adam, though its aggregator holds moments.
         held = _front_paths(saved)
         here = _front_paths(entries) if fronts and fronts[0].steps else set()
+        record = (json.loads(reader.get_tensor(key(ADAM_UNITS)).decode())
+                  if reader.has_tensor(key(ADAM_UNITS)) else None)
+        placed, untaken = set(), set()
+        if held and record is not None and not record.get("takes_steps", record["steps"] > 0):
+            # The writer's fronts never stepped (one replica: Keras's Adam did, its slots
+            # hold the moments; an older record says so by 0 steps): read as Keras's Adam's.
+            untaken, held = held, set()
+            placed = {n for n in saved if _owner(n) in untaken
+                      and _kind(n) in ("adam_m", "adam_v", "step")}
         slots = ("momentum", "velocity")
         to_keras = sorted(p for p in held - here
                           if all(f"optimizer/{p}/{s}" in entries for s in slots))
         to_front = sorted(p for p in here - held
                           if all(f"optimizer/{p}/{s}" in saved for s in slots))
         if not (to_keras or to_front) or "optimizer/iteration" not in saved:
-            return set()
-        iteration = _update_steps(self._model, reader.get_tensor(saved["optimizer/iteration"]))
-        placed = set()
-        if to_keras and not reader.has_tensor(key(ADAM_UNITS)):
+            return placed
+        iteration = _update_steps(self._model, reader.get_tensor(saved["optimizer/iteration"]),
+                                  reader)
+        if to_keras and record is None:
             logging.warning("tfpar: checkpoint %s holds the moments of Adam in front of its "
                             "codec without the record of their units (%s): not loaded, "
                             "Keras's Adam takes the checkpoint's own slots", name, ADAM_UNITS)
         elif to_keras:
-            units = json.loads(reader.get_tensor(key(ADAM_UNITS)).decode())
             for p in to_keras:
                 rows = [np.asarray(reader.get_tensor(saved[f"codec/{p}/adam_{k}"]), np.float64)
                         for k in ("m", "v")]
                 placed |= {f"codec/{p}/adam_m", f"codec/{p}/adam_v"}
-                if not units["steps"]:  # never stepped (one replica): Keras's slots hold it
-                    continue
-                for slot, value in zip(slots, adam_front.keras_slots(*rows, units, iteration)):
+                for slot, value in zip(slots, adam_front.keras_slots(*rows, record, iteration)):
                     entries[f"optimizer/{p}/{slot}"][1](value.astype(np.float32))
             placed |= {n for n in saved if _kind(n) == "step" and _owner(n) in held}
-            if units["steps"]:
-                logging.warning("tfpar: checkpoint %s: the moments of Adam in front of its codec "
-                             "(m in %s units, after %d steps) carried into Keras's Adam slots "
-                             "at iteration %d", name, units["m"], units["steps"], iteration)
+            logging.warning("tfpar: checkpoint %s: the moments of Adam in front of its codec "
+                            "(m in %s units, after %d steps) carried into Keras's Adam slots "
+                            "at iteration %d", name, record["m"], record["steps"], iteration)
         if to_front and fronts:
             units = fronts[0](iteration)
             for p in to_front:
@@ -321,7 +351,8 @@ class LayoutState(patches.Trackable):
                     for s in slots:
                         entries[f"optimizer/{p}/{s}"][1](np.zeros_like(m, np.float32))
             for n in entries:  # the front's counter takes the optimizer's iteration
-                if _kind(n) == "step" and _owner(n) in here and n not in saved:
+                if (_kind(n) == "step" and _owner(n) in here
+                        and (n not in saved or _owner(n) in untaken)):
                     entries[n][1](np.int64(iteration))
                     placed.add(n)
             logging.warning("tfpar: checkpoint %s: Keras's Adam slots at iteration %d carried "
@@ -355,7 +386,8 @@ class LayoutState(patches.Trackable):
                             "warm-up runs again", name)
             fresh = [n for n in fresh if n not in steps]
         elif steps and "optimizer/iteration" in saved:
-            iteration = reader.get_tensor(saved["optimizer/iteration"])
+            iteration = np.int64(_update_steps(
+                self._model, reader.get_tensor(saved["optimizer/iteration"]), reader))
             for n in steps:
                 entries[n][1](iteration)
             logging.warning("tfpar: checkpoint %s has no step counter of this run's codec "
@@ -530,7 +562,7 @@ def tensors_of(path):
     reader = tf.train.load_checkpoint(path)
     names = {name_of(k): k for k in reader.get_variable_to_shape_map()}
     names.pop(None, None)
-    for meta in (LAYOUT, UNITS, ADAM_UNITS):
+    for meta in (LAYOUT, UNITS, ADAM_UNITS, ACCUMULATION):
         names.pop(meta, None)
     return {name: reader.get_tensor(k) for name, k in sorted(names.items())}
 
@@ -598,26 +630,29 @@ def _drop_moved_residuals(entries, paths, name):
 
 
 def _owe_on_one_replica(model, path):
-    """Marks each tf.distribute aggregator on one replica that loaded a debt (error
-    feedback's residuals, not all zero) to pay it on its next step, once
-    (`keras_hook.pay_debt`): on one replica nothing is compressed, so no step would."""
+    """Sets the `debt_owed` flag of each tf.distribute aggregator on one replica (its
+    own, or ZeRO 1/2's) to whether it loaded a debt (error feedback's residuals, not all
+    zero): on one replica nothing is compressed, so no step would send it; the next applied
+    step pays it, once (`keras_hook.pay_debt`). Cleared where the load brought none."""
     from tfpar.compression import aggregator as aggregator_lib
     for a in _aggregators(model).values():
-        residuals = getattr(a, "residuals", None) or {}
-        if not (a.positions and residuals and _replicas_of(a) == 1):
+        flag = getattr(a, "debt_owed", None)
+        if not (a.positions and flag is not None):
             continue
-        if not any(np.any(aggregator_lib.local_values(r)[0].numpy())
-                   for r in residuals.values()):
-            continue
-        if getattr(a, "adam", None) is not None:
+        owes = any(np.any(aggregator_lib.local_values(r)[0].numpy())
+                   for r in a.residuals.values())
+        if owes and getattr(a, "adam", None) is not None:
             # Its rows are Adam steps there; on one replica Keras's Adam takes gradients.
             logging.warning("tfpar: checkpoint %s holds error feedback's debt of Adam in front "
                             "of its codec, which one replica (Keras's Adam) does not take: "
                             "not paid", os.path.basename(path))
-            continue
-        a.pays_debt = True
-        logging.warning("tfpar: checkpoint %s: error feedback's debt (the saved rows' sum) is "
-                     "paid on this replica's next step", os.path.basename(path))
+            owes = False
+        for local in aggregator_lib.local_values(flag):
+            local.assign(owes)
+        if owes:
+            logging.warning("tfpar: checkpoint %s: error feedback's debt (the saved rows' sum) "
+                            "is paid on this replica's next applied step",
+                            os.path.basename(path))
 
 
 def _plain(variable):
@@ -634,6 +669,17 @@ def _plain(variable):
         else:
             tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
     return (lambda: values.to_host(tf_variable)), write, tuple(tf_variable.shape)
+
+
+def _then(entry, after):
+    """`entry` (read, write, shape) whose write calls `after()` once it has written (a
+    mesh codec told its state was loaded: `AdamFrontReduction.state_written`)."""
+    read, write, shape = entry
+
+    def write_then(array):
+        write(array)
+        after()
+    return read, write_then, shape
 
 
 def _fits(shape, want):

@@ -287,6 +287,14 @@ class Aggregator(tf.Module):
             # The variables themselves stay out of checkpoints (they would save the mean);
             # their slots save every replica's own value.
             self.residuals = patches.no_dependency(residuals)
+            # On one replica nothing is compressed, so no step sends a debt loaded from more
+            # replicas: `tfpar.state` sets this flag and the next applied step pays it
+            # (`keras_hook.pay_debt`). A variable, read in the step: a flag traced into it
+            # would miss a load after the first trace and pay zeros on every later step.
+            self.debt_owed = patches.no_dependency(
+                per_replica_variable(tf.constant(False), "debt_owed",
+                                     tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                if residuals and self._replicas == 1 else None)
             self.residual_slots = {k: PerReplicaSlot(v) for k, v in residuals.items()}
             moments = {}
             if self.adam is not None:

@@ -39,9 +39,8 @@ class AggregatingOptimizerMixin:
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             # Nothing to communicate; compressing would only add error. A debt loaded from
-            # more replicas (`tfpar.state` sets `pays_debt`) is paid here, once.
-            if getattr(self.tfpar_aggregator, "pays_debt", False):
-                grads_and_vars = pay_debt(self.tfpar_aggregator, grads_and_vars)
+            # more replicas (`tfpar.state` sets `debt_owed`) is paid here, once.
+            grads_and_vars = pay_debt(self.tfpar_aggregator, grads_and_vars)
             return super()._all_reduce_sum_gradients(grads_and_vars)
         grads, variables = zip(*grads_and_vars)
         if getattr(self, "tfpar_skip_nonfinite", False):
@@ -117,22 +116,66 @@ class AggregatingOptimizerMixin:
 
 
 def pay_debt(aggregator, grads_and_vars):
-    """`grads_and_vars` with `aggregator`'s error-feedback residuals added to their weights'
-    gradients, the residuals then set to zero: on one replica (nothing compressed, so no
-    step sends them) a debt loaded from more replicas is paid on the next step, once. Each
-    residual is in the gradient's units there (Keras divides by 1 replica), its row the
-    saved rows' sum (`tfpar.state`)."""
-    out = []
-    for g, v in grads_and_vars:
+    """`grads_and_vars` with a debt `aggregator` loaded from more replicas added, on one
+    replica (nothing compressed there, so no step sends its error-feedback residuals):
+    while its `debt_owed` flag is set (`tfpar.state`), each residual is added to its
+    weight's gradient; where the step is applied the residuals then turn zero and the flag
+    clears. A step whose gradients are not finite (skipped by `--on_nan=skip_step`,
+    `tfpar.nan_guard`, by the same test: the sum of every gradient finite) keeps both, so
+    the next applied step pays. (fp16's loss scaling never calls this on an overflowing
+    step: Keras skips the whole update.) Each residual is in the gradient's units there
+    (Keras divides by 1 replica), its row the saved rows' sum (`tfpar.state`)."""
+    flag = getattr(aggregator, "debt_owed", None)
+    if flag is None:
+        return grads_and_vars
+    owed = {}
+    for j, (g, v) in enumerate(grads_and_vars):
         position = aggregator.position_of(v)
         residual = (aggregator.residuals.get(str(position)) if position is not None
                     else None)
-        if g is None or residual is None:
-            out.append((g, v))
-            continue
-        owed = tf.convert_to_tensor(residual)
-        out.append((tf.convert_to_tensor(g) + tf.cast(owed, g.dtype), v))
-        residual.assign(tf.zeros_like(owed))
+        if g is not None and residual is not None:
+            owed[j] = residual
+    if not owed:
+        return grads_and_vars
+    grads = [g for g, _ in grads_and_vars]
+
+    def parts(j, residual=None):
+        """Gradient `j` as the tensors the `tf.cond` hands back, with `residual` added:
+        dense, or an embedding's rows (`IndexedSlices`) with every row of it appended."""
+        g = grads[j]
+        if isinstance(g, tf.IndexedSlices):
+            if residual is None:
+                return [g.values, g.indices]
+            rows = tf.range(tf.shape(residual, out_type=g.indices.dtype)[0])
+            return [tf.concat([g.values, tf.cast(residual, g.values.dtype)], 0),
+                    tf.concat([g.indices, rows], 0)]
+        g = tf.convert_to_tensor(g)
+        return [g if residual is None else g + tf.cast(residual, g.dtype)]
+
+    def pay():
+        debts = {j: tf.convert_to_tensor(r) for j, r in owed.items()}
+        paid = [parts(j, debts[j]) for j in owed]
+        others = [tf.convert_to_tensor(g) for j, g in enumerate(grads)
+                  if g is not None and j not in owed]
+        applied = tf.math.is_finite(tf.add_n(
+            [tf.reduce_sum(tf.cast(x, tf.float32)) for p in paid for x in p[:1]]
+            + [tf.reduce_sum(tf.cast(x, tf.float32)) for x in others]))
+        writes = [r.assign(tf.where(applied, tf.zeros_like(debts[j]), debts[j]))
+                  for j, r in owed.items()]
+        writes.append(flag.assign(tf.logical_not(applied)))
+        with tf.control_dependencies(writes):
+            return [tf.identity(x) for p in paid for x in p]
+
+    def keep():
+        return [x for j in owed for x in parts(j)]
+    flat = iter(tf.cond(tf.convert_to_tensor(flag), pay, keep))
+    out = list(grads_and_vars)
+    for j in owed:
+        g, v = grads_and_vars[j]
+        if isinstance(g, tf.IndexedSlices):
+            out[j] = (tf.IndexedSlices(next(flat), next(flat), g.dense_shape), v)
+        else:
+            out[j] = (next(flat), v)
     return out
 
 

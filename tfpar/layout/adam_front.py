@@ -34,9 +34,11 @@ takes identical rows to the weight's own layout only by a mean over `batch`: a s
 all-reduce each step. So the warm-up also keeps those moments whole (`m_warm`, `v_warm`, in
 the weight's layout: a weight-sized tensor more per device each): the exact step moves
 the whole copies and writes the rows from them (a broadcast, no collective), and the first
-compressed step converts the momentum by the whole `v`. The copies are trusted while
-`warm_ok` says the last step wrote them; `named_state` (whoever calls it may load the
-rows: `tfpar.state`) clears it, and the next exact step then takes the rows' mean once.
+compressed step converts the momentum by the whole `v`. Only those steps touch the copies
+(read and written inside their branch, not among `step_variables`): a compressed step
+neither reads nor writes them. The copies are trusted while `warm_ok` says the last step
+wrote them; a load of the state (`tfpar.state` calls `state_written`) clears it, and the
+next exact step then takes the rows' mean once. A save (`named_state`) leaves it.
 """
 
 import tensorflow as tf
@@ -128,22 +130,29 @@ class AdamFrontReduction(BatchAxisReduction):
 
     @property
     def variables(self):
-        """The residuals, PowerSGD's `Q`s, the step counter, every `m`, every `v`, the
-        warm-up's whole copies of the rows (`m_warm`, `v_warm`), `warm_ok`."""
-        return (super().variables + [self.count] + self.m + self.v + self.m_warm
-                + self.v_warm + [self.warm_ok])
+        """The residuals, PowerSGD's `Q`s, the step counter, every `m`, every `v`,
+        `warm_ok`, the warm-up's whole copies of the rows (`m_warm`, `v_warm`)."""
+        return self.step_variables + self.m_warm + self.v_warm
+
+    @property
+    def step_variables(self):
+        """`variables` but the warm-up's whole copies, which only an exact step (and the
+        first compressed one) reads and writes, inside its branch (module docstring)."""
+        return super().variables + [self.count] + self.m + self.v + [self.warm_ok]
+
+    def state_written(self):
+        """Called by whoever wrote this reduction's state from outside (a load,
+        `tfpar.state`): the warm-up's whole copies no longer match the rows, and the next
+        exact step takes the rows' mean once (module docstring)."""
+        if self.m_warm or self.v_warm:
+            values.assign(self.warm_ok, 0)
 
     def named_state(self):
         """`BatchAxisReduction.named_state` and `<first weight's path>/step`,
         `<path>/adam_m`, `<path>/adam_v`: `"mean_rows"` (one row per replica) or
         `"mean_whole"` (the same on every replica), saved as rows either way; onto
-        another replica count every replica takes their mean (`tfpar.state`).
-
-        The caller may write the rows (a load): the warm-up's whole copies are then no
-        longer trusted, and the next exact step takes the rows' mean once (module
-        docstring)."""
-        if self.m_warm or self.v_warm:
-            values.assign(self.warm_ok, 0)
+        another replica count every replica takes their mean (`tfpar.state`, which calls
+        `state_written` after writing any of them)."""
         out = super().named_state()
         out[f"{self.paths[0]}/step"] = (self.count, False)
         for path, m, v in zip(self.paths, self.m, self.v):
@@ -167,9 +176,8 @@ class AdamFrontReduction(BatchAxisReduction):
         step = BatchAxisReduction._begin(self, state[:nq])
         count, rest = state[nq], iter(state[nq + 1:])
         t = tf.cast(count + 1, tf.float32)
-        for kind, k in (("m", n), ("v", n), ("m_warm", len(self.m_warm)),
-                        ("v_warm", len(self.v_warm))):
-            step[kind], step["new_" + kind] = [next(rest) for _ in range(k)], {}
+        for kind in ("m", "v"):
+            step[kind], step["new_" + kind] = [next(rest) for _ in range(n)], {}
         step["warm_ok_value"] = next(rest)
         step.update(count=count, t=t, c1=1 - tf.pow(self.beta_1, t), exact=count < self.warm,
                     first=tf.equal(count, self.warm),
@@ -179,7 +187,7 @@ class AdamFrontReduction(BatchAxisReduction):
     def _end(self, step, finite):
         count = step["count"]
         out = BatchAxisReduction._end(self, step, finite) + [kept_if(finite, count + 1, count)]
-        for kind in ("m", "v", "m_warm", "v_warm"):
+        for kind in ("m", "v"):
             out += [kept_if(finite, step["new_" + kind][i], old)
                     for i, old in enumerate(step[kind])]
         # The whole copies are trusted after an exact step (which wrote them) only.
@@ -197,14 +205,10 @@ class AdamFrontReduction(BatchAxisReduction):
         step["new_m"][i], step["new_v"][i] = out.pop(0), out.pop(0)
         if i in self.qs:
             step["new_qs"][i] = out.pop(0)
-        for kind in ("m_warm", "v_warm"):
-            if step[kind]:
-                step["new_" + kind][i] = out.pop(0)
         return mean, new_residual
 
-    def _out(self, i, mean, residual, m, v, q, step, warm=None):
-        """A branch's outputs, each in its layout (both branches of the `tf.cond` alike);
-        `warm`: the exact step's whole `(m, v)` for the whole copies (else kept)."""
+    def _out(self, i, mean, residual, m, v, q):
+        """A branch's outputs, each in its layout (both branches of the `tf.cond` alike)."""
         out = [dtensor.relayout(mean, self.own[i])]
         if residual is not None:
             out.append(dtensor.relayout(residual, self.stacked[i]))
@@ -212,10 +216,6 @@ class AdamFrontReduction(BatchAxisReduction):
         out.append(dtensor.relayout(v, self.stacked[i] if self.v_rows else self.own[i]))
         if i in self.qs:
             out.append(dtensor.relayout(q, self._replicated(2)))
-        for k, kind in enumerate(("m_warm", "v_warm")):
-            if step[kind]:
-                whole = step[kind][i] if warm is None else warm[k]
-                out.append(dtensor.relayout(whole, self.own[i]))
         return tuple(out)
 
     def _whole(self, i, rows):
@@ -231,12 +231,25 @@ class AdamFrontReduction(BatchAxisReduction):
 
     def _warm_moment(self, i, kind, step):
         """Moment `kind` ("m" or "v") of gradient `i` before an exact step, whole: the
-        state itself, or for rows their whole copy (the rows' mean when not trusted)."""
-        if not step[f"{kind}_warm"]:
+        state itself, or for rows their whole copy (the rows' mean when not trusted), read
+        here, in the exact step's branch."""
+        copies = getattr(self, f"{kind}_warm")
+        if not copies:
             return step[kind][i]
-        whole = step[f"{kind}_warm"][i]
-        return tf.cond(step["warm_ok"], lambda: dtensor.relayout(whole, self.own[i]),
+        return tf.cond(step["warm_ok"],
+                       lambda: dtensor.relayout(copies[i].read_value(), self.own[i]),
                        lambda: self._whole(i, step[kind][i]))
+
+    def _write_warm(self, i, m, v, step):
+        """The exact step's whole `m`, `v` of gradient `i` into the warm-up's copies (kept
+        on a skipped step), inside the exact step's branch: the ops of the writes."""
+        writes = []
+        for copies, value in ((self.m_warm, m), (self.v_warm, v)):
+            if copies:
+                old = copies[i].read_value()
+                new = dtensor.relayout(kept_if(step["finite"], value, old), self.own[i])
+                writes.append(copies[i].assign(new))
+        return writes
 
     def _exact(self, i, x, residual, step):
         """The fp32 mean over `batch` and Keras's Adam on it (`AdamFrontStep.exact`): one
@@ -246,9 +259,9 @@ class AdamFrontReduction(BatchAxisReduction):
         v = adam_front.moved(self._warm_moment(i, "v", step), tf.square(g), 1 - self.beta_2)
         c2 = 1 - tf.pow(self.beta_2, step["t"])
         update = adam_front.exact_step(m, v, step["c1"], c2, self.eps)
-        return self._out(i, update, residual, self._as_rows(i, m) if self.m_rows else m,
-                         self._as_rows(i, v) if self.v_rows else v, step["qs"].get(i), step,
-                         warm=(m, v))
+        with tf.control_dependencies(self._write_warm(i, m, v, step)):
+            return self._out(i, update, residual, self._as_rows(i, m) if self.m_rows else m,
+                             self._as_rows(i, v) if self.v_rows else v, step["qs"].get(i))
 
     def _codec(self, i, message, residual, step):
         """`(mean, next residual, next Q)` of the replicas' `message`s through the codec."""
@@ -282,12 +295,12 @@ class AdamFrontReduction(BatchAxisReduction):
             mean = mean + kept
             # Synced: every replica's momentum is the one the mean step applied.
             m_new = (mean * c1 * (1.0 if self.local else s) if self.synced else m_rows)
-            return self._out(i, mean, new_residual, m_new, v_new, q, step)
+            return self._out(i, mean, new_residual, m_new, v_new, q)
         if self.local:
             m_new = adam_front.moved(mu, mean, 1 - beta_1)  # in the scaled units
-            return self._out(i, m_new / c1, new_residual, m_new, v_new, q, step)
+            return self._out(i, m_new / c1, new_residual, m_new, v_new, q)
         m_new = adam_front.moved(m, mean * s, 1 - beta_1)
-        return self._out(i, m_new / c1 / s, new_residual, m_new, v_new, q, step)
+        return self._out(i, m_new / c1 / s, new_residual, m_new, v_new, q)
 
     def _move_local(self, i, x, m, v, step):
         """Each replica's own `v` moved by its own gradient (`AdamFrontStep.move_local_v`):
@@ -315,7 +328,7 @@ class AdamFrontReduction(BatchAxisReduction):
         or the rows' mean when that is not trusted)."""
         def converted():
             c2 = 1 - tf.pow(self.beta_2, step["t"] - 1)
-            s_whole = adam_front.denominator(step["v_warm"][i], c2, self.eps)
+            s_whole = adam_front.denominator(self.v_warm[i].read_value(), c2, self.eps)
             return tf.cond(step["warm_ok"],
                            lambda: dtensor.relayout(m / s_whole, self.own[i]),
                            lambda: self._whole(i, m / s_old))

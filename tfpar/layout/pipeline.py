@@ -371,7 +371,7 @@ class MeshPipelineTrainer(MeshTrainer):
                     acc[v], residuals[v],
                     scale=None if scale is None else ov[v][self.scale_index[v]],
                     finite=None if scale is None else finite[v])
-                for residual, value in zip(reducer.variables, kept):
+                for residual, value in zip(reducer.step_variables, kept):
                     residual.assign(dtensor.relayout(value, residual.layout))
         if scale is not None:
             for gs, ok in zip(acc, finite):

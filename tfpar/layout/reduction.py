@@ -222,13 +222,21 @@ class BatchAxisReduction:
         out.update({f"{self.paths[i]}/powersgd_q": (q, False) for i, q in self.qs.items()})
         return out
 
+    @property
+    def step_variables(self):
+        """The state a step reads (`read()`) and writes (`mean`'s new state), in that
+        order: `variables` (a subclass may keep some of its state out of the step's
+        hands: `tfpar.layout.adam_front`'s warm-up copies)."""
+        return self.variables
+
     def read(self):
-        return [v.read_value() for v in self.variables]
+        return [v.read_value() for v in self.step_variables]
 
     def mean(self, grads, state, scale=None, finite=None):
         """`(means, new_state)`: the mean over replicas of `grads` (each
         `[replicas, *shape]`, split on `batch`) through the codec; `state` is what `read()`
-        gave, `new_state` its next values in the same order (write them to `variables`).
+        gave, `new_state` its next values in the same order (write them to
+        `step_variables`).
 
         With fp16 loss scaling, `scale` is the loss scale the gradients carry (a scalar on
         this mesh): they are unscaled before the codec, so residuals and `Q`s hold plain
@@ -244,6 +252,7 @@ class BatchAxisReduction:
         residuals = list(state[:len(self.residuals)])
         finite = step_finite(grads, scale, finite)
         step = self._begin(state[len(self.residuals):])
+        step["finite"] = finite  # (a subclass writing state inside a branch keeps it so)
         means, kept = [], []
         for i, g in enumerate(grads):
             # Pin each replica's gradient to its own shard (a no-op when DTensor already

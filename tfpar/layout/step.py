@@ -263,7 +263,7 @@ def reduce_over_batch(reduction, grads, scale=None, finite=None):
         grads = [tf.zeros((reduction.replicas,) + tuple(shape), tf.float32) if g is None
                  else g for g, shape in zip(grads, reduction.shapes)]
     means, kept = reduction.mean(grads, reduction.read(), scale=scale, finite=finite)
-    for variable, value in zip(reduction.variables, kept):
+    for variable, value in zip(reduction.step_variables, kept):
         variable.assign(dtensor.relayout(value, variable.layout))
     return [means[i] if i in present else None for i in range(len(means))]
 

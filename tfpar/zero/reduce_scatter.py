@@ -109,6 +109,11 @@ class ShardedReduction:
         replica (`tfpar.state` saves them as `codec/...`)."""
         return {f"{path}/residual": (r, True) for path, r in zip(self.paths, self.residuals)}
 
+    @property
+    def step_variables(self):
+        """What a step reads and writes (`BatchAxisReduction.step_variables`): all."""
+        return self.variables
+
     def read(self):
         return [v.read_value() for v in self.residuals]
 

@@ -274,8 +274,8 @@ class ZeroMixin:
             # Sent whole: a residual loaded from more replicas is spent at once.
             layout.wire_bytes = 0
             spent = tf.zeros([layout.size]) if residual is not None else None
-            if getattr(layout.aggregator, "pays_debt", False):
-                flat_grads = flat_grads + _loaded_debt(layout, variables)
+            if layout.aggregator is not None:
+                flat_grads = _with_loaded_debt(layout, variables, flat_grads)
             return flat_grads, squares, spent, local_bad, None
         square_piece, new_residual, wire, agreed = None, None, 0, None
         if layout.aggregator is not None:
@@ -471,22 +471,31 @@ def residual_entries(optimizer, weights):
     return [(by_index[i], part(i)) for i in range(len(layout.sizes)) if i in by_index]
 
 
-def _loaded_debt(layout, variables):
-    """On one replica, the flat debt of error feedback that `layout`'s aggregator (PowerSGD,
-    threshold) loaded from more replicas (`tfpar.state` sets its `pays_debt`), its
-    residuals then zero: paid once, as the replica's own flat residual is."""
+def _with_loaded_debt(layout, variables, flat_grads):
+    """On one replica, `flat_grads` with the debt of error feedback that `layout`'s
+    aggregator (PowerSGD, threshold) loaded from more replicas added while its
+    `debt_owed` flag is set (`tfpar.state`), as `keras_hook.pay_debt` pays it: where the
+    step is applied (every entry finite, this step's test) its residuals then turn zero and
+    the flag clears; a skipped step keeps both for the next."""
     aggregator = layout.aggregator
+    flag = getattr(aggregator, "debt_owed", None)
     owed = []
     for v in variables:
         position = aggregator.position_of(v)
         owed.append(aggregator.residuals.get(str(position)) if position is not None else None)
-    debt = layout.flatten([None if r is None else tf.convert_to_tensor(r) for r in owed],
-                          variables)
-    with tf.control_dependencies([debt]):
-        for r in owed:
-            if r is not None:
-                r.assign(tf.zeros(r.shape, r.dtype))
-    return debt
+    if flag is None or not any(r is not None for r in owed):
+        return flat_grads
+
+    def pay():
+        debts = [None if r is None else tf.convert_to_tensor(r) for r in owed]
+        paid = flat_grads + layout.flatten(debts, variables)
+        applied = tf.reduce_all(tf.math.is_finite(paid))
+        writes = [r.assign(tf.where(applied, tf.zeros_like(d), d))
+                  for r, d in zip(owed, debts) if r is not None]
+        writes.append(flag.assign(tf.logical_not(applied)))
+        with tf.control_dependencies(writes):
+            return tf.identity(paid)
+    return tf.cond(tf.convert_to_tensor(flag), pay, lambda: flat_grads)
 
 
 def _slot_parts(layout, variable):
