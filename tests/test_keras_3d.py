@@ -1,10 +1,13 @@
 """dp × tp × pp (2 × 2 × 2, 8 logical CPUs) from a user's own `model.fit`: a Keras
 `DeviceMesh` `("stage", "batch", "model")` under `tfpar.layout.enable()`
 (`tfpar.layout.keras_pipeline`), against the same model fitted on one device, and with a
-`tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`. One child, three
-cases (tests/keras_3d_child.py).
+`tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`; Adam's state
+through `model.save`/`load_model` and Keras's `BackupAndRestore`; what the cut must not
+drop or break (skipped steps counted, a layer assigning its own state, unnamed weights,
+inference-mode evaluation). Two children side by side (tests/keras_3d_child.py).
 """
 
+import json
 import os
 import sys
 
@@ -12,16 +15,28 @@ import numpy as np
 import pytest
 
 import cases as cases_lib
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, last_json_line, run, run_concurrently
+from test_layout_compose import train_configs
+from test_train import weights
 
 CHILD = os.path.join(ROOT, "tests", "keras_3d_child.py")
 TOLERANCE = {"sgd": 1e-6, "adam": 1e-5}
+# `python -m tfpar.train --model=mlp --optimizer=adam --data_parallel=2
+# --tensor_parallel=2 --pipeline_stages=2 --microbatches=2 ...` (as `train(config)`)
+CLI_3D = {"model": "mlp", "optimizer": "adam", "learning_rate": 1e-3, "steps": 4,
+          "steps_per_epoch": 4, "global_batch_size": 32, "cpu_devices": 8,
+          "data_parallel": 2, "tensor_parallel": 2, "pipeline_stages": 2,
+          "microbatches": 2, "schedule": "1f1b", "verbose": 0}
 
 
 @pytest.fixture(scope="module")
 def results():
-    return last_json_line(run([sys.executable, CHILD, "exact,powersgd,state,refusals"],
-                              timeout=900).stdout)
+    return cases_lib.gather([["exact", "powersgd", "state", "refusals"],
+                             ["resume", "guards"]], _child)
+
+
+def _child(names):
+    return last_json_line(run([sys.executable, CHILD, ",".join(names)], timeout=900).stdout)
 
 
 def _case(results, name):
@@ -143,8 +158,81 @@ def test_a_generator_and_a_constant_weight_train(results):
 
 @pytest.mark.parametrize("name,setting", [("stage_axis_last", "DeviceMesh.axis_names"),
                                           ("chimera", "schedule"),
-                                          ("backup_and_restore", "callbacks")])
+                                          ("backup_and_restore", "callbacks"),
+                                          ("keras_backup_with_codec", "callbacks")])
 def test_a_bad_combination_gets_one_line(results, name, setting):
     raised = _case(results, "refusals")[name]["raised"]
     assert raised is not None, name
     assert raised.startswith(setting + "=") and "\n" not in raised, raised
+
+
+def test_model_save_then_load_model_continues_adam(results):
+    # the file holds the stage optimizers' state (step count, Adam's m and v): one epoch,
+    # save, load, one more equals two epochs on one device (Adam's 3D tolerance)
+    run_ = _case(results, "resume")["save_load"]
+    assert run_["loaded_iterations"] == 3 and run_["iterations"] == 6, run_
+    assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+def test_keras_backup_and_restore_resumes_the_run(results):
+    run_ = _case(results, "resume")["backup"]
+    assert run_["stopped"] and run_["epochs_run"] == 1, run_  # resumed at the second epoch
+    assert run_["iterations"] == 6, run_
+    assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+def test_skipped_fp32_steps_are_counted_and_nan_guard_stops_on_them(results):
+    run_ = _case(results, "guards")["nonfinite"]
+    assert run_["counted"] == 2.0, run_
+    raised = run_["raised"]
+    # the skipped gradients, not the loss, stop it: at the step that had them
+    assert raised is not None and raised.startswith(
+        "gradients became non-finite at step 1"), raised
+    assert "\n" not in raised, raised
+
+
+def test_a_layer_assigning_its_own_state_is_refused_before_any_step(results):
+    run_ = _case(results, "guards")["assigns"]
+    raised = run_["raised"]
+    assert raised is not None and raised.startswith("layer='running (RunningMean)'"), raised
+    assert "\n" not in raised, raised
+    assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+
+
+def test_unnamed_weights_train_as_on_one_device(results):
+    run_ = _case(results, "guards")["unnamed"]
+    assert run_["raised"] is None, run_
+    assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+def test_the_cli_pipeline_evaluates_in_inference_mode(results):
+    run_ = _case(results, "guards")["eval_dropout"]
+    reference = run_["reference"]
+    # Dropout(0.5) off: the one-device evaluate's loss, every time
+    assert abs(run_["fit_evaluate"] - reference) <= 1e-5, run_
+    assert all(abs(loss - reference) <= 1e-5 for loss in run_["cli"]), run_
+
+
+@pytest.fixture(scope="module")
+def cli_and_fit(tmp_path_factory):
+    """The CLI's 3D run (`tests/train_configs_child.py`: `tfpar.train.train`) and the
+    same settings as a user's `fit` (the child's `cli` case), side by side."""
+    folder = tmp_path_factory.mktemp("keras_3d_cli")
+    out = str(folder / "fit.npz")
+    cli, fit = run_concurrently([
+        lambda: train_configs(str(folder / "cli"), [CLI_3D]),
+        lambda: last_json_line(run([sys.executable, CHILD, "cli", json.dumps(CLI_3D), out],
+                                   timeout=600).stdout)])
+    data = np.load(out)
+    fitted = [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+    return weights(str(folder / "cli.0")), fitted, cli[None][0], _case(fit, "cli")
+
+
+def test_the_cli_3d_run_and_a_users_fit_reach_the_same_weights(cli_and_fit):
+    cli_weights, fit_weights, cli, fit = cli_and_fit
+    assert fit["unit_sample_weights"], fit  # the run's batches: no padding weights
+    assert cli["steps"] == fit["iterations"] == CLI_3D["steps"], (cli, fit)
+    assert [w.shape for w in cli_weights] == [w.shape for w in fit_weights], fit["paths"]
+    # the same trainer (MeshPipelineTrainer) on the same stages, layouts and batches
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(cli_weights, fit_weights))
+    assert gap <= 1e-6, gap
