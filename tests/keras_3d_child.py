@@ -241,7 +241,12 @@ def powersgd():
             "optimizer": type(model.optimizer).__name__,
             "weights_kept": [diff(b["weights"], a["weights"]) for b, a in zip(before, after)],
             "scales": [[b["scale"], a["scale"]] for b, a in zip(before, after)],
-            "finite": bool(all(np.isfinite(w).all() for w in model.get_weights()))}
+            "finite": bool(all(np.isfinite(w).all() for w in model.get_weights())),
+            # what model.save would write: the compiled LossScaleOptimizer's own scale
+            "model_scale": float(np.asarray(model.optimizer.dynamic_scale)),
+            "model_iterations": int(np.asarray(model.optimizer.iterations)),
+            "stage_iterations": [int(layout.to_host(o.iterations.value))
+                                 for o in trainer.stage_optimizers]}
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return out

@@ -102,6 +102,10 @@ def test_an_fp16_overflow_skips_the_step_on_every_stage(results):
     for before, after in run_["scales"]:
         assert after == before / 2, run_["scales"]
     assert run_["finite"]
+    # the model's own LossScaleOptimizer holds the stages' scale and step count (its file)
+    assert run_["model_scale"] == run_["scales"][0][1], run_
+    assert [run_["model_iterations"]] * 2 == run_["stage_iterations"], run_
+    assert run_["model_iterations"] > 0, run_
 
 
 def test_a_layer_with_state_the_step_would_change_is_refused_in_one_line(results):
