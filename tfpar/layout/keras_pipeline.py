@@ -51,7 +51,8 @@ output layouts (`<layer>/output` keys); a model that is not functional with one 
 one output, or does not cut into the stages; a loss other than one mean-reducing loss; a
 metric other than accuracy; `loss_weights`, `weighted_metrics`;
 `tfpar.callbacks.BackupAndRestore` (tfpar.train's checkpoint), and Keras's with a
-`tfpar.DistributedOptimizer` codec (the file does not hold the codec's state); a layer
+`tfpar.DistributedOptimizer` codec that keeps state (the file does not hold its residuals
+or Qs: `compat.KERAS_PIPELINE_BACKUP_CODEC`); a layer
 whose non-trainable state a training step changes (BatchNormalization's statistics,
 Dropout's seed, a variable a custom layer's `call` assigns, found in the traced
 forward's `StatelessScope`: `compat.KERAS_PIPELINE_STATEFUL_LAYER`, before the first
