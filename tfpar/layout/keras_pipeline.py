@@ -596,8 +596,12 @@ class UserCallbacks(keras.callbacks.Callback):
         self.inner = keras.callbacks.CallbackList(
             callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
             model=trainer.user_model)
-        self.every_batch = any(_overrides(c, "on_train_batch_end", "on_batch_end")
-                               for c in callbacks)
+        # (Keras's BackupAndRestore saving once an epoch reads nothing at a batch's end:
+        # no per-batch copy of the weights and optimizer state for it.)
+        self.every_batch = any(
+            _overrides(c, "on_train_batch_end", "on_batch_end") and not (
+                isinstance(c, keras.callbacks.BackupAndRestore) and c.save_freq == "epoch")
+            for c in callbacks)
 
     def set_params(self, params):
         self.inner.set_params({**params, "verbose": self.verbose})
