@@ -3,7 +3,7 @@ Keras model trained by `model.fit` under `keras.distribution` on a mesh
 `("stage", "batch", "model")` of 2 × 2 × 2 (`tfpar.layout.keras_pipeline`); prints one
 JSON line mapping each case to its result.
 
-Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIG_JSON OUT.npz]
+Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
 - `exact`: SGD and Adam, 3 steps of 1F1B with 4 micro-batches, against the same model
   fitted on one device (no distribution) from the same weights and batches: weights,
   losses, `evaluate`, `predict`; `save_weights` read by a plain model, and a reference
@@ -31,11 +31,12 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIG_JSON OUT.npz]
   variable in `call` refused before any step; a layer of unnamed `add_weight`s against
   one device; a Dropout model evaluated by the CLI's `MeshPipelineTrainer` against one
   device's `evaluate`.
-- `cli`: the settings `CONFIG_JSON` of a `python -m tfpar.train` 3D run (the zoo's model,
-  seed, generated data, optimizer and rate) as a user writes them: the zoo model built
-  with the run's seed, its own `LayoutMap` keys, `PipelineParallel`, `compile` and `fit`
-  on the run's batches; its weights to `OUT.npz` (tests/test_keras_3d.py compares them
-  with the run's).
+- `cli`: each settings of the list `CONFIGS_JSON`, a `python -m tfpar.train` 3D run's (the
+  zoo's model, seed, generated data, optimizer and rate, PowerSGD, fp16), as a user
+  writes them: the zoo model built with the run's seed, its own `LayoutMap` keys,
+  `PipelineParallel`, `compile` (a `tfpar.DistributedOptimizer` for the codec,
+  `mixed_float16` for fp16) and `fit` on the run's batches; run i's weights to
+  `OUT.i.npz` (tests/test_keras_3d.py compares them with the run's).
 
 Runs `exact` first: its single-device references run before DTensor starts (the mesh
 pipeline turns DTensor's all-reduce combining off, which DTensor reads once).
@@ -601,8 +602,21 @@ def guards():
 
 
 def cli():
-    from tfpar import ParallelConfig, data as data_lib, models
-    config = ParallelConfig(**json.loads(sys.argv[2]))
+    from tfpar import ParallelConfig
+    out = []
+    for i, settings in enumerate(json.loads(sys.argv[2])):
+        config = ParallelConfig(**settings)
+        if config.mixed_precision == "fp16":
+            keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            out.append(_cli(config, f"{sys.argv[3]}.{i}.npz"))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
+def _cli(config, path):
+    from tfpar import data as data_lib, models
     task = data_lib.make_task(config)
     batches = data_lib.global_batches(config, task, 0, config.steps)
     keras.distribution.set_distribution(None)
@@ -621,16 +635,22 @@ def cli():
     model = models.build(config.model, task.input_shape, task.num_classes,
                          width=config.model_width, depth=config.model_depth)
     model.set_weights(initial)
-    model.compile(optimizer=keras.optimizers.Adam(config.scaled_learning_rate),
+    optimizer = (keras.optimizers.Adam if config.optimizer == "adam"
+                 else keras.optimizers.SGD)(config.scaled_learning_rate)
+    if config.compression != "none":
+        optimizer = tfpar.DistributedOptimizer(optimizer, compression=config.compression,
+                                               rank=config.powersgd_rank)
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = (np.concatenate([b[i] for b in batches]) for i in (0, 1))
     weights = [b[2] for b in batches if len(b) > 2]
     history = model.fit(x, y, batch_size=config.global_batch_size, shuffle=False, verbose=0)
-    np.savez(sys.argv[3], *model.get_weights())
+    np.savez(path, *model.get_weights())
     return {"paths": [w.path for w in model.weights],
             "unit_sample_weights": bool(all(np.all(w == 1) for w in weights)),
             "iterations": int(model.optimizer.iterations.numpy()),
-            "loss": history.history["loss"]}
+            "loss": history.history["loss"], "optimizer": type(model.optimizer).__name__,
+            "bytes": [r.comm_stats() for r in model._tfpar_pipeline_trainer.reductions or ()]}
 
 
 CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals,
