@@ -13,7 +13,8 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   limit (Adam at full rank, SGD at rank 16 on kernels whose gradients have rank <= 16)
   against the uncompressed run on one device, then a step with infinite inputs (fp32); at
   rank 1 under
-  `mixed_float16`: losses, the codec's bytes and state; then a batch that overflows fp16:
+  `mixed_float16` (Adam in front, 2 exact steps): losses, the codec's bytes and state; then
+  a batch that overflows fp16:
   every stage's weights and loss scale before and after.
 - `state`: what the step must keep besides the weights: a Dropout model refused in one
   line; a LearningRateScheduler at 0 from the second epoch (that epoch's weights stay),
@@ -211,9 +212,10 @@ def powersgd():
     keras.distribution.set_distribution(distribution())
     # Exact at the codec's limit: at rank 64 every matrix goes whole (its factors would be
     # no smaller); at rank 16 the 64 x 64 kernels go as factors, exact since a step's
-    # gradient (16 examples) has rank <= 16. Each against the uncompressed run.
+    # gradient (16 examples) has rank <= 16. Each against the uncompressed run. (Adam
+    # behind the codec, `adam=None`: in front, its warm-up would send the exact mean.)
     runs = {"full_rank": ("adam", lambda: tfpar.DistributedOptimizer(
-                keras.optimizers.Adam(1e-2), compression="powersgd", rank=64)),
+                keras.optimizers.Adam(1e-2), compression="powersgd", rank=64, adam=None)),
             "rank_16_sgd": ("sgd", lambda: tfpar.DistributedOptimizer(
                 keras.optimizers.SGD(0.1), compression="powersgd", rank=16))}
     for name, (reference, make) in runs.items():
@@ -228,8 +230,10 @@ def powersgd():
     out["rank_16_sgd"]["nan_step_kept"] = diff(model.get_weights(), finals)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        model = compiled(tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-2),
-                                                    compression="powersgd", rank=1), weights)
+        # Adam in front of PowerSGD: 2 exact steps, then compressed ones
+        model = compiled(tfpar.DistributedOptimizer(
+            keras.optimizers.Adam(1e-2), compression="powersgd", rank=1,
+            adam_warmup_steps=2), weights)
         losses = fit(model, steps=4, epochs=6)
         trainer = model._tfpar_pipeline_trainer
         state = codec_state(trainer)
@@ -638,8 +642,10 @@ def _cli(config, path):
     optimizer = (keras.optimizers.Adam if config.optimizer == "adam"
                  else keras.optimizers.SGD)(config.scaled_learning_rate)
     if config.compression != "none":
+        front = ({"adam_warmup_steps": config.adam_warmup_steps}
+                 if config.optimizer == "adam" else {})
         optimizer = tfpar.DistributedOptimizer(optimizer, compression=config.compression,
-                                               rank=config.powersgd_rank)
+                                               rank=config.powersgd_rank, **front)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = (np.concatenate([b[i] for b in batches]) for i in (0, 1))

@@ -27,7 +27,8 @@ CLI's `--pipeline_stages` with `--tensor_parallel` does). Training runs the CLI'
 pipeline (`tfpar.layout.pipeline.MeshPipelineTrainer`): the schedule, one stateless
 optimizer per stage made from the compiled one, with `mixed_float16` one loss-scale
 decision for every stage, and a `tfpar.DistributedOptimizer`'s codec as each stage's
-`BatchAxisReduction` over its `batch` axis. The compiled optimizer is built on the
+reduction over its `batch` axis (with Adam and top-k, PowerSGD or lowbit, Adam in front
+of the codec, as on one mesh and in the CLI's 3D: `tfpar.layout.adam_front`). The compiled optimizer is built on the
 model's (whole, host) weights and holds the stage optimizers' state: the stage weights
 and that state (step count, slots such as Adam's m and v, the loss scale) are written
 back into the user's model and its optimizer at the end of every epoch and of `fit`
@@ -226,8 +227,11 @@ def _build(model, distribution):
         stages.append(stage)
         optimizers.append(optimizer)
         if codec is not None:
+            # with the stage's optimizer: Adam in front of the codec where `codec_of` asks
+            # for it (a `DistributedOptimizer` over Adam), as the CLI's 3D and one mesh
             reductions.append(reduction.for_variables(
-                mesh, stage.trainable_variables, codec, error_feedback, dict(options)))
+                mesh, stage.trainable_variables, codec, error_feedback, dict(options),
+                optimizer))
     staged = pipeline_lib.StagedModel(stages, K, name=f"{model.name}_mesh_pipeline")
     staged.stage_optimizers = optimizers
     object.__setattr__(staged, "tfpar_reductions", tuple(reductions))
