@@ -3,7 +3,7 @@ Keras model trained by `model.fit` under `keras.distribution` on a mesh
 `("stage", "batch", "model")` of 2 × 2 × 2 (`tfpar.layout.keras_pipeline`); prints one
 JSON line mapping each case to its result.
 
-Usage: python tests/keras_3d_child.py CASE[,CASE...]
+Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
 - `exact`: SGD and Adam, 3 steps of 1F1B with 4 micro-batches, against the same model
   fitted on one device (no distribution) from the same weights and batches: weights,
   losses, `evaluate`, `predict`; `save_weights` read by a plain model, and a reference
@@ -13,7 +13,8 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...]
   limit (Adam at full rank, SGD at rank 16 on kernels whose gradients have rank <= 16)
   against the uncompressed run on one device, then a step with infinite inputs (fp32); at
   rank 1 under
-  `mixed_float16`: losses, the codec's bytes and state; then a batch that overflows fp16:
+  `mixed_float16` (Adam in front, 2 exact steps): losses, the codec's bytes and state; then
+  a batch that overflows fp16:
   every stage's weights and loss scale before and after.
 - `state`: what the step must keep besides the weights: a Dropout model refused in one
   line; a LearningRateScheduler at 0 from the second epoch (that epoch's weights stay),
@@ -22,7 +23,21 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...]
   that does not split refused before any step; an error at the third batch of a fit
   (the model holds the two steps taken).
 - `refusals`: the one-line errors of a mesh with the stage axis not first, Chimera on the
-  mesh pipeline, Keras's `BackupAndRestore`.
+  mesh pipeline, tfpar's `BackupAndRestore`, Keras's with a codec.
+- `resume`: Adam's state across files: one epoch, `model.save`, `load_model` (under the
+  same distribution), one more epoch; and Keras's `BackupAndRestore` stopped inside the
+  second epoch, then a fresh model resumed by it: each against two epochs on one device.
+- `guards`: an fp32 DistributedOptimizer's skipped steps in `optimizer.nonfinite_steps`
+  and tfpar's `NaNGuard` stopping on them; a custom layer assigning its own non-trainable
+  variable in `call` refused before any step; a layer of unnamed `add_weight`s against
+  one device; a Dropout model evaluated by the CLI's `MeshPipelineTrainer` against one
+  device's `evaluate`.
+- `cli`: each settings of the list `CONFIGS_JSON`, a `python -m tfpar.train` 3D run's (the
+  zoo's model, seed, generated data, optimizer and rate, PowerSGD, fp16), as a user
+  writes them: the zoo model built with the run's seed, its own `LayoutMap` keys,
+  `PipelineParallel`, `compile` (a `tfpar.DistributedOptimizer` for the codec,
+  `mixed_float16` for fp16) and `fit` on the run's batches; run i's weights to
+  `OUT.i.npz` (tests/test_keras_3d.py compares them with the run's).
 
 Runs `exact` first: its single-device references run before DTensor starts (the mesh
 pipeline turns DTensor's all-reduce combining off, which DTensor reads once).
@@ -197,9 +212,10 @@ def powersgd():
     keras.distribution.set_distribution(distribution())
     # Exact at the codec's limit: at rank 64 every matrix goes whole (its factors would be
     # no smaller); at rank 16 the 64 x 64 kernels go as factors, exact since a step's
-    # gradient (16 examples) has rank <= 16. Each against the uncompressed run.
+    # gradient (16 examples) has rank <= 16. Each against the uncompressed run. (Adam
+    # behind the codec, `adam=None`: in front, its warm-up would send the exact mean.)
     runs = {"full_rank": ("adam", lambda: tfpar.DistributedOptimizer(
-                keras.optimizers.Adam(1e-2), compression="powersgd", rank=64)),
+                keras.optimizers.Adam(1e-2), compression="powersgd", rank=64, adam=None)),
             "rank_16_sgd": ("sgd", lambda: tfpar.DistributedOptimizer(
                 keras.optimizers.SGD(0.1), compression="powersgd", rank=16))}
     for name, (reference, make) in runs.items():
@@ -214,8 +230,10 @@ def powersgd():
     out["rank_16_sgd"]["nan_step_kept"] = diff(model.get_weights(), finals)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        model = compiled(tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-2),
-                                                    compression="powersgd", rank=1), weights)
+        # Adam in front of PowerSGD: 2 exact steps, then compressed ones
+        model = compiled(tfpar.DistributedOptimizer(
+            keras.optimizers.Adam(1e-2), compression="powersgd", rank=1,
+            adam_warmup_steps=2), weights)
         losses = fit(model, steps=4, epochs=6)
         trainer = model._tfpar_pipeline_trainer
         state = codec_state(trainer)
@@ -228,7 +246,12 @@ def powersgd():
             "optimizer": type(model.optimizer).__name__,
             "weights_kept": [diff(b["weights"], a["weights"]) for b, a in zip(before, after)],
             "scales": [[b["scale"], a["scale"]] for b, a in zip(before, after)],
-            "finite": bool(all(np.isfinite(w).all() for w in model.get_weights()))}
+            "finite": bool(all(np.isfinite(w).all() for w in model.get_weights())),
+            # what model.save would write: the compiled LossScaleOptimizer's own scale
+            "model_scale": float(np.asarray(model.optimizer.dynamic_scale)),
+            "model_iterations": int(np.asarray(model.optimizer.iterations)),
+            "stage_iterations": [int(layout.to_host(o.iterations.value))
+                                 for o in trainer.stage_optimizers]}
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return out
@@ -400,14 +423,20 @@ def refusals():
     attempts = {
         "stage_axis_last": lambda: distribution(("batch", "model", "stage")),
         "chimera": lambda: distribution(schedule="chimera"),
-        "backup_and_restore": lambda: distribution()}
+        "backup_and_restore": lambda: distribution(),
+        "keras_backup_with_codec": lambda: distribution()}
     for name, make in attempts.items():
         try:
             keras.distribution.set_distribution(make())
-            model = compiled(keras.optimizers.SGD(0.1), weights)
+            optimizer = keras.optimizers.SGD(0.1)
+            callbacks = []
+            if name == "backup_and_restore":
+                callbacks = [tfpar.callbacks.BackupAndRestore(tempfile.mkdtemp())]
+            if name == "keras_backup_with_codec":
+                optimizer = tfpar.DistributedOptimizer(optimizer, compression="powersgd")
+                callbacks = [keras.callbacks.BackupAndRestore(tempfile.mkdtemp())]
+            model = compiled(optimizer, weights)
             x, y = data(1)
-            callbacks = ([keras.callbacks.BackupAndRestore(tempfile.mkdtemp())]
-                         if name == "backup_and_restore" else [])
             model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=callbacks)
             out[name] = {"raised": None}
         except tfpar.ConfigError as error:
@@ -417,7 +446,221 @@ def refusals():
     return out
 
 
-CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals}
+class StopAt(keras.callbacks.Callback):
+    """Raises at the start of batch `batch` of epoch `epoch` (a run killed there)."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt
+
+
+def resume():
+    weights = initial_weights()
+    adam = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    keras.distribution.set_distribution(None)
+    reference = compiled(adam(), weights)
+    fit(reference, epochs=2)
+    two_epochs = reference.get_weights()
+    folder = tempfile.mkdtemp()
+    keras.distribution.set_distribution(distribution())
+    out = {}
+    # model.save after one epoch, load_model, one more epoch
+    model = compiled(adam(), weights)
+    fit(model)
+    path = os.path.join(folder, "one_epoch.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded_iterations = int(loaded.optimizer.iterations.numpy())
+    fit(loaded)
+    out["save_load"] = {"weights": diff(loaded.get_weights(), two_epochs),
+                        "loaded_iterations": loaded_iterations,
+                        "iterations": int(loaded.optimizer.iterations.numpy())}
+    # Keras's BackupAndRestore: stopped at the second epoch's second batch, resumed by a
+    # fresh model (as a restarted script would build it)
+    backup = os.path.join(folder, "backup")
+    model = compiled(adam(), weights)
+    try:
+        fit(model, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup),
+                                        StopAt(1, 1)])
+        stopped = False
+    except KeyboardInterrupt:
+        stopped = True
+    model = compiled(adam(), weights)
+    losses = fit(model, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    out["backup"] = {"stopped": stopped, "epochs_run": len(losses),
+                     "weights": diff(model.get_weights(), two_epochs),
+                     "iterations": int(model.optimizer.iterations.numpy())}
+    return out
+
+
+class RunningMean(keras.layers.Layer):
+    """A user's layer keeping a running mean of its inputs in a non-trainable weight,
+    assigned in `call` while training."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=(shape[-1],), initializer="zeros",
+                                    trainable=False, name="mean")
+
+    def call(self, x, training=False):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * keras.ops.mean(x, axis=0))
+        return x - self.mean
+
+
+class Unnamed(keras.layers.Layer):
+    """A user's layer whose weights have no names (Keras auto-names them)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 16), initializer="glorot_uniform")
+        self.b = self.add_weight(shape=(16,), initializer="zeros")
+
+    def call(self, x):
+        return keras.ops.relu(x @ self.w + self.b)
+
+
+def _model_with(layer, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(64, name="up1")(inputs)
+    h = layer(h)
+    h = keras.layers.Dense(16, name="down1")(h)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def guards():
+    weights = initial_weights()
+    out = {}
+    x, y = data()
+    # one device first: the unnamed weights' and the dropout model's references
+    keras.distribution.set_distribution(None)
+    plain = _model_with(Unnamed(name="unnamed"))
+    start = plain.get_weights()
+    fit(plain)
+    unnamed_reference = plain.get_weights()
+    dropout = _model_with(keras.layers.Dropout(0.5, name="drop"))
+    dropout_weights = dropout.get_weights()
+    dropout_reference = dropout.evaluate(x, y, batch_size=BATCH, verbose=0)
+    keras.distribution.set_distribution(distribution())
+    # fp32 DistributedOptimizer: skipped steps counted where NaNGuard reads them
+    model = compiled(tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1)), weights)
+    x1, y1 = data(1)
+    for _ in range(2):
+        model.train_on_batch(x1 * np.inf, y1)
+    counted = float(model.optimizer.nonfinite_steps.numpy())
+    model = compiled(tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1)), weights)
+    bad = x.copy()
+    bad[BATCH:2 * BATCH] = np.inf  # the second batch
+    try:
+        model.fit(bad, y, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=[tfpar.callbacks.NaNGuard()])
+        raised = None
+    except tfpar.TfparError as error:
+        raised = str(error)
+    out["nonfinite"] = {"counted": counted, "raised": raised,
+                        "iterations": int(model.optimizer.iterations.numpy())}
+    # a layer assigning its own non-trainable variable in call: refused before any step
+    model = _model_with(RunningMean(name="running"))
+    start_running = model.get_weights()
+    try:
+        fit(model)
+        raised = None
+    except tfpar.ConfigError as error:
+        raised = str(error)
+    out["assigns"] = {"raised": raised, "moved": diff(model.get_weights(), start_running),
+                      "iterations": int(model.optimizer.iterations.numpy())}
+    # unnamed add_weights (auto-named anew in a stage's copy): against one device
+    model = _model_with(Unnamed(name="unnamed"))
+    model.set_weights(start)
+    try:
+        fit(model)
+        out["unnamed"] = {"raised": None,
+                          "weights": diff(model.get_weights(), unnamed_reference)}
+    except Exception as error:  # noqa: BLE001 (the test prints what went wrong)
+        out["unnamed"] = {"raised": f"{type(error).__name__}: {error}"}
+    # the CLI's MeshPipelineTrainer evaluates in inference mode (Dropout off)
+    from tfpar.layout import pipeline
+    from tfpar.pipeline.schedule import make_schedule
+    model = _model_with(keras.layers.Dropout(0.5, name="drop"))
+    model.set_weights(dropout_weights)
+    fit_evaluate = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    trainer = model._tfpar_pipeline_trainer
+    cli = pipeline.MeshPipelineTrainer(
+        trainer.meshes, trainer.model, trainer.stage_optimizers,
+        make_schedule("1f1b", 2, 4), keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), accuracy=None)
+    batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
+    cli_losses = [cli.evaluate(batches)["loss"] for _ in range(2)]
+    out["eval_dropout"] = {"reference": dropout_reference, "fit_evaluate": fit_evaluate,
+                           "cli": cli_losses}
+    return out
+
+
+def cli():
+    from tfpar import ParallelConfig
+    out = []
+    for i, settings in enumerate(json.loads(sys.argv[2])):
+        config = ParallelConfig(**settings)
+        if config.mixed_precision == "fp16":
+            keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            out.append(_cli(config, f"{sys.argv[3]}.{i}.npz"))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
+def _cli(config, path):
+    from tfpar import data as data_lib, models
+    task = data_lib.make_task(config)
+    batches = data_lib.global_batches(config, task, 0, config.steps)
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(config.seed)  # as the CLI builds its model, whole
+    initial = models.build(config.model, task.input_shape, task.num_classes,
+                           width=config.model_width, depth=config.model_depth).get_weights()
+    mesh = keras.distribution.DeviceMesh(
+        (config.pipeline_stages, config.data_parallel, config.tensor_parallel),
+        ["stage", "batch", "model"], keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["dense_0/kernel"] = (None, "model")  # the zoo mlp's Megatron pair
+    layout_map["dense_0/bias"] = ("model",)
+    layout_map["dense_1/kernel"] = ("model", None)
+    keras.distribution.set_distribution(layout.PipelineParallel(
+        layout_map=layout_map, microbatches=config.microbatches, schedule=config.schedule))
+    model = models.build(config.model, task.input_shape, task.num_classes,
+                         width=config.model_width, depth=config.model_depth)
+    model.set_weights(initial)
+    optimizer = (keras.optimizers.Adam if config.optimizer == "adam"
+                 else keras.optimizers.SGD)(config.scaled_learning_rate)
+    if config.compression != "none":
+        front = ({"adam_warmup_steps": config.adam_warmup_steps}
+                 if config.optimizer == "adam" else {})
+        optimizer = tfpar.DistributedOptimizer(optimizer, compression=config.compression,
+                                               rank=config.powersgd_rank, **front)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = (np.concatenate([b[i] for b in batches]) for i in (0, 1))
+    weights = [b[2] for b in batches if len(b) > 2]
+    history = model.fit(x, y, batch_size=config.global_batch_size, shuffle=False, verbose=0)
+    np.savez(path, *model.get_weights())
+    return {"paths": [w.path for w in model.weights],
+            "unit_sample_weights": bool(all(np.all(w == 1) for w in weights)),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "loss": history.history["loss"], "optimizer": type(model.optimizer).__name__,
+            "bytes": [r.comm_stats() for r in model._tfpar_pipeline_trainer.reductions or ()]}
+
+
+CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals,
+         "resume": resume, "guards": guards, "cli": cli}
 
 
 if __name__ == "__main__":

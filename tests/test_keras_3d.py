@@ -1,10 +1,15 @@
 """dp × tp × pp (2 × 2 × 2, 8 logical CPUs) from a user's own `model.fit`: a Keras
 `DeviceMesh` `("stage", "batch", "model")` under `tfpar.layout.enable()`
 (`tfpar.layout.keras_pipeline`), against the same model fitted on one device, and with a
-`tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`. One child, three
-cases (tests/keras_3d_child.py).
+`tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`; Adam's state
+through `model.save`/`load_model` and Keras's `BackupAndRestore`; what the cut must not
+drop or break (skipped steps counted, a layer assigning its own state, unnamed weights,
+inference-mode evaluation); the CLI's 3D trainer against the same settings through a
+user's `fit`. Two children side by side (tests/keras_3d_child.py), then the CLI's runs
+(tests/train_configs_child.py) beside that child's `cli` case.
 """
 
+import json
 import os
 import sys
 
@@ -12,16 +17,34 @@ import numpy as np
 import pytest
 
 import cases as cases_lib
-from subproc import ROOT, last_json_line, run
+from subproc import ROOT, last_json_line, run, run_concurrently
+from test_layout_compose import train_configs
+from test_train import weights
 
 CHILD = os.path.join(ROOT, "tests", "keras_3d_child.py")
 TOLERANCE = {"sgd": 1e-6, "adam": 1e-5}
+# `python -m tfpar.train --model=mlp --data_parallel=2 --tensor_parallel=2
+# --pipeline_stages=2 --microbatches=2 ...` (as `train(config)`): Adam; the issue's check
+# `--compression=powersgd --mixed_precision=fp16` (SGD); Adam in front of PowerSGD (2
+# exact steps, 3 compressed)
+CLI_BASE = {"model": "mlp", "steps": 4, "steps_per_epoch": 4, "global_batch_size": 32,
+            "cpu_devices": 8, "data_parallel": 2, "tensor_parallel": 2,
+            "pipeline_stages": 2, "microbatches": 2, "schedule": "1f1b", "verbose": 0}
+CLI_3D = [{**CLI_BASE, "optimizer": "adam", "learning_rate": 1e-3},
+          {**CLI_BASE, "optimizer": "sgd", "learning_rate": 0.05,
+           "compression": "powersgd", "mixed_precision": "fp16"},
+          {**CLI_BASE, "optimizer": "adam", "learning_rate": 1e-3, "steps": 5,
+           "steps_per_epoch": 5, "compression": "powersgd", "adam_warmup_steps": 2}]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return last_json_line(run([sys.executable, CHILD, "exact,powersgd,state,refusals"],
-                              timeout=900).stdout)
+    return cases_lib.gather([["exact", "powersgd", "state", "refusals"],
+                             ["resume", "guards"]], _child)
+
+
+def _child(names):
+    return last_json_line(run([sys.executable, CHILD, ",".join(names)], timeout=900).stdout)
 
 
 def _case(results, name):
@@ -87,6 +110,10 @@ def test_an_fp16_overflow_skips_the_step_on_every_stage(results):
     for before, after in run_["scales"]:
         assert after == before / 2, run_["scales"]
     assert run_["finite"]
+    # the model's own LossScaleOptimizer holds the stages' scale and step count (its file)
+    assert run_["model_scale"] == run_["scales"][0][1], run_
+    assert [run_["model_iterations"]] * 2 == run_["stage_iterations"], run_
+    assert run_["model_iterations"] > 0, run_
 
 
 def test_a_layer_with_state_the_step_would_change_is_refused_in_one_line(results):
@@ -143,8 +170,89 @@ def test_a_generator_and_a_constant_weight_train(results):
 
 @pytest.mark.parametrize("name,setting", [("stage_axis_last", "DeviceMesh.axis_names"),
                                           ("chimera", "schedule"),
-                                          ("backup_and_restore", "callbacks")])
+                                          ("backup_and_restore", "callbacks"),
+                                          ("keras_backup_with_codec", "callbacks")])
 def test_a_bad_combination_gets_one_line(results, name, setting):
     raised = _case(results, "refusals")[name]["raised"]
     assert raised is not None, name
     assert raised.startswith(setting + "=") and "\n" not in raised, raised
+
+
+def test_model_save_then_load_model_continues_adam(results):
+    # the file holds the stage optimizers' state (step count, Adam's m and v): one epoch,
+    # save, load, one more equals two epochs on one device (Adam's 3D tolerance)
+    run_ = _case(results, "resume")["save_load"]
+    assert run_["loaded_iterations"] == 3 and run_["iterations"] == 6, run_
+    assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+def test_keras_backup_and_restore_resumes_the_run(results):
+    run_ = _case(results, "resume")["backup"]
+    assert run_["stopped"] and run_["epochs_run"] == 1, run_  # resumed at the second epoch
+    assert run_["iterations"] == 6, run_
+    assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+def test_skipped_fp32_steps_are_counted_and_nan_guard_stops_on_them(results):
+    run_ = _case(results, "guards")["nonfinite"]
+    assert run_["counted"] == 2.0, run_
+    raised = run_["raised"]
+    # the skipped gradients, not the loss, stop it: at the step that had them
+    assert raised is not None and raised.startswith(
+        "gradients became non-finite at step 1"), raised
+    assert "\n" not in raised, raised
+
+
+def test_a_layer_assigning_its_own_state_is_refused_before_any_step(results):
+    run_ = _case(results, "guards")["assigns"]
+    raised = run_["raised"]
+    assert raised is not None and raised.startswith("layer='running (RunningMean)'"), raised
+    assert "\n" not in raised, raised
+    assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+
+
+def test_unnamed_weights_train_as_on_one_device(results):
+    run_ = _case(results, "guards")["unnamed"]
+    assert run_["raised"] is None, run_
+    assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+def test_the_cli_pipeline_evaluates_in_inference_mode(results):
+    run_ = _case(results, "guards")["eval_dropout"]
+    reference = run_["reference"]
+    # Dropout(0.5) off: the one-device evaluate's loss, every time
+    assert abs(run_["fit_evaluate"] - reference) <= 1e-5, run_
+    assert all(abs(loss - reference) <= 1e-5 for loss in run_["cli"]), run_
+
+
+@pytest.fixture(scope="module")
+def cli_and_fit(tmp_path_factory):
+    """The CLI's 3D run (`tests/train_configs_child.py`: `tfpar.train.train`) and the
+    same settings as a user's `fit` (the child's `cli` case), side by side."""
+    folder = tmp_path_factory.mktemp("keras_3d_cli")
+    out = str(folder / "fit")
+    cli, fit = run_concurrently([
+        lambda: train_configs(str(folder / "cli"), CLI_3D),
+        lambda: last_json_line(run([sys.executable, CHILD, "cli", json.dumps(CLI_3D), out],
+                                   timeout=600).stdout)])
+    return [(weights(str(folder / f"cli.{i}")), weights(f"{out}.{i}"), cli[None][i],
+             _case(fit, "cli")[i]) for i in range(len(CLI_3D))]
+
+
+@pytest.mark.parametrize("i", range(len(CLI_3D)),
+                         ids=["adam", "powersgd_fp16", "adam_in_front_of_powersgd"])
+def test_the_cli_3d_run_and_a_users_fit_reach_the_same_weights(cli_and_fit, i):
+    cli_weights, fit_weights, cli, fit = cli_and_fit[i]
+    assert fit["unit_sample_weights"], fit  # the run's batches: no padding weights
+    assert cli["steps"] == fit["iterations"] == CLI_3D[i]["steps"], (cli, fit)
+    assert [w.shape for w in cli_weights] == [w.shape for w in fit_weights], fit["paths"]
+    # the same trainer (MeshPipelineTrainer) on the same stages, layouts and batches:
+    # 0.0 measured for each (2026-12-06)
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(cli_weights, fit_weights))
+    assert gap <= 1e-6, gap
+    if "compression" in CLI_3D[i]:  # the codec ran on both: the same bytes on the wire
+        if CLI_3D[i].get("mixed_precision") == "fp16":
+            assert fit["optimizer"] == "LossScaleOptimizer", fit
+        sent = sum(stage["bytes_on_wire_per_step"] for stage in fit["bytes"])
+        assert sent == cli["comm"]["bytes_on_wire_per_step"], (fit["bytes"], cli["comm"])
+        assert sent < cli["comm"]["bytes_uncompressed_per_step"] / 2, cli["comm"]

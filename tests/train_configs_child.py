@@ -83,8 +83,8 @@ def mesh_pipeline_probe(nonfinite_stage):
         self.initial = [to_host(v.value) for v in self.model.weights]
         built.append(self)
 
-    def poisoned_forward(self, v, *args):
-        out = forward(self, v, *args)
+    def poisoned_forward(self, v, *args, **kwargs):
+        out = forward(self, v, *args, **kwargs)
         return infinite_gradient(out) if v == nonfinite_stage else out
 
     cls.__init__ = probed_init

@@ -27,14 +27,21 @@ CLI's `--pipeline_stages` with `--tensor_parallel` does). Training runs the CLI'
 pipeline (`tfpar.layout.pipeline.MeshPipelineTrainer`): the schedule, one stateless
 optimizer per stage made from the compiled one, with `mixed_float16` one loss-scale
 decision for every stage, and a `tfpar.DistributedOptimizer`'s codec as each stage's
-`BatchAxisReduction` over its `batch` axis. The stage weights are written back into the
-user's model at the end of every epoch and of `fit` (also one stopped by an exception),
-and after every batch when a user callback has a batch-end hook, with the stages' step
-count as `model.optimizer.iterations`, so `get_weights`, `save_weights` and a stock Keras
-`load_weights` on one device see the trained values; a `load_weights` (or `set_weights`)
-before the next `fit`/`evaluate`/`predict` is copied onto the stages by that call. The
-compiled optimizer's learning rate, when a variable (`LearningRateScheduler`,
-`ReduceLROnPlateau` set it), is copied to every stage optimizer before each step.
+reduction over its `batch` axis (with Adam and top-k, PowerSGD or lowbit, Adam in front
+of the codec, as on one mesh and in the CLI's 3D: `tfpar.layout.adam_front`). The compiled optimizer is built on the
+model's (whole, host) weights and holds the stage optimizers' state: the stage weights
+and that state (step count, slots such as Adam's m and v, the loss scale) are written
+back into the user's model and its optimizer at the end of every epoch and of `fit`
+(also one stopped by an exception), and after every batch when a user callback has a
+batch-end hook, so `get_weights`, `save_weights`, `model.save` and a stock Keras
+`load_weights` on one device see the trained values, and `keras.saving.load_model`
+(under the same distribution) then `fit` goes on with the run, as does Keras's
+`BackupAndRestore`. A `load_weights` (or `set_weights`) before the next
+`fit`/`evaluate`/`predict`, or a callback's load in `on_train_begin`, is copied onto the
+stages. Stage weights pair with the model's by object (an unnamed `add_weight` has
+another auto-name in a stage's copy). The compiled optimizer's learning rate, when a
+variable (`LearningRateScheduler`, `ReduceLROnPlateau` set it), is copied to every stage
+optimizer before each step.
 
 A plain `ModelParallel` on such a mesh runs the 1F1B schedule with one micro-batch per
 stage; `PipelineParallel` takes `microbatches`, `schedule` ("gpipe", "1f1b", "zb_h1",
@@ -43,19 +50,22 @@ stage; `PipelineParallel` takes `microbatches`, `schedule` ("gpipe", "1f1b", "zb
 Refused with one line: a mesh whose axes are not `("stage", "batch"[, "model"])`; layer
 output layouts (`<layer>/output` keys); a model that is not functional with one input and
 one output, or does not cut into the stages; a loss other than one mean-reducing loss; a
-metric other than accuracy; `loss_weights`, `weighted_metrics`; Keras's
-`BackupAndRestore` (its checkpoint would hold the user's unbuilt optimizer, not the stage
-optimizers' state); a layer whose non-trainable state a training step changes
-(BatchNormalization's statistics, Dropout's seed: `compat.KERAS_PIPELINE_STATEFUL_LAYER`,
-at the first step); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+metric other than accuracy; `loss_weights`, `weighted_metrics`;
+`tfpar.callbacks.BackupAndRestore` (tfpar.train's checkpoint), and Keras's with a
+`tfpar.DistributedOptimizer` codec that keeps state (the file does not hold its residuals
+or Qs: `compat.KERAS_PIPELINE_BACKUP_CODEC`); a layer
+whose non-trainable state a training step changes (BatchNormalization's statistics,
+Dropout's seed, a variable a custom layer's `call` assigns, found in the traced
+forward's `StatelessScope`: `compat.KERAS_PIPELINE_STATEFUL_LAYER`, before the first
+step runs); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
 interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch (the
 last one too, checked before the first step) must split into `microbatches` equal
 micro-batches divisible by the `batch` axis (one line naming `microbatches` otherwise). A
 `tfpar.DistributedOptimizer`'s step with non-finite gradients is skipped on every stage
-(in fp32 through a loss scale of 1, `_fresh`, set back to 1 after a skip), but not counted
-in its `nonfinite_steps`, so `tfpar.callbacks.NaNGuard` does not see it. Not held: the
-stage optimizers' state in `model.save` (the file holds the weights and the compiled,
-unbuilt optimizer); a mesh across worker processes (refused).
+(in fp32 through a loss scale of 1, `_fresh`, set back to 1 after a skip, and counted in
+its `nonfinite_steps`, which `tfpar.callbacks.NaNGuard` reads; an fp16 overflow halves
+the loss scale, uncounted, as in the other fits). Not held: a codec's state in Keras's
+files (as on one mesh); a mesh across worker processes (refused).
 """
 
 import json
@@ -198,6 +208,10 @@ def _build(model, distribution):
     loss, accuracy = _loss(model), _accuracy(model)
     meshes = stage_meshes(distribution)
     codec, error_feedback, options = _codec(model.optimizer)
+    if not model.optimizer.built:
+        # On the whole model's (host) weights, as Keras's first step or `load_model` builds
+        # it: it holds the stage optimizers' state between fits and in Keras's files.
+        model.optimizer.build(model.trainable_variables)
     if dp == 1:
         codec = None  # one replica on `batch`: nothing to reduce, the exact step runs
     stages, optimizers, reductions = [], [], []
@@ -213,14 +227,19 @@ def _build(model, distribution):
         stages.append(stage)
         optimizers.append(optimizer)
         if codec is not None:
+            # with the stage's optimizer: Adam in front of the codec where `codec_of` asks
+            # for it (a `DistributedOptimizer` over Adam), as the CLI's 3D and one mesh
             reductions.append(reduction.for_variables(
-                mesh, stage.trainable_variables, codec, error_feedback, dict(options)))
+                mesh, stage.trainable_variables, codec, error_feedback, dict(options),
+                optimizer))
     staged = pipeline_lib.StagedModel(stages, K, name=f"{model.name}_mesh_pipeline")
     staged.stage_optimizers = optimizers
     object.__setattr__(staged, "tfpar_reductions", tuple(reductions))
-    return KerasPipelineTrainer(
+    trainer = KerasPipelineTrainer(
         meshes, staged, optimizers, make_schedule(schedule_name, K, M, V), loss,
         accuracy=accuracy, reductions=reductions or None, user_model=model)
+    trainer.codec = codec  # the stages' codec (None: DTensor's exact sum over `batch`)
+    return trainer
 
 
 def _check_model(model):
@@ -327,23 +346,23 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
     """The mesh pipeline's trainer for a user's model (`MeshPipelineTrainer`'s arguments,
     and `user_model`: the whole model whose weights the stages copy and write back)."""
 
-    _training = True  # what `stage_forward` passes the stage models (False in evaluate)
-
     def __init__(self, meshes, model, optimizers, schedule, loss, accuracy, reductions,
                  user_model):
         super().__init__(meshes, model, optimizers, schedule, loss, accuracy=accuracy,
                          reductions=reductions)
         self.user_model = user_model
-        whole = {v.path: v for v in user_model.weights}
+        # Each stage weight with the model's weight it was copied from (by object, not by
+        # path: an unnamed `add_weight` is auto-named anew in the stage's copy).
+        whole = {id(v): v for v in user_model.weights}
         self.pairs = []
         for stage in model.stages:
-            for variable in stage.weights:
-                if variable.path not in whole:
-                    raise TfparError(f"stage weight {variable.path!r} is not a weight path "
-                                     "of the model (two layers of one name?)")
-                self.pairs.append((variable, whole.pop(variable.path)))
+            for variable, source in stage.tfpar_sources:
+                self.pairs.append((variable, whole.pop(id(source))))
         if whole:
-            raise TfparError(f"weights of the model in no stage: {', '.join(whole)}")
+            raise TfparError("weights of the model in no stage: "
+                             + ", ".join(v.path for v in whole.values()))
+        self.state_pairs = _state_pairs(self.pairs, model.stages, optimizers,
+                                        user_model.optimizer)
         self._forward = self._compiled(self._predict_step)
         self.stateful_layer = _stateful_layer(model.stages)
         user = getattr(user_model.optimizer, "inner_optimizer", user_model.optimizer)
@@ -358,6 +377,10 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         compiled = user_model.optimizer
         self.scale_one = (getattr(compiled, "tfpar_skip_nonfinite", False)
                           and getattr(compiled, "inner_optimizer", None) is None)
+        # where such a skipped step is counted, as the other fits count it
+        # (`keras_step`, `tfpar.nan_guard`): `NaNGuard` reads it
+        self.counter = getattr(compiled, "nonfinite_steps", None) if self.scale_one else None
+        self.refused = None  # `stage_forward`'s refusal, raised inside the traced step
 
     def _step(self, batch):
         if self.stateful_layer:
@@ -369,32 +392,37 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
                 for variable in self.rates:
                     values.assign(variable, rate)
                 self.rate = rate
-        out = super()._step(batch)
+        try:
+            out = super()._step(batch)
+        except Exception:
+            if self.refused is not None:  # raised while the step was traced, before it ran:
+                raise self.refused from None  # the rulebook's line, not AutoGraph's wrapping
+            raise
         if self.scale_one:  # a skipped step halved it: back to 1, so it never reaches 0
             scales = [o.dynamic_scale for o in self.stage_optimizers]
             if float(values.to_host(scales[0].value)) != 1.0:
                 for scale in scales:
                     values.assign(scale, 1.0)
+                if self.counter is not None:
+                    self.counter.assign_add(1.0)
         return out
 
     def from_model(self):
-        """The user's model's current weights onto the stages, and its optimizer's
-        `iterations` into every stage optimizer's (a rebuilt trainer goes on counting)."""
-        for stage_variable, variable in self.pairs:
+        """The user's model's current weights onto the stages, and its optimizer's state
+        (`iterations`, slots, loss scale) into the stage optimizers' (a rebuilt trainer,
+        a loaded model, goes on from there)."""
+        for stage_variable, variable in self.pairs + self.state_pairs:
             values.assign(stage_variable, np.asarray(variable))
-        count = int(self.user_model.optimizer.iterations)
-        for optimizer in self.stage_optimizers:
-            steps = getattr(optimizer, "inner_optimizer", optimizer).iterations
-            values.assign(steps, count)
 
     def to_model(self):
         """The stages' weights into the user's model (whole, host values), and the stage
-        optimizers' step count into its optimizer's `iterations`."""
-        for stage_variable, variable in self.pairs:
-            variable.assign(values.to_host(stage_variable.value))
-        first = self.stage_optimizers[0]
-        steps = getattr(first, "inner_optimizer", first).iterations
-        self.user_model.optimizer.iterations.assign(int(values.to_host(steps.value)))
+        optimizers' state into its optimizer (`model.save`, `save_weights` and Keras's
+        `BackupAndRestore` hold it). Not the codecs' state (as on one mesh)."""
+        written = set()
+        for stage_variable, variable in self.pairs + self.state_pairs:
+            if id(variable) not in written:  # `iterations`, the scale: equal on every stage
+                written.add(id(variable))
+                variable.assign(values.to_host(stage_variable.value))
 
     def check_batches(self, sizes):
         """Refuses, before any step, a batch size of `fit`'s data (the last batch's too)
@@ -407,20 +435,23 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
                                   f"micro-batches divisible by data_parallel={parts}; pick "
                                   "a batch_size (and data length) that do")
 
-    def stage_forward(self, v, tv, ntv, h):
-        mapping = (list(zip(self.model.stages[v].trainable_variables, tv))
-                   + list(zip(self.model.stages[v].non_trainable_variables, ntv)))
-        with keras.StatelessScope(state_mapping=mapping):
-            return self.model.stages[v](h, training=self._training)
-
-    def evaluate(self, batches, steps=None, callbacks=None):
-        # The stages in inference mode (dropout off), as Keras's `evaluate` runs a model:
-        # its step is traced, on first use, inside this call.
-        self._training = False
-        try:
-            return super().evaluate(batches, steps=steps, callbacks=callbacks)
-        finally:
-            self._training = True
+    def stage_forward(self, v, tv, ntv, h, training=True):
+        """Stage model v on `h` (`MeshPipelineTrainer`'s); in training, refuses (while the
+        step is traced, before it runs) a layer whose `call` assigns a non-trainable
+        variable: the stateless step would drop that write every step."""
+        stage = self.model.stages[v]
+        mapping = (list(zip(stage.trainable_variables, tv))
+                   + list(zip(stage.non_trainable_variables, ntv)))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            before = [scope.get_current_value(w) for w in stage.non_trainable_variables]
+            out = stage(h, training=training)
+            if training:
+                try:
+                    _refuse_assigned(stage, scope, before)
+                except ConfigError as error:
+                    self.refused = error
+                    raise
+        return out
 
     def train_on_batch(self, x, y, sample_weight=None):
         logs = super().train_on_batch(x, y, sample_weight)
@@ -449,19 +480,83 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         return out[:len(out) - pad]
 
 
+def _layers(model):
+    """The layers of `model`, those of nested models in their place (not the nested
+    models themselves)."""
+    for layer in model.layers:
+        if hasattr(layer, "layers"):
+            yield from _layers(layer)
+        else:
+            yield layer
+
+
+def _refuse_assigned(stage, scope, before):
+    """`compat.KERAS_PIPELINE_STATEFUL_LAYER` for the first layer of `stage` whose
+    non-trainable variable `scope` (the forward's `StatelessScope`) holds a new value for
+    (`before`: the values it was entered with)."""
+    assigned = {id(w) for w, old in zip(stage.non_trainable_variables, before)
+                if scope.get_current_value(w) is not old}
+    if not assigned:
+        return
+    name = next((f"{layer.name} ({type(layer).__name__})" for layer in _layers(stage)
+                 if any(id(w) in assigned for w in layer.non_trainable_weights)),
+                next(w.path for w in stage.non_trainable_variables if id(w) in assigned))
+    compat.enforce(compat.KERAS_PIPELINE_STATEFUL_LAYER, compat.view(
+        backend="dtensor", stateful_layer=name))
+
+
+def _state_pairs(pairs, stages, optimizers, compiled):
+    """`(stage optimizer variable, the compiled optimizer's variable that holds it)` for
+    every variable of the stage optimizers with a counterpart in the compiled (built)
+    optimizer: its step count and learning rate, each slot (Keras names a slot after its
+    weight's path, which `pairs` translates from a stage's copy to the model's), and, when
+    both are `LossScaleOptimizer`s, the loss scale and its counter. (An fp32
+    `tfpar.DistributedOptimizer`'s stages hold a scale of 1 that the compiled one has
+    not: `_fresh`.)
+
+    Raises:
+        TfparError: a stage optimizer's variable the compiled one has no counterpart of.
+    """
+    def levels(optimizer):
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if inner is None:
+            return [], optimizer
+        ids = {id(v) for v in inner.variables}
+        return [v for v in optimizer.variables if id(v) not in ids], inner
+
+    whole_of = {id(s): w for s, w in pairs}
+    compiled_own, compiled_inner = levels(compiled)
+    by_name = {v.name: v for v in compiled_inner.variables}
+    own_by_name = {v.name: v for v in compiled_own}
+    out = []
+    for stage, optimizer in zip(stages, optimizers):
+        own, inner = levels(optimizer)
+        prefixes = sorted(((w.path.replace("/", "_"),
+                            whole_of[id(w)].path.replace("/", "_"))
+                           for w in stage.trainable_variables), key=lambda p: -len(p[0]))
+        for variable in inner.variables:
+            name = variable.name
+            for mine, theirs in prefixes:
+                if name.startswith(mine + "_"):
+                    name = theirs + name[len(mine):]
+                    break
+            target = by_name.get(name)
+            if target is None or tuple(target.shape) != tuple(variable.shape):
+                raise TfparError(
+                    f"the pipeline stage optimizer's variable {variable.name!r} has no "
+                    f"counterpart in the compiled {type(compiled_inner).__name__}; a "
+                    "pipeline mesh runs Keras's own optimizers (SGD, Adam, ...)")
+            out.append((variable, target))
+        out += [(v, own_by_name[v.name]) for v in own if v.name in own_by_name]
+    return out
+
+
 def _stateful_layer(stages):
     """`"name (Class)"` of the first layer of `stages` whose non-trainable state a
     training step changes (moving statistics of a layer not frozen, a seed generator's
     state), or None."""
-    def layers(model):
-        for layer in model.layers:
-            yield layer
-            if hasattr(layer, "layers"):
-                yield from layers(layer)
     for stage in stages:
-        for layer in layers(stage):
-            if hasattr(layer, "layers"):  # a nested model: its own layers are checked
-                continue
+        for layer in _layers(stage):
             own = layer.non_trainable_variables
             seeded = any(v.path.endswith("seed_generator_state") for v in own)
             moving = isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
@@ -488,20 +583,29 @@ class UserCallbacks(keras.callbacks.Callback):
 
     def __init__(self, trainer, callbacks, verbose=0, epochs=1, steps=None):
         super().__init__()
+        from tfpar.callbacks import BackupAndRestore
         for callback in callbacks:
-            if isinstance(callback, keras.callbacks.BackupAndRestore) or (
-                    type(callback).__name__ == "BackupAndRestore"):
-                raise ConfigError("callbacks", type(callback).__name__,
-                                  "its checkpoint holds the model's compiled optimizer, not "
-                                  "the pipeline stages' optimizer state; save the weights "
-                                  "with ModelCheckpoint(save_weights_only=True)")
+            if isinstance(callback, BackupAndRestore):
+                raise ConfigError("callbacks", "tfpar.callbacks.BackupAndRestore",
+                                  "its checkpoint is tfpar.train's, not a pipeline mesh's; "
+                                  "use keras.callbacks.BackupAndRestore (the model's "
+                                  "optimizer holds the stages' state)")
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                stateful = any(r.variables for r in trainer.reductions or ())
+                compat.enforce(compat.KERAS_PIPELINE_BACKUP_CODEC, compat.view(
+                    backend="dtensor", compression=trainer.codec if stateful else "none",
+                    keras_backup_and_restore=True, keras_distribution=True))
         self.trainer = trainer
         self.verbose = verbose
         self.inner = keras.callbacks.CallbackList(
             callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
             model=trainer.user_model)
-        self.every_batch = any(_overrides(c, "on_train_batch_end", "on_batch_end")
-                               for c in callbacks)
+        # (Keras's BackupAndRestore saving once an epoch reads nothing at a batch's end:
+        # no per-batch copy of the weights and optimizer state for it.)
+        self.every_batch = any(
+            _overrides(c, "on_train_batch_end", "on_batch_end") and not (
+                isinstance(c, keras.callbacks.BackupAndRestore) and c.save_freq == "epoch")
+            for c in callbacks)
 
     def set_params(self, params):
         self.inner.set_params({**params, "verbose": self.verbose})
@@ -514,8 +618,14 @@ class UserCallbacks(keras.callbacks.Callback):
             self.staged.stop_training = True
 
     def on_train_begin(self, logs=None):
-        self.trainer.user_model.stop_training = False
+        model = self.trainer.user_model
+        model.stop_training = False
+        patches.set_initial_epoch(model, None)  # one left from an earlier fit is not this one's
         self.inner.on_train_begin(logs)
+        # Keras's BackupAndRestore loads its file into the model here, and the epoch to
+        # resume from: onto the stages, and into the trainer's loop.
+        self.trainer.from_model()
+        patches.set_initial_epoch(self.staged, patches.initial_epoch(model))
 
     def on_epoch_begin(self, epoch, logs=None):
         self.inner.on_epoch_begin(epoch, logs)

@@ -209,10 +209,16 @@ def _rebuild(nodes, src, out, index):
         args, kwargs = n.arguments.fill_in(tensors)
         for t, v in zip(n.outputs, keras.tree.flatten(op(*args, **kwargs))):
             tensors[id(t)] = v
+    sources = []
     for copy, original in copies.values():
         for variable, weight in zip(copy.weights, original.weights):
             values.assign(variable, np.asarray(weight))
-    return keras.Model(inp, tensors[id(out)], name=f"stage_{index}")
+            sources.append((variable, weight))
+    stage = keras.Model(inp, tensors[id(out)], name=f"stage_{index}")
+    # Each copy's weight with the original it came from, by object: an unnamed
+    # `add_weight` gets a new auto-name (`variable_7`) in the copy, so paths can differ.
+    object.__setattr__(stage, "tfpar_sources", sources)
+    return stage
 
 
 def _move(h, source, mesh):
@@ -317,12 +323,12 @@ class MeshPipelineTrainer(MeshTrainer):
     def mesh_of(self, v):
         return self.meshes[v % self.K]
 
-    def stage_forward(self, v, tv, ntv, h):
+    def stage_forward(self, v, tv, ntv, h, training=True):
         stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
         with keras.StatelessScope(state_mapping=mapping):
-            return stage(h, training=True)
+            return stage(h, training=training)
 
     def replica_forward(self, v, tv, ntv, h):
         """Stage model v on `h` `[data_parallel, m, ...]`, one replica at a time (the
@@ -409,8 +415,10 @@ class MeshPipelineTrainer(MeshTrainer):
         for m in range(self.M):
             h = xs[m]
             for v in range(len(stages)):
+                # inference mode, as Keras's `evaluate` runs a model (dropout off)
                 h = self.stage_forward(v, tv[v], ntv[v], h if v == 0 else
-                                        _move(h, self.mesh_of(v - 1), self.mesh_of(v)))
+                                        _move(h, self.mesh_of(v - 1), self.mesh_of(v)),
+                                        training=False)
             losses.append(self.micro_loss(h, ys, m, 1))
             metrics.append(_correct(h, ys, m))
         return {"loss": tf.add_n(losses), "correct": tf.add_n([c for c, _ in metrics]),
