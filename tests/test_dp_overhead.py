@@ -54,7 +54,7 @@ def test_a_nan_on_another_replica_still_stops_the_run(traced):
 def test_one_pipeline_feeds_whole_steps_cut_by_tf_distribute(traced):
     # Stock Keras's input under MirroredStrategy: one batch a step, cut into the replicas'
     # shares by tf.distribute (`experimental_distribute_dataset`); fed replica by replica
-    # (`distribute_datasets_from_function`) the step took ~5 % more CPU time
+    # (`distribute_datasets_from_function`) the MLP's step took ~6 % more CPU time
     # (docs/benchmarks/data_parallel.md). The replicas' batches are the same.
     for accum, examples in (("accum1", 16), ("accum2", 32)):
         got = traced["input"][accum]

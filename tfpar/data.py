@@ -294,8 +294,8 @@ def distributed_dataset(strategy, config, task, start_step=0):
     generated task whose step splits evenly, the pipeline is stock Keras's: whole steps'
     batches (`global_batch_pipeline`), which tf.distribute cuts into the replicas' equal,
     consecutive shares, the batches `pipeline_dataset` makes replica by replica. Fed
-    per replica instead, the whole step took ~5 % more CPU time than stock Keras's on 4
-    replicas (docs/benchmarks/data_parallel.md). Elsewhere (workers, a `--dataset`
+    replica by replica instead, the MLP's whole step took ~6 % more CPU time (4
+    replicas; docs/benchmarks/data_parallel.md). Elsewhere (workers, a `--dataset`
     function, padded shares) each input pipeline makes its replicas' batches.
     """
     split = config.replica_split(strategy.num_replicas_in_sync)
