@@ -3,7 +3,8 @@ Keras's `fit` runs each step, with every function it calls) of stock Keras `fit`
 tfpar's (`tfpar.train.train`, `--compression=none`, `--on_nan` stop and skip_step) on one
 `MirroredStrategy` of 2 logical CPUs, the same model and batch; and the line a stop-mode
 run ends with when only replica 1's batch of step 1 holds a NaN (only replica 0 checks the
-summed gradients: the NaN must reach it through the sum). Prints one JSON line.
+summed gradients: the NaN must reach it through the sum); the training input's class and
+its batches against the pipeline made replica by replica. Prints one JSON line.
 
     python tests/dp_overhead_child.py
 """
@@ -11,6 +12,7 @@ summed gradients: the NaN must reach it through the sum). Prints one JSON line.
 import collections
 import json
 
+import numpy as np
 import tensorflow as tf
 
 from tfpar import ParallelConfig, data, devices, strategy
@@ -68,13 +70,40 @@ def nan_on_replica_1(input_context, config):
     return ds.map(lambda k, xy: (tf.where(k == 1 * 2 + 1, float("nan"), xy[0]), xy[1]))
 
 
+def replica_batches(dataset, steps):
+    """`steps` steps of a distributed dataset: per step, each replica's (x, y) as arrays."""
+    iterator = iter(dataset)
+    return [[tuple(np.asarray(t) for t in replica) for replica in zip(
+        *(v.values for v in next(iterator)))] for _ in range(steps)]
+
+
+def input_pipelines(strategy):
+    """The training input under `MirroredStrategy`: what `data.distributed_dataset` builds
+    (its class), and whether its replicas' batches from step 3 on equal those of the
+    pipeline made replica by replica (`data.pipeline_dataset`), with accumulation too."""
+    out = {}
+    for accum in (1, 2):
+        config = ParallelConfig(**SETTINGS, grad_accum_steps=accum)
+        task = data.make_task(config)
+        ours = data.distributed_dataset(strategy, config, task, start_step=3)
+        by_replica = strategy.distribute_datasets_from_function(
+            lambda context: data.pipeline_dataset(config, task, context, 3))
+        a, b = replica_batches(ours, 3), replica_batches(by_replica, 3)
+        out[f"accum{accum}"] = {
+            "class": type(ours).__name__, "examples_per_replica": int(a[0][0][0].shape[0]),
+            "equal": all(np.array_equal(u, v) for step_a, step_b in zip(a, b)
+                         for ra, rb in zip(step_a, step_b) for u, v in zip(ra, rb))}
+    return out
+
+
 def main():
     config = ParallelConfig(**SETTINGS)
     devices.split_cpu(config.cpu_devices)
     runtime = strategy.make_runtime(config)
     stock = tf.distribute.MirroredStrategy(
         [d.name for d in tf.config.list_logical_devices("CPU")][:config.cpu_devices])
-    out = {"stock": op_types(stock_model(config, stock, data.make_task(config)))}
+    out = {"stock": op_types(stock_model(config, stock, data.make_task(config))),
+           "input": input_pipelines(runtime.strategy)}
     for on_nan in ("stop", "skip_step"):
         model = train(ParallelConfig(**SETTINGS, on_nan=on_nan), runtime=runtime)[1]
         out[on_nan] = op_types(model)

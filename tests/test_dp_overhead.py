@@ -49,3 +49,15 @@ def test_a_nan_on_another_replica_still_stops_the_run(traced):
     # Replica 1's batch of step 1 holds the NaN; replica 0 sees it through the all-reduce.
     assert traced["nan_on_replica_1"].startswith(
         "gradients became non-finite at step 1 (on_nan=stop)"), traced["nan_on_replica_1"]
+
+
+def test_one_pipeline_feeds_whole_steps_cut_by_tf_distribute(traced):
+    # Stock Keras's input under MirroredStrategy: one batch a step, cut into the replicas'
+    # shares by tf.distribute (`experimental_distribute_dataset`); fed replica by replica
+    # (`distribute_datasets_from_function`) the MLP's step took ~6 % more CPU time
+    # (docs/benchmarks/data_parallel.md). The replicas' batches are the same.
+    for accum, examples in (("accum1", 16), ("accum2", 32)):
+        got = traced["input"][accum]
+        assert got["class"] == "DistributedDataset", got
+        assert got["examples_per_replica"] == examples, got
+        assert got["equal"], got

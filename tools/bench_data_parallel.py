@@ -16,15 +16,19 @@ processes (~15 % here from one process to the next on the same command, larger t
 effect asked about). `--processes` processes repeat the whole thing.
 
 `--without=PIECE[+PIECE],...` adds tfpar sides with pieces of tfpar taken out (`PIECES`:
-the finiteness check, the per-step loss, the per-step callbacks, the input pipeline),
+the finiteness check, the per-step loss, the per-step callbacks, the input pipeline, its
+whole-step batches),
 timed in the same rounds (the order of the sides rotating), each against stock: what each
 piece costs. Beside the wall time, every side's CPU time per step (all the process's
 threads, `time.process_time`) against stock's: waiting for a core held by another process
-is not CPU time, so on a loaded machine it moves much less than the wall time.
+is not CPU time, so on a loaded machine it moves much less than the wall time. With
+`--threads`, each kind of thread's CPU time per step too (`/proc`: the main Python thread,
+TensorFlow's inter-op `tf_Compute` pool, its collectives' threads, the unnamed rest).
 
     python tools/bench_data_parallel.py                  # mlp + transformer, 4 logical CPUs
     python tools/bench_data_parallel.py --quick          # a smoke run in about a minute
     python tools/bench_data_parallel.py --without=nan_check,data   # what two pieces cost
+    python tools/bench_data_parallel.py --without=global_input --threads  # the input's cut
 
 Overhead of a round = tfpar's median step time / stock's median step time of the same
 round − 1. Reported: the median over rounds with a 95 % bootstrap confidence interval
@@ -37,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -49,18 +54,40 @@ MODELS = {"mlp": {"model_width": 1024, "global_batch_size": 256},
           "transformer": {"global_batch_size": 64}}
 
 
-def step_clock():
-    """A minimal Keras callback: the time of every `on_train_batch_end`."""
+def thread_cpu_seconds():
+    """{thread kind: CPU seconds (user+sys) so far} over this process's threads, a kind
+    being the thread's name without its digits (TensorFlow names its pools' threads:
+    the inter-op executor's, the intra-op (Eigen) pool's, tf.data's); Linux only (/proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        kind = "python (main)" if tid == str(os.getpid()) else re.sub(r"\d+", "#", name)
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def step_clock(threads=False):
+    """A minimal Keras callback: the time of every `on_train_batch_end`; with `threads`,
+    the CPU time of each kind of thread (`thread_cpu_seconds`) at every batch end too."""
     import keras
 
     class StepClock(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.ends, self.cpu_ends = [], []
+            self.ends, self.cpu_ends, self.thread_ends = [], [], []
 
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
             self.cpu_ends.append(time.process_time())
+            if threads:
+                self.thread_ends.append(thread_cpu_seconds())
 
     return StepClock()
 
@@ -77,6 +104,18 @@ def cpu_step_ms(clock, warmup):
     first = max(warmup - 1, 0)
     steps = len(clock.cpu_ends) - 1 - first
     return 1000 * (clock.cpu_ends[-1] - clock.cpu_ends[first]) / steps
+
+
+def thread_step_ms(clock, warmup):
+    """{thread kind: CPU ms per step} over the steps after `warmup` (`step_clock(threads=
+    True)`), or {} when the clock did not record threads. Clock ticks are 10 ms: the
+    figures are means over many steps, not single steps."""
+    if not clock.thread_ends:
+        return {}
+    first = max(warmup - 1, 0)
+    steps = len(clock.thread_ends) - 1 - first
+    begin, end = clock.thread_ends[first], clock.thread_ends[-1]
+    return {kind: 1000 * (end[kind] - begin.get(kind, 0.0)) / steps for kind in end}
 
 
 def stock_dataset(config, task, source):
@@ -102,8 +141,9 @@ def stock_dataset(config, task, source):
     return ds.batch(config.global_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
-def run_stock(config, strategy, task, source, warmup):
-    """Stock Keras: dataset, model, compile and fit under the user's own strategy."""
+def run_stock(config, strategy, task, source, warmup, threads=False, callbacks=()):
+    """Stock Keras: dataset, model, compile and fit under the user's own strategy
+    (`callbacks`: more, after the bench's clock)."""
     import keras
 
     from tfpar import models
@@ -117,23 +157,25 @@ def run_stock(config, strategy, task, source, warmup):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
                       jit_compile=False)
-    clock = step_clock()
-    history = model.fit(dataset, epochs=1, steps_per_epoch=config.steps, callbacks=[clock],
+    clock = step_clock(threads)
+    history = model.fit(dataset, epochs=1, steps_per_epoch=config.steps, callbacks=[clock, *callbacks],
                         verbose=0, shuffle=False)
     return {"step_ms": median_step_ms(clock, warmup), "cpu_ms": cpu_step_ms(clock, warmup),
+            "thread_ms": thread_step_ms(clock, warmup),
             "mean_loss": float(history.history["loss"][-1])}  # Keras: the epoch's mean
 
 
-def run_tfpar(config, runtime, warmup, without=()):
-    """`tfpar.train.train` with the bench's clock; `without`: pieces of tfpar taken out for
-    the run (`ablation`)."""
+def run_tfpar(config, runtime, warmup, without=(), threads=False, callbacks=()):
+    """`tfpar.train.train` with the bench's clock (and `callbacks` after it); `without`:
+    pieces of tfpar taken out for the run (`ablation`)."""
     from tfpar.train import train
 
-    clock = step_clock()
+    clock = step_clock(threads)
     with ablation(without, config):
-        metrics = train(config, callbacks=[clock], runtime=runtime)[0]
+        metrics = train(config, callbacks=[clock, *callbacks], runtime=runtime)[0]
     losses = metrics["loss_history"]
     return {"step_ms": median_step_ms(clock, warmup), "cpu_ms": cpu_step_ms(clock, warmup),
+            "thread_ms": thread_step_ms(clock, warmup),
             "mean_loss": float(sum(losses) / len(losses)) if losses else float("nan")}
 
 
@@ -145,8 +187,10 @@ PIECES = {
     "step_loss": "the per-step loss metric in the train step (metrics.report_step_loss); "
                  "the recorder reads Keras's running mean instead",
     "callbacks": "the per-step hooks of tfpar's own callbacks (StepRecorder, NaNGuard)",
-    "data": "tfpar's per-replica input pipeline: the stock side's dataset instead, split "
-            "by Keras",
+    "data": "tfpar's input pipeline: the stock side's dataset instead, split by Keras",
+    "global_input": "the whole-step batches under MirroredStrategy (data.distributed_dataset,"
+                    " since 2026-12-06): each replica's batches made by the input pipeline "
+                    "instead (distribute_datasets_from_function), as before",
 }
 
 
@@ -184,6 +228,11 @@ def ablation(without, config):
                     mock.patch.object(metrics.StepRecorder, "on_train_batch_end",
                                       keras.callbacks.Callback.on_train_batch_end),
                     mock.patch.object(nan_guard, "NaNGuard", Quiet)]
+    if "global_input" in without:
+        def by_replica(strategy, config, task, start_step=0):
+            return strategy.distribute_datasets_from_function(
+                lambda context: data.pipeline_dataset(config, task, context, start_step))
+        patches.append(mock.patch.object(data, "distributed_dataset", by_replica))
     if "data" in without:
         def stock_data(strategy, config, task, start_step=0):
             return stock_dataset(config, task, "generated")
@@ -194,7 +243,7 @@ def ablation(without, config):
         yield
 
 
-def bench_process(settings, rounds, warmup, source, ablations=()):
+def bench_process(settings, rounds, warmup, source, ablations=(), threads=False):
     """One process: both strategies once, then `rounds` rounds of every side (stock, tfpar,
     tfpar without each of `ablations`), the order rotating from round to round."""
     import tensorflow as tf
@@ -208,17 +257,39 @@ def bench_process(settings, rounds, warmup, source, ablations=()):
     stock = tf.distribute.MirroredStrategy(
         [d.name for d in tf.config.list_logical_devices("CPU")][:config.cpu_devices])
     task = data.make_task(config)
-    sides = {"stock": lambda: run_stock(config, stock, task, source, warmup),
-             "tfpar": lambda: run_tfpar(config, runtime, warmup)}
+    sides = {"stock": lambda: run_stock(config, stock, task, source, warmup, threads),
+             "tfpar": lambda: run_tfpar(config, runtime, warmup, threads=threads)}
     for pieces in ablations:
         sides[f"tfpar-{pieces}"] = (
-            lambda pieces=pieces: run_tfpar(config, runtime, warmup, pieces.split("+")))
+            lambda pieces=pieces: run_tfpar(config, runtime, warmup, pieces.split("+"),
+                                            threads))
     names = list(sides)
     out = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             out[name].append(sides[name]())
     return out
+
+
+def thread_medians(rounds):
+    """{thread kind: the median over `rounds` (dicts of CPU ms per step) of its CPU ms per
+    step}, a kind missing from a round counting 0 there."""
+    kinds = sorted({kind for r in rounds for kind in r})
+    return {kind: statistics.median(r.get(kind, 0.0) for r in rounds) for kind in kinds}
+
+
+def print_threads(name, thread_ms):
+    """One line per kind of thread busy more than 0.1 ms a step on any side: its CPU ms per
+    step on every side (columns), the median over rounds."""
+    roles = list(thread_ms)
+    kinds = sorted({k for ms in thread_ms.values() for k, v in ms.items() if v > 0.1},
+                   key=lambda k: -thread_ms["stock"].get(k, 0.0))
+    print(f"{name}: CPU ms per step by kind of thread (median over rounds)")
+    print(f"{'thread':<36}" + "".join(f"{role:>26}" for role in roles))
+    for kind in kinds + ["all"]:
+        cells = [sum(ms.values()) if kind == "all" else ms.get(kind, 0.0)
+                 for ms in thread_ms.values()]
+        print(f"{kind:<36}" + "".join(f"{v:>26.2f}" for v in cells))
 
 
 def bootstrap_ci(values, statistic, resamples, seed, level=0.95):
@@ -254,13 +325,16 @@ def main():
     parser.add_argument("--bootstrap", type=int, default=10000)
     parser.add_argument("--bootstrap_seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 steps, 2 rounds, mlp only")
+    parser.add_argument("--threads", action="store_true",
+                        help="also each kind of thread's CPU time per step, every side "
+                        "(median over rounds): where a side's CPU time goes")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_data_parallel.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         ablations = [a for a in args.without.split(",") if a]
         print(json.dumps(bench_process(json.loads(args.child), args.rounds, args.warmup,
-                                       args.stock_data, ablations)))
+                                       args.stock_data, ablations, args.threads)))
         return
     for side in filter(None, args.without.split(",")):
         unknown = set(side.split("+")) - set(PIECES)
@@ -280,7 +354,8 @@ def main():
             out = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(settings),
                  f"--rounds={args.rounds}", f"--warmup={args.warmup}",
-                 f"--stock_data={args.stock_data}", f"--without={args.without}"],
+                 f"--stock_data={args.stock_data}", f"--without={args.without}",
+                 *(["--threads"] if args.threads else [])],
                 capture_output=True, text=True, timeout=1800, cwd=ROOT)
             if out.returncode:
                 raise SystemExit(f"bench process failed:\n{out.stderr[-3000:]}")
@@ -312,6 +387,9 @@ def main():
                                       for role, rs in rounds.items()}}
         if sides:
             report[name]["without"] = sides
+        if args.threads:
+            report[name]["thread_ms"] = {role: thread_medians([r["thread_ms"] for r in rs])
+                                         for role, rs in rounds.items()}
 
     print(f"{'model':<12}{'side':<24}{'stock ms':>10}{'side ms':>10}{'overhead':>10}"
           f"{'95% CI':>20}{'rounds: min … max':>22}{'n':>4}{'CPU':>8}")
@@ -323,6 +401,9 @@ def main():
     print("CPU: the median over rounds of the process's CPU time per step against stock's")
     for name, role, *_, each, _ in rows:
         print(f"{name} {role} per round: " + " ".join(f"{v:+.1%}" for v in each))
+    for name in report:
+        if "thread_ms" in report[name]:
+            print_threads(name, report[name]["thread_ms"])
     for name in report:
         losses = report[name]["mean_loss"]
         gap = max(abs(a - b) for a, b in zip(losses["stock"], losses["tfpar"]))
