@@ -20,8 +20,13 @@ moves. Asserted: forward waits for the step's first timestamp and the others mak
 gradient or collective wait; in the steps after the link was set from measured ones, the
 link is busy longer than forward + backward take (medians), the head's all-reduce starts
 before backward ends in most steps, more than half of the busy time lies before
-backward's end, and more than half of the bytes each veth sent had left by then; the
-planner, given that share as `--dp_overlap`, prices the step within 20 %. The
+backward's end, and more than half of the bytes each veth sent had left by then; the step
+ended sooner than forward + backward timed alone plus the busy time (it saved some of the
+exchange: by the stamps' share alone one cannot tell, the exchange may lengthen backward).
+A run that misses any of these is run once more, saying why. The planner's overlap
+formula (backward's end plus 1 − the share of its ring all-reduce at the link's rate),
+with the measured backward and share, comes within 20 % of when the step ended: a check
+of the formula's arithmetic on measured inputs, not of the planner's own backward. The
 measurements and why the rate follows: docs/benchmarks/compression_link.md, "More than
 half, on a link that follows backward".
 """
@@ -131,6 +136,68 @@ def test_the_tracker_sets_the_link_to_its_ratio_of_backward(monkeypatch):
         shaped_link.bits_per_second("50mbps")
 
 
+def test_the_tracker_caps_its_aim_and_corrects_from_recent_steps(monkeypatch):
+    import profile_overlap
+    rates = []
+    monkeypatch.setattr(shaped_link, "reshape", lambda device, bits, tbf: rates.append(bits))
+    tbf = {"rate": "50mbit", "burst": "64kb", "latency": "25ms"}
+    tracker = profile_overlap.LinkTracker("tfv0a", tbf, ratio=1.2, grad_bytes=2.5e6, window=2)
+
+    def excess(busy):  # beyond the ring's 20 Mbit at the last 2 steps' rates (their median)
+        return sum(busy - 20e6 / (1e6 * s["rate_mbit"]) for s in tracker.steps[-2:]) / 2
+
+    for _ in range(3):  # the link busy half of backward: the aim would be 1.2 x 1.25 = 1.5
+        tracker(0.2, [(0.0, 0.1)])
+    assert rates[2] == pytest.approx(20e6 / (1.25 * 0.2 - excess(0.1)))
+    # Then busy 1.5x backward: the last 2 steps at rates it set say aim 1.2 x 0.8 (all 4
+    # would say 1.2 x 1.2).
+    for _ in range(2):
+        tracker(0.2, [(0.0, 0.3)])
+    assert rates[4] == pytest.approx(20e6 / (0.96 * 0.2 - excess(0.3)))
+
+
+def test_tracked_reports_the_saving_against_forward_and_backward_alone(monkeypatch):
+    import profile_overlap
+    tbf = {"rate": "50mbit", "burst": "64kb", "latency": "25ms"}
+    tracker = profile_overlap.LinkTracker("tfv0a", tbf, ratio=1.1, grad_bytes=2.5e6)
+    # 20 Mbit of ring at 50, 40 and 20 Mbit/s: 400, 500, 1000 ms.
+    tracker.steps = [{"rate_mbit": r} for r in (50.0, 40.0, 20.0)]
+    times = {"compute_ms": 400.0, "timeline_ms": [
+        {"backward_end": 300.0, "collectives": [[0.0, 450.0]]},
+        {"backward_end": 400.0, "collectives": [[100.0, 500.0], [500.0, 600.0]]},
+        {"backward_end": 600.0, "collectives": [[200.0, 700.0], [700.0, 800.0]]}]}
+    out = profile_overlap.tracked(times, tracker, settle=1)
+    # busy 500 and 600 ms (550), backward ends 400 and 600 (500), the last ends 600 and 800.
+    assert out["hidden_fraction"] == pytest.approx((300 / 500 + 400 / 600) / 2)
+    assert out["step_end_ms"] == pytest.approx(700.0)
+    assert out["saved_fraction"] == pytest.approx((400 + 550 - 700) / 550)
+    assert out["backward_stretch"] == pytest.approx(500 / 400)
+    assert out["link_alone_ratio"] == pytest.approx(750 / 500)
+    # No step left after settling: nothing measured, printed as "-".
+    empty = profile_overlap.tracked(times, tracker, settle=3)
+    assert empty["saved_fraction"] is None and empty["hidden_fraction"] is None
+    assert profile_overlap.number(empty["step_end_ms"], ".0f") == "-"
+
+
+def test_the_tool_refuses_flags_that_report_nothing_or_crash(capsys):
+    import types
+
+    import profile_overlap
+    args = dict(track=1.12, per_step=5, runtime_steps=0, settle=2, steps=3)
+    assert profile_overlap.refusal(types.SimpleNamespace(**args)) is None
+    for change, words in (({"track": 0.0}, "--track=0.0: must be above 0"),
+                          ({"per_step": 0}, "--per_step=0: must be at least 1"),
+                          ({"runtime_steps": 2}, "--runtime_steps=2 with --track"),
+                          ({"settle": 15}, "--settle=15: leaves none of the")):
+        message = profile_overlap.refusal(types.SimpleNamespace(**{**args, **change}))
+        assert message.startswith(words) and "\n" not in message, message
+    # --pin: the cores this process may use, not the machine's count.
+    assert profile_overlap.pinned_core([3, 5], 1) == 5
+    assert profile_overlap.pinned_core([3, 5], 2) == 3
+    assert profile_overlap.pinned_core([7], 1) == 7
+    assert "only 1 core allowed" in capsys.readouterr().err
+
+
 def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
     from tfpar.plan import cost
     from test_plan import HW as hw, PROFILE as prof
@@ -153,7 +220,7 @@ def test_planner_takes_the_measured_overlap_off_the_gradient_exchange():
 # on a core of its own (unpinned, backward's length fell in two clusters 2x apart in one
 # run, as if both workers shared a core in some steps). The head's gradient is ready after forward,
 # about a quarter of the way to backward's end B, so a communication-bound step (the link
-# busy D > B) hides more than half only where D < 1.5 B; at a fixed rate B moved 2-7x
+# busy D > B) hides more than half only where D < ~1.4 B; at a fixed rate B moved 2-7x
 # between runs on this shared machine. So after each timeline step both workers re-shape
 # their side of the link (profile_overlap's --track) for the next step's all-reduces to
 # keep it busy 1.12x as long as backward took (medians of the last 4 steps). 3 timed
@@ -168,12 +235,15 @@ SHAPED = {"conv_head": [64, 128, 3, 2], "threads": [1, 2], "global_batch_size": 
 RATE, PORT, TIMED_STEPS = "50mbit", 23537, 3
 
 
-def run_timeline(out):
+def run_timeline(out, again=False):
     """Both workers of tests/overlap_child.py's timeline on a fresh shaped link: their
-    JSON results, or skips saying why the link cannot be built."""
+    JSON results; if the link cannot be built, skips saying why (the machine cannot shape
+    links), or fails when it was built before (`again`)."""
     try:
         link = shaped_link.ShapedLink(rate=RATE).__enter__()
     except shaped_link.ShapedLinkError as e:
+        if again:
+            pytest.fail(f"the shaped link was built once, not again: {e}")
         pytest.skip(f"the shaped link needs network namespaces and tc: {e}")
     try:
         codes, log = link.run_workers(
@@ -193,14 +263,38 @@ def run_timeline(out):
 def timelines(tmp_path_factory):
     folder = tmp_path_factory.mktemp("overlap")
     results = run_timeline(str(folder / "timeline"))
-    track = results[0]["track"]
-    if track["comm_busy_ms"] <= track["backward_end_ms"]:
-        # The load lengthened backward faster than the link followed: a compute-bound run,
-        # which tests nothing here (it hides easily). Run once more; asserted below.
-        print("compute-bound, run again:", json.dumps(track))
-        results = run_timeline(str(folder / "again"))
+    missed = shortfalls(results)
+    if missed:
+        # A load that moves faster than the link follows can take one run out of the
+        # window. Run once more; asserted below.
+        print("run again:", "; ".join(missed), json.dumps(results[0]["track"]))
+        results = run_timeline(str(folder / "again"), again=True)
     print(json.dumps(results[0]))
+    track = results[0]["track"]
+    print("the step saved", track["saved_fraction"], "of the busy time; backward stretched",
+          track["backward_stretch"], "x; the ring at the tc rates alone",
+          track["link_alone_ratio"], "of backward")
     return results
+
+
+def shortfalls(results):
+    """Why `results` would fail the measured checks below (empty: none): compute-bound (the
+    load lengthened backward faster than the link followed: it hides easily, testing
+    nothing here), half or less hidden by the stamps or on a worker's wire, nothing
+    saved."""
+    track, why = results[0]["track"], []
+    if not track["comm_busy_ms"] > track["backward_end_ms"]:
+        why.append(f"compute-bound (busy {track['comm_busy_ms']} ms, backward ends "
+                   f"{track['backward_end_ms']} ms)")
+    if track["hidden_fraction"] is None or track["hidden_fraction"] <= 0.5:
+        why.append(f"hidden by the stamps {track['hidden_fraction']}")
+    for i, worker in enumerate(results):
+        wire = worker["track"]["wire_hidden_fraction"]
+        if wire is None or wire <= 0.5:
+            why.append(f"worker {i}'s wire share {wire}")
+    if track["saved_fraction"] is None or track["saved_fraction"] <= 0:
+        why.append(f"saved {track['saved_fraction']} of the busy time")
+    return why
 
 
 def test_timestamps_add_no_ordering_and_the_first_bucket_can_leave_early(timelines):
@@ -245,6 +339,10 @@ def test_more_than_half_the_exchange_hides_on_a_communication_bound_link(timelin
     # More than half of the link's busy time lies before backward's end (median of the
     # steps); a bucket counts as busy once every worker had its inputs.
     assert track["hidden_fraction"] > 0.5, track
+    # The step ended before forward + backward timed alone plus the busy time: it saved
+    # some of the exchange (that share is smaller than the stamps': the exchange lengthens
+    # backward on the shared cores, `backward_stretch`).
+    assert track["saved_fraction"] > 0, track
 
 
 def test_the_overlap_is_seen_on_the_wire(timelines):
@@ -255,10 +353,12 @@ def test_the_overlap_is_seen_on_the_wire(timelines):
         assert worker["track"]["wire_hidden_fraction"] > 0.5, worker["wire_hidden"]
 
 
-def test_the_planner_with_the_measured_overlap_prices_the_step(timelines):
-    # tfpar.plan charges forward + backward and (1 - dp_overlap) of its ring all-reduce at
-    # the link's rate; with dp_overlap the share measured, that is within 20 % of when each
-    # step's last all-reduce ended (median; its ring alone, without latency, is short of
-    # the busy time measured: gRPC's own time).
+def test_the_planners_overlap_formula_prices_the_step_from_the_measured_backward(timelines):
+    # tfpar.plan's charge for the exchange with --dp_overlap: (1 - dp_overlap) of its ring
+    # all-reduce at the link's rate after forward + backward. Here backward is the one
+    # measured in the step (lengthened by the exchange), not the planner's, and the share
+    # the one measured: within 20 % of when each step's last all-reduce ended (median; its
+    # ring alone, without latency, is short of the busy time measured: gRPC's own time).
+    # The formula's arithmetic on measured inputs, not a check that the discount is right.
     track = timelines[0]["track"]
     assert 0.8 < track["planner_step_ratio"] < 1.2, track

@@ -18,7 +18,8 @@ parameters (as a CNN with a dense head), so the head's bucket is ready right aft
 `--recompute=full` makes backward 3/4 of the computation.
 
 `--intra_op` and `--inter_op` set each worker's TensorFlow threads (0: TensorFlow picks);
-`--pin` keeps worker i's threads on core i.
+`--pin` keeps worker i's threads on the i-th core it may use (a warning when it may use
+fewer than 2).
 `--calibrate=R` first runs 2 timeline steps at `--batch`, then measures at the global batch
 where backward would end at R of the all-reduces' busy time (scaled in proportion from
 those 2 steps): it aims the run at communication-bound by that margin, no more; on a
@@ -29,15 +30,23 @@ without it).
 the same gathered stamps) so that the all-reduces would keep it busy K times as long as
 backward takes (`LinkTracker`): a communication-bound step by about that margin however
 the machine's load moves backward's length from one minute to the next (it lags a load
-that moves from step to step); `track` in the JSON holds each step's rate
-and the medians over the steps after the first `--settle` (run at a rate set from fewer
-steps); `--per_step=N` runs N timeline steps in a row at each of the `--steps`.
+that moves from step to step; the aim, corrected by how far recent steps missed it, stays
+at most 1.25 or K); `track` in the JSON holds each step's rate and the medians over the
+timeline steps after the first `--settle` (run at a rate set from fewer steps), with what
+the step saved against forward + backward timed alone (`saved_fraction`), how much longer
+backward took in the step than alone (`backward_stretch`) and the ring's time at the tc
+rate alone over backward (`link_alone_ratio`): the stamps' share counts the busy time
+before backward's end, which the exchange itself may have lengthened. `--per_step=N`
+runs N timeline steps in a row at each of the `--steps`. The "alone" figures are timed
+between the timeline steps, at the rate the tracker set last. Refused: `--track` of 0 or
+less, `--per_step` below 1, a `--settle` that leaves no step, and `--track` with
+`--runtime_steps`.
 `--runtime_steps=N` adds N steps under TensorFlow's profiler: the share with each
 all-reduce busy from when the runtime started it, not from when its inputs were ready
-(`hidden_fraction_runtime`; a worker died during the profiled steps in 3 of 9 runs with
-`--track`, 2026-12-06: docs/benchmarks/compression_link.md). `--wire` reads worker 0's
-veth every millisecond: the share of the bytes it sent in each timed step that had left
-before backward ended (`wire_hidden`), the link's own account.
+(`hidden_fraction_runtime`; not with `--track`: a worker died during the profiled steps
+in 3 of 9 such runs, 2026-12-06: docs/benchmarks/compression_link.md). `--wire` reads
+worker 0's veth every millisecond: the share of the bytes it sent in each timed step that
+had left before backward ended (`wire_hidden`), the link's own account.
 
     python tools/profile_overlap.py --model=conv_head --batch=128 --recompute=full
     python tools/profile_overlap.py --model=mlp --width=256 --depth=8 --batch=2048
@@ -81,6 +90,16 @@ def conv_head(config, runtime, task, channels, hidden, convs=2, pool=1):
     return model
 
 
+def pinned_core(allowed, index):
+    """`--pin`: the core worker `index` runs on, of the cores this process may use
+    (`allowed`, sorted); with fewer than 2 of them, says on stderr that the workers share
+    one."""
+    if len(allowed) < 2:
+        print(f"profile_overlap: --pin: only {len(allowed)} core allowed ({allowed}); the "
+              "workers share it", file=sys.stderr)
+    return allowed[index % len(allowed)]
+
+
 def build(settings):
     """`(config, runtime, task, model)` for a worker: `settings` are `ParallelConfig`
     fields, plus `conv_head: [channels, hidden(, convs, pool)]` for that model and
@@ -96,7 +115,7 @@ def build(settings):
     intra, inter = settings.pop("threads", (0, 0))
     if settings.pop("pin", False):  # this worker's threads on one core, its index's
         index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[index % os.cpu_count()]})
+        os.sched_setaffinity(0, {pinned_core(sorted(os.sched_getaffinity(0)), index)})
     # before the runtime starts
     tf.config.threading.set_intra_op_parallelism_threads(intra)
     tf.config.threading.set_inter_op_parallelism_threads(inter)
@@ -166,16 +185,19 @@ class LinkTracker:
     `grad_bytes` at that rate (`tfpar.plan.cost.ring_allreduce_seconds`) plus what each
     step was busy beyond it (gRPC, the workers' skew), and backward's end and that excess
     as medians of the last `window` steps; from the third step on, the aim is corrected by
-    how far the medians of the steps at rates it set missed it (a load that grows during
-    the run lengthens backward after the steps the rate was set from), by at most 1.25x
-    either way. `steps`: per step, the
-    rate it ran at, its backward end and busy time."""
+    how far the medians of the last `window` steps at rates it set missed it (a load that
+    grows during the run lengthens backward after the steps the rate was set from), by at
+    most 1.25x either way, and the aim kept at most `max_aim` (or `ratio`, if larger): more
+    than half hides only while the link is busy less than about 1.4x backward. `steps`: per
+    step, the rate it ran at, its backward end and busy time."""
 
-    def __init__(self, device, tbf, ratio, grad_bytes, window=4, bounds=(2e6, 1e9)):
+    def __init__(self, device, tbf, ratio, grad_bytes, window=4, bounds=(2e6, 1e9),
+                 max_aim=1.25):
         import shaped_link
 
         self.device, self.tbf, self.ratio, self.window, self.bounds = (
             device, tbf, ratio, window, bounds)
+        self.max_aim = max(ratio, max_aim)
         self.grad_bytes = grad_bytes
         self.rate = shaped_link.bits_per_second(tbf["rate"])
         self.steps = []
@@ -196,11 +218,13 @@ class LinkTracker:
         recent = self.steps[-self.window:]
         excess = np.median([s["busy_ms"] / 1e3 - self.link_seconds(1e6 * s["rate_mbit"])
                             for s in recent])
-        aim, aimed = self.ratio, self.steps[1:]  # (the first ran at the link's own rate)
+        # (the first ran at the link's own rate)
+        aim, aimed = self.ratio, self.steps[1:][-self.window:]
         if len(aimed) >= 2:
             missed = (np.median([s["busy_ms"] for s in aimed])
                       / np.median([s["backward_end_ms"] for s in aimed]))
-            aim = self.ratio * float(np.clip(self.ratio / missed, 0.8, 1.25))
+            aim = min(self.max_aim,
+                      self.ratio * float(np.clip(self.ratio / missed, 0.8, 1.25)))
         wanted = aim * np.median([s["backward_end_ms"] / 1e3 for s in recent]) - excess
         # the link's time at 1 bit/s over the time it should take
         rate = self.link_seconds(1.0) / wanted if wanted > 0 else self.bounds[1]
@@ -215,8 +239,17 @@ def tracked(times, tracker, settle):
     the planner's account of them: `planner_link_ratio`, its ring all-reduce of the
     gradients at each step's rate (`LinkTracker.link_seconds`, no latency) over the
     measured busy time, and `planner_step_ratio`, backward's end plus
-    (1 − the hidden share) of that all-reduce (what `--dp_overlap` charges) over when the
-    step's last all-reduce ended."""
+    (1 − the hidden share) of that all-reduce (the formula `--dp_overlap` charges, with the
+    measured backward) over when the step's last all-reduce ended.
+
+    And what the step saved, against forward + backward timed alone (`times`'
+    `compute_ms`, at the rate the link had then): `step_end_ms`, when the last all-reduce
+    ended (median); `saved_fraction`, (forward + backward alone + busy − that end) / busy
+    (medians), the share of the exchange the step did not add to its length (the stamps'
+    share counts busy time before backward's end, and the exchange itself may lengthen
+    backward); `backward_stretch`, backward's end in the step over forward + backward
+    alone; `link_alone_ratio`, the ring all-reduce at the tracked rates over backward's end
+    (medians): the tc rate's own share of backward, without gRPC's time."""
     import numpy as np
 
     from tfpar.overlap import hidden_share
@@ -231,6 +264,18 @@ def tracked(times, tracker, settle):
                         ("wire_hidden_fraction", times.get("wire_hidden", [])[settle:])):
         known = [v for v in values if v is not None]
         out[key] = float(np.median(known)) if known else None
+    out.update(dict.fromkeys(("step_end_ms", "saved_fraction", "backward_stretch",
+                              "link_alone_ratio")))
+    if kept:
+        out["step_end_ms"] = float(np.median([max(e for _, e in t["collectives"])
+                                              for t in kept]))
+        alone = times.get("compute_ms")
+        if alone and out["comm_busy_ms"]:
+            out["saved_fraction"] = ((alone + out["comm_busy_ms"] - out["step_end_ms"])
+                                     / out["comm_busy_ms"])
+            out["backward_stretch"] = out["backward_end_ms"] / alone
+        if links:
+            out["link_alone_ratio"] = float(np.median(links)) / out["backward_end_ms"]
     if links and out["hidden_fraction"] is not None:
         out["planner_link_ratio"] = float(np.median(
             [link / b for link, (_, b) in zip(links, shares)]))
@@ -326,6 +371,31 @@ def settings_of(args):
     return settings
 
 
+def refusal(args):
+    """One line naming the setting, its value and what would work, for flags that cannot
+    run together or would report nothing; None when they can."""
+    if args.per_step < 1:
+        return f"--per_step={args.per_step}: must be at least 1 (timeline steps a timed step)"
+    if args.track is None:
+        return None
+    if args.track <= 0:
+        return (f"--track={args.track}: must be above 0, the link's busy time over backward's "
+                "(e.g. 1.12); leave it out to keep --rate throughout")
+    if args.runtime_steps:
+        return (f"--runtime_steps={args.runtime_steps} with --track: a worker died in "
+                "TensorFlow's profiler in 3 of 9 such runs; use one or the other")
+    if not 0 <= args.settle < args.steps * args.per_step:
+        return (f"--settle={args.settle}: leaves none of the --steps x --per_step = "
+                f"{args.steps * args.per_step} timeline steps to report; use 0 to "
+                f"{args.steps * args.per_step - 1}")
+    return None
+
+
+def number(value, spec):
+    """`value` formatted by `spec`, or "-" for None (nothing measured)."""
+    return "-" if value is None else format(value, spec)
+
+
 def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     rounds = [measure(settings_of(args), args.steps, args.calibrate, args.runtime_steps,
@@ -355,12 +425,13 @@ def main():
     parser.add_argument("--calibrate", type=float, default=0.0,
                         help="measure at the batch where backward ends at this share of the "
                              "all-reduces' busy time (0: at --batch)")
-    parser.add_argument("--track", type=float, default=0.0,
+    parser.add_argument("--track", type=float, default=None,
                         help="re-shape the link between steps so that the all-reduces keep "
-                             "it busy this many times backward's length (0: --rate throughout)")
+                             "it busy this many times backward's length (absent: --rate "
+                             "throughout)")
     parser.add_argument("--settle", type=int, default=2,
-                        help="--track: timed steps left out of its medians (the rate set from "
-                             "fewer steps)")
+                        help="--track: timeline steps left out of its medians (the first, at "
+                             "a rate set from fewer steps)")
     parser.add_argument("--per_step", type=int, default=1,
                         help="--track: timeline steps run in a row at each timed step")
     parser.add_argument("--runtime_steps", type=int, default=0,
@@ -375,6 +446,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=900, help="seconds for both workers")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the JSON file worker 0 writes
     args = parser.parse_args()
+    if refusal(args):
+        parser.error(refusal(args))
     if args.worker:
         return worker(args)
     sys.path.insert(0, TOOLS)
@@ -418,14 +491,21 @@ def main():
             t = times["track"]
             print("tracked: link rate (Mbit/s) a step ran at "
                   + ", ".join(f"{s['rate_mbit']:.0f}" for s in t["steps"])
-                  + f" | after the first {t['settle']}: hidden {t['hidden_fraction']:.2f}"
+                  + f" | after the first {t['settle']}: hidden "
+                  f"{number(t['hidden_fraction'], '.2f')}"
                   + ("" if t["wire_hidden_fraction"] is None
                      else f" (wire {t['wire_hidden_fraction']:.2f})")
-                  + f" of {t['comm_busy_ms']:.0f} ms busy, backward ends "
-                  f"{t['backward_end_ms']:.0f} ms (ratio {t['ratio']})")
+                  + f" of {number(t['comm_busy_ms'], '.0f')} ms busy, backward ends "
+                  f"{number(t['backward_end_ms'], '.0f')} ms (ratio {t['ratio']})")
+            print(f"tracked, against forward + backward alone: the step saved "
+                  f"{number(t['saved_fraction'], '.2f')} of the busy time (last all-reduce "
+                  f"ends {number(t['step_end_ms'], '.0f')} ms), backward stretched "
+                  f"{number(t['backward_stretch'], '.2f')}x, the ring at the tracked rates "
+                  f"alone {number(t['link_alone_ratio'], '.2f')} of backward")
         print(f"median: hidden {times.get('hidden_fraction', float('nan')):.2f} of "
               f"{times.get('comm_busy_ms', float('nan')):.0f} ms busy, backward ends "
-              f"{times.get('backward_end_ms', float('nan')):.0f} ms | alone: forward + "
+              f"{times.get('backward_end_ms', float('nan')):.0f} ms | alone"
+              + (" (at the tracked rates)" if "track" in times else "") + ": forward + "
               f"backward {times['compute_ms']:.0f} ms, sums {times['aggregate_ms']:.0f} ms, "
               f"both {times['step_ms']:.0f} ms")
     print(json.dumps(result))
