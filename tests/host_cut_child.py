@@ -1,19 +1,23 @@
 """Child for tests/test_multihost_shrink.py: a worker of a job whose host `CUT` (an address)
 is cut off, without TensorFlow.
 
-`python tests/host_cut_child.py CUT NAMED [DOWN]`: host CUT stays down for the first DOWN
-attempts (`TFPAR_RESTART`; default 1). In attempt 0 a worker on another host prints
+`python tests/host_cut_child.py CUT NAMED [DOWN [signal]]`: host CUT stays down for the
+first DOWN attempts (`TFPAR_RESTART`; default 1). In attempt 0 a worker on another host prints
 TensorFlow's heartbeat error naming the tasks NAMED (comma-separated indices, as a
 traceback does: one task a line) and exits 1; a worker on CUT exits 1 with no names (its
 peers went silent). In later attempts while CUT is down every worker fails at start-up as
 the trainer's watchdog ends it (`tfpar.strategy`: its one line, then SIGKILL), naming no
-task. Attempts after that exit 0.
+task. Attempts after that exit 0. With `signal`, attempt 0's workers on the other hosts,
+having printed their names, wait for the launcher's SIGTERM and pass it back to the
+launcher (their parent) before they exit 1: a signal that reaches the launcher while it
+stops a failed attempt.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 
 from tfpar.host_loss import UNHEALTHY
 
@@ -38,6 +42,12 @@ def main():
     for task in named:
         print(f"/job:worker/replica:0/task:{task}", flush=True)
     print("The tasks have crashed.", flush=True)
+    if sys.argv[4:] == ["signal"]:
+        def back(signum, frame):
+            os.kill(os.getppid(), signal.SIGTERM)
+            os._exit(1)
+        signal.signal(signal.SIGTERM, back)
+        time.sleep(60)
     return 1
 
 

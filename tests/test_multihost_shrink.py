@@ -32,8 +32,9 @@ its cases (named whole, in part, not at all; the probe's answers), `named_worker
 and on a fake network (`socket.getaddrinfo` and `socket.socket` replaced: dual-stack names,
 mixed answers, hung connects and lookups against one deadline), and whole jobs of
 `tests/host_cut_child.py` on two loopback addresses with a fake probe (and the real one, to
-which a loopback host answers: the named worker lost, not the host), `--probe_timeout`'s
-refusals.
+which a loopback host answers: the named worker lost, not the host; a host dead at launch
+lost whole; signals before the start and while a failed attempt stops), `--probe_timeout`'s
+and `--discovery_interval`'s refusals, `--discovery` holding a silent host's slots.
 """
 
 import errno
@@ -163,14 +164,16 @@ def test_a_host_cut_off_is_lost_as_a_unit_and_the_survivors_resume(  # noqa: F81
     assert not _orphans(tmp_path), context
 
 
-def _cut_job(named, probe=None, down=1, lost_after=1, min_workers=1, **kwargs):
+def _cut_job(named, probe=None, down=1, lost_after=1, min_workers=1, mode=(), **kwargs):
     """The launcher over two loopback hosts of 2 workers each (local workers); host
     127.0.0.2 is cut off for the first `down` attempts, and in attempt 0 the other host's
-    workers name the tasks `named` (`tests/host_cut_child.py`)."""
+    workers name the tasks `named` (`tests/host_cut_child.py`; `mode`: its last
+    arguments)."""
     err = io.StringIO()
     layout = [("127.0.0.1", 2), ("127.0.0.2", 2)]
     result = tfpar_launch.launch(
-        [sys.executable, CUT_CHILD, "127.0.0.2", ",".join(map(str, named)), str(down)],
+        [sys.executable, CUT_CHILD, "127.0.0.2", ",".join(map(str, named)), str(down),
+         *mode],
         4, hosts=layout, min_workers=min_workers, lost_after=lost_after, max_restarts=3,
         grace=1, out=io.StringIO(), err=err, env=child_env(), probe=probe, **kwargs)
     return result, err.getvalue()
@@ -339,11 +342,13 @@ def test_the_names_point_at_a_worker_only_when_all_on_one_host():
 
 
 class FakeSocket:
-    """`socket.socket` for the probe's unit tests: a connect to `(ip, port)` does what
-    `FakeSocket.plan[(ip, port)]` says ("refuse", "accept", "unreachable", "timeout": waits
-    out its timeout, "hang": ignores its timeout until `FakeSocket.release` is set)."""
+    """`socket.socket` for the probe's unit tests (`_fake_network` makes one class a test,
+    so no thread of another test's probe writes to its records): a connect to `(ip, port)`
+    does what `plan[(ip, port)]` says ("refuse", "accept", "unreachable", "timeout": waits
+    out its timeout, "timeout now": times out at once, "hang": ignores its timeout until
+    `release` is set); `connects` records them."""
 
-    plan, connects, release = {}, [], threading.Event()
+    plan, connects, release = {}, [], None
 
     def __init__(self, family=socket.AF_INET, type=socket.SOCK_STREAM, proto=0, *args):
         self.family, self.timeout = family, None
@@ -352,8 +357,8 @@ class FakeSocket:
         self.timeout = timeout
 
     def connect(self, sockaddr):
-        FakeSocket.connects.append(sockaddr[:2])
-        what = FakeSocket.plan[sockaddr[:2]]
+        self.connects.append(sockaddr[:2])
+        what = self.plan[sockaddr[:2]]
         if what == "refuse":
             raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
         if what == "unreachable":
@@ -361,8 +366,10 @@ class FakeSocket:
         if what == "timeout":
             time.sleep(self.timeout)
             raise TimeoutError("timed out")
+        if what == "timeout now":
+            raise TimeoutError("timed out")
         if what == "hang":
-            FakeSocket.release.wait(30)
+            self.release.wait(30)
             raise TimeoutError("timed out")
 
     def close(self):
@@ -377,17 +384,17 @@ class FakeSocket:
 
 def _fake_network(monkeypatch, names, plan):
     """Names resolve as `names` ({name: [ip, ...]}, IPv6 with a ':'; a name missing fails,
-    one mapped to "slow" resolves only once `FakeSocket.release` is set, one mapped to
-    (seconds, [ip, ...]) after that long), connects go as `plan`; returns the names each
-    lookup asked for."""
-    looked_up = []
-    FakeSocket.plan, FakeSocket.connects = plan, []
-    FakeSocket.release = threading.Event()
+    one mapped to "slow" resolves only once `net.release` is set, one mapped to
+    (seconds, [ip, ...]) after that long), connects go as `plan`; returns `net`, this
+    test's `FakeSocket` class (`net.connects`, `net.release`, `net.looked_up`: the names
+    each lookup asked for)."""
+    net = type("Net", (FakeSocket,), {"plan": plan, "connects": [], "looked_up": [],
+                                       "release": threading.Event()})
 
     def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
-        looked_up.append(host)
+        net.looked_up.append(host)
         if names.get(host) == "slow":
-            FakeSocket.release.wait(30)
+            net.release.wait(30)
         if isinstance(names.get(host), tuple):
             time.sleep(names[host][0])
             names[host] = names[host][1]
@@ -398,21 +405,21 @@ def _fake_network(monkeypatch, names, plan):
                 for ip in names[host]]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setattr(socket, "socket", FakeSocket)
-    return looked_up
+    monkeypatch.setattr(socket, "socket", net)
+    return net
 
 
 def test_a_dual_stack_host_answers_if_any_of_its_addresses_refuses(monkeypatch):
     # Its IPv6 address has no route, its IPv4 address refuses: the host is up. (A connect
     # that tried the addresses in turn and kept the last error said "unreachable".)
-    _fake_network(monkeypatch, {"node2": ["192.0.2.7", "2001:db8::7"]},
+    net = _fake_network(monkeypatch, {"node2": ["192.0.2.7", "2001:db8::7"]},
                   {("192.0.2.7", 5000): "refuse", ("2001:db8::7", 5000): "unreachable"})
     assert host_loss.probe_hosts(["node2:5000"], timeout=1) == {"node2": True}
-    assert sorted(FakeSocket.connects) == [("192.0.2.7", 5000), ("2001:db8::7", 5000)]
+    assert sorted(net.connects) == [("192.0.2.7", 5000), ("2001:db8::7", 5000)]
 
 
 def test_the_probe_combines_each_hosts_answers(monkeypatch):
-    looked_up = _fake_network(
+    net = _fake_network(
         monkeypatch, {"up": ["192.0.2.1"], "cut": ["192.0.2.2", "2001:db8::2"]},
         {("192.0.2.1", 1): "timeout", ("192.0.2.1", 2): "refuse",
          ("192.0.2.2", 1): "timeout", ("192.0.2.2", 2): "unreachable",
@@ -422,36 +429,41 @@ def test_the_probe_combines_each_hosts_answers(monkeypatch):
     # One refusal is an answer; a timeout and no route are none; a name that does not
     # resolve says nothing.
     assert answers == {"up": True, "cut": False, "unknown.invalid": None}, answers
-    assert sorted(looked_up) == ["cut", "unknown.invalid", "up"]  # one lookup a host
-    assert sorted(p for ip, p in FakeSocket.connects if ip == "192.0.2.1") == [1, 2]
+    assert sorted(net.looked_up) == ["cut", "unknown.invalid", "up"]  # one lookup a host
+    assert sorted(p for ip, p in net.connects if ip == "192.0.2.1") == [1, 2]
 
 
 def test_the_probe_keeps_one_deadline(monkeypatch):
     # A connect that ignores its timeout and a name lookup that hangs: the probe still
     # ends at its deadline; the one gives no reply (unreachable), the other is unknown.
-    _fake_network(monkeypatch, {"hung": ["192.0.2.3"], "slow": "slow"},
+    net = _fake_network(monkeypatch, {"hung": ["192.0.2.3"], "slow": "slow"},
                   {("192.0.2.3", port): "hang" for port in (1, 2, 3)})
     try:
         began = time.monotonic()
         answers = host_loss.probe_hosts(["hung:1", "hung:2", "hung:3", "slow:1"], timeout=1)
         took = time.monotonic() - began
     finally:
-        FakeSocket.release.set()
+        net.release.set()
     assert answers == {"hung": False, "slow": None}, answers
     assert took < 2.5, took  # one deadline of 1 s (not a wait per thread, 6 s each)
-    assert len(FakeSocket.connects) == host_loss.PORTS_PER_HOST
+    assert len(net.connects) == host_loss.PORTS_PER_HOST
 
 
 def test_no_reply_after_a_slow_lookup_says_nothing(monkeypatch):
     # The name took 0.7 s of the probe's 1 s: its connects' 0.3 s without a reply are no
     # evidence the host is cut off (a timeout, or still waiting at the deadline).
-    _fake_network(monkeypatch, {"late": (0.7, ["192.0.2.4"])},
-                  {("192.0.2.4", 1): "timeout", ("192.0.2.4", 2): "hang"})
+    net = _fake_network(monkeypatch, {"late": (0.7, ["192.0.2.4"])},
+                        {("192.0.2.4", 1): "timeout now", ("192.0.2.4", 2): "hang"})
     try:
         answers = host_loss.probe_hosts(["late:1", "late:2"], timeout=1)
     finally:
-        FakeSocket.release.set()
+        net.release.set()
     assert answers == {"late": None}, answers
+    assert sorted(net.connects) == [("192.0.2.4", 1), ("192.0.2.4", 2)]  # both were tried
+    # The same timeout with the whole time to run is no reply: the host is unreachable.
+    net = _fake_network(monkeypatch, {"prompt": ["192.0.2.5"]},
+                        {("192.0.2.5", 1): "timeout now", ("192.0.2.5", 2): "refuse"})
+    assert host_loss.probe_hosts(["prompt:1"], timeout=1) == {"prompt": False}
 
 
 def test_a_full_listen_queue_gives_no_reply():
@@ -479,21 +491,68 @@ def test_a_full_listen_queue_gives_no_reply():
                 filler.close()
 
 
-def test_a_host_that_did_not_answer_before_the_start_is_not_probed_after():
-    # Host 127.0.0.2's closed ports gave no reply before its workers started (a firewall
-    # dropping them): "unreachable" from it later says nothing, so it is not probed, and
-    # a failure naming one of its workers loses that worker, not the host.
+def test_a_host_dead_at_launch_is_lost_as_a_unit():
+    # Host 127.0.0.2 gives no reply before attempt 0 and stays down; no worker names a
+    # task. Silent before the start and again after each failure while host 127.0.0.1
+    # answers: it is checked again before attempt 1 and lost whole after --lost_after=2
+    # attempts (the launcher before blamed worker slot 0 on host 127.0.0.1, keeping the
+    # dead host).
     probe = FakeProbe(CUT_OFF, before=CUT_OFF)
+    result, said = _cut_job([], probe=probe, down=2, lost_after=2)
+    assert result.returncode == 0, said
+    assert ("host 127.0.0.2 did not answer the launcher's probe of its closed worker ports "
+            "before its workers started (no reply or no route): it is checked again") in said
+    assert said.count("before its workers started") == 1, said  # said once
+    assert ("host 127.0.0.2 is lost with its worker slot(s) 2, 3 (failed 2 attempts in a "
+            "row): continuing with 2 workers") in said, said
+    assert "worker slot 0 is lost" not in said, said
+    assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 2, 3), (0, 1)], said
+    both = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    # Before attempt 0; after it; the silent host again before attempt 1; after it.
+    assert [_hosts_of(call) for call in probe.calls] == [
+        both, both, ["127.0.0.2", "127.0.0.2"], both], said
+
+
+def test_a_host_that_answers_before_a_later_start_is_trusted():
+    # Silent before attempt 0 and, after it failed, no evidence (None): not lost; then
+    # refusing before attempt 1 (up, its ports closed): trusted, never checked again.
+    replies = [{"a": True, "b": False}, {"a": True, "b": None}, {"b": True}]
+    calls = []
+
+    def probe(addresses):
+        calls.append(list(addresses))
+        return replies[len(calls) - 1]
+
+    hosts_probe = tfpar_launch._HostProbe(probe, io.StringIO())
+    hosts_probe.baseline(["a", "b"], ["a:1", "b:1"])
+    assert hosts_probe.trusted == {"a"} and hosts_probe.silent == {"b"}
+    assert hosts_probe.after(["a", "b"], ["a:1", "b:1"]) == {"a": True, "b": None}
+    hosts_probe.baseline(["a", "b"], ["a:2", "b:2"])
+    assert calls[-1] == ["b:2"]  # only the untrusted host checked again
+    assert hosts_probe.trusted == {"a", "b"} and not hosts_probe.silent
+    hosts_probe.baseline(["a", "b"], ["a:3", "b:3"])
+    assert len(calls) == 3  # every host trusted: no check
+    hosts_probe.trusted.discard("b")  # one host trusted, none silent: no probe after
+    assert hosts_probe.after(["a", "b"], ["a:3", "b:3"]) == {"a": None, "b": None}
+    assert len(calls) == 3
+
+
+def test_a_host_whose_name_did_not_resolve_before_the_start_is_not_probed_after():
+    # Host 127.0.0.2's pre-start answer was None (no answer in time, or its name did not
+    # resolve): untrusted, it is checked again before the next attempt but not probed
+    # after a failure (one host left to probe: no probe at all), so "unreachable" then
+    # says nothing and the worker the names point at is lost, not the host.
+    probe = FakeProbe(CUT_OFF, before={"127.0.0.1": True, "127.0.0.2": None})
     result, said = _cut_job([2], probe=probe)
     assert result.returncode == 0, said
     assert ("host 127.0.0.2 did not answer the launcher's probe of its closed worker ports "
-            "before its workers started (no reply or no route): it is left out of the "
-            "probe") in said, said
-    assert said.count("before its workers started") == 1, said
+            "before its workers started (no answer in time or its name did not resolve)"
+            ) in said, said
     assert " is lost with its worker slot(s)" not in said, said
+    assert "worker 2 was named as unhealthy: a lost worker, not a lost host" in said, said
     assert [a.slots for a in result.attempts] == [(0, 1, 2, 3), (0, 1, 3)], said
     assert [_hosts_of(call) for call in probe.calls] == [
-        ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], ["127.0.0.1", "127.0.0.1"]]
+        ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], ["127.0.0.2"]], said
 
 
 def test_no_probe_when_min_workers_forbids_losing_a_host():
@@ -549,10 +608,43 @@ def test_a_signal_during_the_probe_stops_the_job_without_a_restart():
     assert "restarting" not in said and " is lost" not in said, said
 
 
+class EarlySignalProbe(FakeProbe):
+    """A probe during which the launcher gets SIGTERM (the check before the start)."""
+
+    def __call__(self, addresses):
+        answers = super().__call__(addresses)
+        if len(self.calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return answers
+
+
+def test_a_signal_during_the_check_before_the_start_starts_no_worker():
+    probe = EarlySignalProbe(CUT_OFF)
+    result, said = _cut_job([2], probe=probe)
+    assert result.returncode == 128 + signal.SIGTERM, said
+    assert [a.exit_codes for a in result.attempts] == [()], said  # no worker was started
+    assert "failed: the launcher received SIGTERM before the workers started" in said, said
+    assert len(probe.calls) == 1, said
+
+
+def test_a_signal_while_a_failed_attempt_stops_skips_the_probe():
+    # Host 1's workers pass the launcher's SIGTERM (stopping the failed attempt) back to
+    # it: the job ends, without probing the hosts first.
+    probe = FakeProbe(CUT_OFF)
+    result, said = _cut_job([2], probe=probe, mode=("signal",))
+    assert result.returncode == 128 + signal.SIGTERM, said
+    assert len(result.attempts) == 1, said
+    assert len(probe.calls) == 1, said  # the check before the start only
+    assert "restarting" not in said and " is lost" not in said, said
+
+
 @pytest.mark.parametrize("setting, value, expected", [
     ("probe_timeout", float("nan"), "a number >= 0"), ("probe_timeout", -1, "a number >= 0"),
-    ("probe_timeout", float("inf"), "finite number of seconds >= 0.5"),
-    ("probe_timeout", 0.1, "finite number of seconds >= 0.5"),
+    ("probe_timeout", float("inf"), "finite number of seconds >= 1.5"),
+    ("probe_timeout", 1.4, "finite number of seconds >= 1.5"),
+    ("discovery_interval", float("nan"), "a number >= 0"),
+    ("discovery_interval", float("inf"), "finite number of seconds >= 0.1"),
+    ("discovery_interval", 0.05, "finite number of seconds >= 0.1"),
     ("timeout", float("nan"), "a number >= 0"), ("grace", float("nan"), "a number >= 0")])
 def test_a_probe_timeout_that_cannot_work_is_refused_in_one_line(setting, value, expected):
     with pytest.raises(ConfigError) as raised:
@@ -597,3 +689,34 @@ def test_a_lost_host_listed_again_is_offered_only_once_it_answers():
     hosts_probe.trusted.discard("b")
     assert tfpar_launch._answers(hosts_probe, 7000, "b", 1) is None
     assert tfpar_launch._answers(None, 7000, "b", 1) is None
+
+
+def test_a_host_silent_to_the_probe_gets_no_new_slot():
+    # Host b (slots 2, 3 lost) is listed again with a slot more, but does not answer the
+    # probe: none of its slots is offered, the new slot 4 neither, until it answers.
+    err, asked, answer = io.StringIO(), [], {"b": False}
+
+    def reachable(host, rank):
+        asked.append((host, rank))
+        return answer[host]
+
+    offers = tfpar_launch._Offers(["a", "a", "b", "b"], 5, "", 5, err, reachable)
+    for slot in (2, 3):
+        offers.lost(slot)
+    offers.update({"a": 2})
+    offers.update({"a": 2, "b": 3})
+    assert offers.added([0, 1]) == [], err.getvalue()
+    assert asked == [("b", 0)]
+    answer["b"] = True
+    offers.update({"a": 2, "b": 3})
+    assert offers.added([0, 1]) == [2, 3, 4]
+    # A host with only new slots, silent: held too, in its own words.
+    offers = tfpar_launch._Offers(["a", "a", "b", "b"], 5, "", 5, err, reachable)
+    answer["b"] = False
+    offers.update({"a": 2, "b": 3})
+    assert offers.added([0, 1, 2, 3]) == [] and asked[-1] == ("b", 2)
+    assert ("--discovery lists more slots on host b, but it did not answer the launcher's "
+            "probe: its slots are not offered until it does") in err.getvalue()
+    answer["b"] = None  # no evidence (an untrusted host): offered
+    offers.update({"a": 2, "b": 3})
+    assert offers.added([0, 1, 2, 3]) == [4]

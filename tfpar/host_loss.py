@@ -14,9 +14,11 @@ name the host instead:
 - the probe: once the attempt's workers are stopped, the launcher connects to a host's
   first worker ports on every address its name resolves to, all hosts at once, within one
   deadline (`probe_hosts`); a host whose ports refuse is up, one that gives no reply or has
-  no route is unreachable (`answered`). The launcher trusts "unreachable" only for a host
-  that answered the same probe before its workers first started (a firewall that drops
-  connections to closed ports would make a live host look cut off).
+  no route is unreachable (`answered`). The launcher checks each host not yet trusted
+  before an attempt's workers start, its ports closed then: a host that answers is trusted;
+  "unreachable" after a failure counts from a trusted host, or from one that gave no reply
+  before that attempt started too (dead at launch; a firewall dropping connections to
+  closed ports looks the same: `--probe_timeout=0`).
 
 `lost_host` decides from both: the pure rule, unit-tested without a network. When it finds
 no host lost whole, the names still point at a worker (`named_worker`).

@@ -49,10 +49,12 @@ retried attempt failing at start-up while the host stays down), is still lost wh
 that refuses is up, and the attempt is counted against the worker the names point at (all
 named tasks on one host: the lowest), else against the first to exit. The probe runs only
 when the job could lose a host (several hosts, at least --min_workers slots on the others);
-each host is probed once before its workers first start, and one that did not answer then
-(a firewall dropping connections to closed ports) is left out of the probe, in one line. A
-firewall that rejects with "host prohibited" makes a live host look cut off too: there,
---probe_timeout=0 (names only).
+before an attempt's workers start, each host that has not yet answered is checked (its
+ports closed then, so a live host's refuse; one line for a host that does not answer). A
+host silent then and again after the attempt failed, while another host answers, is lost
+whole (down at launch); one whose name did not resolve is not judged by the probe. A
+firewall that drops connections to closed ports, or rejects them with "host prohibited",
+makes a live host look cut off too: there, --probe_timeout=0 (names only).
 
 Multi-host: `--hosts=node1:2,node2:2` puts worker slots on hosts (in that order), builds the
 TF_CONFIGs over all of them and starts each worker with `--runner` (ssh by default, `local`
@@ -167,7 +169,7 @@ def define_flags(flag_values=FLAGS):
                            "host that neither accepts nor refuses within this many seconds "
                            "(while another host answers) is cut off, and loses all its "
                            "slots together; 0 = no probe (a host is lost as a unit only "
-                           "when the others' workers name all its workers); else >= 0.5 "
+                           "when the others' workers name all its workers); else >= 1.5 "
                            "(Linux resends an unanswered connect after 1 s and 3 s).",
                            lower_bound=0, **define)
     tfpar_flags.declare_key_flags(["workers", "host", "timeout", "start_timeout", "grace",
@@ -244,11 +246,11 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
             checkpoint: SIGTERM, the workers agree on a step and save there
             (`tfpar.preemption`), and the next attempt starts on the larger world.
         probe_timeout: elastic multi-host job: seconds the launcher's probe of the hosts
-            (`probe_hosts`) waits for answers, in all; 0 = no probe, else >= 0.5.
+            (`probe_hosts`) waits for answers, in all; 0 = no probe, else >= 1.5.
         probe: `probe(addresses) -> {host: True (answered), False (unreachable), None}`
-            for worker addresses ("HOST:PORT") whose ports are closed: a host's before
-            its workers first start (only a host that answered then is probed later), and
-            after a failed attempt's workers were stopped (`_HostProbe`; default
+            for worker addresses ("HOST:PORT") whose ports are closed: before an
+            attempt's workers start, each host that has not answered one yet, and after a
+            failed attempt's workers were stopped (`_HostProbe`; default
             `probe_hosts` with `probe_timeout`); tests pass a fake.
 
     Returns:
@@ -256,13 +258,14 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
 
     Raises:
         ConfigError: for workers < 1, an empty command, a negative or NaN time, a
-            `probe_timeout` not 0 nor a finite number >= 0.5, or an unusable host.
+            `probe_timeout` not 0 nor a finite number >= 1.5, a `discovery_interval`
+            not a finite number >= 0.1, or an unusable host.
         TfparError: if the command cannot be started.
     """
     min_workers, max_workers, placement = _checked_layout(
         cmd, workers, host, hosts, min_workers, max_workers, lost_after,
         timeout=timeout, start_timeout=start_timeout, grace=grace, max_restarts=max_restarts,
-        probe_timeout=probe_timeout)
+        probe_timeout=probe_timeout, discovery_interval=discovery_interval)
     runner = runner or local_runner
     if probe is None and probe_timeout:
         probe = functools.partial(probe_hosts, timeout=probe_timeout)
@@ -332,10 +335,14 @@ def _checked_layout(cmd, workers, host, hosts, min_workers, max_workers, lost_af
         if not value >= 0:  # NaN too
             raise ConfigError(name, value, "must be a number >= 0")
     probe_timeout = times.get("probe_timeout", 0)
-    if probe_timeout and not 0.5 <= probe_timeout < float("inf"):
+    if probe_timeout and not 1.5 <= probe_timeout < float("inf"):
         raise ConfigError("probe_timeout", probe_timeout, "must be 0 (no probe) or a finite "
-                          "number of seconds >= 0.5 (a live host's refusal may take one "
-                          "resent connect, 1 s; the default is 3.5)")
+                          "number of seconds >= 1.5 (a live host's refusal may take one "
+                          "resent connect, sent after 1 s; the default is 3.5)")
+    interval = times.get("discovery_interval", 5.0)
+    if not 0.1 <= interval < float("inf"):
+        raise ConfigError("discovery_interval", interval, "must be a finite number of "
+                          "seconds >= 0.1 (the default is 5)")
     min_workers = workers if min_workers is None else min_workers
     if not 1 <= min_workers <= workers:
         raise ConfigError("min_workers", min_workers, f"must be between 1 and --workers={workers}")
@@ -417,38 +424,57 @@ class _World:
 
 
 class _HostProbe:
-    """The launcher's probe of the hosts' worker ports (`probe(addresses)`, see `launch`):
-    a host is probed once before its workers first start, when its worker ports are
-    closed and should refuse (`baseline`); after a failed attempt only the hosts that
-    answered then are probed (`after`): "unreachable" from a host whose closed ports never
-    answered (a firewall dropping them, the host down from the start) says nothing."""
+    """The launcher's probe of the hosts' worker ports (`probe(addresses)`, see `launch`).
+
+    Before an attempt's workers start (`baseline`) every host not yet trusted is checked,
+    its worker ports closed then, so a live host's refuse: a host that answers is trusted
+    from then on. After a failed attempt (`after`) the trusted hosts are probed, and so is
+    a host whose closed ports gave no reply before this attempt started: silent before the
+    start and after the failure, while another host answers, it is dead (down at launch
+    and still), lost as a unit. A host whose name did not resolve before the start, or
+    that gave no reply before and answers nothing now, says nothing."""
 
     def __init__(self, probe, err):
         self.probe, self.err = probe, err
-        self.tried, self.trusted = set(), set()
+        self.trusted = set()
+        self.silent = set()  # untrusted hosts whose last pre-start check had no reply
+        self._said = set()
 
     def baseline(self, hosts, addresses):
-        new = list(dict.fromkeys(h for h in hosts if h not in self.tried))
+        new = list(dict.fromkeys(h for h in hosts if h not in self.trusted))
         if not new:
             return
         answers = self.probe([a for h, a in zip(hosts, addresses) if h in new])
-        self.tried.update(new)
         for host in new:
+            self.silent.discard(host)
             if answers.get(host):
                 self.trusted.add(host)
                 continue
+            if answers.get(host) is False:
+                self.silent.add(host)
+            if host in self._said:
+                continue
+            self._said.add(host)
             why = ("no reply or no route" if answers.get(host) is False
                    else "no answer in time or its name did not resolve")
             _say(self.err, f"host {host} did not answer the launcher's probe of its closed "
-                           f"worker ports before its workers started ({why}): it is left "
-                           f"out of the probe, and lost as a unit only when the other "
-                           f"hosts' workers name all its workers")
+                           f"worker ports before its workers started ({why}): it is checked "
+                           f"again before each attempt; until it answers, it is lost as a "
+                           f"unit only if it gives no reply after a failed attempt too "
+                           f"while another host answers, or when the other hosts' workers "
+                           f"name all its workers")
 
     def after(self, hosts, addresses):
-        """`{host: answer}` for `hosts`: the probe's for those it trusts, else None."""
-        picked = [a for h, a in zip(hosts, addresses) if h in self.trusted]
-        answers = self.probe(picked) if picked else {}
-        return {h: answers.get(h) if h in self.trusted else None for h in hosts}
+        """`{host: answer}` for `hosts`: the probe's for the trusted hosts and for those
+        silent before this attempt started (see the class), else None; no probe at all
+        when fewer than 2 hosts are such (one host's answer cannot tell a lost host)."""
+        asked = {h for h in hosts if h in self.trusted or h in self.silent}
+        if len(asked) < 2:
+            return dict.fromkeys(hosts)
+        answers = self.probe([a for h, a in zip(hosts, addresses) if h in asked])
+        self.trusted.update(h for h in asked if answers.get(h))  # a refusal: up
+        self.silent -= self.trusted
+        return {h: answers.get(h) if h in asked else None for h in hosts}
 
 
 def _summary(attempts, job, restarts, max_restarts):
@@ -605,6 +631,9 @@ def _run_attempt(cmd, slots, placement, base_port, runner, number, deadline, tim
     addresses = _addresses(hosts, base_port)
     if probe is not None:
         probe.baseline(hosts, addresses)
+        if received:  # a signal during the check: no worker started
+            return ((), f"the launcher received {signal.Signals(received[0]).name} before "
+                        f"the workers started", "", None)
     ready = [False] * workers
     lock = threading.Lock()
     procs, pumps = [], []
@@ -824,8 +853,8 @@ class _Offers:
     A slot is offered when the command lists its host with enough slots (slot k is the j-th
     slot of its host in `placement`); a slot lost earlier only after one run of the command
     did not list it (so a host that stays listed while its worker keeps failing is not taken
-    back at once), and not while its host, listed again, does not answer the launcher's
-    probe (`update`). Hosts or slots not in `placement` are appended to it, up to
+    back at once); no slot of a host, lost or new, while that host, listed with a slot to
+    offer, does not answer the launcher's probe (`update`). Hosts or slots not in `placement` are appended to it, up to
     `max_workers` in all.
     """
 
@@ -833,7 +862,8 @@ class _Offers:
         self.placement, self.max_workers = placement, max_workers
         self.command, self.interval, self._err = command, interval, err
         self.reachable = reachable  # (host, rank) -> True, False, None: `_answers`
-        self._lost, self._cleared, self._held, self._said = set(), set(), set(), set()
+        self._lost, self._cleared, self._said = set(), set(), set()
+        self._held = set()  # hosts whose slots are not offered: silent to the probe
         self._listed = None  # {host: slots} of the newest run, None before the first
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread = None
@@ -865,7 +895,7 @@ class _Offers:
             offered = []
             for k, h in enumerate(self.placement):
                 rank = self.placement[:k].count(h)
-                if (k not in running and rank < listed.get(h, 0) and k not in self._held
+                if (k not in running and rank < listed.get(h, 0) and h not in self._held
                         and (k not in self._lost or k in self._cleared)):
                     offered.append(k)
             offered = offered[:self.max_workers - len(running)]
@@ -884,23 +914,30 @@ class _Offers:
             self._stop.wait(self.interval)
 
     def update(self, listed):
-        """Takes one run's listing (`{host: slots}`). A lost slot listed again is held back
-        while its host does not answer the launcher's probe (`reachable`), asked here,
-        before the listing is published, so it is never offered unprobed."""
+        """Takes one run's listing (`{host: slots}`). A host listed with a slot to offer (a
+        lost slot listed again, or more slots than the placement holds) is asked whether
+        it answers the launcher's probe (`reachable`) before the listing is published, and
+        all its slots are held back while it does not, so none is offered unprobed."""
         with self._lock:
             back = {k: self.placement[k] for k in self._lost & self._cleared
                     if self.placement[:k].count(self.placement[k])
                     < listed.get(self.placement[k], 0)}
+            ask = {h: self.placement.count(h) for h, n in listed.items()
+                   if self.placement.count(h) < n}  # new slots: the first one's rank
+            for k, h in back.items():
+                rank = self.placement[:k].count(h)
+                ask[h] = min(ask.get(h, rank), rank)
         held = set()
-        for host in sorted(set(back.values())):
-            rank = min(self.placement[:k].count(host) for k, h in back.items() if h == host)
-            if self.reachable is not None and self.reachable(host, rank) is False:
-                held.update(k for k, h in back.items() if h == host)
+        for host in sorted(ask):
+            if self.reachable is not None and self.reachable(host, ask[host]) is False:
+                held.add(host)
                 if host not in self._said:
-                    slots = ", ".join(str(k) for k in sorted(back) if back[k] == host)
-                    _say(self._err, f"--discovery lists host {host} again, but it did not "
-                                    f"answer the launcher's probe: its lost slot(s) {slots} "
-                                    f"are not offered until it does")
+                    lost = ", ".join(str(k) for k in sorted(back) if back[k] == host)
+                    what = (f"lists host {host} again, but it did not answer the "
+                            f"launcher's probe: its lost slot(s) {lost}" if lost else
+                            f"lists more slots on host {host}, but it did not answer the "
+                            f"launcher's probe: its slots")
+                    _say(self._err, f"--discovery {what} are not offered until it does")
                 self._said.add(host)
             else:
                 self._said.discard(host)
