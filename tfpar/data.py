@@ -295,8 +295,10 @@ def distributed_dataset(strategy, config, task, start_step=0):
     batches (`global_batch_pipeline`), which tf.distribute cuts into the replicas' equal,
     consecutive shares, the batches `pipeline_dataset` makes replica by replica. Fed
     replica by replica instead, the MLP's whole step took ~6 % more CPU time (4
-    replicas; docs/benchmarks/data_parallel.md). Elsewhere (workers, a `--dataset`
-    function, padded shares) each input pipeline makes its replicas' batches.
+    replicas; docs/benchmarks/data_parallel.md); a pipeline across workers with replicas
+    (its chief's `MirroredStrategy`) takes this path too. Elsewhere
+    (`MultiWorkerMirroredStrategy`, a `--dataset` function, padded shares) each input
+    pipeline makes its replicas' batches.
     """
     split = config.replica_split(strategy.num_replicas_in_sync)
     if (isinstance(strategy, tf.distribute.MirroredStrategy) and split.even
