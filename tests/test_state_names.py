@@ -262,3 +262,51 @@ def test_fronts_that_never_stepped_take_keras_moments():
         np.testing.assert_allclose(given["adam_m"][0], m, rtol=1e-6)
         np.testing.assert_allclose(given["adam_v"][0], v, rtol=1e-6)
         assert {"codec/a/kernel/adam_m", "codec/a/kernel/step"} <= placed
+
+
+def _adam_run(accumulation, gradients, tmp_path=None, load=None):
+    """A Dense(1)'s weights after Keras's real Adam (gradient_accumulation_steps
+    `accumulation`, 1: none) applied `gradients` (each weight's, one per update, given to
+    every micro-batch of it: the update's mean is that gradient); with `load`, from that
+    checkpoint first; with `tmp_path`, written there after: (weights, checkpoint path)."""
+    import tensorflow as tf
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")],
+                             name="m")
+    adam = keras.optimizers.Adam(0.1, gradient_accumulation_steps=accumulation if
+                                 accumulation > 1 else None)
+    model.compile(optimizer=adam, loss="mse")
+    adam.build(model.trainable_variables)
+    if load is not None:
+        state.LayoutState(model).load(load)
+    for gradient in gradients:
+        for _ in range(accumulation):
+            adam.apply_gradients(zip([tf.constant(g, tf.float32) for g in gradient],
+                                     model.trainable_variables))
+    path = None
+    if tmp_path is not None:
+        path = tf.train.Checkpoint(state=state.LayoutState(model)).write(
+            str(tmp_path / f"k{accumulation}"))
+    return [w.numpy() for w in model.trainable_variables], path
+
+
+def _gradients(n):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(2, 1)), rng.normal(size=(1,))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("writer,reader", [(2, 1), (1, 2), (2, 3)])
+def test_keras_adam_resumed_with_another_accumulation_steps_as_uninterrupted(
+        tmp_path, writer, reader, caplog):
+    # 30 updates under the writer's gradient_accumulation_steps, the 31st under the
+    # reader's: the step Keras's Adam takes is the uninterrupted run's (before: its raw
+    # count loaded as saved, Keras's Adam bias-corrected at 60 // 1 or 30 // 2 updates).
+    gradients = _gradients(31)
+    _, path = _adam_run(writer, gradients[:30], tmp_path)
+    with caplog.at_level("WARNING"):
+        resumed, _ = _adam_run(reader, gradients[30:], load=path)
+    uninterrupted, _ = _adam_run(1, gradients)
+    before, _ = _adam_run(1, gradients[:30])
+    for w, u, b in zip(resumed, uninterrupted, before):
+        np.testing.assert_allclose(w - b, u - b, rtol=1e-4, atol=1e-7)
+    assert any("gradient_accumulation_steps" in r.getMessage() for r in caplog.records)

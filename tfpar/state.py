@@ -160,6 +160,28 @@ def _update_steps(model, iteration, reader=None):
     return int(iteration) // max(1, accumulation)
 
 
+def _rescale_iteration(model, reader, saved, entries, path):
+    """Keras's raw `optimizer/iteration` counts micro-batches of its K: a checkpoint of
+    another K (`meta/accumulation`) takes its updates × this run's K, so that Keras's Adam
+    (`iterations` = raw // K) bias-corrects at the updates the moments hold, and a learning
+    rate schedule (Keras reads the raw count) sees what a run of this K would have. A
+    checkpoint without the record is read at this run's K."""
+    if ("optimizer/iteration" not in entries or "optimizer/iteration" not in saved
+            or not reader.has_tensor(key(ACCUMULATION))):
+        return
+    written, here = int(reader.get_tensor(key(ACCUMULATION))), accumulation_of(model)
+    if written == here:
+        return
+    raw = int(reader.get_tensor(saved["optimizer/iteration"]))
+    updates = raw // max(1, written)
+    entries["optimizer/iteration"][1](np.int64(updates * here))
+    logging.warning("tfpar: checkpoint %s: written with gradient_accumulation_steps %d, "
+                    "read with %d: optimizer/iteration %d (%d updates) set to %d%s",
+                    os.path.basename(path), written, here, raw, updates, updates * here,
+                    " (its unfinished accumulation of %d micro-batches kept in Keras's "
+                    "accumulators)" % (raw % written) if raw % written else "")
+
+
 class LayoutState(patches.Trackable):
     """The state of `model` and its optimizers under canonical names (module docstring).
 
@@ -270,8 +292,13 @@ class LayoutState(patches.Trackable):
         # writer's codec sent that tensor exactly: PowerSGD's vectors on tf.distribute);
         # otherwise a name it lacks is a mismatch. A step counter is never owed.
         kinds = {_kind(n) for n in saved if n.startswith(_OPTIONAL_PREFIX)}
+        # Keras's gradient accumulators (this run's K > 1) are zero at an update: a
+        # checkpoint written without accumulation (its record: K 1) owes none.
+        unaccumulated = (reader.has_tensor(key(ACCUMULATION))
+                         and int(reader.get_tensor(key(ACCUMULATION))) == 1)
         missing = sorted(n for n in set(entries) - set(saved) - set(_OPTIONAL)
-                         if not (n.startswith(_OPTIONAL_PREFIX)
+                         if not (unaccumulated and n.endswith("/gradient_accumulator"))
+                         and not (n.startswith(_OPTIONAL_PREFIX)
                                  and (_kind(n) not in kinds or _kind(n) in _NOT_OWED)))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
@@ -290,6 +317,7 @@ class LayoutState(patches.Trackable):
                 written = units or ("share" if saved[name] != key(name) else "replica")
                 value = _convert_rows(value, written, self._units[name])
             write(value)
+        _rescale_iteration(self._model, reader, saved, entries, path)
         if _OPTIONAL_PREFIX.startswith(only):
             placed = self._adam_moves(reader, saved, entries, path)
             self._codec_moves(reader, saved, entries, path, kinds, placed)
