@@ -310,3 +310,32 @@ def test_keras_adam_resumed_with_another_accumulation_steps_as_uninterrupted(
     for w, u, b in zip(resumed, uninterrupted, before):
         np.testing.assert_allclose(w - b, u - b, rtol=1e-4, atol=1e-7)
     assert any("gradient_accumulation_steps" in r.getMessage() for r in caplog.records)
+
+
+def test_loaded_debt_of_a_weight_without_a_gradient_stays_owed():
+    # One replica's debt loaded from more (`debt_owed`) for two weights; the first applied
+    # step has no gradient of the second (Keras drops None gradients, as for an unused
+    # layer of a subclassed model): it pays the first, and the flag stays set until a step
+    # with the second's gradient pays it (before: cleared, the second never paid).
+    import types
+
+    import tensorflow as tf
+
+    from tfpar.compression import keras_hook
+    weights = [tf.Variable(tf.zeros(2)), tf.Variable(tf.zeros(3))]
+    residuals = {"0": tf.Variable([1.0, 2.0]), "1": tf.Variable([3.0, 4.0, 5.0])}
+    aggregator = types.SimpleNamespace(
+        debt_owed=tf.Variable(True), residuals=residuals,
+        position_of=lambda v: next(i for i, w in enumerate(weights) if w is v))
+    first = keras_hook.pay_debt(aggregator, [(tf.ones(2), weights[0])])
+    np.testing.assert_allclose(first[0][0], [2.0, 3.0])
+    assert bool(aggregator.debt_owed.numpy())
+    np.testing.assert_allclose(residuals["0"].numpy(), 0.0)
+    np.testing.assert_allclose(residuals["1"].numpy(), [3.0, 4.0, 5.0])
+    second = keras_hook.pay_debt(aggregator, [(tf.ones(2), weights[0]),
+                                              (tf.ones(3), weights[1])])
+    np.testing.assert_allclose(second[0][0], [1.0, 1.0])
+    np.testing.assert_allclose(second[1][0], [4.0, 5.0, 6.0])
+    assert not bool(aggregator.debt_owed.numpy())
+    third = keras_hook.pay_debt(aggregator, [(tf.ones(3), weights[1])])
+    np.testing.assert_allclose(third[0][0], 1.0)
