@@ -339,3 +339,28 @@ def test_loaded_debt_of_a_weight_without_a_gradient_stays_owed():
     assert not bool(aggregator.debt_owed.numpy())
     third = keras_hook.pay_debt(aggregator, [(tf.ones(3), weights[1])])
     np.testing.assert_allclose(third[0][0], 1.0)
+
+
+@pytest.mark.parametrize("variance,iteration", [("local_debiased", 53), ("local", 53),
+                                                ("frozen", 53), ("local", 60)])
+def test_keras_slots_hold_the_fronts_estimates(variance, iteration):
+    # Independent of `front_moments` (a factor wrong in both would cancel in a round trip):
+    # Keras's slots at `iteration` give the front's own estimates, from the formulas of the
+    # front's step (`adam_front.denominator`: a step is m̂ / (√v̂ + ε), m̂ = m / (1 − β₁ᵗ)
+    # in the gradient's units, m / s scaled): the same v̂, the same m̂, the same step.
+    from tfpar.compression import adam_front
+    b1, b2, eps = 0.9, 0.999, 1e-7
+    units = adam_front.moment_units(variance, 50, 0, 53, (b1, b2, eps))
+    m, v = np.array([[0.3, -2.0, 1e-4]]), np.array([[0.04, 9.0, 1e-9]])
+    v_hat = v[0] / (1 - b2 ** units["v_steps"])
+    m_hat = m[0] / (1 - b1 ** 53)
+    if units["m"] == "scaled":  # the front's step is m̂ itself, in the scaled units
+        step, m_hat = m_hat, m_hat * (np.sqrt(v_hat) + eps)
+    else:
+        step = m_hat / (np.sqrt(v_hat) + eps)
+    momentum, velocity = adam_front.keras_slots(m, v, units, iteration)
+    keras_v_hat = velocity / (1 - b2 ** iteration)
+    keras_m_hat = momentum / (1 - b1 ** iteration)
+    np.testing.assert_allclose(keras_v_hat, v_hat, rtol=1e-9)
+    np.testing.assert_allclose(keras_m_hat, m_hat, rtol=1e-9)
+    np.testing.assert_allclose(keras_m_hat / (np.sqrt(keras_v_hat) + eps), step, rtol=1e-9)
