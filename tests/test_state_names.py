@@ -364,3 +364,17 @@ def test_keras_slots_hold_the_fronts_estimates(variance, iteration):
     np.testing.assert_allclose(keras_v_hat, v_hat, rtol=1e-9)
     np.testing.assert_allclose(keras_m_hat, m_hat, rtol=1e-9)
     np.testing.assert_allclose(keras_m_hat / (np.sqrt(keras_v_hat) + eps), step, rtol=1e-9)
+
+
+def test_an_older_record_guessed_to_have_stepped_short_of_the_update_count_is_said(caplog):
+    # A record of before `takes_steps` is guessed from its steps (> 0: the fronts stepped);
+    # 53 of 60 updates says so in one line; all 60, nothing to say.
+    from tfpar.compression import adam_front
+    for steps, said in ((53, True), (60, False)):
+        caplog.clear()
+        units = adam_front.moment_units("local", 50, 0, steps, (0.9, 0.999, 1e-7))
+        with caplog.at_level("WARNING"):
+            _, placed = _moved_into_keras(_FrontReader(units))
+        assert "codec/a/kernel/adam_m" in placed
+        assert any("predates takes_steps" in r.getMessage() and "53 steps" in r.getMessage()
+                   for r in caplog.records) == said

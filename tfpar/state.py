@@ -54,8 +54,10 @@ piece of state is named as in the single-device model and saved as one full tens
   bias-corrected estimates (`adam_front.keras_slots`; Keras's own slots of such a run
   hold zeros); the reverse, Keras's slots into Adam in front (`adam_front.front_moments`),
   its counter set to the update count: from a checkpoint of Keras's Adam, or of fronts
-  that did not take the steps (their moments zero, Keras's slots holding Adam's; an older
-  record says so by 0 steps). Without the record the moments are named in one line and
+  that did not take the steps (their moments zero, Keras's slots holding Adam's). An older
+  record, without `takes_steps`, is guessed from its steps: 0, the fronts did not step; more,
+  they did (said in one line where its steps fall short of the update count: fronts that
+  stepped part of the run, or a guess to check). Without the record the moments are named in one line and
   Keras's Adam takes the checkpoint's own slots, as before the record existed.
 - `meta/accumulation`: the writer's `gradient_accumulation_steps` K (1 without). The
   update count is `optimizer/iteration` (micro-batches) // the writer's K: what the
@@ -336,6 +338,15 @@ class LayoutState(patches.Trackable):
         record = (json.loads(reader.get_tensor(key(ADAM_UNITS)).decode())
                   if reader.has_tensor(key(ADAM_UNITS)) else None)
         placed, untaken = set(), set()
+        if (held and record is not None and "takes_steps" not in record
+                and "optimizer/iteration" in saved):
+            updates = _update_steps(self._model, reader.get_tensor(saved["optimizer/iteration"]),
+                                    reader)
+            if 0 < record["steps"] < updates:
+                logging.warning("tfpar: checkpoint %s: its record of Adam in front of the codec "
+                                "predates takes_steps; guessed from its %d steps that the fronts "
+                                "took the steps, though the update count is %d", name,
+                                record["steps"], updates)
         if held and record is not None and not record.get("takes_steps", record["steps"] > 0):
             # The writer's fronts never stepped (one replica: Keras's Adam did, its slots
             # hold the moments; an older record says so by 0 steps): read as Keras's Adam's.
