@@ -378,3 +378,53 @@ def test_an_older_record_guessed_to_have_stepped_short_of_the_update_count_is_sa
         assert "codec/a/kernel/adam_m" in placed
         assert any("predates takes_steps" in r.getMessage() and "53 steps" in r.getMessage()
                    for r in caplog.records) == said
+
+
+class _WithFront:
+    """Checkpoint reader `inner` (Keras's Adam's) as a run with Adam in front of its codec
+    (local `v`, warm-up 10, past it) would have written it: each weight's moments as the
+    front's rows (`front_moments` of Keras's slots), their record, Keras's slots zero."""
+
+    def __init__(self, inner, steps):
+        import json
+
+        from tfpar.compression import adam_front
+        self.inner, self.extra, self.zero = inner, {}, set()
+        units = adam_front.moment_units("local", 10, 0, steps, (0.9, 0.999, 1e-7))
+        self.extra[state.key(state.ADAM_UNITS)] = json.dumps(
+            {**units, "takes_steps": True}).encode()
+        for path in ("m/d/kernel", "m/d/bias"):
+            slots = [inner.get_tensor(state.key(f"optimizer/{path}/{s}"))
+                     for s in ("momentum", "velocity")]
+            for k, value in zip("mv", adam_front.front_moments(*slots, units, steps)):
+                self.extra[state.key(f"codec/{path}/adam_{k}")] = value[None]
+            self.zero |= {state.key(f"optimizer/{path}/{s}") for s in ("momentum", "velocity")}
+
+    def get_variable_to_shape_map(self):
+        return {**self.inner.get_variable_to_shape_map(),
+                **{k: np.shape(v) for k, v in self.extra.items()}}
+
+    def get_tensor(self, key):
+        if key in self.extra:
+            return self.extra[key]
+        value = self.inner.get_tensor(key)
+        return np.zeros_like(value) if key in self.zero else value
+
+    def has_tensor(self, key):
+        return key in self.extra or self.inner.has_tensor(key)
+
+
+def test_front_moments_into_keras_adam_of_another_accumulation_steps(tmp_path, monkeypatch):
+    # Adam in front's moments after 30 updates of gradient_accumulation_steps 2 (60
+    # micro-batches), into Keras's Adam without accumulation: the slots at 30 updates and
+    # Keras's raw count 30, so its 31st step is the uninterrupted run's (before: raw 60).
+    import tensorflow as tf
+    gradients = _gradients(31)
+    _, path = _adam_run(2, gradients[:30], tmp_path)
+    real = tf.train.load_checkpoint(path)
+    monkeypatch.setattr(tf.train, "load_checkpoint", lambda p: _WithFront(real, 30))
+    resumed, _ = _adam_run(1, gradients[30:], load=path)
+    uninterrupted, _ = _adam_run(1, gradients)
+    before, _ = _adam_run(1, gradients[:30])
+    for w, u, b in zip(resumed, uninterrupted, before):
+        np.testing.assert_allclose(w - b, u - b, rtol=1e-4, atol=1e-7)
