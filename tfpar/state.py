@@ -54,15 +54,18 @@ piece of state is named as in the single-device model and saved as one full tens
   bias-corrected estimates (`adam_front.keras_slots`; Keras's own slots of such a run
   hold zeros); the reverse, Keras's slots into Adam in front (`adam_front.front_moments`),
   its counter set to the update count: from a checkpoint of Keras's Adam, or of fronts
-  that did not take the steps (their moments zero, Keras's slots holding Adam's). An older
-  record, without `takes_steps`, is guessed from its steps: 0, the fronts did not step; more,
-  they did (said in one line where its steps fall short of the update count: fronts that
-  stepped part of the run, or a guess to check). Without the record the moments are named in one line and
-  Keras's Adam takes the checkpoint's own slots, as before the record existed.
+  that did not take the steps (their moments zero, Keras's slots holding Adam's). An
+  older record, without `takes_steps`, is guessed from its steps: 0, the fronts did not
+  step; more, they did (said in one line where its steps fall short of the update count:
+  fronts that stepped part of the run, or a guess to check). Without the record the
+  moments are named in one line and Keras's Adam takes the checkpoint's own slots, as
+  before the record existed.
 - `meta/accumulation`: the writer's `gradient_accumulation_steps` K (1 without). The
   update count is `optimizer/iteration` (micro-batches) // the writer's K: what the
   moments above were bias-corrected with and a codec's step counter counted (a checkpoint
-  without it: this run's K).
+  without it: this run's K). Read with another K, `optimizer/iteration` is set to the
+  update count × this run's K (said in one line), where Keras's Adam continues at the
+  update count; a checkpoint of K 1 owes no gradient accumulators.
 
 On one replica nothing is compressed, so no step would send a debt loaded from more
 replicas: tf.distribute's aggregator (and ZeRO 1/2's) pays its residuals, their sum, into
