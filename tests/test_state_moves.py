@@ -271,3 +271,44 @@ def test_debt_loaded_after_the_step_was_traced_is_paid():
     for w, v in zip(paid.trainable_weights, plain.trainable_weights):
         np.testing.assert_allclose(np.asarray(w), np.asarray(v), rtol=0, atol=1e-6,
                                    err_msg=w.path)
+
+
+def test_debt_of_an_unused_layer_stays_owed():
+    # A subclassed model with a Dense its call never uses (Keras drops its None gradients),
+    # int8 on one replica, loading a debt for both: the step pays the used layer's, keeps
+    # the unused one's residual and the flag (before: the flag cleared, that residual never
+    # paid in this process and saved on as if owed by nothing).
+    import keras
+
+    import tfpar
+    from tfpar import state
+    from tfpar.compression import keras_hook
+
+    class Unused(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.used = keras.layers.Dense(3, name="used")
+            self.unused = keras.layers.Dense(3, name="unused")
+
+        def call(self, x):
+            return self.used(x)
+
+    keras.utils.set_random_seed(0)
+    model = Unused()
+    model.compile(optimizer=tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                       compression="int8"), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(2, 8, 4)).astype("float32"), rng.normal(size=(2, 8, 3))
+    model(x[0])
+    model.unused(x[0])
+    model.fit(x[0], y[0], batch_size=8, verbose=0)
+    aggregator = keras_hook.aggregator_of(model.optimizer)
+    unused = {str(aggregator.position_of(w)) for w in model.unused.trainable_weights}
+    assert unused <= set(aggregator.residuals)
+    for residual in aggregator.residuals.values():
+        residual.assign(np.ones(residual.shape, "float32"))
+    state._owe_on_one_replica(model, "ckpt-1")
+    model.fit(x[1], y[1], batch_size=8, verbose=0)
+    for position, residual in aggregator.residuals.items():
+        assert np.all(np.asarray(residual) == (1.0 if position in unused else 0.0)), position
+    assert bool(np.asarray(aggregator.debt_owed))

@@ -262,3 +262,169 @@ def test_fronts_that_never_stepped_take_keras_moments():
         np.testing.assert_allclose(given["adam_m"][0], m, rtol=1e-6)
         np.testing.assert_allclose(given["adam_v"][0], v, rtol=1e-6)
         assert {"codec/a/kernel/adam_m", "codec/a/kernel/step"} <= placed
+
+
+def _adam_run(accumulation, gradients, tmp_path=None, load=None):
+    """A Dense(1)'s weights after Keras's real Adam (gradient_accumulation_steps
+    `accumulation`, 1: none) applied `gradients` (each weight's, one per update, given to
+    every micro-batch of it: the update's mean is that gradient); with `load`, from that
+    checkpoint first; with `tmp_path`, written there after: (weights, checkpoint path)."""
+    import tensorflow as tf
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")],
+                             name="m")
+    adam = keras.optimizers.Adam(0.1, gradient_accumulation_steps=accumulation if
+                                 accumulation > 1 else None)
+    model.compile(optimizer=adam, loss="mse")
+    adam.build(model.trainable_variables)
+    if load is not None:
+        state.LayoutState(model).load(load)
+    for gradient in gradients:
+        for _ in range(accumulation):
+            adam.apply_gradients(zip([tf.constant(g, tf.float32) for g in gradient],
+                                     model.trainable_variables))
+    path = None
+    if tmp_path is not None:
+        path = tf.train.Checkpoint(state=state.LayoutState(model)).write(
+            str(tmp_path / f"k{accumulation}"))
+    return [w.numpy() for w in model.trainable_variables], path
+
+
+def _gradients(n):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(2, 1)), rng.normal(size=(1,))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("writer,reader", [(2, 1), (1, 2), (2, 3)])
+def test_keras_adam_resumed_with_another_accumulation_steps_as_uninterrupted(
+        tmp_path, writer, reader, caplog):
+    # 30 updates under the writer's gradient_accumulation_steps, the 31st under the
+    # reader's: the step Keras's Adam takes is the uninterrupted run's (before: its raw
+    # count loaded as saved, Keras's Adam bias-corrected at 60 // 1 or 30 // 2 updates).
+    gradients = _gradients(31)
+    _, path = _adam_run(writer, gradients[:30], tmp_path)
+    with caplog.at_level("WARNING"):
+        resumed, _ = _adam_run(reader, gradients[30:], load=path)
+    uninterrupted, _ = _adam_run(1, gradients)
+    before, _ = _adam_run(1, gradients[:30])
+    for w, u, b in zip(resumed, uninterrupted, before):
+        np.testing.assert_allclose(w - b, u - b, rtol=1e-4, atol=1e-7)
+    assert any("gradient_accumulation_steps" in r.getMessage() for r in caplog.records)
+
+
+def test_loaded_debt_of_a_weight_without_a_gradient_stays_owed():
+    # One replica's debt loaded from more (`debt_owed`) for two weights; the first applied
+    # step has no gradient of the second (Keras drops None gradients, as for an unused
+    # layer of a subclassed model): it pays the first, and the flag stays set until a step
+    # with the second's gradient pays it (before: cleared, the second never paid).
+    import types
+
+    import tensorflow as tf
+
+    from tfpar.compression import keras_hook
+    weights = [tf.Variable(tf.zeros(2)), tf.Variable(tf.zeros(3))]
+    residuals = {"0": tf.Variable([1.0, 2.0]), "1": tf.Variable([3.0, 4.0, 5.0])}
+    aggregator = types.SimpleNamespace(
+        debt_owed=tf.Variable(True), residuals=residuals,
+        position_of=lambda v: next(i for i, w in enumerate(weights) if w is v))
+    first = keras_hook.pay_debt(aggregator, [(tf.ones(2), weights[0])])
+    np.testing.assert_allclose(first[0][0], [2.0, 3.0])
+    assert bool(aggregator.debt_owed.numpy())
+    np.testing.assert_allclose(residuals["0"].numpy(), 0.0)
+    np.testing.assert_allclose(residuals["1"].numpy(), [3.0, 4.0, 5.0])
+    second = keras_hook.pay_debt(aggregator, [(tf.ones(2), weights[0]),
+                                              (tf.ones(3), weights[1])])
+    np.testing.assert_allclose(second[0][0], [1.0, 1.0])
+    np.testing.assert_allclose(second[1][0], [4.0, 5.0, 6.0])
+    assert not bool(aggregator.debt_owed.numpy())
+    third = keras_hook.pay_debt(aggregator, [(tf.ones(3), weights[1])])
+    np.testing.assert_allclose(third[0][0], 1.0)
+
+
+@pytest.mark.parametrize("variance,iteration", [("local_debiased", 53), ("local", 53),
+                                                ("frozen", 53), ("local", 60)])
+def test_keras_slots_hold_the_fronts_estimates(variance, iteration):
+    # Independent of `front_moments` (a factor wrong in both would cancel in a round trip):
+    # Keras's slots at `iteration` give the front's own estimates, from the formulas of the
+    # front's step (`adam_front.denominator`: a step is m̂ / (√v̂ + ε), m̂ = m / (1 − β₁ᵗ)
+    # in the gradient's units, m / s scaled): the same v̂, the same m̂, the same step.
+    from tfpar.compression import adam_front
+    b1, b2, eps = 0.9, 0.999, 1e-7
+    units = adam_front.moment_units(variance, 50, 0, 53, (b1, b2, eps))
+    m, v = np.array([[0.3, -2.0, 1e-4]]), np.array([[0.04, 9.0, 1e-9]])
+    v_hat = v[0] / (1 - b2 ** units["v_steps"])
+    m_hat = m[0] / (1 - b1 ** 53)
+    if units["m"] == "scaled":  # the front's step is m̂ itself, in the scaled units
+        step, m_hat = m_hat, m_hat * (np.sqrt(v_hat) + eps)
+    else:
+        step = m_hat / (np.sqrt(v_hat) + eps)
+    momentum, velocity = adam_front.keras_slots(m, v, units, iteration)
+    keras_v_hat = velocity / (1 - b2 ** iteration)
+    keras_m_hat = momentum / (1 - b1 ** iteration)
+    np.testing.assert_allclose(keras_v_hat, v_hat, rtol=1e-9)
+    np.testing.assert_allclose(keras_m_hat, m_hat, rtol=1e-9)
+    np.testing.assert_allclose(keras_m_hat / (np.sqrt(keras_v_hat) + eps), step, rtol=1e-9)
+
+
+def test_an_older_record_guessed_to_have_stepped_short_of_the_update_count_is_said(caplog):
+    # A record of before `takes_steps` is guessed from its steps (> 0: the fronts stepped);
+    # 53 of 60 updates says so in one line; all 60, nothing to say.
+    from tfpar.compression import adam_front
+    for steps, said in ((53, True), (60, False)):
+        caplog.clear()
+        units = adam_front.moment_units("local", 50, 0, steps, (0.9, 0.999, 1e-7))
+        with caplog.at_level("WARNING"):
+            _, placed = _moved_into_keras(_FrontReader(units))
+        assert "codec/a/kernel/adam_m" in placed
+        assert any("predates takes_steps" in r.getMessage() and "53 steps" in r.getMessage()
+                   for r in caplog.records) == said
+
+
+class _WithFront:
+    """Checkpoint reader `inner` (Keras's Adam's) as a run with Adam in front of its codec
+    (local `v`, warm-up 10, past it) would have written it: each weight's moments as the
+    front's rows (`front_moments` of Keras's slots), their record, Keras's slots zero."""
+
+    def __init__(self, inner, steps):
+        import json
+
+        from tfpar.compression import adam_front
+        self.inner, self.extra, self.zero = inner, {}, set()
+        units = adam_front.moment_units("local", 10, 0, steps, (0.9, 0.999, 1e-7))
+        self.extra[state.key(state.ADAM_UNITS)] = json.dumps(
+            {**units, "takes_steps": True}).encode()
+        for path in ("m/d/kernel", "m/d/bias"):
+            slots = [inner.get_tensor(state.key(f"optimizer/{path}/{s}"))
+                     for s in ("momentum", "velocity")]
+            for k, value in zip("mv", adam_front.front_moments(*slots, units, steps)):
+                self.extra[state.key(f"codec/{path}/adam_{k}")] = value[None]
+            self.zero |= {state.key(f"optimizer/{path}/{s}") for s in ("momentum", "velocity")}
+
+    def get_variable_to_shape_map(self):
+        return {**self.inner.get_variable_to_shape_map(),
+                **{k: np.shape(v) for k, v in self.extra.items()}}
+
+    def get_tensor(self, key):
+        if key in self.extra:
+            return self.extra[key]
+        value = self.inner.get_tensor(key)
+        return np.zeros_like(value) if key in self.zero else value
+
+    def has_tensor(self, key):
+        return key in self.extra or self.inner.has_tensor(key)
+
+
+def test_front_moments_into_keras_adam_of_another_accumulation_steps(tmp_path, monkeypatch):
+    # Adam in front's moments after 30 updates of gradient_accumulation_steps 2 (60
+    # micro-batches), into Keras's Adam without accumulation: the slots at 30 updates and
+    # Keras's raw count 30, so its 31st step is the uninterrupted run's (before: raw 60).
+    import tensorflow as tf
+    gradients = _gradients(31)
+    _, path = _adam_run(2, gradients[:30], tmp_path)
+    real = tf.train.load_checkpoint(path)
+    monkeypatch.setattr(tf.train, "load_checkpoint", lambda p: _WithFront(real, 30))
+    resumed, _ = _adam_run(1, gradients[30:], load=path)
+    uninterrupted, _ = _adam_run(1, gradients)
+    before, _ = _adam_run(1, gradients[:30])
+    for w, u, b in zip(resumed, uninterrupted, before):
+        np.testing.assert_allclose(w - b, u - b, rtol=1e-4, atol=1e-7)

@@ -54,13 +54,18 @@ piece of state is named as in the single-device model and saved as one full tens
   bias-corrected estimates (`adam_front.keras_slots`; Keras's own slots of such a run
   hold zeros); the reverse, Keras's slots into Adam in front (`adam_front.front_moments`),
   its counter set to the update count: from a checkpoint of Keras's Adam, or of fronts
-  that did not take the steps (their moments zero, Keras's slots holding Adam's; an older
-  record says so by 0 steps). Without the record the moments are named in one line and
-  Keras's Adam takes the checkpoint's own slots, as before the record existed.
+  that did not take the steps (their moments zero, Keras's slots holding Adam's). An
+  older record, without `takes_steps`, is guessed from its steps: 0, the fronts did not
+  step; more, they did (said in one line where its steps fall short of the update count:
+  fronts that stepped part of the run, or a guess to check). Without the record the
+  moments are named in one line and Keras's Adam takes the checkpoint's own slots, as
+  before the record existed.
 - `meta/accumulation`: the writer's `gradient_accumulation_steps` K (1 without). The
   update count is `optimizer/iteration` (micro-batches) // the writer's K: what the
   moments above were bias-corrected with and a codec's step counter counted (a checkpoint
-  without it: this run's K).
+  without it: this run's K). Read with another K, `optimizer/iteration` is set to the
+  update count × this run's K (said in one line), where Keras's Adam continues at the
+  update count; a checkpoint of K 1 owes no gradient accumulators.
 
 On one replica nothing is compressed, so no step would send a debt loaded from more
 replicas: tf.distribute's aggregator (and ZeRO 1/2's) pays its residuals, their sum, into
@@ -158,6 +163,28 @@ def _update_steps(model, iteration, reader=None):
     accumulation = (int(reader.get_tensor(key(ACCUMULATION))) if written
                     else accumulation_of(model))
     return int(iteration) // max(1, accumulation)
+
+
+def _rescale_iteration(model, reader, saved, entries, path):
+    """Keras's raw `optimizer/iteration` counts micro-batches of its K: a checkpoint of
+    another K (`meta/accumulation`) takes its updates × this run's K, so that Keras's Adam
+    (`iterations` = raw // K) bias-corrects at the updates the moments hold, and a learning
+    rate schedule (Keras reads the raw count) sees what a run of this K would have. A
+    checkpoint without the record is read at this run's K."""
+    if ("optimizer/iteration" not in entries or "optimizer/iteration" not in saved
+            or not reader.has_tensor(key(ACCUMULATION))):
+        return
+    written, here = int(reader.get_tensor(key(ACCUMULATION))), accumulation_of(model)
+    if written == here:
+        return
+    raw = int(reader.get_tensor(saved["optimizer/iteration"]))
+    updates = raw // max(1, written)
+    entries["optimizer/iteration"][1](np.int64(updates * here))
+    logging.warning("tfpar: checkpoint %s: written with gradient_accumulation_steps %d, "
+                    "read with %d: optimizer/iteration %d (%d updates) set to %d%s",
+                    os.path.basename(path), written, here, raw, updates, updates * here,
+                    " (its unfinished accumulation of %d micro-batches kept in Keras's "
+                    "accumulators)" % (raw % written) if raw % written else "")
 
 
 class LayoutState(patches.Trackable):
@@ -270,8 +297,13 @@ class LayoutState(patches.Trackable):
         # writer's codec sent that tensor exactly: PowerSGD's vectors on tf.distribute);
         # otherwise a name it lacks is a mismatch. A step counter is never owed.
         kinds = {_kind(n) for n in saved if n.startswith(_OPTIONAL_PREFIX)}
+        # Keras's gradient accumulators (this run's K > 1) are zero at an update: a
+        # checkpoint written without accumulation (its record: K 1) owes none.
+        unaccumulated = (reader.has_tensor(key(ACCUMULATION))
+                         and int(reader.get_tensor(key(ACCUMULATION))) == 1)
         missing = sorted(n for n in set(entries) - set(saved) - set(_OPTIONAL)
-                         if not (n.startswith(_OPTIONAL_PREFIX)
+                         if not (unaccumulated and n.endswith("/gradient_accumulator"))
+                         and not (n.startswith(_OPTIONAL_PREFIX)
                                  and (_kind(n) not in kinds or _kind(n) in _NOT_OWED)))
         if missing:
             raise ValueError(f"no {missing[0]} in it" + (
@@ -290,6 +322,7 @@ class LayoutState(patches.Trackable):
                 written = units or ("share" if saved[name] != key(name) else "replica")
                 value = _convert_rows(value, written, self._units[name])
             write(value)
+        _rescale_iteration(self._model, reader, saved, entries, path)
         if _OPTIONAL_PREFIX.startswith(only):
             placed = self._adam_moves(reader, saved, entries, path)
             self._codec_moves(reader, saved, entries, path, kinds, placed)
@@ -308,6 +341,15 @@ class LayoutState(patches.Trackable):
         record = (json.loads(reader.get_tensor(key(ADAM_UNITS)).decode())
                   if reader.has_tensor(key(ADAM_UNITS)) else None)
         placed, untaken = set(), set()
+        if (held and record is not None and "takes_steps" not in record
+                and "optimizer/iteration" in saved):
+            updates = _update_steps(self._model, reader.get_tensor(saved["optimizer/iteration"]),
+                                    reader)
+            if 0 < record["steps"] < updates:
+                logging.warning("tfpar: checkpoint %s: its record of Adam in front of the codec "
+                                "predates takes_steps; guessed from its %d steps that the fronts "
+                                "took the steps, though the update count is %d", name,
+                                record["steps"], updates)
         if held and record is not None and not record.get("takes_steps", record["steps"] > 0):
             # The writer's fronts never stepped (one replica: Keras's Adam did, its slots
             # hold the moments; an older record says so by 0 steps): read as Keras's Adam's.

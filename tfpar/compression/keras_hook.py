@@ -122,19 +122,25 @@ def pay_debt(aggregator, grads_and_vars):
     weight's gradient; where the step is applied the residuals then turn zero and the flag
     clears. A step whose gradients are not finite (skipped by `--on_nan=skip_step`,
     `tfpar.nan_guard`, by the same test: the sum of every gradient finite) keeps both, so
-    the next applied step pays. (fp16's loss scaling never calls this on an overflowing
+    the next applied step pays; a residual of a weight without a gradient on that step
+    (Keras drops None gradients) keeps the flag set until a step with its gradient pays it
+    too. (fp16's loss scaling never calls this on an overflowing
     step: Keras skips the whole update.) Each residual is in the gradient's units there
     (Keras divides by 1 replica), its row the saved rows' sum (`tfpar.state`)."""
     flag = getattr(aggregator, "debt_owed", None)
     if flag is None:
         return grads_and_vars
-    owed = {}
+    owed, paying = {}, set()
     for j, (g, v) in enumerate(grads_and_vars):
         position = aggregator.position_of(v)
         residual = (aggregator.residuals.get(str(position)) if position is not None
                     else None)
         if g is not None and residual is not None:
             owed[j] = residual
+            paying.add(str(position))
+    # Residuals of weights without a gradient this step (Keras drops None gradients): not
+    # paid here, so the flag stays set while one of them holds a debt.
+    waiting = [r for k, r in aggregator.residuals.items() if k not in paying]
     if not owed:
         return grads_and_vars
     grads = [g for g, _ in grads_and_vars]
@@ -162,7 +168,10 @@ def pay_debt(aggregator, grads_and_vars):
             + [tf.reduce_sum(tf.cast(x, tf.float32)) for x in others]))
         writes = [r.assign(tf.where(applied, tf.zeros_like(debts[j]), debts[j]))
                   for j, r in owed.items()]
-        writes.append(flag.assign(tf.logical_not(applied)))
+        unpaid = tf.reduce_any([tf.reduce_any(tf.not_equal(tf.convert_to_tensor(r), 0))
+                                for r in waiting]
+                               or [tf.constant(False)])
+        writes.append(flag.assign(tf.logical_or(tf.logical_not(applied), unpaid)))
         with tf.control_dependencies(writes):
             return [tf.identity(x) for p in paid for x in p]
 
