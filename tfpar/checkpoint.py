@@ -225,8 +225,9 @@ class Checkpointer(keras.callbacks.Callback):
                                   [{"step": 0, **self._world}])
         step = self._step
         prefix = os.path.join(self._write_dir, f"ckpt-{step}")  # absolute, as the directory
-        timed, cost = checkpoint_writer.Costs.timed, self.costs.new(step)
+        timed = checkpoint_writer.Costs.timed
         if self._writer is None:
+            cost = self.costs.new(step)
             faults.pause_in_save(step, "before_writing")
             # Write callbacks run after the files are written, before the state file
             # names them.
@@ -235,8 +236,11 @@ class Checkpointer(keras.callbacks.Callback):
             timed(cost, "save", lambda: self._manager.save(checkpoint_number=step,
                                                            options=options))
             self._written()
+            self.costs.done(cost)
             return
         self._writer.wait()  # one write in flight at most
+        # After the wait: a failed previous write raises there, and this save never starts.
+        cost = self.costs.new(step)
         self._checkpoint.save_counter.assign_add(1)  # as the manager's save does
         # The only blocking part.
         batched = self._snapshot_cache.get("batched", 0)
@@ -254,7 +258,11 @@ class Checkpointer(keras.callbacks.Callback):
             self._written()
             # the next save's reads
             timed(cost, "trace", patches.trace_checkpoint_reads, self._snapshot_cache)
-        self._writer.submit(step, lambda: timed(cost, "writer", write))
+
+        def write_and_account():
+            timed(cost, "writer", write)
+            self.costs.done(cost)  # complete: every phase, the writer's whole included
+        self._writer.submit(step, write_and_account)
 
     def wait(self):
         """Returns once the newest save is published (at once for a synchronous save).

@@ -89,18 +89,47 @@ class Costs:
     """What the saves cost, per phase: `records` holds the newest saves' (`MAX` of them)
     `{"step", "<phase>_cpu_ms", "<phase>_ms"}`, each phase's CPU time in the thread that
     ran it (`time.thread_time`) and its wall time (an async save's also `batched_reads`:
-    its variables read in one call). `tools/bench_checkpoint.py` reads them."""
+    its variables read in one call). `tools/bench_checkpoint.py` reads them.
+
+    A record is complete when it is in `records`: `done` appends it once its save is
+    published (a synchronous save's on return, an asynchronous one's at the end of the
+    writer thread, so after `Checkpointer.wait()`); a save that failed leaves none.
+    `count` is the number of records ever appended: `since(count)` gives the ones
+    appended after it, or refuses if older ones were dropped to keep `MAX`."""
 
     MAX = 64
 
     def __init__(self):
         self.records = collections.deque(maxlen=self.MAX)
+        self.count = 0
+        self._lock = threading.Lock()  # the writer thread appends, training reads
 
-    def new(self, step):
-        """A record for step `step`'s save, appended now, filled by `timed`."""
-        record = {"step": step}
-        self.records.append(record)
-        return record
+    @staticmethod
+    def new(step):
+        """A record for step `step`'s save, filled by `timed`, not in `records` until
+        `done`."""
+        return {"step": step}
+
+    def done(self, record):
+        """Appends `record`, complete: its save is published."""
+        with self._lock:
+            self.records.append(record)
+            self.count += 1
+
+    def since(self, count):
+        """The records appended after `count` were (`count` read from `self.count`
+        before), oldest first.
+
+        Raises:
+            TfparError: more were appended since than `MAX` keeps.
+        """
+        with self._lock:
+            new = self.count - count
+            if new > len(self.records):
+                raise TfparError(f"{new} saves since count {count}, only the newest "
+                                 f"{self.MAX} are kept: read them every {self.MAX} saves "
+                                 "at most")
+            return list(self.records)[len(self.records) - new:]
 
     @staticmethod
     def timed(record, phase, function, *args):

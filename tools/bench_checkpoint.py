@@ -21,7 +21,8 @@ threads: the writer's and the kernel's work for this process included) and its o
 against `none`; per save, each phase's CPU and wall time in the thread that ran it
 (`Checkpointer.costs`: `snapshot`, the step's blocking part; `write`, TensorFlow's writer;
 `manifest`, sizes and CRC32; `publish`; `writer`, the async thread's whole work; `save`, a
-synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`); the
+synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
+unknown, `?`, when the checkpoints' directory is on tmpfs, whose writes it never counts); the
 Python garbage collector's time; and whether a save slows the steps after it:
 `lost_after_ms`, the excess over the 20 steps before a save of steps 1–10 and 11–40 after
 it, and `lost_after_cpu_ms` the same in the process's CPU time (the writer thread's work
@@ -100,8 +101,35 @@ class GcClock:
         gc.callbacks.remove(self)
 
 
-def written_bytes():
-    """The bytes this process has caused to be written to storage (Linux), or None."""
+# File systems in memory: `/proc/self/io`'s write_bytes never counts their writes.
+MEMORY_FS = ("tmpfs", "ramfs")
+
+
+def file_system(path):
+    """The type of the file system `path` is on (from /proc/mounts, Linux), or None."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
+def written_bytes(folder):
+    """The bytes this process has caused to be written to storage (Linux), or None:
+    unknown, also when `folder` is in memory (tmpfs: its writes reach no storage, so they
+    would read as 0)."""
+    if file_system(folder) in MEMORY_FS:
+        return None
     try:
         with open("/proc/self/io") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
@@ -125,13 +153,13 @@ def lost_after(ends, positions, before=20, windows=((1, 10), (11, 40))):
     return out
 
 
-def segment(fit, checkpointer, steps):
-    """Trains `steps` steps with `fit(steps, callbacks)`; returns (seconds for steps 2..end
-    plus the wait for the last write, [seconds each save blocked], the rest of what was
-    measured as a dict)."""
+def segment(fit, checkpointer, steps, folder):
+    """Trains `steps` steps with `fit(steps, callbacks)` (the checkpoints under `folder`);
+    returns (seconds for steps 2..end plus the wait for the last write, [seconds each save
+    blocked], the rest of what was measured as a dict)."""
     clock = timed(checkpointer)
-    first = len(checkpointer.costs.records) if checkpointer is not None else 0
-    wrote = written_bytes()
+    first = checkpointer.costs.count if checkpointer is not None else 0
+    wrote = written_bytes(folder)
     with GcClock() as collector:
         fit(steps, [clock])
         began = time.perf_counter()
@@ -140,7 +168,7 @@ def segment(fit, checkpointer, steps):
         waited = time.perf_counter() - began
         cpu = time.process_time() - clock.cpu_ends[0]
     seconds = clock.ends[-1] - clock.ends[0] + waited
-    wrote = written_bytes() - wrote if wrote is not None else None
+    wrote = written_bytes(folder) - wrote if wrote is not None else None
     # The save's files on disk before the next segment (outside the timed window).
     began = time.perf_counter()
     os.sync()
@@ -149,8 +177,7 @@ def segment(fit, checkpointer, steps):
     positions = clock.saved_at or list(range(EVERY // 2 - 1, steps, EVERY))
     extra = {"cpu_ms_per_step": 1000 * cpu / (steps - 1),
              "save_cpu_ms": [1000 * c for c in clock.save_cpu],
-             "costs": (list(checkpointer.costs.records)[first:]
-                       if checkpointer is not None else []),
+             "costs": checkpointer.costs.since(first) if checkpointer is not None else [],
              "written_mib": wrote / 2 ** 20 if wrote is not None else None,
              "gc_ms": 1000 * collector.seconds, "gc_collections": collector.collections,
              "sync_ms": 1000 * synced,
@@ -178,6 +205,10 @@ def main():
     args = p.parse_args()
     if args.segment % EVERY or args.segment < 2 * EVERY:
         p.error(f"--segment must be a multiple of {EVERY}, at least {2 * EVERY}")
+    from tfpar.checkpoint_writer import Costs
+    if args.segment // EVERY > Costs.MAX:
+        p.error(f"--segment={args.segment}: {args.segment // EVERY} saves a segment, "
+                f"Checkpointer.costs keeps {Costs.MAX}; use at most {Costs.MAX * EVERY}")
     from tfpar import ParallelConfig, backends, data
     from tfpar.checkpoint import Checkpointer
 
@@ -224,7 +255,8 @@ def main():
             order = SIDES[turn:] + SIDES[:turn]
             row = {"load": load, "order": list(order)}
             for side in order:
-                seconds, blocked, extra = segment(fit, checkpointers[side], args.segment)
+                seconds, blocked, extra = segment(fit, checkpointers[side], args.segment,
+                                                 folder)
                 row[side] = {"ms_per_step": 1000 * seconds / (args.segment - 1),
                              "blocked_ms": [1000 * b for b in blocked], **extra}
             for side in ("sync", "async"):
