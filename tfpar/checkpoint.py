@@ -214,6 +214,10 @@ class Checkpointer(keras.callbacks.Callback):
         called)."""
         if self._step == self._saved:
             return
+        if self._writer is not None:
+            # A failed previous write raises here, before this step counts as saved (a
+            # later save of the same step must not return at once).
+            self._writer.wait()
         self._saved = self._step
         self.step.assign(self._step)
         if self._is_chief:
