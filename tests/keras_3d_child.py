@@ -84,11 +84,12 @@ def data(steps=STEPS, seed=0):
     return x, x[:, :CLASSES].argmax(1).astype("int32")
 
 
-def distribution(axes=("stage", "batch", "model"), schedule="1f1b", microbatches=4):
+def distribution(axes=("stage", "batch", "model"), schedule="1f1b", microbatches=4,
+                 layouts=LAYOUTS):
     mesh = keras.distribution.DeviceMesh((2, 2, 2), list(axes),
                                          keras.distribution.list_devices())
     layout_map = keras.distribution.LayoutMap(mesh)
-    for key, value in LAYOUTS.items():
+    for key, value in layouts.items():
         layout_map[key] = value
     return layout.PipelineParallel(layout_map=layout_map, microbatches=microbatches,
                                    schedule=schedule)
@@ -605,6 +606,125 @@ def guards():
     return out
 
 
+class Factored(keras.layers.Layer):
+    """A user's layer whose weight `y_kernel` Keras names a slot of `x_y_kernel_...`
+    when the layer is "x", as a Dense "x_y"'s kernel's."""
+
+    def build(self, shape):
+        self.w = self.add_weight(name="y_kernel", shape=(shape[-1], 8))
+
+    def call(self, x):
+        return x @ self.w
+
+
+def _nested(seed=0):
+    """Two nested models, each with a Dense "proj" (the slots' names collide)."""
+    keras.utils.set_random_seed(seed)
+
+    def block(name):
+        inputs = keras.Input((FEATURES,))
+        return keras.Model(inputs, keras.layers.Dense(FEATURES, activation="relu",
+                                                      name="proj")(inputs), name=name)
+
+    inputs = keras.Input((FEATURES,))
+    h = block("block2")(block("block1")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+
+
+def _colliding(seed=0):
+    """A (12, 8) kernel "x/y_kernel" beside a Dense "x_y" (Adafactor factors both and
+    names the factors by the weights' bare names)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    h = Factored(name="x")(inputs)
+    h = keras.layers.Dense(8, name="x_y")(h)
+    h = keras.layers.Dense(8, name="mid")(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+
+
+class Flagged(keras.layers.Layer):
+    """Assigns its non-trainable counter in a training call while `update` is set."""
+    update = True
+
+    def build(self, shape):
+        self.count = self.add_weight(name="count", shape=(), initializer="zeros",
+                                     trainable=False)
+
+    def call(self, x, training=False):
+        if training and Flagged.update:
+            self.count.assign_add(1.0)
+        return x
+
+
+def slots():
+    """The stage optimizers' slots paired with the model's by weight, not by name: two
+    fits of one epoch equal one of two epochs (and one device); the saved file holds each
+    moment. A layer shared across stages, and an error after a refusal, get their lines."""
+    x, y = data(2)
+    optimizers = {"adam": lambda: keras.optimizers.Adam(1e-2),
+                  "adafactor": lambda: keras.optimizers.Adafactor(1e-2)}
+    cases_ = {"adam": _nested, "adafactor": _colliding}
+
+    def run(name, epochs):
+        model = cases_[name]()
+        model.compile(optimizer=optimizers[name](),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        for e in epochs:
+            model.fit(x, y, batch_size=BATCH, epochs=e, shuffle=False, verbose=0)
+        return model
+
+    keras.distribution.set_distribution(None)
+    reference = {name: run(name, [2]).get_weights() for name in cases_}
+    keras.distribution.set_distribution(distribution(layouts={}))
+    out = {}
+    for name in cases_:
+        whole, split = run(name, [2]), run(name, [1, 1])
+        out[name] = {"split": diff(whole.get_weights(), split.get_weights()),
+                     "one_device": diff(split.get_weights(), reference[name])}
+        if name == "adam":
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "nested.keras")
+                split.save(path)
+                keras.distribution.set_distribution(None)
+                loaded = keras.saving.load_model(path)
+                keras.distribution.set_distribution(distribution(layouts={}))
+            out[name]["saved_moments"] = [  # (two "proj" layers: paths repeat)
+                [v.path, float(np.abs(np.asarray(v)).max())]
+                for v in loaded.optimizer.variables
+                if v.name.endswith(("_momentum", "_velocity"))]
+    # a layer called in two stages
+    inputs = keras.Input((FEATURES,))
+    shared = keras.layers.Dense(FEATURES, name="shared")
+    h = keras.layers.Dense(FEATURES, name="mid2")(keras.layers.Dense(
+        FEATURES, name="mid1")(shared(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(shared(h)))
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+        out["shared"] = None
+    except Exception as error:  # noqa: BLE001 (the test prints what went wrong)
+        out["shared"] = f"{type(error).__name__}: {error}"
+    # a refusal, then an unrelated error on the same trainer, then a good fit
+    inputs = keras.Input((FEATURES,))
+    h = Flagged(name="flag")(keras.layers.Dense(FEATURES, name="a")(inputs))
+    h = keras.layers.Dense(FEATURES, name="b")(h)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    raised = []
+    for update, inputs in [(True, x), (False, x[:, :, None] * np.ones(2, x.dtype)),
+                           (False, x)]:
+        Flagged.update = update
+        try:
+            model.fit(inputs, y, batch_size=BATCH, shuffle=False, verbose=0)
+            raised.append(None)
+        except Exception as error:  # noqa: BLE001 (the test reads which error it was)
+            raised.append(f"{type(error).__name__}: {error}"[:300])
+    out["stale"] = {"raised": raised, "iterations": int(model.optimizer.iterations.numpy())}
+    return out
+
+
 def cli():
     from tfpar import ParallelConfig
     out = []
@@ -660,7 +780,7 @@ def _cli(config, path):
 
 
 CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals,
-         "resume": resume, "guards": guards, "cli": cli}
+         "resume": resume, "guards": guards, "slots": slots, "cli": cli}
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ CLI_3D = [{**CLI_BASE, "optimizer": "adam", "learning_rate": 1e-3},
 @pytest.fixture(scope="module")
 def results():
     return cases_lib.gather([["exact", "powersgd", "state", "refusals"],
-                             ["resume", "guards"]], _child)
+                             ["resume", "guards"], ["slots"]], _child)
 
 
 def _child(names):
@@ -215,6 +215,36 @@ def test_unnamed_weights_train_as_on_one_device(results):
     run_ = _case(results, "guards")["unnamed"]
     assert run_["raised"] is None, run_
     assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
+def test_slots_pair_by_weight_not_by_colliding_names(results, optimizer):
+    # Adam: two nested models' Dense "proj"; Adafactor: (12, 8) kernels "x/y_kernel" and
+    # "x_y/kernel", its factors named by the bare "y_kernel"/"kernel"
+    run_ = _case(results, "slots")[optimizer]
+    assert run_["split"] <= 1e-6, run_  # fit(1) + fit(1) == fit(2)
+    assert run_["one_device"] <= TOLERANCE["adam"], run_
+
+
+def test_model_save_holds_every_slot_of_colliding_names(results):
+    moments = _case(results, "slots")["adam"]["saved_moments"]
+    # momentum and velocity of 2 x proj/{kernel,bias} and head/{kernel,bias}
+    assert len(moments) == 12 and all(value > 0 for _, value in moments), moments
+
+
+def test_a_layer_shared_across_stages_is_refused_in_one_line(results):
+    raised = _case(results, "slots")["shared"]
+    assert raised is not None and raised.startswith(
+        "ConfigError: layer='shared (Dense)'"), raised
+    assert "\n" not in raised, raised
+
+
+def test_an_error_after_a_refusal_is_its_own(results):
+    run_ = _case(results, "slots")["stale"]
+    refused, later, good = run_["raised"]
+    assert refused is not None and refused.startswith("ConfigError: layer='flag"), run_
+    assert later is not None and "layer='flag" not in later, run_  # not the old refusal
+    assert good is None and run_["iterations"] == 2, run_
 
 
 def test_the_cli_pipeline_evaluates_in_inference_mode(results):

@@ -116,6 +116,7 @@ ALLOWED = {
     ("tfpar/layout/keras_pipeline.py", "_loss", "loss"): (1, INPUT),
     ("tfpar/layout/keras_pipeline.py", "_accuracy", "metrics"): (1, INPUT),
     ("tfpar/layout/keras_pipeline.py", "KerasPipelineTrainer.check_batches", "microbatches"): (1, RANGE),
+    ("tfpar/layout/keras_pipeline.py", "KerasPipelineTrainer.__init__", "layer"): (1, INPUT),
     ("tfpar/layout/keras_pipeline.py", "UserCallbacks.__init__", "callbacks"): (1, INPUT),
     ("tfpar/layout/pipeline.py", "_cut", "pipeline_stages"): (2, MODEL),
     ("tfpar/layout/pipeline.py", "MeshPipelineTrainer.__init__", "pipeline_stages"): (1, INPUT),

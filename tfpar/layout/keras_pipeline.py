@@ -69,6 +69,7 @@ files (as on one mesh); a mesh across worker processes (refused).
 """
 
 import json
+import re
 
 import keras
 import numpy as np
@@ -357,12 +358,19 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         self.pairs = []
         for stage in model.stages:
             for variable, source in stage.tfpar_sources:
+                if id(source) not in whole:  # already a weight of an earlier stage
+                    raise ConfigError(
+                        "layer", _owner_name(user_model, source),
+                        "a layer called in two pipeline stages would be copied into "
+                        "each and trained apart; call it within one stage, or give each "
+                        "call its own layer")
                 self.pairs.append((variable, whole.pop(id(source))))
         if whole:
             raise TfparError("weights of the model in no stage: "
                              + ", ".join(v.path for v in whole.values()))
         self.state_pairs = _state_pairs(self.pairs, model.stages, optimizers,
-                                        user_model.optimizer)
+                                        user_model.optimizer,
+                                        user_model.trainable_variables)
         self._forward = self._compiled(self._predict_step)
         self.stateful_layer = _stateful_layer(model.stages)
         user = getattr(user_model.optimizer, "inner_optimizer", user_model.optimizer)
@@ -392,11 +400,14 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
                 for variable in self.rates:
                     values.assign(variable, rate)
                 self.rate = rate
+        self.refused = None
         try:
             out = super()._step(batch)
-        except Exception:
-            if self.refused is not None:  # raised while the step was traced, before it ran:
-                raise self.refused from None  # the rulebook's line, not AutoGraph's wrapping
+        except Exception as error:
+            # raised while this step was traced, before it ran: the rulebook's line, not
+            # AutoGraph's wrapping (and only for this refusal, not a later error's)
+            if self.refused is not None and _wraps(error, self.refused):
+                raise self.refused from None
             raise
         if self.scale_one:  # a skipped step halved it: back to 1, so it never reaches 0
             scales = [o.dynamic_scale for o in self.stage_optimizers]
@@ -480,6 +491,24 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         return out[:len(out) - pad]
 
 
+def _wraps(error, refusal):
+    """Whether `error` is `refusal`, or has it as a cause or context, or carries its line
+    (AutoGraph re-raises an error traced in a step with its own text around it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if error is refusal or str(refusal) in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _owner_name(model, weight):
+    """`"name (Class)"` of the layer of `model` that holds `weight` (its path if none)."""
+    return next((f"{layer.name} ({type(layer).__name__})" for layer in _layers(model)
+                 if any(w is weight for w in layer.weights)), weight.path)
+
+
 def _layers(model):
     """The layers of `model`, those of nested models in their place (not the nested
     models themselves)."""
@@ -505,12 +534,56 @@ def _refuse_assigned(stage, scope, before):
         backend="dtensor", stateful_layer=name))
 
 
-def _state_pairs(pairs, stages, optimizers, compiled):
+def _owners(optimizer, weights):
+    """`(variable, index)` for each of `optimizer`'s variables that a plain Keras
+    optimizer of its class has (built on `weights`; tfpar's mixins' own are left out):
+    the index in `weights` of the weight it is a slot of (None: its own, `iterations`,
+    the rate).
+
+    Found by building a twin (same class and config) on stand-ins of `weights` named
+    `tfpar<i>x`: Keras builds the same variables in the same order for the same shapes,
+    and names a slot after its weight, here a name no other weight's is a prefix of (a
+    model's own names collide: two nested models' "proj", a weight "y_kernel" of a layer
+    "x" and one "kernel" of "x_y", Adafactor's factors named by the weight's bare name).
+
+    Raises:
+        TfparError: the twin's variables do not line up with `optimizer`'s."""
+    twin = _plain_class(optimizer).from_config(optimizer.get_config())
+    stand_ins = [keras.Variable(np.zeros(tuple(w.shape), w.dtype), dtype=w.dtype,
+                                name=f"tfpar{i}x") for i, w in enumerate(weights)]
+    twin.build(stand_ins)
+    # the twin's variables, in order, among `optimizer`'s (which may hold more: tfpar's
+    # mixins' own), each with the names it may have there
+    expected = []
+    for variable in twin.variables:
+        match = re.match(r"tfpar(\d+)x(?=_|$)", variable.name)
+        if match is None:
+            expected.append((None, {variable.name}, variable))
+            continue
+        index, tag = int(match.group(1)), match.group(0)
+        names = {variable.name.replace(tag, weights[index].path.replace("/", "_"), 1),
+                 variable.name.replace(tag, weights[index].name, 1)}
+        expected.append((index, names, variable))
+    out, j = [], 0
+    for variable in optimizer.variables:
+        if j < len(expected) and variable.name in expected[j][1] and (
+                tuple(variable.shape) == tuple(expected[j][2].shape)):
+            out.append((variable, expected[j][0]))
+            j += 1
+    if j != len(expected):
+        raise TfparError(
+            f"the {type(optimizer).__name__} optimizer's variables do not line up with a "
+            "fresh one's built on the same weights; a pipeline mesh runs Keras's own "
+            "optimizers (SGD, Adam, ...) built on the model's trainable weights")
+    return out
+
+
+def _state_pairs(pairs, stages, optimizers, compiled, trainable):
     """`(stage optimizer variable, the compiled optimizer's variable that holds it)` for
     every variable of the stage optimizers with a counterpart in the compiled (built)
-    optimizer: its step count and learning rate, each slot (Keras names a slot after its
-    weight's path, which `pairs` translates from a stage's copy to the model's), and, when
-    both are `LossScaleOptimizer`s, the loss scale and its counter. (An fp32
+    optimizer: its step count and learning rate, each slot (paired by the weight it
+    belongs to, `_owners`, and its rank among that weight's slots; never by name), and,
+    when both are `LossScaleOptimizer`s, the loss scale and its counter. (An fp32
     `tfpar.DistributedOptimizer`'s stages hold a scale of 1 that the compiled one has
     not: `_fresh`.)
 
@@ -524,29 +597,50 @@ def _state_pairs(pairs, stages, optimizers, compiled):
         ids = {id(v) for v in inner.variables}
         return [v for v in optimizer.variables if id(v) not in ids], inner
 
+    def by_owner(optimizer, weights):
+        """{(id(weight), rank): slot} and {name: [own variables]} of `optimizer`, and
+        the ids of every variable of it either holds."""
+        slots, own, found = {}, {}, set()
+        for variable, index in _owners(optimizer, weights):
+            found.add(id(variable))
+            if index is None:
+                own.setdefault(variable.name, []).append(variable)
+            else:
+                ranked = slots.setdefault(id(weights[index]), [])
+                slots[(id(weights[index]), len(ranked))] = variable
+                ranked.append(variable)
+        return slots, own, found
+
+    def missing(variable):
+        return TfparError(
+            f"the pipeline stage optimizer's variable {variable.name!r} has no "
+            f"counterpart in the compiled {type(compiled_inner).__name__}; a "
+            "pipeline mesh runs Keras's own optimizers (SGD, Adam, ...)")
+
     whole_of = {id(s): w for s, w in pairs}
     compiled_own, compiled_inner = levels(compiled)
-    by_name = {v.name: v for v in compiled_inner.variables}
-    own_by_name = {v.name: v for v in compiled_own}
+    # (the compiled optimizer is built on the model's trainable weights, `_build`)
+    theirs, theirs_own, _ = by_owner(compiled_inner, list(trainable))
     out = []
     for stage, optimizer in zip(stages, optimizers):
         own, inner = levels(optimizer)
-        prefixes = sorted(((w.path.replace("/", "_"),
-                            whole_of[id(w)].path.replace("/", "_"))
-                           for w in stage.trainable_variables), key=lambda p: -len(p[0]))
+        weights = list(stage.trainable_variables)
+        mine, mine_own, paired = by_owner(inner, weights)
         for variable in inner.variables:
-            name = variable.name
-            for mine, theirs in prefixes:
-                if name.startswith(mine + "_"):
-                    name = theirs + name[len(mine):]
-                    break
-            target = by_name.get(name)
+            if id(variable) not in paired:
+                raise missing(variable)
+        for (key, rank), variable in ((k, v) for k, v in mine.items()
+                                      if isinstance(k, tuple)):
+            target = theirs.get((id(whole_of[key]), rank))
             if target is None or tuple(target.shape) != tuple(variable.shape):
-                raise TfparError(
-                    f"the pipeline stage optimizer's variable {variable.name!r} has no "
-                    f"counterpart in the compiled {type(compiled_inner).__name__}; a "
-                    "pipeline mesh runs Keras's own optimizers (SGD, Adam, ...)")
+                raise missing(variable)
             out.append((variable, target))
+        for name, variables in mine_own.items():
+            targets = theirs_own.get(name, [])
+            if len(variables) != 1 or len(targets) != 1:
+                raise missing(variables[0])
+            out.append((variables[0], targets[0]))
+        own_by_name = {v.name: v for v in compiled_own}
         out += [(v, own_by_name[v.name]) for v in own if v.name in own_by_name]
     return out
 
