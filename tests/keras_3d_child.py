@@ -692,6 +692,27 @@ def slots():
                 [v.path, float(np.abs(np.asarray(v)).max())]
                 for v in loaded.optimizer.variables
                 if v.name.endswith(("_momentum", "_velocity"))]
+    # a layer frozen after the first fit, the same optimizer recompiled: its slots stay as
+    # they were, and no other weight takes them (one device's fits say which change)
+    def frozen():
+        model = _nested()
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        before = [np.asarray(v).copy() for v in model.optimizer.variables]
+        model.get_layer("block1").trainable = False
+        model.compile(optimizer=model.optimizer, loss=loss)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        changed = [i for i, v in enumerate(model.optimizer.variables)
+                   if not np.array_equal(before[i], np.asarray(v))]
+        return model.get_weights(), changed
+
+    keras.distribution.set_distribution(None)
+    one_weights, one_changed = frozen()
+    keras.distribution.set_distribution(distribution(layouts={}))
+    weights, changed = frozen()
+    out["frozen"] = {"one_device": diff(weights, one_weights), "changed": changed,
+                     "one_device_changed": one_changed}
     # a layer called in two stages
     inputs = keras.Input((FEATURES,))
     shared = keras.layers.Dense(FEATURES, name="shared")

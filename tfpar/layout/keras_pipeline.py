@@ -197,9 +197,12 @@ def _key(model, distribution):
     # change (the stage optimizers' state must outlive that)
     config = json.dumps({k: v for k, v in (model.get_compile_config() or {}).items()
                          if k != "optimizer"}, sort_keys=True, default=repr)
-    # the optimizer and loss themselves (held, so a new one never takes a freed one's id)
+    # the optimizer and loss themselves (held, so a new one never takes a freed one's id);
+    # which weights train (a layer frozen or unfrozen since builds anew: its stages'
+    # trainable weights and optimizers change)
+    trainable = tuple(id(v) for v in model.trainable_variables)
     return (settings(distribution), tuple(mesh.shape), devices, model.optimizer,
-            model.loss, config)
+            model.loss, config, trainable)
 
 
 def _build(model, distribution):
@@ -369,8 +372,7 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
             raise TfparError("weights of the model in no stage: "
                              + ", ".join(v.path for v in whole.values()))
         self.state_pairs = _state_pairs(self.pairs, model.stages, optimizers,
-                                        user_model.optimizer,
-                                        user_model.trainable_variables)
+                                        user_model.optimizer)
         self._forward = self._compiled(self._predict_step)
         self.stateful_layer = _stateful_layer(model.stages)
         user = getattr(user_model.optimizer, "inner_optimizer", user_model.optimizer)
@@ -549,8 +551,15 @@ def _owners(optimizer, weights):
     Raises:
         TfparError: the twin's variables do not line up with `optimizer`'s."""
     twin = _plain_class(optimizer).from_config(optimizer.get_config())
-    stand_ins = [keras.Variable(np.zeros(tuple(w.shape), w.dtype), dtype=w.dtype,
-                                name=f"tfpar{i}x") for i, w in enumerate(weights)]
+    # Each stand-in of its weight's rank, every dimension 1 (Keras's optimizers branch on
+    # a weight's rank and `overwrite_with_gradient`, not its size): a full-size twin held
+    # (1 + slots) x the model in host memory for a moment.
+    stand_ins = []
+    for i, w in enumerate(weights):
+        stand_in = keras.Variable(np.zeros((1,) * len(w.shape), w.dtype), dtype=w.dtype,
+                                  name=f"tfpar{i}x")
+        stand_in.overwrite_with_gradient = getattr(w, "overwrite_with_gradient", False)
+        stand_ins.append(stand_in)
     twin.build(stand_ins)
     # the twin's variables, in order, among `optimizer`'s (which may hold more: tfpar's
     # mixins' own), each with the names it may have there
@@ -567,7 +576,7 @@ def _owners(optimizer, weights):
     out, j = [], 0
     for variable in optimizer.variables:
         if j < len(expected) and variable.name in expected[j][1] and (
-                tuple(variable.shape) == tuple(expected[j][2].shape)):
+                len(variable.shape) == len(expected[j][2].shape)):
             out.append((variable, expected[j][0]))
             j += 1
     if j != len(expected):
@@ -578,7 +587,7 @@ def _owners(optimizer, weights):
     return out
 
 
-def _state_pairs(pairs, stages, optimizers, compiled, trainable):
+def _state_pairs(pairs, stages, optimizers, compiled):
     """`(stage optimizer variable, the compiled optimizer's variable that holds it)` for
     every variable of the stage optimizers with a counterpart in the compiled (built)
     optimizer: its step count and learning rate, each slot (paired by the weight it
@@ -619,8 +628,20 @@ def _state_pairs(pairs, stages, optimizers, compiled, trainable):
 
     whole_of = {id(s): w for s, w in pairs}
     compiled_own, compiled_inner = levels(compiled)
-    # (the compiled optimizer is built on the model's trainable weights, `_build`)
-    theirs, theirs_own, _ = by_owner(compiled_inner, list(trainable))
+    # On the weights the compiled optimizer was built on (the model's trainable weights
+    # then, `_build` or Keras's own build): a layer frozen since keeps its slots there,
+    # untouched, and no other weight's slot is taken for them.
+    built = list(patches.built_variables(compiled_inner))
+    theirs, theirs_own, _ = by_owner(compiled_inner, built)
+    built_ids = {id(w) for w in built}
+    for stage in stages:
+        for variable in stage.trainable_variables:
+            source = whole_of.get(id(variable))
+            if source is not None and id(source) not in built_ids:
+                raise TfparError(
+                    f"weight {source.path!r} is trainable but the model's optimizer was "
+                    "built without it (a layer unfrozen after the optimizer was built); "
+                    "compile with a new optimizer")
     out = []
     for stage, optimizer in zip(stages, optimizers):
         own, inner = levels(optimizer)
