@@ -642,10 +642,11 @@ def _state_pairs(pairs, stages, optimizers, compiled):
                     f"weight {source.path!r} is trainable but the model's optimizer was "
                     "built without it (a layer unfrozen after the optimizer was built); "
                     "compile with a new optimizer")
-    out = []
+    out, idle = [], []
     for stage, optimizer in zip(stages, optimizers):
         own, inner = levels(optimizer)
         weights = list(stage.trainable_variables)
+        pairs = []
         mine, mine_own, paired = by_owner(inner, weights)
         for variable in inner.variables:
             if id(variable) not in paired:
@@ -655,15 +656,18 @@ def _state_pairs(pairs, stages, optimizers, compiled):
             target = theirs.get((id(whole_of[key]), rank))
             if target is None or tuple(target.shape) != tuple(variable.shape):
                 raise missing(variable)
-            out.append((variable, target))
+            pairs.append((variable, target))
         for name, variables in mine_own.items():
             targets = theirs_own.get(name, [])
             if len(variables) != 1 or len(targets) != 1:
                 raise missing(variables[0])
-            out.append((variables[0], targets[0]))
+            pairs.append((variables[0], targets[0]))
         own_by_name = {v.name: v for v in compiled_own}
-        out += [(v, own_by_name[v.name]) for v in own if v.name in own_by_name]
-    return out
+        pairs += [(v, own_by_name[v.name]) for v in own if v.name in own_by_name]
+        # A stage with nothing to train (its layers frozen) never steps: its step count
+        # and loss scale go after the training stages', whose `to_model` writes.
+        (out if weights else idle).extend(pairs)
+    return out + idle
 
 
 def _stateful_layer(stages):
