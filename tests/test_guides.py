@@ -25,6 +25,10 @@ from subproc import ROOT, last_json_line, run
 
 GUIDES = os.path.join(ROOT, "examples", "guides")
 TOLERANCE = 1e-6
+# The tutorial's convnet on 2 workers against one device: its conv weights' gradients are
+# summed in another order (oneDNN's threads, the ring); a fresh-clone run of 2026-12-06 saw
+# 1.11e-6 on a conv bias (others <= 8.6e-7), so its weights are held to 5e-6.
+CONV_TOLERANCE = 5e-6
 
 
 def _child(script, *args, env=None):
@@ -84,7 +88,7 @@ def test_tensorflow_tutorial_on_two_workers_ends_where_one_device_ends(tmp_path)
     assert all(w["replicas"] == 2 for w in workers) and single["replicas"] == 1
     for i, w in enumerate(workers):
         diffs = _max_diff(tmp_path / f"worker{i}.npz", tmp_path / "single.npz")
-        assert max(diffs.values()) <= TOLERANCE, (i, diffs)
+        assert max(diffs.values()) <= CONV_TOLERANCE, (i, diffs)
         print(f"tutorial worker {i}, largest weight difference:", max(diffs.values()))
         assert _close(w["history"]["loss"], single["history"]["loss"])
         assert w["history"]["accuracy"] == single["history"]["accuracy"]
