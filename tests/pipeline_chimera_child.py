@@ -33,25 +33,9 @@ import numpy as np  # noqa: E402
 
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
 
-from pipeline_models import OPTS, error, flat, mlp, residual, x, y  # noqa: E402
+from pipeline_models import OPTS, error, flat, mlp, reference, residual, x, y  # noqa: E402
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
-
-
-REFERENCES = {}
-
-
-def reference(build, opt, steps=3):
-    """The single-device model's weights after `steps` steps and its prediction, trained
-    once per (model, optimizer, steps): every case starts from the same seed and batch."""
-    key = (build.__name__, opt, steps)
-    if key not in REFERENCES:
-        ref = build()
-        ref.compile(optimizer=OPTS[opt](), loss="mse", jit_compile=False)
-        for _ in range(steps):
-            ref.train_on_batch(x, y)
-        REFERENCES[key] = flat([ref]), ref.predict(x, verbose=0)
-    return REFERENCES[key]
 
 
 def case(build, opt, K, M, steps=3, **kwargs):

@@ -39,6 +39,23 @@ def flat(models):
     return np.concatenate([w.ravel() for m in models for w in m.get_weights()])
 
 
+_REFERENCES = {}
+
+
+def reference(build, opt, steps=3):
+    """The single-device model's flat weights after `steps` steps and its prediction on
+    `x`, trained once per (model, optimizer, steps) a child: every case starts from the
+    same seed and batch."""
+    key = (build.__name__, opt, steps)
+    if key not in _REFERENCES:
+        ref = build()
+        ref.compile(optimizer=OPTS[opt](), loss="mse", jit_compile=False)
+        for _ in range(steps):
+            ref.train_on_batch(x, y)
+        _REFERENCES[key] = flat([ref]), ref.predict(x, verbose=0)
+    return _REFERENCES[key]
+
+
 def error(fn):
     """The `TfparError` `fn()` raises, as text, or "no error"."""
     try:
