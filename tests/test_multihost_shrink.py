@@ -590,36 +590,31 @@ def test_the_default_probe_is_probe_hosts_with_probe_timeout(monkeypatch):
 
 
 class SignalledProbe(FakeProbe):
-    """A probe during which the launcher gets SIGTERM (after the attempt failed)."""
+    """A probe whose call number `at` sends the launcher SIGTERM (1: the check before the
+    start; 2: the probe after the attempt failed)."""
+
+    def __init__(self, answers, at):
+        super().__init__(answers)
+        self.at = at
 
     def __call__(self, addresses):
         answers = super().__call__(addresses)
-        if len(self.calls) == 2:
+        if len(self.calls) == self.at:
             os.kill(os.getpid(), signal.SIGTERM)
         return answers
 
 
 def test_a_signal_during_the_probe_stops_the_job_without_a_restart():
     assert threading.current_thread() is threading.main_thread()  # the handler's thread
-    probe = SignalledProbe(CUT_OFF)
+    probe = SignalledProbe(CUT_OFF, at=2)
     result, said = _cut_job([2], probe=probe)
     assert result.returncode == 128 + signal.SIGTERM, said
     assert len(result.attempts) == 1, said
     assert "restarting" not in said and " is lost" not in said, said
 
 
-class EarlySignalProbe(FakeProbe):
-    """A probe during which the launcher gets SIGTERM (the check before the start)."""
-
-    def __call__(self, addresses):
-        answers = super().__call__(addresses)
-        if len(self.calls) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return answers
-
-
 def test_a_signal_during_the_check_before_the_start_starts_no_worker():
-    probe = EarlySignalProbe(CUT_OFF)
+    probe = SignalledProbe(CUT_OFF, at=1)
     result, said = _cut_job([2], probe=probe)
     assert result.returncode == 128 + signal.SIGTERM, said
     assert [a.exit_codes for a in result.attempts] == [()], said  # no worker was started
