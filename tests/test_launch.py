@@ -170,6 +170,10 @@ def test_sigterm_to_the_launcher_reaches_every_worker():
     (["--workers=2", "--min_workers=3", "--", "true"], "min_workers=3 is invalid"),
     (["--workers=2", "--max_workers=1", "--", "true"], "max_workers=1 is invalid"),
     (["--workers=2", "--lost_after=0", "--", "true"], "--lost_after=0"),
+    (["--workers=3", "--min_workers=2", "--max_restarts=1", "--", "true"],
+     "max_restarts=1 is invalid: with --min_workers=2 a worker is lost only after "
+     "--lost_after=2 failed attempts, each a restart: give --max_restarts >= 2, or leave it "
+     "unset (4)"),
     (["--workers=2"], "no worker command"),
     (["--workers=2", "--"], "no worker command"),
     (["--workers=2", "--bogus", "--", "true"], "bogus"),
@@ -236,6 +240,16 @@ def test_elastic_job_drops_a_lost_worker_and_goes_on():
     survivors = reports(result.stdout, 0) + reports(result.stdout, 1)
     assert sorted((r["slot"], r["index"], r["workers"], r["attempt"]) for r in survivors) == [
         ("0", "0", "2", 2), ("1", "1", "2", 2)]
+
+
+def test_an_elastic_job_without_max_restarts_still_shrinks():
+    # The issue's own command: --min_workers alone. With restarts defaulting to 0 its first
+    # lost worker ended the job ("failed: worker 2 exited with code 3").
+    result = launch("--workers=3", "--min_workers=2", *child("lost_slot"))
+    assert result.returncode == 0, result.stderr
+    assert "worker slot 2 is lost (failed 2 attempts in a row): continuing with 2 workers" \
+        in result.stderr
+    assert "(restart 2 of 4)" in result.stderr
 
 
 def test_a_worker_named_as_silent_is_the_one_lost():

@@ -31,7 +31,8 @@ Examples:
 Elastic: with `--min_workers=M` (< N) a worker slot that fails `--lost_after` attempts in a
 row is lost for good, and the next attempt starts only the survivors (at least M; slot k keeps
 `TFPAR_SLOT=k`, worker indices are renumbered), which resume from the last checkpoint on the
-new world size (`tfpar.checkpoint`). The launcher says which slot was lost and, when the
+new world size (`tfpar.checkpoint`); `--max_restarts` defaults to enough restarts for that
+((N - M + 1) x --lost_after). The launcher says which slot was lost and, when the
 trainer reports the resume, at which step and how long after the loss.
 
 A whole host lost at once (its link cut, the host gone) fails every worker in a collective,
@@ -130,9 +131,12 @@ def define_flags(flag_values=FLAGS):
                            "is built); 0 = off.", lower_bound=0, **define)
         flags.DEFINE_float("grace", 5, "Seconds between SIGTERM and SIGKILL when stopping "
                            "workers.", lower_bound=0, **define)
-        flags.DEFINE_integer("max_restarts", 0, "When a worker fails (or misses "
+        flags.DEFINE_integer("max_restarts", None, "When a worker fails (or misses "
                              "--start_timeout), stop the others and restart all on new ports, "
-                             "up to this many times.", lower_bound=0, **define)
+                             "up to this many times (default 0; with --min_workers below "
+                             "--workers, (workers - min_workers + 1) x --lost_after: enough "
+                             "to lose every slot it may lose, and one slot's worth more).",
+                             lower_bound=0, **define)
         flags.DEFINE_integer("min_workers", None, "Elastic job: the fewest workers to go on "
                              "with. A worker that fails --lost_after attempts in a row is "
                              "lost for good, and the job restarts from the last checkpoint "
@@ -209,7 +213,7 @@ class LaunchResult:
 
 
 def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace=5.0,
-           max_restarts=0, log_dir="", env=None, out=None, err=None, min_workers=None,
+           max_restarts=None, log_dir="", env=None, out=None, err=None, min_workers=None,
            lost_after=2, hosts=None, runner=None, base_port=0, max_workers=None,
            discovery="", discovery_interval=5.0, probe_timeout=3.5, probe=None):
     """Runs `workers` copies of `cmd`, each with its own TF_CONFIG, until all end.
@@ -221,7 +225,9 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
         timeout: seconds for the whole launch, restarts included; 0 = no limit.
         start_timeout: seconds within which every worker must print `READY_MARKER`; 0 = off.
         grace: seconds between SIGTERM and SIGKILL when stopping workers.
-        max_restarts: restarts of all workers allowed after a failed attempt.
+        max_restarts: restarts of all workers allowed after a failed attempt. None: 0, or
+            for an elastic job (`min_workers` < `workers`) `(workers - min_workers + 1) *
+            lost_after` (losing a slot takes `lost_after` failed attempts, each a restart).
         log_dir: if set, worker i's output is also written to `log_dir/worker_<i>.log`.
         env: base environment of the workers (default: this process's).
         out: where prefixed worker lines go (default sys.stdout).
@@ -264,8 +270,10 @@ def launch(cmd, workers, host="127.0.0.1", timeout=0.0, start_timeout=0.0, grace
     """
     min_workers, max_workers, placement = _checked_layout(
         cmd, workers, host, hosts, min_workers, max_workers, lost_after,
-        timeout=timeout, start_timeout=start_timeout, grace=grace, max_restarts=max_restarts,
+        timeout=timeout, start_timeout=start_timeout, grace=grace,
+        max_restarts=0 if max_restarts is None else max_restarts,
         probe_timeout=probe_timeout, discovery_interval=discovery_interval)
+    max_restarts = _restarts_allowed(max_restarts, workers, min_workers, lost_after)
     runner = runner or local_runner
     if probe is None and probe_timeout:
         probe = functools.partial(probe_hosts, timeout=probe_timeout)
@@ -357,6 +365,22 @@ def _checked_layout(cmd, workers, host, hosts, min_workers, max_workers, lost_af
     if total != workers:
         raise ConfigError("workers", workers, f"must equal the slots of --hosts ({total})")
     return min_workers, max_workers, [h for h, count in hosts for _ in range(count)]
+
+
+def _restarts_allowed(max_restarts, workers, min_workers, lost_after):
+    """`--max_restarts`, its default filled in. A slot is lost after `lost_after` failed
+    attempts in a row, each a restart: an elastic job whose restarts end sooner would fail
+    on its first lost worker instead of shrinking (refused in one line)."""
+    elastic = min_workers < workers
+    default = (workers - min_workers + 1) * lost_after if elastic else 0
+    if max_restarts is None:
+        return default
+    if elastic and max_restarts < lost_after:
+        raise ConfigError("max_restarts", max_restarts, f"with --min_workers={min_workers} "
+                          f"a worker is lost only after --lost_after={lost_after} failed "
+                          f"attempts, each a restart: give --max_restarts >= {lost_after}, "
+                          f"or leave it unset ({default})")
+    return max_restarts
 
 
 class _World:
