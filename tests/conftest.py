@@ -35,18 +35,18 @@ def pytest_configure(config):
         config._tfpar_measured_dir = os.environ["TFPAR_MEASURED_DIR"]
 
 
-# The files that take longest, longest first (wall seconds of each alone, measured with
-# `--durations=0`). Under `-n 2 --dist loadfile` (pytest.ini, with `--no-loadscope-reorder`
-# so that the workers take files in collection order) the two workers start on these and
-# the many short files fill the gaps at the end: a long file started last would leave the
-# other core idle for its whole run. Files not named keep their collection order after them.
-# The order: the 2026-12-06 fresh-clone run's slowest 60 entries (`--durations=60`: a
-# file's setup and calls among them summed; those whose children run with grappler off,
-# tests/graph_optimizer.py, a quarter less), then files known from earlier runs to hold
-# many tests of a few seconds each (test_faults, test_memory, test_multihost_netns, test_zero,
-# test_train, test_user_script) by their totals then, then the earlier list's order. The 60
-# entries are each file's slowest, not its total: only a whole-suite run shows where the
-# two workers end (docs/benchmarks/suite.md).
+# The files that take longest, longest first. Under `-n 2 --dist loadfile` (pytest.ini,
+# with `--no-loadscope-reorder` so that the workers take files in collection order) the two
+# workers start on these and the many short files fill the gaps at the end: a long file
+# started last would leave the other core idle for its whole run. Files not named keep their
+# collection order after them. The order: the 2026-12-06 fresh-clone run's slowest 60
+# entries (`--durations=60`: a file's setup and calls among them summed; those whose
+# children run with grappler off, tests/graph_optimizer.py, a quarter less), then files
+# known from earlier runs to hold many tests of a few seconds each (test_faults,
+# test_memory, test_multihost_netns, test_zero, test_train, test_user_script) by their
+# totals then, then the earlier list's order. The 60 entries are each file's slowest, not
+# its total: only a whole-suite run shows where the two workers end
+# (docs/benchmarks/suite.md).
 LONGEST_FIRST = [
     "test_keras_3d.py", "test_zero3_prefetch.py", "test_keras_mesh_codecs.py",
     "test_mesh_adam_front.py", "test_faults.py", "test_mesh_sequence_codecs.py",
