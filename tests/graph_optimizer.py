@@ -3,8 +3,8 @@ run) unless the test passes `OFF` in the child's environment (`TFPAR_TEST_GRAPPL
 and the child calls `apply()` before its first `tf.function` runs.
 
 A mesh run's cost in the suite is its first call, not its steps: grappler optimizing each
-device's piece of the traced step was about a third of a mesh child's CPU after the
-TensorFlow import (docs/benchmarks/suite.md, 2026-12-06). Files whose every comparison
+device's piece of the traced step was a quarter to a third of a mesh child's CPU after
+the TensorFlow import (docs/benchmarks/suite.md, 2026-12-06). Files whose every comparison
 runs both sides in children with the same setting (a codec against its uncompressed run,
 one backend against the other) may turn it off; no assertion of theirs reads a graph after
 grappler (the profiler's op counts of tests/test_mesh_adam_front.py run with it on). Each
