@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import cases  # noqa: E402
+import graph_optimizer  # noqa: E402
 from tfpar import devices  # noqa: E402
 
 devices.split_cpu(4)
@@ -407,6 +408,7 @@ CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
          "data_parallel": data_parallel, "adam_front": adam_front, "refusals": refusals}
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     layout.enable()
     keras.distribution.set_distribution(distribution())
     print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)

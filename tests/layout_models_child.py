@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 import cases
+import graph_optimizer
 from tfpar import devices
 
 devices.split_cpu(4)
@@ -416,5 +417,6 @@ def run_cases(names):
 
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     tempfile.tempdir = tempfile.gettempdir()
     print(json.dumps(run_cases(sys.argv[1].split(","))))

@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import cases  # noqa: E402
+import graph_optimizer  # noqa: E402
 from layout_keras_child import (LOSS, USER_LAYOUTS, arrays, seeded,  # noqa: E402
                                 task_for)  # (imports split the CPU into 4)
 
@@ -126,4 +127,5 @@ def reshard():
 CASES = {"fp16_skip": fp16_skip, "reshard": reshard}
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)

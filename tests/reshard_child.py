@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import graph_optimizer  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tfpar import ParallelConfig, devices  # noqa: E402
@@ -44,6 +45,7 @@ from tfpar import ParallelConfig, devices  # noqa: E402
 
 def main():
     spec, prefix = json.loads(sys.argv[1]), sys.argv[2]
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     devices.split_cpu(spec["cpu_devices"])
     import keras
     from tfpar import backends

@@ -12,6 +12,8 @@ step losses over 40 Adam steps, lr 1e-2): int8 -0.1 %, PowerSGD rank 1 (Adam in 
 exact steps) +1.9 %, the same under `mixed_float16` +1.8 % against uncompressed fp16 (with
 Adam behind PowerSGD, before it went in front: +2.6 %, +2.7 %). The band below is 4 %, as
 lowbit's on the mesh trainer (tests/test_layout_mesh.py).
+The child runs with grappler off (tests/graph_optimizer.py), every fit and the CLI's
+mesh trainer it is compared with alike.
 """
 
 import os
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import cases as cases_lib
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run
 
 CHILD = os.path.join(ROOT, "tests", "keras_mesh_codecs_child.py")
@@ -30,7 +33,8 @@ BAND = 0.04
 @pytest.fixture(scope="module")
 def results():
     names = "codecs,fp16,save,nan,data_parallel,adam_front,refusals"
-    return last_json_line(run([sys.executable, CHILD, names], timeout=900).stdout)
+    return last_json_line(run([sys.executable, CHILD, names], timeout=900,
+                              env=GRAPPLER_OFF).stdout)
 
 
 def _case(results, name):

@@ -30,12 +30,12 @@ PRECISION = [({"grad_accum_steps": 2, "optimizer": "adam"}, 1e-5),
              ({"mixed_precision": "fp16", "optimizer": "sgd", "learning_rate": 0.1}, 1e-2)]
 
 
-def train_configs(prefix, configs, launch_workers=0):
+def train_configs(prefix, configs, launch_workers=0, env=None):
     cmd = [sys.executable, CONFIGS_CHILD, json.dumps(configs), prefix]
     if launch_workers:
         cmd = [sys.executable, "-m", "tfpar.launch", f"--workers={launch_workers}",
                "--timeout=300", "--"] + cmd
-    out = run(cmd, timeout=360)
+    out = run(cmd, timeout=360, env=env)
     if not launch_workers:  # the child prints one JSON list
         return {None: next(json.loads(line) for line in reversed(out.stdout.splitlines())
                            if line.startswith("[{"))}

@@ -19,6 +19,7 @@ The optimizer is Adam where the model has no embedding, SGD where it has one: on
 device TensorFlow hands Adam an embedding's gradient as `IndexedSlices` and Keras squares
 each slice before duplicates are summed (tests/test_layout_exact.py), which the mesh's
 dense gradient does not.
+Both children run with grappler off (tests/graph_optimizer.py), the one-device runs too.
 """
 
 import os
@@ -27,6 +28,7 @@ import sys
 import pytest
 
 import cases as cases_lib
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run
 
 EXACT = 1e-5
@@ -35,7 +37,7 @@ CHILDREN = [["structures", "sequence", "custom_step"], ["hub"]]
 
 def _child(names):
     out = run([sys.executable, os.path.join(ROOT, "tests", "layout_models_child.py"),
-               ",".join(names)], timeout=900)
+               ",".join(names)], timeout=900, env=GRAPPLER_OFF)
     return last_json_line(out.stdout)
 
 

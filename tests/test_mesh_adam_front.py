@@ -27,6 +27,8 @@ and data:
 
 Five children, two at a time: the mesh's and tf.distribute's runs and the mesh steps
 (the warm-up's collectives, the fp16 skip), then the two resumes.
+The runs' children run with grappler off (tests/graph_optimizer.py), both backends
+alike; the mesh steps whose collectives and variable ops the profiler counts with it on.
 """
 
 import json
@@ -34,6 +36,7 @@ import sys
 
 import numpy as np
 
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run, run_concurrently
 
 CHILD = f"{ROOT}/tests/mesh_adam_front_child.py"
@@ -55,7 +58,7 @@ def _run(name, layout, steps, tmp, **settings):
 
 def _child(tmp, prefix, cpu_devices, runs):
     out = run([sys.executable, CHILD, json.dumps({"cpu_devices": cpu_devices, "runs": runs}),
-               prefix], timeout=600).stdout
+               prefix], timeout=600, env=GRAPPLER_OFF).stdout
     results = json.loads(next(line for line in reversed(out.splitlines())
                               if line.startswith('{"') and not line.startswith('{"comm"')))
     comms = last_json_line(out)["comm"]

@@ -18,6 +18,7 @@ run against its uncompressed run on the same seed:
 
 Two children at once (tests/train_configs_child.py), each its runs on one mesh; the
 resume in the child of the run it must equal.
+Both children run with grappler off (tests/graph_optimizer.py), the uncompressed runs too.
 """
 
 import math
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 
 import subproc
+from graph_optimizer import OFF as GRAPPLER_OFF
 
 from test_layout_compose import train_configs
 from test_train import max_diff, weights
@@ -65,7 +67,8 @@ def runs(tmp_path_factory):
     names = [["auto", "stop", "resume", "skip"],
              ["plain", "fast", "fp16", "fp16_auto", "accum", "accum_auto"]]
     outs = subproc.run_concurrently([
-        lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g) for i, g in enumerate(groups)])
+        lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g, env=GRAPPLER_OFF)
+        for i, g in enumerate(groups)])
     results = {}
     for i, (group, out) in enumerate(zip(names, outs)):
         for j, name in enumerate(group):

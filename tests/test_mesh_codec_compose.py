@@ -15,6 +15,8 @@ accumulation, and on dp × tp × pp, each against its uncompressed run on the sa
 (A `tfpar.DistributedOptimizer` in `model.fit` under Keras's `ModelParallel` runs through
 the same reduction: tests/test_keras_mesh_codecs.py.) Three children at once: the fp16
 skip case, the 2×2 runs, the 3D runs.
+All three children run with grappler off (tests/graph_optimizer.py), the uncompressed
+runs too.
 """
 
 import os
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 import subproc
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run
 from test_layout_compose import train_configs
 from test_layout_mesh import DEFAULTS_BAND
@@ -77,10 +80,12 @@ def children(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mesh_codecs")
     # The 3D runs (the longest child) first: the other two follow each other beside it.
     three_d, skip, mesh = subproc.run_concurrently([
-        lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D]),
-        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"],
-                                   timeout=400).stdout),
-        lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS])])
+        lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D],
+                              env=GRAPPLER_OFF),
+        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"], timeout=400,
+                                   env=GRAPPLER_OFF).stdout),
+        lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS],
+                              env=GRAPPLER_OFF)])
     return {"folder": folder, "skip": skip["fp16_skip"], "mesh": mesh[None],
             "3d": three_d[None]}
 

@@ -10,11 +10,13 @@ tests/test_layout_mesh.py's band, each with its bytes in the metrics JSON. Two c
 once (three runs, two runs). fp16 is not run here: an elementwise cast of the per-replica
 gradient that top-k at ratio 1 already holds exact under these layouts, run on the 2×2 mesh
 by tests/test_layout_mesh.py (each run here costs a DTensor expansion of the whole step).
+Both children run with grappler off (tests/graph_optimizer.py), the uncompressed run too.
 """
 
 import pytest
 
 import subproc
+from graph_optimizer import OFF as GRAPPLER_OFF
 from test_layout_compose import train_configs
 from test_layout_mesh import DEFAULTS_BAND
 from test_train import max_diff, weights
@@ -39,8 +41,10 @@ LOSSY = ["int8", "powersgd", "topk"]
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("seq_codecs")
     first, second = subproc.run_concurrently([
-        lambda: train_configs(str(folder / "a"), [{**SEQ, **r} for r in FIRST]),
-        lambda: train_configs(str(folder / "b"), [{**SEQ, **r} for r in SECOND])])
+        lambda: train_configs(str(folder / "a"), [{**SEQ, **r} for r in FIRST],
+                              env=GRAPPLER_OFF),
+        lambda: train_configs(str(folder / "b"), [{**SEQ, **r} for r in SECOND],
+                              env=GRAPPLER_OFF)])
     results = first[None] + second[None]
     by_codec = {r["compression"]: result for r, result in zip(FIRST[2:] + SECOND, results[2:])}
     return {"folder": folder, "none": results[0], "topk@1": results[1], **by_codec}

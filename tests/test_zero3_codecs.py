@@ -21,6 +21,8 @@ on a 2-device mesh:
 
 Three children, two at a time: the 2-device runs and the 2×2 runs
 (tests/train_configs_child.py), the overflow (tests/zero3_codecs_child.py).
+All three children run with grappler off (tests/graph_optimizer.py), uncompressed
+ZeRO-3 too.
 """
 
 import os
@@ -30,6 +32,7 @@ import numpy as np
 import pytest
 
 import subproc
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run
 from test_layout_compose import train_configs
 from test_zero import max_diff, weights
@@ -75,9 +78,10 @@ TP_RUNS = [("mlp", TP_MLP), ("mlp+fp16", {**TP_MLP, "compression": "fp16"}),
 def children(tmp_path_factory):
     folder = tmp_path_factory.mktemp("zero3_codecs")
     runs, tp, skip = subproc.run_concurrently([
-        lambda: train_configs(str(folder / "z3"), [c for _, c in RUNS]),
-        lambda: train_configs(str(folder / "tp"), [c for _, c in TP_RUNS]),
-        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"], timeout=300).stdout)])
+        lambda: train_configs(str(folder / "z3"), [c for _, c in RUNS], env=GRAPPLER_OFF),
+        lambda: train_configs(str(folder / "tp"), [c for _, c in TP_RUNS], env=GRAPPLER_OFF),
+        lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"], timeout=300,
+                                   env=GRAPPLER_OFF).stdout)])
     return {"folder": folder, "runs": dict(zip([n for n, _ in RUNS], runs[None])),
             "tp": dict(zip([n for n, _ in TP_RUNS], tp[None])), "skip": skip["fp16_skip"]}
 

@@ -11,7 +11,8 @@ metrics JSON's `comm` block, and a resumed int8 run (weights, slots, residual) a
 uninterrupted one. ZeRO-3's int8 gather runs against the fp32 gather on a 2-device mesh
 (weights, final loss, bytes per step), and ZeRO-3's compressed reduce-scatter against
 DTensor's fp32 reduction (weights, final loss, bytes per step against plain ZeRO-3's, a
-resumed int8 run against the uninterrupted one).
+resumed int8 run against the uninterrupted one). The ZeRO-3 child runs with grappler off
+(tests/graph_optimizer.py), plain ZeRO-3 and the fp32 gather too.
 """
 
 import json
@@ -22,6 +23,7 @@ import sys
 import numpy as np
 import pytest
 
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run
 from test_zero import ADAM, BASE, MOMENTUM, max_diff, weights
 
@@ -155,7 +157,8 @@ def zero3(tmp_path_factory):
     long = {**mlp, "compression": "int8", "steps": 10}
     cases += [{"name": "whole", **long}, {"name": "resumed", **long, "checkpoint_dir": ckpt}]
     prefix = str(folder / "z3c")
-    out = run([sys.executable, CHILD, json.dumps(cases), prefix], timeout=900)
+    out = run([sys.executable, CHILD, json.dumps(cases), prefix], timeout=900,
+              env=GRAPPLER_OFF)
     return prefix, last_json_line(out.stdout)
 
 

@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import graph_optimizer  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tfpar import (ParallelConfig, backends, optimizers, relayout,  # noqa: E402
@@ -123,6 +124,7 @@ def _optimizer_state(model, result):
 
 
 def main():
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     raw = json.loads(sys.argv[1])
     # As `python -m tfpar.train` does: an elastic launch's new world re-lays out a mesh.
     configs = [relayout.for_cluster(

@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import cases  # noqa: E402
+import graph_optimizer  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tfpar import ParallelConfig, backends, data  # noqa: E402
@@ -74,4 +75,5 @@ def fp16_skip():
 CASES = {"fp16_skip": fp16_skip}
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)

@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import graph_optimizer  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tfpar import ParallelConfig, backends, compat, devices, strategy  # noqa: E402
@@ -49,4 +50,5 @@ def main():
 
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     main()
