@@ -20,8 +20,8 @@ process's CPU per step over the same window as the wall time (`cpu_ms_per_step`,
 threads: the writer's and the kernel's work for this process included) and its overhead
 against `none`; per save, each phase's CPU and wall time in the thread that ran it
 (`Checkpointer.costs`: `snapshot`, the step's blocking part; `write`, TensorFlow's writer;
-`manifest`, sizes and CRC32; `publish`; `writer`, the async thread's whole work; `save`, a
-synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
+`manifest`, the files' sizes (a CRC32 pass over them before 2026-12-06); `publish`;
+`writer`, the async thread's whole work; `save`, a synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
 unknown, `?`, when the checkpoints' directory is on tmpfs, whose writes it never counts); the
 Python garbage collector's time; and whether a save slows the steps after it:
 `lost_after_ms`, the excess over the 20 steps before a save of steps 1–10 and 11–40 after
