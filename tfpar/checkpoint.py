@@ -88,9 +88,12 @@ class Checkpointer(keras.callbacks.Callback):
             keep_checkpoints, checkpoint_async).
         model: a compiled model whose optimizer is built.
         runtime: the `tfpar.strategy.Runtime` (chief or not, worker index).
+        writer_nice: with `checkpoint_async`, the writer thread's nice value above
+            training's (`checkpoint_writer.Writer`; `tools/bench_checkpoint.py --nice`
+            measures it against 0).
     """
 
-    def __init__(self, config, model, runtime):
+    def __init__(self, config, model, runtime, writer_nice=0):
         super().__init__()
         self.config = config
         # Absolute, as the prefixes the async writer publishes are: TensorFlow stores a
@@ -120,7 +123,7 @@ class Checkpointer(keras.callbacks.Callback):
         # TensorFlow deferred their reads to the writer thread: the first async save held
         # PowerSGD's step counter and Qs of 10 steps later; tests/test_checkpoint_async.py
         # compares every tensor with the synchronous save's under load.)
-        self._writer = (checkpoint_writer.Writer()
+        self._writer = (checkpoint_writer.Writer(nice=writer_nice)
                         if getattr(config, "checkpoint_async", False) else None)
         self._snapshot_cache = {}
         self.costs = checkpoint_writer.Costs()  # each save's phases, CPU and wall time

@@ -24,6 +24,7 @@ import collections
 import json
 import os
 import re
+import sys
 import threading
 import time
 import zlib
@@ -186,11 +187,18 @@ class Costs:
 
 
 class Writer:
-    """One background write at a time; its error is raised by the next `wait`."""
+    """One background write at a time; its error is raised by the next `wait`.
 
-    def __init__(self):
+    Args:
+        nice: the writer thread's nice value above the process's (Linux sets it per
+            thread: 19, the lowest priority, lets training's threads take the cores first);
+            0 leaves it as training's.
+    """
+
+    def __init__(self, nice=0):
         self._thread = None
         self._error = None
+        self.nice = nice
 
     def submit(self, step, write):
         """Runs `write()` (the writing of step `step`'s save) in a new thread, after the
@@ -198,6 +206,8 @@ class Writer:
         self.wait()
 
         def run():
+            if self.nice:
+                _lower_priority(self.nice)
             try:
                 write()
             except BaseException as err:  # noqa: BLE001 -- raised again by `wait`
@@ -225,3 +235,15 @@ class Writer:
                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                              "the previous checkpoint is still the latest") from err
 
+
+def _lower_priority(nice):
+    """Raises the calling thread's nice value by `nice` (on Linux a thread's own; a
+    system without per-thread priorities, or one that refuses, leaves it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread,
+                       min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
+    except OSError as err:
+        logging.info("tfpar: the checkpoint writer's priority stays (%s)", err)
