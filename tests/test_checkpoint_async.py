@@ -213,3 +213,23 @@ def test_a_mesh_worker_killed_inside_an_async_write_resumes_from_the_save_before
     for worker in (0, 1):
         assert max_diff(weights(str(tmp_path / f"killed.worker{worker}")),
                         weights(str(tmp_path / f"whole.worker{worker}"))) == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
+def test_a_niced_writer_lowers_its_own_thread_only():
+    # `Writer(nice=19)`: the write runs at the lowest priority (TensorFlow's save runs in
+    # the calling thread: all of its CPU time is that thread's), training's thread keeps
+    # its own.
+    import os
+    import threading
+
+    from tfpar.checkpoint_writer import Writer
+
+    def priority():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen, before = {}, priority()
+    for nice in (0, 19):
+        writer = Writer(nice=nice)
+        writer.submit(1, lambda nice=nice: seen.update({nice: priority()}))
+        writer.wait()
+    assert seen == {0: before, 19: 19} and priority() == before

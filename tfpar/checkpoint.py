@@ -6,7 +6,7 @@ is a function of the step, see `tfpar.data`), under the names of the single-devi
 (`tfpar.state`), so any other layout and backend loads it.
 
 A save is published in three moves (`tfpar.checkpoint_writer`): the checkpoint's files
-(`ckpt-S.index`, `ckpt-S.data-*`), its manifest (each file's size and CRC32), then the
+(`ckpt-S.index`, `ckpt-S.data-*`), its manifest (each file's size), then the
 `checkpoint` state file of `tf.train.CheckpointManager`, replaced atomically (a rename) so
 that it names `ckpt-S` as the latest. A run killed before the rename leaves files that
 nothing names: restore reads only what the state file names, so it takes the previous
@@ -19,9 +19,9 @@ gathered whole to host memory in the step (`tfpar.state`), and the thread writes
 tensors only, running no op on the mesh's devices.
 
 Restore takes the newest save the state file names whose files match their manifest and
-read back; a damaged one (truncated, changed, missing) is skipped with one line saying
-what is wrong with it. When none is intact the run stops with one line and deletes
-nothing.
+read back, each tensor against the checksum TensorFlow stored for it; a damaged one
+(truncated, changed, missing) is skipped with one line saying what is wrong with it. When
+none is intact the run stops with one line and deletes nothing.
 
 Multi-worker: every worker must take part in a save; the chief writes to `checkpoint_dir`,
 the others to a scratch directory they delete afterwards. Every worker restores from the
@@ -88,9 +88,12 @@ class Checkpointer(keras.callbacks.Callback):
             keep_checkpoints, checkpoint_async).
         model: a compiled model whose optimizer is built.
         runtime: the `tfpar.strategy.Runtime` (chief or not, worker index).
+        writer_nice: with `checkpoint_async`, the writer thread's nice value above
+            training's (`checkpoint_writer.Writer`; `tools/bench_checkpoint.py --nice`
+            measures it against 0).
     """
 
-    def __init__(self, config, model, runtime):
+    def __init__(self, config, model, runtime, writer_nice=0):
         super().__init__()
         self.config = config
         # Absolute, as the prefixes the async writer publishes are: TensorFlow stores a
@@ -120,7 +123,7 @@ class Checkpointer(keras.callbacks.Callback):
         # TensorFlow deferred their reads to the writer thread: the first async save held
         # PowerSGD's step counter and Qs of 10 steps later; tests/test_checkpoint_async.py
         # compares every tensor with the synchronous save's under load.)
-        self._writer = (checkpoint_writer.Writer()
+        self._writer = (checkpoint_writer.Writer(nice=writer_nice)
                         if getattr(config, "checkpoint_async", False) else None)
         self._snapshot_cache = {}
         self.costs = checkpoint_writer.Costs()  # each save's phases, CPU and wall time

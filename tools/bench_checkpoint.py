@@ -10,6 +10,9 @@ host memory, a thread writes). A side saves every 100 steps (`tfpar.checkpoint.C
 its own directory), at steps 50 and 150 of a 200-step segment, so that an asynchronous
 write ends inside its own segment; the segment's time includes waiting for it at the end.
 The sides take turns in a rotating order over `--rounds` rounds, after one untimed round.
+`--nice=N` adds a fourth side, `async_nice`: `async` with its writer thread at nice N above
+training's (Linux sets it per thread), to measure against `async` in the same rounds
+(`--rounds` then a multiple of 4 balances the order).
 
 Per side and round: ms per step over the segment, the step-time overhead against `none`
 of the same round, and the time the step was blocked per save. Prints the rounds and the
@@ -20,8 +23,8 @@ process's CPU per step over the same window as the wall time (`cpu_ms_per_step`,
 threads: the writer's and the kernel's work for this process included) and its overhead
 against `none`; per save, each phase's CPU and wall time in the thread that ran it
 (`Checkpointer.costs`: `snapshot`, the step's blocking part; `write`, TensorFlow's writer;
-`manifest`, sizes and CRC32; `publish`; `writer`, the async thread's whole work; `save`, a
-synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
+`manifest`, the files' sizes (a CRC32 pass over them before 2026-12-06); `publish`;
+`writer`, the async thread's whole work; `save`, a synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
 unknown, `?`, when the checkpoints' directory is on tmpfs, whose writes it never counts); the
 Python garbage collector's time; and whether a save slows the steps after it:
 `lost_after_ms`, the excess over the 20 steps before a save of steps 1–10 and 11–40 after
@@ -199,6 +202,8 @@ def main():
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--mesh", default="", help="DPxTP: a DTensor mesh of data_parallel × "
                    "tensor_parallel logical CPUs (default: one device)")
+    p.add_argument("--nice", type=int, default=0, help="N > 0: a fourth side, async_nice, "
+                   "whose writer thread runs at nice N above training's")
     p.add_argument("--dir", default="", help="where the checkpoints go (default: a new "
                    "temporary directory, deleted at the end)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_checkpoint.json"))
@@ -240,26 +245,29 @@ def main():
             model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0,
                       callbacks=callbacks)
     params = model.count_params()
+    sides = SIDES + (("async_nice",) if args.nice else ())
+    saving = sides[1:]
     checkpointers = {"none": None}
-    for side in ("sync", "async"):
+    for side in saving:
         checkpointers[side] = Checkpointer(
             config.replace(checkpoint_dir=os.path.join(folder, side), checkpoint_every=EVERY,
-                           checkpoint_async=side == "async"), model, runtime)
+                           checkpoint_async=side != "sync"), model, runtime,
+            writer_nice=args.nice if side == "async_nice" else 0)
         for step in range(EVERY // 2):  # saves in mid-segment: at 50, 150, ...
             checkpointers[side].on_train_batch_end(step)
     rounds = []
     try:
         for r in range(args.rounds + 1):
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            turn = (r + args.rotate) % 3
-            order = SIDES[turn:] + SIDES[:turn]
+            turn = (r + args.rotate) % len(sides)
+            order = sides[turn:] + sides[:turn]
             row = {"load": load, "order": list(order)}
             for side in order:
                 seconds, blocked, extra = segment(fit, checkpointers[side], args.segment,
                                                  folder)
                 row[side] = {"ms_per_step": 1000 * seconds / (args.segment - 1),
                              "blocked_ms": [1000 * b for b in blocked], **extra}
-            for side in ("sync", "async"):
+            for side in saving:
                 row[side]["overhead"] = (row[side]["ms_per_step"] / row["none"]["ms_per_step"]
                                          - 1)
                 row[side]["cpu_overhead"] = (row[side]["cpu_ms_per_step"]
@@ -274,7 +282,7 @@ def main():
                       f"{s} {row[s]['ms_per_step']:.1f} ms/step ({100 * row[s]['overhead']:+.2f} "
                       f"%, CPU {100 * row[s]['cpu_overhead']:+.2f} %), blocked "
                       f"{statistics.median(row[s]['blocked_ms']):.0f} ms per save"
-                      for s in ("sync", "async")), flush=True)
+                      for s in saving), flush=True)
         size = sum(os.path.getsize(os.path.join(folder, "sync", name))
                    for name in os.listdir(os.path.join(folder, "sync"))
                    if name.startswith(f"ckpt-{checkpointers['sync'].saved_step}."))
@@ -282,7 +290,7 @@ def main():
         if not args.dir:
             shutil.rmtree(folder, ignore_errors=True)
     summary = {}
-    for side in SIDES:
+    for side in sides:
         per_step = [row[side]["ms_per_step"] for row in rounds]
         summary[side] = {"ms_per_step": statistics.median(per_step)}
         if side != "none":
@@ -297,14 +305,14 @@ def main():
           f"{size / 2 ** 20:.0f} MiB a checkpoint; a save every {EVERY} steps, batch "
           f"{args.batch}; medians over {args.rounds} rounds (min–max)")
     print(f"  {'side':6} {'ms/step':>8} {'overhead %':>22} {'blocked ms per save':>26}")
-    for side in SIDES:
+    for side in sides:
         s = summary[side]
         over = (f"{100 * s['overhead']:+.2f} ({100 * s['overhead_min']:+.2f}–"
                 f"{100 * s['overhead_max']:+.2f})" if side != "none" else "")
         blocked = (f"{s['blocked_ms']:.0f} ({s['blocked_ms_min']:.0f}–{s['blocked_ms_max']:.0f})"
                    if side != "none" else "")
         print(f"  {side:6} {s['ms_per_step']:8.1f} {over:>22} {blocked:>26}")
-    print_accounting(summary, args.rounds)
+    print_accounting(summary, args.rounds, sides)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "parameters": params, "checkpoint_bytes": size,
@@ -344,7 +352,7 @@ def accounting(rounds, side):
     return out
 
 
-def print_accounting(summary, rounds):
+def print_accounting(summary, rounds, sides=SIDES):
     """The CPU-time table: per side, the process's CPU per step and its overhead, each
     phase's CPU per save, and the ms lost by the steps after a save."""
     print(f"\nCPU time (all the process's threads), medians over {rounds} rounds (min–max); "
@@ -352,7 +360,7 @@ def print_accounting(summary, rounds):
     print(f"  {'side':6} {'CPU ms/step':>11} {'CPU overhead %':>22} {'MiB/seg':>8} "
           f"{'gc ms':>6} {'sync ms':>8}  lost after a save, steps 1–10 / 11–40: CPU ms "
           "(wall ms)")
-    for side in SIDES:
+    for side in sides:
         s = summary[side]
         over = s.get("cpu_overhead")
         over = (f"{100 * over['median']:+.2f} ({100 * over['min']:+.2f}–"
@@ -363,7 +371,7 @@ def print_accounting(summary, rounds):
         written = f"{s['written_mib']:.0f}" if s["written_mib"] is not None else "?"
         print(f"  {side:6} {s['cpu_ms_per_step']:11.1f} {over:>22} {written:>8} "
               f"{s['gc_ms']['median']:6.0f} {s['sync_ms']['median']:8.0f}  {lost}")
-    for side in ("sync", "async"):
+    for side in sides[1:]:
         phases = summary[side]["phases"]
         cells = [f"{phase} {phases[phase + '_cpu_ms']['median']:.0f} "
                  f"({phases[phase + '_ms']['median']:.0f} wall)"
