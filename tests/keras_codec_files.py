@@ -102,7 +102,8 @@ def run(fit, compiled, diff):
                                         default=0.0)
         # a file without the codec's entries loads (the codec's state stays as it is)
         with h5py.File(weights_path, "a") as f:
-            del f[GROUP]
+            if GROUP in f:
+                del f[GROUP]
         try:
             model.load_weights(weights_path)
             result["old_file"] = None
