@@ -23,10 +23,15 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   that does not split refused before any step; an error at the third batch of a fit
   (the model holds the two steps taken).
 - `refusals`: the one-line errors of a mesh with the stage axis not first, Chimera on the
-  mesh pipeline, tfpar's `BackupAndRestore`, Keras's with a codec.
+  mesh pipeline, tfpar's `BackupAndRestore`.
 - `resume`: Adam's state across files: one epoch, `model.save`, `load_model` (under the
   same distribution), one more epoch; and Keras's `BackupAndRestore` stopped inside the
   second epoch, then a fresh model resumed by it: each against two epochs on one device.
+- `codec_files`: a `tfpar.DistributedOptimizer` codec's state in Keras's files (top-k,
+  PowerSGD over SGD, Adam in front of PowerSGD): Keras's `BackupAndRestore` stopped inside
+  the second epoch then resumed by a fresh model, and `model.save` after one epoch read
+  back by `load_weights` after another, each then against two epochs uninterrupted; the
+  file's entries; a file without them; another codec's file refused.
 - `guards`: an fp32 DistributedOptimizer's skipped steps in `optimizer.nonfinite_steps`
   and tfpar's `NaNGuard` stopping on them; a custom layer assigning its own non-trainable
   variable in `call` refused before any step; a layer of unnamed `add_weight`s against
@@ -60,6 +65,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfpar  # noqa: E402
+import keras_codec_files  # noqa: E402  (after the CPU split)
 from tfpar import layout  # noqa: E402
 
 BATCH, STEPS, FEATURES, CLASSES = 16, 3, 12, 10
@@ -424,8 +430,7 @@ def refusals():
     attempts = {
         "stage_axis_last": lambda: distribution(("batch", "model", "stage")),
         "chimera": lambda: distribution(schedule="chimera"),
-        "backup_and_restore": lambda: distribution(),
-        "keras_backup_with_codec": lambda: distribution()}
+        "backup_and_restore": lambda: distribution()}
     for name, make in attempts.items():
         try:
             keras.distribution.set_distribution(make())
@@ -433,9 +438,6 @@ def refusals():
             callbacks = []
             if name == "backup_and_restore":
                 callbacks = [tfpar.callbacks.BackupAndRestore(tempfile.mkdtemp())]
-            if name == "keras_backup_with_codec":
-                optimizer = tfpar.DistributedOptimizer(optimizer, compression="powersgd")
-                callbacks = [keras.callbacks.BackupAndRestore(tempfile.mkdtemp())]
             model = compiled(optimizer, weights)
             x, y = data(1)
             model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=callbacks)
@@ -445,21 +447,6 @@ def refusals():
         finally:
             keras.distribution.set_distribution(None)
     return out
-
-
-class StopAt(keras.callbacks.Callback):
-    """Raises at the start of batch `batch` of epoch `epoch` (a run killed there)."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise KeyboardInterrupt
 
 
 def resume():
@@ -489,7 +476,7 @@ def resume():
     model = compiled(adam(), weights)
     try:
         fit(model, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup),
-                                        StopAt(1, 1)])
+                                        keras_codec_files.StopAt(1, 1)])
         stopped = False
     except KeyboardInterrupt:
         stopped = True
@@ -499,6 +486,15 @@ def resume():
                      "weights": diff(model.get_weights(), two_epochs),
                      "iterations": int(model.optimizer.iterations.numpy())}
     return out
+
+
+def codec_files():
+    """`keras_codec_files.run` on the 3D mesh, from the same initial weights."""
+    weights = initial_weights()
+    keras.distribution.set_distribution(distribution())
+    return keras_codec_files.run(
+        lambda model, epochs=1, callbacks=(): fit(model, epochs=epochs, callbacks=callbacks),
+        lambda optimizer: compiled(optimizer, weights), diff)
 
 
 class RunningMean(keras.layers.Layer):
@@ -801,7 +797,8 @@ def _cli(config, path):
 
 
 CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals,
-         "resume": resume, "guards": guards, "slots": slots, "cli": cli}
+         "resume": resume, "guards": guards, "slots": slots, "cli": cli,
+         "codec_files": codec_files}
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
   Adam in front of them (all 4 steps its exact warm-up; PowerSGD rank 1 5 exact steps).
 - `fp16`: the same under the `mixed_float16` policy, Adam behind Keras's
   `LossScaleOptimizer` (`compile` adds it), uncompressed and with PowerSGD at rank 1.
-- `save`: PowerSGD at rank 1 for some steps, then `model.save`/`load_model`, Keras's
-  `BackupAndRestore` and tfpar's: what each file holds of the codec's state.
+- `save`: PowerSGD at rank 1 for some steps, then `model.save`/`load_model` (the codec
+  named in the file) and tfpar's `BackupAndRestore`: what each file holds of the codec.
 - `nan`: an infinite input with `on_nan="skip_step"` (the step skipped and counted, the
   codec's state kept) and with tfpar's `NaNGuard` ("stop": one line).
 - `data_parallel`: `keras.distribution.DataParallel` on 4 replicas: top-k at ratio 1
@@ -25,6 +25,9 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
   options from `ParallelConfig`) from the same weights on the same batches: weights and
   moments apart, the rule for `v`, the counter, the residuals, the bytes; then one more
   step by `train_on_batch` (the same reduction, its counter on).
+- `keras_files`: a codec's state in Keras's files (`keras_codec_files.run`: top-k,
+  PowerSGD, Adam in front of PowerSGD; `BackupAndRestore` and `load_weights` against two
+  epochs uninterrupted).
 - `refusals`: a model's own `train_step` with a compressing optimizer; `auto`; Adam in
   front with `adam_variance="live"` or `adam_refresh_every`.
 """
@@ -46,6 +49,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfpar  # noqa: E402
+import keras_codec_files  # noqa: E402  (after the CPU split)
 from tfpar import layout  # noqa: E402
 
 BATCH, STEPS, FAR_STEPS = 8, 4, 40
@@ -219,6 +223,7 @@ def save():
     loaded = keras.models.load_model(path)
     out = {"state_names": sorted(first),
            "loaded_optimizer": type(loaded.optimizer).__name__,
+           "loaded_codec": type(tfpar.compression.aggregator_of(loaded.optimizer)).__name__,
            "loaded_reductions": len(getattr(loaded, "tfpar_reductions", ()))}
     keras.utils.set_random_seed(0)
     fresh = user_model()
@@ -404,8 +409,32 @@ def refusals():
     return out
 
 
+def keras_files():
+    """`keras_codec_files.run` on this mesh: each codec's state through Keras's
+    `BackupAndRestore` and `model.save` → `load_weights`, against two epochs
+    uninterrupted (the user's model, seeded, `STEPS` batches an epoch)."""
+    def compiled(optimizer):
+        keras.utils.set_random_seed(0)
+        model = user_model()
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), metrics=["accuracy"])
+        return model
+
+    def fit_(model, epochs=1, callbacks=()):
+        x, y = data(STEPS)
+        return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                         callbacks=list(callbacks)).history["loss"]
+
+    def diff(a, b):
+        return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
+                   for p, q in zip(a, b))
+
+    return keras_codec_files.run(fit_, compiled, diff)
+
+
 CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
-         "data_parallel": data_parallel, "adam_front": adam_front, "refusals": refusals}
+         "data_parallel": data_parallel, "adam_front": adam_front, "refusals": refusals,
+         "keras_files": keras_files}
 
 if __name__ == "__main__":
     graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)

@@ -2,7 +2,8 @@
 `DeviceMesh` `("stage", "batch", "model")` under `tfpar.layout.enable()`
 (`tfpar.layout.keras_pipeline`), against the same model fitted on one device, and with a
 `tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`; Adam's state
-through `model.save`/`load_model` and Keras's `BackupAndRestore`; what the cut must not
+through `model.save`/`load_model` and Keras's `BackupAndRestore`, and a codec's state
+(top-k, PowerSGD, Adam in front) through Keras's files; what the cut must not
 drop or break (skipped steps counted, a layer assigning its own state, unnamed weights,
 inference-mode evaluation); the CLI's 3D trainer against the same settings through a
 user's `fit`. Two children side by side (tests/keras_3d_child.py), then the CLI's runs
@@ -40,7 +41,7 @@ CLI_3D = [{**CLI_BASE, "optimizer": "adam", "learning_rate": 1e-3},
 @pytest.fixture(scope="module")
 def results():
     return cases_lib.gather([["exact", "powersgd", "state", "refusals"],
-                             ["resume", "guards"], ["slots"]], _child)
+                             ["resume", "guards"], ["slots", "codec_files"]], _child)
 
 
 def _child(names):
@@ -170,8 +171,7 @@ def test_a_generator_and_a_constant_weight_train(results):
 
 @pytest.mark.parametrize("name,setting", [("stage_axis_last", "DeviceMesh.axis_names"),
                                           ("chimera", "schedule"),
-                                          ("backup_and_restore", "callbacks"),
-                                          ("keras_backup_with_codec", "callbacks")])
+                                          ("backup_and_restore", "callbacks")])
 def test_a_bad_combination_gets_one_line(results, name, setting):
     raised = _case(results, "refusals")[name]["raised"]
     assert raised is not None, name
@@ -191,6 +191,42 @@ def test_keras_backup_and_restore_resumes_the_run(results):
     assert run_["stopped"] and run_["epochs_run"] == 1, run_  # resumed at the second epoch
     assert run_["iterations"] == 6, run_
     assert run_["weights"] <= TOLERANCE["adam"], run_
+
+
+@pytest.mark.parametrize("codec", ["topk", "powersgd", "adam_front"])
+def test_keras_files_hold_the_codec_state(results, codec):
+    # Keras's BackupAndRestore stopped inside the second epoch, resumed by a fresh model;
+    # model.save after one epoch, read back by load_weights after a second, and by
+    # load_model (the codec named in the file) then one more epoch: each then equals two
+    # epochs uninterrupted (SGD 1e-6, Adam 1e-5). Without the codec's state in
+    # the file the resumed run starts it afresh (BackupAndRestore was refused).
+    run_ = _case(results, "codec_files")[codec]
+    tolerance = TOLERANCE["adam" if codec == "adam_front" else "sgd"]
+    assert run_["stopped"] and run_["epochs_run"] == 1, run_
+    assert run_["backup"] <= tolerance, run_
+    assert run_["load_weights"] <= tolerance, run_
+    assert run_["load_model"] <= tolerance, run_
+    assert run_["loaded_codec"] == ("TopKAggregator" if codec == "topk"
+                                    else "PowerSGDAggregator"), run_
+    # the entries under the model's weight paths, as tfpar.train's checkpoints name them
+    kind = {"topk": "residual", "powersgd": "powersgd_q", "adam_front": "adam_m"}[codec]
+    assert f"codec/down1/kernel/{kind}" in run_["entries"], run_["entries"]
+    assert run_["entries_max_abs"] > 0, run_
+    assert run_["old_file"] is None, run_  # a file without them still loads
+
+
+def test_a_file_of_another_codec_is_refused(results):
+    raised = _case(results, "codec_files")["other_codec"]
+    # Keras's load_weights wraps a saveable's error in its own; tfpar's is one line of it
+    assert raised is not None, raised
+    assert any(line.startswith("the file's codec state") for line in raised.splitlines()), raised
+
+
+def test_a_codec_file_without_tfpar_fails_in_one_line(results):
+    # stock Keras (tfpar's class unregistered) cannot locate the optimizer's class
+    raised = _case(results, "codec_files")["without_tfpar"]
+    assert raised is not None and "\n" not in raised, raised
+    assert "DistributedSGD" in raised, raised
 
 
 def test_skipped_fp32_steps_are_counted_and_nan_guard_stops_on_them(results):

@@ -32,7 +32,7 @@ BAND = 0.04
 
 @pytest.fixture(scope="module")
 def results():
-    names = "codecs,fp16,save,nan,data_parallel,adam_front,refusals"
+    names = "codecs,fp16,save,nan,data_parallel,adam_front,refusals,keras_files"
     return last_json_line(run([sys.executable, CHILD, names], timeout=900,
                               env=GRAPPLER_OFF).stdout)
 
@@ -82,15 +82,17 @@ def test_powersgd_trains_under_mixed_float16_with_the_loss_scale(results):
     assert abs(gap) <= BAND, gap
 
 
-def test_the_codec_state_survives_tfpar_backup_and_restore_not_model_save(results):
+def test_the_codec_state_survives_tfpar_backup_and_restore(results):
     out = _case(results, "save")
     # tfpar's BackupAndRestore holds `codec/<weight>/residual` and `.../powersgd_q`
     assert "up/kernel/powersgd_q" in out["restored_names"]
     assert out["restored_names"] == out["state_names"]
     assert out["resumed_steps"] == 0 and out["iterations"] == 4  # restored, not retrained
     assert out["first_max_abs"] > 0 and out["restored_diff"] == 0.0
-    # Keras's own file holds the plain optimizer, without the codec's state
-    assert out["loaded_optimizer"] == "Adam" and out["loaded_reductions"] == 0
+    # Keras's own file names the codec (its state: test_keras_files_hold_the_codec_state):
+    # load_model gives a DistributedOptimizer over Adam, its reduction made at its fit
+    assert out["loaded_optimizer"] == "Adam" and out["loaded_codec"] == "PowerSGDAggregator"
+    assert out["loaded_reductions"] == 0
 
 
 def test_what_the_mesh_does_not_compress_is_refused_in_one_line(results):
@@ -165,3 +167,38 @@ def test_what_codec_of_cannot_map_is_refused_in_one_line():
             reduction.codec_of(aggregator)
         assert str(err.value).startswith(line) and len(str(err.value).splitlines()) == 1
     assert reduction.codec_of(compression.TopKAggregator(ratio=0.5))[0] == "topk"
+
+
+@pytest.mark.parametrize("codec", ["topk", "powersgd", "adam_front"])
+def test_keras_files_hold_the_codec_state(results, codec):
+    # Keras's BackupAndRestore stopped inside the second epoch, resumed by a fresh model;
+    # model.save after one epoch, read back by load_weights after a second, and by
+    # load_model (the codec named in the file) then one more epoch: each then equals two
+    # epochs uninterrupted (SGD 1e-6, Adam 1e-5). Without the codec's state in
+    # the file the resumed run starts the codec afresh.
+    run_ = _case(results, "keras_files")[codec]
+    tolerance = 1e-5 if codec == "adam_front" else 1e-6
+    assert run_["stopped"] and run_["epochs_run"] == 1, run_
+    assert run_["backup"] <= tolerance, run_
+    assert run_["load_weights"] <= tolerance, run_
+    assert run_["load_model"] <= tolerance, run_
+    assert run_["loaded_codec"] == ("TopKAggregator" if codec == "topk"
+                                    else "PowerSGDAggregator"), run_
+    kind = {"topk": "residual", "powersgd": "powersgd_q", "adam_front": "adam_m"}[codec]
+    assert f"codec/up/kernel/{kind}" in run_["entries"], run_["entries"]
+    assert run_["entries_max_abs"] > 0, run_
+    assert run_["old_file"] is None, run_  # a file without them still loads
+
+
+def test_a_file_of_another_codec_is_refused(results):
+    raised = _case(results, "keras_files")["other_codec"]
+    # Keras's load_weights wraps a saveable's error in its own; tfpar's is one line of it
+    assert raised is not None, raised
+    assert any(line.startswith("the file's codec state") for line in raised.splitlines()), raised
+
+
+def test_a_codec_file_without_tfpar_fails_in_one_line(results):
+    # stock Keras (tfpar's class unregistered) cannot locate the optimizer's class
+    raised = _case(results, "keras_files")["without_tfpar"]
+    assert raised is not None and "\n" not in raised, raised
+    assert "DistributedSGD" in raised, raised

@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfpar import compression as compression_lib
-from tfpar import compat, devices, nan_guard, patches
+from tfpar import compat, devices, keras_codec_state, nan_guard, patches
 from tfpar import offload as offload_lib
 from tfpar.config import COMPRESSIONS, OFFLOADS, ON_NAN, STRATEGIES, ParallelConfig
 from tfpar.errors import ConfigError
@@ -165,7 +165,8 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
     It serialises as the optimizer it copies: `model.save` writes a plain
     `keras.optimizers.Adam` (etc.: its class, config, step count and slots), so stock
     `keras.models.load_model` loads the file in a process that never imports tfpar, with
-    the plain optimizer and its state. The compression is not in the file: wrap the loaded
+    the plain optimizer and its state (once its codec ran on a `keras.distribution` mesh,
+    the file names `tfpar>DistributedAdam` with the codec instead: below). The compression is not in the file: wrap the loaded
     model's optimizer again to train on with it (`tfpar.DistributedOptimizer(
     model.optimizer, ...)`, a fresh copy). With Adam in front of compression (Adam with
     "powersgd", "lowbit", "topk", "threshold" or "auto" over several replicas) Adam's
@@ -184,8 +185,10 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
     step or scaled gradient through the codec, `adam_variance` "frozen", "local" or
     "local_debiased" ("live" and `adam_refresh_every` are refused); `adam=None` keeps Adam
     behind it. Other optimizers run after the compressed sum. The codec's state (Adam's
-    moments too) is in `tfpar.callbacks.BackupAndRestore`'s checkpoint, not in
-    `model.save`'s file.
+    moments too) is in `tfpar.callbacks.BackupAndRestore`'s checkpoint and, under
+    `keras.distribution`, in Keras's files (`model.save`, `save_weights`, Keras's
+    `BackupAndRestore`: `tfpar.keras_codec_state`), which `load_weights` and Keras's
+    `BackupAndRestore` read back into a model compiled with the same codec.
 
     Args:
         optimizer: a Keras 3 optimizer (or its name, e.g. "adam"), also a
@@ -292,6 +295,9 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
     # module (`wrap_optimizer`), so Keras saves it as the plain optimizer, as Horovod does.
     copy = _plain_class(optimizer).from_config(optimizer.get_config())
     wrapped = compression_lib.wrap_optimizer(copy, aggregator)
+    # Keras's files of a model on a `keras.distribution` mesh hold the codec's state in it
+    # (`optimizer/tfpar_codec_state`, which stock Keras does not read)
+    keras_codec_state.add_to(wrapped, aggregator, on_nan)
     # Non-finite steps counted and never applied (`tfpar.nan_guard`); the mixin keeps the
     # class's name and module, so the file still holds the plain optimizer.
     nan_guard.skip_nonfinite_updates(wrapped)
@@ -327,21 +333,23 @@ _DISTRIBUTED = {}
 
 
 def distributed_class(base):
-    """The class registered as `tfpar>Distributed<Base>`, for files saved by tfpar before
-    `DistributedOptimizer` saved the plain optimizer: their config holds the aggregator
-    (`"compression"`), and `from_config` gives a `DistributedOptimizer` with it (which saves
-    as the plain optimizer from then on)."""
+    """The class registered as `tfpar>Distributed<Base>`, for files whose config holds the
+    aggregator (`"compression"`, and `"on_nan"`): saved by tfpar before
+    `DistributedOptimizer` saved the plain optimizer, and by a model whose codec ran on a
+    `keras.distribution` mesh (`tfpar.keras_codec_state`). `from_config` gives a
+    `DistributedOptimizer` with it."""
     if base not in _DISTRIBUTED:
         class Distributed(AggregatingOptimizerMixin, base):
             @classmethod
             def from_config(cls, config, custom_objects=None):
                 config = dict(config)
                 spec = config.pop("compression", None)
+                on_nan = config.pop("on_nan", "stop")
                 optimizer = base.from_config(config, custom_objects=custom_objects)
                 if spec is None:
                     return optimizer
                 aggregator = getattr(compression_lib, spec["class_name"])(**spec["config"])
-                return DistributedOptimizer(optimizer, compression=aggregator)
+                return DistributedOptimizer(optimizer, compression=aggregator, on_nan=on_nan)
 
         Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
         _DISTRIBUTED[base] = keras.saving.register_keras_serializable(package="tfpar")(
@@ -349,8 +357,10 @@ def distributed_class(base):
     return _DISTRIBUTED[base]
 
 
-# Files saved by earlier versions name these classes; registered at import.
-for _name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "Adafactor", "Nadam",
-              "RMSprop", "Ftrl", "Lion", "Lamb", "Muon"):
-    if hasattr(keras.optimizers, _name):
-        distributed_class(getattr(keras.optimizers, _name))
+# Files name these classes (saved by earlier versions, or of a codec on a mesh);
+# registered at import.
+REGISTERED_BASES = tuple(name for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "Adafactor", "Nadam", "RMSprop",
+    "Ftrl", "Lion", "Lamb", "Muon") if hasattr(keras.optimizers, name))
+for _name in REGISTERED_BASES:
+    distributed_class(getattr(keras.optimizers, _name))

@@ -363,16 +363,6 @@ KERAS_PIPELINE_STATEFUL_LAYER = Rule(
     "(frozen layers are fine), or on a mesh without a 'stage' axis, or with "
     "python -m tfpar.train",
     value=lambda c: c.stateful_layer)
-# Keras's `BackupAndRestore` on a pipeline mesh: the model's optimizer holds the stage
-# optimizers' state for Keras's file, but not the stages' codec state.
-KERAS_PIPELINE_BACKUP_CODEC = Rule(
-    "callbacks", lambda c: getattr(c, "keras_backup_and_restore", False)
-    and c.compression != "none",
-    lambda c: f"the model's file does not hold the pipeline stages' {c.compression} state "
-              "(error feedback, PowerSGD's Q), so a resume would not continue the run; use "
-              "it with an optimizer that does not compress, or on a mesh without a 'stage' "
-              "axis",
-    value=lambda c: "keras.callbacks.BackupAndRestore")
 
 # `--offload` (`tfpar.offload`): what its host update does not run with. The same rows
 # check `tfpar.DistributedOptimizer(offload=...)` (a `view` with `api=True`), each saying

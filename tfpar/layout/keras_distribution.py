@@ -84,7 +84,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
 
-from tfpar import nan_guard, patches
+from tfpar import keras_codec_state, nan_guard, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import (activations, keras_pipeline, keras_state, multi_client, values,
@@ -323,9 +323,14 @@ def _stateless_on_mesh(model, mesh):
     if optimizer.built:
         if patches.is_stateless_class(type(optimizer)):
             return optimizer
-        # built off the mesh step's path (keras.models.load_model): its state moved over
+        # built off the mesh step's path (keras.models.load_model): its state moved over,
+        # a `DistributedOptimizer`'s hooks too (its class without tfpar's mixins)
+        hooks = _tfpar_hooks(optimizer)
+        plain = (None if hasattr(optimizer, "inner_optimizer")
+                 else keras_pipeline._plain_class(optimizer))
         optimizer = model.optimizer = keras_state.rebuilt_optimizer(
-            optimizer, model, _replicated(mesh))
+            optimizer, model, _replicated(mesh), plain,
+            lambda fresh: _to_mesh_hooks(fresh, hooks))
         return optimizer
     hooks = _tfpar_hooks(optimizer)
     if not all(variables.is_dvariable(v) for v in optimizer.variables):
@@ -336,7 +341,8 @@ def _stateless_on_mesh(model, mesh):
     return stateless_optimizer(optimizer)
 
 
-_HOOKS = ("tfpar_aggregator", "tfpar_skip_nonfinite", "tfpar_on_nan")
+_HOOKS = ("tfpar_aggregator", "tfpar_skip_nonfinite", "tfpar_on_nan",
+          keras_codec_state.ATTRIBUTE)
 
 
 def _tfpar_hooks(optimizer):
@@ -355,7 +361,10 @@ def _to_mesh_hooks(optimizer, hooks):
     inner = patches.mix_out(getattr(optimizer, "inner_optimizer", optimizer),
                             (AggregatingOptimizerMixin, SkipNonFiniteMixin))
     for name, value in hooks.items():
-        setattr(inner, name, value)
+        if name == keras_codec_state.ATTRIBUTE:  # untracked by TensorFlow, as it was made
+            object.__setattr__(inner, name, value)
+        else:
+            setattr(inner, name, value)
 
 
 def _check_layers(model):

@@ -51,9 +51,8 @@ Refused with one line: a mesh whose axes are not `("stage", "batch"[, "model"])`
 output layouts (`<layer>/output` keys); a model that is not functional with one input and
 one output, or does not cut into the stages; a loss other than one mean-reducing loss; a
 metric other than accuracy; `loss_weights`, `weighted_metrics`;
-`tfpar.callbacks.BackupAndRestore` (tfpar.train's checkpoint), and Keras's with a
-`tfpar.DistributedOptimizer` codec that keeps state (the file does not hold its residuals
-or Qs: `compat.KERAS_PIPELINE_BACKUP_CODEC`); a layer
+`tfpar.callbacks.BackupAndRestore` (tfpar.train's checkpoint; Keras's holds the stages'
+codec state too, `tfpar.keras_codec_state`); a layer
 whose non-trainable state a training step changes (BatchNormalization's statistics,
 Dropout's seed, a variable a custom layer's `call` assigns, found in the traced
 forward's `StatelessScope`: `compat.KERAS_PIPELINE_STATEFUL_LAYER`, before the first
@@ -64,8 +63,12 @@ micro-batches divisible by the `batch` axis (one line naming `microbatches` othe
 `tfpar.DistributedOptimizer`'s step with non-finite gradients is skipped on every stage
 (in fp32 through a loss scale of 1, `_fresh`, set back to 1 after a skip, and counted in
 its `nonfinite_steps`, which `tfpar.callbacks.NaNGuard` reads; an fp16 overflow halves
-the loss scale, uncounted, as in the other fits). Not held: a codec's state in Keras's
-files (as on one mesh); a mesh across worker processes (refused).
+the loss scale, uncounted, as in the other fits). A `tfpar.DistributedOptimizer`'s codec
+state (each stage's residuals, PowerSGD's Qs, Adam in front's moments and step count) is
+in Keras's files of the model under the model's weight paths (`tfpar.keras_codec_state`),
+so Keras's `BackupAndRestore`, `load_weights` into a model compiled with the same codec,
+and `keras.saving.load_model` (the file names the codec) go on with it. Not held: a mesh
+across worker processes (refused).
 """
 
 import json
@@ -76,7 +79,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import compat, patches
+from tfpar import compat, keras_codec_state, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import pipeline as pipeline_lib
 from tfpar.layout import presets, reduction, values, variables
@@ -243,6 +246,11 @@ def _build(model, distribution):
         meshes, staged, optimizers, make_schedule(schedule_name, K, M, V), loss,
         accuracy=accuracy, reductions=reductions or None, user_model=model)
     trainer.codec = codec  # the stages' codec (None: DTensor's exact sum over `batch`)
+    # Keras's files of the model hold the stages' codec state under the model's weight
+    # paths (`tfpar.keras_codec_state`); a file loaded before now is written in here
+    whole = {id(s): w.path for s, w in trainer.pairs}
+    keras_codec_state.attach(model, model.optimizer, reductions, [
+        {v.path: whole[id(v)] for v in stage.trainable_variables} for stage in stages])
     return trainer
 
 
@@ -430,7 +438,8 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
     def to_model(self):
         """The stages' weights into the user's model (whole, host values), and the stage
         optimizers' state into its optimizer (`model.save`, `save_weights` and Keras's
-        `BackupAndRestore` hold it). Not the codecs' state (as on one mesh)."""
+        `BackupAndRestore` hold it). The codecs' state needs no copy: Keras's files read
+        it from the stages' reductions (`tfpar.keras_codec_state`)."""
         written = set()
         for stage_variable, variable in self.pairs + self.state_pairs:
             if id(variable) not in written:  # `iterations`, the scale: equal on every stage
@@ -709,11 +718,6 @@ class UserCallbacks(keras.callbacks.Callback):
                                   "its checkpoint is tfpar.train's, not a pipeline mesh's; "
                                   "use keras.callbacks.BackupAndRestore (the model's "
                                   "optimizer holds the stages' state)")
-            if isinstance(callback, keras.callbacks.BackupAndRestore):
-                stateful = any(r.variables for r in trainer.reductions or ())
-                compat.enforce(compat.KERAS_PIPELINE_BACKUP_CODEC, compat.view(
-                    backend="dtensor", compression=trainer.codec if stateful else "none",
-                    keras_backup_and_restore=True, keras_distribution=True))
         self.trainer = trainer
         self.verbose = verbose
         self.inner = keras.callbacks.CallbackList(

@@ -71,7 +71,7 @@ def _direct_assign(self, value):
     return None
 
 
-def rebuilt_optimizer(optimizer, model, scope):
+def rebuilt_optimizer(optimizer, model, scope, plain_class=None, prepare=None):
     """`optimizer` (built off the mesh step's path, e.g. by `keras.models.load_model`) made
     again as a stateless optimizer on the mesh, its variables' values copied in.
 
@@ -80,16 +80,30 @@ def rebuilt_optimizer(optimizer, model, scope):
         model: the model it trains.
         scope: the `keras.distribution.ModelParallel` on the model's mesh whose
             `variables.variable_scope` the new optimizer is built in.
+        plain_class: the class to make it of (default: its own); a
+            `tfpar.DistributedOptimizer`'s is the Keras class under tfpar's mixins.
+        prepare: called with the new optimizer before it is built (tfpar's hooks moved
+            onto it); a `nonfinite_steps` counter (`tfpar.nan_guard`) is added after the
+            build when the new optimizer skips non-finite steps.
 
     Raises:
         TfparError: the rebuilt optimizer's variables do not match the loaded ones.
     """
+    from tfpar import nan_guard
     old = list(optimizer.variables)
     with variables.variable_scope(scope):
-        fresh = optimizer.__class__.from_config(optimizer.get_config())
+        fresh = (plain_class or optimizer.__class__).from_config(optimizer.get_config())
+        if prepare is not None:
+            prepare(fresh)
         stateless_optimizer(fresh)
         fresh.build(model.trainable_variables)
+        if getattr(fresh, "tfpar_skip_nonfinite", False):  # as `_mesh_trainer` adds it
+            nan_guard.add_counter(fresh)
     new = list(fresh.variables)
+    if not any(v.path.endswith("nonfinite_steps") for v in new):
+        # the loaded optimizer's own counter (a LossScaleOptimizer's inner one): the new
+        # optimizer skips through its loss scale
+        old = [v for v in old if not v.path.endswith("nonfinite_steps")]
     shapes = ([(v.path, tuple(v.shape)) for v in old], [(v.path, tuple(v.shape)) for v in new])
     if shapes[0] != shapes[1]:  # built by the same class code: the same variables in order
         raise TfparError(f"{type(optimizer).__name__}: its {len(old)} variables cannot be "

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar import compat, patches
+from tfpar import compat, keras_codec_state, patches
 from tfpar.layout import reduction as reduction_lib
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
@@ -87,7 +87,8 @@ class KerasSteps:
     With a `tfpar.DistributedOptimizer` (its aggregator's codec, `reduction.codec_of`)
     and more than one replica on the batch axis, the training step forms each replica's
     gradient (`step.replica_gradients`) and averages them through the mesh trainer's
-    `tfpar.layout.reduction` (`reduction`, its state in `model.tfpar_reductions`); it is
+    `tfpar.layout.reduction` (`reduction`, its state in `model.tfpar_reductions` and in
+    Keras's files of the model, `tfpar.keras_codec_state`); it is
     then called with batches `[data_parallel, m, ...]` (`values.replica_batches_to_mesh`).
     A non-finite mean gradient is never applied: the `LossScaleOptimizer` skips it (fp16),
     else the weights, slots and codec state stay and `optimizer.nonfinite_steps` counts
@@ -122,6 +123,8 @@ class KerasSteps:
         self.reduction = self._reduction(mesh)
         object.__setattr__(model, "tfpar_reductions",
                            (self.reduction,) if self.reduction else ())
+        # Keras's files of the model hold the codec's state (`tfpar.keras_codec_state`)
+        keras_codec_state.attach(model, optimizer, list(model.tfpar_reductions))
         train = (self._custom_train if self.custom else
                  self._replica_train if self.reduction else self._train)
         self.train = _checked(mesh, train, "the training step")

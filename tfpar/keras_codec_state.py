@@ -1,0 +1,191 @@
+"""A `tfpar.DistributedOptimizer` codec's state in Keras's own files.
+
+On a `keras.distribution` mesh (one mesh, `tfpar.layout.keras_step`, or the pipeline
+mesh, `tfpar.layout.keras_pipeline`) the codec's state — each replica's error-feedback
+residual, PowerSGD's Q, Adam in front's moments and step count, `auto`'s ranks — lives in
+the batch-axis reductions (`tfpar.layout.reduction`), not among the Keras optimizer's
+`variables`. `CodecState` puts it in the files Keras writes of the model (`model.save`,
+`save_weights`, `ModelCheckpoint`, `BackupAndRestore`) and reads it back from them
+(`load_weights`, `BackupAndRestore`'s restore):
+
+Keras saves every `KerasSaveable` attribute of the optimizer it saves under that
+attribute's name, so a `DistributedOptimizer` carries one `CodecState` as
+`tfpar_codec_state` (set without TensorFlow's tracking: `tf.train.Checkpoint`s of the
+optimizer are unchanged). Its entries are `codec/<weight path>/<kind>` as in tfpar's own
+checkpoints (`tfpar.state`), each a whole host array (residuals one row per `batch`
+replica), in the group `optimizer/tfpar_codec_state` of the file. Keras's own optimizer
+entries are untouched, so stock Keras, which never looks into that group, loads the
+file's optimizer state as before.
+
+The file's config names such an optimizer, once it has run on a mesh, as tfpar's
+`tfpar>Distributed<Base>` with its codec (`"compression"`: the aggregator's class and
+config, and `"on_nan"`; `name_the_codec`), so `keras.saving.load_model` in a process that
+imported tfpar gives a `DistributedOptimizer` with the same codec, whose `CodecState`
+Keras's load then fills: under the same distribution `fit` goes on with the run. Stock
+Keras, without tfpar, refuses such a file in one line (it cannot locate the class);
+`load_weights` of it into a plain model still works.
+
+A file without that group (saved before it existed, or by a plain optimizer) loads as it
+did: the codec's state stays as it is (fresh in a new model: the codec starts afresh),
+and one line says so. Entries that do not match this
+codec's (another codec, other weights or another `batch` size) are refused in one line.
+Values read before the reductions exist (a `load_weights` before the first `fit`) are
+held and written when they are made (`attach`).
+"""
+
+import keras
+import numpy as np
+from absl import logging
+
+from tfpar.errors import TfparError
+
+ATTRIBUTE = "tfpar_codec_state"
+_PREFIX = "codec/"
+
+
+def _key(name):
+    # an HDF5 dataset name cannot hold "/" (it would open groups)
+    return name.replace("/", "|")
+
+
+class CodecState(keras.layers.Layer):
+    """The holder of a `DistributedOptimizer`'s codec state in Keras's files (module
+    docstring). Not a layer of any model: a `keras.layers.Layer` is the public
+    `KerasSaveable` whose `save_own_variables`/`load_own_variables` Keras calls."""
+
+    def __init__(self, spec=None, **kwargs):
+        super().__init__(name=ATTRIBUTE, **kwargs)
+        # what `name_the_codec` writes into the optimizer's config
+        object.__setattr__(self, "spec", spec)
+        # [(reduction, {stage weight path: the model's weight path})], set by `attach`;
+        # values loaded before it, by name
+        object.__setattr__(self, "_reductions", [])
+        object.__setattr__(self, "_pending", None)
+
+    def entries(self):
+        """`{"codec/<path>/<kind>": DVariable}` of the attached reductions."""
+        out = {}
+        for reduction, paths in self._reductions:
+            for name, (variable, _) in reduction.named_state().items():
+                path, kind = name.rsplit("/", 1)
+                out[f"{_PREFIX}{paths.get(path, path)}/{kind}"] = variable
+        return out
+
+    def save_own_variables(self, store):
+        from tfpar.layout import values
+        for name, variable in sorted(self.entries().items()):
+            store[_key(name)] = values.to_host(variable)
+
+    def load_own_variables(self, store):
+        loaded = {key.replace("|", "/"): np.asarray(store[key]) for key in store.keys()}
+        object.__setattr__(self, "_pending", loaded)
+        if self._reductions:
+            self._write()
+
+    def attach(self, model, reductions, paths=None):
+        """`attach`'s work on this holder (see there)."""
+        from tfpar.layout import values
+        # A trainer made again for the same optimizer (the first batch built the compiled
+        # metrics: a key of the trainer changed) goes on with the state of the one before.
+        before = {name: values.to_host(v) for name, v in self.entries().items()}
+        paths = paths or [{}] * len(reductions)
+        object.__setattr__(self, "_reductions", list(zip(reductions, paths)))
+        if reductions:
+            name_the_codec(model)
+        if self._pending is not None:
+            self._write()
+            return
+        now = self.entries()
+        if before and sorted(before) == sorted(now) and all(
+                before[n].shape == tuple(now[n].shape) for n in now):
+            object.__setattr__(self, "_pending", before)
+            self._write()
+
+    def _write(self):
+        """Writes the held values into the attached reductions (module docstring)."""
+        from tfpar.layout import values
+        loaded, entries = self._pending, self.entries()
+        object.__setattr__(self, "_pending", None)
+        if not entries:
+            return
+        if not loaded:
+            logging.warning("the file holds no codec state (saved before Keras's files "
+                            "held it, or without a codec): the codec's state stays as it "
+                            "is (in a new model: the codec starts afresh)")
+            return
+        if sorted(loaded) != sorted(entries) or any(
+                loaded[n].shape != tuple(entries[n].shape) for n in entries):
+            theirs = ", ".join(f"{n} {loaded[n].shape}" for n in sorted(loaded)[:2])
+            mine = ", ".join(f"{n} {tuple(entries[n].shape)}" for n in sorted(entries)[:2])
+            raise TfparError(
+                f"the file's codec state ({len(loaded)} entries: {theirs}, ...) does not fit "
+                f"this optimizer's codec ({len(entries)} entries: {mine}, ...); load it with "
+                "the codec, model and batch axis that saved it, or compile a new optimizer "
+                "to start the codec afresh")
+        for name, variable in entries.items():
+            values.assign(variable, loaded[name])
+        for reduction, _ in self._reductions:
+            written = getattr(reduction, "state_written", None)
+            if written is not None:  # Adam in front: its warm-up copies are stale now
+                written()
+
+
+def add_to(optimizer, aggregator, on_nan):
+    """Gives `optimizer` (a `DistributedOptimizer` of `aggregator`, `on_nan`) its
+    `CodecState`; returns it."""
+    holder = CodecState({"compression": {"class_name": type(aggregator).__name__,
+                                         "config": aggregator.get_config()},
+                         "on_nan": on_nan})
+    object.__setattr__(optimizer, ATTRIBUTE, holder)
+    return holder
+
+
+def holder_of(optimizer):
+    """The `CodecState` of `optimizer` or of its inner optimizer (a `LossScaleOptimizer`
+    around a `DistributedOptimizer`), or None."""
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        holder = getattr(candidate, ATTRIBUTE, None) if candidate is not None else None
+        if holder is not None:
+            return holder
+    return None
+
+
+def attach(model, optimizer, reductions, paths=None):
+    """Makes `optimizer`'s `CodecState` (if it has one) save and load `reductions` (the
+    mesh's, replacing any attached before) and `model`'s files name the codec
+    (`name_the_codec`); `paths`: per reduction, `{its weight path: the path of the
+    model's weight}` (a pipeline stage's copies). Values a file gave it before are written
+    now; else a trainer made again for the same optimizer goes on with the state of the
+    reductions attached before (same entries and shapes)."""
+    holder = holder_of(optimizer)
+    if holder is not None:
+        holder.attach(model, reductions, paths)
+
+
+def name_the_codec(model):
+    """Makes Keras's files of `model` name its `DistributedOptimizer` as tfpar's
+    `tfpar>Distributed<Base>` with the codec in its config (module docstring): the
+    model's own `get_compile_config` (which Keras's saving calls) with the optimizer's
+    entry renamed. Optimizers whose base class tfpar does not register stay as they are
+    (their file loads the plain optimizer)."""
+    if "get_compile_config" in vars(model):
+        return
+
+    def get_compile_config():
+        config = type(model).get_compile_config(model)
+        entry = (config or {}).get("optimizer")
+        if isinstance(entry, dict) and entry.get("class_name") == "LossScaleOptimizer":
+            entry = entry.get("config", {}).get("inner_optimizer")
+        holder = holder_of(model.optimizer)
+        if not isinstance(entry, dict) or holder is None or holder.spec is None:
+            return config
+        from tfpar import api
+        name = entry.get("class_name")
+        if name not in api.REGISTERED_BASES:
+            return config
+        entry.update(class_name=f"Distributed{name}", module=None,
+                     registered_name=f"tfpar>Distributed{name}")
+        entry["config"] = {**entry["config"], **holder.spec}
+        return config
+
+    object.__setattr__(model, "get_compile_config", get_compile_config)
