@@ -233,3 +233,14 @@ def test_a_niced_writer_lowers_its_own_thread_only():
         writer.submit(1, lambda nice=nice: seen.update({nice: priority()}))
         writer.wait()
     assert seen == {0: before, 19: 19} and priority() == before
+
+
+@pytest.mark.parametrize("nice", [-5, 20, 1.5, "19", True])
+def test_a_writer_nice_that_is_not_0_to_19_is_one_line(nice):
+    # A negative value would put the writer ahead of training (as root); a float or a
+    # string raised inside the thread and the save was lost without a word.
+    from tfpar.checkpoint_writer import Writer
+    from tfpar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"writer_nice=.* must be an integer from 0"):
+        Writer(nice=nice)

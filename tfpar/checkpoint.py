@@ -6,7 +6,7 @@ is a function of the step, see `tfpar.data`), under the names of the single-devi
 (`tfpar.state`), so any other layout and backend loads it.
 
 A save is published in three moves (`tfpar.checkpoint_writer`): the checkpoint's files
-(`ckpt-S.index`, `ckpt-S.data-*`), its manifest (each file's size), then the
+(`ckpt-S.index`, `ckpt-S.data-*`), its manifest (each file's size and CRC32), then the
 `checkpoint` state file of `tf.train.CheckpointManager`, replaced atomically (a rename) so
 that it names `ckpt-S` as the latest. A run killed before the rename leaves files that
 nothing names: restore reads only what the state file names, so it takes the previous
@@ -19,9 +19,9 @@ gathered whole to host memory in the step (`tfpar.state`), and the thread writes
 tensors only, running no op on the mesh's devices.
 
 Restore takes the newest save the state file names whose files match their manifest and
-read back, each tensor against the checksum TensorFlow stored for it; a damaged one
-(truncated, changed, missing) is skipped with one line saying what is wrong with it. When
-none is intact the run stops with one line and deletes nothing.
+read back; a damaged one (truncated, changed, missing) is skipped with one line saying
+what is wrong with it. When none is intact the run stops with one line and deletes
+nothing.
 
 Multi-worker: every worker must take part in a save; the chief writes to `checkpoint_dir`,
 the others to a scratch directory they delete afterwards. Every worker restores from the

@@ -1,17 +1,11 @@
 """How a checkpoint reaches the disk, and how a damaged one is recognised.
 
 A save is published in three moves: the checkpoint's files (`ckpt-S.index`,
-`ckpt-S.data-*`), then its manifest `ckpt-S.manifest.json` (each file's size), then the
-`checkpoint` state file naming `ckpt-S` (an atomic rename). A save cut short at any point
-leaves the previous published one as the latest; a published one whose files were damaged
-since (a truncated copy, a bad disk) fails `damage()` and is skipped on restore
-(`tfpar.checkpoint`).
-
-The bytes themselves are checked by TensorFlow's own checksums, not by a second pass at
-save time: its writer stores a CRC32C of every tensor in the index (and one of every block
-of the index), and `damage()` reads every tensor back, which checks them (a
-`DataLossError` is damage). A manifest of an older tfpar holds a CRC32 of each file too
-(`"crc32"`), which `damage()` still checks.
+`ckpt-S.data-*`), then its manifest `ckpt-S.manifest.json` (each file's size and CRC32),
+then the `checkpoint` state file naming `ckpt-S` (an atomic rename). A save cut short at
+any point leaves the previous published one as the latest; a published one whose files
+were damaged since (a truncated copy, a bad disk) fails `damage()` and is skipped on
+restore (`tfpar.checkpoint`).
 
 `Writer` runs the writing beside training (`--checkpoint_async`): the step blocks while the
 state is read into host memory (`tfpar.patches.tensorflow_checkpoint.snapshot`), a thread
@@ -31,7 +25,7 @@ import zlib
 
 from absl import logging
 
-from tfpar.errors import TfparError
+from tfpar.errors import ConfigError, TfparError
 
 MANIFEST = ".manifest.json"
 _CHUNK = 1 << 22
@@ -45,7 +39,6 @@ def _files_of(prefix):
 
 
 def _crc32(path):
-    """A file's CRC32 (an older tfpar's manifest records it)."""
     # Read into one buffer, unbuffered: no new bytes object and no second copy per chunk.
     crc, buffer = 0, bytearray(_CHUNK)
     view = memoryview(buffer)
@@ -56,74 +49,40 @@ def _crc32(path):
 
 
 def write_manifest(prefix):
-    """Records each file of checkpoint `prefix` with its size in `prefix.manifest.json`
-    (written whole, then renamed into place). No file is read: TensorFlow's writer already
-    stored a checksum of every tensor (module docstring)."""
+    """Records each file of checkpoint `prefix` with its size and CRC32 in
+    `prefix.manifest.json` (written whole, then renamed into place)."""
     folder = os.path.dirname(prefix)
-    files = {name: {"size": os.path.getsize(os.path.join(folder, name))}
-             for name in _files_of(prefix)}
+    files = {name: {"size": os.path.getsize(os.path.join(folder, name)),
+                    "crc32": _crc32(os.path.join(folder, name))} for name in _files_of(prefix)}
     tmp = prefix + MANIFEST + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"files": files, "checksums": "tensorflow"}, f, indent=1)
+        json.dump({"files": files}, f, indent=1)
     os.replace(tmp, prefix + MANIFEST)
 
 
 def damage(prefix):
     """What is wrong with checkpoint `prefix`'s files, in a few words, or None when they
-    match its manifest and every tensor reads back with the checksum TensorFlow stored (an
-    older tfpar's manifest: the CRC32 of each file it records). A checkpoint without a
-    manifest (an older tfpar's still) is not checked here: reading it is the check."""
+    match its manifest. A checkpoint without a manifest (an older tfpar's) is not checked
+    here: reading it is the check."""
     folder, name = os.path.split(prefix)
     try:
         with open(prefix + MANIFEST) as f:
             files = json.load(f)["files"]
-        sizes = {file: int(want["size"]) for file, want in files.items()}
     except FileNotFoundError:
         if not os.path.exists(prefix + ".index"):
             return f"{name}.index is missing"
         return None
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"its manifest {name}{MANIFEST} is unreadable ({type(err).__name__})"
-    for file, size in sorted(sizes.items()):
+    for file, want in sorted(files.items()):
         path = os.path.join(folder, file)
         if not os.path.exists(path):
             return f"{file} is missing"
-        if os.path.getsize(path) != size:
-            return f"{file} has {os.path.getsize(path)} bytes, {size} were written"
-    for file, want in sorted(files.items()):
-        if "crc32" in want and _crc32(os.path.join(folder, file)) != want["crc32"]:
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{file} has {size} bytes, {want['size']} were written"
+        if _crc32(path) != want["crc32"]:
             return f"{file} fails its CRC32 check (its bytes changed since it was written)"
-    if all("crc32" in want for want in files.values()):
-        return None
-    return _checksums(prefix, sorted(files))
-
-
-def _checksums(prefix, files):
-    """What TensorFlow's reader finds wrong with checkpoint `prefix` (`files`: its files),
-    or None: its index is read (each block against its CRC32C), then every tensor (each
-    against the CRC32C the index holds for it)."""
-    import tensorflow as tf
-    name = os.path.basename(prefix)
-    tensor = None
-    try:
-        reader = tf.train.load_checkpoint(prefix)
-        for tensor in sorted(reader.get_variable_to_dtype_map()):
-            reader.get_tensor(tensor)
-    except (tf.errors.OpError, ValueError, IndexError) as err:
-        # The error's first line, without the directory (it names the prefix).
-        line = (str(err).splitlines() or [""])[0].replace(os.path.dirname(prefix) + os.sep, "")
-        if tensor is None:
-            where = f"{name}.index"
-        else:
-            shard = re.search(r" shard (\d+) ", line)
-            data = [f for f in files if ".data-" in f]
-            if shard and int(shard.group(1)) < len(data):
-                where = data[int(shard.group(1))]
-            else:  # a string tensor's error names no shard
-                where = data[0] if len(data) == 1 else f"one of {name}'s data files"
-        what = f" of tensor {tensor}" if tensor is not None else ""
-        return (f"{where} fails TensorFlow's check{what}, its bytes changed since they "
-                f"were written ({type(err).__name__}: {line[:160]})")
     return None
 
 
@@ -190,12 +149,16 @@ class Writer:
     """One background write at a time; its error is raised by the next `wait`.
 
     Args:
-        nice: the writer thread's nice value above the process's (Linux sets it per
-            thread: 19, the lowest priority, lets training's threads take the cores first);
-            0 leaves it as training's.
+        nice: how much the writer thread's nice value is raised above that of the thread
+            calling `submit` (Linux sets it per thread; at most 19, the lowest priority,
+            lets training's threads take the cores first); 0 leaves it as training's. An
+            integer from 0 to 19 (a negative one would put the writer ahead of training).
     """
 
     def __init__(self, nice=0):
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ConfigError("writer_nice", nice, "must be an integer from 0 (the writer at "
+                              "training's priority) to 19 (the lowest)")
         self._thread = None
         self._error = None
         self.nice = nice
@@ -206,9 +169,9 @@ class Writer:
         self.wait()
 
         def run():
-            if self.nice:
-                _lower_priority(self.nice)
             try:
+                if self.nice:
+                    _lower_priority(self.nice)
                 write()
             except BaseException as err:  # noqa: BLE001 -- raised again by `wait`
                 self._error = (step, err)

@@ -23,8 +23,8 @@ process's CPU per step over the same window as the wall time (`cpu_ms_per_step`,
 threads: the writer's and the kernel's work for this process included) and its overhead
 against `none`; per save, each phase's CPU and wall time in the thread that ran it
 (`Checkpointer.costs`: `snapshot`, the step's blocking part; `write`, TensorFlow's writer;
-`manifest`, the files' sizes (a CRC32 pass over them before 2026-12-06); `publish`;
-`writer`, the async thread's whole work; `save`, a synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
+`manifest`, sizes and CRC32; `publish`; `writer`, the async thread's whole work; `save`, a
+synchronous save's whole blocking); the bytes the segment wrote (`/proc/self/io`;
 unknown, `?`, when the checkpoints' directory is on tmpfs, whose writes it never counts); the
 Python garbage collector's time; and whether a save slows the steps after it:
 `lost_after_ms`, the excess over the 20 steps before a save of steps 1–10 and 11–40 after
@@ -208,6 +208,8 @@ def main():
                    "temporary directory, deleted at the end)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_checkpoint.json"))
     args = p.parse_args()
+    if not 0 <= args.nice <= 19:
+        p.error(f"--nice={args.nice}: must be from 0 (no async_nice side) to 19")
     if args.segment % EVERY or args.segment < 2 * EVERY:
         p.error(f"--segment must be a multiple of {EVERY}, at least {2 * EVERY}")
     from tfpar.checkpoint_writer import Costs
