@@ -79,16 +79,16 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
     step hands it over: the value itself when the step hands one (Keras's own step), the
     weighted mean of the values when it hands several (`sum(value × weight) / sum(weight)`,
     as a `Mean` emptied at the start of the step would give), over replicas and workers as
-    Keras logs `loss`. That takes no variable and no state: ~14 ops a replica fewer than a
-    `Mean` of its own (reset, update, read), which the data-parallel step paid every step
-    (docs/benchmarks/data_parallel.md). Values handed inside a nested graph (accumulation's
-    `tf.while_loop`, a pipeline's schedule, a `cond`) cannot be read outside it: those go to
-    a `Mean` of the step's own, emptied after it is read, as before. A Keras 2 (`tf_keras`)
-    model always takes the `Mean` (emptied at the start of each step). Rebuilding the step's
-    loss from the running mean instead (`k*mean_k - (k-1)*mean_{k-1}`) is off by float32
-    rounding that grows with k (2.3e-5 by step 200 in `tests/test_step_loss.py`).
-    (`direct=False` puts the `Mean` back for every value: `tools/bench_data_parallel.py
-    --without=direct_step_loss` times the two side by side.)
+    Keras logs `loss`. That takes no variable and no state: a `Mean` of its own (emptied,
+    updated and read every step) was 128 of the 169 ops the MLP's data-parallel step on 4
+    replicas had beyond stock Keras's (docs/benchmarks/data_parallel.md). Values handed
+    inside a nested graph (accumulation's `tf.while_loop`, a `cond`) cannot be read outside
+    it: those go to a `Mean` of the step's own, emptied once read. A Keras 2 (`tf_keras`)
+    model always takes the `Mean` (emptied at the start of each step); so does every value
+    with `direct=False` (`tools/bench_data_parallel.py --without=direct_step_loss` times the
+    two side by side). Rebuilding the step's loss from the running mean instead
+    (`k*mean_k - (k-1)*mean_{k-1}`) is off by float32 rounding that grows with k (2.3e-5 by
+    step 200 in `tests/test_step_loss.py`).
 
     Call under the strategy's scope (the `Mean` is per replica, like Keras's own metrics),
     after anything else that replaces `model.train_step` (`tfpar.accumulation.install`).
