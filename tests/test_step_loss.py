@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfpar import metrics
+from tfpar import accumulation, metrics
 from tfpar.errors import TfparError
 
 
@@ -42,6 +42,30 @@ def test_step_loss_is_the_batchs_own_loss_not_the_running_mean():
     # Keras's `loss` stays the epoch's running mean: its meaning is unchanged.
     np.testing.assert_allclose(running.means, np.cumsum(own) / np.arange(1, steps + 1),
                                rtol=1e-4)
+
+
+def test_step_loss_of_micro_batches_in_a_nested_graph_is_their_mean():
+    # Accumulation hands the loss tracker each micro-batch's loss inside its
+    # `tf.while_loop`, where the step cannot read them: those go through a `Mean` of the
+    # step's own, emptied once read (the values Keras's own step hands over are read
+    # directly, with no variable).
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    steps, batch = 6, 8
+    x = rng.normal(size=(steps * batch, 8)).astype("float32")
+    y = rng.integers(0, 3, size=steps * batch)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accumulation.install(model, 2)
+    metrics.report_step_loss(model)
+    recorder = metrics.StepRecorder()
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[recorder])
+    # Each step's loss: the mean of its two micro-batches' (equal sizes), not a running sum.
+    own = np.array([float(model.loss(y[i:i + batch], model(x[i:i + batch])))
+                    for i in range(0, steps * batch, batch)])
+    np.testing.assert_allclose(recorder.batch_losses, own, rtol=1e-6)
 
 
 def test_a_train_step_that_does_not_report_its_loss_is_named():

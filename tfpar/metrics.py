@@ -56,6 +56,7 @@ import json
 import math
 import os
 import resource
+import threading
 import time
 
 import keras
@@ -70,15 +71,24 @@ from tfpar.errors import TfparError
 STEP_LOSS = "step_loss"
 
 
-def report_step_loss(model, mean=keras.metrics.Mean):
+def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
     """Makes `model.fit`'s batch logs carry `step_loss`: the loss `model`'s train step
     computed for that batch, beside Keras's `loss` (the running mean over the epoch).
 
-    Every value the train step hands the model's loss tracker also goes to a `Mean` of its
-    own that is emptied at the start of each step: the step's loss (the mean over its
-    micro-batches with accumulation; over replicas and workers as Keras logs `loss`).
-    Rebuilding it from the running mean instead (`k*mean_k - (k-1)*mean_{k-1}`) is off by
-    float32 rounding that grows with k (2.3e-5 by step 200 in `tests/test_step_loss.py`).
+    The step's loss is what the train step hands the model's loss tracker, read where the
+    step hands it over: the value itself when the step hands one (Keras's own step), the
+    weighted mean of the values when it hands several (`sum(value × weight) / sum(weight)`,
+    as a `Mean` emptied at the start of the step would give), over replicas and workers as
+    Keras logs `loss`. That takes no variable and no state: a `Mean` of its own (emptied,
+    updated and read every step) was 128 of the 169 ops the MLP's data-parallel step on 4
+    replicas had beyond stock Keras's (docs/benchmarks/data_parallel.md). Values handed
+    inside a nested graph (accumulation's `tf.while_loop`, a `cond`) cannot be read outside
+    it: those go to a `Mean` of the step's own, emptied once read. A Keras 2 (`tf_keras`)
+    model always takes the `Mean` (emptied at the start of each step); so does every value
+    with `direct=False` (`tools/bench_data_parallel.py --without=direct_step_loss` times the
+    two side by side). Rebuilding the step's loss from the running mean instead
+    (`k*mean_k - (k-1)*mean_{k-1}`) is off by float32 rounding that grows with k (2.3e-5 by
+    step 200 in `tests/test_step_loss.py`).
 
     Call under the strategy's scope (the `Mean` is per replica, like Keras's own metrics),
     after anything else that replaces `model.train_step` (`tfpar.accumulation.install`).
@@ -87,24 +97,78 @@ def report_step_loss(model, mean=keras.metrics.Mean):
         model: a compiled Keras 3 or tf_keras model.
         mean: the `Mean` class of the model's Keras (`tf_keras.metrics.Mean` for tf_keras:
             its `result()` sums the replicas' state as the logs expect).
+        direct: read the handed values where they can be (default: for a Keras 3 model),
+            or every value through the `Mean`, emptied at the start of each step.
     """
     step = mean(name=STEP_LOSS)
     tracker = patches.loss_tracker(model)
     update = tracker.update_state
     train_step = model.train_step
+    if direct is None:
+        direct = isinstance(model, keras.Model)
+    if not direct:  # tf_keras: its Mean, emptied every step
+        def update_state(values, sample_weight=None):
+            step.update_state(values, sample_weight=sample_weight)
+            return update(values, sample_weight=sample_weight)
+
+        def reporting_train_step(data):
+            for variable in step.variables:
+                variable.assign(tf.zeros(variable.shape, variable.dtype))
+            logs = train_step(data)
+            return {**logs, STEP_LOSS: step.result()}
+
+        tracker.update_state = update_state
+        model.train_step = reporting_train_step
+        return
+
+    # The step being traced, per thread: MirroredStrategy traces each replica's step in a
+    # thread of its own, the replicas taking turns at every merge_call.
+    tracing = threading.local()
 
     def update_state(values, sample_weight=None):
-        step.update_state(values, sample_weight=sample_weight)
+        frame = getattr(tracing, "frame", None)
+        if frame is not None:
+            if (tf.compat.v1.get_default_graph() is frame["graph"]
+                    and _scalar(values) and _scalar(sample_weight)):
+                frame["handed"].append((values, sample_weight))
+            else:  # inside a nested graph, or not one value: the Mean adds it up
+                frame["nested"] = True
+                step.update_state(values, sample_weight=sample_weight)
         return update(values, sample_weight=sample_weight)
 
     def reporting_train_step(data):
-        for variable in step.variables:
-            variable.assign(tf.zeros(variable.shape, variable.dtype))
-        logs = train_step(data)
-        return {**logs, STEP_LOSS: step.result()}
+        frame = {"graph": tf.compat.v1.get_default_graph(), "handed": [], "nested": False}
+        tracing.frame = frame
+        try:
+            logs = train_step(data)
+        finally:
+            tracing.frame = None
+        handed = frame["handed"]
+        if frame["nested"]:
+            for values, weight in handed:
+                step.update_state(values, sample_weight=weight)
+            loss = step.result()
+            with tf.control_dependencies([loss]):  # emptied once read, for the next step
+                for variable in step.variables:
+                    variable.assign(tf.zeros(variable.shape, variable.dtype))
+        elif len(handed) == 1:
+            loss = tf.cast(handed[0][0], "float32")
+        elif handed:
+            values = [tf.cast(v, "float32") for v, _ in handed]
+            weights = [tf.ones([]) if w is None else tf.cast(w, "float32") for _, w in handed]
+            loss = tf.math.divide_no_nan(tf.add_n([v * w for v, w in zip(values, weights)]),
+                                         tf.add_n(weights))
+        else:
+            loss = step.result()  # the step handed the tracker nothing: 0, as the Mean gave
+        return {**logs, STEP_LOSS: loss}
 
     tracker.update_state = update_state
     model.train_step = reporting_train_step
+
+
+def _scalar(value):
+    """Whether `value` (a tensor, a number or None) is known to hold at most one number."""
+    return value is None or getattr(value, "shape", ()) == ()
 
 
 class StepRecorder(keras.callbacks.Callback):

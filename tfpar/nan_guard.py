@@ -102,18 +102,24 @@ class SkipNonFiniteMixin:
         if not self.tfpar_skip_nonfinite:
             # Only count (the run stops at this step): no per-variable branch on the hot path.
             self._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
-            # Replica 0's flag for every replica (in a merge; else the replica's own).
+            # Replica 0's flag for every replica (in a merge; else the replica's own), its
+            # increment made once and added to every device's copy of the counter.
             finite = distribution.experimental_local_results(finite)[0]
-        else:
-            # `finite` is per replica; `update` hands each device its own (equal) value.
-            def step(var, grad, learning_rate, finite):
-                return tf.cond(finite,
-                               lambda: _as_op(self.update_step(grad, var, learning_rate)),
-                               tf.no_op)
+            increment = 1.0 - tf.cast(finite, tf.float32)
+            distribution.extended.update(
+                self.nonfinite_steps.value, lambda count, increment: count.assign_add(increment),
+                args=(increment,), group=False)
+            return
 
-            for grad, var in grads_and_vars:
-                distribution.extended.update(var, step, args=(grad, learning_rate, finite),
-                                             group=False)
+        # `finite` is per replica; `update` hands each device its own (equal) value.
+        def step(var, grad, learning_rate, finite):
+            return tf.cond(finite,
+                           lambda: _as_op(self.update_step(grad, var, learning_rate)),
+                           tf.no_op)
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, step, args=(grad, learning_rate, finite),
+                                         group=False)
         distribution.extended.update(
             self.nonfinite_steps.value,
             lambda count, finite: count.assign_add(1.0 - tf.cast(finite, tf.float32)),

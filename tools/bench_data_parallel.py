@@ -16,12 +16,12 @@ processes (~15 % here from one process to the next on the same command, larger t
 effect asked about). `--processes` processes repeat the whole thing.
 
 `--without=PIECE[+PIECE],...` adds tfpar sides with pieces of tfpar taken out (`PIECES`:
-the finiteness check, the per-step loss, the per-step callbacks, the input pipeline, its
-whole-step batches),
-timed in the same rounds (the order of the sides rotating), each against stock: what each
-piece costs. Beside the wall time, every side's CPU time per step (all the process's
-threads, `time.process_time`) against stock's: waiting for a core held by another process
-is not CPU time, so on a loaded machine it moves much less than the wall time. With
+the finiteness check, the per-step loss (or only its direct read: the `Mean` of before),
+the per-step callbacks, the input pipeline, its whole-step batches), timed in the same
+rounds (the order of the sides rotating), each against stock: what each piece costs.
+Beside the wall time, every side's CPU time per step (all the process's threads,
+`time.process_time`) against stock's: waiting for a core held by another process is not
+CPU time, so on a loaded machine it moves much less than the wall time. With
 `--threads`, each kind of thread's CPU time per step too (`/proc`: the main Python thread,
 TensorFlow's inter-op `tf_Compute` pool, its collectives' threads, the unnamed rest).
 
@@ -39,6 +39,7 @@ runs/bench_data_parallel.json).
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -186,6 +187,9 @@ PIECES = {
                  "(tfpar.nan_guard), and the NaNGuard callback reading it every step",
     "step_loss": "the per-step loss metric in the train step (metrics.report_step_loss); "
                  "the recorder reads Keras's running mean instead",
+    "direct_step_loss": "the per-step loss read from the value Keras's step hands its loss "
+                        "tracker (metrics.report_step_loss, since 2026-12-06): a Mean of its "
+                        "own emptied, updated and read every step instead, as before",
     "callbacks": "the per-step hooks of tfpar's own callbacks (StepRecorder, NaNGuard)",
     "data": "tfpar's input pipeline: the stock side's dataset instead, split by Keras",
     "global_input": "the whole-step batches under MirroredStrategy (data.distributed_dataset,"
@@ -222,6 +226,9 @@ def ablation(without, config):
     if "step_loss" in without:
         patches += [mock.patch.object(metrics, "report_step_loss", lambda model: None),
                     mock.patch.object(metrics.StepRecorder, "on_train_batch_end", running_loss)]
+    if "direct_step_loss" in without and "step_loss" not in without:
+        patches.append(mock.patch.object(metrics, "report_step_loss", functools.partial(
+            metrics.report_step_loss, direct=False)))
     if "callbacks" in without:
         patches += [mock.patch.object(metrics.StepRecorder, "on_train_batch_begin",
                                       keras.callbacks.Callback.on_train_batch_begin),
