@@ -137,3 +137,16 @@ def test_zero3_without_resharding_refuses_recompute_in_one_line():
     assert "--nozero_reshard_after_forward" in str(info.value)
     ParallelConfig(**base)  # without --recompute: accepted
     ParallelConfig(**{**base, "zero_reshard_after_forward": True}, recompute="full")
+
+
+def test_zero3_layers_kept_whole_are_checked_in_one_line():
+    base = {"zero_stage": 3, "cpu_devices": 4}
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(**base, zero_keep_last_layers=-2)
+    assert info.value.setting == "zero_keep_last_layers" and "-1" in str(info.value)
+    # Without resharding every layer is kept: a count would be silently moot.
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(**base, zero_keep_last_layers=2, zero_reshard_after_forward=False)
+    assert info.value.setting == "zero_keep_last_layers" and "\n" not in str(info.value)
+    ParallelConfig(**base, zero_reshard_after_forward=False)  # the default -1: accepted
+    ParallelConfig(**base, zero_keep_last_layers=2)

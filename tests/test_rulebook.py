@@ -68,6 +68,7 @@ ALLOWED = {
     ("tfpar/config.py", "ParallelConfig.__post_init__", "lowbit_bits"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "auto_budget_ms"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "bucket_mb"): (1, RANGE),
+    ("tfpar/config.py", "ParallelConfig.__post_init__", "zero_keep_last_layers"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.__post_init__", "microbatches"): (1, RANGE),
     ("tfpar/config.py", "ParallelConfig.per_replica_batch", "global_batch_size"): (1, RANGE),
     ("tfpar/config.py", "_one_of", "name"): (1, RANGE),

@@ -34,6 +34,12 @@ over two children):
   of every split weight on every device (mlp: 72 for 7 split weights, 52
   `CollectiveReduceV2`; with DTensor's own lowering, `COLLECTIVE_GATHER=0`, 0 and 124,
   2026-12-05);
+- the last layers kept whole from forward to backward (`--zero_keep_last_layers=-1`: the
+  last block and the layers after it, FSDP's `reshard_after_forward=False` on them) give
+  the same weights after 3 steps as resharding every layer (mlp on dp4, transformer on
+  dp2 x tp2); the traced step gathers each split weight of a kept layer once and every
+  other twice, and on dp4 the profiler counts at least one `CollectiveGatherV2` fewer per
+  kept split weight and device (mlp: 72 -> 56 for 3 kept split weights, 2026-12-06);
 - a dp2 x tp2 run with top-k after a ZeRO-3 model in the same process saves its
   checkpoints: the all-gather lowering ZeRO-3 set is taken out for it (with it, the
   save's gathers fail to compile).
@@ -55,6 +61,8 @@ EQUAL = ["equal-mlp-dp4", "equal-transformer-dp2tp2"]
 ACCUM = "equal-transformer-dp4-accum-fp16"
 PEAK = ["peak-mlp"]
 KEEP = ["keep-mlp-dp4", "keep-transformer-dp2tp2"]
+TAIL = {"tail-mlp-dp4": ["dense_2", "logits"],
+        "tail-transformer-dp2tp2": ["block_1", "ln_f", "lm_head"]}
 LOWERING = "lowering-mlp"
 SAVE_AFTER = "save-after-zero3-mlp"
 DEVICES = 4
@@ -66,8 +74,10 @@ def results():
         out = run([sys.executable, CHILD, ",".join(names)], timeout=600,
                   env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
         return last_json_line(out.stdout)
-    return cases.gather([EQUAL[:1] + PEAK + ["equal-mlp-dp4-int8", KEEP[0], LOWERING],
-                         EQUAL[1:] + [ACCUM, KEEP[1], SAVE_AFTER]], child)
+    tail = list(TAIL)
+    return cases.gather([EQUAL[:1] + PEAK + ["equal-mlp-dp4-int8", KEEP[0], LOWERING,
+                                             tail[0]],
+                         EQUAL[1:] + [ACCUM, KEEP[1], SAVE_AFTER, tail[1]]], child)
 
 
 @pytest.mark.parametrize("name", EQUAL + ["equal-mlp-dp4-int8"])
@@ -127,3 +137,34 @@ def test_a_tensor_parallel_mesh_after_zero3_saves_its_codec_state(results):
     assert result["set_by_zero3"] == "1" and result["set_after"] is None, result
     assert result["saved"] == ["ckpt-2", "ckpt-1"], result
     assert len(result["loss"]) == 2 and all(map(math.isfinite, result["loss"])), result
+
+
+@pytest.mark.parametrize("name", TAIL)
+def test_the_last_layers_kept_whole_gather_once_and_train_the_same(results, name):
+    result = cases.case(results, name, CHILD)
+    assert result["moved"] > 1e-4, result
+    assert result["bit_equal"], result["max_abs_diff"]
+    assert result["kept"] == TAIL[name], result
+    # In the traced step each split weight of a kept layer is gathered once (forward), of
+    # every other layer twice (forward and the backward's recomputation).
+    assert result["relayouts"] == {layer: [1] if layer in TAIL[name] else [2]
+                                   for layer in result["relayouts"]}, result
+    if "lowering" in result:  # dp4: DTensor runs them as all-gathers, on every device
+        every, kept = result["lowering"], result["lowering_kept"]
+        assert kept["kept_split_weights"] > 0, kept
+        # At least one fewer a kept split weight and device (mlp, 2026-12-06: 72 -> 56
+        # for 3 kept split weights, 4 a device: one more than the weights).
+        assert (every["CollectiveGatherV2"] - kept["CollectiveGatherV2"]
+                >= kept["kept_split_weights"] * DEVICES), (every, kept)
+
+
+def test_which_last_layers_are_kept_whole():
+    from tfpar.zero.fsdp import kept_layers
+    # The zoo transformer 256 x 4's gathering layers: embed, 4 blocks, ln_f, lm_head.
+    transformer = [8704, 789760, 789760, 789760, 789760, 512, 4626]
+    assert kept_layers(transformer) == 3  # block_3, ln_f, lm_head
+    assert kept_layers([512 * 512] + [1000] * 6) == 1  # a huge first layer: the last
+    assert kept_layers([5, 4, 3, 2, 1]) == 3  # shrinking layers: from the median one on
+    assert kept_layers([2112, 4160, 4160, 650]) == 2  # mlp: dense_2, logits
+    assert kept_layers(transformer, 0) == 0 and kept_layers(transformer, 2) == 2
+    assert kept_layers(transformer, 99) == 7 and kept_layers([], -1) == 0

@@ -139,7 +139,9 @@ def zero3(tmp_path_factory):
     plain (DTensor's fp32 reduction, fp32 gathers), with an int8 gather alone, and with
     compressed gradient reduce-scatters; an int8 run saved at step 5 and resumed to 10
     against the uninterrupted 10 steps. `(prefix, results)`."""
-    base = {**BASE, "cpu_devices": 2, "zero_stage": 3}
+    # Every layer resharded (two gathers a step each, which the bytes below count); the
+    # last layers kept whole gather once (tests/test_zero3_prefetch.py).
+    base = {**BASE, "cpu_devices": 2, "zero_stage": 3, "zero_keep_last_layers": 0}
     mlp = {**base, "model": "mlp", **MOMENTUM}
     tr = {**base, "model": "transformer", "model_depth": 1, **ADAM}
     folder = tmp_path_factory.mktemp("zero3")

@@ -16,6 +16,11 @@ case to its result.
 - `keep-<model>-<layout>`: as `equal-`, the default against
   `--nozero_reshard_after_forward` (weights only). The default run of a model and layout
   is trained once a child, the reference of both cases.
+- `tail-<model>-<layout>`: as `keep-`, the default against keeping the last layers
+  whole (`--zero_keep_last_layers=-1`, the others' runs keep none): also the kept layers'
+  names and, per layer, how many `Relayout`s of each split weight the traced step holds
+  (`relayouts`); on dp4 `tail-mlp-dp4` also counts one step's collectives of each run under
+  the profiler (`lowering`, `lowering_kept`).
 - `lowering-mlp`: one more step of the default run (dp4) under TensorFlow's profiler, the
   collective ops the devices ran counted by type (ZeRO-3's gathers lowered as
   `tfpar.patches.COLLECTIVE_GATHER` says: with it 0, DTensor's own, a sum).
@@ -38,7 +43,9 @@ import numpy as np  # noqa: E402
 from tfpar import ParallelConfig, backends, data, memory, profiling  # noqa: E402
 
 BASE = {"cpu_devices": 4, "zero_stage": 3, "optimizer": "adam", "learning_rate": 1e-2,
-        "global_batch_size": 16, "seed": 0, "verbose": 0}
+        "global_batch_size": 16, "seed": 0, "verbose": 0,
+        # Every layer resharded, as these cases were written for; `tail-` keeps the last.
+        "zero_keep_last_layers": 0}
 MODELS = {"mlp": {"model": "mlp", "model_width": 64, "model_depth": 3},
           "transformer": {"model": "transformer", "model_width": 32, "model_depth": 2}}
 LAYOUTS = {"dp4": {}, "dp2tp2": {"tensor_parallel": 2, "data_parallel": 2}}
@@ -163,12 +170,31 @@ def peak(model_name):
     return out
 
 
-def lowering(model_name):
+def tail(model_name, layout):
+    """The default (every layer resharded) against the last layers kept whole: weights,
+    which layers were kept, each split weight's gathers in the kept run's traced step."""
+    kept = {"zero_keep_last_layers": -1}
+    out = equal(model_name, layout, False, kept)
+    config = ParallelConfig(**{**BASE, **MODELS[model_name], **LAYOUTS[layout], **kept})
+    model, trainer, _, _ = _train(config)
+    concrete = trainer._train.python_function._list_all_concrete_functions()[0]
+    gathers = _gathers(concrete, model)
+    out["kept"] = [l.name for l in model.layers if getattr(l, "_tfpar_kept_whole", False)]
+    out["relayouts"] = {l.name: sorted({len(gathers[v.path]) for v in l.trainable_variables
+                                        if v.path in gathers})
+                        for l in model.layers if getattr(l, "_tfpar_recomputed", False)}
+    if layout == "dp4":
+        out["lowering"] = lowering(model_name)
+        out["lowering_kept"] = lowering(model_name, **kept)
+    return out
+
+
+def lowering(model_name, **extra):
     """Collective ops of one step (dp4) by type, counted over the devices, under
-    TensorFlow's profiler; the split weights' count."""
+    TensorFlow's profiler; the split weights' count, and of those in layers kept whole."""
     import tensorflow as tf
     from tfpar.zero import fsdp
-    config = ParallelConfig(**{**BASE, **MODELS[model_name]})
+    config = ParallelConfig(**{**BASE, **MODELS[model_name], **extra})
     # the default run's model (equal-/keep-'s reference, or trained here): traced and
     # compiled, one more step profiled
     model, trainer, _, _ = _train(config)
@@ -181,6 +207,9 @@ def lowering(model_name):
     out = {k: kinds.count(k) for k in ("CollectiveGatherV2", "CollectiveReduceV2")}
     out["split_weights"] = sum(fsdp._split_layout(v) is not None
                                for v in model.trainable_variables)
+    out["kept_split_weights"] = sum(
+        fsdp._split_layout(v) is not None for l in model.layers
+        if getattr(l, "_tfpar_kept_whole", False) for v in l.trainable_variables)
     return out
 
 
@@ -218,6 +247,8 @@ CASES = {**{f"equal-{m}-{l}": (lambda m=m, l=l: equal(m, l))
          **{f"keep-{m}-{l}": (lambda m=m, l=l: equal(
              m, l, False, {"zero_reshard_after_forward": False}))
             for m in MODELS for l in LAYOUTS},
+         # The last layers kept whole (`--zero_keep_last_layers=-1`) against none kept.
+         **{f"tail-{m}-{l}": (lambda m=m, l=l: tail(m, l)) for m in MODELS for l in LAYOUTS},
          "lowering-mlp": lambda: lowering("mlp"),
          "save-after-zero3-mlp": lambda: save_after_zero3("mlp")}
 

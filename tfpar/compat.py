@@ -193,6 +193,14 @@ ZERO3_KEEP_RECOMPUTE = Rule(
     "whole weights and activations for the backward pass, nothing recomputed; use "
     "--recompute=none, or --zero_reshard_after_forward (recomputed, the default)")
 
+# Without resharding every layer is kept whole already: a count of layers kept says nothing.
+ZERO3_KEEP_LAST = Rule(
+    "zero_keep_last_layers", lambda c: c.zero_stage == 3 and not c.zero_reshard_after_forward
+    and c.zero_keep_last_layers > 0,
+    "not supported with --nozero_reshard_after_forward, which keeps every layer's whole "
+    "weights already; use --zero_keep_last_layers=-1, or --zero_reshard_after_forward")
+
+
 def _mesh_dp_is_one(c):
     """The mesh's `batch` axis has one replica: `--data_parallel=1`, or left to the
     devices (0) with `--cpu_devices` all taken by the tensor and pipeline degrees."""
@@ -455,6 +463,7 @@ COMBINATIONS = (
     ZERO3_COMPRESSION,
     ZERO3_COMPRESSION_RECOMPUTE,
     ZERO3_KEEP_RECOMPUTE,
+    ZERO3_KEEP_LAST,
     ZERO3_COMPRESSION_MODEL,
     Rule("zero_gather", lambda c: c.zero_gather != "fp32" and c.zero_stage != 3,
          "the int8 weight gather is ZeRO-3's (stages 1-2 gather fp32 pieces); add "

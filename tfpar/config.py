@@ -100,6 +100,11 @@ class ParallelConfig:
             forward and gathers and recomputes the layer in the backward pass; False
             (FSDP's `reshard_after_forward=False`) gathers once a step and keeps every
             layer's whole weights and activations for the backward pass.
+        zero_keep_last_layers: with resharding, the last N layers the forward pass runs
+            keep their whole weights and activations for the backward pass, which starts
+            with them (FSDP's `reshard_after_forward=False` on them); -1: the last layer at
+            least as large as the median one and those after it (the transformer's last
+            block, `ln_f` and `lm_head`; `tfpar.zero.fsdp.kept_layers`); 0: none.
         offload: `"none"`, or `"optimizer"`: the optimizer's slots in host memory and its
             update run there (`tfpar.offload`, ZeRO-Offload's design), on data
             parallelism and ZeRO 1/2. `"optimizer+params"` (ZeRO-3's parameters held on
@@ -171,6 +176,7 @@ class ParallelConfig:
     zero_gather: str = "fp32"
     zero_prefetch: bool = True
     zero_reshard_after_forward: bool = True
+    zero_keep_last_layers: int = -1
     offload: str = "none"
     # Gradient aggregation.
     compression: str = "none"
@@ -230,6 +236,12 @@ class ParallelConfig:
         _one_of("offload", self.offload, OFFLOADS)
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError("zero_stage", self.zero_stage, "choose one of 0, 1, 2, 3")
+        if (isinstance(self.zero_keep_last_layers, bool)
+                or not isinstance(self.zero_keep_last_layers, int)
+                or self.zero_keep_last_layers < -1):
+            raise ConfigError("zero_keep_last_layers", self.zero_keep_last_layers,
+                              "use a count of layers >= 0, or -1 (the last block and "
+                              "the layers after it)")
         if not _DATASET_RE.match(self.dataset):
             raise ConfigError("dataset", self.dataset, "use 'auto' or 'package.module:function'")
         for name in ("global_batch_size", "steps", "steps_per_epoch", "base_batch_size",

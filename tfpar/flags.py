@@ -142,6 +142,11 @@ _HELP = {
                                   "(--nozero_reshard_after_forward: gather once a step, "
                                   "keep whole weights and activations; more memory, no "
                                   "recomputation).",
+    "zero_keep_last_layers": "ZeRO-3: the last N layers the forward pass runs keep their "
+                             "whole weights and activations for the backward, which starts "
+                             "with them (gathered once, not recomputed); -1 = the last "
+                             "layer at least as large as the median one and those after "
+                             "it (a transformer's last block and output layers), 0 = none.",
     "offload": "CPU offload: none, or optimizer (momentum SGD's or Adam's slots in host "
                "memory, the update on the host: the gradient copied down and the step up "
                "each step; data parallelism and --zero_stage=1|2). optimizer+params is "

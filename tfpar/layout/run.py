@@ -55,7 +55,8 @@ def _build_model(config, task):
     if config.zero_stage == 3:
         # Before recompute: its layers already recompute.
         fsdp.gather_per_layer(model, config.zero_gather, config.zero_prefetch,
-                              config.zero_reshard_after_forward)
+                              config.zero_reshard_after_forward,
+                              config.zero_keep_last_layers)
     else:
         fsdp.dtensor_gathers()
     recompute.apply(model, config)

@@ -43,6 +43,18 @@ the backward pass (the relayout's gradient, a reduce-scatter, puts the weight's 
 on the pieces); bit-equal to the default (tests/test_zero3_prefetch.py), at the memory of
 every layer's whole weights (the benchmarks page measures it).
 
+With resharding, the last layers the forward pass runs are kept whole all the same
+(`--zero_keep_last_layers`, FSDP's `reshard_after_forward=False` on them, as torchtitan
+leaves its last block and output layers unresharded): the backward pass starts with them,
+so regathering and recomputing them would rebuild at once what the forward just freed. By
+default (-1, `kept_layers`) the last layer at least as large as the median gathering layer
+and every layer after it: the zoo transformer's last block, `ln_f` and `lm_head`. Each
+gathers once a step (its forward gather still prefetched), keeps its whole weights and
+activations until its backward, which takes the gradient from the forward's own ops and
+regathers the layer before it early; bit-equal to resharding every layer
+(tests/test_zero3_prefetch.py). The peak holds the kept layers' activations and whole
+weights together where the recomputation held one layer's at a time.
+
 Each layer's weight gradient should be reduced over `batch` as the backward pass reaches
 it, and freed: `tfpar.train` turns DTensor's all-reduce combining off for ZeRO-3 runs
 (`mesh.no_all_reduce_combining`, before DTensor starts). With it on, DTensor may merge
@@ -250,7 +262,25 @@ def _after(value, inputs):
     return value + tf.cast(zero, value.dtype)
 
 
-def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True):
+def kept_layers(sizes, keep_last=-1):
+    """How many of the gathering layers, counted back from the last the forward pass runs,
+    `--zero_keep_last_layers=keep_last` keeps whole from forward to backward. `sizes`: each
+    gathering layer's parameter count, in call order. `keep_last >= 0`: that many (all if
+    fewer); -1: the last layer at least as large as the median gathering layer (the upper
+    one) and every layer after it, e.g. the zoo transformer's last block with `ln_f` and
+    `lm_head` (torchtitan's default: its last block and output layers not resharded)."""
+    if keep_last >= 0:
+        return min(keep_last, len(sizes))
+    if not sizes:
+        return 0
+    median = sorted(sizes)[len(sizes) // 2]
+    for kept, size in enumerate(reversed(sizes), 1):
+        if size >= median:
+            return kept
+    return len(sizes)  # not reached: the median is one of the sizes
+
+
+def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True, keep_last=0):
     """Makes every top-level layer of `model` whose weights are split over `batch` gather
     them whole just before it runs, and again in its backward pass (see the module
     docstring); returns the names of those layers. Marks the layers as recomputed
@@ -262,8 +292,12 @@ def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True):
     (`--nozero_reshard_after_forward`, FSDP's `reshard_after_forward=False`): each layer
     gathers once a step and keeps its whole weights and its activations for the backward
     pass, no recomputation (the gathers then wait for nothing: every whole weight is kept
-    until its backward anyway); the same values."""
-    names = []
+    until its backward anyway); the same values. `keep_last` (`--zero_keep_last_layers`,
+    `kept_layers`): with `reshard`, the last layers the forward pass runs are not
+    resharded after it (FSDP's `reshard_after_forward=False` on them): gathered once a
+    step, their whole weights and activations kept for the backward, which starts with
+    them; the same values."""
+    found = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.non_trainable_weights:
             continue
@@ -271,17 +305,24 @@ def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True):
         layouts = [_split_layout(v) for v in variables]
         if all(layout is None for layout in layouts):
             continue
-        if not names:
-            collective_gathers(next(l for l in layouts if l is not None).mesh)
-        _wrap(layer, variables, layouts, codec, prefetch, reshard)
+        found.append((layer, variables, layouts))
+    if found:
+        collective_gathers(next(l for l in found[0][2] if l is not None).mesh)
+    kept = kept_layers([sum(math.prod(v.shape) for v in variables)
+                        for _, variables, _ in found], keep_last) if reshard else 0
+    names = []
+    for i, (layer, variables, layouts) in enumerate(found):
+        keep = not reshard or i >= len(found) - kept
+        _wrap(layer, variables, layouts, codec, prefetch, reshard, keep)
         for variable in variables:
             object.__setattr__(variable, "_tfpar_gathered_per_layer", codec)
-            object.__setattr__(variable, "_tfpar_gather_passes", 2 if reshard else 1)
+            object.__setattr__(variable, "_tfpar_gather_passes", 1 if keep else 2)
+        object.__setattr__(layer, "_tfpar_kept_whole", keep)
         names.append(layer.name)
     return names
 
 
-def _wrap(layer, variables, layouts, codec, prefetch, reshard):
+def _wrap(layer, variables, layouts, codec, prefetch, reshard, keep=False):
     call = layer.call
     quantized = [layout is not None and _quantized(v, codec)
                  for v, layout in zip(variables, layouts)]
@@ -314,7 +355,9 @@ def _wrap(layer, variables, layouts, codec, prefetch, reshard):
             return run(tensors, gather(pieces))
         if prefetch:
             return _prefetched(run, gather, tensors, pieces, tensors or others,
-                               [layout is None for layout in layouts])
+                               [layout is None for layout in layouts], keep)
+        if keep:  # a tail layer kept whole: gathered once its input exists
+            return run(tensors, gather([_after(p, list(tensors) or others) for p in pieces]))
 
         def forward(*inputs):
             given, own = inputs[:len(positions)], inputs[len(positions):]
@@ -331,11 +374,13 @@ class _Link:
     `zero` (0.0 computed from its input, None without one), `regather(zero)` (its
     weights whole again, once `zero` exists), `previous` (the gathering layer called just
     before it in the same forward pass), `prefetched` (its backward's whole weights, when
-    the layer after it issued them), `done` (its backward was built)."""
+    the layer after it issued them), `done` (its backward was built), `kept` (its whole
+    weights kept from its forward: nothing to regather)."""
 
-    def __init__(self, graph, zero, regather, previous):
+    def __init__(self, graph, zero, regather, previous, kept=False):
         self.graph, self.zero, self.regather = graph, zero, regather
         self.previous, self.prefetched, self.done = previous, None, False
+        self.kept = kept
 
 
 
@@ -352,7 +397,7 @@ def _plus(values, zero):
     return [v + tf.cast(zero, v.dtype) for v in values]
 
 
-def _prefetched(run, gather, tensors, pieces, probed, kept):
+def _prefetched(run, gather, tensors, pieces, probed, kept, keep=False):
     """`run(tensors, gather(pieces))` recomputed in the backward pass, as
     `tf.recompute_grad(forward)` (the same ops on the same values), with each gather
     issued one layer early: forward, this layer's gather waits on the previous gathering
@@ -361,14 +406,17 @@ def _prefetched(run, gather, tensors, pieces, probed, kept):
     output's gradient exists, beside its own recomputation and backward. At most this
     layer's and the next one's weights are whole at a time. `kept[i]`: piece i is a
     weight kept whole (its gradient is the whole weight's), else the whole weight's
-    gradient is relayouted onto it (`Relayout`'s gradient, and `_whole_int8`'s)."""
+    gradient is relayouted onto it (`Relayout`'s gradient, and `_whole_int8`'s).
+    `keep` (a tail layer, `--zero_keep_last_layers`): not recomputed; the forward's
+    whole weights and activations serve the backward (its own tape's gradient), which
+    still regathers the previous layer early."""
     graph = tf.compat.v1.get_default_graph()
     previous = getattr(_CHAIN, "last", lambda: None)()
     if previous is None or previous.graph is not graph or previous.done:
         previous = None  # another graph, or an earlier pass (micro-batch) already done
     own = _zero(probed[0]) if probed else None
     ready = previous.zero if previous is not None and previous.zero is not None else own
-    link = _Link(graph, own, lambda zero: gather(_plus(pieces, zero)), previous)
+    link = _Link(graph, own, lambda zero: gather(_plus(pieces, zero)), previous, keep)
     _CHAIN.last = weakref.ref(link)  # the graph's gradient functions hold the links
     n = len(tensors)
 
@@ -376,22 +424,34 @@ def _prefetched(run, gather, tensors, pieces, probed, kept):
     def recomputed(*args):
         given, own_pieces = list(args[:n]), list(args[n:])
         whole = gather(own_pieces if ready is None else _plus(own_pieces, ready))
+        if keep:
+            with tf.GradientTape() as kept_tape:
+                kept_tape.watch(given + whole)
+                kept_out = run(given, whole)
 
         def grad(*dys, variables=None):
             # The recomputation waits for the output's gradient, as tf.recompute_grad's.
             zero = _zero(tf.reshape(dys[0], [-1])[:1])
             link.done = True
-            whole = link.prefetched if link.prefetched is not None else link.regather(zero)
-            link.prefetched = None
-            if previous is not None and not previous.done and previous.prefetched is None:
+            if (previous is not None and not previous.done and not previous.kept
+                    and previous.prefetched is None):
                 previous.prefetched = previous.regather(zero)
-            inputs = _plus(given, zero)
             extra = list(variables or [])
-            with tf.GradientTape() as tape:
-                tape.watch(inputs + whole + extra)
-                out = run(inputs, whole)
-            grads = tape.gradient(out, inputs + whole + extra, output_gradients=list(dys),
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if keep:
+                grads = kept_tape.gradient(
+                    kept_out, given + whole + extra, output_gradients=list(dys),
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            else:
+                whole_again = (link.prefetched if link.prefetched is not None
+                               else link.regather(zero))
+                link.prefetched = None
+                inputs = _plus(given, zero)
+                with tf.GradientTape() as tape:
+                    tape.watch(inputs + whole_again + extra)
+                    out = run(inputs, whole_again)
+                grads = tape.gradient(out, inputs + whole_again + extra,
+                                      output_gradients=list(dys),
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             d_pieces = [g if whole_weight else
                         dtensor.relayout_like(tf.cast(g, p.dtype), p)
                         for g, p, whole_weight in zip(grads[n:n + len(own_pieces)],
@@ -400,6 +460,6 @@ def _prefetched(run, gather, tensors, pieces, probed, kept):
                 return grads[:n] + d_pieces, grads[n + len(own_pieces):]
             return grads[:n] + d_pieces
 
-        return run(given, whole), grad
+        return (kept_out if keep else run(given, whole)), grad
 
     return recomputed(*tensors, *pieces)
