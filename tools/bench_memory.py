@@ -237,8 +237,8 @@ def overhead():
             print(f"  round {round_ + 1} {name}: {result['step_ms']:.1f} ms", flush=True)
     base = statistics.median(times[configs[0][0]])
     print(f"\n{'configuration':<17}{'median ms':>10}{'vs ' + configs[0][0]:>10}"
-          f"{'rounds (ms)':>30}{'params MB/dev':>15}{'opt. state MB/dev':>19}"
-          f"{'peak MB/dev':>13}{'host MB':>9}{'copied MB/step':>16}")
+          f"  {'params MB/dev':>15}{'opt. state MB/dev':>19}"
+          f"{'peak MB/dev':>13}{'host MB':>9}{'copied MB/step':>16}  rounds (ms)")
     rows = []
     for name, _ in configs:
         med = statistics.median(times[name])
@@ -247,10 +247,10 @@ def overhead():
         copied = (f"{mem['copied_to_host_mb_per_step']:.2f}+"
                   f"{mem['copied_to_device_mb_per_step']:.2f}"
                   if "host_state_mb" in mem else "-")
-        print(f"{name:<17}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%{rounds:>30}"
-              f"{mem['param_mb_per_device']:>15.2f}{mem['optimizer_mb_per_device']:>19.2f}"
+        print(f"{name:<17}{med:>10.1f}{(med / base - 1) * 100:>+9.1f}%"
+              f"  {mem['param_mb_per_device']:>15.2f}{mem['optimizer_mb_per_device']:>19.2f}"
               f"{mem['peak_mb_per_device']:>13.2f}"
-              f"{mem.get('host_state_mb', 0):>9.2f}{copied:>16}")
+              f"{mem.get('host_state_mb', 0):>9.2f}{copied:>16}  {rounds}")
         rows.append({"name": name, "step_ms_rounds": times[name], "step_ms_median": med,
                      "overhead_vs_plain": med / base - 1, **memory[name]})
     return rows
