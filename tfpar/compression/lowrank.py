@@ -48,9 +48,6 @@ class PowerSGDAggregator(NoneAggregator):
 
     lossy = True
     adam_compresses = "gradient"  # see `Aggregator.adam_compresses`
-    # With groups: every group's P round before the first Q round (P₁ P₂ Q₁ Q₂), else each
-    # group's two rounds in turn (P₁ Q₁ P₂ Q₂). The same sums either way.
-    _p_rounds_first = False
 
     def __init__(self, rank=4, start_step=0, seed=0, groups=1, **kwargs):
         if rank < 1:
@@ -138,16 +135,12 @@ class PowerSGDAggregator(NoneAggregator):
         if not mat:
             return Aggregator._exchange(self, xs, positions)
         summed, local, nbytes, small = list(xs), list(xs), 0, []
-        # The collectives run in the order they are built here (tf.distribute orders them).
-        pending = []
+        # The collectives run in the order they are built (tf.distribute orders them):
+        # each group's P round, then its Q round (every P round first was no faster in
+        # `tools/profile_powersgd.py`, 2026-12-06).
         for group_mat, group_rest in self._groups(xs, positions, mat):
             p_round, p_bytes = self._p_round(xs, positions, group_mat, group_rest, summed)
-            nbytes += p_bytes
-            pending.append(p_round)
-            if not self._p_rounds_first:
-                nbytes += self._q_round(xs, positions, pending.pop(), summed, local, small)
-        for p_round in pending:
-            nbytes += self._q_round(xs, positions, p_round, summed, local, small)
+            nbytes += p_bytes + self._q_round(xs, positions, p_round, summed, local, small)
         if hint:  # every position is in one group: the small sums cover them all
             ranks = [int(self.qs[str(positions[j])].shape[1]) for j in mat]
             self._hints[_replica_key()] = _certainly_finite(small, max(ranks))
