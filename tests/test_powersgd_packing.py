@@ -121,3 +121,52 @@ def test_groups_send_the_same_sums_in_more_rounds():
 def test_groups_refused_below_one():
     with pytest.raises(ValueError, match=r"groups=0 is invalid: must be an integer >= 1"):
         PowerSGDAggregator(groups=0)
+
+
+def _sums_and_hint(grads, in_function=True):
+    variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    agg = PowerSGDAggregator(rank=RANK)
+    agg.build(variables)
+
+    def step(g):
+        return agg.all_reduce_sum(g, variables), agg.certainly_finite()
+
+    out, hint = (tf.function(step) if in_function else step)(grads)
+    return [o.numpy() for o in out], bool(hint.numpy())
+
+
+def _grads(scale=1.0):
+    rng = np.random.RandomState(3)
+    return [np.asarray(scale * rng.randn(*s), "float32") for s in SHAPES]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e18, 1e30, 1e36, 1e37, 3e37, 1e38])
+def test_the_factors_vouch_only_for_finite_sums(scale):
+    # The guard skips its pass over the sums when the factors say finite: they must never
+    # say so of a sum that is not (at these scales `M Q` or the decode overflows).
+    out, hint = _sums_and_hint([tf.constant(g) for g in _grads(scale)])
+    assert not hint or all(np.isfinite(o).all() for o in out), scale
+    if scale == 1.0:
+        assert hint  # an ordinary step needs no pass over the sums
+
+
+@pytest.mark.parametrize("where", [0, 1, 6, 7])  # a matrix, a bias, the scalar, (40, 40)
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_gradient_anywhere_fails_the_factors_check(where, value):
+    grads = _grads()
+    grads[where].reshape(-1)[0] = value
+    out, hint = _sums_and_hint([tf.constant(g) for g in grads])
+    assert not hint
+    assert not all(np.isfinite(o).all() for o in out)  # (what the guard's pass then finds)
+
+
+def test_the_hint_is_of_the_call_just_made():
+    # Eagerly too; a hint traced in another graph is never handed out.
+    _, hint = _sums_and_hint([tf.constant(g) for g in _grads()], in_function=False)
+    assert hint
+    variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    agg = PowerSGDAggregator(rank=RANK)
+    agg.build(variables)
+    tf.function(lambda g: agg.all_reduce_sum(g, variables))(
+        [tf.constant(g) for g in _grads()])
+    assert agg.certainly_finite() is None  # eager now: the traced graph's tensor is not

@@ -88,10 +88,18 @@ class SkipNonFiniteMixin:
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
         if self.tfpar_skip_nonfinite or _checks_the_sums():
             reduced = [g for g, _ in grads_and_vars if g is not None]
-            # One pass per gradient: a NaN or Inf anywhere makes the sum non-finite (a
-            # finite sum overflowing float32 would need gradients near 1e38).
-            finite = tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
-                                                 for g in reduced]))
+
+            def exact():
+                # One pass per gradient: a NaN or Inf anywhere makes the sum non-finite (a
+                # finite sum overflowing float32 would need gradients near 1e38).
+                return tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
+                                                   for g in reduced]))
+
+            # An aggregator that knows its sums finite from small tensors (PowerSGD's
+            # factors) spares the pass over the full sums on ordinary steps.
+            known = getattr(self, "sums_certainly_finite", lambda: None)()
+            finite = exact() if known is None else tf.cond(
+                known, lambda: tf.constant(True), exact)
         else:
             finite = tf.constant(True)  # not read: replica 0's flag counts (_guarded_update)
         tf.__internal__.distribute.interim.maybe_merge_call(
@@ -131,12 +139,16 @@ def _checks_the_sums():
     counts (`skip=False`). Under `MirroredStrategy` (the update goes through `merge_call`)
     every replica holds the same sums (a NaN or Inf from any replica is in all of them), so
     replica 0's pass tells all instead of R passes over the same values; without a merge
-    (across workers) each replica checks its own."""
+    each replica checks its own; across workers with a merge, each worker's first."""
     ctx = tf.distribute.get_replica_context()
     if ctx is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
         return True
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
-    return replica is None or replica == 0
+    # The first replica of this worker: the merge takes the first local replica's flag
+    # (`_guarded_update`), and across workers each worker's own (replica 0 alone once left
+    # the other workers counting no step, so only worker 0 stopped).
+    local = len(tf.distribute.get_strategy().extended.worker_devices)
+    return replica is None or int(replica) % local == 0
 
 
 def _as_op(result):

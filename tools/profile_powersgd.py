@@ -10,6 +10,10 @@ medians are printed in milliseconds:
     step          forward + backward + the aggregator (what `fit` runs)
     aggregate     the aggregator alone on fixed gradients (error feedback, encode,
                   collectives, decode, state updates)
+    guard_sums, guard_factors
+                  the aggregator, then `--on_nan`'s check whether its sums are finite:
+                  a pass over the full sums (before 2026-12-06), or PowerSGD's factors
+                  vouching for them (`certainly_finite`; the pass only where they do not)
     step_groups, aggregate_groups
                   the same with the matrices in `--groups` groups, each with its own P
                   and Q rounds (the last layers' rounds while backward goes on)
@@ -22,6 +26,9 @@ medians are printed in milliseconds:
     allreduce_q   one fp32 all-reduce of the Q round's size
     allreduce_1   one fp32 all-reduce of one float (a collective round's latency)
     gather_1      one all-gather of one float
+
+Each piece is printed as wall-clock ms and worker 0's CPU ms (user + system, all threads of
+the process), medians over the calls.
 
 `aggregate` minus the pieces it is made of (error_fb + encode_p + orthogonalize + encode_q
 + decode + the rounds it runs) is what the pieces do not account for: dispatch, copies,
@@ -112,6 +119,19 @@ def worker(settings_json, out_path):
             out += [summed]
         return out
 
+    def guarded(a, factors):
+        """The aggregator's sums and `tfpar.nan_guard`'s check of them, as the optimizer
+        runs it with the factors' word (`factors`) or without."""
+        summed = agg.all_reduce_sum(a["g"], variables)
+
+        def exact():
+            return tf.math.is_finite(tf.add_n([tf.reduce_sum(s) for s in summed]))
+
+        known = agg.certainly_finite() if factors else None
+        finite = exact() if known is None else tf.cond(known, lambda: tf.constant(True),
+                                                        exact)
+        return checksum(summed) + tf.cast(finite, tf.float32)
+
     def inputs(fn):
         return lambda a: fn(tf.nest.map_structure(tf.identity, a))
 
@@ -119,6 +139,8 @@ def worker(settings_json, out_path):
         "compute": lambda a: checksum(gradients()),
         "step": lambda a: checksum(agg.all_reduce_sum(gradients(), variables)),
         "aggregate": inputs(lambda a: checksum(agg.all_reduce_sum(a["g"], variables))),
+        "guard_sums": inputs(lambda a: guarded(a, factors=False)),
+        "guard_factors": inputs(lambda a: guarded(a, factors=True)),
         "step_groups": lambda a: checksum(grouped.all_reduce_sum(gradients(), variables)),
         "aggregate_groups": inputs(lambda a: checksum(grouped.all_reduce_sum(a["g"],
                                                                              variables))),
@@ -139,13 +161,18 @@ def worker(settings_json, out_path):
     fns = {k: tf.function(lambda g, fn=fn: strategy.run(fn, args=(g,)))
            for k, fn in pieces.items()}
     seconds = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
     for i in range(s["calls"] + 2):  # alternating; the first two calls trace and warm up
         for k, fn in fns.items():
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             strategy.experimental_local_results(fn(fixed))[0].numpy()
             if i >= 2:
                 seconds[k].append(time.perf_counter() - began)
+                cpu[k].append(time.process_time() - began_cpu)
     result = {k: 1000 * float(np.median(v)) for k, v in seconds.items()}
+    # This worker's CPU time (every thread of the process, user + system) per call: what
+    # the machine's load changes least.
+    result["cpu"] = {k: 1000 * float(np.median(v)) for k, v in cpu.items()}
     result["bytes_p"], result["bytes_q"] = 4 * n_p, 4 * n_q
     if strategy.cluster_resolver.task_id == 0:
         with open(out_path, "w") as f:
@@ -191,9 +218,10 @@ def main():
     print(f"PowerSGD rank {args.rank}, batch {args.global_batch_size}, {args.rate}, "
           f"median of {args.calls} calls (ms); P round {result['bytes_p'] / 1e3:.0f} kB, "
           f"Q round {result['bytes_q'] / 1e3:.0f} kB")
+    print(f"  {'piece':14} {'wall':>8} {'CPU':>8}")
     for k, v in result.items():
-        if not k.startswith("bytes"):
-            print(f"  {k:14} {v:8.2f}")
+        if not k.startswith("bytes") and k != "cpu":
+            print(f"  {k:14} {v:8.2f} {result['cpu'][k]:8.2f}")
     print(f"  {'aggregate - pieces':14} {result['aggregate'] - parts:8.2f}")
     print(f"wrote {args.out}")
     return 0

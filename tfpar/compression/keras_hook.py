@@ -37,6 +37,7 @@ class AggregatingOptimizerMixin:
     # Keras's private hook, overridden: registry entry `optimizer_hooks` of tfpar.patches.
     def _all_reduce_sum_gradients(self, grads_and_vars):
         ctx = tf.distribute.get_replica_context()
+        self._tfpar_sums_finite = None  # see `sums_certainly_finite`
         if ctx is None or ctx.num_replicas_in_sync == 1:
             # Nothing to communicate; compressing would only add error. A debt loaded from
             # more replicas (`tfpar.state` sets `debt_owed`) is paid here, once.
@@ -47,10 +48,21 @@ class AggregatingOptimizerMixin:
             summed = self._skip_nonfinite_sum(ctx, list(grads), list(variables))
         else:
             summed = self.tfpar_aggregator.all_reduce_sum(list(grads), list(variables))
+            hint = getattr(self.tfpar_aggregator, "certainly_finite", lambda: None)()
+            if all(g is None or g.dtype == tf.float32 for g in grads):
+                # (a narrower gradient's sum is cast down after the check: it could overflow)
+                self._tfpar_sums_finite = hint
         # With Adam moved into the aggregator, what comes back are Adam's steps, applied
         # linearly by `update_step` below (set while tracing, before the updates are traced).
         self._tfpar_linear = getattr(self.tfpar_aggregator, "adam", None) is not None
         return list(zip(summed, variables))
+
+    def sums_certainly_finite(self):
+        """For `tfpar.nan_guard`, right after `_all_reduce_sum_gradients` in the same trace:
+        a boolean tensor, true only if every sum it handed back is finite, from what the
+        aggregator knows cheaply (PowerSGD: its factors, `certainly_finite`), or None (check
+        the sums)."""
+        return getattr(self, "_tfpar_sums_finite", None)
 
     def _skip_nonfinite_sum(self, ctx, grads, variables):
         """`--on_nan=skip_step`: the aggregator runs only when every replica's gradients are

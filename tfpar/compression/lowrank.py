@@ -1,7 +1,10 @@
 """`PowerSGDAggregator`: gradients of matrices sent as rank-r factors (see `powersgd`)."""
 
+import collections
+
 import tensorflow as tf
 
+from tfpar import patches
 from tfpar.compression import collectives, error_feedback, powersgd
 from tfpar.compression.aggregator import Aggregator, per_replica_variable
 from tfpar.compression.dense import NoneAggregator
@@ -29,6 +32,11 @@ class PowerSGDAggregator(NoneAggregator):
     `error_feedback.subtract_scaled`): one pass over each matrix for `g + r`, one for the
     new residual.
 
+    Whether the sums it hands back are all finite is known from the small tensors
+    (`certainly_finite`): the uncompressed sums, `P̂` and the summed `Q`, with a bound on
+    `P̂ Q_sumᵀ`; `--on_nan`'s guard then skips its pass over the full sums on ordinary
+    steps.
+
     Args:
         rank: rank of the approximation.
         start_step: aggregator steps of plain all-reduce before compressing.
@@ -52,6 +60,8 @@ class PowerSGDAggregator(NoneAggregator):
         self.start_step = int(start_step)
         self.seed = int(seed)
         self.groups = groups
+        # This replica's `certainly_finite` of the step last traced, by replica.
+        self._hints = patches.no_dependency({})
 
     def _matrices(self):
         return [i for i, s in enumerate(self._layout.shapes)
@@ -96,8 +106,9 @@ class PowerSGDAggregator(NoneAggregator):
         return summed, nbytes
 
     def _exchange(self, xs, positions):
+        self._hints.pop(_replica_key(), None)
         if self.start_step <= 0:
-            return self._compressed(xs, positions)
+            return self._compressed(xs, positions, hint=True)
 
         def plain(xs):
             return _as_tensors(self._exchange_exactly(xs, positions))
@@ -118,15 +129,21 @@ class PowerSGDAggregator(NoneAggregator):
             local = summed  # (unused; not the residuals' buffers, see `_compressed`)
         return summed, local, nbytes
 
-    def _compressed(self, xs, positions):
+    def _compressed(self, xs, positions, hint=False):
         matrices = set(self._matrices())
         mat = [j for j, p in enumerate(positions) if p in matrices]
         if not mat:
             return Aggregator._exchange(self, xs, positions)
-        summed, local, nbytes = list(xs), list(xs), 0
+        summed, local, nbytes, small = list(xs), list(xs), 0, []
+        # The collectives run in the order they are built (tf.distribute orders them):
+        # each group's P round, then its Q round (every P round first was no faster in
+        # `tools/profile_powersgd.py`, 2026-12-06).
         for group_mat, group_rest in self._groups(xs, positions, mat):
-            nbytes += self._compressed_group(xs, positions, group_mat, group_rest, summed,
-                                             local)
+            p_round, p_bytes = self._p_round(xs, positions, group_mat, group_rest, summed)
+            nbytes += p_bytes + self._q_round(xs, positions, p_round, summed, local, small)
+        if hint:  # every position is in one group: the small sums cover them all
+            ranks = [int(self.qs[str(positions[j])].shape[1]) for j in mat]
+            self._hints[_replica_key()] = _certainly_finite(small, max(ranks))
         if self._residuals_in_place():
             # Unused; returning `xs` would keep the residuals' buffers referenced (through a
             # cond's outputs) and make the in-place update copy them.
@@ -157,18 +174,28 @@ class PowerSGDAggregator(NoneAggregator):
                 rest[group_of[before[-1] if before else mat[0]]].append(j)
         return [(sorted(run), r) for run, r in zip(runs, rest)]
 
-    def _compressed_group(self, xs, positions, mat, rest, summed, local):
-        """One group's two all-reduces: its P's with its uncompressed tensors, then its Q's;
-        fills `summed` and `local` at its indices, returns the bytes sent."""
+    def _p_round(self, xs, positions, mat, rest, summed):
+        """A group's first all-reduce: its P's with its uncompressed tensors (whose sums go
+        to `summed`); returns what its Q round needs and the bytes sent."""
         ms = [tf.reshape(xs[j], powersgd.matrix_shape(xs[j].shape)) for j in mat]
         qs = [self.qs[str(positions[j])] for j in mat]
         # The uncompressed vectors ride with the P's (exact, so nothing for error feedback).
-        sums, p_bytes = self._sum_flat(self._encode_p(ms, qs) + [xs[j] for j in rest])
+        sums, p_bytes, p_total = self._sum_flat(self._encode_p(ms, qs) +
+                                                [xs[j] for j in rest])
         for j, s in zip(rest, sums[len(mat):]):
             summed[j] = s
-        p_hats = self._orthogonalize(sums[:len(mat)])
+        return (mat, ms, qs, sums[:len(mat)], p_total), p_bytes
+
+    def _q_round(self, xs, positions, p_round, summed, local, small):
+        """A group's second all-reduce, its Q's, after `_p_round`; fills `summed` and
+        `local` at its matrices, appends to `small` the tensors every sum of the group is
+        made of (the P round's sums, each `P̂`, the Q round's sums), returns the bytes
+        sent."""
+        mat, ms, qs, p_sums, p_total = p_round
+        p_hats = self._orthogonalize(p_sums)
         q_locals = self._encode_q(ms, p_hats)
-        q_sums, q_bytes = self._sum_flat(q_locals)
+        q_sums, q_bytes, q_total = self._sum_flat(q_locals)
+        small.append(_Small(p_total, p_hats, q_total))
         in_place = self._residuals_in_place()
         share = 1.0 / collectives.replica_context().num_replicas_in_sync
         for j, p_hat, q_loc, q_sum, q_var in zip(mat, p_hats, q_locals, q_sums, qs):
@@ -182,7 +209,7 @@ class PowerSGDAggregator(NoneAggregator):
                 summed[j] = local[j] = self._decode_sum(p_hat, q_sum, xs[j].shape)
             # Warm start from the summed Q (the previous one for an all-zero gradient).
             q_var.assign(powersgd.nonzero_or(q_sum, q_var))
-        return p_bytes + q_bytes
+        return q_bytes
 
     @staticmethod
     def _encode_p(ms, qs):
@@ -223,15 +250,56 @@ class PowerSGDAggregator(NoneAggregator):
                 tf.reshape(powersgd.decompress(p_hat, q_local), shape))
 
     def _sum_flat(self, tensors):
-        """All `tensors` summed over replicas in one fp32 all-reduce."""
+        """All `tensors` summed over replicas in one fp32 all-reduce: `(sums, bytes, the
+        flat sum)`."""
         flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
         total, nbytes = collectives.sum_all(flat, self.collective_options)
         parts = tf.split(total, [t.shape.num_elements() for t in tensors])
-        return [tf.reshape(p, t.shape) for p, t in zip(parts, tensors)], nbytes
+        return [tf.reshape(p, t.shape) for p, t in zip(parts, tensors)], nbytes, total
+
+    def certainly_finite(self):
+        """A boolean tensor of the step being traced, true only if every sum this
+        replica's last `all_reduce_sum` handed back is finite, judged from the small
+        tensors they are made of; None when that call did not compress in this graph
+        (before `start_step`, inside another function's branch): check the sums
+        themselves. False does not mean a sum is non-finite (check them then)."""
+        hint = self._hints.get(_replica_key())
+        if tf.executing_eagerly():
+            return hint if hint is not None and not hasattr(hint, "graph") else None
+        return hint if getattr(hint, "graph", None) is tf.compat.v1.get_default_graph() else None
 
     def get_config(self):
         return {**super().get_config(), "rank": self.rank, "start_step": self.start_step,
                 "seed": self.seed, "groups": self.groups}
+
+
+# What a group's sums are made of: its P round's flat sum (the P's and the uncompressed
+# tensors), its `P̂`s, its Q round's flat sum.
+_Small = collections.namedtuple("_Small", ["p_total", "p_hats", "q_total"])
+
+
+def _certainly_finite(small, rank):
+    """True only if the uncompressed sums and every `P̂ Q_sumᵀ` are finite, from `small`
+    (`_Small`s) and the largest rank: each decoded entry is a sum of `rank` products
+    `P̂_ik Q_jk`, so below `rank · max|P̂| · max|Q|` (with rounding: twice that); where that
+    bound is finite nothing overflows. The P round's sums are checked whole (the
+    uncompressed tensors are among them); a non-finite `P̂` or `Q` fails the check."""
+    p_hats = tf.concat([tf.reshape(p, [-1]) for s in small for p in s.p_hats], 0)
+    p_totals = [s.p_total for s in small]
+    q_totals = tf.concat([s.q_total for s in small], 0)
+    bound = (tf.reduce_max(tf.abs(p_hats)) * tf.reduce_max(tf.abs(q_totals))
+             * (2.0 * rank))
+    return tf.reduce_all(tf.stack(
+        [tf.reduce_all(tf.math.is_finite(t)) for t in [*p_totals, p_hats, q_totals]]
+        + [tf.math.is_finite(bound)]))
+
+
+def _replica_key():
+    """This replica's index while a step is traced (None outside a strategy): the replicas
+    of one `MirroredStrategy` trace through the same aggregator one after another."""
+    ctx = tf.distribute.get_replica_context()
+    replica = None if ctx is None else tf.get_static_value(ctx.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
 
 
 def _as_tensors(result):
