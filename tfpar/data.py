@@ -202,7 +202,10 @@ def pipeline_dataset(config, task, context, start_step=0):
     split = config.replica_split(replicas)
     ds = _replica_batches(split, task.example_fn, context.input_pipeline_id * local, local,
                           start_step * local, (start_step + _huge_steps()) * local)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    # Never reached, but declared endless (tf.data's cardinality): across workers
+    # tf.distribute otherwise makes the workers agree every step that none has run out
+    # (one more all-reduce a step: `_enable_get_next_as_optional`).
+    return ds.repeat().prefetch(tf.data.AUTOTUNE)
 
 
 def _replica_batches(split, example_fn, first, local, begin, end):
@@ -316,7 +319,7 @@ def global_batch_pipeline(config, task, start_step=0):
     examples = config.effective_batch_size
     ds = tf.data.Dataset.range(start_step * examples, (start_step + _huge_steps()) * examples)
     ds = ds.map(task.example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return ds.batch(examples, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return ds.batch(examples, drop_remainder=True).repeat().prefetch(tf.data.AUTOTUNE)
 
 
 def validation_dataset(config, task, context):
