@@ -6,6 +6,8 @@ the settings imply (fp16 sends half of fp32's bytes, int8 a quarter plus a scale
 tensor, a 2-stage 4-micro-batch 1F1B bubble is 1/5)."""
 
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -120,3 +122,20 @@ def test_mesh_writes_its_codec_bytes(runs, case):
     if case == "mesh_3d":
         assert values(tags, "pipeline_bubble") == [pytest.approx(1 / 5)] * 4
         assert metrics["pipeline"]["bubble_theory"] == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize("mesh", ["2d", "3d"])
+def test_a_users_fit_on_a_keras_mesh_writes_its_codec_bytes(tmp_path, mesh):
+    # `tfpar.callbacks.TensorBoard` in a user's own `fit` under `keras.distribution`
+    # (ModelParallel; tfpar's PipelineParallel) with a `DistributedOptimizer` codec: the
+    # codec runs in the mesh's `batch` reduction, whose bytes are written (the callback
+    # raised "needs build() first" on the unbuilt aggregator before). int8: a byte per
+    # gradient entry and a 4-byte scale per tensor.
+    child = os.path.join(subproc.ROOT, "tests", "keras_mesh_tensorboard_child.py")
+    out = subproc.last_json_line(subproc.run(
+        [sys.executable, child, str(tmp_path), mesh], timeout=400).stdout)
+    wire = out["entries"] + 4 * out["tensors"]
+    assert out["comm"]["bytes_on_wire_per_step"] == wire, out
+    assert out["comm"]["bytes_uncompressed_per_step"] == 4 * out["entries"], out
+    tags = scalars(tmp_path / "train")
+    assert values(tags, "bytes_on_wire") == [wire] * out["steps"]

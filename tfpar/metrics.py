@@ -210,16 +210,53 @@ class StepRecorder(keras.callbacks.Callback):
         self.batch_losses.append(float(logs[STEP_LOSS]))
 
 
+def reductions_comm_stats(reductions):
+    """The metrics JSON's `comm` block of a DTensor mesh's `batch` reductions that run a
+    codec (`tfpar.layout.reduction`; a pipeline's, summed over its stages), or None when
+    there are none: DTensor's own fp32 sum inside the backward is not counted, nor are the
+    `model` axis's collectives. With `auto`, `comm.auto`: `r_budget` (the first stage's),
+    `ranks` (every matrix's) and, in a pipeline, `r_budget_per_stage`."""
+    reductions = [r for r in reductions or () if r is not None]
+    if not reductions:
+        return None
+    stats = [r.comm_stats() for r in reductions]
+    wire = sum(s["bytes_on_wire_per_step"] for s in stats)
+    raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
+    out = {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
+           "compression_ratio": raw / wire}
+    autos = [r for r in reductions if hasattr(r, "ranks")]  # `tfpar.layout.auto`
+    if autos:  # each matrix's rank now (0: exact), as tf.distribute's `comm.auto.ranks`
+        out["auto"] = {"r_budget": autos[0].r_budget,
+                       "ranks": {k: v for r in autos for k, v in r.ranks().items()}}
+        if len(autos) > 1:  # a pipeline: each stage plans from its own matrices
+            out["auto"]["r_budget_per_stage"] = [r.r_budget for r in autos]
+    return out
+
+
+def _keras_mesh_reductions(model):
+    """The `batch` reductions of a user's `fit` on a Keras distribution's mesh: the 3D
+    fit's stages' (`tfpar.layout.keras_pipeline`) or one mesh's (`keras_step`)."""
+    trainer = getattr(model, "_tfpar_pipeline_trainer", None)
+    if trainer is not None:
+        return getattr(trainer, "reductions", None) or ()
+    return getattr(model, "tfpar_reductions", None) or ()
+
+
 def comm_stats(model, replicas):
     """The metrics JSON's `comm` block: what the optimizer's gradient aggregator handed to
     the collectives per step (a pipeline's: summed over its stages' aggregators), or Keras's
-    plain fp32 all-reduce; None with one replica.
+    plain fp32 all-reduce; None with one replica. On a Keras distribution's DTensor mesh a
+    `DistributedOptimizer`'s codec runs in the mesh's `batch` reduction, whose bytes these
+    are (`reductions_comm_stats`); its aggregator is never built there.
 
     Looks through a `LossScaleOptimizer` (fp16 wraps the aggregating optimizer).
     """
+    mesh = reductions_comm_stats(_keras_mesh_reductions(model))
+    if mesh is not None:
+        return mesh
     optimizers = getattr(model, "stage_optimizers", None) or [model.optimizer]
     aggregators = [aggregator_of(o) for o in optimizers]
-    if all(a is not None for a in aggregators):
+    if all(a is not None and getattr(a, "built", True) for a in aggregators):
         stats = [a.comm_stats() for a in aggregators]
         wire = sum(s["bytes_on_wire_per_step"] for s in stats)
         raw = sum(s["bytes_uncompressed_per_step"] for s in stats)

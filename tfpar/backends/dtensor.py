@@ -197,26 +197,10 @@ def zero3_comm_stats(model, replicas, reduction=None):
 
 def mesh_comm_stats(trainer):
     """The metrics JSON's `comm` block of a mesh step whose `batch` reduction runs a codec
-    (`tfpar.layout.reduction`; a pipeline's summed over its stage models), else None:
-    DTensor's own fp32 sum inside the backward is not counted, nor are the `model` axis's
-    collectives. With `auto`, `comm.auto`: `r_budget` (the first stage's), `ranks` (every
-    matrix's) and, in a pipeline, `r_budget_per_stage`."""
-    reductions = [r for r in (getattr(trainer, "reductions", None) or [trainer.reduction])
-                  if r is not None]
-    if not reductions:
-        return None
-    stats = [r.comm_stats() for r in reductions]
-    wire = sum(s["bytes_on_wire_per_step"] for s in stats)
-    raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
-    out = {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
-           "compression_ratio": raw / wire}
-    autos = [r for r in reductions if hasattr(r, "ranks")]  # `tfpar.layout.auto`
-    if autos:  # each matrix's rank now (0: exact), as tf.distribute's `comm.auto.ranks`
-        out["auto"] = {"r_budget": autos[0].r_budget,
-                       "ranks": {k: v for r in autos for k, v in r.ranks().items()}}
-        if len(autos) > 1:  # a pipeline: each stage plans from its own matrices
-            out["auto"]["r_budget_per_stage"] = [r.r_budget for r in autos]
-    return out
+    (`metrics.reductions_comm_stats` of the trainer's reductions; a pipeline's, every
+    stage's), else None."""
+    return metrics.reductions_comm_stats(
+        getattr(trainer, "reductions", None) or [trainer.reduction])
 
 
 class MeshTensorBoard(TensorBoard):
