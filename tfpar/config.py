@@ -104,7 +104,8 @@ class ParallelConfig:
             keep their whole weights and activations for the backward pass, which starts
             with them (FSDP's `reshard_after_forward=False` on them); -1: the last layer at
             least as large as the median one and those after it (the transformer's last
-            block, `ln_f` and `lm_head`; `tfpar.zero.fsdp.kept_layers`); 0: none.
+            block, `ln_f` and `lm_head`; `tfpar.zero.fsdp.kept_layers`); 0 (the default
+            until its step time is measured side by side): none.
         offload: `"none"`, or `"optimizer"`: the optimizer's slots in host memory and its
             update run there (`tfpar.offload`, ZeRO-Offload's design), on data
             parallelism and ZeRO 1/2. `"optimizer+params"` (ZeRO-3's parameters held on
@@ -176,7 +177,7 @@ class ParallelConfig:
     zero_gather: str = "fp32"
     zero_prefetch: bool = True
     zero_reshard_after_forward: bool = True
-    zero_keep_last_layers: int = -1
+    zero_keep_last_layers: int = 0
     offload: str = "none"
     # Gradient aggregation.
     compression: str = "none"
