@@ -63,12 +63,19 @@ class CodecState(keras.layers.Layer):
         object.__setattr__(self, "_pending", None)
 
     def entries(self):
-        """`{"codec/<path>/<kind>": DVariable}` of the attached reductions."""
+        """`{"codec/<path>/<kind>": DVariable}` of the attached reductions. Keras's paths
+        repeat (two nested models' Dense "proj": `proj/kernel` twice): a repeated name
+        gets `#2`, `#3`, ... in the reductions' order, the model's, so that no weight's
+        state overwrites another's in the file (the same model orders them alike when it
+        loads)."""
         out = {}
         for reduction, paths in self._reductions:
             for name, (variable, _) in reduction.named_state().items():
                 path, kind = name.rsplit("/", 1)
-                out[f"{_PREFIX}{paths.get(path, path)}/{kind}"] = variable
+                key, seen = f"{_PREFIX}{paths.get(path, path)}/{kind}", 1
+                while (f"{key}#{seen}" if seen > 1 else key) in out:
+                    seen += 1
+                out[f"{key}#{seen}" if seen > 1 else key] = variable
         return out
 
     def save_own_variables(self, store):
@@ -105,10 +112,11 @@ class CodecState(keras.layers.Layer):
         """Writes the held values into the attached reductions (module docstring)."""
         from tfpar.layout import values
         loaded, entries = self._pending, self.entries()
-        object.__setattr__(self, "_pending", None)
         if not entries:
+            object.__setattr__(self, "_pending", None)
             return
         if not loaded:
+            object.__setattr__(self, "_pending", None)
             logging.warning("the file holds no codec state (saved before Keras's files "
                             "held it, or without a codec): the codec's state stays as it "
                             "is (in a new model: the codec starts afresh)")
@@ -122,6 +130,9 @@ class CodecState(keras.layers.Layer):
                 f"this optimizer's codec ({len(entries)} entries: {mine}, ...); load it with "
                 "the codec, model and batch axis that saved it, or compile a new optimizer "
                 "to start the codec afresh")
+        # Held until it fits: a refused file stays refused at the next build (a second
+        # `fit` after the error started the codec afresh without a word).
+        object.__setattr__(self, "_pending", None)
         for name, variable in entries.items():
             values.assign(variable, loaded[name])
         for reduction, _ in self._reductions:

@@ -97,6 +97,19 @@ def for_codec(mesh, variables, codec, error_feedback=True, optimizer=None, **opt
     return BatchAxisReduction(mesh, variables, codec, error_feedback, **options)
 
 
+def distinct_paths(variables):
+    """The variables' Keras paths, a repeated one (two nested models' Dense "proj":
+    `proj/kernel` twice) made `path#2`, `path#3`, ... in their order: the names of their
+    codec state in checkpoints and Keras's files, where a repeat let one weight's state
+    overwrite another's."""
+    seen, out = {}, []
+    for variable in variables:
+        seen[variable.path] = seen.get(variable.path, 0) + 1
+        count = seen[variable.path]
+        out.append(variable.path if count == 1 else f"{variable.path}#{count}")
+    return out
+
+
 class BatchAxisReduction:
     """Averages per-replica gradients over the mesh's `batch` axis through a codec.
 
@@ -125,7 +138,7 @@ class BatchAxisReduction:
         self.mesh, self.codec = mesh, codec
         self.replicas = batch_parts(mesh)
         axis = batch_axis(mesh)  # "batch", or keras.distribution's first axis ("data")
-        self.paths = [v.path for v in variables]  # the state's names in checkpoints
+        self.paths = distinct_paths(variables)  # the state's names in checkpoints
         self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.threshold, self.rank = float(threshold), int(powersgd_rank)
