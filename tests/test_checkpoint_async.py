@@ -244,3 +244,44 @@ def test_a_writer_nice_that_is_not_0_to_19_is_one_line(nice):
 
     with pytest.raises(ConfigError, match=r"writer_nice=.* must be an integer from 0"):
         Writer(nice=nice)
+
+def test_a_layout_state_snapshot_reads_its_variables_and_holds_their_values_at_the_save(
+        tmp_path):
+    # A user's Keras model and Adam, no strategy. `LayoutState` gives its weights and
+    # slots to the snapshot as reads (TensorFlow's copy-on-write keeps a read's values),
+    # in one batched function from the second save on (the first reads one by one, then
+    # the writer thread traces the function). After each snapshot the model trains a step
+    # (Keras's Adam updates in place) and every variable is assigned anew; the file then
+    # written holds the values at the snapshot, bit for bit, not the later ones.
+    import keras
+
+    from tfpar import patches, state
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = np.random.RandomState(0).randn(16, 6), np.random.RandomState(1).randn(16, 3)
+    model.train_on_batch(x, y)
+    layout_state = state.LayoutState(model)
+    checkpoint, cache = tf.train.Checkpoint(state=layout_state), {}
+    variables = [*model.weights, *model.optimizer.variables]
+    for save in range(3):
+        entries = layout_state.entries()
+        at_save = {name: np.array(e[0]()) for name, e in entries.items()}
+        snapshot = patches.checkpoint_snapshot(checkpoint, cache)
+        model.train_on_batch(x, y)
+        for v in variables:
+            v.assign(v.numpy() + np.ones((), v.dtype) * 7)
+        prefix = str(tmp_path / f"ckpt-{save}")
+        patches.write_checkpoint(snapshot, prefix)
+        written = _tensors(prefix)
+        for name, value in at_save.items():
+            np.testing.assert_array_equal(written[state.key(name)],
+                                          value, f"save {save}: {name}")
+            assert not np.array_equal(value, entries[name][0]()), name  # updated since
+        patches.trace_checkpoint_reads(cache)
+    # Every weight and slot was a deferred read, the second and third saves' in one call.
+    deferred = {key for _, key, _ in cache["signature"]}
+    assert {state.key(n) for n in at_save if n.startswith(("model/", "optimizer/"))} <= deferred
+    assert cache.get("batched") == 2

@@ -256,7 +256,14 @@ class LayoutState(patches.Trackable):
 
     # TensorFlow's checkpoint protocol: registry entry `trackable_tensors` of tfpar.patches.
     def _serialize_to_tensors(self):
-        tensors = {name: tf.constant(e[0]()) for name, e in self.entries().items()}
+        # A variable of `_plain` (not on a mesh) as TensorFlow saves its own: its read
+        # deferred to the checkpoint's (`snapshot` reads them all in one function), no
+        # copy (a read keeps its values while training updates the variable); the others
+        # (gathered, rows, DTensor) as numpy, now.
+        tensors = {name: (patches.tensorflow_checkpoint.deferred_read(e[0].variable)
+                          if getattr(e[0], "variable", None) is not None
+                          else tf.constant(e[0]()))
+                   for name, e in self.entries().items()}
         tensors[LAYOUT] = tf.constant(json.dumps(self._layout, sort_keys=True))
         units = set(self._units.values())
         if len(units) == 1:
@@ -710,7 +717,28 @@ def _plain(variable):
             values.assign(tf_variable, array)
         else:
             tf_variable.assign(np.asarray(array, tf_variable.dtype.as_numpy_dtype))
-    return (lambda: values.to_host(tf_variable)), write, tuple(tf_variable.shape)
+    return _Read(tf_variable), write, tuple(tf_variable.shape)
+
+
+class _Read:
+    """A variable's full value as numpy (`read()`), the read of `_plain`'s entries.
+
+    `variable`: the variable itself where a checkpoint may read it as a tensor
+    (`LayoutState._serialize_to_tensors`, in one function a thread may trace), one whose
+    read runs no collective; None for a DVariable (gathered whole through
+    `values.to_host`, on the mesh) and a tf.distribute variable synchronised on read (its
+    read may reduce over the workers), read in the step as numpy."""
+
+    def __init__(self, variable):
+        from tensorflow.experimental import dtensor
+        self._variable = variable
+        self.variable = (
+            None if isinstance(variable, dtensor.DVariable)
+            or variable.synchronization == tf.VariableSynchronization.ON_READ else variable)
+
+    def __call__(self):
+        from tfpar.layout import values
+        return values.to_host(self._variable)
 
 
 def _then(entry, after):

@@ -12,8 +12,11 @@
   `CheckpointOptions(experimental_enable_async_checkpoint=True)` was not used: it copies
   only objects that implement `_copy_trackable_to_cpu` and serialises the others (tfpar's
   residuals and ZeRO slots) in its writer thread, after training moved on: it saved a
-  value of a later step (docs/benchmarks/checkpoint.md). The checks compare the source
-  fragments these functions repeat or call.
+  value of a later step (docs/benchmarks/checkpoint.md). `deferred_read(variable)`: a
+  variable as a trackable's saved value, read as TensorFlow defers its own variables' reads
+  (tfpar's `LayoutState` saves its plain variables so: `snapshot` reads them with the
+  others in one function, without copying). The checks compare the source fragments these
+  functions repeat or call.
 """
 
 import os
@@ -37,7 +40,7 @@ ENTRIES = {
         "tensorflow.python.checkpoint: TrackableSaver._gather_serialized_tensors, "
         "functional_saver.MultiDeviceSaver, CheckpointManager.save's "
         "_record_and_sweep_state (_maybe_delete, _latest_checkpoint, _record_state, _sweep)",
-        "tfpar.checkpoint_writer"),
+        "tfpar.checkpoint_writer, tfpar.state"),
 }
 FRAGMENTS = {
     "checkpoint_snapshot": [
@@ -119,6 +122,23 @@ def snapshot(checkpoint, cache, to_host=None):
     if on_mesh:
         cache["usable"] = False
     return serialized
+
+
+def deferred_read(variable):
+    """`variable` (a `tf.Variable`, not a DVariable) as a value of a trackable's
+    `_serialize_to_tensors`, read when the checkpoint reads its values, as TensorFlow
+    defers a variable's own read (`BaseResourceVariable._serialize_to_tensors`): by
+    `snapshot`, with the other variables' reads in one `tf.function`; by a synchronous
+    save, at its write. The read copies nothing (the host tensor shares the variable's
+    buffer, which TensorFlow copies before updating it in place while a read holds it).
+    Registry entry `checkpoint_snapshot`."""
+    def read_variable():
+        with tf.device(variable.device):
+            value = variable.read_value()
+        with tf.device("/cpu:0"):
+            return tf.identity(value)
+    return _tensor_callable.Callable(read_variable, dtype=variable.dtype,
+                                     device=variable.device)
 
 
 def _batched_reads(serialized, deferred, cache):
