@@ -73,3 +73,28 @@ def test_a_train_step_that_does_not_report_its_loss_is_named():
     recorder.on_train_batch_begin(0)
     with pytest.raises(TfparError, match="no 'step_loss'.*report_step_loss"):
         recorder.on_train_batch_end(0, {"loss": 1.0})
+
+
+def test_a_share_of_weight_zero_reports_zero_as_the_mean_did():
+    # Under MirroredStrategy a last batch smaller than the replicas leaves a replica an
+    # empty share: Keras hands its tracker that replica's loss with weight 0, which a Mean
+    # counts as 0 (v·0 / 0). Read directly, the value itself was reported (a regulariser's
+    # term, or a NaN from an empty batch, in the step's loss). One device here: a step that
+    # hands weight 0, as such a replica's does.
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+
+    def train_step(data):
+        x, y = data
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x)) + 5.0  # never 0 itself
+        model._loss_tracker.update_state(loss, sample_weight=tf.constant(0))
+        return {"loss": loss}
+
+    model.train_step = train_step
+    metrics.report_step_loss(model)
+    recorder = metrics.StepRecorder()
+    x = np.ones((8, 4), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[recorder])
+    assert recorder.batch_losses == [0.0, 0.0]

@@ -152,7 +152,10 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
                 for variable in step.variables:
                     variable.assign(tf.zeros(variable.shape, variable.dtype))
         elif len(handed) == 1:
-            loss = tf.cast(handed[0][0], "float32")
+            value, weight = handed[0]
+            loss = tf.cast(value, "float32")
+            if weight is not None:  # a replica's empty share: 0, as the Mean's v·w / w gave
+                loss = tf.where(tf.cast(weight, "float32") > 0, loss, 0.0)
         elif handed:
             values = [tf.cast(v, "float32") for v, _ in handed]
             weights = [tf.ones([]) if w is None else tf.cast(w, "float32") for _, w in handed]
@@ -167,8 +170,13 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
 
 
 def _scalar(value):
-    """Whether `value` (a tensor, a number or None) is known to hold at most one number."""
-    return value is None or getattr(value, "shape", ()) == ()
+    """Whether `value` (a tensor, a number or None) is known to hold at most one number (a
+    list or tuple is not: the Mean adds it up)."""
+    if value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return False
+    return getattr(value, "shape", ()) == ()
 
 
 class StepRecorder(keras.callbacks.Callback):
