@@ -170,3 +170,42 @@ def test_the_hint_is_of_the_call_just_made():
     tf.function(lambda g: agg.all_reduce_sum(g, variables))(
         [tf.constant(g) for g in _grads()])
     assert agg.certainly_finite() is None  # eager now: the traced graph's tensor is not
+
+
+def test_the_decode_bound_refuses_finite_factors_whose_decode_overflows():
+    # The one case the bound `2·rank·max|P̂|·max|Q|` is there for: M, P, P̂ and Q all
+    # finite, `P̂ Qᵀ` not (a column of M outside the warm-start Q's span, cancelled in P's
+    # row 0 but not in Q). Without the bound the factors would vouch for it (a review's
+    # construction; the scaled gradients above overflow earlier, in QR).
+    from tfpar.compression import lowrank, powersgd
+
+    rng = np.random.RandomState(0)
+    n, m, r = 16, 16, 4
+    for _ in range(300):
+        a_ = rng.randn(n, r)
+        a_[0] = 3.0 + 0.1 * rng.randn(r)
+        basis, _ = np.linalg.qr(a_)
+        w = basis[0] / np.linalg.norm(basis[0])
+        for a in (1.5e38, 2e38, 2.5e38, 3e38):
+            proj = basis @ (a * w / np.abs(w).max())
+            e0 = np.eye(n)[0]
+            perp = e0 - basis @ (basis.T @ e0)
+            if abs(perp[0]) < 1e-6:
+                continue
+            col = proj - (proj[0] / perp[0]) * perp * 0.999
+            if not np.all(np.abs(col) < 3.3e38):
+                continue
+            matrix = np.zeros((n, m))
+            matrix[:, 0], matrix[:, 1:1 + r] = col, basis
+            q0 = np.zeros((m, r))
+            q0[1:1 + r] = np.eye(r)
+            m32, q32 = tf.constant(matrix, tf.float32), tf.constant(q0, tf.float32)
+            p = powersgd.compress_p(m32, q32)
+            p_hat = powersgd.orthogonalize(p)
+            q = powersgd.compress_q(m32, p_hat)
+            finite = [bool(np.isfinite(t.numpy()).all()) for t in (m32, p, p_hat, q)]
+            if all(finite) and not np.isfinite(powersgd.decompress(p_hat, q).numpy()).all():
+                small = [lowrank._Small(tf.reshape(p, [-1]), [p_hat], tf.reshape(q, [-1]))]
+                assert not bool(lowrank._certainly_finite(small, r).numpy())
+                return
+    pytest.fail("no finite-factor, overflowing-decode case constructed")

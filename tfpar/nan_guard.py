@@ -101,7 +101,7 @@ class SkipNonFiniteMixin:
             finite = exact() if known is None else tf.cond(
                 known, lambda: tf.constant(True), exact)
         else:
-            finite = tf.constant(True)  # not read: replica 0's flag counts (_guarded_update)
+            finite = tf.constant(True)  # not read: this worker's first replica's flag counts
         tf.__internal__.distribute.interim.maybe_merge_call(
             self._guarded_update, self._distribution_strategy, grads_and_vars, learning_rate,
             finite)
@@ -110,7 +110,7 @@ class SkipNonFiniteMixin:
         if not self.tfpar_skip_nonfinite:
             # Only count (the run stops at this step): no per-variable branch on the hot path.
             self._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
-            # Replica 0's flag for every replica (in a merge; else the replica's own), its
+            # This worker's first replica's flag for its replicas (in a merge; else each's own), its
             # increment made once and added to every device's copy of the counter.
             finite = distribution.experimental_local_results(finite)[0]
             increment = 1.0 - tf.cast(finite, tf.float32)
