@@ -54,6 +54,8 @@ def apply():
 def setting():
     """"off" or "default": what this thread's `tf.function` calls run with (read from its
     function-call options, the ones TensorFlow passes to each call), for a child's JSON."""
+    from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
-    options = context.context().function_call_options.config_proto
+    options = config_pb2.ConfigProto.FromString(
+        context.context().function_call_options.config_proto_serialized)
     return "off" if options.graph_options.rewrite_options.disable_meta_optimizer else "default"
