@@ -2,11 +2,11 @@
 run) unless the test passes `OFF` in the child's environment (`TFPAR_TEST_GRAPPLER=off`)
 and the child calls `apply()` before its first `tf.function` runs.
 
-A mesh run's cost in the suite is its first call, not its steps: grappler optimizing each
-device's piece of the traced step was a quarter to a third of a mesh child's CPU after
-the TensorFlow import (docs/benchmarks/suite.md, 2026-12-06). Files whose every comparison
-runs both sides in children with the same setting (a codec against its uncompressed run,
-one backend against the other) may turn it off; no assertion of theirs reads a graph after
+A mesh run's cost in the suite is its first call, not its steps: with grappler off the
+eight files that turn it off took about a quarter less CPU (docs/benchmarks/suite.md,
+2026-12-06, per file). Files whose every comparison runs both sides in children with the
+same setting (a codec against its uncompressed run, one backend against the other) may
+turn it off; no assertion of theirs reads a graph after
 grappler (the profiler's op counts of tests/test_mesh_adam_front.py run with it on). Each
 family keeps files that run with grappler on: data parallelism (tests/test_train.py), the
 mesh (tests/test_layout_mesh.py, tests/test_layout_keras.py), pipelines and 3D
@@ -18,7 +18,8 @@ control edges tfpar adds around collectives): which files and features, WORKSPAC
 docs/benchmarks/suite.md.
 
 Every child that calls `apply()` reports `setting()` in its JSON result ("off" or
-"default") and its test asserts the one it asked for. `subproc.child_env` passes
+"default"); the tests that pass `OFF` assert "off", and those files' cases with the
+default assert "default". `subproc.child_env` passes
 `TFPAR_TEST_GRAPPLER` to a child only when the test sets it (a value in the shell that
 runs pytest does not reach the children).
 
