@@ -189,6 +189,16 @@ def codecs():
     return out
 
 
+def sgd_codec():
+    """The cheapest codec fit: SGD (no Adam in front) with top-k at ratio 1, 4 steps, against
+    plain SGD's fit; what the test runs with TensorFlow's default graph optimizer."""
+    plain = host(fit(sgd)[0])
+    model = fit(lambda: tfpar.DistributedOptimizer(sgd(), compression="topk", ratio=1.0))[0]
+    weights = host(model)
+    return {"diff": max(float(np.max(np.abs(weights[k] - plain[k]))) for k in plain),
+            "state": codec_state(model)}
+
+
 def fp16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -434,10 +444,12 @@ def keras_files():
 
 CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
          "data_parallel": data_parallel, "adam_front": adam_front, "refusals": refusals,
-         "keras_files": keras_files}
+         "keras_files": keras_files, "sgd_codec": sgd_codec}
 
 if __name__ == "__main__":
     graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     layout.enable()
     keras.distribution.set_distribution(distribution())
-    print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)
+    out = cases.run_cases(CASES, sys.argv[1].split(","))
+    out["grappler"] = graph_optimizer.setting()  # what the cases ran with
+    print(json.dumps(out), flush=True)

@@ -419,4 +419,6 @@ def run_cases(names):
 if __name__ == "__main__":
     graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
     tempfile.tempdir = tempfile.gettempdir()
-    print(json.dumps(run_cases(sys.argv[1].split(","))))
+    out = run_cases(sys.argv[1].split(","))
+    out["grappler"] = graph_optimizer.setting()  # what the cases ran with
+    print(json.dumps(out))

@@ -78,6 +78,7 @@ def main():
                                                  "replicas")})
         out[name]["learning_rate"] = config.scaled_learning_rate
         out[name]["seconds"] = round(time.monotonic() - start, 1)  # for a test's cost
+        out[name]["grappler"] = graph_optimizer.setting()
         from tfpar import state
         values = {n: e[0]() for n, e in state.LayoutState(model).entries().items()}
         np.savez(f"{prefix}_{name}.npz", **{n.replace("/", "|"): v for n, v in values.items()})

@@ -28,6 +28,9 @@ def child_env(extra=None):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.pop("TF_CONFIG", None)
+    # A test's choice of graph optimizer (tests/graph_optimizer.py), never the shell's:
+    # the children of files that keep grappler on must get it on.
+    env.pop("TFPAR_TEST_GRAPPLER", None)
     for name, value in (extra or {}).items():  # None: the child runs without it
         if value is None:
             env.pop(name, None)

@@ -13,7 +13,10 @@ exact steps) +1.9 %, the same under `mixed_float16` +1.8 % against uncompressed 
 Adam behind PowerSGD, before it went in front: +2.6 %, +2.7 %). The band below is 4 %, as
 lowbit's on the mesh trainer (tests/test_layout_mesh.py).
 The child runs with grappler off (tests/graph_optimizer.py), every fit and the CLI's
-mesh trainer it is compared with alike.
+mesh trainer it is compared with alike. A second child, with TensorFlow's default
+optimizer (grappler on, as users run; tests/keras_3d_child.py's `codec_files` fits codecs
+with it on the pipeline mesh, nothing else under plain `ModelParallel`), fits SGD with
+top-k at ratio 1 against plain SGD, 4 steps: equal.
 """
 
 import os
@@ -33,8 +36,19 @@ BAND = 0.04
 @pytest.fixture(scope="module")
 def results():
     names = "codecs,fp16,save,nan,data_parallel,adam_front,refusals,keras_files"
-    return last_json_line(run([sys.executable, CHILD, names], timeout=900,
-                              env=GRAPPLER_OFF).stdout)
+    out = last_json_line(run([sys.executable, CHILD, names], timeout=900,
+                             env=GRAPPLER_OFF).stdout)
+    assert out["grappler"] == "off", out["grappler"]  # as asked, every fit alike
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_optimizer():
+    """The grappler-on child's case (a fixture of its own: its time is its test's, not
+    added to the long child's)."""
+    out = last_json_line(run([sys.executable, CHILD, "sgd_codec"], timeout=600).stdout)
+    assert out["grappler"] == "default", out["grappler"]
+    return out
 
 
 def _case(results, name):
@@ -57,6 +71,15 @@ def test_codecs_at_their_limit_equal_the_uncompressed_run(results):
     assert "up/kernel/residual" in runs["topk_ratio_1"]["state"]["names"]
     # the saved file holds the plain optimizer (tfpar's mixins are not on the mesh's copy)
     assert runs["powersgd_full_rank"]["optimizer"] == "Adam"
+
+
+def test_a_codec_fit_with_tensorflows_default_optimizer_equals_plain_sgd(default_optimizer):
+    # Grappler on: its fusions and its dependency optimizer (which edits the control edges
+    # around the collectives) meet the batch-axis reduction in a user's model.fit.
+    out = _case(default_optimizer, "sgd_codec")
+    assert out["state"]["reduction"] == "BatchAxisReduction", out["state"]
+    assert out["state"]["bytes"]["bytes_on_wire_per_step"] > 0, out["state"]
+    assert out["diff"] <= 1e-5, out["diff"]
 
 
 @pytest.mark.parametrize("name", ["int8", "powersgd_rank_1"])

@@ -38,7 +38,9 @@ CHILDREN = [["structures", "sequence", "custom_step"], ["hub"]]
 def _child(names):
     out = run([sys.executable, os.path.join(ROOT, "tests", "layout_models_child.py"),
                ",".join(names)], timeout=900, env=GRAPPLER_OFF)
-    return last_json_line(out.stdout)
+    result = last_json_line(out.stdout)
+    assert result["grappler"] == "off", result["grappler"]  # as asked, both sides alike
+    return result
 
 
 @pytest.fixture(scope="module")

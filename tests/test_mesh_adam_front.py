@@ -61,6 +61,7 @@ def _child(tmp, prefix, cpu_devices, runs):
                prefix], timeout=600, env=GRAPPLER_OFF).stdout
     results = json.loads(next(line for line in reversed(out.splitlines())
                               if line.startswith('{"') and not line.startswith('{"comm"')))
+    assert {r["grappler"] for r in results.values()} == {"off"}, results  # as asked
     comms = last_json_line(out)["comm"]
     for (name, _, _), comm in zip(runs, comms):
         results[name]["comm"] = comm

@@ -17,8 +17,11 @@ run against its uncompressed run on the same seed:
   reductions).
 
 Two children at once (tests/train_configs_child.py), each its runs on one mesh; the
-resume in the child of the run it must equal.
-Both children run with grappler off (tests/graph_optimizer.py), the uncompressed runs too.
+resume in the child of the run it must equal. Both run with grappler off
+(tests/graph_optimizer.py), the uncompressed runs too; a third child, with TensorFlow's
+default optimizer (grappler on, as users run; no other file trains `auto` on the mesh
+with it), runs Adam and `auto` 20 steps (the exact start and one compressed window):
+near each other, fewer bytes.
 """
 
 import math
@@ -66,13 +69,19 @@ def runs(tmp_path_factory):
               [ADAM, {**ADAM, **FAST}, FP16, {**FP16, **AUTO}, ACCUM, {**ACCUM, **AUTO}]]
     names = [["auto", "stop", "resume", "skip"],
              ["plain", "fast", "fp16", "fp16_auto", "accum", "accum_auto"]]
+    # The third group with grappler on (TensorFlow's default).
+    groups.append([{**ADAM, **SHORT}, {**ADAM, **SHORT, **AUTO}])
+    names.append(["default_plain", "default_auto"])
     outs = subproc.run_concurrently([
-        lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g, env=GRAPPLER_OFF)
+        lambda i=i, g=g: train_configs(str(folder / f"g{i}"), g,
+                                       env=GRAPPLER_OFF if i < 2 else None)
         for i, g in enumerate(groups)])
     results = {}
     for i, (group, out) in enumerate(zip(names, outs)):
         for j, name in enumerate(group):
             results[name] = {**out[None][j], "weights": str(folder / f"g{i}.{j}")}
+            # each run with the optimizer its test asked for
+            assert results[name]["grappler"] == ("off" if i < 2 else "default"), name
     return folder, results
 
 
@@ -102,6 +111,20 @@ def test_auto_on_the_mesh_ends_near_uncompressed_with_fewer_bytes(runs, report_m
     for (name, k), (m, n) in zip(sorted(ranks.items()), kernels):
         assert k in RANKS and (m + n) * k < m * n, (name, k, (m, n))
     assert max_diff(weights(plain["weights"]), weights(auto["weights"])) > 1e-4
+
+
+def test_auto_on_the_mesh_with_tensorflows_default_optimizer(runs, report_measured):
+    # Grappler on: its fusions and its dependency optimizer (which edits the control edges
+    # around the collectives) meet `auto`'s exact start and a compressed window.
+    folder, r = runs
+    plain, auto = r["default_plain"], r["default_auto"]
+    gap = _gap(auto, plain)
+    comm = auto["comm"]
+    report_measured(f"mesh auto, grappler on (dp2×tp2 mlp, Adam, 20 steps, 10 Mbit/s): "
+                    f"final loss {gap:+.2%} vs uncompressed, ranks {comm['auto']['ranks']}")
+    assert math.isfinite(auto["final_loss"]) and abs(gap) < BAND, (gap, auto, plain)
+    assert comm["bytes_on_wire_per_step"] < comm["bytes_uncompressed_per_step"], comm
+    assert max_diff(weights(plain["weights"]), weights(auto["weights"])) > 1e-6
 
 
 def test_auto_on_a_fast_link_sends_fp32_exactly(runs):

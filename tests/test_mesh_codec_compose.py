@@ -13,10 +13,11 @@ accumulation, and on dp × tp × pp, each against its uncompressed run on the sa
   infinite gradient on stage 0 every step is skipped and the residuals stay zero.
 
 (A `tfpar.DistributedOptimizer` in `model.fit` under Keras's `ModelParallel` runs through
-the same reduction: tests/test_keras_mesh_codecs.py.) Three children at once: the fp16
-skip case, the 2×2 runs, the 3D runs.
-All three children run with grappler off (tests/graph_optimizer.py), the uncompressed
-runs too.
+the same reduction: tests/test_keras_mesh_codecs.py.) Four children, two at a time: the
+fp16 skip case, the 2×2 runs, the 3D runs, each with grappler off
+(tests/graph_optimizer.py), the uncompressed runs too; and, with TensorFlow's default
+optimizer (grappler on, as users run; no other file trains the codecs of the CLI's 3D
+trainer with it), the uncompressed 3D run and top-k at ratio 1, 4 steps: equal, as at 12.
 """
 
 import os
@@ -75,19 +76,29 @@ RUNS3D = ([ADAM] + [{**ADAM, "compression": c} for c in CODECS3D]
              {**FP16, "compression": "int8", "nonfinite_stage": 0}])
 
 
+# With grappler on (TensorFlow's default): the uncompressed 3D run and top-k at ratio 1.
+DEFAULT3D = [{**MESH3D, **ADAM, "steps": 4, "steps_per_epoch": 4, **r}
+             for r in ({}, {"compression": "topk", **LIMITS["topk"]})]
+
+
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mesh_codecs")
-    # The 3D runs (the longest child) first: the other two follow each other beside it.
-    three_d, skip, mesh = subproc.run_concurrently([
+    # The 3D runs (the longest child) first: the others follow each other beside it.
+    three_d, skip, mesh, default = subproc.run_concurrently([
         lambda: train_configs(str(folder / "3d"), [{**MESH3D, **r} for r in RUNS3D],
                               env=GRAPPLER_OFF),
         lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"], timeout=400,
                                    env=GRAPPLER_OFF).stdout),
         lambda: train_configs(str(folder / "mesh"), [{**MESH, **r} for r in MESH_RUNS],
-                              env=GRAPPLER_OFF)])
+                              env=GRAPPLER_OFF),
+        lambda: train_configs(str(folder / "default3d"), DEFAULT3D)])
+    # each child with the optimizer its test asked for
+    assert {r["grappler"] for r in three_d[None] + mesh[None]} == {"off"}
+    assert skip["grappler"] == "off", skip["grappler"]
+    assert {r["grappler"] for r in default[None]} == {"default"}
     return {"folder": folder, "skip": skip["fp16_skip"], "mesh": mesh[None],
-            "3d": three_d[None]}
+            "3d": three_d[None], "default3d": default[None]}
 
 
 def _weights_diff(children, name, i, j):
@@ -180,6 +191,20 @@ def test_each_codec_on_dp_tp_pp_against_the_uncompressed_3d_run(children, report
     assert runs[2 + len(CODECS3D)]["comm"]["compression_ratio"] > 2  # PowerSGD's factors
     report_measured(f"mlp on dp=2 x tp=2 x pp=2, {STEPS3D} Adam steps, vs the uncompressed 3D run: "
                     + ", ".join(measured))
+
+
+def test_topk_at_its_limit_on_dp_tp_pp_with_tensorflows_default_optimizer(
+        children, report_measured):
+    # Grappler on: its fusions and its dependency optimizer (which edits the control edges
+    # around the collectives) meet the pipeline's stages and their codecs.
+    plain, topk = children["default3d"]
+    assert topk["mesh"]["pipeline_stages"] == 2
+    assert topk["comm"]["bytes_on_wire_per_step"] > 0  # the reduction ran
+    gap = _loss_gap(topk, plain)
+    diff = _weights_diff(children, "default3d", 0, 1)
+    report_measured(f"mlp on dp=2 x tp=2 x pp=2, grappler on, 4 Adam steps, top-k at ratio "
+                    f"1 vs uncompressed: losses {gap:.1e}, weights {diff:.1e}")
+    assert gap < 1e-5 and diff < 1e-5, (gap, diff)
 
 
 def test_powersgd_with_fp16_on_dp_tp_pp_and_its_skipped_steps(children, report_measured):

@@ -10,7 +10,10 @@ tests/test_layout_mesh.py's band, each with its bytes in the metrics JSON. Two c
 once (three runs, two runs). fp16 is not run here: an elementwise cast of the per-replica
 gradient that top-k at ratio 1 already holds exact under these layouts, run on the 2×2 mesh
 by tests/test_layout_mesh.py (each run here costs a DTensor expansion of the whole step).
-Both children run with grappler off (tests/graph_optimizer.py), the uncompressed run too.
+Both children run with grappler off (tests/graph_optimizer.py), the uncompressed run too;
+a third, with TensorFlow's default optimizer (grappler on, as users run; no other file
+trains a codec with sequence parallelism with it), runs the uncompressed run and top-k at
+ratio 1, 4 steps: equal, as above.
 """
 
 import pytest
@@ -37,17 +40,27 @@ SECOND = [{"compression": "powersgd"}, {"compression": "topk"}]
 LOSSY = ["int8", "powersgd", "topk"]
 
 
+# With grappler on (TensorFlow's default): the uncompressed run and top-k at ratio 1.
+DEFAULT_STEPS = {"steps": 4, "steps_per_epoch": 4}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("seq_codecs")
-    first, second = subproc.run_concurrently([
+    first, second, default = subproc.run_concurrently([
         lambda: train_configs(str(folder / "a"), [{**SEQ, **r} for r in FIRST],
                               env=GRAPPLER_OFF),
         lambda: train_configs(str(folder / "b"), [{**SEQ, **r} for r in SECOND],
-                              env=GRAPPLER_OFF)])
+                              env=GRAPPLER_OFF),
+        lambda: train_configs(str(folder / "c"), [{**SEQ, **r, **DEFAULT_STEPS}
+                                                  for r in FIRST[:2]])])
     results = first[None] + second[None]
+    # each child with the optimizer its test asked for
+    assert {r["grappler"] for r in results} == {"off"}
+    assert {r["grappler"] for r in default[None]} == {"default"}
     by_codec = {r["compression"]: result for r, result in zip(FIRST[2:] + SECOND, results[2:])}
-    return {"folder": folder, "none": results[0], "topk@1": results[1], **by_codec}
+    return {"folder": folder, "none": results[0], "topk@1": results[1], **by_codec,
+            "default": default[None]}
 
 
 def _loss_gap(a, b):
@@ -66,6 +79,20 @@ def test_topk_at_ratio_one_equals_the_uncompressed_sequence_parallel_run(
     assert diff < 1e-5 and gap < 1e-5, (diff, gap)
     report_measured(f"--sequence_parallel transformer 2x2, {STEPS} Adam steps, top-k at "
                     f"ratio 1 vs uncompressed: weights {diff:.1e}, losses {gap:.1e}")
+
+
+def test_topk_at_ratio_one_with_tensorflows_default_optimizer(runs, report_measured):
+    # Grappler on: its fusions and its dependency optimizer (which edits the control edges
+    # around the collectives) meet the vectorized relayouts and the codec's reduction.
+    plain, full = runs["default"]
+    assert "comm" not in plain and full["comm"]["bytes_on_wire_per_step"] > 0
+    assert len(full["loss_history"]) == len(plain["loss_history"]) == 4
+    folder = runs["folder"]
+    diff = max_diff(weights(str(folder / "c.0")), weights(str(folder / "c.1")))
+    gap = _loss_gap(full, plain)
+    assert diff < 1e-5 and gap < 1e-5, (diff, gap)
+    report_measured(f"--sequence_parallel transformer 2x2, grappler on, 4 Adam steps, top-k "
+                    f"at ratio 1 vs uncompressed: weights {diff:.1e}, losses {gap:.1e}")
 
 
 def test_each_codec_ends_near_the_uncompressed_sequence_parallel_run(runs, report_measured):

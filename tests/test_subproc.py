@@ -140,3 +140,14 @@ def test_a_dead_fork_server_is_started_again():
     out = subproc.run_python("import sys; print('tensorflow' in sys.modules)")
     assert out.stdout.strip() == "True"  # forked from a new server, not exec'd
     assert subproc._ZYGOTE["proc"].poll() is None
+
+
+def test_the_graph_optimizer_variable_reaches_a_child_only_from_its_test(monkeypatch):
+    # A `TFPAR_TEST_GRAPPLER=off` in the shell that runs pytest would turn grappler off in
+    # the children of files that keep it on (tests/graph_optimizer.py): dropped, as
+    # TF_CONFIG is, unless the test passes it.
+    from graph_optimizer import OFF, VARIABLE
+    monkeypatch.setenv(VARIABLE, "off")
+    assert VARIABLE not in subproc.child_env()
+    assert VARIABLE not in subproc.child_env({"MINE": "yes"})
+    assert subproc.child_env(OFF)[VARIABLE] == "off"

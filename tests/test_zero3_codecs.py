@@ -19,10 +19,12 @@ on a 2-device mesh:
   skipped by the whole mesh, the weights and the codec's residuals left as they were, the
   loss scale halved; the next step moves them again.
 
-Three children, two at a time: the 2-device runs and the 2×2 runs
-(tests/train_configs_child.py), the overflow (tests/zero3_codecs_child.py).
-All three children run with grappler off (tests/graph_optimizer.py), uncompressed
-ZeRO-3 too.
+Four children, two at a time: the 2-device runs and the 2×2 runs
+(tests/train_configs_child.py), the overflow (tests/zero3_codecs_child.py), each with
+grappler off (tests/graph_optimizer.py), uncompressed ZeRO-3 too; and, with TensorFlow's
+default optimizer (grappler on, as users run; no other file trains ZeRO-3's codecs with
+it), plain ZeRO-3 and the int8 reduce-scatter with the int8 weight gather, 3 steps on 2
+devices, in the int8 gather's band of tests/test_zero_compression.py.
 """
 
 import os
@@ -74,23 +76,40 @@ TP_RUNS = [("mlp", TP_MLP), ("mlp+fp16", {**TP_MLP, "compression": "fp16"}),
            ("tr", TP_TR), ("tr+int8", {**TP_TR, "compression": "int8"})]
 
 
+# With grappler on (TensorFlow's default): plain ZeRO-3, then both ends int8, 3 steps.
+DEFAULT_MLP = {**ZERO3, "steps": 3, "steps_per_epoch": 3, "optimizer": "momentum",
+               "learning_rate": 0.05}
+DEFAULT_RUNS = [DEFAULT_MLP, {**DEFAULT_MLP, "compression": "int8", "zero_gather": "int8"}]
+
+
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
     folder = tmp_path_factory.mktemp("zero3_codecs")
-    runs, tp, skip = subproc.run_concurrently([
+    runs, tp, skip, default = subproc.run_concurrently([
         lambda: train_configs(str(folder / "z3"), [c for _, c in RUNS], env=GRAPPLER_OFF),
         lambda: train_configs(str(folder / "tp"), [c for _, c in TP_RUNS], env=GRAPPLER_OFF),
         lambda: last_json_line(run([sys.executable, CHILD, "fp16_skip"], timeout=300,
-                                   env=GRAPPLER_OFF).stdout)])
+                                   env=GRAPPLER_OFF).stdout),
+        lambda: train_configs(str(folder / "default"), DEFAULT_RUNS)])
+    # Each child ran with the optimizer its test asked for.
+    assert {r["grappler"] for r in runs[None] + tp[None]} == {"off"}
+    assert skip["grappler"] == "off", skip["grappler"]
+    assert {r["grappler"] for r in default[None]} == {"default"}
     return {"folder": folder, "runs": dict(zip([n for n, _ in RUNS], runs[None])),
-            "tp": dict(zip([n for n, _ in TP_RUNS], tp[None])), "skip": skip["fp16_skip"]}
+            "tp": dict(zip([n for n, _ in TP_RUNS], tp[None])), "skip": skip["fp16_skip"],
+            "default": default[None]}
 
 
 def _diff(children, a, b, group="z3"):
-    names = [n for n, _ in (RUNS if group == "z3" else TP_RUNS)]
+    """Runs `a` and `b` of `group` (names, or the default group's indices) apart."""
+    if group == "default":
+        i, j = a, b
+    else:
+        names = [n for n, _ in (RUNS if group == "z3" else TP_RUNS)]
+        i, j = names.index(a), names.index(b)
     folder = children["folder"]
-    return max_diff(weights(str(folder / f"{group}.{names.index(a)}.npz")),
-                    weights(str(folder / f"{group}.{names.index(b)}.npz")))
+    return max_diff(weights(str(folder / f"{group}.{i}.npz")),
+                    weights(str(folder / f"{group}.{j}.npz")))
 
 
 def test_fp16_and_accumulation_with_the_compressed_reduce_scatter_near_zero3(
@@ -170,3 +189,18 @@ def test_an_overflowing_step_is_skipped_and_leaves_the_residuals(children):
     assert out["iterations"] == [2, 2, 3], out
     assert out["weights_moved_next"] > 0 and out["residual_moved_next"] > 0, out
     assert all(np.isfinite(out["losses"])), out
+
+
+def test_both_int8_ends_with_tensorflows_default_optimizer_near_zero3(
+        children, report_measured):
+    # Grappler on: its fusions and its dependency optimizer (which edits the control edges
+    # around the collectives) meet ZeRO-3's int8 reduce-scatter and int8 gather here.
+    plain, both = children["default"]
+    d = _diff(children, 1, 0, "default")
+    gap = both["final_loss"] / plain["final_loss"] - 1
+    ratio = both["comm"]["bytes_on_wire_per_step"] / plain["comm"]["bytes_on_wire_per_step"]
+    report_measured(f"zero-3 int8 reduce-scatter + int8 gather, grappler on (2 devices, 3 "
+                    f"steps) vs plain ZeRO-3: max |dw| {d:.1e}, final loss {gap:+.3%}, "
+                    f"{ratio:.3f}x its bytes")
+    assert 0 < d <= 2e-2 and abs(gap) < 0.02, (d, gap)  # the int8 gather's band
+    assert ratio <= 0.3, both["comm"]

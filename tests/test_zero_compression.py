@@ -161,7 +161,9 @@ def zero3(tmp_path_factory):
     prefix = str(folder / "z3c")
     out = run([sys.executable, CHILD, json.dumps(cases), prefix], timeout=900,
               env=GRAPPLER_OFF)
-    return prefix, last_json_line(out.stdout)
+    results = last_json_line(out.stdout)
+    assert {r["grappler"] for r in results.values()} == {"off"}, results  # as asked
+    return prefix, results
 
 
 def test_zero3_int8_weight_gather_trains_as_fp32_gather(zero3, report_measured):

@@ -154,7 +154,8 @@ def main():
             np.savez(f"{sys.argv[2]}.{i}{suffix}.optimizer.npz", *slots)
         keys = ("replicas", "workers", "steps", "final_loss", "loss_history", "comm",
                 "strategy", "mesh", "memory", "validation", "resumed_from_step")
-        out.append({**{k: result[k] for k in keys if k in result}, **extra})
+        out.append({**{k: result[k] for k in keys if k in result}, **extra,
+                    "grappler": graph_optimizer.setting()})
     # The gathers above (`to_host`) are collectives after train()'s own barrier: worker 0,
     # which hosts the coordination service, must not leave before the others finish them.
     wait_for_workers("gathered", timeout_s=120)

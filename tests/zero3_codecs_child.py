@@ -76,4 +76,6 @@ CASES = {"fp16_skip": fp16_skip}
 
 if __name__ == "__main__":
     graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)
-    print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","))), flush=True)
+    out = cases.run_cases(CASES, sys.argv[1].split(","))
+    out["grappler"] = graph_optimizer.setting()  # what the cases ran with
+    print(json.dumps(out), flush=True)

@@ -45,7 +45,8 @@ def main():
                          result["memory"]["optimizer_state_bytes_per_device"],
                      "param_bytes_per_device": result["memory"]["param_bytes_per_device"],
                      "step_time_ms": result["step_time_ms"]["median"],
-                     "comm": result.get("comm"), "offload": result.get("offload")}
+                     "comm": result.get("comm"), "offload": result.get("offload"),
+                     "grappler": graph_optimizer.setting()}
     print(json.dumps(out), flush=True)
 
 
