@@ -93,7 +93,6 @@ ALLOWED = {
     ("tfpar/launch.py", "_checked_layout", "lost_after"): (1, TF_CONFIG),
     ("tfpar/launch.py", "_checked_layout", "probe_timeout"): (1, TF_CONFIG),
     ("tfpar/launch.py", "_checked_layout", "discovery_interval"): (1, TF_CONFIG),
-    ("tfpar/launch.py", "_restarts_allowed", "max_restarts"): (1, TF_CONFIG),
     ("tfpar/launch.py", "free_ports", "host"): (1, TF_CONFIG),
     ("tfpar/launch.py", "parse_hosts", "hosts"): (3, TF_CONFIG),
     ("tfpar/layout/activations.py", "apply", "layout rule"): (2, INPUT),

@@ -370,16 +370,17 @@ def _checked_layout(cmd, workers, host, hosts, min_workers, max_workers, lost_af
 def _restarts_allowed(max_restarts, workers, min_workers, lost_after):
     """`--max_restarts`, its default filled in. A slot is lost after `lost_after` failed
     attempts in a row, each a restart: an elastic job whose restarts end sooner would fail
-    on its first lost worker instead of shrinking (refused in one line)."""
+    on its first lost worker instead of shrinking (said in one line)."""
     elastic = min_workers < workers
     default = (workers - min_workers + 1) * lost_after if elastic else 0
     if max_restarts is None:
         return default
     if elastic and max_restarts < lost_after:
-        raise ConfigError("max_restarts", max_restarts, f"with --min_workers={min_workers} "
-                          f"a worker is lost only after --lost_after={lost_after} failed "
-                          f"attempts, each a restart: give --max_restarts >= {lost_after}, "
-                          f"or leave it unset ({default})")
+        # Not refused: a job may be elastic only to grow (--discovery), its restarts few.
+        logging.warning("tfpar.launch: --max_restarts=%d with --min_workers=%d: a worker is "
+                        "lost only after --lost_after=%d failed attempts, each a restart, so "
+                        "this job cannot shrink; leave --max_restarts unset (%d) to let it",
+                        max_restarts, min_workers, lost_after, default)
     return max_restarts
 
 
