@@ -1,6 +1,8 @@
 """A `tfpar.DistributedOptimizer` codec's state in Keras's own files, for the children of
 tests/test_keras_3d.py (the 3D mesh) and tests/test_keras_mesh_codecs.py (one mesh): the
-same checks on either mesh (`run`), given that mesh's `fit` and compiled model.
+same runs on either mesh (`run`), given that mesh's `fit` and compiled model, and the
+same assertions on their results (`check_codec`, `check_other_codec`,
+`check_without_tfpar`).
 Imports no TensorFlow device setup of its own (each child splits its CPUs first)."""
 
 import os
@@ -129,3 +131,37 @@ def run(fit, compiled, diff):
     finally:
         registered["tfpar>DistributedSGD"] = own
     return out
+
+
+def check_codec(run_, codec, weight):
+    """The assertions on `run`'s result for `codec`: Keras's BackupAndRestore stopped
+    inside the second epoch and resumed by a fresh model, `model.save` after one epoch read
+    back by `load_weights` after a second, and by `load_model` (the codec named in the
+    file) then one more epoch: each equals two epochs uninterrupted (SGD 1e-6, Adam 1e-5);
+    the entries under the model's weight paths (`weight`), as tfpar.train's checkpoints
+    name them. Without the codec's state in the file the resumed run starts it afresh."""
+    tolerance = 1e-5 if codec == "adam_front" else 1e-6
+    assert run_["stopped"] and run_["epochs_run"] == 1, run_
+    assert run_["backup"] <= tolerance, run_
+    assert run_["load_weights"] <= tolerance, run_
+    assert run_["load_model"] <= tolerance, run_
+    assert run_["loaded_codec"] == ("TopKAggregator" if codec == "topk"
+                                    else "PowerSGDAggregator"), run_
+    kind = {"topk": "residual", "powersgd": "powersgd_q", "adam_front": "adam_m"}[codec]
+    assert f"codec/{weight}/{kind}" in run_["entries"], run_["entries"]
+    assert run_["entries_max_abs"] > 0, run_
+    assert run_["old_file"] is None, run_  # a file without them still loads
+
+
+def check_other_codec(raised):
+    """Another codec's file refused: Keras's load_weights wraps a saveable's error in its
+    own; tfpar's is one line of it."""
+    assert raised is not None, raised
+    assert any(line.startswith("the file's codec state") for line in raised.splitlines()), raised
+
+
+def check_without_tfpar(raised):
+    """Stock Keras (tfpar's class unregistered) cannot locate the optimizer's class: one
+    line."""
+    assert raised is not None and "\n" not in raised, raised
+    assert "DistributedSGD" in raised, raised

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import cases as cases_lib
+import keras_codec_files
 from subproc import ROOT, last_json_line, run, run_concurrently
 from test_layout_compose import train_configs
 from test_train import weights
@@ -195,38 +196,17 @@ def test_keras_backup_and_restore_resumes_the_run(results):
 
 @pytest.mark.parametrize("codec", ["topk", "powersgd", "adam_front"])
 def test_keras_files_hold_the_codec_state(results, codec):
-    # Keras's BackupAndRestore stopped inside the second epoch, resumed by a fresh model;
-    # model.save after one epoch, read back by load_weights after a second, and by
-    # load_model (the codec named in the file) then one more epoch: each then equals two
-    # epochs uninterrupted (SGD 1e-6, Adam 1e-5). Without the codec's state in
-    # the file the resumed run starts it afresh (BackupAndRestore was refused).
-    run_ = _case(results, "codec_files")[codec]
-    tolerance = TOLERANCE["adam" if codec == "adam_front" else "sgd"]
-    assert run_["stopped"] and run_["epochs_run"] == 1, run_
-    assert run_["backup"] <= tolerance, run_
-    assert run_["load_weights"] <= tolerance, run_
-    assert run_["load_model"] <= tolerance, run_
-    assert run_["loaded_codec"] == ("TopKAggregator" if codec == "topk"
-                                    else "PowerSGDAggregator"), run_
-    # the entries under the model's weight paths, as tfpar.train's checkpoints name them
-    kind = {"topk": "residual", "powersgd": "powersgd_q", "adam_front": "adam_m"}[codec]
-    assert f"codec/down1/kernel/{kind}" in run_["entries"], run_["entries"]
-    assert run_["entries_max_abs"] > 0, run_
-    assert run_["old_file"] is None, run_  # a file without them still loads
+    # BackupAndRestore, save -> load_weights, load_model: each equals two uninterrupted
+    # epochs (keras_codec_files.check_codec)
+    keras_codec_files.check_codec(_case(results, "codec_files")[codec], codec, "down1/kernel")
 
 
 def test_a_file_of_another_codec_is_refused(results):
-    raised = _case(results, "codec_files")["other_codec"]
-    # Keras's load_weights wraps a saveable's error in its own; tfpar's is one line of it
-    assert raised is not None, raised
-    assert any(line.startswith("the file's codec state") for line in raised.splitlines()), raised
+    keras_codec_files.check_other_codec(_case(results, "codec_files")["other_codec"])
 
 
 def test_a_codec_file_without_tfpar_fails_in_one_line(results):
-    # stock Keras (tfpar's class unregistered) cannot locate the optimizer's class
-    raised = _case(results, "codec_files")["without_tfpar"]
-    assert raised is not None and "\n" not in raised, raised
-    assert "DistributedSGD" in raised, raised
+    keras_codec_files.check_without_tfpar(_case(results, "codec_files")["without_tfpar"])
 
 
 def test_skipped_fp32_steps_are_counted_and_nan_guard_stops_on_them(results):

@@ -63,19 +63,17 @@ class CodecState(keras.layers.Layer):
         object.__setattr__(self, "_pending", None)
 
     def entries(self):
-        """`{"codec/<path>/<kind>": DVariable}` of the attached reductions. Keras's paths
-        repeat (two nested models' Dense "proj": `proj/kernel` twice): a repeated name
-        gets `#2`, `#3`, ... in the reductions' order, the model's, so that no weight's
-        state overwrites another's in the file (the same model orders them alike when it
-        loads)."""
+        """`{"codec/<path>/<kind>": DVariable}` of the attached reductions, under the
+        model's weight paths, a repeated path (two nested models' Dense "proj") told apart
+        in the model's order (`tfpar.layout.reduction.distinct_paths`)."""
         out = {}
         for reduction, paths in self._reductions:
             for name, (variable, _) in reduction.named_state().items():
                 path, kind = name.rsplit("/", 1)
-                key, seen = f"{_PREFIX}{paths.get(path, path)}/{kind}", 1
-                while (f"{key}#{seen}" if seen > 1 else key) in out:
-                    seen += 1
-                out[f"{key}#{seen}" if seen > 1 else key] = variable
+                key = f"{_PREFIX}{paths.get(path, path)}/{kind}"
+                if key in out:  # a weight named twice would lose one's state in the file
+                    raise TfparError(f"two codec state entries named {key}")
+                out[key] = variable
         return out
 
     def save_own_variables(self, store):

@@ -247,10 +247,14 @@ def _build(model, distribution):
         accuracy=accuracy, reductions=reductions or None, user_model=model)
     trainer.codec = codec  # the stages' codec (None: DTensor's exact sum over `batch`)
     # Keras's files of the model hold the stages' codec state under the model's weight
-    # paths (`tfpar.keras_codec_state`); a file loaded before now is written in here
-    whole = {id(s): w.path for s, w in trainer.pairs}
+    # paths (`tfpar.keras_codec_state`), repeated ones told apart in the model's order as
+    # on one mesh; a file loaded before now is written in here
+    names = dict(zip(map(id, model.trainable_variables),
+                     reduction.distinct_paths(model.trainable_variables)))
+    whole = {id(s): names.get(id(w), w.path) for s, w in trainer.pairs}
     keras_codec_state.attach(model, model.optimizer, reductions, [
-        {v.path: whole[id(v)] for v in stage.trainable_variables} for stage in stages])
+        dict(zip(reduction.distinct_paths(stage.trainable_variables),
+                 [whole[id(v)] for v in stage.trainable_variables])) for stage in stages])
     return trainer
 
 
