@@ -148,5 +148,6 @@ def test_zero3_layers_kept_whole_are_checked_in_one_line():
     with pytest.raises(ConfigError) as info:
         ParallelConfig(**base, zero_keep_last_layers=2, zero_reshard_after_forward=False)
     assert info.value.setting == "zero_keep_last_layers" and "\n" not in str(info.value)
-    ParallelConfig(**base, zero_reshard_after_forward=False)  # the default -1: accepted
+    ParallelConfig(**base, zero_reshard_after_forward=False)  # the default (0): accepted
+    ParallelConfig(**base, zero_keep_last_layers=-1, zero_reshard_after_forward=False)
     ParallelConfig(**base, zero_keep_last_layers=2)

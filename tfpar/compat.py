@@ -198,7 +198,7 @@ ZERO3_KEEP_LAST = Rule(
     "zero_keep_last_layers", lambda c: c.zero_stage == 3 and not c.zero_reshard_after_forward
     and c.zero_keep_last_layers > 0,
     "not supported with --nozero_reshard_after_forward, which keeps every layer's whole "
-    "weights already; use --zero_keep_last_layers=-1, or --zero_reshard_after_forward")
+    "weights already; use --zero_keep_last_layers=0, or --zero_reshard_after_forward")
 
 
 def _mesh_dp_is_one(c):

@@ -11,8 +11,8 @@ and reports it with its step time (median) and its measured peak per device. A
 configuration `tfpar.compat` refuses is printed as "refused: <reason>".
 
 `--overhead` instead times plain, ZeRO-1, ZeRO-2, ZeRO-3 (with its prefetch, the default,
-and without: `zero3-noprefetch`, `--nozero_prefetch`; every layer resharded, the last
-block too: `zero3-keep0`, `--zero_keep_last_layers=0`; without its recomputation:
+and without: `zero3-noprefetch`, `--nozero_prefetch`; the last block and the layers after
+it kept whole: `zero3-keeplast`, `--zero_keep_last_layers=-1`; without its recomputation:
 `zero3-keep`, `--nozero_reshard_after_forward`) and the offloaded plain, ZeRO-1
 and ZeRO-2 on one size, uncapped, alternating in each of `--rounds` rounds (side by side in
 one run), with each run's allocator peak per device and the bytes an offloaded step copies
@@ -101,7 +101,7 @@ OVERHEAD_CONFIGS = [("plain", ["--strategy=mirrored"]),
                     ("zero1", ["--strategy=mirrored", "--zero_stage=1"]),
                     ("zero2", ["--strategy=mirrored", "--zero_stage=2"]),
                     ("zero3-noprefetch", ["--zero_stage=3", "--nozero_prefetch"]),
-                    ("zero3-keep0", ["--zero_stage=3", "--zero_keep_last_layers=0"]),
+                    ("zero3-keeplast", ["--zero_stage=3", "--zero_keep_last_layers=-1"]),
                     ("zero3", ["--zero_stage=3"]),
                     ("zero3-keep", ["--zero_stage=3", "--nozero_reshard_after_forward"]),
                     ("plain+offload", ["--strategy=mirrored", "--offload=optimizer"]),

@@ -16,11 +16,10 @@ bench_memory.py --overhead`:
   backward pass, as ZeRO-3 recomputes each layer it gathers): recomputation's cost alone;
 - `zero3-sumgather`: `zero3` with DTensor's own lowering of a gather (a zero-padded
   all-reduce: `tfpar.patches.COLLECTIVE_GATHER` set to 0), as ZeRO-3 ran before;
-- `zero3`: `--zero_stage=3` as the trainer runs it (prefetch on, resharded after forward
-  but for the last block and the layers after it, `--zero_keep_last_layers=-1`, gathers
-  lowered to all-gathers);
-- `zero3-keep0`: the same with every layer resharded (`--zero_keep_last_layers=0`, the
-  default before 2026-12-06);
+- `zero3`: `--zero_stage=3` as the trainer runs it (prefetch on, every layer resharded
+  after forward, gathers lowered to all-gathers);
+- `zero3-keeplast`: the same but for the last block and the layers after it, kept whole
+  from forward to backward (`--zero_keep_last_layers=-1`);
 - `zero3-keep`: `--zero_stage=3 --nozero_reshard_after_forward` (each layer gathered once,
   its whole weights and activations kept for the backward: no recomputation);
 - `plain` (mirrored): `python -m tfpar.train --strategy=mirrored` in a child, whole step
@@ -64,8 +63,8 @@ VARIANTS = {  # name: (ParallelConfig settings, DTensor's all-reduce combining o
     "mesh-plain+recompute": ({"recompute": "full"}, False, {}),
     "zero3-sumgather": ({"zero_stage": 3}, False, {"LOWER_DTENSOR_GATHER_TO_"
                                                    "COLLECTIVE_GATHER_V2": "0"}),  # off
-    "zero3-keep0": ({"zero_stage": 3, "zero_keep_last_layers": 0}, False, {}),
     "zero3": ({"zero_stage": 3}, False, {}),
+    "zero3-keeplast": ({"zero_stage": 3, "zero_keep_last_layers": -1}, False, {}),
     "zero3-keep": ({"zero_stage": 3, "zero_reshard_after_forward": False}, False, {}),
 }
 MIRRORED = "plain"
@@ -242,7 +241,7 @@ def _table(results, names):
                 f" [{d['cpu_ms']:.0f}]" if "cpu_ms" in d else ""))
         print(f"{n:<22}" + "".join(f"{c:>20}" for c in cells))
     print()
-    for zero in ("zero3-sumgather", "zero3-keep0", "zero3", "zero3-keep"):
+    for zero in ("zero3-sumgather", "zero3", "zero3-keeplast", "zero3-keep"):
         if zero in med and "mesh-plain-nocombine" in med:
             _difference(zero, med[zero], med["mesh-plain-nocombine"])
     _ops(results, names)

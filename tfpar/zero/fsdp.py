@@ -25,7 +25,8 @@ issued one layer early (`_prefetched`): forward, layer i's gather reads the zero
 i-1's input, so TensorFlow may run it beside layer i-1, but not before layer i-2 is done;
 backward, layer i's recomputation also regathers layer i-1's weights, reading the zero of
 layer i's output gradient (not layer i-1's), so that gather runs beside layer i's
-backward. At most two layers' weights are whole at a time (the allocator's peak rises by
+backward. At most two layers' weights are whole at a time (besides the layers kept whole,
+`--zero_keep_last_layers` below; the allocator's peak rises by
 about that plus one gather's buffer: tests/test_zero3_prefetch.py), and the results are
 bit-equal to gathering at each layer. The recomputation is then tfpar's own custom
 gradient (`tf.recompute_grad` adds the output gradient's zero to every input of the
@@ -46,9 +47,10 @@ every layer's whole weights (the benchmarks page measures it).
 With resharding, the last layers the forward pass runs are kept whole all the same
 (`--zero_keep_last_layers`, FSDP's `reshard_after_forward=False` on them, as torchtitan
 leaves its last block and output layers unresharded): the backward pass starts with them,
-so regathering and recomputing them would rebuild at once what the forward just freed. By
-default (-1, `kept_layers`) the last layer at least as large as the median gathering layer
-and every layer after it: the zoo transformer's last block, `ln_f` and `lm_head`. Each
+so regathering and recomputing them would rebuild at once what the forward just freed.
+With -1 (`kept_layers`; the default, 0, keeps none until its step time is measured) the
+last layer at least as large as the median gathering layer and every layer after it: the
+zoo transformer's last block, `ln_f` and `lm_head`. Each
 gathers once a step (its forward gather still prefetched), keeps its whole weights and
 activations until its backward, which takes the gradient from the forward's own ops and
 regathers the layer before it early; bit-equal to resharding every layer
@@ -273,11 +275,8 @@ def kept_layers(sizes, keep_last=-1):
         return min(keep_last, len(sizes))
     if not sizes:
         return 0
-    median = sorted(sizes)[len(sizes) // 2]
-    for kept, size in enumerate(reversed(sizes), 1):
-        if size >= median:
-            return kept
-    return len(sizes)  # not reached: the median is one of the sizes
+    median = sorted(sizes)[len(sizes) // 2]  # one of the sizes: some layer reaches it
+    return next(kept for kept, size in enumerate(reversed(sizes), 1) if size >= median)
 
 
 def gather_per_layer(model, codec="fp32", prefetch=True, reshard=True, keep_last=0):
