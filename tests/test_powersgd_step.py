@@ -43,6 +43,8 @@ def test_no_pass_over_the_full_sums_on_an_ordinary_step(workers, groups):
     for w in workers:
         got = w[f"groups{groups}"]
         assert got["sums"] - got["sums_outside_branches"] >= got["variables"], got
+        # and not also outside them (a pass over every sum on every step)
+        assert got["sums_outside_branches"] < got["variables"], got
 
 
 def test_a_nan_on_one_worker_stops_both(workers):

@@ -112,8 +112,7 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
             return update(values, sample_weight=sample_weight)
 
         def reporting_train_step(data):
-            for variable in step.variables:
-                variable.assign(tf.zeros(variable.shape, variable.dtype))
+            _empty(step)
             logs = train_step(data)
             return {**logs, STEP_LOSS: step.result()}
 
@@ -149,8 +148,7 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
                 step.update_state(values, sample_weight=weight)
             loss = step.result()
             with tf.control_dependencies([loss]):  # emptied once read, for the next step
-                for variable in step.variables:
-                    variable.assign(tf.zeros(variable.shape, variable.dtype))
+                _empty(step)
         elif len(handed) == 1:
             value, weight = handed[0]
             loss = tf.cast(value, "float32")
@@ -167,6 +165,11 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
 
     tracker.update_state = update_state
     model.train_step = reporting_train_step
+
+
+def _empty(metric):
+    for variable in metric.variables:
+        variable.assign(tf.zeros(variable.shape, variable.dtype))
 
 
 def _scalar(value):

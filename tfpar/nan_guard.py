@@ -87,19 +87,8 @@ class SkipNonFiniteMixin:
                      for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
         if self.tfpar_skip_nonfinite or _checks_the_sums():
-            reduced = [g for g, _ in grads_and_vars if g is not None]
-
-            def exact():
-                # One pass per gradient: a NaN or Inf anywhere makes the sum non-finite (a
-                # finite sum overflowing float32 would need gradients near 1e38).
-                return tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
-                                                   for g in reduced]))
-
-            # An aggregator that knows its sums finite from small tensors (PowerSGD's
-            # factors) spares the pass over the full sums on ordinary steps.
-            known = getattr(self, "sums_certainly_finite", lambda: None)()
-            finite = exact() if known is None else tf.cond(
-                known, lambda: tf.constant(True), exact)
+            finite = sums_finite([g for g, _ in grads_and_vars if g is not None],
+                                 getattr(self, "sums_certainly_finite", lambda: None)())
         else:
             finite = tf.constant(True)  # not read: this worker's first replica's flag counts
         tf.__internal__.distribute.interim.maybe_merge_call(
@@ -110,8 +99,8 @@ class SkipNonFiniteMixin:
         if not self.tfpar_skip_nonfinite:
             # Only count (the run stops at this step): no per-variable branch on the hot path.
             self._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
-            # This worker's first replica's flag for its replicas (in a merge; else each's own), its
-            # increment made once and added to every device's copy of the counter.
+            # This worker's first replica's flag for its replicas (in a merge; else each's
+            # own), its increment made once and added to every device's copy of the counter.
             finite = distribution.experimental_local_results(finite)[0]
             increment = 1.0 - tf.cast(finite, tf.float32)
             distribution.extended.update(
@@ -132,6 +121,19 @@ class SkipNonFiniteMixin:
             self.nonfinite_steps.value,
             lambda count, finite: count.assign_add(1.0 - tf.cast(finite, tf.float32)),
             args=(finite,), group=False)
+
+
+def sums_finite(sums, known=None):
+    """A boolean tensor: every one of `sums` (the all-reduced gradients) is finite. One pass
+    per gradient: a NaN or Inf anywhere makes its sum non-finite (a finite sum overflowing
+    float32 would need gradients near 1e38). `known`: an aggregator's word from small
+    tensors (PowerSGD's factors, `sums_certainly_finite`), true only if they are all
+    finite: the pass then runs only where it is not true."""
+    def exact():
+        return tf.math.is_finite(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32))
+                                           for g in sums]))
+
+    return exact() if known is None else tf.cond(known, lambda: tf.constant(True), exact)
 
 
 def _checks_the_sums():

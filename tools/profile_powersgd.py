@@ -55,6 +55,7 @@ def worker(settings_json, out_path):
     import numpy as np
     import tensorflow as tf
 
+    from tfpar import nan_guard
     from tfpar.compression import collectives, error_feedback, powersgd
     from tfpar.compression.lowrank import PowerSGDAggregator
     from tfpar.models import build
@@ -123,13 +124,7 @@ def worker(settings_json, out_path):
         """The aggregator's sums and `tfpar.nan_guard`'s check of them, as the optimizer
         runs it with the factors' word (`factors`) or without."""
         summed = agg.all_reduce_sum(a["g"], variables)
-
-        def exact():
-            return tf.math.is_finite(tf.add_n([tf.reduce_sum(s) for s in summed]))
-
-        known = agg.certainly_finite() if factors else None
-        finite = exact() if known is None else tf.cond(known, lambda: tf.constant(True),
-                                                        exact)
+        finite = nan_guard.sums_finite(summed, agg.certainly_finite() if factors else None)
         return checksum(summed) + tf.cast(finite, tf.float32)
 
     def inputs(fn):
