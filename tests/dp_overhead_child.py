@@ -9,12 +9,12 @@ its batches against the pipeline made replica by replica. Prints one JSON line.
     python tests/dp_overhead_child.py
 """
 
-import collections
 import json
 
 import numpy as np
 import tensorflow as tf
 
+import graph_walk
 from tfpar import ParallelConfig, data, devices, strategy
 from tfpar.errors import TfparError
 from tfpar.train import train
@@ -26,16 +26,7 @@ SETTINGS = {"model": "mlp", "model_width": 64, "global_batch_size": 32, "steps":
 def op_types(model):
     """Op type -> count in the step function Keras's `fit` traced for `model` and every
     function in its library (the replicas' bodies, the optimizer's update)."""
-    fit_function = model.train_function
-    closure = dict(zip(fit_function.__code__.co_freevars,
-                       (cell.cell_contents for cell in fit_function.__closure__)))
-    traced = closure["multi_step_on_iterator"]._list_all_concrete_functions()
-    assert len(traced) == 1, traced
-    graph = traced[0].graph.as_graph_def()
-    counts = collections.Counter(node.op for node in graph.node)
-    for function in graph.library.function:
-        counts.update(node.op for node in function.node_def)
-    return dict(counts)
+    return dict(graph_walk.op_counts(graph_walk.fit_step_graph(model)))
 
 
 def stock_model(config, stock, task):

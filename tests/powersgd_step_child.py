@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tensorflow as tf  # noqa: E402
 
+import graph_walk  # noqa: E402
 from tfpar import ParallelConfig, strategy as strategy_lib  # noqa: E402
 from tfpar.errors import TfparError  # noqa: E402
 from tfpar.train import train  # noqa: E402
@@ -28,16 +29,6 @@ SETTINGS = {"strategy": "multi_worker", "model": "mlp", "model_width": 64, "mode
             "global_batch_size": 16, "optimizer": "momentum", "learning_rate": 0.01,
             "compression": "powersgd", "powersgd_rank": 4, "steps": 2, "steps_per_epoch": 2,
             "collective_timeout_s": 120, "verbose": 0}
-
-
-def step_graph(model):
-    """The step function `fit` traced for `model`: its graph and function library."""
-    fit_function = model.train_function
-    closure = dict(zip(fit_function.__code__.co_freevars,
-                       (cell.cell_contents for cell in fit_function.__closure__)))
-    traced = closure["multi_step_on_iterator"]._list_all_concrete_functions()
-    assert len(traced) == 1, traced
-    return traced[0].graph.as_graph_def()
 
 
 def ops_outside_branches(graph):
@@ -81,10 +72,8 @@ def main():
     out = {}
     for groups in (1, 2):
         _, model = train(ParallelConfig(**SETTINGS, powersgd_groups=groups), runtime=runtime)
-        graph = step_graph(model)
-        everywhere = collections.Counter(node.op for node in graph.node)
-        for f in graph.library.function:
-            everywhere.update(node.op for node in f.node_def)
+        graph = graph_walk.fit_step_graph(model)
+        everywhere = graph_walk.op_counts(graph)
         out[f"groups{groups}"] = {
             "collectives": {op: n for op, n in everywhere.items() if op.startswith("Collective")},
             "collective_nodes": sorted(

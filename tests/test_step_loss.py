@@ -19,26 +19,35 @@ class RunningMeans(keras.callbacks.Callback):
         self.means.append(float(logs["loss"]))
 
 
-def test_step_loss_is_the_batchs_own_loss_not_the_running_mean():
+def _fit_recorded(steps, batch, seed, install=None, callbacks=()):
+    """A Dense model fitted at learning rate 0 (the weights stay, so each batch's loss can
+    be computed again here) for `steps` batches under `report_step_loss` (after
+    `install(model)`): `(the recorder's losses, each batch's own loss)`."""
     keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    steps, batch = 200, 8
+    rng = np.random.default_rng(seed)
     x = rng.normal(size=(steps * batch, 8)).astype("float32")
     y = rng.integers(0, 3, size=steps * batch)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
-    # Learning rate 0: the weights stay, so each batch's loss can be computed again here.
     model.compile(optimizer=keras.optimizers.SGD(0.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if install is not None:
+        install(model)
     metrics.report_step_loss(model)
-    recorder, running = metrics.StepRecorder(), RunningMeans()
+    recorder = metrics.StepRecorder()
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[recorder, running])
+              callbacks=[recorder, *callbacks])
     own = np.array([float(model.loss(y[i:i + batch], model(x[i:i + batch])))
                     for i in range(0, steps * batch, batch)])
+    return recorder.batch_losses, own
+
+
+def test_step_loss_is_the_batchs_own_loss_not_the_running_mean():
+    steps, running = 200, RunningMeans()
+    recorded, own = _fit_recorded(steps, 8, seed=0, callbacks=[running])
     # Equal here (measured 0); 1e-6 leaves room for the step's graph rounding otherwise than
     # these eager calls. Rebuilt from the running mean over 200 steps they were up to
     # 2.3e-5 apart.
-    np.testing.assert_allclose(recorder.batch_losses, own, rtol=1e-6)
+    np.testing.assert_allclose(recorded, own, rtol=1e-6)
     # Keras's `loss` stays the epoch's running mean: its meaning is unchanged.
     np.testing.assert_allclose(running.means, np.cumsum(own) / np.arange(1, steps + 1),
                                rtol=1e-4)
@@ -49,23 +58,10 @@ def test_step_loss_of_micro_batches_in_a_nested_graph_is_their_mean():
     # `tf.while_loop`, where the step cannot read them: those go through a `Mean` of the
     # step's own, emptied once read (the values Keras's own step hands over are read
     # directly, with no variable).
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(1)
-    steps, batch = 6, 8
-    x = rng.normal(size=(steps * batch, 8)).astype("float32")
-    y = rng.integers(0, 3, size=steps * batch)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    accumulation.install(model, 2)
-    metrics.report_step_loss(model)
-    recorder = metrics.StepRecorder()
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[recorder])
+    recorded, own = _fit_recorded(6, 8, seed=1,
+                                  install=lambda model: accumulation.install(model, 2))
     # Each step's loss: the mean of its two micro-batches' (equal sizes), not a running sum.
-    own = np.array([float(model.loss(y[i:i + batch], model(x[i:i + batch])))
-                    for i in range(0, steps * batch, batch)])
-    np.testing.assert_allclose(recorder.batch_losses, own, rtol=1e-6)
+    np.testing.assert_allclose(recorded, own, rtol=1e-6)
 
 
 def test_a_train_step_that_does_not_report_its_loss_is_named():
