@@ -248,6 +248,17 @@ def test_an_elastic_job_without_max_restarts_still_shrinks():
     assert "(restart 2 of 4)" in result.stderr
 
 
+def test_restarts_too_few_to_shrink_are_said_and_the_job_ends_at_its_lost_worker():
+    # --max_restarts=1 with --lost_after=2: slot 2 can never count as lost. Not refused (a
+    # job may be elastic only to grow), said in one line before the workers start.
+    result = launch("--workers=3", "--min_workers=2", "--max_restarts=1", *child("lost_slot"))
+    assert result.returncode == 1, result.stderr
+    said = [line for line in result.stderr.splitlines() if "cannot shrink" in line]
+    assert len(said) == 1 and "--max_restarts=1 with --min_workers=2" in said[0], said
+    assert "worker slot 2 is lost" not in result.stderr
+    assert "failed: worker 2 exited with code 3 (2 attempt(s), 1 restart" in result.stderr
+
+
 def test_a_worker_named_as_silent_is_the_one_lost():
     # A pipeline's chief that gave up on a frozen stage worker names it: that slot is lost,
     # not the chief's, though the chief is the one that exited.
