@@ -47,6 +47,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -171,11 +172,13 @@ def _cut_job(named, probe=None, down=1, lost_after=1, min_workers=1, mode=(), **
     arguments)."""
     err = io.StringIO()
     layout = [("127.0.0.1", 2), ("127.0.0.2", 2)]
-    result = tfpar_launch.launch(
-        [sys.executable, CUT_CHILD, "127.0.0.2", ",".join(map(str, named)), str(down),
-         *mode],
-        4, hosts=layout, min_workers=min_workers, lost_after=lost_after, max_restarts=3,
-        grace=1, out=io.StringIO(), err=err, env=child_env(), probe=probe, **kwargs)
+    with tempfile.TemporaryDirectory() as ready:
+        result = tfpar_launch.launch(
+            [sys.executable, CUT_CHILD, "127.0.0.2", ",".join(map(str, named)), str(down),
+             *mode],
+            4, hosts=layout, min_workers=min_workers, lost_after=lost_after,
+            max_restarts=3, grace=1, out=io.StringIO(), err=err,
+            env=child_env({"HOST_CUT_READY": ready}), probe=probe, **kwargs)
     return result, err.getvalue()
 
 
