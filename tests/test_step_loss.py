@@ -94,3 +94,36 @@ def test_a_share_of_weight_zero_reports_zero_as_the_mean_did():
     x = np.ones((8, 4), "float32")
     model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[recorder])
     assert recorder.batch_losses == [0.0, 0.0]
+
+
+def test_a_step_that_hands_its_tracker_nothing_reports_the_loss_it_returns(caplog):
+    # A train step of the user's own that computes its loss and returns it, never touching
+    # the loss tracker: the step's loss is the `loss` it returns (it was 0, silently: the
+    # empty Mean's result). A step returning no scalar `loss` is said in one warning.
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+
+    def train_step(data):
+        x, y = data
+        return {"loss": model.compute_loss(x=x, y=y, y_pred=model(x))}
+
+    model.train_step = train_step
+    metrics.report_step_loss(model)
+    recorder = metrics.StepRecorder()
+    x = np.arange(32, dtype="float32").reshape(8, 4) / 10
+    y = np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    own = [float(model.compute_loss(x=x[i:i + 4], y=y[i:i + 4], y_pred=model(x[i:i + 4])))
+           for i in (0, 4)]
+    assert min(own) > 0.01, own
+    np.testing.assert_allclose(recorder.batch_losses, own, rtol=1e-6)
+
+    silent = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)], name="silent")
+    silent.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    silent.train_step = lambda data: {"mae": tf.reduce_mean(tf.abs(silent(data[0])))}
+    metrics.report_step_loss(silent)
+    with caplog.at_level("WARNING"):
+        silent.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert "train step of model 'silent' hands its loss tracker no value" in caplog.text

@@ -62,6 +62,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfpar import patches
 from tfpar.compression import aggregator_of
@@ -160,11 +161,27 @@ def report_step_loss(model, mean=keras.metrics.Mean, direct=None):
             loss = tf.math.divide_no_nan(tf.add_n([v * w for v, w in zip(values, weights)]),
                                          tf.add_n(weights))
         else:
-            loss = step.result()  # the step handed the tracker nothing: 0, as the Mean gave
+            loss = _unhanded_loss(model, logs, step)
         return {**logs, STEP_LOSS: loss}
 
     tracker.update_state = update_state
     model.train_step = reporting_train_step
+
+
+def _unhanded_loss(model, logs, step):
+    """The step's loss when its train step handed the loss tracker nothing (a step of the
+    user's own that computes its loss and returns it): the `loss` it returns if that is one
+    number, else 0 (what Keras's own `loss` then logs) with a warning naming the model, said
+    while the step is traced, so the metrics JSON's zeros are not taken for a loss."""
+    loss = logs.get("loss") if isinstance(logs, dict) else None
+    if loss is not None and _scalar(loss):
+        return tf.cast(loss, "float32")
+    logging.warning(
+        "tfpar: the train step of model %r hands its loss tracker no value and returns no "
+        "scalar 'loss': step_loss (the metrics JSON's per-step loss) is reported as 0; "
+        "return {'loss': <the batch's loss>, ...} from train_step, or update "
+        "the model's loss tracker", getattr(model, "name", model))
+    return step.result()
 
 
 def _empty(metric):
