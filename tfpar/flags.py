@@ -147,7 +147,7 @@ _HELP = {
                              "with them (gathered once, not recomputed); -1 = the last "
                              "layer at least as large as the median one and those after "
                              "it (a transformer's last block and output layers), 0 = none "
-                             "(the default: the step time of -1 is not yet measured).",
+                             "(the default: -1 was no faster, measured idle side by side).",
     "offload": "CPU offload: none, or optimizer (momentum SGD's or Adam's slots in host "
                "memory, the update on the host: the gradient copied down and the step up "
                "each step; data parallelism and --zero_stage=1|2). optimizer+params is "

@@ -48,7 +48,7 @@ With resharding, the last layers the forward pass runs are kept whole all the sa
 (`--zero_keep_last_layers`, FSDP's `reshard_after_forward=False` on them, as torchtitan
 leaves its last block and output layers unresharded): the backward pass starts with them,
 so regathering and recomputing them would rebuild at once what the forward just freed.
-With -1 (`kept_layers`; the default, 0, keeps none until its step time is measured) the
+With -1 (`kept_layers`; the default, 0, keeps none: -1 measured no faster) the
 last layer at least as large as the median gathering layer and every layer after it: the
 zoo transformer's last block, `ln_f` and `lm_head`. Each
 gathers once a step (its forward gather still prefetched), keeps its whole weights and
