@@ -33,7 +33,8 @@ saved state does not depend on the count: the model and optimizer are the same o
 replica, the global batch is a setting (`global_batch_size`, checked by the marker), so
 each step consumes the same examples whatever the split (`tfpar.data`: example `i` of step
 `s` is the same for any number of replicas), and a codec's per-replica residuals are
-re-distributed with what they owe kept (`tfpar.state`: replica 0 takes it).
+re-distributed with what they owe kept (`tfpar.state`: replica 0 takes it; said only when the run
+keeps residuals: a codec with error feedback).
 `world.json` records each change as `{"step", "workers", "replicas"}` (the metrics'
 `elastic` list).
 
@@ -192,10 +193,12 @@ class Checkpointer(keras.callbacks.Callback):
             logging.warning(
                 "tfpar: world size changed at step %d: %d worker(s), %d replica(s) (the "
                 "checkpoint was written by %d worker(s), %d replica(s)); global batch kept at "
-                "%d (%s per replica); residuals re-distributed with what they owe kept",
+                "%d (%s per replica)%s",
                 step, self._world["workers"], self._world["replicas"], last["workers"],
                 last["replicas"], self.config.global_batch_size,
-                self.config.replica_split(self._world["replicas"], False).describe())
+                self.config.replica_split(self._world["replicas"], False).describe(),
+                "; residuals re-distributed with what they owe kept"
+                if self.config.compression != "none" and self.config.error_feedback else "")
             history.append({"step": step, **self._world})
             if self._is_chief:
                 write_json_atomic(os.path.join(self.directory, WORLD), history)
