@@ -379,8 +379,13 @@ def summary_line(result):
         parts.append(f"{result['examples_per_sec']:.0f} examples/s")
         parts.append(f"step {result['step_time_ms']['median']:.1f} ms")
     if "comm" in result:
+        ratio = result["comm"]["compression_ratio"]
+        # against an fp32 all-reduce of the gradients: ZeRO-3's gathers and reduce-scatter
+        # can send more than that (a ratio under 1)
+        relative = (f"x{ratio:.1f} smaller" if ratio >= 1 else
+                    f"x{1 / ratio:.1f} an fp32 all-reduce's")
         parts.append(f"{result['comm']['bytes_on_wire_per_step'] / 1e6:.3f} MB/step on the "
-                     f"wire (x{result['comm']['compression_ratio']:.1f} smaller)")
+                     f"wire ({relative})")
     if "validation" in result:
         parts.append(f"validation loss {result['validation']['loss']:.4f}, accuracy "
                      f"{result['validation']['accuracy']:.3f}")
