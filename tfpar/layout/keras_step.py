@@ -138,6 +138,11 @@ class KerasSteps:
         if aggregator is None:
             return None
         codec, error_feedback, options = reduction_lib.codec_of(aggregator)
+        if fsdp.split_over_batch(self.trainable):  # ZeRO-3 (`layout.keras_fsdp`)
+            compat.enforce(compat.KERAS_ZERO3_CODEC, compat.view(
+                backend="dtensor", compression=codec, keras_distribution=True, zero_stage=3))
+            if codec == "none":  # DTensor's own fp32 reduce-scatter: nothing to map
+                return None
         if self.custom:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
                 backend="dtensor", compression=codec, keras_distribution=True,
