@@ -120,3 +120,22 @@ def test_what_zero3_does_not_run_is_refused_in_one_line(results):
         refused = out[name]
         assert refused["raised"] == "ConfigError" and refused["lines"] == 1, (name, refused)
         assert refused["line"].startswith(start) and words in refused["line"], (name, refused)
+
+
+def test_the_rulebook_rows_take_zero3s_codecs_only():
+    # No TensorFlow: the rows `FullyShardedDataParallel` and the Keras step apply.
+    from tfpar import compat
+
+    def error(rule, **settings):
+        return rule.error(compat.view(backend="dtensor", zero_stage=3,
+                                      keras_distribution=True, **settings))
+
+    for codec in ("none", "fp16", "bf16", "int8"):
+        assert error(compat.KERAS_ZERO3_CODEC, compression=codec) is None, codec
+    for codec in ("topk", "threshold", "powersgd", "lowbit"):
+        refused = error(compat.KERAS_ZERO3_CODEC, compression=codec)
+        assert str(refused).startswith(f"compression={codec!r}"), refused
+    assert error(compat.KERAS_ZERO3_PIPELINE, mesh_axes=("batch", "model")) is None
+    assert error(compat.KERAS_ZERO3_PIPELINE, mesh_axes=("stage", "batch")) is not None
+    # a ParallelConfig (the CLI's) is never refused by them
+    assert compat.KERAS_ZERO3_CODEC.error(compat.view(zero_stage=3, compression="topk")) is None

@@ -99,7 +99,9 @@ class KerasSteps:
         ConfigError: the model overrides `train_step` and its optimizer is a
             `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`) or compresses
             (`compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP`); the aggregator is not one the mesh
-            runs (`reduction.codec_of`); or the optimizer keeps its state on the host
+            runs (`reduction.codec_of`), or with weights split over `batch` (ZeRO-3,
+            `tfpar.layout.keras_fsdp`) not one ZeRO-3 reduce-scatters
+            (`compat.KERAS_ZERO3_CODEC`); or the optimizer keeps its state on the host
             (`compat.KERAS_MESH_OFFLOAD`).
     """
 
