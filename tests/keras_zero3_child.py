@@ -16,6 +16,8 @@ Usage: python tests/keras_zero3_child.py CASE[,CASE...]
   2 more steps, against 4 uninterrupted; `get_weights`, and `save_weights` loaded into a
   model on one device (its predictions against the mesh model's).
 - `refusals`: top-k through ZeRO-3; a mesh with a `stage` axis; a mesh without `batch`.
+- `nan`: `compression="none"` with `on_nan="skip_step"`: a step with an infinite input
+  leaves the weights and is counted.
 """
 
 import json
@@ -246,7 +248,26 @@ def refusals():
                 mesh((4,), ("data",))))}
 
 
-CASES = {"exact": exact, "codecs": codecs, "save": save, "refusals": refusals}
+def nan():
+    """`DistributedOptimizer(Adam, compression="none", on_nan="skip_step")`: no codec to
+    run (DTensor's own reduce-scatter), a batch with an infinite input still skipped."""
+    keras.distribution.set_distribution(fsdp())
+    model = compiled(tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                                compression="none", on_nan="skip_step"))
+    x, y = data(1)
+    model.train_on_batch(x, y)
+    before = host(model)
+    bad = {k: v.copy() for k, v in x.items()}
+    bad["features"][0, 0] = np.inf
+    model.train_on_batch(bad, y)
+    after = host(model)
+    model.train_on_batch(x, y)
+    return {"reductions": len(model.tfpar_reductions),
+            "moved_by_bad": diff(after, before), "moved_after": diff(host(model), after),
+            "skipped": float(layout.to_host(model.optimizer.nonfinite_steps.value))}
+
+
+CASES = {"exact": exact, "codecs": codecs, "save": save, "refusals": refusals, "nan": nan}
 
 if __name__ == "__main__":
     layout.enable()

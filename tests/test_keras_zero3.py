@@ -17,7 +17,11 @@ same seed and batches:
 - refusals in one line: top-k through ZeRO-3 (`compat.KERAS_ZERO3_CODEC`), a `stage` axis
   (`compat.KERAS_ZERO3_PIPELINE`), a mesh without `batch`.
 
-One child, four cases (tests/keras_zero3_child.py), TensorFlow's default graph optimizer.
+- `compression="none"` (DTensor's own reduce-scatter, no codec step) with
+  `on_nan="skip_step"`: a non-finite step left out and counted (before, its NaN reached
+  every weight).
+
+One child, five cases (tests/keras_zero3_child.py), TensorFlow's default graph optimizer.
 """
 
 import os
@@ -36,7 +40,7 @@ BANDS = {"fp16": 5e-5, "int8": 1e-2, "int8_gather": 2e-2}  # tests/test_zero3_co
 
 @pytest.fixture(scope="module")
 def results():
-    return last_json_line(run([sys.executable, CHILD, "exact,codecs,save,refusals"],
+    return last_json_line(run([sys.executable, CHILD, "exact,codecs,save,refusals,nan"],
                               timeout=900).stdout)
 
 
@@ -120,6 +124,13 @@ def test_what_zero3_does_not_run_is_refused_in_one_line(results):
         refused = out[name]
         assert refused["raised"] == "ConfigError" and refused["lines"] == 1, (name, refused)
         assert refused["line"].startswith(start) and words in refused["line"], (name, refused)
+
+
+def test_a_non_finite_step_is_skipped_without_a_codec(results):
+    out = _case(results, "nan")
+    assert out["reductions"] == 0, out  # no codec: DTensor's reduce-scatter
+    assert out["moved_by_bad"] == 0.0 and out["skipped"] == 1.0, out
+    assert out["moved_after"] > 0, out  # and it trains on
 
 
 def test_the_rulebook_rows_take_zero3s_codecs_only():

@@ -171,7 +171,16 @@ class KerasSteps:
                                _current(scope, self.metric_vars, mv))
         grads = [None if g is None else tf.convert_to_tensor(g)
                  for g in tape.gradient(scaled, tv)]
+        # A `DistributedOptimizer` whose gradients need no codec here (ZeRO-3's 'none',
+        # one replica on `batch`) still never applies a non-finite step (as
+        # `_replica_train`; fp16's `LossScaleOptimizer` skips its own)
+        finite = None
+        if (getattr(optimizer, "dynamic_scale", None) is None
+                and getattr(optimizer, "tfpar_skip_nonfinite", False)):
+            finite = reduction_lib.all_finite([g for g in grads if g is not None])
         new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
+        if finite is not None:
+            new_tv, new_ov = self._skipped_unless(finite, tv, ov, new_tv, new_ov)
         # the metrics after the update, as in Keras's train_step
         mapping = self._mapping(new_tv, new_ntv, new_mv, new_ov)
         with keras.StatelessScope(state_mapping=mapping) as scope:
