@@ -360,6 +360,26 @@ KERAS_MESH_ADAM_REFRESH = Rule(
     "not supported under keras.distribution: Adam in front of the mesh's codec runs exact "
     "steps in its warm-up only; use 0, or tf.distribute (tfpar.make_strategy)")
 
+# ZeRO-3 from a user's `model.fit` (`tfpar.layout.FullyShardedDataParallel`): a
+# `DistributedOptimizer`'s codec goes through ZeRO-3's reduce-scatter, built for these.
+KERAS_ZERO3_CODEC = Rule(
+    "compression", lambda c: getattr(c, "keras_distribution", False) and c.zero_stage == 3
+    and c.compression not in ("none",) + ZERO_CODECS,
+    "not supported under tfpar.layout.FullyShardedDataParallel: ZeRO-3 reduce-scatters "
+    "gradients in fp16, bf16 or int8 only; use one of those or 'none', or "
+    "keras.distribution.ModelParallel/DataParallel (weights whole over 'batch') for this "
+    "codec")
+# ... and its per-layer gathers run inside one mesh's step: a pipeline mesh's stages are
+# meshes of their own (the CLI's `--zero_stage=3 --pipeline_stages>1` row).
+KERAS_ZERO3_PIPELINE = Rule(
+    "device_mesh", lambda c: getattr(c, "keras_distribution", False) and c.zero_stage == 3
+    and "stage" in getattr(c, "mesh_axes", ()),
+    "not supported by tfpar.layout.FullyShardedDataParallel: ZeRO-3 gathers each layer "
+    "inside one mesh's step, and a 'stage' axis cuts the model into meshes of their own; "
+    "use a mesh ('batch',) or ('batch', 'model'), or tfpar.layout.PipelineParallel "
+    "without ZeRO-3",
+    value=lambda c: tuple(c.mesh_axes))
+
 # A user's model on a pipeline mesh (`tfpar.layout.keras_pipeline`): the mesh pipeline's
 # step writes back the trainable weights and the optimizers' state only, so a layer whose
 # non-trainable state training changes (BatchNormalization's moving statistics, Dropout's
@@ -458,6 +478,8 @@ COMBINATIONS = (
     KERAS_MESH_OFFLOAD,
     KERAS_MESH_ADAM_VARIANCE,
     KERAS_MESH_ADAM_REFRESH,
+    KERAS_ZERO3_CODEC,
+    KERAS_ZERO3_PIPELINE,
     ZERO_COMPRESSION,
     ZERO_TOPK_WARMUP,
     ZERO3_COMPRESSION,

@@ -19,12 +19,14 @@ updates), `step` (the compiled exact steps), `newaxis` (a DTensor work-around),
 Keras's own `set_distribution(ModelParallel(...))` + `model.fit`), `keras_step` (the
 model's own Keras loss, metrics and steps on the mesh), `keras_pipeline` (a mesh
 `("stage", "batch", "model")`: dp × tp × pp in a user's `model.fit`,
-`PipelineParallel`), `multi_client` (DTensor
+`PipelineParallel`), `keras_fsdp` (ZeRO-3 in a user's `model.fit`,
+`FullyShardedDataParallel`), `multi_client` (DTensor
 across worker processes from `TF_CONFIG`), `run` (model and trainer of a
 `python -m tfpar.train --tensor_parallel=N` run, driven by `tfpar.backends.dtensor`).
 """
 
 from tfpar.layout.keras_distribution import disable, enable, is_enabled
+from tfpar.layout.keras_fsdp import FullyShardedDataParallel
 from tfpar.layout.keras_pipeline import PipelineParallel
 from tfpar.layout.mesh import BATCH, MODEL, make_mesh, mesh_for_config
 from tfpar.layout.optimizer import stateless_optimizer
@@ -34,7 +36,7 @@ from tfpar.layout.trainer import MeshTrainer, build_on_mesh
 from tfpar.layout.values import batch_to_mesh, shard_sizes, to_host, to_mesh
 from tfpar.layout.variables import check_dvariables, is_dvariable, variable_scope
 
-__all__ = ["enable", "disable", "is_enabled", "PipelineParallel", "BATCH", "MODEL", "make_mesh", "mesh_for_config",
+__all__ = ["enable", "disable", "is_enabled", "FullyShardedDataParallel", "PipelineParallel", "BATCH", "MODEL", "make_mesh", "mesh_for_config",
            "stateless_optimizer",
            "attention_heads", "layout_map", "megatron_mlp", "model_presets",
            "preset_rules", "vocab_parallel", "MeshTrainer", "build_on_mesh",

@@ -28,7 +28,9 @@ used), layouts of layer outputs (keys `<layer path>/output`, e.g. `user_mlp/up/o
 inside the mesh step the layer's output is relaid out to that layout, through
 `tfpar.layout.activations.relayout_value`, by the `distribute_tensor` Keras's TensorFlow
 backend lacks; values unchanged, so the step stays exact), `DataParallel` (every weight
-whole on every device, the batch split: data parallelism on DTensor), a `DeviceMesh` of
+whole on every device, the batch split: data parallelism on DTensor),
+`tfpar.layout.FullyShardedDataParallel` (ZeRO-3: every trainable weight split over `batch`
+too, gathered layer by layer, `tfpar.layout.keras_fsdp`), a `DeviceMesh` of
 up to two axes over `keras.distribution.list_devices()`, or of three,
 `("stage", "batch", "model")`: the model cut into pipeline stages at its first `fit`, each
 stage tensor- and data-parallel on its own sub-mesh, trained by the trainer's mesh pipeline
@@ -87,10 +89,11 @@ from tensorflow.experimental import dtensor
 from tfpar import keras_codec_state, nan_guard, patches
 from tfpar.errors import ConfigError, TfparError
 from tfpar.layout import mesh as mesh_lib
-from tfpar.layout import (activations, keras_pipeline, keras_state, multi_client, values,
-                          variables)
+from tfpar.layout import (activations, keras_fsdp, keras_pipeline, keras_state,
+                          multi_client, values, variables)
 from tfpar.layout.optimizer import stateless_optimizer
 from tfpar.layout.trainer import MeshTrainer
+from tfpar.zero import fsdp
 
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
           "predict_on_batch")
@@ -178,6 +181,12 @@ def check_distribution(distribution):
                           f"{tuple(mesh.axis_names)}); use batch_dim_name={batch!r} on a "
                           "mesh of 1 or 2 axes, or a mesh ('stage', 'batch', 'model') to "
                           "pipeline")
+    if any(size > 1 for axis, size in zip(mesh.axis_names, mesh.shape) if axis != batch):
+        # A ZeRO-3 model made earlier in this process may have set all-gathers, which a
+        # mesh with a second split axis gets wrong (measured, TF 2.21: a 2x2 ZeRO-3 fit
+        # after a 4-device one, 0.66 off one device after 4 steps; 3e-8 with DTensor's
+        # own lowering): that one, before any of this mesh's variables is made.
+        fsdp.dtensor_gathers()
     mesh_lib.attach_backend_mesh(mesh)
 
 
@@ -306,6 +315,7 @@ def _mesh_trainer(model, batch=None):
                             setting, getattr(model, setting))
     _metrics_to_mesh(model, mesh)
     _check_layers(model)
+    keras_fsdp.prepare(model, distribution)  # ZeRO-3's per-layer gathers, once a model
     trainer = MeshTrainer(mesh, model, optimizer, None)
     trainer.compiled_key = key
     model._tfpar_mesh_trainer = trainer

@@ -99,7 +99,9 @@ class KerasSteps:
         ConfigError: the model overrides `train_step` and its optimizer is a
             `LossScaleOptimizer` (`compat.CUSTOM_TRAIN_STEP_LOSS_SCALE`) or compresses
             (`compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP`); the aggregator is not one the mesh
-            runs (`reduction.codec_of`); or the optimizer keeps its state on the host
+            runs (`reduction.codec_of`), or with weights split over `batch` (ZeRO-3,
+            `tfpar.layout.keras_fsdp`) not one ZeRO-3 reduce-scatters
+            (`compat.KERAS_ZERO3_CODEC`); or the optimizer keeps its state on the host
             (`compat.KERAS_MESH_OFFLOAD`).
     """
 
@@ -138,6 +140,11 @@ class KerasSteps:
         if aggregator is None:
             return None
         codec, error_feedback, options = reduction_lib.codec_of(aggregator)
+        if fsdp.split_over_batch(self.trainable):  # ZeRO-3 (`layout.keras_fsdp`)
+            compat.enforce(compat.KERAS_ZERO3_CODEC, compat.view(
+                backend="dtensor", compression=codec, keras_distribution=True, zero_stage=3))
+            if codec == "none":  # DTensor's own fp32 reduce-scatter: nothing to map
+                return None
         if self.custom:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
                 backend="dtensor", compression=codec, keras_distribution=True,
@@ -164,7 +171,16 @@ class KerasSteps:
                                _current(scope, self.metric_vars, mv))
         grads = [None if g is None else tf.convert_to_tensor(g)
                  for g in tape.gradient(scaled, tv)]
+        # A `DistributedOptimizer` whose gradients need no codec here (ZeRO-3's 'none',
+        # one replica on `batch`) still never applies a non-finite step (as
+        # `_replica_train`; fp16's `LossScaleOptimizer` skips its own)
+        finite = None
+        if (getattr(optimizer, "dynamic_scale", None) is None
+                and getattr(optimizer, "tfpar_skip_nonfinite", False)):
+            finite = reduction_lib.all_finite([g for g in grads if g is not None])
         new_tv, new_ov = optimizer.stateless_apply(ov, grads, tv)
+        if finite is not None:
+            new_tv, new_ov = self._skipped_unless(finite, tv, ov, new_tv, new_ov)
         # the metrics after the update, as in Keras's train_step
         mapping = self._mapping(new_tv, new_ntv, new_mv, new_ov)
         with keras.StatelessScope(state_mapping=mapping) as scope:

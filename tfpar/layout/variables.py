@@ -143,7 +143,11 @@ def _initialize(self, value):
         initial = values.to_host(initial)
     preset = self._layout  # an optimizer slot carries its weight's layout
     self._layout = layout_for(distribution, self.path, initial.shape, preset)
-    if (_state_over_batch and preset is not None) or _weights_over_batch:
+    # A `FullyShardedDataParallel` distribution splits the model's trainable weights
+    # (its slots follow by `preset`); its own and the metrics' state stays whole.
+    fsdp_weight = (getattr(distribution, "tfpar_weights_over_batch", False)
+                   and preset is None and self.trainable)
+    if (_state_over_batch and preset is not None) or _weights_over_batch or fsdp_weight:
         self._layout = over_batch(self._layout, initial.shape)
     layout = self._layout.backend_layout
     self._value = dtensor.DVariable(values.to_mesh(initial, layout),
