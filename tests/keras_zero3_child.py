@@ -10,8 +10,9 @@ Usage: python tests/keras_zero3_child.py CASE[,CASE...]
   elements per device, the layers gathering per layer; `evaluate` and `predict` of the
   4-device model against one device's.
 - `codecs`: `tfpar.DistributedOptimizer(Adam, compression="int8"|"fp16")` and the int8
-  weight gather, each against the uncompressed ZeRO-3 fit: weights apart, losses, the bytes
-  `tfpar.metrics.comm_stats` reports.
+  weight gather, and int8 both ways, each against the uncompressed ZeRO-3 fit: weights
+  apart, losses, the bytes `tfpar.metrics.comm_stats` reports (the uncompressed fit's too)
+  and the reduce-scatter's own.
 - `save`: 2 steps, `model.save` → `keras.saving.load_model` under the same distribution,
   2 more steps, against 4 uninterrupted; `get_weights`, and `save_weights` loaded into a
   model on one device (its predictions against the mesh model's).
@@ -184,13 +185,18 @@ def codecs():
     for name, distribution, compression in (("int8", fsdp(), "int8"),
                                             ("fp16", fsdp(), "fp16"),
                                             ("int8_gather", fsdp(weight_gather="int8"),
-                                             None)):
+                                             None),
+                                            ("int8_both", fsdp(weight_gather="int8"),
+                                             "int8")):
         model, losses = run(distribution, compression)
         out[name] = {"diff": diff(host(model), plain), "losses": losses,
                      "plain_losses": plain_losses,
                      "comm": tfpar.metrics.comm_stats(model, 4),
+                     "reduction_comm": [r.comm_stats() for r in model.tfpar_reductions],
                      "gather_bytes": [zero.gather_bytes(model), zero.gather_bytes(plain_model)],
                      "reduction": [type(r).__name__ for r in model.tfpar_reductions]}
+    out["plain_comm"] = tfpar.metrics.comm_stats(plain_model, 4)
+    out["plain_gather_bytes"] = zero.gather_bytes(plain_model)
     return out
 
 

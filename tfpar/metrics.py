@@ -270,15 +270,60 @@ def _keras_mesh_reductions(model):
     return getattr(model, "tfpar_reductions", None) or ()
 
 
+def zero3_comm_stats(model, replicas, reduction=None):
+    """The metrics JSON's `comm` block of a ZeRO-3 step with `replicas` devices on the
+    mesh's `batch` axis: the weights each device hands to the per-layer gathers
+    (`tfpar.zero.fsdp.gather_bytes`, in `--zero_gather`'s codec) and its gradient into
+    the reduction over `batch` (whole over `batch`, split over `model` like the weight;
+    fp32 into DTensor's, or with `--compression` what `reduction`, a
+    `tfpar.zero.reduce_scatter.ShardedReduction`, sends: its gathers then run once a step),
+    against the plain fp32 all-reduce of the gradients."""
+    from tfpar.layout.mesh import MODEL
+    from tfpar.zero import fsdp
+    if replicas == 1:
+        return None
+    fp32 = 4 * sum(math.prod(v.shape) // fsdp.device_share(v, (MODEL,))
+                   for v in model.trainable_variables)
+    if reduction is None:
+        wire = fsdp.gather_bytes(model) + fp32
+    else:
+        wire = (fsdp.gather_bytes(model, passes=1)
+                + reduction.comm_stats()["bytes_on_wire_per_step"])
+    return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": fp32,
+            "compression_ratio": fp32 / wire}
+
+
+def _keras_zero3_comm_stats(model):
+    """The `comm` block of a user's `fit` under `tfpar.layout.FullyShardedDataParallel`
+    (weights split over `batch`, not a 3D fit's stages): the CLI's ZeRO-3 count
+    (`zero3_comm_stats`: the per-layer gathers plus the gradient's
+    reduction, fp32 into DTensor's or the codec's reduce-scatter), or None for any other
+    model. Counting the reduce-scatter alone left out the gathers; counting Keras's fp32
+    all-reduce without a codec left out both."""
+    from tfpar.zero import fsdp
+    if getattr(model, "_tfpar_pipeline_trainer", None) is not None:
+        return None
+    parts = fsdp.batch_parts(model.trainable_variables)
+    if parts < 2:
+        return None
+    reductions = [r for r in _keras_mesh_reductions(model) if r is not None]
+    return zero3_comm_stats(model, parts, reductions[0] if reductions else None)
+
+
 def comm_stats(model, replicas):
     """The metrics JSON's `comm` block: what the optimizer's gradient aggregator handed to
     the collectives per step (a pipeline's: summed over its stages' aggregators), or Keras's
     plain fp32 all-reduce; None with one replica. On a Keras distribution's DTensor mesh a
     `DistributedOptimizer`'s codec runs in the mesh's `batch` reduction, whose bytes these
-    are (`reductions_comm_stats`); its aggregator is never built there.
+    are (`reductions_comm_stats`); its aggregator is never built there. Under
+    `FullyShardedDataParallel` (ZeRO-3), the per-layer gathers' bytes and the gradient's
+    reduction, as the CLI's ZeRO-3 counts them.
 
     Looks through a `LossScaleOptimizer` (fp16 wraps the aggregating optimizer).
     """
+    zero3 = _keras_zero3_comm_stats(model)
+    if zero3 is not None:
+        return zero3
     mesh = reductions_comm_stats(_keras_mesh_reductions(model))
     if mesh is not None:
         return mesh

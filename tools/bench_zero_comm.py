@@ -5,7 +5,7 @@ fp32 gradient reduction), the int8 weight gather alone (`--zero_gather=int8`), t
 compressed gradient reduce-scatter alone (`--compression=int8|fp16`) and both, each in its
 own `python -m tfpar.train` process on a `--cpu_devices` mesh, and prints per run the
 bytes one device hands to the collectives per step (the metrics JSON's `comm` block: a
-count from the shapes, see `tfpar.backends.dtensor.zero3_comm_stats`), its ratio to plain
+count from the shapes, see `tfpar.metrics.zero3_comm_stats`), its ratio to plain
 ZeRO-3's, and the final loss. Writes `--out` (JSON).
 
     python tools/bench_zero_comm.py                        # mlp, 2 devices, 50 steps

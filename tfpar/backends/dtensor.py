@@ -136,7 +136,8 @@ class DTensorBackend(Backend):
     def stats(self, config, runtime, model, task, recorder):
         comm = mesh_comm_stats(self.trainer)
         if config.zero_stage == 3:
-            comm = zero3_comm_stats(model, runtime.mesh.shape[0], self.trainer.reduction)
+            comm = metrics.zero3_comm_stats(model, runtime.mesh.shape[0],
+                                            self.trainer.reduction)
         result = metrics.summarize(config, runtime, recorder, _shard_sizes(runtime, model),
                                    comm=comm,
                                    pipeline=_pipeline_block(config, runtime))
@@ -170,29 +171,6 @@ def _pipeline_block(config, runtime):
     dims = config.dims
     return schedule.pipeline_metrics(config.schedule, dims.pp, dims.microbatches,
                                      dims.virtual)
-
-
-def zero3_comm_stats(model, replicas, reduction=None):
-    """The metrics JSON's `comm` block of a ZeRO-3 step with `replicas` devices on the
-    mesh's `batch` axis: the weights each device hands to the per-layer gathers
-    (`tfpar.zero.fsdp.gather_bytes`, in `--zero_gather`'s codec) and its gradient into
-    the reduction over `batch` (whole over `batch`, split over `model` like the weight;
-    fp32 into DTensor's, or with `--compression` what `reduction`, a
-    `tfpar.zero.reduce_scatter.ShardedReduction`, sends: its gathers then run once a step),
-    against the plain fp32 all-reduce of the gradients."""
-    from tfpar.layout.mesh import MODEL
-    from tfpar.zero import fsdp
-    if replicas == 1:
-        return None
-    fp32 = 4 * sum(math.prod(v.shape) // fsdp.device_share(v, (MODEL,))
-                   for v in model.trainable_variables)
-    if reduction is None:
-        wire = fsdp.gather_bytes(model) + fp32
-    else:
-        wire = (fsdp.gather_bytes(model, passes=1)
-                + reduction.comm_stats()["bytes_on_wire_per_step"])
-    return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": fp32,
-            "compression_ratio": fp32 / wire}
 
 
 def mesh_comm_stats(trainer):

@@ -147,6 +147,16 @@ def _split_layout(variable):
     return layout if layout is not None and BATCH in layout.sharding_specs else None
 
 
+def batch_parts(variables):
+    """The devices on the `batch` axis of the mesh the first of `variables` split over
+    `batch` lives on; 0 when none is split."""
+    for variable in variables:
+        layout = _split_layout(variable)
+        if layout is not None:
+            return layout.mesh.dim_size(BATCH)
+    return 0
+
+
 def split_over_batch(variables):
     """Whether any of `variables` is split over `batch` (a ZeRO-3 model's)."""
     return any(_split_layout(v) is not None for v in variables)
