@@ -511,6 +511,64 @@ class RunningMean(keras.layers.Layer):
         return x - self.mean
 
 
+class Tracked(keras.layers.Layer):
+    """A user's layer updating its own `keras.metrics.Mean` of its activations in `call`
+    (on one device `fit`'s logs report it as "activation_mean")."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.activation_mean = keras.metrics.Mean(name="activation_mean")
+
+    def call(self, x):
+        self.activation_mean.update_state(keras.ops.mean(x))
+        return x
+
+
+class Clipped(keras.layers.Layer):
+    """A user's layer clipping its trainable kernel in `call` before using it."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 16), name="kernel")
+
+    def call(self, x):
+        self.kernel.assign(keras.ops.clip(self.kernel, -0.05, 0.05))
+        return x @ self.kernel
+
+
+# Variables no layer holds, as a user's script keeps them (module-level, made in `guards`)
+OUTSIDE = {}
+
+
+class Annealed(keras.layers.Layer):
+    """Scales its input by a `keras.Variable` held by no layer (`OUTSIDE["beta"]`, which
+    a callback anneals each epoch, as a KL weight)."""
+
+    def call(self, x):
+        return x * OUTSIDE["beta"]
+
+
+class Counting(keras.layers.Layer):
+    """Counts its training calls in a `keras.Variable` held by no layer."""
+
+    def call(self, x, training=False):
+        if training:
+            OUTSIDE["calls"].assign_add(1.0)
+        return x
+
+
+class Tempered(keras.layers.Layer):
+    """Divides by a trainable temperature the model holds directly (`model.temperature`,
+    trained on one device), read here from `OUTSIDE["temperature"]`."""
+
+    def call(self, x):
+        return x / OUTSIDE["temperature"]
+
+
+class Anneal(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        OUTSIDE["beta"].assign(0.5 * (epoch + 1))
+
+
 class Unnamed(keras.layers.Layer):
     """A user's layer whose weights have no names (Keras auto-names them)."""
 
@@ -532,6 +590,19 @@ def _model_with(layer, seed=0):
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
+
+
+def _refused(model, callbacks=()):
+    """`fit(model)`'s one-line `ConfigError` (or None), and what it left: the weights'
+    change and the optimizer's step count."""
+    start = model.get_weights()
+    try:
+        fit(model, callbacks=callbacks)
+        raised = None
+    except Exception as error:  # noqa: BLE001 (the test reads which error it was)
+        raised = f"{type(error).__name__}: {error}"[:300]
+    return {"raised": raised, "moved": diff(model.get_weights(), start),
+            "iterations": int(model.optimizer.iterations.numpy())}
 
 
 def guards():
@@ -575,6 +646,19 @@ def guards():
         raised = str(error)
     out["assigns"] = {"raised": raised, "moved": diff(model.get_weights(), start_running),
                       "iterations": int(model.optimizer.iterations.numpy())}
+    # what the stateless step would drop, each refused while the first step is traced: a
+    # layer's own metric, a trainable weight clipped in call, variables held by no layer
+    for name, layer in (("metric", Tracked(name="tracked")),
+                        ("clip", Clipped(name="clipped"))):
+        out[name] = _refused(_model_with(layer))
+    OUTSIDE.update(beta=keras.Variable(0.0, trainable=False, name="beta"),
+                   calls=keras.Variable(0.0, trainable=False, name="calls"),
+                   temperature=keras.Variable(1.0, name="temperature"))
+    out["outside_read"] = _refused(_model_with(Annealed(name="annealed")), [Anneal()])
+    out["outside_write"] = _refused(_model_with(Counting(name="counting")))
+    model = _model_with(Tempered(name="tempered"))
+    model.temperature = OUTSIDE["temperature"]  # a weight of the model, of no layer
+    out["outside_held"] = _refused(model)
     # unnamed add_weights (auto-named anew in a stage's copy): against one device
     model = _model_with(Unnamed(name="unnamed"))
     model.set_weights(start)

@@ -227,6 +227,25 @@ def test_a_layer_assigning_its_own_state_is_refused_before_any_step(results):
     assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
 
 
+@pytest.mark.parametrize("case,line", [
+    ("metric", "layer='tracked (Tracked)' is invalid: updates its own keras.metrics in call"),
+    ("clip", "layer='clipped (Clipped)' is invalid: assigns its trainable weight in call"),
+    ("outside_read", "variable='beta' is invalid: is held by no layer"),
+    ("outside_write", "variable='calls' is invalid: is held by no layer"),
+    ("outside_held", "variable='temperature' is invalid: is held by no layer")])
+def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, case, line):
+    # Before, a layer's own metric (which fit reports on one device), a trainable weight
+    # clipped in call and a variable no layer holds assigned in call ran silently wrong
+    # (the copy's metric, the writes dropped); a variable no layer holds read in call
+    # failed in DTensor's mesh propagation, and one the model holds directly in a
+    # TfparError with no way out.
+    run_ = _case(results, "guards")[case]
+    raised = run_["raised"]
+    assert raised is not None and raised.startswith("ConfigError: " + line), raised
+    assert "\n" not in raised, raised
+    assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+
+
 def test_unnamed_weights_train_as_on_one_device(results):
     run_ = _case(results, "guards")["unnamed"]
     assert run_["raised"] is None, run_

@@ -380,9 +380,10 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
                         "each and trained apart; call it within one stage, or give each "
                         "call its own layer")
                 self.pairs.append((variable, whole.pop(id(source))))
-        if whole:
-            raise TfparError("weights of the model in no stage: "
-                             + ", ".join(v.path for v in whole.values()))
+        if whole:  # the model's own variables, outside its layers (`model.v = ...`)
+            compat.enforce(compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, compat.view(
+                backend="dtensor", outside_variable=", ".join(
+                    v.path for v in whole.values())))
         self.state_pairs = _state_pairs(self.pairs, model.stages, optimizers,
                                         user_model.optimizer)
         self._forward = self._compiled(self._predict_step)
@@ -463,20 +464,21 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
 
     def stage_forward(self, v, tv, ntv, h, training=True):
         """Stage model v on `h` (`MeshPipelineTrainer`'s); in training, refuses (while the
-        step is traced, before it runs) a layer whose `call` assigns a non-trainable
-        variable: the stateless step would drop that write every step."""
+        step is traced, before it runs) a forward that touches state the stateless step
+        would not carry: a variable of the stage written in `call` (non-trainable state,
+        a trainable weight), a layer's own metric, or a variable of no layer of the stage
+        read or written (`_refuse_accesses`)."""
         stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            before = [scope.get_current_value(w) for w in stage.non_trainable_variables]
+        with patches.AccessScope(state_mapping=mapping) as scope:
             out = stage(h, training=training)
-            if training:
-                try:
-                    _refuse_assigned(stage, scope, before)
-                except ConfigError as error:
-                    self.refused = error
-                    raise
+        if training:
+            try:
+                _refuse_accesses(stage, scope)
+            except ConfigError as error:
+                self.refused = error
+                raise
         return out
 
     def train_on_batch(self, x, y, sample_weight=None):
@@ -534,19 +536,44 @@ def _layers(model):
             yield layer
 
 
-def _refuse_assigned(stage, scope, before):
-    """`compat.KERAS_PIPELINE_STATEFUL_LAYER` for the first layer of `stage` whose
-    non-trainable variable `scope` (the forward's `StatelessScope`) holds a new value for
-    (`before`: the values it was entered with)."""
-    assigned = {id(w) for w, old in zip(stage.non_trainable_variables, before)
-                if scope.get_current_value(w) is not old}
-    if not assigned:
-        return
-    name = next((f"{layer.name} ({type(layer).__name__})" for layer in _layers(stage)
-                 if any(id(w) in assigned for w in layer.non_trainable_weights)),
-                next(w.path for w in stage.non_trainable_variables if id(w) in assigned))
-    compat.enforce(compat.KERAS_PIPELINE_STATEFUL_LAYER, compat.view(
-        backend="dtensor", stateful_layer=name))
+def _refuse_accesses(stage, scope):
+    """The rulebook's row for the first variable the forward of `stage` in `scope` (a
+    `patches.AccessScope`) touched that the stateless step would not carry, or nothing:
+
+    - a trainable weight of the stage written (a clip in `call`): the step applies the
+      optimizer to the values it read, the write is dropped
+      (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`);
+    - a non-trainable variable of the stage written (a running mean):
+      `compat.KERAS_PIPELINE_STATEFUL_LAYER`;
+    - a variable of a layer's own `keras.metrics` read or written (`update_state` in
+      `call`): the stage's copy of the layer holds its own metric, which the step neither
+      keeps nor reports (`compat.KERAS_PIPELINE_LAYER_METRIC`);
+    - any other variable (a `keras.Variable` held outside the stage's layers, a weight of
+      another stage's layer): the step neither trains nor writes it
+      (`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`).
+    """
+    trainable = {id(w) for w in stage.trainable_variables}
+    own = trainable | {id(w) for w in stage.non_trainable_variables}
+    metrics = {id(v): layer for layer in _layers(stage) for v in layer.metrics_variables}
+    touched = dict(scope.written)
+    touched.update((key, v) for key, v in scope.read.items() if key not in touched)
+    for key, variable in touched.items():
+        written = key in scope.written
+        if key in own and not written:
+            continue
+        if key in own:
+            rule, field = ((compat.KERAS_PIPELINE_ASSIGNED_WEIGHT, "assigned_weight")
+                           if key in trainable else
+                           (compat.KERAS_PIPELINE_STATEFUL_LAYER, "stateful_layer"))
+            name = _owner_name(stage, variable)
+        elif key in metrics:
+            layer = metrics[key]
+            rule, field = compat.KERAS_PIPELINE_LAYER_METRIC, "layer_metric"
+            name = f"{layer.name} ({type(layer).__name__})"
+        else:
+            rule, field = compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, "outside_variable"
+            name = variable.path
+        compat.enforce(rule, compat.view(backend="dtensor", **{field: name}))
 
 
 def _owners(optimizer, weights):
