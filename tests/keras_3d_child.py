@@ -34,7 +34,9 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   file's entries; a file without them; another codec's file refused.
 - `guards`: an fp32 DistributedOptimizer's skipped steps in `optimizer.nonfinite_steps`
   and tfpar's `NaNGuard` stopping on them; a custom layer assigning its own non-trainable
-  variable in `call` refused before any step; a layer of unnamed `add_weight`s against
+  variable in `call` refused before any step, as are one updating its own metric, one
+  clipping its trainable kernel in `call`, and `keras.Variable`s held by no layer (read
+  and annealed by a callback, assigned in `call`, held by the model itself); a layer of unnamed `add_weight`s against
   one device; a Dropout model evaluated by the CLI's `MeshPipelineTrainer` against one
   device's `evaluate`.
 - `cli`: each settings of the list `CONFIGS_JSON`, a `python -m tfpar.train` 3D run's (the

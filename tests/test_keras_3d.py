@@ -4,7 +4,8 @@
 `tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`; Adam's state
 through `model.save`/`load_model` and Keras's `BackupAndRestore`, and a codec's state
 (top-k, PowerSGD, Adam in front) through Keras's files; what the cut must not
-drop or break (skipped steps counted, a layer assigning its own state, unnamed weights,
+drop or break (skipped steps counted, a layer assigning its own state, a layer's own
+metric, a trainable weight assigned in call, variables held by no layer, unnamed weights,
 inference-mode evaluation); the CLI's 3D trainer against the same settings through a
 user's `fit`. Two children side by side (tests/keras_3d_child.py), then the CLI's runs
 (tests/train_configs_child.py) beside that child's `cli` case.

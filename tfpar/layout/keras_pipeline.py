@@ -54,9 +54,14 @@ metric other than accuracy; `loss_weights`, `weighted_metrics`;
 `tfpar.callbacks.BackupAndRestore` (tfpar.train's checkpoint; Keras's holds the stages'
 codec state too, `tfpar.keras_codec_state`); a layer
 whose non-trainable state a training step changes (BatchNormalization's statistics,
-Dropout's seed, a variable a custom layer's `call` assigns, found in the traced
-forward's `StatelessScope`: `compat.KERAS_PIPELINE_STATEFUL_LAYER`, before the first
-step runs); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+Dropout's seed, a variable a custom layer's `call` assigns:
+`compat.KERAS_PIPELINE_STATEFUL_LAYER`), and what else the traced forward touches that
+the stateless step would drop (each variable it reads or writes seen through
+`patches.AccessScope`, before the first step runs): a layer's own `keras.metrics`
+(`compat.KERAS_PIPELINE_LAYER_METRIC`), a trainable weight assigned in `call`
+(`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), a variable held by no layer of the stage
+(`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`, also for the model's own variables when it is
+cut); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
 interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch (the
 last one too, checked before the first step) must split into `microbatches` equal
 micro-batches divisible by the `batch` axis (one line naming `microbatches` otherwise). A
