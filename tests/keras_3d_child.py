@@ -35,8 +35,9 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
 - `guards`: an fp32 DistributedOptimizer's skipped steps in `optimizer.nonfinite_steps`
   and tfpar's `NaNGuard` stopping on them; a custom layer assigning its own non-trainable
   variable in `call` refused before any step, as are one updating its own metric, one
-  clipping its trainable kernel in `call`, and `keras.Variable`s held by no layer (read
-  and annealed by a callback, assigned in `call`, held by the model itself); a layer of unnamed `add_weight`s against
+  clipping its trainable kernel in `call`, and variables held by no layer (a
+  `keras.Variable` read and annealed by a callback, one assigned in `call`, a `tf.Variable`
+  assigned in `call`, one held by the model itself); a layer of unnamed `add_weight`s against
   one device; a Dropout model evaluated by the CLI's `MeshPipelineTrainer` against one
   device's `evaluate`.
 - `cli`: each settings of the list `CONFIGS_JSON`, a `python -m tfpar.train` 3D run's (the
@@ -558,6 +559,15 @@ class Counting(keras.layers.Layer):
         return x
 
 
+class RawCounting(keras.layers.Layer):
+    """Counts its training calls in a `tf.Variable` (not a Keras variable) of no layer."""
+
+    def call(self, x, training=False):
+        if training:
+            OUTSIDE["raw_calls"].assign_add(1.0)
+        return x
+
+
 class Tempered(keras.layers.Layer):
     """Divides by a trainable temperature the model holds directly (`model.temperature`,
     trained on one device), read here from `OUTSIDE["temperature"]`."""
@@ -658,6 +668,9 @@ def guards():
                    temperature=keras.Variable(1.0, name="temperature"))
     out["outside_read"] = _refused(_model_with(Annealed(name="annealed")), [Anneal()])
     out["outside_write"] = _refused(_model_with(Counting(name="counting")))
+    import tensorflow as tf
+    OUTSIDE["raw_calls"] = tf.Variable(0.0, trainable=False)
+    out["outside_raw"] = _refused(_model_with(RawCounting(name="raw_counting")))
     model = _model_with(Tempered(name="tempered"))
     model.temperature = OUTSIDE["temperature"]  # a weight of the model, of no layer
     out["outside_held"] = _refused(model)

@@ -233,11 +233,13 @@ def test_a_layer_assigning_its_own_state_is_refused_before_any_step(results):
     ("clip", "layer='clipped (Clipped)' is invalid: assigns its trainable weight in call"),
     ("outside_read", "variable='beta' is invalid: is held by no layer"),
     ("outside_write", "variable='calls' is invalid: is held by no layer"),
+    ("outside_raw", "variable='a tf.Variable (AssignAddVariableOp "),
     ("outside_held", "variable='temperature' is invalid: is held by no layer")])
 def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, case, line):
     # Before, a layer's own metric (which fit reports on one device), a trainable weight
-    # clipped in call and a variable no layer holds assigned in call ran silently wrong
-    # (the copy's metric, the writes dropped); a variable no layer holds read in call
+    # clipped in call and a variable no layer holds assigned in call (a Keras one, or a
+    # tf.Variable) ran silently wrong (the copy's metric, the writes dropped or, the
+    # tf.Variable's, not counted as on one device); a variable no layer holds read in call
     # failed in DTensor's mesh propagation, and one the model holds directly in a
     # TfparError with no way out.
     run_ = _case(results, "guards")[case]
@@ -245,6 +247,8 @@ def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, 
     assert raised is not None and raised.startswith("ConfigError: " + line), raised
     assert "\n" not in raised, raised
     assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+    if case == "outside_raw":  # the op's name holds the layer's
+        assert "raw_counting" in raised, raised
 
 
 def test_unnamed_weights_train_as_on_one_device(results):

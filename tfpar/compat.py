@@ -389,14 +389,15 @@ KERAS_PIPELINE_LAYER_METRIC = Rule(
     value=lambda c: c.layer_metric)
 # A variable held by no layer of the stage whose forward reads or writes it (a
 # `keras.Variable` the model holds directly or none holds, a weight of another stage's
-# layer): the stages' step trains, writes and reads only their own layers' weights (a
-# host variable read in a stage fails in DTensor's mesh propagation, a write is dropped).
+# layer, a `tf.Variable`): the stages' step trains, writes and reads only their own
+# layers' weights (a host variable read in a stage fails in DTensor's mesh propagation; a
+# Keras variable's write is dropped, a tf.Variable's does not count as on one device).
 KERAS_PIPELINE_OUTSIDE_VARIABLE = Rule(
     "variable", lambda c: bool(getattr(c, "outside_variable", None)),
-    "is held by no layer of the pipeline stage that would use it (a keras.Variable of "
-    "the model or outside it, another stage's weight): a fit on a pipeline mesh trains, "
-    "writes and reads only each stage's own layers' weights; fit on a mesh without a "
-    "'stage' axis, or with python -m tfpar.train",
+    "is held by no layer of the pipeline stage that would use it (a keras.Variable or "
+    "tf.Variable outside its layers, the model's own, another stage's weight): a fit on a "
+    "pipeline mesh trains, writes and reads only each stage's own layers' weights; fit on "
+    "a mesh without a 'stage' axis, or with python -m tfpar.train",
     value=lambda c: c.outside_variable)
 
 # `--offload` (`tfpar.offload`): what its host update does not run with. The same rows

@@ -60,8 +60,8 @@ the stateless step would drop (each variable it reads or writes seen through
 `patches.AccessScope`, before the first step runs): a layer's own `keras.metrics`
 (`compat.KERAS_PIPELINE_LAYER_METRIC`), a trainable weight assigned in `call`
 (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), a variable held by no layer of the stage
-(`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`, also for the model's own variables when it is
-cut); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+(`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`, also for a `tf.Variable`, seen as a variable
+operation in the traced forward, and for the model's own variables when it is cut); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
 interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch (the
 last one too, checked before the first step) must split into `microbatches` equal
 micro-batches divisible by the `batch` axis (one line naming `microbatches` otherwise). A
@@ -476,11 +476,13 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
+        graph = tf.compat.v1.get_default_graph()  # the step being traced
+        first = len(graph.get_operations())
         with patches.AccessScope(state_mapping=mapping) as scope:
             out = stage(h, training=training)
         if training:
             try:
-                _refuse_accesses(stage, scope)
+                _refuse_accesses(stage, scope, graph.get_operations()[first:])
             except ConfigError as error:
                 self.refused = error
                 raise
@@ -541,9 +543,10 @@ def _layers(model):
             yield layer
 
 
-def _refuse_accesses(stage, scope):
+def _refuse_accesses(stage, scope, ops):
     """The rulebook's row for the first variable the forward of `stage` in `scope` (a
-    `patches.AccessScope`) touched that the stateless step would not carry, or nothing:
+    `patches.AccessScope`; `ops`: the operations it traced) touched that the stateless
+    step would not carry, or nothing:
 
     - a trainable weight of the stage written (a clip in `call`): the step applies the
       optimizer to the values it read, the write is dropped
@@ -555,7 +558,9 @@ def _refuse_accesses(stage, scope):
       keeps nor reports (`compat.KERAS_PIPELINE_LAYER_METRIC`);
     - any other variable (a `keras.Variable` held outside the stage's layers, a weight of
       another stage's layer): the step neither trains nor writes it
-      (`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`).
+      (`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`); so too a `tf.Variable` that is not a
+      Keras variable, seen as a variable operation among `ops` (the stage's own
+      variables come in as the step's values: its forward has none), named by it.
     """
     trainable = {id(w) for w in stage.trainable_variables}
     own = trainable | {id(w) for w in stage.non_trainable_variables}
@@ -579,6 +584,11 @@ def _refuse_accesses(stage, scope):
             rule, field = compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, "outside_variable"
             name = variable.path
         compat.enforce(rule, compat.view(backend="dtensor", **{field: name}))
+    for op in ops:
+        if (op.type.endswith("VariableOp") or op.type.startswith("Resource")) and any(
+                t.dtype == tf.resource for t in op.inputs):
+            compat.enforce(compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, compat.view(
+                backend="dtensor", outside_variable=f"a tf.Variable ({op.type} {op.name})"))
 
 
 def _owners(optimizer, weights):
