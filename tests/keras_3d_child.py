@@ -34,7 +34,10 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   file's entries; a file without them; another codec's file refused.
 - `guards`: an fp32 DistributedOptimizer's skipped steps in `optimizer.nonfinite_steps`
   and tfpar's `NaNGuard` stopping on them; a custom layer assigning its own non-trainable
-  variable in `call` refused before any step; a layer of unnamed `add_weight`s against
+  variable in `call` refused before any step, as are one updating its own metric, one
+  clipping its trainable kernel in `call`, and variables held by no layer (a
+  `keras.Variable` read and annealed by a callback, one assigned in `call`, a `tf.Variable`
+  assigned in `call`, one held by the model itself); a layer of unnamed `add_weight`s against
   one device; a Dropout model evaluated by the CLI's `MeshPipelineTrainer` against one
   device's `evaluate`.
 - `cli`: each settings of the list `CONFIGS_JSON`, a `python -m tfpar.train` 3D run's (the
@@ -511,6 +514,73 @@ class RunningMean(keras.layers.Layer):
         return x - self.mean
 
 
+class Tracked(keras.layers.Layer):
+    """A user's layer updating its own `keras.metrics.Mean` of its activations in `call`
+    (on one device `fit`'s logs report it as "activation_mean")."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.activation_mean = keras.metrics.Mean(name="activation_mean")
+
+    def call(self, x):
+        self.activation_mean.update_state(keras.ops.mean(x))
+        return x
+
+
+class Clipped(keras.layers.Layer):
+    """A user's layer clipping its trainable kernel in `call` before using it."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 16), name="kernel")
+
+    def call(self, x):
+        self.kernel.assign(keras.ops.clip(self.kernel, -0.05, 0.05))
+        return x @ self.kernel
+
+
+# Variables no layer holds, as a user's script keeps them (module-level, made in `guards`)
+OUTSIDE = {}
+
+
+class Annealed(keras.layers.Layer):
+    """Scales its input by a `keras.Variable` held by no layer (`OUTSIDE["beta"]`, which
+    a callback anneals each epoch, as a KL weight)."""
+
+    def call(self, x):
+        return x * OUTSIDE["beta"]
+
+
+class Counting(keras.layers.Layer):
+    """Counts its training calls in a `keras.Variable` held by no layer."""
+
+    def call(self, x, training=False):
+        if training:
+            OUTSIDE["calls"].assign_add(1.0)
+        return x
+
+
+class RawCounting(keras.layers.Layer):
+    """Counts its training calls in a `tf.Variable` (not a Keras variable) of no layer."""
+
+    def call(self, x, training=False):
+        if training:
+            OUTSIDE["raw_calls"].assign_add(1.0)
+        return x
+
+
+class Tempered(keras.layers.Layer):
+    """Divides by a trainable temperature the model holds directly (`model.temperature`,
+    trained on one device), read here from `OUTSIDE["temperature"]`."""
+
+    def call(self, x):
+        return x / OUTSIDE["temperature"]
+
+
+class Anneal(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        OUTSIDE["beta"].assign(0.5 * (epoch + 1))
+
+
 class Unnamed(keras.layers.Layer):
     """A user's layer whose weights have no names (Keras auto-names them)."""
 
@@ -532,6 +602,19 @@ def _model_with(layer, seed=0):
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
+
+
+def _refused(model, callbacks=()):
+    """`fit(model)`'s one-line `ConfigError` (or None), and what it left: the weights'
+    change and the optimizer's step count."""
+    start = model.get_weights()
+    try:
+        fit(model, callbacks=callbacks)
+        raised = None
+    except Exception as error:  # noqa: BLE001 (the test reads which error it was)
+        raised = f"{type(error).__name__}: {error}"[:300]
+    return {"raised": raised, "moved": diff(model.get_weights(), start),
+            "iterations": int(model.optimizer.iterations.numpy())}
 
 
 def guards():
@@ -575,6 +658,22 @@ def guards():
         raised = str(error)
     out["assigns"] = {"raised": raised, "moved": diff(model.get_weights(), start_running),
                       "iterations": int(model.optimizer.iterations.numpy())}
+    # what the stateless step would drop, each refused while the first step is traced: a
+    # layer's own metric, a trainable weight clipped in call, variables held by no layer
+    for name, layer in (("metric", Tracked(name="tracked")),
+                        ("clip", Clipped(name="clipped"))):
+        out[name] = _refused(_model_with(layer))
+    OUTSIDE.update(beta=keras.Variable(0.0, trainable=False, name="beta"),
+                   calls=keras.Variable(0.0, trainable=False, name="calls"),
+                   temperature=keras.Variable(1.0, name="temperature"))
+    out["outside_read"] = _refused(_model_with(Annealed(name="annealed")), [Anneal()])
+    out["outside_write"] = _refused(_model_with(Counting(name="counting")))
+    import tensorflow as tf
+    OUTSIDE["raw_calls"] = tf.Variable(0.0, trainable=False)
+    out["outside_raw"] = _refused(_model_with(RawCounting(name="raw_counting")))
+    model = _model_with(Tempered(name="tempered"))
+    model.temperature = OUTSIDE["temperature"]  # a weight of the model, of no layer
+    out["outside_held"] = _refused(model)
     # unnamed add_weights (auto-named anew in a stage's copy): against one device
     model = _model_with(Unnamed(name="unnamed"))
     model.set_weights(start)

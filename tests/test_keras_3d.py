@@ -4,7 +4,8 @@
 `tfpar.DistributedOptimizer`'s PowerSGD, also under `mixed_float16`; Adam's state
 through `model.save`/`load_model` and Keras's `BackupAndRestore`, and a codec's state
 (top-k, PowerSGD, Adam in front) through Keras's files; what the cut must not
-drop or break (skipped steps counted, a layer assigning its own state, unnamed weights,
+drop or break (skipped steps counted, a layer assigning its own state, a layer's own
+metric, a trainable weight assigned in call, variables held by no layer, unnamed weights,
 inference-mode evaluation); the CLI's 3D trainer against the same settings through a
 user's `fit`. Two children side by side (tests/keras_3d_child.py), then the CLI's runs
 (tests/train_configs_child.py) beside that child's `cli` case.
@@ -225,6 +226,29 @@ def test_a_layer_assigning_its_own_state_is_refused_before_any_step(results):
     assert raised is not None and raised.startswith("layer='running (RunningMean)'"), raised
     assert "\n" not in raised, raised
     assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+
+
+@pytest.mark.parametrize("case,line", [
+    ("metric", "layer='tracked (Tracked)' is invalid: updates its own keras.metrics in call"),
+    ("clip", "layer='clipped (Clipped)' is invalid: assigns its trainable weight in call"),
+    ("outside_read", "variable='beta' is invalid: is held by no layer"),
+    ("outside_write", "variable='calls' is invalid: is held by no layer"),
+    ("outside_raw", "variable='a tf.Variable (AssignAddVariableOp "),
+    ("outside_held", "variable='temperature' is invalid: is held by no layer")])
+def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, case, line):
+    # Before, a layer's own metric (which fit reports on one device), a trainable weight
+    # clipped in call and a variable no layer holds assigned in call (a Keras one, or a
+    # tf.Variable) ran silently wrong (the copy's metric, the writes dropped or, the
+    # tf.Variable's, not counted as on one device); a variable no layer holds read in call
+    # failed in DTensor's mesh propagation, and one the model holds directly in a
+    # TfparError with no way out.
+    run_ = _case(results, "guards")[case]
+    raised = run_["raised"]
+    assert raised is not None and raised.startswith("ConfigError: " + line), raised
+    assert "\n" not in raised, raised
+    assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
+    if case == "outside_raw":  # the op's name holds the layer's
+        assert "raw_counting" in raised, raised
 
 
 def test_unnamed_weights_train_as_on_one_device(results):

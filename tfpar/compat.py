@@ -391,6 +391,34 @@ KERAS_PIPELINE_STATEFUL_LAYER = Rule(
     "(frozen layers are fine), or on a mesh without a 'stage' axis, or with "
     "python -m tfpar.train",
     value=lambda c: c.stateful_layer)
+# The same step applies each stage's optimizer to the weights' values it read at the step's
+# start: a trainable weight a layer's `call` assigns (a clip) would lose that write.
+KERAS_PIPELINE_ASSIGNED_WEIGHT = Rule(
+    "layer", lambda c: bool(getattr(c, "assigned_weight", None)),
+    "assigns its trainable weight in call (a clip, a decay), a write a fit on a pipeline "
+    "mesh would drop every step; fit it on a mesh without a 'stage' axis, or with "
+    "python -m tfpar.train",
+    value=lambda c: c.assigned_weight)
+# Each stage runs copies of the model's layers: a layer's own `keras.metrics` updated in
+# its `call` would be the copy's, never kept or reported.
+KERAS_PIPELINE_LAYER_METRIC = Rule(
+    "layer", lambda c: bool(getattr(c, "layer_metric", None)),
+    "updates its own keras.metrics in call, which a fit on a pipeline mesh neither keeps "
+    "nor reports (its stages train copies of the layers); fit it on a mesh without a "
+    "'stage' axis, or with python -m tfpar.train",
+    value=lambda c: c.layer_metric)
+# A variable held by no layer of the stage whose forward reads or writes it (a
+# `keras.Variable` the model holds directly or none holds, a weight of another stage's
+# layer, a `tf.Variable`): the stages' step trains, writes and reads only their own
+# layers' weights (a host variable read in a stage fails in DTensor's mesh propagation; a
+# Keras variable's write is dropped, a tf.Variable's does not count as on one device).
+KERAS_PIPELINE_OUTSIDE_VARIABLE = Rule(
+    "variable", lambda c: bool(getattr(c, "outside_variable", None)),
+    "is held by no layer of the pipeline stage that would use it (a keras.Variable or "
+    "tf.Variable outside its layers, the model's own, another stage's weight): a fit on a "
+    "pipeline mesh trains, writes and reads only each stage's own layers' weights; fit on "
+    "a mesh without a 'stage' axis, or with python -m tfpar.train",
+    value=lambda c: c.outside_variable)
 
 # `--offload` (`tfpar.offload`): what its host update does not run with. The same rows
 # check `tfpar.DistributedOptimizer(offload=...)` (a `view` with `api=True`), each saying

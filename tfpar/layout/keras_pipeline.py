@@ -54,9 +54,14 @@ metric other than accuracy; `loss_weights`, `weighted_metrics`;
 `tfpar.callbacks.BackupAndRestore` (tfpar.train's checkpoint; Keras's holds the stages'
 codec state too, `tfpar.keras_codec_state`); a layer
 whose non-trainable state a training step changes (BatchNormalization's statistics,
-Dropout's seed, a variable a custom layer's `call` assigns, found in the traced
-forward's `StatelessScope`: `compat.KERAS_PIPELINE_STATEFUL_LAYER`, before the first
-step runs); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+Dropout's seed, a variable a custom layer's `call` assigns:
+`compat.KERAS_PIPELINE_STATEFUL_LAYER`), and what else the traced forward touches that
+the stateless step would drop (each variable it reads or writes seen through
+`patches.AccessScope`, before the first step runs): a layer's own `keras.metrics`
+(`compat.KERAS_PIPELINE_LAYER_METRIC`), a trainable weight assigned in `call`
+(`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), a variable held by no layer of the stage
+(`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`, also for a `tf.Variable`, seen as a variable
+operation in the traced forward, and for the model's own variables when it is cut); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
 interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch (the
 last one too, checked before the first step) must split into `microbatches` equal
 micro-batches divisible by the `batch` axis (one line naming `microbatches` otherwise). A
@@ -380,9 +385,10 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
                         "each and trained apart; call it within one stage, or give each "
                         "call its own layer")
                 self.pairs.append((variable, whole.pop(id(source))))
-        if whole:
-            raise TfparError("weights of the model in no stage: "
-                             + ", ".join(v.path for v in whole.values()))
+        if whole:  # the model's own variables, outside its layers (`model.v = ...`)
+            compat.enforce(compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, compat.view(
+                backend="dtensor", outside_variable=", ".join(
+                    v.path for v in whole.values())))
         self.state_pairs = _state_pairs(self.pairs, model.stages, optimizers,
                                         user_model.optimizer)
         self._forward = self._compiled(self._predict_step)
@@ -463,20 +469,23 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
 
     def stage_forward(self, v, tv, ntv, h, training=True):
         """Stage model v on `h` (`MeshPipelineTrainer`'s); in training, refuses (while the
-        step is traced, before it runs) a layer whose `call` assigns a non-trainable
-        variable: the stateless step would drop that write every step."""
+        step is traced, before it runs) a forward that touches state the stateless step
+        would not carry: a variable of the stage written in `call` (non-trainable state,
+        a trainable weight), a layer's own metric, or a variable of no layer of the stage
+        read or written (`_refuse_accesses`)."""
         stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            before = [scope.get_current_value(w) for w in stage.non_trainable_variables]
+        graph = tf.compat.v1.get_default_graph()  # the step being traced
+        first = len(graph.get_operations())
+        with patches.AccessScope(state_mapping=mapping) as scope:
             out = stage(h, training=training)
-            if training:
-                try:
-                    _refuse_assigned(stage, scope, before)
-                except ConfigError as error:
-                    self.refused = error
-                    raise
+        if training:
+            try:
+                _refuse_accesses(stage, scope, graph.get_operations()[first:])
+            except ConfigError as error:
+                self.refused = error
+                raise
         return out
 
     def train_on_batch(self, x, y, sample_weight=None):
@@ -534,19 +543,52 @@ def _layers(model):
             yield layer
 
 
-def _refuse_assigned(stage, scope, before):
-    """`compat.KERAS_PIPELINE_STATEFUL_LAYER` for the first layer of `stage` whose
-    non-trainable variable `scope` (the forward's `StatelessScope`) holds a new value for
-    (`before`: the values it was entered with)."""
-    assigned = {id(w) for w, old in zip(stage.non_trainable_variables, before)
-                if scope.get_current_value(w) is not old}
-    if not assigned:
-        return
-    name = next((f"{layer.name} ({type(layer).__name__})" for layer in _layers(stage)
-                 if any(id(w) in assigned for w in layer.non_trainable_weights)),
-                next(w.path for w in stage.non_trainable_variables if id(w) in assigned))
-    compat.enforce(compat.KERAS_PIPELINE_STATEFUL_LAYER, compat.view(
-        backend="dtensor", stateful_layer=name))
+def _refuse_accesses(stage, scope, ops):
+    """The rulebook's row for the first variable the forward of `stage` in `scope` (a
+    `patches.AccessScope`; `ops`: the operations it traced) touched that the stateless
+    step would not carry, or nothing:
+
+    - a trainable weight of the stage written (a clip in `call`): the step applies the
+      optimizer to the values it read, the write is dropped
+      (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`);
+    - a non-trainable variable of the stage written (a running mean):
+      `compat.KERAS_PIPELINE_STATEFUL_LAYER`;
+    - a variable of a layer's own `keras.metrics` read or written (`update_state` in
+      `call`): the stage's copy of the layer holds its own metric, which the step neither
+      keeps nor reports (`compat.KERAS_PIPELINE_LAYER_METRIC`);
+    - any other variable (a `keras.Variable` held outside the stage's layers, a weight of
+      another stage's layer): the step neither trains nor writes it
+      (`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`); so too a `tf.Variable` that is not a
+      Keras variable, seen as a variable operation among `ops` (the stage's own
+      variables come in as the step's values: its forward has none), named by it.
+    """
+    trainable = {id(w) for w in stage.trainable_variables}
+    own = trainable | {id(w) for w in stage.non_trainable_variables}
+    metrics = {id(v): layer for layer in _layers(stage) for v in layer.metrics_variables}
+    touched = dict(scope.written)
+    touched.update((key, v) for key, v in scope.read.items() if key not in touched)
+    for key, variable in touched.items():
+        written = key in scope.written
+        if key in own and not written:
+            continue
+        if key in own:
+            rule, field = ((compat.KERAS_PIPELINE_ASSIGNED_WEIGHT, "assigned_weight")
+                           if key in trainable else
+                           (compat.KERAS_PIPELINE_STATEFUL_LAYER, "stateful_layer"))
+            name = _owner_name(stage, variable)
+        elif key in metrics:
+            layer = metrics[key]
+            rule, field = compat.KERAS_PIPELINE_LAYER_METRIC, "layer_metric"
+            name = f"{layer.name} ({type(layer).__name__})"
+        else:
+            rule, field = compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, "outside_variable"
+            name = variable.path
+        compat.enforce(rule, compat.view(backend="dtensor", **{field: name}))
+    for op in ops:
+        if (op.type.endswith("VariableOp") or op.type.startswith("Resource")) and any(
+                t.dtype == tf.resource for t in op.inputs):
+            compat.enforce(compat.KERAS_PIPELINE_OUTSIDE_VARIABLE, compat.view(
+                backend="dtensor", outside_variable=f"a tf.Variable ({op.type} {op.name})"))
 
 
 def _owners(optimizer, weights):

@@ -25,7 +25,8 @@ entries, each described in its module's docstring:
   `initial_epoch`, `uninitialized_variables`, `variable_storage`.
 - `keras_variables`: `mesh_variable_values` (a Keras variable on a mesh read to and
   written from the host, what `tfpar.layout.enable` hooks for `get_weights`, `save` …),
-  `autocast_scope` (mixed precision's variable cast, re-entered in a recomputed forward).
+  `autocast_scope` (mixed precision's variable cast, re-entered in a recomputed forward),
+  `stateless_accesses` (the variables a forward in a `StatelessScope` read and wrote).
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
   `stateless_optimizer`; and `mix_in`/`mix_out`, how an optimizer the user built gets (or
   sheds) a tfpar mixin.
@@ -70,7 +71,7 @@ from tfpar.patches.model_optimization import (input_quantizers, local_mask_pruni
 from tfpar.patches.multi_worker import (apply, configure_coordination_service,
                                         cpu_devices_per_worker, is_applied, plain_variable,
                                         replica_index, strategy_workers, wait_at_barrier)
-from tfpar.patches.keras_variables import autocast_scope, autocasting
+from tfpar.patches.keras_variables import AccessScope, autocast_scope, autocasting
 from tfpar.patches.tensorflow_checkpoint import publish as publish_checkpoint
 from tfpar.patches.tensorflow_checkpoint import snapshot as checkpoint_snapshot
 from tfpar.patches.tensorflow_checkpoint import trace_reads as trace_checkpoint_reads

@@ -16,6 +16,12 @@ host (keras 3.15.1 on tensorflow 2.21.0).
   forward replayed by `tf.recompute_grad` in the backward pass runs outside that call, so
   `tfpar.zero.fsdp` and `tfpar.recompute` read the scope when the layer runs
   (`autocast_scope`) and enter one of its dtype in the replay (`autocasting`).
+- `stateless_accesses`: inside a `keras.StatelessScope` a Keras variable asks the scope
+  for its value on every read (`value`) and hands it every write (`assign`, which
+  `assign_add` and a metric's `update_state` end in); the scope keeps only the written
+  variable's id. `AccessScope` is a `StatelessScope` that also keeps each variable read or
+  written in it, by object, in order: what a pipeline stage's traced forward touched
+  (`tfpar.layout.keras_pipeline`). The check looks for those two calls.
 """
 
 import contextlib
@@ -32,6 +38,9 @@ ENTRIES = {
                              "tfpar.layout.keras_state, tfpar.layout.enable"),
     "autocast_scope": ("keras.src.backend.common.variables.get_autocast_scope, "
                        "AutocastScope (read, entered)", "tfpar.zero.fsdp, tfpar.recompute"),
+    "stateless_accesses": ("keras.src.backend.common.stateless_scope.StatelessScope."
+                           "get_current_value, add_update (overridden by AccessScope)",
+                           "tfpar.layout.keras_pipeline"),
 }
 # Keras's own, before any patch: what `set_variable_values(None)` puts back.
 NUMPY = _tf_core.Variable.__dict__["numpy"]
@@ -53,6 +62,16 @@ FRAGMENTS = {
          "autocast_scope = get_autocast_scope()"),
         ("AutocastScope.__enter__", lambda: _common_variables.AutocastScope.__enter__,
          'global_state.set_global_attribute("autocast_scope", self)'),
+    ],
+    "stateless_accesses": [
+        ("KerasVariable.value", lambda: _common_variables.Variable.value.fget,
+         "value = scope.get_current_value(self)"),
+        ("KerasVariable.assign", lambda: _common_variables.Variable.assign,
+         "scope.add_update((self, value))"),
+        ("StatelessScope.add_update", lambda: keras.StatelessScope.add_update,
+         "variable, value = update"),
+        ("StatelessScope.get_current_value", lambda: keras.StatelessScope.get_current_value,
+         "return self.state_mapping.get(id(variable), None)"),
     ],
 }
 
@@ -114,3 +133,21 @@ def autocasting(dtype):
         return
     with _common_variables.AutocastScope(dtype):
         yield
+
+
+class AccessScope(keras.StatelessScope):
+    """A `keras.StatelessScope` that also keeps each Keras variable read (`read`) or
+    written (`written`) inside it: `{id: variable}`, in the order first touched. Registry
+    entry `stateless_accesses`."""
+
+    def __init__(self, state_mapping=None, **kwargs):
+        super().__init__(state_mapping=state_mapping, **kwargs)
+        self.read, self.written = {}, {}
+
+    def get_current_value(self, variable):
+        self.read.setdefault(id(variable), variable)
+        return super().get_current_value(variable)
+
+    def add_update(self, update):
+        self.written.setdefault(id(update[0]), update[0])
+        super().add_update(update)
