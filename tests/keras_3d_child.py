@@ -31,7 +31,10 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   PowerSGD over SGD, Adam in front of PowerSGD): Keras's `BackupAndRestore` stopped inside
   the second epoch then resumed by a fresh model, and `model.save` after one epoch read
   back by `load_weights` after another, each then against two epochs uninterrupted; the
-  file's entries; a file without them; another codec's file refused.
+  file's entries; a file without them; another codec's file refused, and files of codecs
+  whose entries look the same (top-k at another ratio, threshold).
+- `codec_nested`: the same files of PowerSGD's state on two nested models' Dense "proj"
+  (Keras paths that repeat: `proj/kernel`, `proj/kernel#2`).
 - `guards`: an fp32 DistributedOptimizer's skipped steps in `optimizer.nonfinite_steps`
   and tfpar's `NaNGuard` stopping on them; a custom layer assigning its own non-trainable
   variable in `call` refused before any step, as are one updating its own metric, one
@@ -500,6 +503,22 @@ def codec_files():
         lambda optimizer: compiled(optimizer, weights), diff)
 
 
+def codec_nested():
+    """`keras_codec_files.run_nested` on the 3D mesh: PowerSGD's Q of `_nested`'s two
+    "proj" (kernels at or below top-k's dense size: top-k sends them whole)."""
+    keras.distribution.set_distribution(distribution(layouts={"proj/kernel": (None, "model")}))
+
+    def compiled_nested(optimizer):
+        model = _nested()
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    return keras_codec_files.run_nested(
+        lambda model, epochs=1, callbacks=(): fit(model, epochs=epochs, callbacks=callbacks),
+        compiled_nested, diff, codec="powersgd")
+
+
 class RunningMean(keras.layers.Layer):
     """A user's layer keeping a running mean of its inputs in a non-trainable weight,
     assigned in `call` while training."""
@@ -897,7 +916,7 @@ def _cli(config, path):
 
 CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refusals,
          "resume": resume, "guards": guards, "slots": slots, "cli": cli,
-         "codec_files": codec_files}
+         "codec_files": codec_files, "codec_nested": codec_nested}
 
 
 if __name__ == "__main__":

@@ -27,7 +27,11 @@ Usage: python tests/keras_mesh_codecs_child.py CASE[,CASE...]
   step by `train_on_batch` (the same reduction, its counter on).
 - `keras_files`: a codec's state in Keras's files (`keras_codec_files.run`: top-k,
   PowerSGD, Adam in front of PowerSGD; `BackupAndRestore` and `load_weights` against two
-  epochs uninterrupted).
+  epochs uninterrupted; files of another codec, and of codecs with the same entries).
+- `keras_nested`: the same files of top-k's state on two nested models' Dense "proj"
+  (`keras_codec_files.run_nested`: `proj/kernel`, `proj/kernel#2`).
+- `keras_fp16`: top-k under `mixed_float16`, `model.save` → `load_model` → one more
+  epoch, the loss scale with it (`keras_codec_files.run_fp16`).
 - `refusals`: a model's own `train_step` with a compressing optimizer; `auto`; Adam in
   front with `adam_variance="live"` or `adam_refresh_every`.
 """
@@ -419,32 +423,85 @@ def refusals():
     return out
 
 
+def _diff(a, b):
+    """The largest difference of two weight lists."""
+    return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
+               for p, q in zip(a, b))
+
+
+def _compiled(optimizer):
+    """The user's model, seeded, compiled with `optimizer` (under the global policy)."""
+    keras.utils.set_random_seed(0)
+    model = user_model()
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def _fit(model, epochs=1, callbacks=()):
+    """`model.fit` on `STEPS` batches an epoch: the epochs' losses."""
+    x, y = data(STEPS)
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=list(callbacks)).history["loss"]
+
+
 def keras_files():
     """`keras_codec_files.run` on this mesh: each codec's state through Keras's
     `BackupAndRestore` and `model.save` → `load_weights`, against two epochs
     uninterrupted (the user's model, seeded, `STEPS` batches an epoch)."""
+    return keras_codec_files.run(_fit, _compiled, _diff)
+
+
+def keras_fp16():
+    """`keras_codec_files.run_fp16` on this mesh: top-k under `mixed_float16` through
+    `model.save` → `load_model`, the loss scale with it."""
+    return keras_codec_files.run_fp16(_fit, _compiled, _diff)
+
+
+# Two nested models, each with a Dense "proj" (both kernels' Keras path `proj/kernel`),
+# their kernels above top-k's dense size.
+PROJ = 96
+NESTED_LAYOUTS = {"proj/kernel": (None, "model"), "proj/bias": ("model",)}
+
+
+def nested_model():
+    def block(name, width):
+        x = keras.Input((width,))
+        return keras.Model(x, keras.layers.Dense(PROJ, activation="relu", name="proj")(x),
+                           name=name)
+
+    features = keras.Input((FEATURES,), name="features")
+    first, second = block("first", FEATURES), block("second", PROJ)
+    h = second(first(features))
+    return keras.Model(features, keras.layers.Dense(CLASSES, name="head")(h), name="nested")
+
+
+def keras_nested():
+    """`keras_codec_files.run_nested` on this mesh: top-k's state of `nested_model`'s two
+    "proj" through Keras's files, against two epochs uninterrupted."""
     def compiled(optimizer):
         keras.utils.set_random_seed(0)
-        model = user_model()
+        model = nested_model()
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True), metrics=["accuracy"])
+            from_logits=True))
         return model
 
     def fit_(model, epochs=1, callbacks=()):
         x, y = data(STEPS)
-        return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                         callbacks=list(callbacks)).history["loss"]
+        return model.fit(x["features"], y, batch_size=BATCH, epochs=epochs, shuffle=False,
+                         verbose=0, callbacks=list(callbacks)).history["loss"]
 
-    def diff(a, b):
-        return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
-                   for p, q in zip(a, b))
-
-    return keras_codec_files.run(fit_, compiled, diff)
+    keras.distribution.set_distribution(distribution(NESTED_LAYOUTS))
+    try:
+        return keras_codec_files.run_nested(fit_, compiled, _diff)
+    finally:
+        keras.distribution.set_distribution(distribution())
 
 
 CASES = {"codecs": codecs, "fp16": fp16, "save": save, "nan": nan,
          "data_parallel": data_parallel, "adam_front": adam_front, "refusals": refusals,
-         "keras_files": keras_files, "sgd_codec": sgd_codec}
+         "keras_files": keras_files, "keras_nested": keras_nested, "keras_fp16": keras_fp16,
+         "sgd_codec": sgd_codec}
 
 if __name__ == "__main__":
     graph_optimizer.apply()  # the test's choice (tests/graph_optimizer.py)

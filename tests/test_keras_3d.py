@@ -43,7 +43,8 @@ CLI_3D = [{**CLI_BASE, "optimizer": "adam", "learning_rate": 1e-3},
 @pytest.fixture(scope="module")
 def results():
     return cases_lib.gather([["exact", "powersgd", "state", "refusals"],
-                             ["resume", "guards"], ["slots", "codec_files"]], _child)
+                             ["resume", "guards", "codec_nested"], ["slots", "codec_files"]],
+                            _child)
 
 
 def _child(names):
@@ -204,6 +205,15 @@ def test_keras_files_hold_the_codec_state(results, codec):
 
 def test_a_file_of_another_codec_is_refused(results):
     keras_codec_files.check_other_codec(_case(results, "codec_files")["other_codec"])
+
+
+def test_a_file_of_a_codec_with_the_same_entries_is_refused(results):
+    keras_codec_files.check_lookalikes(_case(results, "codec_files"))
+
+
+def test_keras_files_hold_the_codec_state_of_weights_whose_paths_repeat(results):
+    # two nested models' Dense "proj": `proj/kernel` and `proj/kernel#2`, each restored
+    keras_codec_files.check_nested(_case(results, "codec_nested")["powersgd"], "powersgd")
 
 
 def test_a_codec_file_without_tfpar_fails_in_one_line(results):

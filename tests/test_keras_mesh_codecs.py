@@ -5,7 +5,7 @@ gradient and averages it through the mesh trainer's batch-axis reduction
 on the same seed and batches. Over Adam, top-k, PowerSGD and lowbit take Adam in front of
 them (`tfpar.layout.adam_front`), as the CLI's mesh trainer does: its exact warm-up against
 the uncompressed fit, its compressed steps against the trainer's mesh step. One child,
-seven cases (tests/keras_mesh_codecs_child.py).
+ten cases (tests/keras_mesh_codecs_child.py).
 
 Bands, measured 2026-12-05 (one run each, deterministic on this seed; mean of the last 5
 step losses over 40 Adam steps, lr 1e-2): int8 -0.1 %, PowerSGD rank 1 (Adam in front, 5
@@ -36,7 +36,8 @@ BAND = 0.04
 
 @pytest.fixture(scope="module")
 def results():
-    names = "codecs,fp16,save,nan,data_parallel,adam_front,refusals,keras_files"
+    names = ("codecs,fp16,save,nan,data_parallel,adam_front,refusals,keras_files,keras_nested,"
+             "keras_fp16")
     out = last_json_line(run([sys.executable, CHILD, names], timeout=900,
                              env=GRAPPLER_OFF).stdout)
     assert out["grappler"] == "off", out["grappler"]  # as asked, every fit alike
@@ -193,6 +194,29 @@ def test_what_codec_of_cannot_map_is_refused_in_one_line():
     assert reduction.codec_of(compression.TopKAggregator(ratio=0.5))[0] == "topk"
 
 
+def test_a_codecs_identity_is_what_gives_its_state_its_meaning():
+    # No mesh needed: the identity Keras's files record is the aggregator's codec and
+    # options as the mesh maps them (`reduction.codec_of`), without PowerSGD's seed.
+    from tfpar import compression, keras_codec_state
+    from tfpar.errors import TfparError
+
+    def identity(aggregator):
+        return keras_codec_state.CodecState(aggregator=aggregator).identity()
+
+    topk = identity(compression.TopKAggregator(ratio=0.1))
+    assert topk["codec"] == "topk" and topk["topk_ratio"] == 0.1, topk
+    assert keras_codec_state.decode_identity(keras_codec_state.encode_identity(topk)) == topk
+    assert identity(compression.PowerSGDAggregator(rank=2, seed=0)) == identity(
+        compression.PowerSGDAggregator(rank=2, seed=1))  # the seed draws the first Q only
+    assert identity(compression.PowerSGDAggregator(rank=2)) != identity(
+        compression.PowerSGDAggregator(rank=4))
+    keras_codec_state.check_identity(topk, dict(topk))
+    keras_codec_state.check_identity(topk, None)  # a holder without a codec takes any
+    with pytest.raises(TfparError) as err:
+        keras_codec_state.check_identity(topk, {**topk, "topk_ratio": 0.2})
+    assert len(str(err.value).splitlines()) == 1 and "differ in topk_ratio" in str(err.value)
+
+
 @pytest.mark.parametrize("codec", ["topk", "powersgd", "adam_front"])
 def test_keras_files_hold_the_codec_state(results, codec):
     # BackupAndRestore, save -> load_weights, load_model: each equals two uninterrupted
@@ -202,6 +226,23 @@ def test_keras_files_hold_the_codec_state(results, codec):
 
 def test_a_file_of_another_codec_is_refused(results):
     keras_codec_files.check_other_codec(_case(results, "keras_files")["other_codec"])
+
+
+def test_a_file_of_a_codec_with_the_same_entries_is_refused(results):
+    # top-k at 0.1's residuals read into top-k at 0.2 and into threshold: the same names
+    # and shapes, told apart by the codec the file names
+    keras_codec_files.check_lookalikes(_case(results, "keras_files"))
+
+
+def test_keras_files_hold_the_codec_state_of_weights_whose_paths_repeat(results):
+    # two nested models' Dense "proj": `proj/kernel` and `proj/kernel#2`, each restored
+    keras_codec_files.check_nested(_case(results, "keras_nested")["topk"], "topk")
+
+
+def test_load_model_of_an_fp16_codec_file_keeps_the_loss_scale(results):
+    # mixed_float16: Keras's LossScaleOptimizer around the codec's optimizer; its scale
+    # through model.save -> load_model, then one more epoch as two uninterrupted
+    keras_codec_files.check_fp16(_case(results, "keras_fp16"))
 
 
 def test_a_codec_file_without_tfpar_fails_in_one_line(results):

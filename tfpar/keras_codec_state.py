@@ -25,13 +25,32 @@ Keras's load then fills: under the same distribution `fit` goes on with the run.
 Keras, without tfpar, refuses such a file in one line (it cannot locate the class);
 `load_weights` of it into a plain model still works.
 
+Under `mixed_float16` the file names the `LossScaleOptimizer` around such an optimizer
+`tfpar>CodecLossScaleOptimizer`, whose entries are the plain optimizers' as Keras's own
+class writes them on the mesh, so `load_model` reads the loss scale back (Keras's class,
+whose inner `DistributedOptimizer` has a counter of skipped steps, skipped them all).
+
+The group also records the codec that wrote it (`identity`: the mesh codec's name and the
+options that give its state its meaning, as `tfpar.layout.reduction.codec_of` maps the
+aggregator: top-k's ratio, union and dense size, threshold's magnitude, PowerSGD's rank,
+lowbit's bits, error feedback, Adam in front, its rule for `v` and top-k's momentum
+carry), as one entry `identity` beside the `codec/...` ones (a JSON text as bytes). A file
+of another codec whose entries happen to have this codec's names and shapes (every lossy
+codec keeps a residual per weight: top-k's read into threshold, another top-k ratio) is
+refused in one line naming both. PowerSGD's `seed` (its first `Q` only) and
+`adam_warmup_steps` (when compression starts) are not part of it: a run may go on with
+others.
+
 A file without that group (saved before it existed, or by a plain optimizer) loads as it
 did: the codec's state stays as it is (fresh in a new model: the codec starts afresh),
-and one line says so. Entries that do not match this
+and one line says so; a group without `identity` (written before it was recorded) is
+checked by its entries alone, as then. Entries that do not match this
 codec's (another codec, other weights or another `batch` size) are refused in one line.
 Values read before the reductions exist (a `load_weights` before the first `fit`) are
 held and written when they are made (`attach`).
 """
+
+import json
 
 import keras
 import numpy as np
@@ -41,6 +60,9 @@ from tfpar.errors import TfparError
 
 ATTRIBUTE = "tfpar_codec_state"
 _PREFIX = "codec/"
+IDENTITY = "identity"  # the entry naming the codec (module docstring)
+# `codec_of`'s options that do not change what the state means (module docstring)
+_NOT_IDENTITY = ("seed", "adam_warmup_steps")
 
 
 def _key(name):
@@ -53,10 +75,11 @@ class CodecState(keras.layers.Layer):
     docstring). Not a layer of any model: a `keras.layers.Layer` is the public
     `KerasSaveable` whose `save_own_variables`/`load_own_variables` Keras calls."""
 
-    def __init__(self, spec=None, **kwargs):
+    def __init__(self, spec=None, aggregator=None, **kwargs):
         super().__init__(name=ATTRIBUTE, **kwargs)
         # what `name_the_codec` writes into the optimizer's config
         object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "aggregator", aggregator)  # its `identity`
         # [(reduction, {stage weight path: the model's weight path})], set by `attach`;
         # values loaded before it, by name
         object.__setattr__(self, "_reductions", [])
@@ -76,10 +99,25 @@ class CodecState(keras.layers.Layer):
                 out[key] = variable
         return out
 
+    def identity(self):
+        """The codec that writes this state, as a dict (module docstring), or None
+        without an aggregator."""
+        if self.aggregator is None:
+            return None
+        from tfpar.layout import reduction
+        codec, error_feedback, options = reduction.codec_of(self.aggregator)
+        identity = {"codec": codec, "error_feedback": bool(error_feedback),
+                    **{k: v for k, v in options.items() if k not in _NOT_IDENTITY}}
+        return decode_identity(encode_identity(identity))  # as a file gives it back
+
     def save_own_variables(self, store):
         from tfpar.layout import values
-        for name, variable in sorted(self.entries().items()):
+        entries = self.entries()
+        for name, variable in sorted(entries.items()):
             store[_key(name)] = values.to_host(variable)
+        identity = self.identity()
+        if entries and identity is not None:
+            store[IDENTITY] = encode_identity(identity)
 
     def load_own_variables(self, store):
         loaded = {key.replace("|", "/"): np.asarray(store[key]) for key in store.keys()}
@@ -119,6 +157,9 @@ class CodecState(keras.layers.Layer):
                             "held it, or without a codec): the codec's state stays as it "
                             "is (in a new model: the codec starts afresh)")
             return
+        loaded = dict(loaded)
+        if IDENTITY in loaded:  # written since the identity was recorded
+            check_identity(decode_identity(loaded.pop(IDENTITY)), self.identity())
         if sorted(loaded) != sorted(entries) or any(
                 loaded[n].shape != tuple(entries[n].shape) for n in entries):
             theirs = ", ".join(f"{n} {loaded[n].shape}" for n in sorted(loaded)[:2])
@@ -139,12 +180,78 @@ class CodecState(keras.layers.Layer):
                 written()
 
 
+def encode_identity(identity):
+    """`identity` (a dict) as the file's entry: its JSON text's bytes (an array any of
+    Keras's stores holds)."""
+    text = json.dumps(identity, sort_keys=True, default=lambda v: np.asarray(v).tolist())
+    return np.frombuffer(text.encode(), np.uint8)
+
+
+def decode_identity(entry):
+    """The dict `encode_identity` wrote."""
+    return json.loads(np.asarray(entry, np.uint8).tobytes().decode())
+
+
+def describe(identity):
+    """`compression='topk' (topk_ratio=0.1, ...)`: an identity as the API's words."""
+    rest = ", ".join(f"{k}={v!r}" for k, v in sorted(identity.items()) if k != "codec")
+    return f"compression={identity.get('codec')!r} ({rest})"
+
+
+def check_identity(theirs, mine):
+    """Raises `TfparError` (one line) when the file's codec (`theirs`) is not this
+    optimizer's (`mine`); an optimizer without an identity takes any."""
+    if mine is None or theirs == mine:
+        return
+    differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    raise TfparError(
+        f"the file's codec state was written by {describe(theirs)}, this optimizer's "
+        f"codec is {describe(mine)} (they differ in {', '.join(differ)}): its entries "
+        "would mean another thing here; load it with the codec that saved it, or compile "
+        "a new optimizer to start the codec afresh")
+
+
+@keras.saving.register_keras_serializable(package="tfpar")
+class CodecLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's `LossScaleOptimizer` around a `DistributedOptimizer`, as Keras's files of a
+    model whose codec ran on a mesh name it (`name_the_codec`): its entries in the file
+    are the plain optimizers' (the loss scale's, then the inner optimizer's), without the
+    inner optimizer's `nonfinite_steps`, as that optimizer keeps it out of its own entries
+    (`tfpar.nan_guard`).
+
+    Keras's `LossScaleOptimizer` writes and reads its own variables and its inner
+    optimizer's as one list. On the mesh the inner optimizer is the plain Keras class
+    (no counter: the loss scale skips non-finite steps), so the file holds 6 entries over
+    SGD; `load_model` builds the inner `DistributedOptimizer` before it loads, with its
+    counter, so Keras's own class counted 7, skipped them all ("Skipping variable loading
+    for optimizer ...") and the loaded run restarted its loss scale."""
+
+    def _file_variables(self):
+        counter = getattr(self.inner_optimizer, "nonfinite_steps", None)
+        return [v for v in self.variables if v is not counter]
+
+    def save_own_variables(self, store):
+        for i, variable in enumerate(self._file_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        variables = self._file_variables()
+        if len(store.keys()) != len(variables):  # Keras's line for another optimizer's
+            return super().load_own_variables(store)
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+        return None
+
+
+_LOSS_SCALE = ("LossScaleOptimizer", CodecLossScaleOptimizer.__name__)
+
+
 def add_to(optimizer, aggregator, on_nan):
     """Gives `optimizer` (a `DistributedOptimizer` of `aggregator`, `on_nan`) its
     `CodecState`; returns it."""
     holder = CodecState({"compression": {"class_name": type(aggregator).__name__,
                                          "config": aggregator.get_config()},
-                         "on_nan": on_nan})
+                         "on_nan": on_nan}, aggregator)
     object.__setattr__(optimizer, ATTRIBUTE, holder)
     return holder
 
@@ -173,18 +280,21 @@ def attach(model, optimizer, reductions, paths=None):
 
 def name_the_codec(model):
     """Makes Keras's files of `model` name its `DistributedOptimizer` as tfpar's
-    `tfpar>Distributed<Base>` with the codec in its config (module docstring): the
-    model's own `get_compile_config` (which Keras's saving calls) with the optimizer's
-    entry renamed. Optimizers whose base class tfpar does not register stay as they are
-    (their file loads the plain optimizer)."""
+    `tfpar>Distributed<Base>` with the codec in its config (module docstring), and a
+    `LossScaleOptimizer` around it as `tfpar>CodecLossScaleOptimizer`: the model's own
+    `get_compile_config` (which Keras's saving calls) with the optimizer's entry renamed.
+    Optimizers whose base class tfpar does not register stay as they are (their file
+    loads the plain optimizer)."""
     if "get_compile_config" in vars(model):
         return
 
     def get_compile_config():
         config = type(model).get_compile_config(model)
-        entry = (config or {}).get("optimizer")
-        if isinstance(entry, dict) and entry.get("class_name") == "LossScaleOptimizer":
+        entry = outer = (config or {}).get("optimizer")
+        if isinstance(entry, dict) and entry.get("class_name") in _LOSS_SCALE:
             entry = entry.get("config", {}).get("inner_optimizer")
+        else:
+            outer = None
         holder = holder_of(model.optimizer)
         if not isinstance(entry, dict) or holder is None or holder.spec is None:
             return config
@@ -195,6 +305,9 @@ def name_the_codec(model):
         entry.update(class_name=f"Distributed{name}", module=None,
                      registered_name=f"tfpar>Distributed{name}")
         entry["config"] = {**entry["config"], **holder.spec}
+        if outer is not None:  # the loss scale's entries read as written
+            name = CodecLossScaleOptimizer.__name__
+            outer.update(class_name=name, module=None, registered_name=f"tfpar>{name}")
         return config
 
     object.__setattr__(model, "get_compile_config", get_compile_config)
