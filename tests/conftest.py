@@ -39,37 +39,40 @@ def pytest_configure(config):
 # with `--no-loadscope-reorder` so that the workers take files in collection order) the two
 # workers start on these and the many short files fill the gaps at the end: a long file
 # started last would leave the other core idle for its whole run. Files not named keep their
-# collection order after them. The order: the 2026-12-06 fresh-clone run's slowest 60
-# entries (`--durations=60`: a file's setup and calls among them summed; those whose
-# children run with grappler off, tests/graph_optimizer.py, a quarter less), then files
-# known from earlier runs to hold many tests of a few seconds each (test_faults,
-# test_memory, test_multihost_netns, test_zero, test_train, test_user_script) by their
-# totals then, then the earlier list's order. The 60 entries are each file's slowest, not
-# its total: only a whole-suite run shows where the two workers end
-# (docs/benchmarks/suite.md).
+# collection order after them. The order: the 2026-12-06 fresh-clone run of 1,172 tests
+# (23 min), its slowest 60 entries (`--durations=60`: a file's setup and calls among them
+# summed; test_codec_state, test_state_moves, test_reshard and test_zero_fp16 less by what
+# turning grappler off in their children saved since, 6-12 %), with the files known from
+# earlier runs to hold many tests of a few seconds each (test_faults, test_memory,
+# test_zero_compression, test_multihost_netns, test_elastic_launch, test_zero, test_train,
+# test_user_script) kept where their totals then placed them, then the earlier list's
+# order. The 60 entries are each file's slowest, not its total: only a whole-suite run
+# shows where the two workers end (docs/benchmarks/suite.md).
 LONGEST_FIRST = [
     "test_keras_3d.py", "test_zero3_prefetch.py", "test_keras_mesh_codecs.py",
-    "test_mesh_adam_front.py", "test_faults.py", "test_mesh_sequence_codecs.py",
-    "test_layout_pipeline.py", "test_memory.py", "test_zero_compression.py",
-    "test_codec_state.py", "test_multihost_netns.py", "test_multihost_shrink.py",
-    "test_elastic_launch.py", "test_layout_mesh.py", "test_zero.py",
-    "test_mesh_codec_compose.py", "test_train.py", "test_pipeline_chimera.py",
-    "test_state_moves.py", "test_mesh_auto.py", "test_zero3_codecs.py",
-    "test_zero12_codecs.py", "test_compression_wire.py", "test_user_script.py",
-    "test_compression_nan_free.py", "test_compression_integration.py", "test_reshard.py",
-    "test_compression_resume.py", "test_zero12_adam_front.py", "test_layout_models.py",
-    "test_compression_timing.py", "test_layout_fit.py", "test_layout_keras.py",
-    "test_legacy_train.py", "test_compression_aggregators.py", "test_mesh_uneven_batch.py",
-    "test_layout_exact.py", "test_compression_dgc.py", "test_pipeline_executor.py",
-    "test_offload.py", "test_pipeline_training.py", "test_compression_stragglers.py",
-    "test_overlap.py", "test_zero_fp16.py", "test_elastic_pipeline.py",
-    "test_hierarchical.py", "test_uneven_batch.py", "test_front_moves.py",
-    "test_elastic_mesh.py", "test_offload_api.py", "test_guides.py", "test_elastic.py",
-    "test_layout_compose.py", "test_layout_pipeline_workers.py", "test_api.py",
-    "test_layout_keras_state.py", "test_checkpoint_async.py", "test_legacy_preemption.py",
+    "test_mesh_sequence_codecs.py", "test_faults.py", "test_codec_state.py",
+    "test_mesh_adam_front.py", "test_memory.py", "test_zero_compression.py",
+    "test_compression_dgc.py", "test_multihost_netns.py", "test_multihost_shrink.py",
+    "test_elastic_launch.py", "test_mesh_codec_compose.py", "test_zero.py",
+    "test_layout_pipeline.py", "test_train.py", "test_mesh_auto.py",
+    "test_pipeline_chimera.py", "test_state_moves.py", "test_compression_wire.py",
+    "test_zero12_codecs.py", "test_layout_mesh.py", "test_user_script.py",
+    "test_reshard.py", "test_compression_integration.py", "test_compression_timing.py",
+    "test_compression_nan_free.py", "test_overlap.py", "test_compression_aggregators.py",
+    "test_layout_models.py", "test_checkpoint_async.py", "test_compression_resume.py",
+    "test_zero_fp16.py", "test_layout_keras.py", "test_zero3_codecs.py",
+    "test_legacy_train.py", "test_layout_exact.py", "test_layout_fit.py",
+    "test_pipeline_executor.py", "test_zero12_adam_front.py", "test_elastic_pipeline.py",
+    "test_compression_stragglers.py", "test_tensorboard_cli.py",
+    "test_pipeline_uneven_batch.py", "test_pipeline_training.py",
+    "test_legacy_checkpoint.py", "test_cpu_kernels.py", "test_compression_auto.py",
+    "test_validation.py", "test_offload.py", "test_compression_keras.py",
+    "test_hierarchical.py", "test_layout_keras_state.py", "test_mesh_uneven_batch.py",
+    "test_uneven_batch.py", "test_front_moves.py", "test_elastic_mesh.py",
+    "test_offload_api.py", "test_guides.py", "test_elastic.py", "test_layout_compose.py",
+    "test_layout_pipeline_workers.py", "test_api.py", "test_legacy_preemption.py",
     "test_mesh_preemption.py", "test_offload_stream.py", "test_pipeline_remote_dp.py",
-    "test_pipeline_remote.py", "test_validation.py", "test_tensorboard_cli.py",
-    "test_cpu_kernels.py", "test_compression_auto.py", "test_fuzz.py", "test_packaging.py",
+    "test_pipeline_remote.py", "test_fuzz.py", "test_packaging.py",
 ]
 
 
