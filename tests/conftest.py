@@ -41,8 +41,8 @@ def pytest_configure(config):
 # started last would leave the other core idle for its whole run. Files not named keep their
 # collection order after them. The order: the 2026-12-06 fresh-clone run of 1,172 tests
 # (23 min), its slowest 60 entries (`--durations=60`: a file's setup and calls among them
-# summed; test_codec_state, test_state_moves, test_reshard and test_zero_fp16 less by what
-# turning grappler off in their children saved since, 6-12 %), with the files known from
+# summed), test_keras_zero3 (new; one child, ~100 s of CPU alone) among the first, with
+# the files known from
 # earlier runs to hold many tests of a few seconds each (test_faults, test_memory,
 # test_zero_compression, test_multihost_netns, test_elastic_launch, test_zero, test_train,
 # test_user_script) kept where their totals then placed them, then the earlier list's
@@ -50,7 +50,8 @@ def pytest_configure(config):
 # shows where the two workers end (docs/benchmarks/suite.md).
 LONGEST_FIRST = [
     "test_keras_3d.py", "test_zero3_prefetch.py", "test_keras_mesh_codecs.py",
-    "test_mesh_sequence_codecs.py", "test_faults.py", "test_codec_state.py",
+    "test_mesh_sequence_codecs.py", "test_keras_zero3.py", "test_faults.py",
+    "test_codec_state.py",
     "test_mesh_adam_front.py", "test_memory.py", "test_zero_compression.py",
     "test_compression_dgc.py", "test_multihost_netns.py", "test_multihost_shrink.py",
     "test_elastic_launch.py", "test_mesh_codec_compose.py", "test_zero.py",
