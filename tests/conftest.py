@@ -42,11 +42,10 @@ def pytest_configure(config):
 # collection order after them. The order: the 2026-12-06 fresh-clone run of 1,172 tests
 # (23 min), its slowest 60 entries (`--durations=60`: a file's setup and calls among them
 # summed), test_keras_zero3 (new; one child, ~100 s of CPU alone) among the first, with
-# the files known from
-# earlier runs to hold many tests of a few seconds each (test_faults, test_memory,
-# test_zero_compression, test_multihost_netns, test_elastic_launch, test_zero, test_train,
-# test_user_script) kept where their totals then placed them, then the earlier list's
-# order. The 60 entries are each file's slowest, not its total: only a whole-suite run
+# the files known from earlier runs to hold many tests of a few seconds each (test_faults,
+# test_memory, test_zero_compression, test_multihost_netns, test_elastic_launch, test_zero,
+# test_train, test_user_script) kept where their totals then placed them, then the earlier
+# list's order. The 60 entries are each file's slowest, not its total: only a whole-suite run
 # shows where the two workers end (docs/benchmarks/suite.md).
 LONGEST_FIRST = [
     "test_keras_3d.py", "test_zero3_prefetch.py", "test_keras_mesh_codecs.py",
