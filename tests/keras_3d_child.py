@@ -600,6 +600,14 @@ class Anneal(keras.callbacks.Callback):
         OUTSIDE["beta"].assign(0.5 * (epoch + 1))
 
 
+class Penalized(keras.layers.Layer):
+    """A user's layer adding a loss term of its own in `call` (`add_loss`)."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
 class Unnamed(keras.layers.Layer):
     """A user's layer whose weights have no names (Keras auto-names them)."""
 
@@ -693,6 +701,15 @@ def guards():
     model = _model_with(Tempered(name="tempered"))
     model.temperature = OUTSIDE["temperature"]  # a weight of the model, of no layer
     out["outside_held"] = _refused(model)
+    # a layer's own loss terms, which the stages' loss (the compiled loss alone) leaves
+    # out: a kernel regularizer, an activity regularizer, add_loss in call
+    l2 = keras.regularizers.L2(0.5)
+    for name, layer in (("kernel_regularizer",
+                         keras.layers.Dense(64, kernel_regularizer=l2, name="decayed")),
+                        ("activity_regularizer",
+                         keras.layers.Dense(64, activity_regularizer=l2, name="sparse")),
+                        ("add_loss", Penalized(name="penalized"))):
+        out[name] = _refused(_model_with(layer))
     # unnamed add_weights (auto-named anew in a stage's copy): against one device
     model = _model_with(Unnamed(name="unnamed"))
     model.set_weights(start)

@@ -244,14 +244,19 @@ def test_a_layer_assigning_its_own_state_is_refused_before_any_step(results):
     ("outside_read", "variable='beta' is invalid: is held by no layer"),
     ("outside_write", "variable='calls' is invalid: is held by no layer"),
     ("outside_raw", "variable='a tf.Variable (AssignAddVariableOp "),
-    ("outside_held", "variable='temperature' is invalid: is held by no layer")])
+    ("outside_held", "variable='temperature' is invalid: is held by no layer"),
+    ("kernel_regularizer", "layer='decayed (Dense)' is invalid: adds its own loss terms"),
+    ("activity_regularizer", "layer='sparse (Dense)' is invalid: adds its own loss terms"),
+    ("add_loss", "layer='a layer of ")])
 def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, case, line):
     # Before, a layer's own metric (which fit reports on one device), a trainable weight
     # clipped in call and a variable no layer holds assigned in call (a Keras one, or a
     # tf.Variable) ran silently wrong (the copy's metric, the writes dropped or, the
     # tf.Variable's, not counted as on one device); a variable no layer holds read in call
     # failed in DTensor's mesh propagation, and one the model holds directly in a
-    # TfparError with no way out.
+    # TfparError with no way out. A layer's own loss terms (regularizers, add_loss) were
+    # left out of the stages' loss silently (an L2(0.5) kernel regularizer: 0.076 from one
+    # device's weights, the loss the plain model's).
     run_ = _case(results, "guards")[case]
     raised = run_["raised"]
     assert raised is not None and raised.startswith("ConfigError: " + line), raised
@@ -259,6 +264,8 @@ def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, 
     assert run_["moved"] == 0.0 and run_["iterations"] == 0, run_
     if case == "outside_raw":  # the op's name holds the layer's
         assert "raw_counting" in raised, raised
+    if case == "add_loss":
+        assert "(add_loss in call)' is invalid: adds its own loss terms" in raised, raised
 
 
 def test_unnamed_weights_train_as_on_one_device(results):

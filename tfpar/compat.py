@@ -388,16 +388,15 @@ KERAS_PIPELINE_STATEFUL_LAYER = Rule(
     "layer", lambda c: bool(getattr(c, "stateful_layer", None)),
     "its non-trainable state (moving statistics, a random seed, a variable its call "
     "assigns) is not updated by a fit on a pipeline mesh; fit without such layers there "
-    "(frozen layers are fine), or on a mesh without a 'stage' axis, or with "
-    "python -m tfpar.train",
+    "(a frozen BatchNormalization is fine), or on a mesh without a 'stage' axis",
     value=lambda c: c.stateful_layer)
 # The same step applies each stage's optimizer to the weights' values it read at the step's
 # start: a trainable weight a layer's `call` assigns (a clip) would lose that write.
 KERAS_PIPELINE_ASSIGNED_WEIGHT = Rule(
     "layer", lambda c: bool(getattr(c, "assigned_weight", None)),
-    "assigns its trainable weight in call (a clip, a decay), a write a fit on a pipeline "
-    "mesh would drop every step; fit it on a mesh without a 'stage' axis, or with "
-    "python -m tfpar.train",
+    "assigns its trainable weight in call (a clip, a decay), a write a fit on a Keras "
+    "mesh would drop every step; give the layer a constraint instead (kernel_constraint="
+    "keras.constraints.MinMaxNorm(...), NonNeg(): Keras applies it after each update)",
     value=lambda c: c.assigned_weight)
 # Each stage runs copies of the model's layers: a layer's own `keras.metrics` updated in
 # its `call` would be the copy's, never kept or reported.
@@ -405,7 +404,7 @@ KERAS_PIPELINE_LAYER_METRIC = Rule(
     "layer", lambda c: bool(getattr(c, "layer_metric", None)),
     "updates its own keras.metrics in call, which a fit on a pipeline mesh neither keeps "
     "nor reports (its stages train copies of the layers); fit it on a mesh without a "
-    "'stage' axis, or with python -m tfpar.train",
+    "'stage' axis",
     value=lambda c: c.layer_metric)
 # A variable held by no layer of the stage whose forward reads or writes it (a
 # `keras.Variable` the model holds directly or none holds, a weight of another stage's
@@ -416,9 +415,19 @@ KERAS_PIPELINE_OUTSIDE_VARIABLE = Rule(
     "variable", lambda c: bool(getattr(c, "outside_variable", None)),
     "is held by no layer of the pipeline stage that would use it (a keras.Variable or "
     "tf.Variable outside its layers, the model's own, another stage's weight): a fit on a "
-    "pipeline mesh trains, writes and reads only each stage's own layers' weights; fit on "
-    "a mesh without a 'stage' axis, or with python -m tfpar.train",
+    "pipeline mesh trains, writes and reads only each stage's own layers' weights; hold it "
+    "in a layer of the stage that uses it, or fit on a mesh without a 'stage' axis",
     value=lambda c: c.outside_variable)
+# The stages' loss is the compiled loss of the last stage's output: a layer's own loss
+# terms (a kernel, bias or activity regularizer, `add_loss`) are not in it, so the run
+# would train without them (measured: an L2(0.5) kernel regularizer's 2x2x2 fit ended
+# 0.076 from one device's weights with the plain model's loss).
+KERAS_PIPELINE_LAYER_LOSS = Rule(
+    "layer", lambda c: bool(getattr(c, "layer_loss", None)),
+    "adds its own loss terms (a kernel, bias or activity regularizer, add_loss), which a "
+    "fit on a pipeline mesh leaves out of the stages' loss; fit it on a mesh without a "
+    "'stage' axis (its step adds them), or without them",
+    value=lambda c: c.layer_loss)
 
 # `--offload` (`tfpar.offload`): what its host update does not run with. The same rows
 # check `tfpar.DistributedOptimizer(offload=...)` (a `view` with `api=True`), each saying

@@ -61,7 +61,11 @@ the stateless step would drop (each variable it reads or writes seen through
 (`compat.KERAS_PIPELINE_LAYER_METRIC`), a trainable weight assigned in `call`
 (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), a variable held by no layer of the stage
 (`compat.KERAS_PIPELINE_OUTSIDE_VARIABLE`, also for a `tf.Variable`, seen as a variable
-operation in the traced forward, and for the model's own variables when it is cut); the rulebook's rows for the mesh pipeline (`compat.CHIMERA_MESH`, the
+operation in the traced forward's own ops — not inside a nested function or branch —
+and for the model's own variables when it is cut), a layer's own loss terms (a weight's
+regularizer, an activity regularizer, `add_loss`: `compat.KERAS_PIPELINE_LAYER_LOSS`,
+the stages' loss being the compiled loss alone); the rulebook's rows for the mesh
+pipeline (`compat.CHIMERA_MESH`, the
 interleaved schedule's) and for the mesh's codecs (`reduction.codec_of`). Each batch (the
 last one too, checked before the first step) must split into `microbatches` equal
 micro-batches divisible by the `batch` axis (one line naming `microbatches` otherwise). A
@@ -90,7 +94,7 @@ from tfpar.layout import pipeline as pipeline_lib
 from tfpar.layout import presets, reduction, values, variables
 from tfpar.layout.mesh import BATCH, MODEL
 from tfpar.layout.optimizer import stateless_optimizer
-from tfpar.layout.step import _read
+from tfpar.layout.step import _read, wraps_refusal
 from tfpar.metrics import STEP_LOSS
 from tfpar.pipeline.schedule import make_schedule
 
@@ -426,7 +430,7 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         except Exception as error:
             # raised while this step was traced, before it ran: the rulebook's line, not
             # AutoGraph's wrapping (and only for this refusal, not a later error's)
-            if self.refused is not None and _wraps(error, self.refused):
+            if self.refused is not None and wraps_refusal(error, self.refused):
                 raise self.refused from None
             raise
         if self.scale_one:  # a skipped step halved it: back to 1, so it never reaches 0
@@ -472,17 +476,19 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         step is traced, before it runs) a forward that touches state the stateless step
         would not carry: a variable of the stage written in `call` (non-trainable state,
         a trainable weight), a layer's own metric, or a variable of no layer of the stage
-        read or written (`_refuse_accesses`)."""
+        read or written (`_refuse_accesses`); or a loss term of a layer's own, which the
+        stages' loss leaves out (`_refuse_layer_losses`)."""
         stage = self.model.stages[v]
         mapping = (list(zip(stage.trainable_variables, tv))
                    + list(zip(stage.non_trainable_variables, ntv)))
         graph = tf.compat.v1.get_default_graph()  # the step being traced
         first = len(graph.get_operations())
-        with patches.AccessScope(state_mapping=mapping) as scope:
+        with patches.AccessScope(state_mapping=mapping, collect_losses=training) as scope:
             out = stage(h, training=training)
         if training:
             try:
                 _refuse_accesses(stage, scope, graph.get_operations()[first:])
+                _refuse_layer_losses(stage, scope)
             except ConfigError as error:
                 self.refused = error
                 raise
@@ -515,18 +521,6 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
         return out[:len(out) - pad]
 
 
-def _wraps(error, refusal):
-    """Whether `error` is `refusal`, or has it as a cause or context, or carries its line
-    (AutoGraph re-raises an error traced in a step with its own text around it)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if error is refusal or str(refusal) in str(error):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
-
-
 def _owner_name(model, weight):
     """`"name (Class)"` of the layer of `model` that holds `weight` (its path if none)."""
     return next((f"{layer.name} ({type(layer).__name__})" for layer in _layers(model)
@@ -541,6 +535,25 @@ def _layers(model):
             yield from _layers(layer)
         else:
             yield layer
+
+
+def _refuse_layer_losses(stage, scope):
+    """`compat.KERAS_PIPELINE_LAYER_LOSS` for the first layer of `stage` with a loss term
+    of its own: a weight with a regularizer (Keras adds it from `model.losses`, never in
+    `call`), or a loss `call` added (`scope`, collecting: an activity regularizer,
+    `add_loss`). The stages' loss is the compiled loss of the last stage's output alone."""
+    layers = list(_layers(stage))
+    for layer in layers:
+        if any(getattr(w, "regularizer", None) is not None for w in layer.weights):
+            compat.enforce(compat.KERAS_PIPELINE_LAYER_LOSS, compat.view(
+                backend="dtensor", layer_loss=f"{layer.name} ({type(layer).__name__})"))
+    if scope.losses:
+        active = [layer for layer in layers
+                  if getattr(layer, "activity_regularizer", None) is not None]
+        name = (f"{active[0].name} ({type(active[0]).__name__})" if active else
+                f"a layer of {stage.name} (add_loss in call)")
+        compat.enforce(compat.KERAS_PIPELINE_LAYER_LOSS, compat.view(
+            backend="dtensor", layer_loss=name))
 
 
 def _refuse_accesses(stage, scope, ops):

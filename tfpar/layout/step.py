@@ -304,6 +304,18 @@ def _trace(fn, args):
         raise cause.with_traceback(None) from None
 
 
+def wraps_refusal(error, refusal):
+    """Whether `error` is `refusal`, or has it as a cause or context, or carries its line
+    (AutoGraph re-raises an error traced in a step with its own text around it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if error is refusal or str(refusal) in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _checked(mesh, step, what):
     """Compiles `step`; each new trace is checked for plain variables before it runs.
 
