@@ -215,6 +215,38 @@ def test_a_codecs_identity_is_what_gives_its_state_its_meaning():
     with pytest.raises(TfparError) as err:
         keras_codec_state.check_identity(topk, {**topk, "topk_ratio": 0.2})
     assert len(str(err.value).splitlines()) == 1 and "differ in topk_ratio" in str(err.value)
+    # an option one side does not record (a later tfpar's) is not a difference
+    keras_codec_state.check_identity(topk, {**topk, "a_later_option": 1})
+    # Adam in front's warm-up is: its moments change units at its end
+    front = compression.PowerSGDAggregator(rank=1)
+    front.adam, front.adam_warmup_steps = object(), 2
+    warm2 = keras_codec_state.CodecState(aggregator=front).identity()
+    front.adam_warmup_steps = 50
+    assert "adam_warmup_steps" in warm2 and warm2 != keras_codec_state.CodecState(
+        aggregator=front).identity(), warm2
+
+
+def test_a_codec_the_mesh_does_not_run_still_saves_off_the_mesh(tmp_path):
+    # One device, no mesh: Keras's save asks the holder for its entries (none) and its
+    # identity used to be asked too, which raised for a codec the mesh refuses (`auto`,
+    # PowerSGD's start_step, Adam in front without a warm-up) and left a broken file over
+    # the user's earlier one.
+    import keras
+
+    import tfpar
+
+    for options in ({"compression": "auto"},
+                    {"compression": "powersgd", "rank": 1, "start_step": 5}):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=tfpar.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                           **options), loss="mse")
+        x = np.ones((8, 4), "float32")
+        model.fit(x, x[:, :2], epochs=1, verbose=0)
+        path = str(tmp_path / "m.keras")
+        model.save(path)
+        model.save_weights(str(tmp_path / "m.weights.h5"))
+        loaded = keras.saving.load_model(path, compile=False)
+        np.testing.assert_array_equal(loaded.get_weights()[0], model.get_weights()[0])
 
 
 @pytest.mark.parametrize("codec", ["topk", "powersgd", "adam_front"])

@@ -37,9 +37,13 @@ lowbit's bits, error feedback, Adam in front, its rule for `v` and top-k's momen
 carry), as one entry `identity` beside the `codec/...` ones (a JSON text as bytes). A file
 of another codec whose entries happen to have this codec's names and shapes (every lossy
 codec keeps a residual per weight: top-k's read into threshold, another top-k ratio) is
-refused in one line naming both. PowerSGD's `seed` (its first `Q` only) and
-`adam_warmup_steps` (when compression starts) are not part of it: a run may go on with
-others.
+refused in one line naming both. PowerSGD's `seed` (its first `Q` only) is not part of
+it: a run may go on with another. Adam in front's `adam_warmup_steps` is: its moments are
+kept in gradient units during the warm-up and in scaled units after it, so a file read
+with another warm-up could be read in the wrong units (a review's probe: 1061 off in one
+step). Only the options both sides record are compared (an option a later tfpar records
+does not refuse older files). Off the mesh (no entries) no identity is written or asked:
+a codec the mesh does not run still saves.
 
 A file without that group (saved before it existed, or by a plain optimizer) loads as it
 did: the codec's state stays as it is (fresh in a new model: the codec starts afresh),
@@ -62,7 +66,7 @@ ATTRIBUTE = "tfpar_codec_state"
 _PREFIX = "codec/"
 IDENTITY = "identity"  # the entry naming the codec (module docstring)
 # `codec_of`'s options that do not change what the state means (module docstring)
-_NOT_IDENTITY = ("seed", "adam_warmup_steps")
+_NOT_IDENTITY = ("seed",)
 
 
 def _key(name):
@@ -104,8 +108,12 @@ class CodecState(keras.layers.Layer):
         without an aggregator."""
         if self.aggregator is None:
             return None
+        from tfpar.errors import ConfigError
         from tfpar.layout import reduction
-        codec, error_feedback, options = reduction.codec_of(self.aggregator)
+        try:
+            codec, error_feedback, options = reduction.codec_of(self.aggregator)
+        except ConfigError:  # a codec the mesh does not run: no mesh state to name
+            return None
         identity = {"codec": codec, "error_feedback": bool(error_feedback),
                     **{k: v for k, v in options.items() if k not in _NOT_IDENTITY}}
         return decode_identity(encode_identity(identity))  # as a file gives it back
@@ -115,8 +123,10 @@ class CodecState(keras.layers.Layer):
         entries = self.entries()
         for name, variable in sorted(entries.items()):
             store[_key(name)] = values.to_host(variable)
-        identity = self.identity()
-        if entries and identity is not None:
+        # only a mesh's state has entries (off the mesh, the identity is never asked:
+        # a codec the mesh refuses must still save)
+        identity = self.identity() if entries else None
+        if identity is not None:
             store[IDENTITY] = encode_identity(identity)
 
     def load_own_variables(self, store):
@@ -133,8 +143,10 @@ class CodecState(keras.layers.Layer):
         before = {name: values.to_host(v) for name, v in self.entries().items()}
         paths = paths or [{}] * len(reductions)
         object.__setattr__(self, "_reductions", list(zip(reductions, paths)))
-        if reductions:
-            name_the_codec(model)
+        # Named even without a reduction (a mesh with one replica on `batch`, ZeRO-3's
+        # "none"): the mesh optimizer's file holds its `nonfinite_steps`, which a plain
+        # optimizer built by `load_model` lacks (Keras then skipped all its state).
+        name_the_codec(model)
         if self._pending is not None:
             self._write()
             return
@@ -201,9 +213,12 @@ def describe(identity):
 def check_identity(theirs, mine):
     """Raises `TfparError` (one line) when the file's codec (`theirs`) is not this
     optimizer's (`mine`); an optimizer without an identity takes any."""
-    if mine is None or theirs == mine:
+    if mine is None:
         return
-    differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    # only what both record: an option a later tfpar adds does not refuse older files
+    differ = sorted(k for k in set(theirs) & set(mine) if theirs[k] != mine[k])
+    if not differ:
+        return
     raise TfparError(
         f"the file's codec state was written by {describe(theirs)}, this optimizer's "
         f"codec is {describe(mine)} (they differ in {', '.join(differ)}): its entries "
@@ -214,31 +229,31 @@ def check_identity(theirs, mine):
 @keras.saving.register_keras_serializable(package="tfpar")
 class CodecLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Keras's `LossScaleOptimizer` around a `DistributedOptimizer`, as Keras's files of a
-    model whose codec ran on a mesh name it (`name_the_codec`): its entries in the file
-    are the plain optimizers' (the loss scale's, then the inner optimizer's), without the
-    inner optimizer's `nonfinite_steps`, as that optimizer keeps it out of its own entries
-    (`tfpar.nan_guard`).
+    model whose codec ran on a mesh name it (`name_the_codec`): it writes what Keras's
+    class writes, and reads a file with or without the inner optimizer's `nonfinite_steps`
+    (the inner optimizer's last variable, after Keras's own).
 
     Keras's `LossScaleOptimizer` writes and reads its own variables and its inner
-    optimizer's as one list. On the mesh the inner optimizer is the plain Keras class
-    (no counter: the loss scale skips non-finite steps), so the file holds 6 entries over
-    SGD; `load_model` builds the inner `DistributedOptimizer` before it loads, with its
-    counter, so Keras's own class counted 7, skipped them all ("Skipping variable loading
-    for optimizer ...") and the loaded run restarted its loss scale."""
-
-    def _file_variables(self):
-        counter = getattr(self.inner_optimizer, "nonfinite_steps", None)
-        return [v for v in self.variables if v is not counter]
-
-    def save_own_variables(self, store):
-        for i, variable in enumerate(self._file_variables()):
-            store[str(i)] = variable.numpy()
+    optimizer's as one list. On one mesh the inner optimizer is the plain Keras class (no
+    counter: the loss scale skips non-finite steps), so the file holds 6 entries over SGD;
+    on the 3D mesh the compiled inner `DistributedOptimizer` keeps its counter (7).
+    `load_model` builds the inner `DistributedOptimizer` before it loads, with its
+    counter, so Keras's own class counted 7 against 6, skipped them all ("Skipping
+    variable loading for optimizer ...") and the loaded run restarted its loss scale.
+    Writing fewer than the live object holds instead made a 3D file that a fresh 3D
+    model (7) skipped."""
 
     def load_own_variables(self, store):
-        variables = self._file_variables()
-        if len(store.keys()) != len(variables):  # Keras's line for another optimizer's
-            return super().load_own_variables(store)
-        for i, variable in enumerate(variables):
+        variables = list(self.variables)
+        counter = getattr(self.inner_optimizer, "nonfinite_steps", None)
+        plain = [v for v in variables if v is not counter]
+        stored = len(store.keys())
+        if stored == len(variables) or (stored != len(plain) and not (
+                counter is None and stored == len(plain) + 1)):
+            return super().load_own_variables(store)  # as Keras (its line for a mismatch)
+        # the file without the counter (plain's order), or with a counter this
+        # optimizer has not: its last entry, left out
+        for i, variable in enumerate(plain):
             variable.assign(store[str(i)])
         return None
 
