@@ -16,9 +16,11 @@ Usage: python tests/keras_zero3_child.py CASE[,CASE...]
 - `save`: 2 steps, `model.save` → `keras.saving.load_model` under the same distribution,
   2 more steps, against 4 uninterrupted; `get_weights`, and `save_weights` loaded into a
   model on one device (its predictions against the mesh model's).
-- `refusals`: top-k through ZeRO-3; a mesh with a `stage` axis; a mesh without `batch`.
+- `refusals`: top-k through ZeRO-3; a mesh with a `stage` axis; a mesh without `batch`;
+  a layer clipping its own trainable weight in `call` on a plain Keras `DataParallel` mesh
+  (without a codec and with int8): its write would be dropped every step.
 - `nan`: `compression="none"` with `on_nan="skip_step"`: a step with an infinite input
-  leaves the weights and is counted.
+  leaves the weights and is counted, with Keras's `train_step` and with the model's own.
 """
 
 import json
@@ -36,6 +38,7 @@ devices.split_cpu(4)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
 import tfpar  # noqa: E402
@@ -229,7 +232,31 @@ def save():
     out["plain_predict_diff"] = float(np.max(np.abs(
         plain.predict(x, batch_size=BATCH, verbose=0) - mesh_predict)))
     out["plain_weights_diff"] = diff(host(plain), host(loaded))
+    # a DistributedOptimizer without a codec (no reduction to run): Adam's state through
+    # save -> load_model (its file held the counter a plain Adam lacks: Keras skipped all)
+    keras.distribution.set_distribution(fsdp())
+    model = compiled(adam("none"))
+    fit(model, 2)
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    out["none_optimizer_diff"] = max(
+        float(np.max(np.abs(layout.to_host(a.value) - layout.to_host(b.value))))
+        for a, b in zip(model.optimizer.variables, loaded.optimizer.variables))
+    out["none_moments"] = float(sum(np.abs(layout.to_host(v.value)).sum()
+                                    for v in loaded.optimizer.variables
+                                    if "momentum" in v.path))
     return out
+
+
+class Clipped(keras.layers.Layer):
+    """A user's layer that clips its own trainable weight in `call`."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 16), name="w")
+
+    def call(self, x):
+        self.w.assign(keras.ops.clip(self.w, -0.05, 0.05))
+        return x @ self.w
 
 
 def _refused(make):
@@ -247,30 +274,71 @@ def refusals():
                                                     compression="topk", ratio=0.5))
         fit(model, 1)
 
-    return {"topk": _refused(topk),
+    def clip(compression):
+        # a layer clipping its own trainable weight in call on a plain Keras mesh (no
+        # ZeRO-3), through the step without a codec and the per-replica codec step
+        keras.distribution.set_distribution(keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()))
+        keras.utils.set_random_seed(0)
+        features = keras.Input((FEATURES,), name="features")
+        model = keras.Model(features, keras.layers.Dense(CLASSES, name="head")(
+            Clipped(name="clipped")(features)))
+        model.compile(optimizer=adam(compression),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data(1)
+        model.fit(x["features"], y, batch_size=BATCH, verbose=0)
+
+    return {"clip": _refused(lambda: clip(None)), "clip_codec": _refused(lambda: clip("int8")),
+            "topk": _refused(topk),
             "stage": _refused(lambda: layout.FullyShardedDataParallel(
                 mesh((2, 2, 1), ("stage", "batch", "model")))),
             "no_batch": _refused(lambda: layout.FullyShardedDataParallel(
                 mesh((4,), ("data",))))}
 
 
+class OwnStep(keras.Model):
+    """A user's model with its own `train_step`: its tape, its optimizer's `apply`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return self.compute_metrics(x, y, pred)
+
+
 def nan():
     """`DistributedOptimizer(Adam, compression="none", on_nan="skip_step")`: no codec to
-    run (DTensor's own reduce-scatter), a batch with an infinite input still skipped."""
-    keras.distribution.set_distribution(fsdp())
-    model = compiled(tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-3),
-                                                compression="none", on_nan="skip_step"))
-    x, y = data(1)
-    model.train_on_batch(x, y)
-    before = host(model)
-    bad = {k: v.copy() for k, v in x.items()}
-    bad["features"][0, 0] = np.inf
-    model.train_on_batch(bad, y)
-    after = host(model)
-    model.train_on_batch(x, y)
-    return {"reductions": len(model.tfpar_reductions),
-            "moved_by_bad": diff(after, before), "moved_after": diff(host(model), after),
-            "skipped": float(layout.to_host(model.optimizer.nonfinite_steps.value))}
+    run (DTensor's own reduce-scatter), a batch with an infinite input still skipped —
+    with Keras's `train_step` and with the model's own."""
+    out = {}
+    for name in ("keras", "own"):
+        keras.distribution.set_distribution(fsdp())
+        optimizer = tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                               compression="none", on_nan="skip_step")
+        if name == "keras":
+            model = compiled(optimizer)
+        else:
+            keras.utils.set_random_seed(0)
+            plain = user_model()
+            model = OwnStep(plain.inputs, plain.outputs)
+            model.compile(optimizer=optimizer,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data(1)
+        model.train_on_batch(x, y)
+        before = host(model)
+        bad = {k: v.copy() for k, v in x.items()}
+        bad["features"][0, 0] = np.inf
+        model.train_on_batch(bad, y)
+        after = host(model)
+        model.train_on_batch(x, y)
+        out[name] = {"reductions": len(model.tfpar_reductions),
+                     "moved_by_bad": diff(after, before),
+                     "moved_after": diff(host(model), after),
+                     "skipped": float(layout.to_host(model.optimizer.nonfinite_steps.value))}
+    return out
 
 
 CASES = {"exact": exact, "codecs": codecs, "save": save, "refusals": refusals, "nan": nan}

@@ -15,7 +15,9 @@ same seed and batches:
   equal to the uninterrupted run; `get_weights` gives whole arrays, `save_weights` a file
   a model on one device loads (its predictions the mesh model's);
 - refusals in one line: top-k through ZeRO-3 (`compat.KERAS_ZERO3_CODEC`), a `stage` axis
-  (`compat.KERAS_ZERO3_PIPELINE`), a mesh without `batch`.
+  (`compat.KERAS_ZERO3_PIPELINE`), a mesh without `batch`; on a plain `DataParallel` mesh
+  a layer clipping its own trainable weight in `call`
+  (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), with and without a codec.
 
 - `compression="none"` (DTensor's own reduce-scatter, no codec step) with
   `on_nan="skip_step"`: a non-finite step left out and counted (before, its NaN reached
@@ -125,6 +127,13 @@ def test_save_load_model_resumes_equal_to_the_uninterrupted_fit(results):
     assert out["resumed_diff"] <= EXACT, out["resumed_diff"]
 
 
+def test_a_codecless_distributed_optimizers_state_survives_load_model(results):
+    # Without a codec there is no reduction; the file named a plain Adam, whose 22
+    # variables against the file's 23 (tfpar's counter) made Keras skip all of them.
+    out = _case(results, "save")
+    assert out["none_moments"] > 0 and out["none_optimizer_diff"] == 0.0, out
+
+
 def test_get_weights_and_save_weights_are_whole_for_one_device(results):
     out = _case(results, "save")
     assert out["get_weights_shapes"] == out["model_shapes"]
@@ -144,8 +153,22 @@ def test_what_zero3_does_not_run_is_refused_in_one_line(results):
         assert refused["line"].startswith(start) and words in refused["line"], (name, refused)
 
 
-def test_a_non_finite_step_is_skipped_without_a_codec(results):
-    out = _case(results, "nan")
+@pytest.mark.parametrize("name", ["clip", "clip_codec"])
+def test_a_trainable_weight_assigned_in_call_is_refused_on_a_keras_mesh(results, name):
+    # The mesh step applies the optimizer to the values it read: a clip in `call` was
+    # dropped every step, silently (0.25 from one device's weights on a 4 x 2 mesh).
+    refused = _case(results, "refusals")[name]
+    assert refused["raised"] == "ConfigError" and refused["lines"] == 1, refused
+    assert refused["line"].startswith(
+        "layer='clipped (its weight clipped/w)' is invalid: assigns its trainable weight "
+        "in call"), refused
+    assert "kernel_constraint" in refused["line"], refused
+
+
+@pytest.mark.parametrize("step", ["keras", "own"])
+def test_a_non_finite_step_is_skipped_without_a_codec(results, step):
+    # (the model's own train_step: its NaN reached every weight, the count stayed 0)
+    out = _case(results, "nan")[step]
     assert out["reductions"] == 0, out  # no codec: DTensor's reduce-scatter
     assert out["moved_by_bad"] == 0.0 and out["skipped"] == 1.0, out
     assert out["moved_after"] > 0, out  # and it trains on

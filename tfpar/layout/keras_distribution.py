@@ -292,6 +292,7 @@ def _mesh_trainer(model, batch=None):
         raise TfparError("compile the model before fit/evaluate/predict")
     distribution = keras.distribution.distribution()
     mesh = _mesh_of(model) if _on_mesh(model) else distribution.device_mesh
+    keras_fsdp.set_lowering(model)  # this model's, whatever another model set before
     optimizer = _stateless_on_mesh(model, mesh)
     if batch is not None:  # Keras's build: nothing to do when all is built
         scope = distribution if not _on_mesh(model) else _replicated(mesh)

@@ -113,6 +113,20 @@ def is_fsdp(distribution):
     return bool(getattr(distribution, "tfpar_weights_over_batch", False))
 
 
+def set_lowering(model):
+    """Before each `fit`/`evaluate`/`predict` of a mesh model: DTensor's lowering of
+    gathers for this model — all-gathers for one whose layers gather per layer on a mesh
+    with no second split axis (`fsdp.collective_gathers`), DTensor's own for any other
+    (`fsdp.dtensor_gathers`). The setting is the process's and read when a step runs: set
+    once at a model's build, a 4-device ZeRO-3 model's first fit after a 2 x 2 one was
+    built left it on for the 2 x 2 model's next fit, which trained 0.66 off one device
+    (a review's probe; 3e-8 with it set here)."""
+    if getattr(model, "_tfpar_fsdp_layers", None):
+        fsdp.collective_gathers(fsdp.split_mesh(model.trainable_variables))
+    else:
+        fsdp.dtensor_gathers()
+
+
 def prepare(model, distribution):
     """Before the first step of a mesh model: a model whose weights are split over `batch`
     under a `FullyShardedDataParallel` gets its per-layer gathers (`fsdp.gather_per_layer`

@@ -29,10 +29,12 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import compat, keras_codec_state, patches
+from tfpar.errors import ConfigError
 from tfpar.layout import reduction as reduction_lib
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
-from tfpar.layout.step import _checked, first_replica, reduce_over_batch, replica_gradients
+from tfpar.layout.step import (_checked, first_replica, reduce_over_batch,
+                               replica_gradients, wraps_refusal)
 from tfpar.layout.variables import check_dvariables
 from tfpar.zero import fsdp
 
@@ -129,9 +131,43 @@ class KerasSteps:
         keras_codec_state.attach(model, optimizer, list(model.tfpar_reductions))
         train = (self._custom_train if self.custom else
                  self._replica_train if self.reduction else self._train)
-        self.train = _checked(mesh, train, "the training step")
+        self.refused = None  # `_refuse_trainable_writes`'s, raised inside the traced step
+        self.train = self._raising_refusals(_checked(mesh, train, "the training step"))
         self.test = _checked(mesh, self._test, "the evaluation step")
         self.predict = _checked(mesh, self._predict, "the predict step")
+
+    def _raising_refusals(self, step):
+        """`step` (a `_checked` step) raising a refusal made while it was traced as the
+        rulebook's one line, not inside AutoGraph's wrapping of it."""
+        def call(*args):
+            self.refused = None
+            try:
+                return step(*args)
+            except Exception as error:
+                if self.refused is not None and wraps_refusal(error, self.refused):
+                    raise self.refused from None
+                raise
+        call.python_function = step.python_function
+        return call
+
+    def _refuse_trainable_writes(self, scope, mapping):
+        """`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT` (while the step is traced, before it
+        runs) for a trainable weight the forward in `scope` assigned (a clip in a layer's
+        `call`): the step applies the optimizer to the values it read, so the write would
+        be dropped every step, silently (measured: a clip on a 4 x 2 mesh ended 0.25 from
+        one device's weights). `mapping`: the scope's `(variable, value)` pairs."""
+        mapped = {id(variable): value for variable, value in mapping}
+        for variable in self.trainable:
+            current = scope.get_current_value(variable)
+            if current is not None and current is not mapped.get(id(variable)):
+                layer = variable.path.rsplit("/", 1)[0]
+                try:
+                    compat.enforce(compat.KERAS_PIPELINE_ASSIGNED_WEIGHT, compat.view(
+                        backend="dtensor",
+                        assigned_weight=f"{layer} (its weight {variable.path})"))
+                except ConfigError as error:
+                    self.refused = error
+                    raise
 
     def _reduction(self, mesh):
         """The mesh's batch-axis reduction for the optimizer's aggregator, or None."""
@@ -167,6 +203,7 @@ class KerasSteps:
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 y_pred, _, scaled = patches.forward_loss(model, x, y, sample_weight,
                                                          _batch_size(x))
+            self._refuse_trainable_writes(scope, mapping)
             new_ntv, new_mv = (_current(scope, self.non_trainable, ntv),
                                _current(scope, self.metric_vars, mv))
         grads = [None if g is None else tf.convert_to_tensor(g)
@@ -207,6 +244,7 @@ class KerasSteps:
                 # scale, any `loss_scale_factor`), which its `apply` divides out again.
                 y_pred, loss, scaled = patches.forward_loss(model, x, y, sample_weight,
                                                             _batch_size(x))
+            self._refuse_trainable_writes(scope, mapping)
             return scaled, (y_pred, loss, _current(scope, self.non_trainable, ntv))
 
         grads, (y_pred, losses, new_ntv) = replica_gradients(forward, tv, data)
@@ -278,9 +316,26 @@ class KerasSteps:
                    + list(zip(self.metric_vars, mv)) + list(zip(self.opt_vars, ov)))
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             logs = self.model.train_step(_data(data))
-        _write(self.trainable, [None] * len(self.trainable),
-               [scope.get_current_value(v) for v in self.trainable])
-        _write(state, ntv + mv + ov, _current(scope, state, ntv + mv + ov))
+        new_tv = [scope.get_current_value(v) for v in self.trainable]
+        new_state = _current(scope, state, ntv + mv + ov)
+        optimizer = self.optimizer
+        if (getattr(optimizer, "dynamic_scale", None) is None
+                and getattr(optimizer, "tfpar_skip_nonfinite", False)):
+            # A `DistributedOptimizer` never applies a non-finite step (`_train`'s rule):
+            # the gradients are the user's step's own, so the check is on what its update
+            # wrote (a non-finite gradient makes non-finite weights); weights, slots and
+            # the codec state stay, `nonfinite_steps` counts it (a review's probe: a NaN
+            # reached every weight, the count stayed 0).
+            tv = _read(self.trainable)
+            new_tv = [o if n is None else n for n, o in zip(new_tv, tv)]
+            finite = reduction_lib.all_finite(new_tv)
+            count = len(ntv) + len(mv)
+            new_tv, new_ov = self._skipped_unless(finite, tv, ov, new_tv, new_state[count:])
+            new_state = new_state[:count] + new_ov
+            _write(self.trainable, tv, new_tv)
+        else:
+            _write(self.trainable, [None] * len(self.trainable), new_tv)
+        _write(state, ntv + mv + ov, new_state)
         return logs
 
     def _test(self, *data):

@@ -147,14 +147,20 @@ def _split_layout(variable):
     return layout if layout is not None and BATCH in layout.sharding_specs else None
 
 
-def batch_parts(variables):
-    """The devices on the `batch` axis of the mesh the first of `variables` split over
-    `batch` lives on; 0 when none is split."""
+def split_mesh(variables):
+    """The DTensor mesh of the first of `variables` split over `batch`, or None."""
     for variable in variables:
         layout = _split_layout(variable)
         if layout is not None:
-            return layout.mesh.dim_size(BATCH)
-    return 0
+            return layout.mesh
+    return None
+
+
+def batch_parts(variables):
+    """The devices on the `batch` axis of the mesh the first of `variables` split over
+    `batch` lives on; 0 when none is split."""
+    mesh = split_mesh(variables)
+    return 0 if mesh is None else mesh.dim_size(BATCH)
 
 
 def split_over_batch(variables):
