@@ -288,7 +288,21 @@ def refusals():
         x, y = data(1)
         model.fit(x["features"], y, batch_size=BATCH, verbose=0)
 
+    def conv():
+        # a convolution under a codec on a plain Keras mesh: it failed inside DTensor in 14
+        # lines ('tf.TensorListSetItem' op ComputeLayoutForward error)
+        keras.distribution.set_distribution(keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()))
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(8, 3, name="conv"),
+                                  keras.layers.Flatten(), keras.layers.Dense(8, name="head")])
+        model.compile(optimizer=adam("int8"),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x = np.random.default_rng(0).normal(size=(BATCH, 8, 8, 4)).astype("float32")
+        model.fit(x, np.zeros(BATCH, "int32"), batch_size=BATCH, verbose=0)
+
     return {"clip": _refused(lambda: clip(None)), "clip_codec": _refused(lambda: clip("int8")),
+            "conv": _refused(conv),
             "topk": _refused(topk),
             "stage": _refused(lambda: layout.FullyShardedDataParallel(
                 mesh((2, 2, 1), ("stage", "batch", "model")))),

@@ -1,7 +1,7 @@
 """ZeRO-3 from a user's own `model.fit` (`tfpar.layout.FullyShardedDataParallel`, issue 43):
 a functional model of its own (two inputs as a dict, Dense + LayerNormalization; no
-Embedding: the child's `user_model` says why), 4 logical CPUs, Adam, against the same model on one device on the
-same seed and batches:
+Embedding: the child's `user_model` says why), 4 logical CPUs, Adam, against the same
+model on one device on the same seed and batches:
 
 - uncompressed: the weights after 4 steps within 1e-5, every weight split over `batch`
   (its layout, a quarter of it on each device), the optimizer's slots too, gathered layer
@@ -17,7 +17,8 @@ same seed and batches:
 - refusals in one line: top-k through ZeRO-3 (`compat.KERAS_ZERO3_CODEC`), a `stage` axis
   (`compat.KERAS_ZERO3_PIPELINE`), a mesh without `batch`; on a plain `DataParallel` mesh
   a layer clipping its own trainable weight in `call`
-  (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), with and without a codec.
+  (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), with and without a codec; a convolution
+  under a codec (`compat.KERAS_MESH_CODEC_CONV`).
 
 - `compression="none"` (DTensor's own reduce-scatter, no codec step) with
   `on_nan="skip_step"`: a non-finite step left out and counted (before, its NaN reached
@@ -163,6 +164,13 @@ def test_a_trainable_weight_assigned_in_call_is_refused_on_a_keras_mesh(results,
         "layer='clipped (its weight clipped/w)' is invalid: assigns its trainable weight "
         "in call"), refused
     assert "kernel_constraint" in refused["line"], refused
+
+
+def test_a_convolution_under_a_codec_on_a_keras_mesh_is_refused_in_one_line(results):
+    refused = _case(results, "refusals")["conv"]
+    assert refused["raised"] == "ConfigError" and refused["lines"] == 1, refused
+    assert refused["line"].startswith("layer='conv (Conv2D)' is invalid: is a convolution"), \
+        refused
 
 
 @pytest.mark.parametrize("step", ["keras", "own"])

@@ -327,6 +327,17 @@ KERAS_MESH_AGGREGATOR_TRAIN_STEP = Rule(
     "not supported with a model's own train_step under keras.distribution (its "
     "tape.gradient is summed over the mesh's batch axis by DTensor before any codec could "
     "see a replica's gradient); pass the plain Keras optimizer, or use Keras's train_step")
+# The same codec step maps each replica's forward and backward over the replicas, where
+# TensorFlow forms a convolution's filter gradient as a TensorList loop that DTensor cannot
+# lay out (TF 2.21: 'tf.TensorListSetItem' op ComputeLayoutForward error, in 14 lines), as
+# `ZERO3_COMPRESSION_MODEL` refuses for the CLI's convnet.
+KERAS_MESH_CODEC_CONV = Rule(
+    "layer", lambda c: bool(getattr(c, "codec_conv_layer", None)),
+    "is a convolution, whose filter gradient a tfpar.DistributedOptimizer's codec on a "
+    "Keras mesh cannot form per replica (TensorFlow builds it as a loop DTensor cannot lay "
+    "out, TF 2.21); pass the plain Keras optimizer (DTensor's own fp32 sum), or train this "
+    "model with tfpar.make_strategy() and the codec on tf.distribute",
+    value=lambda c: c.codec_conv_layer)
 # A `tfpar.DistributedOptimizer` under keras.distribution runs through the mesh's reduction
 # (`tfpar.layout.reduction.codec_of`): these codecs; `auto` (whose ranks the mesh trainer
 # plans from `--auto_*` flags) and an aggregator class of the user's own are not mapped.

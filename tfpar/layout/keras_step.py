@@ -45,6 +45,19 @@ def overrides_train_step(model):
     return getattr(model.train_step, "__func__", None) is not keras.Model.train_step
 
 
+# Keras's convolution layers (`KERAS_MESH_CODEC_CONV`)
+_CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
+    "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+    "SeparableConv1D", "SeparableConv2D", "DepthwiseConv1D", "DepthwiseConv2D"))
+
+
+def _layers(model):
+    """Every layer of `model`, those of nested models too."""
+    for layer in getattr(model, "layers", []):
+        yield layer
+        yield from _layers(layer)
+
+
 def _read(variables):
     return [v.value.read_value() for v in variables]
 
@@ -185,6 +198,12 @@ class KerasSteps:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
                 backend="dtensor", compression=codec, keras_distribution=True,
                 custom_train_step=True))
+        conv = next((layer for layer in _layers(self.model)
+                     if isinstance(layer, _CONVOLUTIONS)), None)
+        if conv is not None and reduction_lib.batch_parts(mesh) > 1:
+            compat.enforce(compat.KERAS_MESH_CODEC_CONV, compat.view(
+                backend="dtensor", compression=codec, keras_distribution=True,
+                codec_conv_layer=f"{conv.name} ({type(conv).__name__})"))
         # Adam in front of the codec (its `adam_front` option) switches the optimizer to
         # apply the reduction's steps (`tfpar.layout.adam_front`).
         return reduction_lib.for_variables(mesh, self.trainable, codec, error_feedback,
