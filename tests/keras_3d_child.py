@@ -710,6 +710,13 @@ def guards():
                          keras.layers.Dense(64, activity_regularizer=l2, name="sparse")),
                         ("add_loss", Penalized(name="penalized"))):
         out[name] = _refused(_model_with(layer))
+    # a frozen regularized layer (a pretrained block): no term on one device either
+    frozen = keras.layers.Dense(64, kernel_regularizer=l2, name="frozen")
+    model = _model_with(frozen)
+    frozen.trainable = False
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    out["frozen_regularizer"] = _refused(model)
     # unnamed add_weights (auto-named anew in a stage's copy): against one device
     model = _model_with(Unnamed(name="unnamed"))
     model.set_weights(start)

@@ -176,6 +176,12 @@ def exact():
                        for k in one["evaluate"]}
     out["predict_diff"] = float(np.max(np.abs(
         model.predict(x, batch_size=BATCH, verbose=0) - one["predict"])))
+    # frozen after its fit (no trainable weights left): predict as before
+    expected = model.predict(x, batch_size=BATCH, verbose=0)
+    model.trainable = False
+    out["frozen_predict_diff"] = float(np.max(np.abs(
+        model.predict(x, batch_size=BATCH, verbose=0) - expected)))
+    model.trainable = True
     tp, tp_losses = run(fsdp_tp())
     out["tp"] = {"diff": diff(host(tp), one["weights"]), "layouts": layouts(tp),
                  "per_layer": list(tp._tfpar_fsdp_layers)}
@@ -248,6 +254,18 @@ def save():
     return out
 
 
+class Penalized(keras.layers.Layer):
+    """A user's Dense-like layer adding a loss term of its own in `call`."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 16), name="w")
+
+    def call(self, x):
+        h = x @ self.w
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(h)))
+        return h
+
+
 class Clipped(keras.layers.Layer):
     """A user's layer that clips its own trainable weight in `call`."""
 
@@ -274,15 +292,17 @@ def refusals():
                                                     compression="topk", ratio=0.5))
         fit(model, 1)
 
-    def clip(compression):
+    def clip(compression, distribution=None, layer=None):
         # a layer clipping its own trainable weight in call on a plain Keras mesh (no
-        # ZeRO-3), through the step without a codec and the per-replica codec step
-        keras.distribution.set_distribution(keras.distribution.DataParallel(
+        # ZeRO-3), through the step without a codec and the per-replica codec step; under
+        # ZeRO-3 (the layer gathering its own weights in a scope of its own), that and a
+        # layer adding a loss term in call
+        keras.distribution.set_distribution(distribution or keras.distribution.DataParallel(
             devices=keras.distribution.list_devices()))
         keras.utils.set_random_seed(0)
         features = keras.Input((FEATURES,), name="features")
         model = keras.Model(features, keras.layers.Dense(CLASSES, name="head")(
-            Clipped(name="clipped")(features)))
+            (layer or Clipped(name="clipped"))(features)))
         model.compile(optimizer=adam(compression),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         x, y = data(1)
@@ -302,6 +322,10 @@ def refusals():
         model.fit(x, np.zeros(BATCH, "int32"), batch_size=BATCH, verbose=0)
 
     return {"clip": _refused(lambda: clip(None)), "clip_codec": _refused(lambda: clip("int8")),
+            "clip_zero3": _refused(lambda: clip(None, fsdp())),
+            "add_loss_zero3": _refused(lambda: clip(None, fsdp(), Penalized(name="penalized"))),
+            "add_loss_whole": _refused(lambda: clip(
+                None, fsdp(gather_per_layer=False), Penalized(name="penalized"))),
             "conv": _refused(conv),
             "topk": _refused(topk),
             "stage": _refused(lambda: layout.FullyShardedDataParallel(

@@ -268,6 +268,12 @@ def test_what_the_stateless_step_would_drop_is_refused_before_any_step(results, 
         assert "(add_loss in call)' is invalid: adds its own loss terms" in raised, raised
 
 
+def test_a_frozen_regularized_layer_is_not_refused(results):
+    # Keras adds a regularizer's term for trainable weights only: a frozen block has none
+    run_ = _case(results, "guards")["frozen_regularizer"]
+    assert run_["raised"] is None and run_["iterations"] > 0 and run_["moved"] > 0, run_
+
+
 def test_unnamed_weights_train_as_on_one_device(results):
     run_ = _case(results, "guards")["unnamed"]
     assert run_["raised"] is None, run_

@@ -327,6 +327,17 @@ KERAS_MESH_AGGREGATOR_TRAIN_STEP = Rule(
     "not supported with a model's own train_step under keras.distribution (its "
     "tape.gradient is summed over the mesh's batch axis by DTensor before any codec could "
     "see a replica's gradient); pass the plain Keras optimizer, or use Keras's train_step")
+# ZeRO-3's per-layer gathering (`tfpar.zero.fsdp`) runs each gathering layer's `call` in a
+# scope of its own, recomputed in the backward pass: a loss term added there (`add_loss`,
+# an inner layer's activity regularizer) would be dropped (measured: 2.806 against one
+# device's 3.822, weights 0.022 apart), its gradient with it.
+KERAS_ZERO3_LAYER_LOSS = Rule(
+    "layer", lambda c: bool(getattr(c, "zero3_layer_loss", None)),
+    "adds a loss term in call (add_loss, an activity regularizer of a layer inside it), "
+    "which ZeRO-3's per-layer gather would drop; use FullyShardedDataParallel("
+    "gather_per_layer=False) (the weights gathered at the step's start), or leave the term "
+    "out",
+    value=lambda c: c.zero3_layer_loss)
 # The same codec step maps each replica's forward and backward over the replicas, where
 # TensorFlow forms a convolution's filter gradient as a TensorList loop that DTensor cannot
 # lay out (TF 2.21: 'tf.TensorListSetItem' op ComputeLayoutForward error, in 14 lines), as
@@ -405,9 +416,10 @@ KERAS_PIPELINE_STATEFUL_LAYER = Rule(
 # start: a trainable weight a layer's `call` assigns (a clip) would lose that write.
 KERAS_PIPELINE_ASSIGNED_WEIGHT = Rule(
     "layer", lambda c: bool(getattr(c, "assigned_weight", None)),
-    "assigns its trainable weight in call (a clip, a decay), a write a fit on a Keras "
-    "mesh would drop every step; give the layer a constraint instead (kernel_constraint="
-    "keras.constraints.MinMaxNorm(...), NonNeg(): Keras applies it after each update)",
+    "assigns its trainable weight in call (a clip, a decay, keras.layers."
+    "SpectralNormalization), a write a fit on a Keras mesh would drop every step; for a "
+    "clip give the layer a keras.constraints.Constraint of your own (kernel_constraint=; "
+    "Keras applies it after each update), else fit this model without a mesh",
     value=lambda c: c.assigned_weight)
 # Each stage runs copies of the model's layers: a layer's own `keras.metrics` updated in
 # its `call` would be the copy's, never kept or reported.

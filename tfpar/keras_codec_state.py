@@ -115,6 +115,7 @@ class CodecState(keras.layers.Layer):
         except ConfigError:  # a codec the mesh does not run: no mesh state to name
             return None
         identity = {"codec": codec, "error_feedback": bool(error_feedback),
+                    "adam_front": False,  # recorded when off too (only shared keys compare)
                     **{k: v for k, v in options.items() if k not in _NOT_IDENTITY}}
         return decode_identity(encode_identity(identity))  # as a file gives it back
 
@@ -248,8 +249,11 @@ class CodecLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         counter = getattr(self.inner_optimizer, "nonfinite_steps", None)
         plain = [v for v in variables if v is not counter]
         stored = len(store.keys())
-        if stored == len(variables) or (stored != len(plain) and not (
-                counter is None and stored == len(plain) + 1)):
+        extra = counter is None and stored == len(plain) + 1 and np.shape(
+            store[str(len(plain))]) == ()  # a writer's counter: one number, last
+        if stored == len(variables) or (stored != len(plain) and not extra) or any(
+                tuple(np.shape(store[str(i)])) != tuple(v.shape)
+                for i, v in enumerate(plain)):
             return super().load_own_variables(store)  # as Keras (its line for a mismatch)
         # the file without the counter (plain's order), or with a counter this
         # optimizer has not: its last entry, left out

@@ -121,8 +121,9 @@ def set_lowering(model):
     once at a model's build, a 4-device ZeRO-3 model's first fit after a 2 x 2 one was
     built left it on for the 2 x 2 model's next fit, which trained 0.66 off one device
     (a review's probe; 3e-8 with it set here)."""
-    if getattr(model, "_tfpar_fsdp_layers", None):
-        fsdp.collective_gathers(fsdp.split_mesh(model.trainable_variables))
+    mesh = fsdp.split_mesh(model.weights)  # (a model frozen after its fit: no trainable)
+    if getattr(model, "_tfpar_fsdp_layers", None) and mesh is not None:
+        fsdp.collective_gathers(mesh)
     else:
         fsdp.dtensor_gathers()
 

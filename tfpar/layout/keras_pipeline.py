@@ -544,7 +544,9 @@ def _refuse_layer_losses(stage, scope):
     `add_loss`). The stages' loss is the compiled loss of the last stage's output alone."""
     layers = list(_layers(stage))
     for layer in layers:
-        if any(getattr(w, "regularizer", None) is not None for w in layer.weights):
+        # Keras adds a regularizer's term for trainable weights only (a frozen,
+        # regularized pretrained block adds none on one device either)
+        if any(getattr(w, "regularizer", None) is not None for w in layer.trainable_weights):
             compat.enforce(compat.KERAS_PIPELINE_LAYER_LOSS, compat.view(
                 backend="dtensor", layer_loss=f"{layer.name} ({type(layer).__name__})"))
     if scope.losses:

@@ -154,6 +154,7 @@ class KerasSteps:
         rulebook's one line, not inside AutoGraph's wrapping of it."""
         def call(*args):
             self.refused = None
+            fsdp.forget_dropped(self.model)
             try:
                 return step(*args)
             except Exception as error:
@@ -162,6 +163,23 @@ class KerasSteps:
                 raise
         call.python_function = step.python_function
         return call
+
+    def _refuse_dropped(self):
+        """The rulebook's line for what a ZeRO-3 gathering layer's own scope dropped in
+        this trace (`fsdp.dropped_in_gathering_layers`): a write of its weight
+        (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), a loss term
+        (`compat.KERAS_ZERO3_LAYER_LOSS`)."""
+        for layer, written, losses in fsdp.dropped_in_gathering_layers(self.model):
+            name = f"{layer.name} ({type(layer).__name__})"
+            rule, view = ((compat.KERAS_PIPELINE_ASSIGNED_WEIGHT,
+                           compat.view(backend="dtensor", assigned_weight=name)) if written
+                          else (compat.KERAS_ZERO3_LAYER_LOSS,
+                                compat.view(backend="dtensor", zero3_layer_loss=name)))
+            try:
+                compat.enforce(rule, view)
+            except ConfigError as error:
+                self.refused = error
+                raise
 
     def _refuse_trainable_writes(self, scope, mapping):
         """`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT` (while the step is traced, before it
@@ -223,6 +241,7 @@ class KerasSteps:
                 y_pred, _, scaled = patches.forward_loss(model, x, y, sample_weight,
                                                          _batch_size(x))
             self._refuse_trainable_writes(scope, mapping)
+            self._refuse_dropped()
             new_ntv, new_mv = (_current(scope, self.non_trainable, ntv),
                                _current(scope, self.metric_vars, mv))
         grads = [None if g is None else tf.convert_to_tensor(g)
@@ -264,6 +283,7 @@ class KerasSteps:
                 y_pred, loss, scaled = patches.forward_loss(model, x, y, sample_weight,
                                                             _batch_size(x))
             self._refuse_trainable_writes(scope, mapping)
+            self._refuse_dropped()
             return scaled, (y_pred, loss, _current(scope, self.non_trainable, ntv))
 
         grads, (y_pred, losses, new_ntv) = replica_gradients(forward, tv, data)

@@ -362,9 +362,18 @@ def _wrap(layer, variables, layouts, codec, prefetch, reshard, keep=False):
             values = list(flat)
             for i, tensor in zip(positions, given):
                 values[i] = tensor
-            with keras.StatelessScope(state_mapping=list(zip(variables, whole))), \
+            mapping = list(zip(variables, whole))
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
                     patches.autocasting(autocast):
-                return call(*tf.nest.pack_sequence_as(args, values), **kwargs)
+                out = call(*tf.nest.pack_sequence_as(args, values), **kwargs)
+            # What this scope of its own would drop: a write of the layer's weight (a clip
+            # in `call`) or a loss term added in it (`add_loss`, an inner layer's activity
+            # regularizer; under the recomputation its gradient would be lost too). Marked
+            # on the layer for the step to refuse (`dropped_in_gathering_layers`).
+            written = [v.path for v, w in mapping if scope.get_current_value(v) is not w]
+            if written or scope.losses:
+                object.__setattr__(layer, "_tfpar_dropped", (written, len(scope.losses)))
+            return out
 
         if _PER_REPLICA or not reshard:  # not recomputed (module docstring)
             return run(tensors, gather(pieces))
@@ -382,6 +391,21 @@ def _wrap(layer, variables, layouts, codec, prefetch, reshard, keep=False):
 
     object.__setattr__(layer, "call", gathering_call)
     object.__setattr__(layer, "_tfpar_recomputed", True)
+
+
+def dropped_in_gathering_layers(model):
+    """`[(layer, written weight paths, losses added)]` of `model`'s per-layer gathering
+    layers whose `call`, traced since `forget_dropped(model)`, wrote its own weight or
+    added a loss term: both would be dropped by the layer's scope of its own."""
+    return [(layer, *layer._tfpar_dropped) for layer in model.layers
+            if getattr(layer, "_tfpar_dropped", None)]
+
+
+def forget_dropped(model):
+    """Clears what `dropped_in_gathering_layers` reports, before a step is traced."""
+    for layer in model.layers:
+        if getattr(layer, "_tfpar_dropped", None):
+            object.__setattr__(layer, "_tfpar_dropped", None)
 
 
 class _Link:
