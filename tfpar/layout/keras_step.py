@@ -154,7 +154,6 @@ class KerasSteps:
         rulebook's one line, not inside AutoGraph's wrapping of it."""
         def call(*args):
             self.refused = None
-            fsdp.forget_dropped(self.model)
             try:
                 return step(*args)
             except Exception as error:
@@ -166,10 +165,10 @@ class KerasSteps:
 
     def _refuse_dropped(self):
         """The rulebook's line for what a ZeRO-3 gathering layer's own scope dropped in
-        this trace (`fsdp.dropped_in_gathering_layers`): a write of its weight
+        this trace (`fsdp.take_dropped`): a write of its weight
         (`compat.KERAS_PIPELINE_ASSIGNED_WEIGHT`), a loss term
         (`compat.KERAS_ZERO3_LAYER_LOSS`)."""
-        for layer, written, losses in fsdp.dropped_in_gathering_layers(self.model):
+        for layer, written, losses in fsdp.take_dropped(self.model):
             name = f"{layer.name} ({type(layer).__name__})"
             rule, view = ((compat.KERAS_PIPELINE_ASSIGNED_WEIGHT,
                            compat.view(backend="dtensor", assigned_weight=name)) if written

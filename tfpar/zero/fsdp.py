@@ -369,7 +369,7 @@ def _wrap(layer, variables, layouts, codec, prefetch, reshard, keep=False):
             # What this scope of its own would drop: a write of the layer's weight (a clip
             # in `call`) or a loss term added in it (`add_loss`, an inner layer's activity
             # regularizer; under the recomputation its gradient would be lost too). Marked
-            # on the layer for the step to refuse (`dropped_in_gathering_layers`).
+            # on the layer for the step to refuse (`take_dropped`).
             written = [v.path for v, w in mapping if scope.get_current_value(v) is not w]
             if written or scope.losses:
                 object.__setattr__(layer, "_tfpar_dropped", (written, len(scope.losses)))
@@ -393,19 +393,18 @@ def _wrap(layer, variables, layouts, codec, prefetch, reshard, keep=False):
     object.__setattr__(layer, "_tfpar_recomputed", True)
 
 
-def dropped_in_gathering_layers(model):
+def take_dropped(model):
     """`[(layer, written weight paths, losses added)]` of `model`'s per-layer gathering
-    layers whose `call`, traced since `forget_dropped(model)`, wrote its own weight or
-    added a loss term: both would be dropped by the layer's scope of its own."""
-    return [(layer, *layer._tfpar_dropped) for layer in model.layers
-            if getattr(layer, "_tfpar_dropped", None)]
-
-
-def forget_dropped(model):
-    """Clears what `dropped_in_gathering_layers` reports, before a step is traced."""
+    layers whose `call`, traced since the last take, wrote its own weight or added a loss
+    term (both would be dropped by the layer's scope of its own); the marks cleared. Read
+    while a step is traced, never per step."""
+    out = []
     for layer in model.layers:
-        if getattr(layer, "_tfpar_dropped", None):
+        dropped = getattr(layer, "_tfpar_dropped", None)
+        if dropped:
+            out.append((layer, *dropped))
             object.__setattr__(layer, "_tfpar_dropped", None)
+    return out
 
 
 class _Link:
