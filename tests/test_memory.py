@@ -105,7 +105,11 @@ def test_recompute_is_exact_and_lowers_the_activation_peak(one_device_recompute,
         peak = result["memory"]["peak_bytes_above_start_per_device"][0]
         print(f"{optimizer} recompute={mode}: training peak {peak} B vs {peak_plain} B "
               f"without ({peak_plain / peak:.2f}x lower)")
-        assert peak * 2 <= peak_plain, (mode, peak, peak_plain)
+        # At least 1.5x lower: the peak is that of the order the executor ran the ops in,
+        # which follows the machine's load. Idle this measures 2.7-2.9x; one CI run beside
+        # other test processes measured 1.96x; with one inter-op thread 1.56x. Without
+        # recomputation working the ratio is about 1.
+        assert peak * 1.5 <= peak_plain, (mode, peak, peak_plain)
 
 
 def test_recompute_on_a_pipeline_is_exact(tmp_path):
