@@ -94,7 +94,7 @@ from tfpar.layout import pipeline as pipeline_lib
 from tfpar.layout import presets, reduction, values, variables
 from tfpar.layout.mesh import BATCH, MODEL
 from tfpar.layout.optimizer import stateless_optimizer
-from tfpar.layout.step import _read, wraps_refusal
+from tfpar.layout.step import _read, refusals_raised, walk_layers
 from tfpar.metrics import STEP_LOSS
 from tfpar.pipeline.schedule import make_schedule
 
@@ -424,15 +424,8 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
                 for variable in self.rates:
                     values.assign(variable, rate)
                 self.rate = rate
-        self.refused = None
-        try:
+        with refusals_raised(self):  # a refusal made while this step was traced
             out = super()._step(batch)
-        except Exception as error:
-            # raised while this step was traced, before it ran: the rulebook's line, not
-            # AutoGraph's wrapping (and only for this refusal, not a later error's)
-            if self.refused is not None and wraps_refusal(error, self.refused):
-                raise self.refused from None
-            raise
         if self.scale_one:  # a skipped step halved it: back to 1, so it never reaches 0
             scales = [o.dynamic_scale for o in self.stage_optimizers]
             if float(values.to_host(scales[0].value)) != 1.0:
@@ -523,18 +516,9 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
 
 def _owner_name(model, weight):
     """`"name (Class)"` of the layer of `model` that holds `weight` (its path if none)."""
-    return next((f"{layer.name} ({type(layer).__name__})" for layer in _layers(model)
+    return next((f"{layer.name} ({type(layer).__name__})"
+                 for layer in walk_layers(model, models=False)
                  if any(w is weight for w in layer.weights)), weight.path)
-
-
-def _layers(model):
-    """The layers of `model`, those of nested models in their place (not the nested
-    models themselves)."""
-    for layer in model.layers:
-        if hasattr(layer, "layers"):
-            yield from _layers(layer)
-        else:
-            yield layer
 
 
 def _refuse_layer_losses(stage, scope):
@@ -542,7 +526,7 @@ def _refuse_layer_losses(stage, scope):
     of its own: a weight with a regularizer (Keras adds it from `model.losses`, never in
     `call`), or a loss `call` added (`scope`, collecting: an activity regularizer,
     `add_loss`). The stages' loss is the compiled loss of the last stage's output alone."""
-    layers = list(_layers(stage))
+    layers = list(walk_layers(stage, models=False))
     for layer in layers:
         # Keras adds a regularizer's term for trainable weights only (a frozen,
         # regularized pretrained block adds none on one device either)
@@ -579,7 +563,8 @@ def _refuse_accesses(stage, scope, ops):
     """
     trainable = {id(w) for w in stage.trainable_variables}
     own = trainable | {id(w) for w in stage.non_trainable_variables}
-    metrics = {id(v): layer for layer in _layers(stage) for v in layer.metrics_variables}
+    metrics = {id(v): layer for layer in walk_layers(stage, models=False)
+               for v in layer.metrics_variables}
     touched = dict(scope.written)
     touched.update((key, v) for key, v in scope.read.items() if key not in touched)
     for key, variable in touched.items():
@@ -745,7 +730,7 @@ def _stateful_layer(stages):
     training step changes (moving statistics of a layer not frozen, a seed generator's
     state), or None."""
     for stage in stages:
-        for layer in _layers(stage):
+        for layer in walk_layers(stage, models=False):
             own = layer.non_trainable_variables
             seeded = any(v.path.endswith("seed_generator_state") for v in own)
             moving = isinstance(layer, keras.layers.BatchNormalization) and layer.trainable

@@ -34,7 +34,7 @@ from tfpar.layout import reduction as reduction_lib
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
 from tfpar.layout.step import (_checked, first_replica, reduce_over_batch,
-                               replica_gradients, wraps_refusal)
+                               refusals_raised, replica_gradients, walk_layers)
 from tfpar.layout.variables import check_dvariables
 from tfpar.zero import fsdp
 
@@ -49,13 +49,6 @@ def overrides_train_step(model):
 _CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
     "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
     "SeparableConv1D", "SeparableConv2D", "DepthwiseConv1D", "DepthwiseConv2D"))
-
-
-def _layers(model):
-    """Every layer of `model`, those of nested models too."""
-    for layer in getattr(model, "layers", []):
-        yield layer
-        yield from _layers(layer)
 
 
 def _read(variables):
@@ -153,13 +146,8 @@ class KerasSteps:
         """`step` (a `_checked` step) raising a refusal made while it was traced as the
         rulebook's one line, not inside AutoGraph's wrapping of it."""
         def call(*args):
-            self.refused = None
-            try:
+            with refusals_raised(self):
                 return step(*args)
-            except Exception as error:
-                if self.refused is not None and wraps_refusal(error, self.refused):
-                    raise self.refused from None
-                raise
         call.python_function = step.python_function
         return call
 
@@ -215,7 +203,7 @@ class KerasSteps:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
                 backend="dtensor", compression=codec, keras_distribution=True,
                 custom_train_step=True))
-        conv = next((layer for layer in _layers(self.model)
+        conv = next((layer for layer in walk_layers(self.model)
                      if isinstance(layer, _CONVOLUTIONS)), None)
         if conv is not None and reduction_lib.batch_parts(mesh) > 1:
             compat.enforce(compat.KERAS_MESH_CODEC_CONV, compat.view(

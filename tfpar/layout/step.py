@@ -13,6 +13,8 @@ Before the first call, the traced graph is inspected: every variable it touches 
 DVariable (a plain one would be updated once per device).
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -314,6 +316,29 @@ def wraps_refusal(error, refusal):
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
+
+
+@contextlib.contextmanager
+def refusals_raised(owner):
+    """Runs a step that may be traced inside: a refusal the trace recorded in
+    `owner.refused` (cleared first) is raised as the rulebook's one line, not inside
+    AutoGraph's wrapping of it; any other error as it came."""
+    owner.refused = None
+    try:
+        yield
+    except Exception as error:
+        if owner.refused is not None and wraps_refusal(error, owner.refused):
+            raise owner.refused from None
+        raise
+
+
+def walk_layers(model, models=True):
+    """Every layer of `model`, depth first, those of nested models in their place; with
+    `models`, the nested models themselves too (before their layers)."""
+    for layer in getattr(model, "layers", []):
+        if models or not hasattr(layer, "layers"):
+            yield layer
+        yield from walk_layers(layer, models)
 
 
 def _checked(mesh, step, what):
