@@ -28,8 +28,8 @@ entries, each described in its module's docstring:
   `autocast_scope` (mixed precision's variable cast, re-entered in a recomputed forward),
   `stateless_accesses` (the variables a forward in a `StatelessScope` read and wrote).
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
-  `stateless_optimizer`, `loss_scale_files` (set by `tfpar.DistributedOptimizer`); and `mix_in`/`mix_out`, how an optimizer the user built gets (or
-  sheds) a tfpar mixin.
+  `stateless_optimizer`, `loss_scale_files` (set by `tfpar.DistributedOptimizer`); and
+  `mix_in`/`mix_out`, how an optimizer the user built gets (or sheds) a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `independent_op`, `dtensor_started`,
   `function_constant_folding`, `onednn_enabled`, `op_callbacks`, `tensor_getitem`,
   `trackable_tensors`, `vectorized_relayout`.
