@@ -168,10 +168,13 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
     the plain optimizer and its state (once its codec ran on a `keras.distribution` mesh,
     the file names `tfpar>DistributedAdam` with the codec instead: below). The compression is not in the file: wrap the loaded
     model's optimizer again to train on with it (`tfpar.DistributedOptimizer(
-    model.optimizer, ...)`, a fresh copy). With Adam in front of compression (Adam with
-    "powersgd", "lowbit", "topk", "threshold" or "auto" over several replicas) Adam's
-    moments are kept per replica by the aggregator, not in Adam's slots: the file holds
-    Adam's step count with its moments at zero.
+    model.optimizer, ...)`, a fresh copy). Under `mixed_float16` Keras's
+    `LossScaleOptimizer` around it writes what Keras's class around the plain optimizer
+    holds (without tfpar's counter of skipped steps), so stock `load_model` goes on with
+    the loss scale too (`tfpar.keras_codec_state.write_plain`). With Adam in front of
+    compression (Adam with "powersgd", "lowbit", "topk", "threshold" or "auto" over
+    several replicas) Adam's moments are kept per replica by the aggregator, not in Adam's
+    slots: the file holds Adam's step count with its moments at zero.
 
     Under `keras.distribution` (`ModelParallel`, `DataParallel` after
     `tfpar.layout.enable()`) the codec compresses the mesh's batch axis instead
@@ -256,6 +259,9 @@ def DistributedOptimizer(optimizer, compression=None, on_nan="stop",  # noqa: N8
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         _check_offload(optimizer, compression, offload)
     aggregator = _aggregator(compression, dict(aggregator_options))
+    # Keras's `LossScaleOptimizer` around it (fp16: `compile` wraps it) writes the file
+    # stock Keras reads, and reads it back (`tfpar.keras_codec_state.write_plain`)
+    patches.loss_scale_files(keras_codec_state.write_plain, keras_codec_state.read_either)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         config = optimizer.get_config()
         config.pop("inner_optimizer")

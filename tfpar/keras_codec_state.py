@@ -29,6 +29,12 @@ Under `mixed_float16` the file names the `LossScaleOptimizer` around such an opt
 `tfpar>CodecLossScaleOptimizer`, whose entries are the plain optimizers' as Keras's own
 class writes them on the mesh, so `load_model` reads the loss scale back (Keras's class,
 whose inner `DistributedOptimizer` has a counter of skipped steps, skipped them all).
+Off a mesh (tf.distribute) the file names Keras's own `LossScaleOptimizer` around the plain
+optimizer, for stock Keras: there Keras's class around a `DistributedOptimizer` writes its
+entries without the inner optimizer's counter (`write_plain`: 14 entries over Adam and
+four weights where it wrote 15, which stock Keras's `load_model` skipped, restarting the loss
+scale) and reads such a file or one with the counter (`read_either`), through the registry
+entry `loss_scale_files` of `tfpar.patches` (set by `tfpar.DistributedOptimizer`).
 
 The group also records the codec that wrote it (`identity`: the mesh codec's name and the
 options that give its state its meaning, as `tfpar.layout.reduction.codec_of` maps the
@@ -88,6 +94,8 @@ class CodecState(keras.layers.Layer):
         # values loaded before it, by name
         object.__setattr__(self, "_reductions", [])
         object.__setattr__(self, "_pending", None)
+        # set by `attach`: the optimizer runs on a mesh (its file names tfpar's classes)
+        object.__setattr__(self, "on_mesh", False)
 
     def entries(self):
         """`{"codec/<path>/<kind>": DVariable}` of the attached reductions, under the
@@ -144,6 +152,7 @@ class CodecState(keras.layers.Layer):
         before = {name: values.to_host(v) for name, v in self.entries().items()}
         paths = paths or [{}] * len(reductions)
         object.__setattr__(self, "_reductions", list(zip(reductions, paths)))
+        object.__setattr__(self, "on_mesh", True)
         # Named even without a reduction (a mesh with one replica on `batch`, ZeRO-3's
         # "none"): the mesh optimizer's file holds its `nonfinite_steps`, which a plain
         # optimizer built by `load_model` lacks (Keras then skipped all its state).
@@ -242,24 +251,56 @@ class CodecLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     counter, so Keras's own class counted 7 against 6, skipped them all ("Skipping
     variable loading for optimizer ...") and the loaded run restarted its loss scale.
     Writing fewer than the live object holds instead made a 3D file that a fresh 3D
-    model (7) skipped."""
+    model (7) skipped. Its load is `read_either`, which a `LossScaleOptimizer` around a
+    `DistributedOptimizer` off a mesh also takes (`write_plain`)."""
 
     def load_own_variables(self, store):
-        variables = list(self.variables)
-        counter = getattr(self.inner_optimizer, "nonfinite_steps", None)
-        plain = [v for v in variables if v is not counter]
-        stored = len(store.keys())
-        extra = counter is None and stored == len(plain) + 1 and np.shape(
-            store[str(len(plain))]) == ()  # a writer's counter: one number, last
-        if stored == len(variables) or (stored != len(plain) and not extra) or any(
-                tuple(np.shape(store[str(i)])) != tuple(v.shape)
-                for i, v in enumerate(plain)):
-            return super().load_own_variables(store)  # as Keras (its line for a mismatch)
-        # the file without the counter (plain's order), or with a counter this
-        # optimizer has not: its last entry, left out
-        for i, variable in enumerate(plain):
-            variable.assign(store[str(i)])
-        return None
+        if not read_either(self, store):
+            super().load_own_variables(store)  # as Keras (its line for a mismatch)
+
+
+def _plain(optimizer):
+    """A `LossScaleOptimizer`'s variables (its own, then its inner optimizer's) without the
+    inner optimizer's `nonfinite_steps` (tfpar's counter, `tfpar.nan_guard`), and that
+    counter (None without one)."""
+    counter = getattr(optimizer.inner_optimizer, "nonfinite_steps", None)
+    return [v for v in optimizer.variables if v is not counter], counter
+
+
+def read_either(optimizer, store):
+    """Reads a file's entries of a `LossScaleOptimizer` (`store`) into `optimizer` when
+    they are its variables without the inner optimizer's counter (what Keras's class
+    around the plain optimizer writes), or, for an optimizer without one, those followed
+    by one number (a writer's counter, last); returns whether it read them. Anything else
+    (also every entry, counter and all, or a shape that differs) is left to Keras's own
+    load, which reads a file of as many entries as the optimizer holds and skips any
+    other with its warning."""
+    plain, counter = _plain(optimizer)
+    stored = len(store.keys())
+    extra = counter is None and stored == len(plain) + 1 and np.shape(
+        store[str(len(plain))]) == ()  # a writer's counter: one number, last
+    if stored == len(optimizer.variables) or (stored != len(plain) and not extra) or any(
+            tuple(np.shape(store[str(i)])) != tuple(v.shape) for i, v in enumerate(plain)):
+        return False
+    for i, variable in enumerate(plain):
+        variable.assign(store[str(i)])
+    return True
+
+
+def write_plain(optimizer, store):
+    """Writes a `LossScaleOptimizer` around a `DistributedOptimizer` off a mesh as Keras's
+    class around the plain optimizer writes it (the inner optimizer's counter left out,
+    as the inner optimizer's own entries leave it out), so stock Keras's `load_model` of
+    the file reads the loss scale; returns whether it wrote them. On a mesh (the codec's
+    state attached, the file naming `CodecLossScaleOptimizer`) and around an optimizer
+    without a counter, Keras's own save writes every variable."""
+    plain, counter = _plain(optimizer)
+    holder = holder_of(optimizer)
+    if counter is None or (holder is not None and holder.on_mesh):
+        return False
+    for i, variable in enumerate(plain):
+        store[str(i)] = variable.numpy()
+    return True
 
 
 _LOSS_SCALE = ("LossScaleOptimizer", CodecLossScaleOptimizer.__name__)

@@ -28,8 +28,8 @@ entries, each described in its module's docstring:
   `autocast_scope` (mixed precision's variable cast, re-entered in a recomputed forward),
   `stateless_accesses` (the variables a forward in a `StatelessScope` read and wrote).
 - `keras_optimizer`: `fused_momentum`, `optimizer_hooks`, `optimizer_base_build`,
-  `stateless_optimizer`; and `mix_in`/`mix_out`, how an optimizer the user built gets (or
-  sheds) a tfpar mixin.
+  `stateless_optimizer`, `loss_scale_files` (set by `tfpar.DistributedOptimizer`); and
+  `mix_in`/`mix_out`, how an optimizer the user built gets (or sheds) a tfpar mixin.
 - `tensorflow_runtime`: `graph_control_input`, `independent_op`, `dtensor_started`,
   `function_constant_folding`, `onednn_enabled`, `op_callbacks`, `tensor_getitem`,
   `trackable_tensors`, `vectorized_relayout`.
@@ -62,7 +62,7 @@ from tfpar.patches.keras_model import (forward_loss, function_loss, functional_o
                                        set_initial_epoch, uninitialized_variables_kept,
                                        variable_storage)
 from tfpar.patches.keras_optimizer import (base_build, built_variables, is_base_optimizer,
-                                           is_tf_optimizer,
+                                           is_tf_optimizer, loss_scale_files,
                                            is_stateless_class, mix_in, mix_out, stateless_class,
                                            unmixed_class,
                                            to_stateless)

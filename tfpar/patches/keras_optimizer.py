@@ -26,6 +26,16 @@ how an optimizer the user built gets a mixin (keras 3.15.1 on tensorflow 2.21.0)
   writes through `variable.value.assign` (around a `StatelessScope`); `stateless_class`
   makes a subclass with `BaseOptimizer`'s backend-neutral versions of `STATELESS_METHODS`
   instead of `TFOptimizer`'s. The check compares each method's signature.
+- `loss_scale_files`: two methods set on `keras.optimizers.LossScaleOptimizer`, which
+  inherits `save_own_variables`/`load_own_variables` from `BaseOptimizer` (they write and
+  read `variables`, its own then its inner optimizer's, as one list). Keras's `compile`
+  wraps a `tfpar.DistributedOptimizer` in its own class under `mixed_float16`, so no tfpar
+  object is there to override them: the methods set here ask tfpar's `save`/`load`
+  (`tfpar.keras_codec_state.write_plain`, `read_either`: the inner optimizer's counter of
+  skipped steps left out of the file, as stock Keras's class around the plain optimizer
+  holds it) and fall back to `BaseOptimizer`'s. The check looks for `variables`' list and
+  the loops of `BaseOptimizer`'s two methods, and that the class has no methods of its own
+  for them (`loss_scale_files` is the one caller).
 - `mix_in` (no target of its own): how tfpar hooks an optimizer the user already built.
 """
 
@@ -53,6 +63,10 @@ ENTRIES = {
     "stateless_optimizer": ("TFOptimizer's overrides of BaseOptimizer methods (the class "
                             "swapped for BaseOptimizer's)",
                             "tfpar.layout.optimizer.stateless_optimizer"),
+    "loss_scale_files": ("keras.optimizers.LossScaleOptimizer.save_own_variables and "
+                         "load_own_variables (set on the class, BaseOptimizer's inherited)",
+                         "tfpar.keras_codec_state.write_plain, read_either "
+                         "(tfpar.DistributedOptimizer)"),
 }
 # (module, class, method) -> entry: the overrides of another library's private method
 # tfpar keeps outside this package (checked by the entry; see tests/test_internals_boundary).
@@ -137,9 +151,60 @@ FRAGMENTS = {
 }
 
 
+_LSO = keras.optimizers.LossScaleOptimizer
+_FILE_METHODS = ("save_own_variables", "load_own_variables")
+# `loss_scale_files`: the class's own versions of the two methods at import (none in keras
+# 3.15.1: it inherits BaseOptimizer's)
+_LSO_OWN_AT_IMPORT = [name for name in _FILE_METHODS if name in vars(_LSO)]
+FRAGMENTS["loss_scale_files"] = [
+    ("LossScaleOptimizer.variables", lambda: _LSO.variables.fget,
+     "return self._variables + self.inner_optimizer.variables"),
+    ("BaseOptimizer.save_own_variables", lambda: _B.save_own_variables,
+     "for i, variable in enumerate(self.variables):\n            store[str(i)] = "
+     "variable.numpy()"),
+    ("BaseOptimizer.load_own_variables", lambda: _B.load_own_variables,
+     "if len(store.keys()) != len(self.variables):"),
+    ("BaseOptimizer.load_own_variables", lambda: _B.load_own_variables,
+     "for i, variable in enumerate(self.variables):\n            variable.assign("
+     "store[str(i)])"),
+]
+
+
+def loss_scale_files(save, load):
+    """Makes `keras.optimizers.LossScaleOptimizer`'s `save_own_variables(store)` call
+    `save(optimizer, store)` and its `load_own_variables(store)` call `load(optimizer,
+    store)`, each of which returns whether it wrote (read) the entries; when not,
+    `BaseOptimizer`'s own method runs, as before. Once (a second call changes nothing).
+    Registry entry `loss_scale_files`; raises `TfparError` if its target changed."""
+    if getattr(_LSO.save_own_variables, "tfpar_loss_scale_files", False):
+        return
+    problems = check(["loss_scale_files"])
+    if problems:
+        from tfpar.errors import TfparError
+        raise TfparError("; ".join(problems) + ". Install the pinned versions from "
+                         "requirements.txt or update tfpar/patches.")
+
+    def save_own_variables(self, store):
+        if not save(self, store):
+            _B.save_own_variables(self, store)
+
+    def load_own_variables(self, store):
+        if not load(self, store):
+            _B.load_own_variables(self, store)
+
+    for method in (save_own_variables, load_own_variables):
+        method.tfpar_loss_scale_files = True
+        setattr(_LSO, method.__name__, method)
+
+
 def check(names):
     """Problems of this module's `ENTRIES` among `names`."""
     problems = []
+    if "loss_scale_files" in names and _LSO_OWN_AT_IMPORT:
+        problems.append(f"keras {keras.__version__} gave LossScaleOptimizer its own "
+                        f"{', '.join(_LSO_OWN_AT_IMPORT)} (registry entry loss_scale_files); "
+                        "tfpar.keras_codec_state.write_plain was written for keras "
+                        f"{WRITTEN_FOR['keras']}")
     if "fused_momentum" in names:
         source = inspect.getsource(keras.optimizers.SGD.update_step)
         if (not all(f in source for f in _EXPECTED_SGD_UPDATE)
