@@ -11,7 +11,9 @@ Prints one JSON line:
   the flat ring), `padded_sums` (of them, those whose length the host's replicas do not
   divide: padded), `max_abs_diff` (weights, hierarchical vs flat), `max_step` (the largest
   change of a weight over the 3 steps: what a tolerance is measured against), `weights_sum`
-  (of the hierarchical model's weights, as text: equal on every worker).
+  (of the hierarchical model's weights, as text: equal on every worker);
+- `dynamic`: a sum of a length known only when it runs, against tf.distribute's
+  (`dynamic_sums`).
 
     python tests/hierarchical_child.py ['{"cpu_devices": 2}']    # settings for every run
 
@@ -23,8 +25,10 @@ import os
 import sys
 
 import numpy as np
+import tensorflow as tf
 
 from tfpar import ParallelConfig, compat, compression, data, tf_config
+from tfpar.compression import hierarchical
 from tfpar.backends.distribute import DistributeBackend
 
 CASES = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"powersgd_rank": 2}}
@@ -64,7 +68,36 @@ def main(settings):
             "weights_sum": repr(sum(float(np.sum(a, dtype=np.float64)) for a, _ in pairs)),
             "max_step": max(float(np.max(np.abs(b - s)))
                             for (_, b), s in zip(pairs, start))}
+    out["dynamic"] = dynamic_sums(runtime.strategy)
     print(json.dumps(out), flush=True)
+
+
+def dynamic_sums(strategy):
+    """A sum whose length is known only when the step runs (as `auto`'s, past its exact
+    start), 13 entries (no multiple of a host's replicas), through the hierarchy and
+    through tf.distribute's all-reduce: small integers, so both sums are exact. Per dtype,
+    the largest difference, the lengths that came back and the ring's total (of the first
+    local replica's sum)."""
+    with strategy.scope():
+        hierarchy = hierarchical.for_strategy(strategy, "hierarchical")
+    out = {}
+    for dtype in (tf.float32, tf.bfloat16):
+        @tf.function(input_signature=[tf.TensorSpec([None], dtype)])
+        def both(x):
+            def replica_fn(x):
+                ctx = tf.distribute.get_replica_context()
+                x = x + tf.cast(ctx.replica_id_in_sync_group, dtype)
+                return hierarchy.sum(x), ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)
+            return strategy.run(replica_fn, args=(x,))
+        mine, ring = both(tf.range(13, dtype=tf.float32) if dtype == tf.float32
+                          else tf.cast(tf.range(13), dtype))
+        pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64))
+                 for a, b in zip(strategy.experimental_local_results(mine),
+                                 strategy.experimental_local_results(ring))]
+        out[dtype.name] = {"max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in pairs),
+                           "lengths": sorted({len(a) for a, _ in pairs}),
+                           "ring_total": float(np.sum(pairs[0][1]))}
+    return out
 
 
 if __name__ == "__main__":

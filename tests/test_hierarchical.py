@@ -80,6 +80,17 @@ def test_unequal_hosts_sum_through_a_leader(unequal_workers, codec):
     check_against_flat_ring(unequal_workers, codec, "hierarchical_leader")
 
 
+@pytest.mark.parametrize("which, replicas", [("workers", 8), ("unequal_workers", 3)])
+def test_a_sum_of_a_length_known_when_it_runs(request, which, replicas):
+    # As `auto`'s sums past its exact start: 13 entries (padded to 16 on the 4-replica
+    # hosts), each replica's own small integers, so the sum is exact both ways.
+    for out in request.getfixturevalue(which):
+        for dtype, case in out["dynamic"].items():
+            assert case["lengths"] == [13], (dtype, case)
+            assert case["max_abs_diff"] == 0, (dtype, case)
+            assert case["ring_total"] == replicas * 78 + 13 * replicas * (replicas - 1) // 2
+
+
 def test_auto_picks_hierarchical_on_two_hosts(workers):
     assert [out["auto"] for out in workers] == ["hierarchical"] * 4
 
