@@ -93,7 +93,6 @@ class Hierarchy:
         self.host = next(h for h, members in enumerate(hosts) if worker_index in members)
         self.num_hosts = len(hosts)
         self.host_replicas = len(hosts[self.host]) * local_replicas
-        self.local_replicas = local_replicas
         # This worker's place among its host's workers: its replicas' first local index.
         self.first_local = sorted(hosts[self.host]).index(worker_index) * local_replicas
         self.leader_worker = self.first_local == 0
@@ -118,6 +117,7 @@ class Hierarchy:
         return total
 
     def _sharded(self, flat, rank, key, tokens, timeout_s):
+        # Reduce-scatter inside the host, piece `rank` across hosts, all-gather inside.
         inside_token, across_token, back_token = (t.handle for t in tokens)
         inside = _GROUP_KEY + 1 + self.host
         size = self.host_replicas
@@ -156,6 +156,7 @@ class Hierarchy:
         return whole[:n]
 
     def _leader(self, flat, replica, key, tokens, timeout_s):
+        # Reduce inside the host, the leaders' ring across, the leader's total handed back.
         inside_token, across_token, back_token = tokens
         inside = _GROUP_KEY + 1 + self.host
 
