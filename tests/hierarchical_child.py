@@ -1,8 +1,9 @@
 """Child of tests/test_hierarchical.py, run as each worker of a `TF_CONFIG` cluster whose
 addresses name two hosts: workers 0-1 on one and 2-3 on the other, 2 logical CPUs each (a
 host group holds 4 replicas: the reduce-scatter's path), or 0-1 and 2 (unequal hosts: the
-leader's path). For each codec of `CASES`, the trainer's model summing through the hierarchical all-reduce and
-the same model on the flat ring, from the same weights, 3 `fit` steps on the same batches.
+leader's path). For each codec of `CASES`, the trainer's model summing through the
+hierarchical all-reduce and the same model on the flat ring, from the same weights, 3 `fit`
+steps on the same batches.
 Prints one JSON line:
 
 - `auto`: what `--allreduce=auto` resolves to on this cluster (`compat.resolve_allreduce`);
