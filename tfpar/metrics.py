@@ -11,7 +11,7 @@ outside checks read; keys that do not apply to a run are omitted:
               "compression_ratio": float, "comm_time_fraction": float,
               "overlap_fraction": float, "hidden_fraction": float,
               "comm_busy_ms": float, "backward_end_ms": float,
-              "allreduce": "flat" | "hierarchical"},
+              "allreduce": "flat" | "hierarchical" | "hierarchical_leader"},
      "pipeline": {"stages": int, "microbatches": int, "schedule": str,
                   "bubble_measured": float, "bubble_theory": float,
                   "peak_stashed_microbatches": int},
@@ -37,8 +37,10 @@ Its slots then count in neither `optimizer_state_bytes_per_device` nor the alloc
 `cpu_kernels` is what TensorFlow ran (`tfpar.cpu_kernels.active`), whatever `--cpu_kernels`
 asked for. (Added by `tfpar.train.train`, after `summarize`.)
 
-`comm.allreduce` is how the gradients' sums crossed workers (`--allreduce`, resolved:
-`tfpar.compression.hierarchical`).
+`comm.allreduce` is how the gradients' sums crossed workers (`--allreduce`, resolved):
+"flat" (tf.distribute's ring), "hierarchical" (hosts of equal replica counts: reduce-scatter
+inside each host, a ring across hosts per piece, all-gather) or "hierarchical_leader"
+(hosts of unequal counts: through one leader a host), `tfpar.compression.hierarchical`.
 
 `comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
 (`tfpar.compression.timing`). Also with `--measure_comm`, where a step runs collectives:
@@ -333,9 +335,10 @@ def comm_stats(model, replicas):
         stats = [a.comm_stats() for a in aggregators]
         wire = sum(s["bytes_on_wire_per_step"] for s in stats)
         raw = sum(s["bytes_uncompressed_per_step"] for s in stats)
-        # How the sums crossed hosts (`--allreduce`): "hierarchical" if any stage's did.
-        allreduce = ("hierarchical" if any(s.get("allreduce") == "hierarchical" for s in stats)
-                     else "flat")
+        # How the sums crossed hosts (`--allreduce`): a hierarchical path if any stage's took
+        # one (every stage's hierarchy sees the same hosts, so the same path).
+        allreduce = next((s["allreduce"] for s in stats
+                          if s.get("allreduce", "flat") != "flat"), "flat")
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire if wire else 1.0, "allreduce": allreduce}
     if replicas == 1:

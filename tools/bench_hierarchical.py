@@ -15,7 +15,7 @@ Needs root (namespaces, tc) and iproute2. Per run: steps/s (1000 / the metrics J
 median step time, first 2 steps left out), the bytes the veth carried across hosts per step
 (both directions, kernel counters over the whole run / steps: startup's handshakes
 included), and `comm.allreduce` as the run reported it; beside them the steps/s if the link
-were the only cost (`ceilings`: at 2 hosts × 2 workers the hierarchical ring carries 1/1.5
+were the only cost (`ceilings`: at 2 hosts × 2 workers the hierarchical rings carry 1/1.5
 of the flat ring's bytes each way, so a bandwidth-bound step gains at most 1.5×; delay
 favours it further, 2 rounds across the link against the flat ring's 6). Prints a table
 and the ratio of steps/s per round; writes `--out` (JSON: every run's metrics, the link, the machine's load).
@@ -95,8 +95,8 @@ def link_bytes_per_sec(rate):
 
 def ceilings(grad_bytes, rate, workers=4, hosts=2):
     """Steps/s if the link between the hosts were the only cost: the flat ring's hops that
-    cross it carry `2 (n - 1) / n` of the gradients each way, the leaders' ring
-    `2 (h - 1) / h`."""
+    cross it carry `2 (n - 1) / n` of the gradients each way, the hierarchical sum's rings
+    across hosts `2 (h - 1) / h` between them (one ring of the leaders, or one a piece)."""
     per_sec = link_bytes_per_sec(rate)
     return {"flat": per_sec / (2 * (workers - 1) / workers * grad_bytes),
             "hierarchical": per_sec / (2 * (hosts - 1) / hosts * grad_bytes)}

@@ -530,8 +530,9 @@ class Aggregator(tf.Module):
 
         Returns:
             `{"bytes_on_wire_per_step": int, "bytes_uncompressed_per_step": int,
-            "compression_ratio": float, "allreduce": "flat" | "hierarchical"}` (ratio =
-            uncompressed / on the wire: 2.0 for fp16; how its sums crossed hosts).
+            "compression_ratio": float, "allreduce": "flat" | "hierarchical" |
+            "hierarchical_leader"}` (ratio = uncompressed / on the wire: 2.0 for fp16; how
+            its sums crossed hosts, `tfpar.compression.hierarchical`'s paths).
 
         Raises:
             RuntimeError: before `build`.
@@ -542,7 +543,7 @@ class Aggregator(tf.Module):
         wire = int(self.wire_bytes.numpy())
         return {"bytes_on_wire_per_step": wire, "bytes_uncompressed_per_step": raw,
                 "compression_ratio": raw / wire if wire else 1.0,
-                "allreduce": ("hierarchical" if self.hierarchy is not None
+                "allreduce": (self.hierarchy.path if self.hierarchy is not None
                               and self.hierarchy.traced else "flat")}
 
     def get_config(self):

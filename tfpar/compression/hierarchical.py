@@ -1,11 +1,41 @@
-"""Hierarchical all-reduce: a sum reduced inside each host, all-reduced across hosts over one
-replica per host (the host's leader), then handed back to every replica of the host.
+"""Hierarchical all-reduce, Horovod's design: each sum reduce-scattered inside each host,
+its pieces all-reduced across hosts (one ring per piece, among the replicas holding it),
+and all-gathered inside the host.
 
 A flat ring over the workers of several hosts crosses the slow link between hosts on every
 hop of the ring that joins two hosts, each hop carrying `2 (n - 1) / n` of the buffer (1.5×
-at 4 workers); the leaders' ring carries `2 (h - 1) / h` (1× at 2 hosts), and it takes
-`2 (h - 1)` hops across the link instead of `2 (n - 1)` rounds gated by its slowest hop.
-The steps inside a host use its own fast links.
+at 4 workers); the rings across hosts carry `2 (h - 1) / h` of it between them (1× at 2
+hosts), and take `2 (h - 1)` hops across the link instead of `2 (n - 1)` rounds gated by
+its slowest hop. The steps inside a host use its own fast links.
+
+Two paths, by the hosts' shapes (`Hierarchy.path`, the metrics JSON's `comm.allreduce`):
+
+- "hierarchical" (every host holds the same number `L` of replicas: workers × their local
+  devices; Horovod's `NCCLHierarchicalAllreduce` on a homogeneous cluster): the buffer,
+  padded with zeros to a multiple of `L` (for bf16 of `2 L`, see below), is
+  reduce-scattered inside the host, so its replica of local index `r` holds piece `r` of
+  the host's sum; piece `r` is all-reduced across hosts among the replicas of local index
+  `r` (`L` rings side by side, each `1 / L` of the buffer: the same bytes across as one
+  leader's ring, spread over `L` workers and `L` connections); the pieces are all-gathered
+  inside the host and the padding cut off. Each piece is summed on one replica of each
+  host and its ring hands every member the same bits, so every replica ends with the same
+  sum.
+- "hierarchical_leader" (hosts of unequal replica counts; Horovod's non-homogeneous case
+  also sends everything through one rank a host): the sum reduced inside each host, all-
+  reduced across hosts over one replica per host (the host's first), and handed back: an
+  all-reduce inside the host of the leader's total and zeros elsewhere (TensorFlow 2.21's
+  broadcast ops take no ordering token; adding zeros rounds nothing, so every replica ends
+  with the same bits).
+
+TensorFlow 2.21's `CollectiveReduceScatterV2` has no CPU implementation (probed across
+processes: "CollectiveRegistry::Lookup did not find collective implementation"), so the
+reduce-scatter is ZeRO's (`tfpar.zero.sharded.reduce_scatter`): `CollectiveAllToAllV2`
+(rank `r` receives piece `r` of every member's buffer) and a local sum, a reduce-scatter's
+traffic. `CollectiveGatherV2` takes no bfloat16, so a bf16 piece goes through it bitcast,
+two entries to an int32 word. A group's ranks follow its devices' full names (task index,
+then device: TensorFlow's collective parameter resolver sorts them so), which is the local
+index this module gives each replica: its worker's place among the host's workers (by
+worker index), then its device.
 
 Which workers share a host comes from `TF_CONFIG`'s addresses
 (`tfpar.tf_config.ClusterInfo.hosts`: the same host name or IP before the port).
@@ -13,20 +43,18 @@ Which workers share a host comes from `TF_CONFIG`'s addresses
 with several workers (`tfpar.compat.resolve_allreduce`). It carries every sum an
 aggregator hands to `collectives.sum_all`: fp32 buckets (`--compression=none` across
 workers), fp16/bf16 buckets, PowerSGD's and `auto`'s P and Q sums and uncompressed
-vectors, top-k's union values, Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k's
-indices) stay on the flat ring.
+vectors (`auto`'s of a size known only when the step runs), top-k's union values,
+Adam-in-front's exact steps; all-gathers (int8, lowbit, threshold, top-k's indices) stay
+on the flat ring.
 
-Every step is a `CollectiveReduceV2`, in groups tfpar forms itself: one per host (its
-replicas) and one of the leaders. A collective waits for the one before it that shares its
-ordering token; each replica holds three, one for the reduces inside the host, one for the
-step across and one for the hand-backs, so bucket k+1's reduce inside the host waits only
-for bucket k's reduce inside and may run while bucket k crosses the link (with the
-hand-back on the inside token, as first built, the buckets' sums ran one after another:
-docs/benchmarks/compression_link.md measures both). TensorFlow 2.21's broadcast ops take no
-ordering token (without one, two local replicas' collectives chain in program order and
-deadlock), so the hand-back is an all-reduce inside the host of the leader's total and
-zeros elsewhere: adding zeros rounds nothing, so every replica ends with the same bits,
-and at two replicas a host it moves the bytes a broadcast would.
+Every step is a collective in groups tfpar forms itself: one per host (its replicas), and
+one per local index across hosts (the leaders' alone on the leader path). A collective
+waits for the one before it that shares its ordering token; each replica holds three, one
+for the steps inside the host before the crossing, one for the step across and one for the
+steps back, so bucket k+1's reduce-scatter inside the host waits only for bucket k's and
+may run while bucket k crosses the link (with the hand-back on the inside token, as first
+built, the buckets' sums ran one after another: docs/benchmarks/compression_link.md
+measures both).
 """
 
 import collections
@@ -36,9 +64,11 @@ import tensorflow as tf
 
 from tfpar import patches, tf_config
 
-# The leaders' group; host h's group is `_GROUP_KEY + 1 + h`. Far from the keys tf.distribute
+# Host h's group is `_GROUP_KEY + 1 + h`; the ring across hosts of the replicas of local
+# index r is `_ACROSS_KEY + r`, the leaders' `_GROUP_KEY`. Far from the keys tf.distribute
 # hands out (they count up from 1) and from ZeRO's (`tfpar.zero.sharded`, 0x2E40).
 _GROUP_KEY = 0x4E50
+_ACROSS_KEY = _GROUP_KEY + 0x400
 # Three instance keys per sum (inside, across, back). The k-th sum traced on local replica i
 # takes the same keys on every replica and worker, as tf.distribute's own collectives do:
 # every worker traces the same steps in the same order, and the replicas of one worker
@@ -55,23 +85,79 @@ class Hierarchy:
         worker_index: this process's index among them.
         local_replicas: replicas (devices) each worker holds.
         tokens: per local replica's device three resources, the ordering tokens of its
-            reduces inside the host, of those across hosts and of its hand-backs.
+            steps inside the host before the crossing, of those across hosts and of its
+            steps back.
     """
 
     def __init__(self, hosts, worker_index, local_replicas, tokens):
         self.host = next(h for h, members in enumerate(hosts) if worker_index in members)
         self.num_hosts = len(hosts)
         self.host_replicas = len(hosts[self.host]) * local_replicas
-        self.leader_worker = hosts[self.host][0] == worker_index
+        # This worker's place among its host's workers: its replicas' first local index.
+        self.first_local = sorted(hosts[self.host]).index(worker_index) * local_replicas
+        self.leader_worker = self.first_local == 0
+        self.path = ("hierarchical" if len({len(m) for m in hosts}) == 1
+                     else "hierarchical_leader")
         self.tokens = tokens
         self.traced = 0  # sums traced through this hierarchy (Python-side)
+        self.padded = 0  # of them, sums whose length is not a multiple of the pieces'
 
     def sum(self, flat, timeout_s=None):
-        """The sum of `flat` over every replica of every host (call in replica context)."""
+        """The sum of 1-D `flat` over every replica of every host (call in replica
+        context)."""
         self.traced += 1
         replica = patches.replica_index() or 0
         key = next(_instances[replica])
-        inside_token, across_token, back_token = self.tokens[replica]
+        tokens = self.tokens[replica]
+        if self.path == "hierarchical":
+            total = self._sharded(flat, self.first_local + replica, key, tokens, timeout_s)
+        else:
+            total = self._leader(flat, replica, key, tokens, timeout_s)
+        total.set_shape(flat.shape)
+        return total
+
+    def _sharded(self, flat, rank, key, tokens, timeout_s):
+        # Reduce-scatter inside the host, piece `rank` across hosts, all-gather inside.
+        inside_token, across_token, back_token = (t.handle for t in tokens)
+        inside = _GROUP_KEY + 1 + self.host
+        size = self.host_replicas
+        timeout = timeout_s or 0
+        # bf16 pieces are gathered as int32 words of two entries: an even piece length.
+        multiple = size * (2 if flat.dtype == tf.bfloat16 else 1)
+        n = flat.shape[0]
+        if n is None:
+            n = tf.shape(flat)[0]
+            flat = tf.pad(flat, [[0, (multiple - n % multiple) % multiple]])
+        elif n % multiple:
+            self.padded += 1
+            flat = tf.pad(flat, [[0, multiple - n % multiple]])
+        if size > 1:
+            pieces = tf.raw_ops.CollectiveAllToAllV2(
+                input=tf.reshape(flat, [size, -1]), group_size=size, group_key=inside,
+                instance_key=key, ordering_token=[inside_token], timeout_seconds=timeout)
+            mine = tf.add_n(tf.unstack(pieces, size))
+        else:
+            mine = flat
+        mine = tf.raw_ops.CollectiveReduceV2(
+            input=mine, group_size=self.num_hosts, group_key=_ACROSS_KEY + rank,
+            instance_key=key + 1, ordering_token=[across_token], merge_op="Add",
+            final_op="Id", timeout_seconds=timeout)
+        if size > 1:
+            words = mine
+            if mine.dtype == tf.bfloat16:
+                words = tf.bitcast(tf.reshape(mine, [-1, 2]), tf.int32)
+            whole = tf.raw_ops.CollectiveGatherV2(
+                input=words, group_size=size, group_key=inside, instance_key=key + 2,
+                ordering_token=[back_token], timeout_seconds=timeout)
+            if mine.dtype == tf.bfloat16:
+                whole = tf.reshape(tf.bitcast(whole, tf.bfloat16), [-1])
+        else:
+            whole = mine
+        return whole[:n]
+
+    def _leader(self, flat, replica, key, tokens, timeout_s):
+        # Reduce inside the host, the leaders' ring across, the leader's total handed back.
+        inside_token, across_token, back_token = tokens
         inside = _GROUP_KEY + 1 + self.host
 
         def reduce(x, size, group, instance, token):
