@@ -51,6 +51,9 @@ packing, waiting. Needs root and iproute2.
 
     python tools/profile_powersgd.py --global_batch_size=32
     python tools/profile_powersgd.py --global_batch_size=256 --fit_steps=12,36
+    # fit alone (no pieces), with more of the trainer's settings
+    python tools/profile_powersgd.py --global_batch_size=256 --fit_steps=12,36 --calls=0 \
+        --fit_settings='{"fused_update": true}'
 """
 
 import argparse
@@ -237,7 +240,8 @@ def fit_cpu_ms(args, counts):
         settings = {"model": "mlp", "model_width": args.model_width,
                     "model_depth": args.model_depth, "global_batch_size": args.global_batch_size,
                     "optimizer": "momentum", "learning_rate": 0.01, "steps": steps,
-                    "steps_per_epoch": steps, "seed": 0, "powersgd_rank": args.rank}
+                    "steps_per_epoch": steps, "seed": 0, "powersgd_rank": args.rank,
+                    **json.loads(args.fit_settings)}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with ShapedLink(rate=args.rate) as link:
             run = bench_compression.run_one(link, "powersgd", settings, out_dir, args.timeout,
@@ -254,7 +258,7 @@ def main():
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--model_width", type=int, default=1024)
     p.add_argument("--model_depth", type=int, default=7)
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--calls", type=int, default=20, help="timed calls per piece (0: no pieces)")
     p.add_argument("--groups", type=int, default=2,
                    help="PowerSGDAggregator(groups=) of the *_groups pieces")
     p.add_argument("--rate", default="100mbit")
@@ -262,6 +266,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "profile_powersgd.json"))
     p.add_argument("--fit_steps", default="",
                    help="two step counts A,B: also fit's CPU ms per step (see above)")
+    p.add_argument("--fit_settings", default="{}",
+                   help="JSON: more ParallelConfig settings for --fit_steps' runs")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -270,21 +276,44 @@ def main():
     if args.fit_steps and (len(counts) != 2 or not 0 < counts[0] < counts[1]):
         p.error(f"--fit_steps={args.fit_steps!r} is invalid: two step counts A,B with "
                 "0 < A < B, e.g. 12,36")
+    try:
+        json.loads(args.fit_settings)
+    except ValueError:
+        p.error(f"--fit_settings={args.fit_settings!r} is invalid: a JSON object of "
+                "ParallelConfig settings, e.g. '{\"fused_update\": true}'")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from shaped_link import ShapedLink
-
     settings = {"batch": args.global_batch_size, "rank": args.rank, "width": args.model_width,
                 "depth": args.model_depth, "calls": args.calls, "groups": args.groups}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if os.path.exists(args.out):
         os.remove(args.out)
+    result = {}
+    if args.calls > 0:
+        result = pieces(args, settings)
+        if result is None:
+            return 1
+    if counts:
+        result["fit_cpu_per_step"], result["fit_step_ms"] = fit_cpu_ms(args, counts)
+        print(f"  fit: {result['fit_cpu_per_step']:.1f} CPU ms per step and worker (steps "
+              f"{counts[0]} to {counts[1]}); median step {result['fit_step_ms'][0]:.1f} / "
+              f"{result['fit_step_ms'][1]:.1f} ms wall")
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def pieces(args, settings):
+    """Runs the workers' pieces and prints them; their result (None if a worker failed)."""
+    from shaped_link import ShapedLink
+
     with ShapedLink(rate=args.rate) as link:
         codes, log = link.run_workers(
             [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(settings),
              args.out], PORT, args.timeout, env={"PYTHONPATH": ROOT})
         if any(codes):
             print(f"profile_powersgd: workers exited {codes}\n{log}", file=sys.stderr)
-            return 1
+            return None
     with open(args.out) as f:
         result = json.load(f)
     rounds = result["allreduce_p"] + result["allreduce_q"]
@@ -298,15 +327,7 @@ def main():
         if not k.startswith("bytes") and k != "cpu":
             print(f"  {k:14} {v:8.2f} {result['cpu'][k]:8.2f}")
     print(f"  {'aggregate - pieces':14} {result['aggregate'] - parts:8.2f}")
-    if counts:
-        result["fit_cpu_per_step"], result["fit_step_ms"] = fit_cpu_ms(args, counts)
-        print(f"  fit: {result['fit_cpu_per_step']:.1f} CPU ms per step and worker (steps "
-              f"{counts[0]} to {counts[1]}); median step {result['fit_step_ms'][0]:.1f} / "
-              f"{result['fit_step_ms'][1]:.1f} ms wall")
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    print(f"wrote {args.out}")
-    return 0
+    return result
 
 
 if __name__ == "__main__":
