@@ -22,6 +22,14 @@ medians are printed in milliseconds:
     orthogonalize P̂ from the summed P's
     encode_q      Q = Mᵀ P̂ for every matrix
     decode        P̂ Q_sumᵀ and the new residuals (in place: minus this replica's share)
+    error_fb_p    error feedback then `M Q` (the P round's compute before its all-reduce)
+    error_fb_p_xla, decode_xla
+                  error_fb_p and decode, each compiled by XLA as one function
+                  (`tf.function(jit_compile=True)`): what XLA's fusion saves of them
+    update        momentum SGD's update of every weight from the gradients, as Keras's SGD
+                  makes it (`m = m·momentum − lr·g; w += m`: element-wise ops, two
+                  assignments), on copies of the weights
+    update_fused  the same as TensorFlow's one fused kernel (`--fused_update`)
     allreduce_p   one fp32 all-reduce of the P round's size (P's + uncompressed tensors)
     allreduce_q   one fp32 all-reduce of the Q round's size
     allreduce_1   one fp32 all-reduce of one float (a collective round's latency)
@@ -30,16 +38,28 @@ medians are printed in milliseconds:
 Each piece is printed as wall-clock ms and worker 0's CPU ms (user + system, all threads of
 the process), medians over the calls.
 
+With `--fit_steps=A,B` it then also trains the model as `tools/bench_compression_vs_torch.py`
+does (`tools/bench_compression.py`'s worker pair, momentum SGD, lr 0.01, PowerSGD at
+`--rank`) for A and then B steps and prints `fit`'s CPU ms per step and worker: the two
+workers' CPU time (user + system, all threads) of the longer run minus the shorter's, over
+the steps between and the two workers (start-up and tracing cancel out); the pieces above
+are parts of it, and what they leave is the optimizer's update and `fit`'s own work.
+
 `aggregate` minus the pieces it is made of (error_fb + encode_p + orthogonalize + encode_q
 + decode + the rounds it runs) is what the pieces do not account for: dispatch, copies,
 packing, waiting. Needs root and iproute2.
 
     python tools/profile_powersgd.py --global_batch_size=32
+    python tools/profile_powersgd.py --global_batch_size=256 --fit_steps=12,36
+    # fit alone (no pieces), with more of the trainer's settings
+    python tools/profile_powersgd.py --global_batch_size=256 --fit_steps=12,36 --calls=0 \
+        --fit_settings='{"fused_update": true}'
 """
 
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -57,6 +77,7 @@ def worker(settings_json, out_path):
 
     from tfpar import nan_guard
     from tfpar.compression import collectives, error_feedback, powersgd
+    from tfpar.compression.aggregator import per_replica_variable
     from tfpar.compression.lowrank import PowerSGDAggregator
     from tfpar.models import build
 
@@ -70,6 +91,10 @@ def worker(settings_json, out_path):
     with strategy.scope():
         agg.build(variables)
         grouped.build(variables)
+        # Copies of the weights and their momenta for the update pieces (this replica's own).
+        copies, momenta = ([per_replica_variable(tf.zeros(v.shape), f"{kind}{k}",
+                                                 tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                            for k, v in enumerate(variables)] for kind in ("w", "m"))
     per_replica = s["batch"] // strategy.num_replicas_in_sync
     rng = np.random.RandomState(strategy.cluster_resolver.task_id)
     x = tf.constant(rng.randn(per_replica, 32).astype("float32"))
@@ -120,6 +145,29 @@ def worker(settings_json, out_path):
             out += [summed]
         return out
 
+    def error_fb_p(a):
+        corrected = [error_feedback.accumulate(agg.residuals[str(i)], a["g"][i])
+                     for i in matrices]
+        return agg._encode_p([tf.reshape(c, shapes[i]) for c, i in zip(corrected, matrices)],
+                             qs())
+
+    def update(a):
+        for w, m, g in zip(copies, momenta, a["g"]):
+            m.assign(m * 0.9 - g * 0.01)
+            w.assign_add(m)
+        return [w.read_value() for w in copies]
+
+    def update_fused(a):
+        for w, m, g in zip(copies, momenta, a["g"]):
+            tf.raw_ops.ResourceApplyKerasMomentum(
+                var=w.handle, accum=m.handle, lr=tf.constant(0.01), grad=g,
+                momentum=tf.constant(0.9), use_nesterov=False)
+        return [w.read_value() for w in copies]
+
+    def xla(fn):
+        compiled = tf.function(fn, jit_compile=True)
+        return lambda a: compiled(a)
+
     def guarded(a, factors):
         """The aggregator's sums and `tfpar.nan_guard`'s check of them, as the optimizer
         runs it with the factors' word (`factors`) or without."""
@@ -145,6 +193,11 @@ def worker(settings_json, out_path):
         "orthogonalize": inputs(lambda a: checksum(agg._orthogonalize(a["ps"]))),
         "encode_q": inputs(lambda a: checksum(agg._encode_q(mats(a["g"]), a["p_hats"]))),
         "decode": inputs(lambda a: checksum(decode(a))),
+        "error_fb_p": inputs(lambda a: checksum(error_fb_p(a))),
+        "error_fb_p_xla": inputs(xla(lambda a: checksum(error_fb_p(a)))),
+        "decode_xla": inputs(xla(lambda a: checksum(decode(a)))),
+        "update": inputs(lambda a: checksum(update(a))),
+        "update_fused": inputs(lambda a: checksum(update_fused(a))),
         "allreduce_p": lambda a: checksum([collectives.sum_all(tf.zeros([n_p]),
                                                                 agg.collective_options)[0]]),
         "allreduce_q": lambda a: checksum([collectives.sum_all(tf.zeros([n_q]),
@@ -174,37 +227,93 @@ def worker(settings_json, out_path):
             json.dump(result, f)
 
 
+def fit_cpu_ms(args, counts):
+    """`fit`'s CPU ms per step and worker between `counts` (two step counts), and the
+    median step's wall ms of each run."""
+    import bench_compression
+    from shaped_link import ShapedLink
+
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "profile_powersgd_fit")
+    os.makedirs(out_dir, exist_ok=True)
+    cpu, wall = [], []
+    for steps in counts:
+        settings = {"model": "mlp", "model_width": args.model_width,
+                    "model_depth": args.model_depth, "global_batch_size": args.global_batch_size,
+                    "optimizer": "momentum", "learning_rate": 0.01, "steps": steps,
+                    "steps_per_epoch": steps, "seed": 0, "powersgd_rank": args.rank,
+                    **json.loads(args.fit_settings)}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with ShapedLink(rate=args.rate) as link:
+            run = bench_compression.run_one(link, "powersgd", settings, out_dir, args.timeout,
+                                            extra=0, comm_steps=0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        wall.append(run["step_time_ms"]["median"])
+    return 1000 * (cpu[1] - cpu[0]) / (counts[1] - counts[0]) / 2, wall
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--global_batch_size", type=int, default=32)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--model_width", type=int, default=1024)
     p.add_argument("--model_depth", type=int, default=7)
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--calls", type=int, default=20, help="timed calls per piece (0: no pieces)")
     p.add_argument("--groups", type=int, default=2,
                    help="PowerSGDAggregator(groups=) of the *_groups pieces")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "profile_powersgd.json"))
+    p.add_argument("--fit_steps", default="",
+                   help="two step counts A,B: also fit's CPU ms per step (see above)")
+    p.add_argument("--fit_settings", default="{}",
+                   help="JSON: more ParallelConfig settings for --fit_steps' runs")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(*args.worker)
+    counts = [int(c) for c in args.fit_steps.split(",") if c]
+    if args.fit_steps and (len(counts) != 2 or not 0 < counts[0] < counts[1]):
+        p.error(f"--fit_steps={args.fit_steps!r} is invalid: two step counts A,B with "
+                "0 < A < B, e.g. 12,36")
+    try:
+        json.loads(args.fit_settings)
+    except ValueError:
+        p.error(f"--fit_settings={args.fit_settings!r} is invalid: a JSON object of "
+                "ParallelConfig settings, e.g. '{\"fused_update\": true}'")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from shaped_link import ShapedLink
-
     settings = {"batch": args.global_batch_size, "rank": args.rank, "width": args.model_width,
                 "depth": args.model_depth, "calls": args.calls, "groups": args.groups}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if os.path.exists(args.out):
         os.remove(args.out)
+    result = {}
+    if args.calls > 0:
+        result = pieces(args, settings)
+        if result is None:
+            return 1
+    if counts:
+        result["fit_cpu_per_step"], result["fit_step_ms"] = fit_cpu_ms(args, counts)
+        print(f"  fit: {result['fit_cpu_per_step']:.1f} CPU ms per step and worker (steps "
+              f"{counts[0]} to {counts[1]}); median step {result['fit_step_ms'][0]:.1f} / "
+              f"{result['fit_step_ms'][1]:.1f} ms wall")
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def pieces(args, settings):
+    """Runs the workers' pieces and prints them; their result (None if a worker failed)."""
+    from shaped_link import ShapedLink
+
     with ShapedLink(rate=args.rate) as link:
         codes, log = link.run_workers(
             [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(settings),
              args.out], PORT, args.timeout, env={"PYTHONPATH": ROOT})
         if any(codes):
             print(f"profile_powersgd: workers exited {codes}\n{log}", file=sys.stderr)
-            return 1
+            return None
     with open(args.out) as f:
         result = json.load(f)
     rounds = result["allreduce_p"] + result["allreduce_q"]
@@ -218,8 +327,7 @@ def main():
         if not k.startswith("bytes") and k != "cpu":
             print(f"  {k:14} {v:8.2f} {result['cpu'][k]:8.2f}")
     print(f"  {'aggregate - pieces':14} {result['aggregate'] - parts:8.2f}")
-    print(f"wrote {args.out}")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ steps (more than the hook's 10 uncompressed ones) it alternates two kinds of ste
     step            data + forward + zero_grad + backward + optimizer (the peer's step)
     backward_local  `loss.backward()` under `ddp.no_sync()`: backward without the hook
 
+Each piece is printed as wall-clock ms and rank 0's CPU ms (user + system, all threads of
+the process: gloo's included), as `tools/profile_powersgd.py` prints tfpar's; the hook runs
+on gloo's threads while backward waits, so its CPU is printed as `backward`'s minus
+`backward_local`'s, its wall as timed from its call to its future's completion.
+
     python tools/profile_torch_peer.py --peer_dir=../shared/peers \
         --torch_py=$HOME/.venvs/torch-peer/bin/python --global_batch_size=256
 
@@ -74,36 +79,42 @@ def worker(settings_json, out_path):
     teacher = peer.Teacher()
     ms = {k: [] for k in ("data", "forward", "backward", "hook", "optimizer", "step",
                           "backward_local")}
+    cpu = {k: [] for k in ms if k != "hook"}
     dist.barrier()
     for step in range(s["warmup"] + 2 * s["calls"]):
         timed_step = step >= s["warmup"]
         local = timed_step and (step - s["warmup"]) % 2 == 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x, y = peer.batch(teacher, 0, step, rank, local_b)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if local:
             with ddp.no_sync():
                 loss = F.cross_entropy(ddp(x), y)
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
             ms["backward_local"].append(1000 * (time.perf_counter() - t2))
+            cpu["backward_local"].append(1000 * (time.process_time() - c2))
             opt.zero_grad(set_to_none=True)
             continue
         n_hooks = len(hook_ms)
         loss = F.cross_entropy(ddp(x), y)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         opt.step()
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.process_time()
         if timed_step:
-            for k, a, b in (("data", t0, t1), ("forward", t1, t2), ("backward", t2, t3),
-                            ("optimizer", t3, t4), ("step", t0, t4)):
+            for k, a, b, ca, cb in (("data", t0, t1, c0, c1), ("forward", t1, t2, c1, c2),
+                                    ("backward", t2, t3, c2, c3),
+                                    ("optimizer", t3, t4, c3, c4), ("step", t0, t4, c0, c4)):
                 ms[k].append(1000 * (b - a))
+                cpu[k].append(1000 * (cb - ca))
             ms["hook"] += hook_ms[n_hooks:]
     out = {k: statistics.median(v) for k, v in ms.items() if v}
+    out["cpu"] = {k: statistics.median(v) for k, v in cpu.items() if v}
+    out["cpu"]["hook"] = out["cpu"]["backward"] - out["cpu"]["backward_local"]
     out["loss_last"] = float(loss)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -153,8 +164,11 @@ def main():
         result = json.load(f)
     print(f"PyTorch DDP {args.mode}, batch {args.global_batch_size}, {args.rate}, median of "
           f"{args.calls} calls (ms)")
+    print(f"  {'piece':15} {'wall':>8} {'CPU':>8}")
     for k, v in result.items():
-        print(f"  {k:15} {v:8.2f}")
+        if k != "cpu":
+            cpu = f"{result['cpu'][k]:8.2f}" if k in result["cpu"] else ""
+            print(f"  {k:15} {v:8.2f} {cpu}")
     print(f"wrote {out}")
     return 0
 
