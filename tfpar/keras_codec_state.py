@@ -214,9 +214,22 @@ def decode_identity(entry):
     return json.loads(np.asarray(entry, np.uint8).tobytes().decode())
 
 
+# The mesh's option names an identity records, as `tfpar.DistributedOptimizer` takes them.
+_API_NAMES = {"powersgd_rank": "rank", "topk_ratio": "ratio", "topk_union": "union",
+              "topk_dense_below": "dense_below", "lowbit_bits": "bits",
+              "topk_momentum_carry": "adam_momentum_carry"}
+
+
+def api_name(key):
+    """An identity's key as `DistributedOptimizer`'s argument (`topk_ratio` -> `ratio`)."""
+    return _API_NAMES.get(key, key)
+
+
 def describe(identity):
-    """`compression='topk' (topk_ratio=0.1, ...)`: an identity as the API's words."""
-    rest = ", ".join(f"{k}={v!r}" for k, v in sorted(identity.items()) if k != "codec")
+    """`compression='topk' (ratio=0.1, ...)`: an identity in `DistributedOptimizer`'s
+    words."""
+    rest = ", ".join(sorted(f"{api_name(k)}={v!r}" for k, v in identity.items()
+                            if k != "codec"))
     return f"compression={identity.get('codec')!r} ({rest})"
 
 
@@ -226,7 +239,7 @@ def check_identity(theirs, mine):
     if mine is None:
         return
     # only what both record: an option a later tfpar adds does not refuse older files
-    differ = sorted(k for k in set(theirs) & set(mine) if theirs[k] != mine[k])
+    differ = sorted(api_name(k) for k in set(theirs) & set(mine) if theirs[k] != mine[k])
     if not differ:
         return
     raise TfparError(
