@@ -51,8 +51,9 @@ _HELP = {
                 "mirrored over several local devices, else one_device.",
     "collective": "Collective implementation: auto = NCCL on GPUs, ring on CPUs.",
     "cpu_devices": "Split the CPU into N logical devices (simulated devices); 0 = off.",
-    "allreduce": "How gradient sums cross hosts: hierarchical = inside each host, across "
-                 "hosts over one worker per host, back; flat = one ring over all workers; "
+    "allreduce": "How gradient sums cross hosts: hierarchical = reduce-scatter inside each "
+                 "host, one ring across hosts per piece, all-gather inside (through one "
+                 "worker a host when hosts differ in size); flat = one ring over all workers; "
                  "auto = hierarchical when TF_CONFIG puts several workers on some host "
                  "of several.",
     "collective_timeout_s": "Seconds before a stalled collective becomes an error.",

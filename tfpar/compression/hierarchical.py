@@ -33,9 +33,13 @@ reduce-scatter is ZeRO's (`tfpar.zero.sharded.reduce_scatter`): `CollectiveAllTo
 (rank `r` receives piece `r` of every member's buffer) and a local sum, a reduce-scatter's
 traffic. `CollectiveGatherV2` takes no bfloat16, so a bf16 piece goes through it bitcast,
 two entries to an int32 word. A group's ranks follow its devices' full names (task index,
-then device: TensorFlow's collective parameter resolver sorts them so), which is the local
-index this module gives each replica: its worker's place among the host's workers (by
-worker index), then its device.
+then device: TensorFlow's collective parameter resolver sorts them so, for CPUs and for
+one device a worker), which is the local index this module gives each replica: its
+worker's place among the host's workers (by worker index), then its device. Several GPUs a
+worker, which TensorFlow orders by their links (two hosts may differ), take the leader's
+path; on GPUs each device's steps share one ordering token (NCCL runs a device's
+collectives in launch order: bucket k+1's steps inside the host may not overtake bucket
+k's ring across). Neither GPU case has run here (no GPU on the machine this was built on).
 
 Which workers share a host comes from `TF_CONFIG`'s addresses
 (`tfpar.tf_config.ClusterInfo.hosts`: the same host name or IP before the port).
@@ -89,14 +93,17 @@ class Hierarchy:
             steps back.
     """
 
-    def __init__(self, hosts, worker_index, local_replicas, tokens):
+    def __init__(self, hosts, worker_index, local_replicas, tokens, ranks_known=True):
         self.host = next(h for h, members in enumerate(hosts) if worker_index in members)
         self.num_hosts = len(hosts)
         self.host_replicas = len(hosts[self.host]) * local_replicas
         # This worker's place among its host's workers: its replicas' first local index.
         self.first_local = sorted(hosts[self.host]).index(worker_index) * local_replicas
         self.leader_worker = self.first_local == 0
-        self.path = ("hierarchical" if len({len(m) for m in hosts}) == 1
+        # The pieces need equal hosts and ranks that follow the local index (`ranks_known`:
+        # not for several GPUs a worker, which TensorFlow orders by their links); the
+        # leader's sums need neither.
+        self.path = ("hierarchical" if len({len(m) for m in hosts}) == 1 and ranks_known
                      else "hierarchical_leader")
         self.tokens = tokens
         self.traced = 0  # sums traced through this hierarchy (Python-side)
@@ -186,16 +193,29 @@ def for_strategy(strategy, allreduce, cluster=None):
         allreduce: "flat" or "hierarchical" (`tfpar.compat.resolve_allreduce`'s answer).
         cluster: the parsed `TF_CONFIG` (default: read from the environment).
     """
+    from tfpar import compat
     cluster = tf_config.load() if cluster is None else cluster
     # The rulebook refuses "hierarchical" where it cannot run (`tfpar.compat`'s `allreduce`
-    # rows); a caller outside the trainer keeps the flat ring there.
+    # rows); a caller outside the trainer keeps the flat ring there (one host, or no host
+    # with several workers, too).
     if (allreduce != "hierarchical" or cluster is None or cluster.worker_index is None
+            or not compat.several_on_some_host(cluster)
             or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)):
         return None
     devices = strategy.extended.worker_devices
+    # On GPUs TensorFlow runs a device's NCCL collectives on one stream in the order they
+    # were launched: with a token per step, bucket k+1's all-to-all launched before
+    # bucket k's ring across could wait on a peer that launched them the other way round.
+    # One token a device there (the buckets' steps one after another); not run on a GPU.
+    gpu = any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
     tokens = []
     with tf.init_scope():
         for device in devices:
             with tf.device(device):
-                tokens.append(tuple(patches.plain_variable(0.) for _ in range(3)))
-    return Hierarchy(cluster.hosts, cluster.worker_index, len(devices), tokens)
+                own = [patches.plain_variable(0.) for _ in range(1 if gpu else 3)]
+                tokens.append(tuple(own * 3)[:3])
+    # Several GPUs a worker: TensorFlow orders a task's GPUs in a group by their links,
+    # which two hosts may see differently, so ranks need not follow the local index the
+    # pieces are paired by: those take the leader's path, whose sums need no order.
+    return Hierarchy(cluster.hosts, cluster.worker_index, len(devices), tokens,
+                     ranks_known=not (gpu and len(devices) > 1))
