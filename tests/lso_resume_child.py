@@ -9,7 +9,8 @@ Keras's own `keras.saving.load_model` in a fresh process.
 
 CASE "none": `DistributedOptimizer(Adam, compression="none")`, which Keras's `compile`
 wraps in its own `LossScaleOptimizer`; "fp16": `DistributedOptimizer` of the user's own
-`LossScaleOptimizer(Adam, dynamic_growth_steps=2)` with `compression="fp16"`. The targets
+`LossScaleOptimizer(Adam, dynamic_growth_steps=2)` with `compression="fp16"`; "offload":
+"none"'s with `offload="optimizer"` (Adam's slots in host memory). The targets
 are large enough that Keras's initial loss scale (2**15) overflows the float16 backward
 pass: the first steps are skipped and the scale halved, so a loaded run whose scale
 restarted would skip steps again.
@@ -59,6 +60,9 @@ def make_optimizer(case):
     import tfpar
     if case == "none":  # Keras's compile wraps it in its own LossScaleOptimizer
         return tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-2), compression="none")
+    if case == "offload":  # the same, Adam's slots in host memory (`tfpar.offload`)
+        return tfpar.DistributedOptimizer(keras.optimizers.Adam(1e-2), compression="none",
+                                          offload="optimizer")
     return tfpar.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
         keras.optimizers.Adam(1e-2), dynamic_growth_steps=2), compression="fp16")
 

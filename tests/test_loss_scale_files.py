@@ -24,10 +24,13 @@ CHILD = os.path.join(ROOT, "tests", "lso_resume_child.py")
 # Stock Keras goes on without the codec (the compression is not in the file): with
 # compression="fp16" one epoch differs from the compressed run by the gradients' float16
 # rounding (measured 6.6e-6); without compression the maths is the same (exact).
-STOCK_TOLERANCE = {"none": 0.0, "fp16": 1e-4}
+STOCK_TOLERANCE = {"none": 0.0, "fp16": 1e-4, "offload": 0.0}
 
 
-@pytest.mark.parametrize("case", ["none", "fp16"])
+# "offload": Adam's slots in host memory, written by the inner optimizer's own save; the
+# file held the loss scale's 4 entries and 2 of Adam's (6 against the 14 stock Keras builds)
+# before the loss scale's file took the inner optimizer's entries.
+@pytest.mark.parametrize("case", ["none", "fp16", "offload"])
 def test_load_model_of_an_fp16_distributed_optimizer_file_keeps_the_loss_scale(
         case, tmp_path, report_measured):
     """2 epochs uninterrupted against 1 epoch → `model.save` → `keras.saving.load_model`

@@ -280,6 +280,30 @@ def _plain(optimizer):
     return [v for v in optimizer.variables if v is not counter], counter
 
 
+def _own_and_inner(optimizer):
+    """A `LossScaleOptimizer`'s own variables (the loss scale's), and the entries its
+    inner optimizer writes to a file of its own (`save_own_variables`: without tfpar's
+    counter; an offloaded optimizer's host slots, `tfpar.offload`), as a list."""
+    inner = optimizer.inner_optimizer
+    own = [v for v in optimizer.variables if not any(v is w for w in inner.variables)]
+    entries = {}
+    inner.save_own_variables(entries)
+    return own, [entries[str(i)] for i in range(len(entries))]
+
+
+class _Shifted:
+    """`store`'s entries from `start` on, as a store of their own (`"0"`, `"1"`, ...)."""
+
+    def __init__(self, store, start):
+        self.store, self.start = store, start
+
+    def keys(self):
+        return [str(i) for i in range(len(self.store.keys()) - self.start)]
+
+    def __getitem__(self, key):
+        return self.store[str(int(key) + self.start)]
+
+
 def read_either(optimizer, store):
     """Reads a file's entries of a `LossScaleOptimizer` (`store`) into `optimizer` when
     they are its variables without the inner optimizer's counter (what Keras's class
@@ -290,6 +314,17 @@ def read_either(optimizer, store):
     other with its warning."""
     plain, counter = _plain(optimizer)
     stored = len(store.keys())
+    if counter is not None and stored != len(optimizer.variables):
+        # `write_plain`'s form: the loss scale's own variables, then the inner optimizer's
+        # own file entries (host slots too, when offloaded), read by the inner optimizer
+        own, inner = _own_and_inner(optimizer)
+        if stored == len(own) + len(inner) and all(
+                tuple(np.shape(store[str(i)])) == tuple(np.shape(e))
+                for i, e in enumerate([v.numpy() for v in own] + inner)):
+            for i, variable in enumerate(own):
+                variable.assign(store[str(i)])
+            optimizer.inner_optimizer.load_own_variables(_Shifted(store, len(own)))
+            return True
     extra = counter is None and stored == len(plain) + 1 and np.shape(
         store[str(len(plain))]) == ()  # a writer's counter: one number, last
     if stored == len(optimizer.variables) or (stored != len(plain) and not extra) or any(
@@ -307,12 +342,15 @@ def write_plain(optimizer, store):
     the file reads the loss scale; returns whether it wrote them. On a mesh (the codec's
     state attached, the file naming `CodecLossScaleOptimizer`) and around an optimizer
     without a counter, Keras's own save writes every variable."""
-    plain, counter = _plain(optimizer)
+    _, counter = _plain(optimizer)
     holder = holder_of(optimizer)
     if counter is None or (holder is not None and holder.on_mesh):
         return False
-    for i, variable in enumerate(plain):
-        store[str(i)] = variable.numpy()
+    # the loss scale's own variables, then what the inner optimizer writes to its own
+    # entries (its counter left out; an offloaded optimizer's host slots in)
+    own, inner = _own_and_inner(optimizer)
+    for i, value in enumerate([v.numpy() for v in own] + inner):
+        store[str(i)] = value
     return True
 
 
