@@ -82,7 +82,7 @@ def worker(config_json, out_path):
     class WallClock(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.start, self.ends, self.veth = None, [], []
+            self.start, self.ends, self.veth, self.cpu = None, [], [], []
 
         def on_train_batch_begin(self, batch, logs=None):
             if self.start is None:
@@ -91,6 +91,7 @@ def worker(config_json, out_path):
         def on_train_batch_end(self, batch, logs=None):
             float(logs["loss"])  # the step has finished
             self.ends.append(time.perf_counter() - self.start)
+            self.cpu.append(time.process_time())  # this worker's CPU (every thread)
             self.veth.append(veth_bytes())
 
     clock = WallClock()
@@ -111,6 +112,7 @@ def worker(config_json, out_path):
         import side_resources  # tools/ (this script's directory)
         result["tensorflow_threads"] = side_resources.tensorflow_threads()  # as each worker's
         result["wall_clock_s"] = clock.ends
+        result["process_cpu_s"] = clock.cpu  # worker 0's CPU seconds at each step's end
         # After the first two steps (tracing, first collectives' set-up).
         steady = clock.veth[2:] if len(clock.veth) > 3 else clock.veth
         result["veth_bytes_per_step"] = (steady[-1] - steady[0]) / max(len(steady) - 1, 1)

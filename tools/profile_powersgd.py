@@ -60,6 +60,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -228,14 +229,16 @@ def worker(settings_json, out_path):
 
 
 def fit_cpu_ms(args, counts):
-    """`fit`'s CPU ms per step and worker between `counts` (two step counts), and the
-    median step's wall ms of each run."""
+    """`fit`'s CPU ms per step and worker between `counts` (two step counts: the slope of
+    the workers' whole CPU, start-up's ~10 CPU-s and its run-to-run spread included), the
+    median step's wall ms of each run, and the median step's CPU ms in worker 0 of each
+    run (its process time between step ends, from the third step on: no start-up)."""
     import bench_compression
     from shaped_link import ShapedLink
 
     out_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "profile_powersgd_fit")
     os.makedirs(out_dir, exist_ok=True)
-    cpu, wall = [], []
+    cpu, wall, in_run = [], [], []
     for steps in counts:
         settings = {"model": "mlp", "model_width": args.model_width,
                     "model_depth": args.model_depth, "global_batch_size": args.global_batch_size,
@@ -249,7 +252,10 @@ def fit_cpu_ms(args, counts):
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         wall.append(run["step_time_ms"]["median"])
-    return 1000 * (cpu[1] - cpu[0]) / (counts[1] - counts[0]) / 2, wall
+        ends = run.get("process_cpu_s", [])[2:]
+        in_run.append(1000 * statistics.median(b - a for a, b in zip(ends, ends[1:]))
+                      if len(ends) > 1 else None)
+    return 1000 * (cpu[1] - cpu[0]) / (counts[1] - counts[0]) / 2, wall, in_run
 
 
 def main():
@@ -272,15 +278,35 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(*args.worker)
-    counts = [int(c) for c in args.fit_steps.split(",") if c]
+    try:
+        counts = [int(c) for c in args.fit_steps.split(",") if c]
+    except ValueError:
+        counts = []
     if args.fit_steps and (len(counts) != 2 or not 0 < counts[0] < counts[1]):
         p.error(f"--fit_steps={args.fit_steps!r} is invalid: two step counts A,B with "
                 "0 < A < B, e.g. 12,36")
+    if args.calls < 0 or (args.calls == 0 and not counts):
+        p.error(f"--calls={args.calls} is invalid: at least 1, or 0 with --fit_steps (fit "
+                "alone)")
     try:
-        json.loads(args.fit_settings)
+        fit_settings = json.loads(args.fit_settings)
     except ValueError:
-        p.error(f"--fit_settings={args.fit_settings!r} is invalid: a JSON object of "
-                "ParallelConfig settings, e.g. '{\"fused_update\": true}'")
+        fit_settings = None
+    # the settings the tool sets itself are not the user's to change (the pieces and fit
+    # measure one configuration)
+    own = {"model", "model_width", "model_depth", "global_batch_size", "optimizer",
+           "learning_rate", "steps", "steps_per_epoch", "seed", "powersgd_rank",
+           "compression"}
+    if not isinstance(fit_settings, dict) or own & set(fit_settings):
+        p.error(f"--fit_settings={args.fit_settings!r} is invalid: a JSON object of other "
+                f"ParallelConfig settings than {', '.join(sorted(own))} (set by the tool's "
+                "own flags), e.g. '{\"fused_update\": true}'")
+    sys.path.insert(0, ROOT)
+    try:
+        from tfpar import ParallelConfig
+        ParallelConfig(**fit_settings)
+    except Exception as error:  # an unknown or bad setting, before anything runs
+        p.error(f"--fit_settings={args.fit_settings!r} is invalid: {error}")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     settings = {"batch": args.global_batch_size, "rank": args.rank, "width": args.model_width,
                 "depth": args.model_depth, "calls": args.calls, "groups": args.groups}
@@ -293,9 +319,12 @@ def main():
         if result is None:
             return 1
     if counts:
-        result["fit_cpu_per_step"], result["fit_step_ms"] = fit_cpu_ms(args, counts)
+        (result["fit_cpu_per_step"], result["fit_step_ms"],
+         result["fit_step_cpu_ms"]) = fit_cpu_ms(args, counts)
+        in_run = " / ".join("—" if c is None else f"{c:.1f}" for c in result["fit_step_cpu_ms"])
         print(f"  fit: {result['fit_cpu_per_step']:.1f} CPU ms per step and worker (steps "
-              f"{counts[0]} to {counts[1]}); median step {result['fit_step_ms'][0]:.1f} / "
+              f"{counts[0]} to {counts[1]}, start-up's spread in it); median step "
+              f"{in_run} CPU ms in worker 0, {result['fit_step_ms'][0]:.1f} / "
               f"{result['fit_step_ms'][1]:.1f} ms wall")
         with open(args.out, "w") as f:
             json.dump(result, f)

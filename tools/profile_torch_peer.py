@@ -139,6 +139,8 @@ def main():
         return worker(*args.worker)
     if not args.peer_dir or not args.torch_py:
         p.error("--peer_dir and --torch_py are required")
+    if args.calls < 1:
+        p.error(f"--calls={args.calls} is invalid: at least 1 timed call per piece")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from shaped_link import ShapedLink
 
