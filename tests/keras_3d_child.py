@@ -51,7 +51,8 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   `OUT.i.npz` (tests/test_keras_3d.py compares them with the run's).
 
 Runs `exact` first: its single-device references run before DTensor starts (the mesh
-pipeline turns DTensor's all-reduce combining off, which DTensor reads once).
+pipeline turns DTensor's all-reduce combining off, which DTensor reads once). The graph
+optimizer is the test's choice (tests/graph_optimizer.py), reported as `"grappler"`.
 """
 
 import json
@@ -63,6 +64,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import cases  # noqa: E402
+import graph_optimizer  # noqa: E402
 from tfpar import devices  # noqa: E402
 
 devices.split_cpu(8)
@@ -953,7 +955,9 @@ CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refus
 
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice, before any tf.function
     layout.enable()
-    print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","),
-                                     after=lambda: keras.distribution.set_distribution(None)),
-                     default=float), flush=True)
+    out = cases.run_cases(CASES, sys.argv[1].split(","),
+                          after=lambda: keras.distribution.set_distribution(None))
+    out["grappler"] = graph_optimizer.setting()  # what the cases ran with
+    print(json.dumps(out, default=float), flush=True)
