@@ -55,7 +55,8 @@ GRAPPLER_OFF_CASES = ["codec_files", "codec_nested"]
 
 @pytest.fixture(scope="module")
 def results():
-    # two children at a time: the longest (~2/5 of the file's CPU) first, beside the others
+    # two children at a time: the longest (about a third of the file's CPU) first, beside
+    # the other two in turn
     return cases_lib.gather([GRAPPLER_OFF_CASES, ["exact", "powersgd", "state", "refusals"],
                              ["resume", "guards", "slots"]], _child)
 
