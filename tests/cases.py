@@ -1,8 +1,15 @@
 """Several cases of a test file in one child process (one TensorFlow start for all): the
 child runs each case and reports its JSON, or its traceback when it raised, so a failing
 case fails only the tests that read it. `run_cases` is the child's side; `gather` and
-`case` the test file's."""
+`case` the test file's.
 
+`TFPAR_CASE_CPU=1 python tests/X_child.py CASE,...` also prints each case's CPU seconds in
+the child (`time.process_time()`, every thread) to stderr: where a child's time goes
+(docs/benchmarks/suite.md)."""
+
+import os
+import sys
+import time
 import traceback
 
 
@@ -11,6 +18,7 @@ def run_cases(cases, names, after=None):
     `after()` (resetting what a case may leave set) runs after each."""
     out = {}
     for name in names:
+        start = time.process_time()
         try:
             out[name] = cases[name]()
         except Exception:  # noqa: BLE001 - reported to the test that reads this case
@@ -18,6 +26,9 @@ def run_cases(cases, names, after=None):
         finally:
             if after is not None:
                 after()
+            if os.environ.get("TFPAR_CASE_CPU") == "1":
+                print(f"case {name}: {time.process_time() - start:.1f} CPU-s",
+                      file=sys.stderr, flush=True)
     return out
 
 

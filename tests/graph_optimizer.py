@@ -10,7 +10,7 @@ turn it off; no assertion of theirs reads a graph after
 grappler (the profiler's op counts of tests/test_mesh_adam_front.py run with it on). Each
 family keeps files that run with grappler on: data parallelism (tests/test_train.py), the
 mesh (tests/test_layout_mesh.py, tests/test_layout_keras.py), pipelines and 3D
-(tests/test_layout_pipeline.py, tests/test_keras_3d.py), ZeRO-3
+(tests/test_layout_pipeline.py, tests/test_keras_3d.py but its codec files' child), ZeRO-3
 (tests/test_zero3_prefetch.py), the CLI (tests/test_train.py). A file that turns it off
 for a feature no other file trains keeps one short case of that feature in a child of its
 own with the default (grappler fuses kernels and its dependency optimizer edits the

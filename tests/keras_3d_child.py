@@ -51,7 +51,8 @@ Usage: python tests/keras_3d_child.py CASE[,CASE...] [CONFIGS_JSON OUT]
   `OUT.i.npz` (tests/test_keras_3d.py compares them with the run's).
 
 Runs `exact` first: its single-device references run before DTensor starts (the mesh
-pipeline turns DTensor's all-reduce combining off, which DTensor reads once).
+pipeline turns DTensor's all-reduce combining off, which DTensor reads once). The graph
+optimizer is the test's choice (tests/graph_optimizer.py), reported as `"grappler"`.
 """
 
 import json
@@ -63,6 +64,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import cases  # noqa: E402
+import graph_optimizer  # noqa: E402
 from tfpar import devices  # noqa: E402
 
 devices.split_cpu(8)
@@ -141,6 +143,26 @@ def diff(a, b):
                for p, q in zip(a, b))
 
 
+# The optimizers of `exact`'s and `powersgd`'s runs, and their one-device references.
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1),
+              "adam": lambda: keras.optimizers.Adam(1e-2)}
+_ONE_DEVICE = {}
+
+
+def one_device(name, weights):
+    """`user_model` from `weights` (`initial_weights`) fitted on one device (no
+    distribution) with `OPTIMIZERS[name]`: losses, weights, `evaluate`, `predict`. The
+    reference of `exact` and of `powersgd` (the same run), fitted once a child."""
+    if name not in _ONE_DEVICE:
+        keras.distribution.set_distribution(None)
+        model = compiled(OPTIMIZERS[name](), weights)
+        x, y = data()
+        _ONE_DEVICE[name] = {"loss": fit(model), "weights": model.get_weights(),
+                             "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                             "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+    return _ONE_DEVICE[name]
+
+
 def exact():
     weights = initial_weights()
     x, y = data()
@@ -150,17 +172,9 @@ def exact():
     plain = compiled(keras.optimizers.SGD(0.1), weights)
     plain.save_weights(initial)
     initial_evaluate = plain.evaluate(x, y, batch_size=BATCH, verbose=0)
-    reference = {}
-    for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)),
-                       ("adam", lambda: keras.optimizers.Adam(1e-2))):
-        keras.distribution.set_distribution(None)
-        model = compiled(make(), weights)
-        reference[name] = {"loss": fit(model), "weights": model.get_weights(),
-                           "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
-                           "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+    reference = {name: one_device(name, weights) for name in OPTIMIZERS}
     out = {}
-    for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)),
-                       ("adam", lambda: keras.optimizers.Adam(1e-2))):
+    for name, make in OPTIMIZERS.items():
         keras.distribution.set_distribution(distribution())
         model = compiled(make(), weights)
         ref = reference[name]
@@ -217,11 +231,8 @@ def codec_state(trainer):
 
 def powersgd():
     weights = initial_weights()
-    out, uncompressed = {}, {}
-    for name, make in (("adam", lambda: keras.optimizers.Adam(1e-2)),
-                       ("sgd", lambda: keras.optimizers.SGD(0.1))):
-        model = compiled(make(), weights)  # on one device: no distribution
-        uncompressed[name] = {"loss": fit(model), "weights": model.get_weights()}
+    out = {}
+    uncompressed = {name: one_device(name, weights) for name in OPTIMIZERS}  # `exact`'s
     keras.distribution.set_distribution(distribution())
     # Exact at the codec's limit: at rank 64 every matrix goes whole (its factors would be
     # no smaller); at rank 16 the 64 x 64 kernels go as factors, exact since a step's
@@ -944,7 +955,9 @@ CASES = {"exact": exact, "powersgd": powersgd, "state": state, "refusals": refus
 
 
 if __name__ == "__main__":
+    graph_optimizer.apply()  # the test's choice, before any tf.function
     layout.enable()
-    print(json.dumps(cases.run_cases(CASES, sys.argv[1].split(","),
-                                     after=lambda: keras.distribution.set_distribution(None)),
-                     default=float), flush=True)
+    out = cases.run_cases(CASES, sys.argv[1].split(","),
+                          after=lambda: keras.distribution.set_distribution(None))
+    out["grappler"] = graph_optimizer.setting()  # what the cases ran with
+    print(json.dumps(out, default=float), flush=True)

@@ -90,13 +90,13 @@ def run(fit, compiled, diff):
         diff: the largest difference of two weight lists.
     """
     folder = tempfile.mkdtemp()
-    out = {name: one_codec(fit, compiled, diff, make, os.path.join(folder, name))
+    models = {}
+    out = {name: one_codec(fit, compiled, diff, make, os.path.join(folder, name), models)
            for name, make in CODECS.items()}
     topk = os.path.join(folder, "topk.keras")
-    # a file of another codec: refused in one line
-    model = compiled(CODECS["powersgd"]())
-    fit(model)
-    out["other_codec"] = _error(lambda: model.load_weights(topk))
+    # a file of another codec: refused in one line, read into PowerSGD's compiled model
+    # of `one_codec` (fitted, its codec state made; a new model's trace cost the most)
+    out["other_codec"] = _error(lambda: models["powersgd"].load_weights(topk))
     # ... and of a codec whose entries look the same: read into a trained model, and
     # before the first fit (held, refused when the codec's state is made)
     model = compiled(LOOKALIKES["topk_ratio"]())
@@ -115,14 +115,16 @@ def run(fit, compiled, diff):
     return out
 
 
-def one_codec(fit, compiled, diff, make, stem):
+def one_codec(fit, compiled, diff, make, stem, models=None):
     """Two epochs uninterrupted; Keras's `BackupAndRestore` stopped inside the second epoch
     and resumed by a fresh model; `model.save` after one epoch, one more epoch,
     `load_weights` of that file, one more epoch; `load_model` of that file, one more
     epoch; that file's codec entries and identity; the file without its identity (as
     written before it was recorded) read by the loaded model, one more epoch; a
     `save_weights` file without the codec's entries (as files were written before) loaded.
-    `make()` gives the optimizer, `stem` the files' path without suffix."""
+    `make()` gives the optimizer, `stem` the files' path without suffix; `models`, a dict,
+    gets the compiled model read by `load_weights` under the codec's name (`stem`'s last
+    part), for more checks of a model that fitted with the codec."""
     model = compiled(make())
     fit(model, epochs=2)
     two_epochs = model.get_weights()
@@ -174,6 +176,8 @@ def one_codec(fit, compiled, diff, make, stem):
         if GROUP in f:
             del f[GROUP]
     result["old_file"] = _error(lambda: model.load_weights(weights_path))
+    if models is not None:
+        models[os.path.basename(stem)] = model
     return result
 
 

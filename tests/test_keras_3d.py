@@ -7,8 +7,16 @@ through `model.save`/`load_model` and Keras's `BackupAndRestore`, and a codec's 
 drop or break (skipped steps counted, a layer assigning its own state, a layer's own
 metric, a trainable weight assigned in call, variables held by no layer, unnamed weights,
 inference-mode evaluation); the CLI's 3D trainer against the same settings through a
-user's `fit`. Two children side by side (tests/keras_3d_child.py), then the CLI's runs
+user's `fit`. Three children, two at a time (tests/keras_3d_child.py), then the CLI's runs
 (tests/train_configs_child.py) beside that child's `cli` case.
+
+The child of the codec files' cases (`codec_files`, `codec_nested`) runs with grappler off
+(tests/graph_optimizer.py): each of its comparisons is a codec's run against the same
+codec's uninterrupted run in that child, and its cost is the first call of each new
+model's step (less with grappler off: docs/benchmarks/suite.md). Codecs on the pipeline
+mesh keep runs with TensorFlow's default optimizer in the other children: PowerSGD (exact
+at its limit, rank 1 under fp16), Adam in front of PowerSGD in the CLI comparison
+(tests/test_mesh_codec_compose.py: top-k on dp×tp×pp).
 """
 
 import json
@@ -20,6 +28,7 @@ import pytest
 
 import cases as cases_lib
 import keras_codec_files
+from graph_optimizer import OFF as GRAPPLER_OFF
 from subproc import ROOT, last_json_line, run, run_concurrently
 from test_layout_compose import train_configs
 from test_train import weights
@@ -40,15 +49,24 @@ CLI_3D = [{**CLI_BASE, "optimizer": "adam", "learning_rate": 1e-3},
            "steps_per_epoch": 5, "compression": "powersgd", "adam_warmup_steps": 2}]
 
 
+# The cases whose child runs with grappler off (the module's docstring).
+GRAPPLER_OFF_CASES = ["codec_files", "codec_nested"]
+
+
 @pytest.fixture(scope="module")
 def results():
-    return cases_lib.gather([["exact", "powersgd", "state", "refusals"],
-                             ["resume", "guards", "codec_nested"], ["slots", "codec_files"]],
-                            _child)
+    # two children at a time: the longest (about a third of the file's CPU) first, beside
+    # the other two in turn
+    return cases_lib.gather([GRAPPLER_OFF_CASES, ["exact", "powersgd", "state", "refusals"],
+                             ["resume", "guards", "slots"]], _child)
 
 
 def _child(names):
-    return last_json_line(run([sys.executable, CHILD, ",".join(names)], timeout=900).stdout)
+    off = names == GRAPPLER_OFF_CASES
+    out = last_json_line(run([sys.executable, CHILD, ",".join(names)], timeout=900,
+                             env=GRAPPLER_OFF if off else None).stdout)
+    assert out["grappler"] == ("off" if off else "default"), out["grappler"]  # as asked
+    return out
 
 
 def _case(results, name):
@@ -337,6 +355,7 @@ def cli_and_fit(tmp_path_factory):
         lambda: train_configs(str(folder / "cli"), CLI_3D),
         lambda: last_json_line(run([sys.executable, CHILD, "cli", json.dumps(CLI_3D), out],
                                    timeout=600).stdout)])
+    assert fit["grappler"] == "default", fit["grappler"]  # as the CLI's runs
     return [(weights(str(folder / f"cli.{i}")), weights(f"{out}.{i}"), cli[None][i],
              _case(fit, "cli")[i]) for i in range(len(CLI_3D))]
 

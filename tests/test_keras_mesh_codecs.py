@@ -14,9 +14,9 @@ Adam behind PowerSGD, before it went in front: +2.6 %, +2.7 %). The band below i
 lowbit's on the mesh trainer (tests/test_layout_mesh.py).
 The child runs with grappler off (tests/graph_optimizer.py), every fit and the CLI's
 mesh trainer it is compared with alike. A second child, with TensorFlow's default
-optimizer (grappler on, as users run; tests/keras_3d_child.py's `codec_files` fits codecs
-with it on the pipeline mesh, nothing else under plain `ModelParallel`), fits SGD with
-top-k at ratio 1 against plain SGD, 4 steps: equal.
+optimizer (grappler on, as users run; tests/keras_3d_child.py's `powersgd` and `cli` cases
+fit codecs with it on the pipeline mesh, nothing else under plain `ModelParallel`), fits
+SGD with top-k at ratio 1 against plain SGD, 4 steps: equal.
 """
 
 import os
