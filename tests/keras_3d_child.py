@@ -152,14 +152,20 @@ _ONE_DEVICE = {}
 def one_device(name, weights):
     """`user_model` from `weights` (`initial_weights`) fitted on one device (no
     distribution) with `OPTIMIZERS[name]`: losses, weights, `evaluate`, `predict`. The
-    reference of `exact` and of `powersgd` (the same run), fitted once a child."""
+    reference of `exact` and of `powersgd` (the same run), fitted once a child: a later
+    call from other weights is refused, not handed the first one's reference."""
     if name not in _ONE_DEVICE:
         keras.distribution.set_distribution(None)
         model = compiled(OPTIMIZERS[name](), weights)
         x, y = data()
         _ONE_DEVICE[name] = {"loss": fit(model), "weights": model.get_weights(),
                              "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
-                             "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+                             "predict": model.predict(x, batch_size=BATCH, verbose=0),
+                             "from": [np.array(w) for w in weights]}
+    built = _ONE_DEVICE[name]["from"]
+    assert len(built) == len(weights) and all(
+        np.array_equal(a, np.asarray(b)) for a, b in zip(built, weights)), \
+        f"one_device({name!r}): other initial weights than its cached reference's"
     return _ONE_DEVICE[name]
 
 
