@@ -266,6 +266,17 @@ class Penalized(keras.layers.Layer):
         return h
 
 
+class ConvBlock(keras.layers.Layer):
+    """A user's layer holding a convolution as an attribute (not in a `layers` list)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = keras.layers.Conv2D(8, 3, name="inner_conv")
+
+    def call(self, x):
+        return self.conv(x)
+
+
 class Clipped(keras.layers.Layer):
     """A user's layer that clips its own trainable weight in `call`."""
 
@@ -308,13 +319,15 @@ def refusals():
         x, y = data(1)
         model.fit(x["features"], y, batch_size=BATCH, verbose=0)
 
-    def conv():
+    def conv(layer=None):
         # a convolution under a codec on a plain Keras mesh: it failed inside DTensor in 14
-        # lines ('tf.TensorListSetItem' op ComputeLayoutForward error)
+        # lines ('tf.TensorListSetItem' op ComputeLayoutForward error); also one a user's
+        # layer holds as an attribute (a walk over `layers` lists did not see it)
         keras.distribution.set_distribution(keras.distribution.DataParallel(
             devices=keras.distribution.list_devices()))
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(8, 3, name="conv"),
+        model = keras.Sequential([keras.Input((8, 8, 4)),
+                                  layer or keras.layers.Conv2D(8, 3, name="conv"),
                                   keras.layers.Flatten(), keras.layers.Dense(8, name="head")])
         model.compile(optimizer=adam("int8"),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -327,6 +340,7 @@ def refusals():
             "add_loss_whole": _refused(lambda: clip(
                 None, fsdp(gather_per_layer=False), Penalized(name="penalized"))),
             "conv": _refused(conv),
+            "conv_in_layer": _refused(lambda: conv(ConvBlock(name="block"))),
             "topk": _refused(topk),
             "stage": _refused(lambda: layout.FullyShardedDataParallel(
                 mesh((2, 2, 1), ("stage", "batch", "model")))),

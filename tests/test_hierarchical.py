@@ -104,6 +104,21 @@ def test_hosts_from_addresses():
     assert k.hosts == [[0, 2], [1], [3, 4]]
 
 
+def test_which_path_each_cluster_takes():
+    # The pieces need equal hosts and ranks that follow the local index (not known for
+    # several GPUs a worker); the leader's sums need neither. A direct call on one host
+    # keeps the flat ring. (No collective runs: these are the paths' choices alone.)
+    from tfpar.compression import hierarchical
+    tokens = [(None, None, None)] * 2
+    assert hierarchical.Hierarchy([[0, 1], [2, 3]], 0, 2, tokens).path == "hierarchical"
+    assert hierarchical.Hierarchy([[0, 1], [2]], 0, 2, tokens).path == "hierarchical_leader"
+    assert hierarchical.Hierarchy([[0, 1], [2, 3]], 0, 2, tokens,
+                                  ranks_known=False).path == "hierarchical_leader"
+    strategy = object()  # never reached: one host decides first
+    assert hierarchical.for_strategy(strategy, "hierarchical",
+                                     cluster(["localhost:1", "localhost:2"])) is None
+
+
 def test_auto_and_the_rulebook():
     two = cluster(two_host_cluster([1, 2, 3, 4]))
     one_each = cluster(["127.0.0.1:1", "127.0.0.2:2"])

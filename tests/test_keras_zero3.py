@@ -179,11 +179,15 @@ def test_a_loss_term_added_in_a_gathering_layer_is_refused_not_dropped(results):
     assert out["add_loss_whole"]["raised"] is None, out["add_loss_whole"]
 
 
-def test_a_convolution_under_a_codec_on_a_keras_mesh_is_refused_in_one_line(results):
-    refused = _case(results, "refusals")["conv"]
+@pytest.mark.parametrize("case, name", [("conv", "conv"), ("conv_in_layer", "inner_conv")])
+def test_a_convolution_under_a_codec_on_a_keras_mesh_is_refused_in_one_line(
+        results, case, name):
+    # "conv_in_layer": the convolution an attribute of a user's layer (it failed inside
+    # DTensor in 14 lines when the check walked only `layers` lists)
+    refused = _case(results, "refusals")[case]
     assert refused["raised"] == "ConfigError" and refused["lines"] == 1, refused
-    assert refused["line"].startswith("layer='conv (Conv2D)' is invalid: is a convolution"), \
-        refused
+    assert refused["line"].startswith(
+        f"layer='{name} (Conv2D)' is invalid: is a convolution"), refused
 
 
 @pytest.mark.parametrize("step", ["keras", "own"])

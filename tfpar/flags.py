@@ -53,8 +53,9 @@ _HELP = {
     "cpu_devices": "Split the CPU into N logical devices (simulated devices); 0 = off.",
     "allreduce": "How gradient sums cross hosts: hierarchical = reduce-scatter inside each "
                  "host, one ring across hosts per piece, all-gather inside (through one "
-                 "worker a host when hosts differ in size); flat = one ring over all workers; "
-                 "auto = hierarchical when TF_CONFIG puts several workers on some host "
+                 "worker a host when hosts differ in size or workers hold several GPUs); "
+                 "flat = one ring over all workers; auto = hierarchical when TF_CONFIG "
+                 "puts several workers on some host "
                  "of several.",
     "collective_timeout_s": "Seconds before a stalled collective becomes an error.",
     "heartbeat_timeout_s": "Seconds without a heartbeat before a peer counts as dead.",

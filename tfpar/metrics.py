@@ -40,7 +40,8 @@ asked for. (Added by `tfpar.train.train`, after `summarize`.)
 `comm.allreduce` is how the gradients' sums crossed workers (`--allreduce`, resolved):
 "flat" (tf.distribute's ring), "hierarchical" (hosts of equal replica counts: reduce-scatter
 inside each host, a ring across hosts per piece, all-gather) or "hierarchical_leader"
-(hosts of unequal counts: through one leader a host), `tfpar.compression.hierarchical`.
+(hosts of unequal counts, or workers of several GPUs each: through one leader a host),
+`tfpar.compression.hierarchical`.
 
 `comm_time_fraction` and `overlap_fraction` (with `--measure_comm`) are shares in [0, 1]
 (`tfpar.compression.timing`). Also with `--measure_comm`, where a step runs collectives:

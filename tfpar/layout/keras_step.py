@@ -34,7 +34,7 @@ from tfpar.layout import reduction as reduction_lib
 from tfpar.layout import mesh as mesh_lib
 from tfpar.layout import values
 from tfpar.layout.step import (_checked, first_replica, reduce_over_batch,
-                               refusals_raised, replica_gradients, walk_layers)
+                               refusals_raised, replica_gradients)
 from tfpar.layout.variables import check_dvariables
 from tfpar.zero import fsdp
 
@@ -203,7 +203,8 @@ class KerasSteps:
             compat.enforce(compat.KERAS_MESH_AGGREGATOR_TRAIN_STEP, compat.view(
                 backend="dtensor", compression=codec, keras_distribution=True,
                 custom_train_step=True))
-        conv = next((layer for layer in walk_layers(self.model)
+        # every layer Keras tracks, those a user's layer holds as attributes too
+        conv = next((layer for layer in patches.sublayers(self.model)
                      if isinstance(layer, _CONVOLUTIONS)), None)
         if conv is not None and reduction_lib.batch_parts(mesh) > 1:
             compat.enforce(compat.KERAS_MESH_CODEC_CONV, compat.view(

@@ -75,7 +75,8 @@ ENTRIES = {
     "mesh_output_layouts": ("keras.src.backend.tensorflow.distribution_lib.distribute_tensor",
                             "tfpar.layout.enable"),
     "layer_tree": ("keras.src.layers.layer.Layer._flatten_layers (called, not replaced)",
-                   "tfpar.layout.keras_distribution.check_layout_map"),
+                   "tfpar.layout.keras_distribution.check_layout_map, "
+                   "tfpar.layout.keras_step (a codec's convolution check)"),
     "backend_mesh": ("keras.distribution.DeviceMesh._backend_mesh (read and written, the "
                      "cache of its backend_mesh property)",
                      "tfpar.layout.mesh, tfpar.layout.multi_client"),
