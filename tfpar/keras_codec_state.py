@@ -280,22 +280,39 @@ def _plain(optimizer):
     return [v for v in optimizer.variables if v is not counter], counter
 
 
-def _own_and_inner(optimizer):
-    """A `LossScaleOptimizer`'s own variables (the loss scale's), and the entries its
-    inner optimizer writes to a file of its own (`save_own_variables`: without tfpar's
-    counter; an offloaded optimizer's host slots, `tfpar.offload`), as a list."""
-    inner = optimizer.inner_optimizer
-    own = [v for v in optimizer.variables if not any(v is w for w in inner.variables)]
-    entries = {}
-    inner.save_own_variables(entries)
-    return own, [entries[str(i)] for i in range(len(entries))]
+def _own(optimizer):
+    """A `LossScaleOptimizer`'s own variables (the loss scale's, not its inner
+    optimizer's)."""
+    inner = {id(v) for v in optimizer.inner_optimizer.variables}
+    return [v for v in optimizer.variables if id(v) not in inner]
+
+
+class _Shapes(dict):
+    """A store that keeps each entry's shape only (an offloaded optimizer's host slots are
+    not held twice)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, tuple(np.shape(value)))
+
+
+def _inner_shapes(optimizer):
+    """The shapes of the entries the inner optimizer writes to a file of its own
+    (`save_own_variables`: without tfpar's counter; an offloaded optimizer's host slots,
+    `tfpar.offload`), in order."""
+    shapes = _Shapes()
+    optimizer.inner_optimizer.save_own_variables(shapes)
+    return [shapes[str(i)] for i in range(len(shapes))]
 
 
 class _Shifted:
-    """`store`'s entries from `start` on, as a store of their own (`"0"`, `"1"`, ...)."""
+    """`store`'s entries from `start` on, as a store of their own (`"0"`, `"1"`, ...):
+    read, and written."""
 
     def __init__(self, store, start):
         self.store, self.start = store, start
+
+    def __setitem__(self, key, value):
+        self.store[str(int(key) + self.start)] = value
 
     def keys(self):
         return [str(i) for i in range(len(self.store.keys()) - self.start)]
@@ -317,10 +334,10 @@ def read_either(optimizer, store):
     if counter is not None and stored != len(optimizer.variables):
         # `write_plain`'s form: the loss scale's own variables, then the inner optimizer's
         # own file entries (host slots too, when offloaded), read by the inner optimizer
-        own, inner = _own_and_inner(optimizer)
+        own, inner = _own(optimizer), _inner_shapes(optimizer)
         if stored == len(own) + len(inner) and all(
-                tuple(np.shape(store[str(i)])) == tuple(np.shape(e))
-                for i, e in enumerate([v.numpy() for v in own] + inner)):
+                tuple(np.shape(store[str(i)])) == tuple(shape)
+                for i, shape in enumerate([v.shape for v in own] + inner)):
             for i, variable in enumerate(own):
                 variable.assign(store[str(i)])
             optimizer.inner_optimizer.load_own_variables(_Shifted(store, len(own)))
@@ -348,9 +365,10 @@ def write_plain(optimizer, store):
         return False
     # the loss scale's own variables, then what the inner optimizer writes to its own
     # entries (its counter left out; an offloaded optimizer's host slots in)
-    own, inner = _own_and_inner(optimizer)
-    for i, value in enumerate([v.numpy() for v in own] + inner):
-        store[str(i)] = value
+    own = _own(optimizer)
+    for i, variable in enumerate(own):
+        store[str(i)] = variable.numpy()
+    optimizer.inner_optimizer.save_own_variables(_Shifted(store, len(own)))
     return True
 
 
