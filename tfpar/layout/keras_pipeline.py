@@ -517,7 +517,7 @@ class KerasPipelineTrainer(pipeline_lib.MeshPipelineTrainer):
 def _owner_name(model, weight):
     """`"name (Class)"` of the layer of `model` that holds `weight` (its path if none)."""
     return next((f"{layer.name} ({type(layer).__name__})"
-                 for layer in walk_layers(model, models=False)
+                 for layer in walk_layers(model)
                  if any(w is weight for w in layer.weights)), weight.path)
 
 
@@ -526,7 +526,7 @@ def _refuse_layer_losses(stage, scope):
     of its own: a weight with a regularizer (Keras adds it from `model.losses`, never in
     `call`), or a loss `call` added (`scope`, collecting: an activity regularizer,
     `add_loss`). The stages' loss is the compiled loss of the last stage's output alone."""
-    layers = list(walk_layers(stage, models=False))
+    layers = list(walk_layers(stage))
     for layer in layers:
         # Keras adds a regularizer's term for trainable weights only (a frozen,
         # regularized pretrained block adds none on one device either)
@@ -563,7 +563,7 @@ def _refuse_accesses(stage, scope, ops):
     """
     trainable = {id(w) for w in stage.trainable_variables}
     own = trainable | {id(w) for w in stage.non_trainable_variables}
-    metrics = {id(v): layer for layer in walk_layers(stage, models=False)
+    metrics = {id(v): layer for layer in walk_layers(stage)
                for v in layer.metrics_variables}
     touched = dict(scope.written)
     touched.update((key, v) for key, v in scope.read.items() if key not in touched)
@@ -730,7 +730,7 @@ def _stateful_layer(stages):
     training step changes (moving statistics of a layer not frozen, a seed generator's
     state), or None."""
     for stage in stages:
-        for layer in walk_layers(stage, models=False):
+        for layer in walk_layers(stage):
             own = layer.non_trainable_variables
             seeded = any(v.path.endswith("seed_generator_state") for v in own)
             moving = isinstance(layer, keras.layers.BatchNormalization) and layer.trainable

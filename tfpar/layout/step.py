@@ -332,13 +332,15 @@ def refusals_raised(owner):
         raise
 
 
-def walk_layers(model, models=True):
-    """Every layer of `model`, depth first, those of nested models in their place; with
-    `models`, the nested models themselves too (before their layers)."""
+def walk_layers(model):
+    """The layers of `model` depth first, those of nested models in their place (not the
+    nested models themselves; a user's layer's own sublayers are not walked: for every
+    layer Keras tracks, `tfpar.patches.sublayers`)."""
     for layer in getattr(model, "layers", []):
-        if models or not hasattr(layer, "layers"):
+        if hasattr(layer, "layers"):
+            yield from walk_layers(layer)
+        else:
             yield layer
-        yield from walk_layers(layer, models)
 
 
 def _checked(mesh, step, what):
